@@ -1,0 +1,142 @@
+"""The one place that says how an event changes the views. Used by append, replay and audit alike.
+
+Views (all rebuildable from the log):
+  current      key -> kind byte (b"m" measured, b"f" failed) + event id: the row a reader sees
+  scope_index  scope id (16) + shape id (16) + key -> b"": every key ever seen in a scope, by shape
+  history      key + seq (8, big-endian) -> event id: every event of a key in log order
+  failures     key -> event id of the key's latest (non-retracted) failure
+  retracted    target event id -> retraction event id
+  scopes       scope id -> msgpack [table, backend, gpu_key, rows, accumulator]
+
+Current row of a key: its latest non-retracted measured event; else its latest non-retracted failure;
+else none. A failed re-measure therefore never hides a good row (the failure stays in `failures` and
+history). The scope's view root is an additive multiset hash over (key, current event id): it can be
+updated in O(1) per change and does not depend on the order rows arrived in.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+from blake3 import blake3
+
+from . import _codec
+from .events import Failed, Measured, Retracted
+
+MEASURED, FAILED = b"m", b"f"
+MOD = 1 << 256
+_seq = struct.Struct(">Q")
+pack_seq = _seq.pack
+unpack_seq = _seq.unpack
+
+
+def row_term(key: bytes, eid: bytes) -> int:
+    return int.from_bytes(blake3(_codec.ROOT_TAG + key + eid).digest(), "big")
+
+
+def root_of(scope: bytes, rows: int, acc: int) -> bytes:
+    return blake3(_codec.ROOT_TAG + scope + rows.to_bytes(8, "big") + acc.to_bytes(32, "big")).digest()
+
+
+class Store:
+    """The views as the reducer sees them; LMDB and in-memory implementations provide these."""
+
+    def get(self, db: str, k: bytes) -> bytes | None: ...
+    def put(self, db: str, k: bytes, v: bytes) -> None: ...
+    def delete(self, db: str, k: bytes) -> None: ...
+    def history(self, key: bytes) -> list[bytes]: ...  # event ids, oldest first
+    def event(self, eid: bytes): ...  # decoded event
+
+
+class Reducer:
+    """Applies events to a Store. Scope accumulators are cached and flushed once per batch."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._scopes: dict[bytes, list] = {}  # scope -> [table, backend, gpu_key, rows, acc]
+        self._sids: dict[tuple, bytes] = {}
+
+    def _scope(self, prov) -> tuple[bytes, list]:
+        names = (prov.table, prov.backend, prov.gpu_key)
+        sid = self._sids.get(names)
+        if sid is None:
+            sid = self._sids[names] = _codec.scope_id(*names)
+        entry = self._scopes.get(sid)
+        if entry is None:
+            raw = self.store.get("scopes", sid)
+            if raw is None:
+                entry = [prov.table, prov.backend, prov.gpu_key, 0, 0]
+            else:
+                t, b, g, rows, acc = msgspec.msgpack.decode(raw)
+                entry = [t, b, g, rows, int.from_bytes(acc, "big")]
+            self._scopes[sid] = entry
+        return sid, entry
+
+    def apply(self, event, eid: bytes, seq: int, shape_bytes: bytes | None = None) -> None:
+        s = self.store
+        key = event.key
+        s.put("history", key + pack_seq(seq), eid)
+        if type(event) is Retracted:
+            self._retract(event, eid)
+            return
+        prov = event.provenance
+        sid, entry = self._scope(prov)
+        if shape_bytes is None:
+            shape_bytes = _codec.encode(prov.shape)
+        s.put("scope_index", sid + _codec.shape_id(shape_bytes) + key, b"")
+        cur = s.get("current", key)
+        if type(event) is Measured:
+            self._set_current(entry, key, cur, MEASURED + eid)
+        else:
+            s.put("failures", key, eid)
+            if cur is None or cur[:1] == FAILED:
+                self._set_current(entry, key, cur, FAILED + eid)
+
+    def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
+        if old == new:
+            return
+        if old is not None:
+            entry[4] = (entry[4] - row_term(key, old[1:])) % MOD
+            entry[3] -= 1
+        if new is not None:
+            entry[4] = (entry[4] + row_term(key, new[1:])) % MOD
+            entry[3] += 1
+            self.store.put("current", key, new)
+        else:
+            self.store.delete("current", key)
+
+    def _retract(self, event: Retracted, eid: bytes) -> None:
+        s = self.store
+        s.put("retracted", event.target, eid)
+        target = s.event(event.target)
+        sid, entry = self._scope(target.provenance)
+        key = event.key
+        cur = s.get("current", key)
+        best_measured = best_failed = None
+        for hid in reversed(s.history(key)):
+            if s.get("retracted", hid) is not None:
+                continue
+            ev = s.event(hid)
+            if type(ev) is Measured and best_measured is None:
+                best_measured = hid
+            elif type(ev) is Failed and best_failed is None:
+                best_failed = hid
+            if best_measured is not None and best_failed is not None:
+                break
+        if best_measured is not None:
+            new = MEASURED + best_measured
+        elif best_failed is not None:
+            new = FAILED + best_failed
+        else:
+            new = None
+        self._set_current(entry, key, cur, new)
+        if best_failed is None:
+            s.delete("failures", key)
+        else:
+            s.put("failures", key, best_failed)
+
+    def flush(self) -> None:
+        for sid, (t, b, g, rows, acc) in self._scopes.items():
+            self.store.put("scopes", sid, _codec.encode([t, b, g, rows, acc.to_bytes(32, "big")]))
+        self._scopes.clear()

@@ -1,0 +1,150 @@
+"""The records of the ledger: provenance and the three immutable event kinds.
+
+Every record is a frozen msgspec Struct. New fields are appended with defaults and never retyped;
+`omit_defaults=True` keeps a defaulted new field out of the encoded bytes, so adding one does not
+change the key or id of any record written before it existed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+__all__ = [
+    "Scalar",
+    "Contract",
+    "Provenance",
+    "Stats",
+    "Method",
+    "Environment",
+    "Origin",
+    "Measured",
+    "Failed",
+    "Retracted",
+    "Event",
+    "ERROR_KINDS",
+]
+
+Scalar = Union[bool, int, float, str]
+ERROR_KINDS = ("oom", "unsupported", "crash", "timeout", "wrong_result")
+
+
+class _Record(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=False):
+    pass
+
+
+class Contract(_Record):
+    """What a registry entry supplies to every key of its (table, backend): all of Provenance but shape and GPU."""
+
+    algorithm: str = ""
+    layout: str = ""
+    numerics: str = ""
+    timing: str = ""  # timer, L2 state, graph/eager: rows of different methods never share a key
+    profiler_revision: int = 1
+
+
+class Provenance(_Record):
+    """The full content of a key. `shape` is last so the rest can be pre-encoded once per view."""
+
+    table: str
+    backend: str
+    gpu_key: str
+    algorithm: str = ""
+    layout: str = ""
+    numerics: str = ""
+    timing: str = ""
+    profiler_revision: int = 1
+    shape: dict[str, Scalar] = {}
+
+    @property
+    def contract(self) -> Contract:
+        return Contract(self.algorithm, self.layout, self.numerics, self.timing, self.profiler_revision)
+
+
+class Stats(_Record):
+    """Summary of one measurement's samples (times in ms), with the raw samples kept beside it."""
+
+    n: int
+    median: float
+    p10: float
+    p90: float
+    mean: float
+    stdev: float
+    cv: float
+    min: float = 0.0
+    max: float = 0.0
+    samples: list[float] = []
+
+
+class Method(_Record):
+    """How the number was taken."""
+
+    timer: str  # cupti | events | cpu
+    l2: str = "cold"  # cold | warm | n/a
+    graph: bool = False
+    warmup: int = 0
+    budget_s: float = 0.0
+    stop_reason: str = ""  # converged | budget | max_samples
+    notes: dict[str, str] = {}
+
+
+class Environment(_Record):
+    """Where the number was taken. What could not be collected is named in `errors`, not raised."""
+
+    gpu_name: str = ""
+    gpu_uuid: str = ""
+    driver: str = ""
+    cuda: str = ""
+    torch: str = ""
+    cupti: str = ""
+    python: str = ""
+    kprof: str = ""
+    host: str = ""
+    power_limit_w: float | None = None
+    clocks: dict[str, float] = {}
+    throttle: list[str] = []
+    errors: dict[str, str] = {}
+
+
+class Origin(_Record):
+    """Which ledger and run produced the event."""
+
+    ledger_id: str = ""
+    run_id: str = ""
+    host: str = ""
+    command: str = ""
+
+
+class Measured(_Record, tag="measured"):
+    key: bytes
+    provenance: Provenance
+    metrics: dict[str, float | None]
+    stats: Stats
+    method: Method
+    environment: Environment = Environment()
+    origin: Origin = Origin()
+    measured_at: float = 0.0  # unix seconds
+    parent: bytes | None = None  # event id of the row this one supersedes, if any
+
+
+class Failed(_Record, tag="failed"):
+    key: bytes
+    provenance: Provenance
+    error_kind: Literal["oom", "unsupported", "crash", "timeout", "wrong_result"]
+    message: str
+    environment: Environment = Environment()
+    origin: Origin = Origin()
+    measured_at: float = 0.0
+    parent: bytes | None = None
+
+
+class Retracted(_Record, tag="retracted"):
+    key: bytes
+    target: bytes  # the event id withdrawn
+    reason: str
+    origin: Origin = Origin()
+    measured_at: float = 0.0
+
+
+Event = Union[Measured, Failed, Retracted]

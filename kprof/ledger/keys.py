@@ -1,0 +1,132 @@
+"""Provenance keys and canonical shapes.
+
+A shape is canonical when its fields are sorted by name and each value has the type its KernelArgs
+field declares (an integral float given for an int field becomes that int). Two specs that differ
+only in field order or in `128` vs `128.0` for an int field therefore get the same key.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import msgspec
+
+from ..errors import SpecError
+from . import _codec
+from .events import Contract, Provenance
+
+__all__ = ["ShapeCodec", "KeyMaker", "canonical_shape", "provenance_key"]
+
+provenance_key = _codec.provenance_key
+
+
+def canonical_shape(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Canonical form of a shape with no KernelArgs type: fields sorted, scalars only."""
+    out = {}
+    for name in sorted(spec):
+        value = spec[name]
+        if not isinstance(name, str) or not isinstance(value, (bool, int, float, str)):
+            raise SpecError(f"field {name!r} has value {value!r}; shape values must be bool, int, float or str",
+                            field=str(name), value=value)
+        out[name] = value
+    return out
+
+
+class ShapeCodec:
+    """Validates specs against one KernelArgs Struct and encodes them canonically.
+
+    A twin Struct with the same fields in sorted order does validation, normalization and canonical
+    field order in one msgspec call; its encoding is byte-identical to the sorted shape dict's.
+    """
+
+    def __init__(self, args_type: type[msgspec.Struct] | None):
+        self.args_type = args_type
+        if args_type is None:
+            self._twin = None
+            return
+        info = msgspec.inspect.type_info(args_type)
+        fields = sorted(info.fields, key=lambda f: f.name)
+        self.field_names = tuple(f.name for f in info.fields)
+        self._int_fields = {f.name for f in info.fields if isinstance(f.type, msgspec.inspect.IntType)}
+        hints = msgspec.structs.fields(args_type)
+        by_name = {f.name: f for f in hints}
+        self._twin = msgspec.defstruct(
+            f"_Canonical{args_type.__name__}",
+            [(f.name, by_name[f.name].type) for f in fields],
+            frozen=True,
+            forbid_unknown_fields=True,
+        )
+
+    def to_shape(self, spec: Mapping[str, Any] | msgspec.Struct, index: int | None = None):
+        """Validated canonical shape (a Struct when typed, else a sorted dict). Raises SpecError."""
+        if self._twin is None:
+            if isinstance(spec, msgspec.Struct):
+                spec = msgspec.structs.asdict(spec)
+            return canonical_shape(spec)
+        if isinstance(spec, msgspec.Struct):
+            spec = msgspec.structs.asdict(spec)
+        try:
+            return msgspec.convert(spec, self._twin)
+        except msgspec.ValidationError:
+            return self._slow_to_shape(spec, index)
+
+    def _slow_to_shape(self, spec, index):
+        if not isinstance(spec, Mapping):
+            raise SpecError(f"expected a JSON object of {self._table_fields()}, got {type(spec).__name__}", index=index)
+        fixed = dict(spec)
+        for name in self._int_fields & fixed.keys():
+            value = fixed[name]
+            if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+                fixed[name] = int(value)
+        try:
+            return msgspec.convert(fixed, self._twin)
+        except msgspec.ValidationError as exc:
+            raise self._explain(exc, fixed, index) from None
+
+    def _table_fields(self) -> str:
+        return "{" + ", ".join(self.field_names) + "}"
+
+    def _explain(self, exc: msgspec.ValidationError, spec: dict, index) -> SpecError:
+        text = str(exc)
+        name = None
+        if "`$." in text:
+            name = text.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+        if text.startswith("Object contains unknown field"):
+            name = text.split("`")[1]
+            fix = "pass --backend instead" if name == "backend" else f"use only {self._table_fields()}"
+            return SpecError(f'field "{name}" is not a KernelArgs field of {self.args_type.__name__}; {fix}',
+                             index=index, field=name, value=spec.get(name))
+        if text.startswith("Object missing required field"):
+            name = text.split("`")[1]
+            return SpecError(f'field "{name}" is missing; a {self.args_type.__name__} spec needs {self._table_fields()}',
+                             index=index, field=name)
+        value = spec.get(name) if name else None
+        return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; fix the value', index=index,
+                         field=name, value=value)
+
+
+class KeyMaker:
+    """Computes keys for one (table, backend, gpu_key, contract) quickly: the provenance bytes before the
+    shape are encoded once, so a key costs one shape encoding and one blake3."""
+
+    def __init__(self, table: str, backend: str, gpu_key: str, contract: Contract, shapes: ShapeCodec):
+        self.table, self.backend, self.gpu_key, self.contract, self.shapes = table, backend, gpu_key, contract, shapes
+        self.base = Provenance(table=table, backend=backend, gpu_key=gpu_key, algorithm=contract.algorithm,
+                               layout=contract.layout, numerics=contract.numerics, timing=contract.timing,
+                               profiler_revision=contract.profiler_revision)
+        self._prefix = _codec.KEY_TAG + _codec.provenance_prefix(self.base)
+        self.scope = _codec.scope_id(table, backend, gpu_key)
+
+    def shape_bytes(self, spec, index=None) -> bytes:
+        return _codec.encode(self.shapes.to_shape(spec, index))
+
+    def key_of_bytes(self, shape_bytes: bytes) -> bytes:
+        return _codec.blake3(self._prefix + shape_bytes).digest()
+
+    def key(self, spec, index=None) -> bytes:
+        return _codec.blake3(self._prefix + _codec.encode(self.shapes.to_shape(spec, index))).digest()
+
+    def provenance(self, spec, index=None) -> Provenance:
+        canonical = msgspec.msgpack.decode(self.shape_bytes(spec, index))
+        return msgspec.structs.replace(self.base, shape=canonical)

@@ -1,0 +1,295 @@
+"""The LMDB ledger: one file (`subdir=False`) plus its lock file, with named sub-databases.
+
+  events   event id -> canonical event bytes        log   seq (8, big-endian) -> event id
+  meta     format version, ledger id, last sequence  (+ the views of `_reducer`)
+
+An append writes its events, the log and every view in one write transaction: a reader or a crash
+sees all of a batch or none of it. LMDB serializes writers across processes with its lock file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+import weakref
+from contextlib import contextmanager
+from typing import Iterable, Iterator, NamedTuple
+
+import lmdb
+import msgspec
+
+from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
+from . import _codec
+from ._reducer import Reducer, pack_seq, unpack_seq
+from .events import Failed, Measured, Retracted
+
+__all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path"]
+
+DBS = ("events", "log", "current", "scope_index", "history", "failures", "retracted", "scopes", "meta")
+VIEW_DBS = ("current", "scope_index", "history", "failures", "retracted", "scopes")
+DEFAULT_MAP_SIZE = 1 << 34  # 16 GiB of address space; the file only grows as pages are used
+_live: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
+
+
+def _forget_after_fork() -> None:
+    for ledger in list(_live):
+        ledger._forked = True
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def default_path() -> str:
+    return os.environ.get("KPROF_DB") or "profile.db"
+
+
+class AppendResult(NamedTuple):
+    added: list[bytes]  # event ids newly written, in log order
+    existing: list[bytes]  # event ids that were already in the ledger (no-op)
+    last_seq: int
+
+
+class _TxnStore:
+    """The reducer's Store over one LMDB write transaction."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict):
+        self.txn, self.dbs = txn, dbs
+
+    def get(self, db, k):
+        return self.txn.get(k, db=self.dbs[db])
+
+    def put(self, db, k, v):
+        self.txn.put(k, v, db=self.dbs[db])
+
+    def delete(self, db, k):
+        self.txn.delete(k, db=self.dbs[db])
+
+    def history(self, key):
+        cur = self.txn.cursor(self.dbs["history"])
+        out = []
+        if cur.set_range(key):
+            for k, v in cur:
+                if not k.startswith(key):
+                    break
+                out.append(v)
+        return out
+
+    def event(self, eid):
+        return _codec.event_decoder.decode(self.txn.get(eid, db=self.dbs["events"]))
+
+
+class Ledger:
+    """An open ledger file. `Ledger.open(path, readonly=True)` for readers; writers append batches."""
+
+    def __init__(self, path: str, env: lmdb.Environment, readonly: bool):
+        self.path, self.env, self.readonly = path, env, readonly
+        self._pid = os.getpid()
+        self._forked = False
+        self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
+        _live.add(self)
+
+    # ---- opening ---------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike | None = None, *, readonly: bool = False,
+             map_size: int = DEFAULT_MAP_SIZE) -> "Ledger":
+        path = os.fspath(path if path is not None else default_path())
+        if os.path.isdir(path):
+            raise LedgerError(f"ledger path {path} is a directory; pass the ledger file, e.g. {path}/profile.db")
+        exists = os.path.exists(path)
+        if readonly and not exists:
+            raise LedgerError(f"no ledger at {path}; create one with `kprof run ... --db {path}` or pass --db")
+        if exists and os.path.getsize(path) == 0:
+            raise IntegrityError(f"ledger {path} is empty (0 bytes): the file was truncated; restore it from a copy")
+        try:
+            env = lmdb.open(path, subdir=False, readonly=readonly, max_dbs=len(DBS) + 4, map_size=map_size,
+                            lock=True, sync=True, metasync=True, readahead=False, max_readers=510)
+        except lmdb.InvalidError:
+            raise IntegrityError(f"{path} is not a kprof ledger (not an LMDB file, or its header is damaged); "
+                                 f"check the path, or restore the file from a copy") from None
+        except lmdb.Error as exc:
+            raise LedgerError(f"cannot open ledger {path}: {exc}; check the path and its permissions") from None
+        try:
+            cls._check_size(path, env)
+            if not readonly:
+                cls._initialize(path, env)
+            ledger = cls(path, env, readonly)
+            ledger._check_meta()
+        except lmdb.ReadonlyError:
+            env.close()
+            raise LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its permissions") from None
+        except lmdb.Error as exc:
+            env.close()
+            raise IntegrityError(f"ledger {path} is damaged ({exc}); run `kprof audit --db {path}` and restore "
+                                 f"from a copy") from None
+        except BaseException:
+            env.close()
+            raise
+        return ledger
+
+    @staticmethod
+    def _check_size(path: str, env: lmdb.Environment) -> None:
+        # A truncated file would fault (SIGBUS) on the first read past its end; catch it before reading.
+        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        have = os.path.getsize(path)
+        if have < need:
+            env.close()
+            raise IntegrityError(f"ledger {path} is truncated: {have} bytes on disk, its header says {need}; "
+                                 f"restore the file from a copy")
+
+    @staticmethod
+    def _initialize(path: str, env: lmdb.Environment) -> None:
+        with env.begin(write=True) as txn:
+            for name in DBS:
+                env.open_db(name.encode(), txn=txn, create=True)
+            meta = env.open_db(b"meta", txn=txn)
+            if txn.get(b"format_version", db=meta) is None:
+                if txn.stat(env.open_db(b"events", txn=txn))["entries"]:
+                    raise IntegrityError(f"ledger {path} holds events but no format version; restore it from a copy")
+                txn.put(b"format_version", _codec.encode(_codec.FORMAT_VERSION), db=meta)
+                txn.put(b"ledger_id", _codec.encode(uuid.uuid4().hex), db=meta)
+                txn.put(b"created_at", _codec.encode(time.time()), db=meta)
+                txn.put(b"last_seq", _codec.encode(0), db=meta)
+
+    def _check_meta(self) -> None:
+        raw = self._get("meta", b"format_version")
+        if raw is None:
+            raise IntegrityError(f"{self.path} is an LMDB file but not a kprof ledger (no format version)")
+        found = msgspec.msgpack.decode(raw)
+        if found > _codec.FORMAT_VERSION:
+            raise LedgerVersionError(self.path, found, _codec.FORMAT_VERSION)
+        self.format_version = found
+
+    # ---- transactions ----------------------------------------------------------------------
+    def _guard(self) -> None:
+        if self._forked or os.getpid() != self._pid:
+            self._forked = True
+            raise LedgerError(f"ledger {self.path} was opened in process {self._pid} before a fork(); "
+                              f"open it again in this process")
+
+    @contextmanager
+    def read(self) -> Iterator[lmdb.Transaction]:
+        """A consistent snapshot for as long as the block lasts."""
+        self._guard()
+        while True:
+            try:
+                txn = self.env.begin(buffers=False)
+                break
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)  # another process grew the map: adopt its size
+        try:
+            yield txn
+        finally:
+            txn.abort()
+
+    def _get(self, db: str, k: bytes):
+        with self.read() as txn:
+            return txn.get(k, db=self.dbs[db])
+
+    @property
+    def ledger_id(self) -> str:
+        return msgspec.msgpack.decode(self._get("meta", b"ledger_id"))
+
+    @property
+    def last_seq(self) -> int:
+        return msgspec.msgpack.decode(self._get("meta", b"last_seq"))
+
+    def write(self, fn):
+        """Runs fn(txn) in one write transaction; grows the map and retries when it is full."""
+        self._guard()
+        if self.readonly:
+            raise LedgerError(f"ledger {self.path} was opened read-only; open it with readonly=False to write")
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+
+    # ---- appending -------------------------------------------------------------------------
+    def append(self, events: Iterable) -> AppendResult:
+        """Appends a batch atomically. Events already present are skipped (idempotent).
+
+        Every event's key is recomputed from its provenance first: a batch with a wrong key is refused
+        whole, before anything is written.
+        """
+        prepared = []
+        for event in events:
+            data = _codec.event_bytes(event)
+            prepared.append((event, data, _codec.event_id(data)))
+        for event, _data, eid in prepared:
+            if type(event) is Retracted:
+                continue
+            if type(event) not in (Measured, Failed):
+                raise UsageError(f"cannot append {type(event).__name__}; expected Measured, Failed or Retracted")
+            if _codec.provenance_key(event.provenance) != event.key:
+                raise IntegrityError(f"event {eid.hex()[:16]} carries key {event.key.hex()[:16]}, but its "
+                                     f"provenance hashes to another key; build events with kprof.ledger.make_key")
+        return self.write(lambda txn: self._append_txn(txn, prepared))
+
+    def _append_txn(self, txn, prepared) -> AppendResult:
+        dbs = self.dbs
+        meta, events_db = dbs["meta"], dbs["events"]
+        seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
+        reducer = Reducer(_TxnStore(txn, dbs))
+        added, existing = [], []
+        for event, data, eid in prepared:
+            if not txn.put(eid, data, db=events_db, overwrite=False):
+                existing.append(eid)
+                continue
+            if type(event) is Retracted:
+                target = txn.get(event.target, db=events_db)
+                if target is None or _codec.event_decoder.decode(target).key != event.key:
+                    raise UsageError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, which "
+                                     f"is not in this ledger under key {event.key.hex()[:16]}; append the target first")
+            seq += 1
+            txn.put(pack_seq(seq), eid, db=dbs["log"], append=True)
+            reducer.apply(event, eid, seq)
+            added.append(eid)
+        reducer.flush()
+        txn.put(b"last_seq", _codec.encode(seq), db=meta)
+        return AppendResult(added, existing, seq)
+
+    # ---- reading ---------------------------------------------------------------------------
+    def event(self, eid: bytes):
+        raw = self._get("events", eid)
+        return None if raw is None else _codec.event_decoder.decode(raw)
+
+    def iter_log(self, txn=None) -> Iterator[tuple[int, bytes, bytes]]:
+        """(seq, event id, event bytes) in log order, from one snapshot."""
+        if txn is None:
+            with self.read() as txn:
+                yield from self.iter_log(txn)
+            return
+        events = self.dbs["events"]
+        for k, eid in txn.cursor(self.dbs["log"]):
+            yield unpack_seq(k)[0], eid, txn.get(eid, db=events)
+
+    def scopes(self) -> list[tuple[str, str, str, int]]:
+        """(table, backend, gpu_key, rows) of every scope in the ledger."""
+        with self.read() as txn:
+            return [tuple(msgspec.msgpack.decode(v)[:4]) for _k, v in txn.cursor(self.dbs["scopes"])]
+
+    def view(self, table: str, backend: str, gpu_key: str, contract=None, args_type=None):
+        from .view import View
+
+        return View(self, table, backend, gpu_key, contract=contract, args_type=args_type)
+
+    def resolve(self, ref: str):
+        """Finds an event by citation (`kprof.<hex>`), event id or key (hex, any unique prefix of ≥ 8 chars)."""
+        from ._resolve import resolve
+
+        return resolve(self, ref)
+
+    def close(self) -> None:
+        if not self._forked and os.getpid() == self._pid:
+            self.env.close()
+        _live.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,1 @@
+"""Kernel runners and their registry. Importing this package imports no measurement library."""
