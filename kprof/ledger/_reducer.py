@@ -1,12 +1,12 @@
 """The one place that says how an event changes the views. Used by append, replay and audit alike.
 
 Views (all rebuildable from the log):
-  current      key -> kind byte (b"m" measured, b"f" failed) + event id: the row a reader sees
+  current      key -> kind byte (b"m" measured, b"f" failed) + event id (32) + Summary: the row a reader sees
   scope_index  scope id (16) + shape id (16) + key -> b"": every key ever seen in a scope, by shape
   history      key + seq (8, big-endian) -> event id: every event of a key in log order
   failures     key -> event id of the key's latest (non-retracted) failure
   retracted    target event id -> retraction event id
-  scopes       scope id -> msgpack [table, backend, gpu_key, rows, accumulator]
+  scopes       scope id -> msgpack [table, backend, gpu_key, rows, accumulator, contract ids seen]
 
 Current row of a key: its latest non-retracted measured event; else its latest non-retracted failure;
 else none. A failed re-measure therefore never hides a good row (the failure stays in `failures` and
@@ -22,13 +22,17 @@ import msgspec
 from blake3 import blake3
 
 from . import _codec
-from .events import Failed, Measured, Retracted
+from .events import Failed, Measured, Retracted, summary_of
 
 MEASURED, FAILED = b"m", b"f"
 MOD = 1 << 256
 _seq = struct.Struct(">Q")
 pack_seq = _seq.pack
 unpack_seq = _seq.unpack
+
+
+def contract_id(prov) -> bytes:
+    return blake3(_codec.encode(prov.contract)).digest()[:8]
 
 
 def row_term(key: bytes, eid: bytes) -> int:
@@ -54,8 +58,9 @@ class Reducer:
 
     def __init__(self, store: Store):
         self.store = store
-        self._scopes: dict[bytes, list] = {}  # scope -> [table, backend, gpu_key, rows, acc]
+        self._scopes: dict[bytes, list] = {}  # scope -> [table, backend, gpu_key, rows, acc, contracts]
         self._sids: dict[tuple, bytes] = {}
+        self._contracts: dict = {}
 
     def _scope(self, prov) -> tuple[bytes, list]:
         names = (prov.table, prov.backend, prov.gpu_key)
@@ -66,10 +71,10 @@ class Reducer:
         if entry is None:
             raw = self.store.get("scopes", sid)
             if raw is None:
-                entry = [prov.table, prov.backend, prov.gpu_key, 0, 0]
+                entry = [prov.table, prov.backend, prov.gpu_key, 0, 0, []]
             else:
-                t, b, g, rows, acc = msgspec.msgpack.decode(raw)
-                entry = [t, b, g, rows, int.from_bytes(acc, "big")]
+                t, b, g, rows, acc, contracts = msgspec.msgpack.decode(raw)
+                entry = [t, b, g, rows, int.from_bytes(acc, "big"), contracts]
             self._scopes[sid] = entry
         return sid, entry
 
@@ -85,22 +90,27 @@ class Reducer:
         if shape_bytes is None:
             shape_bytes = _codec.encode(prov.shape)
         s.put("scope_index", sid + _codec.shape_id(shape_bytes) + key, b"")
+        cid = self._contracts.get(prov.contract)
+        if cid is None:
+            cid = self._contracts[prov.contract] = contract_id(prov)
+        if cid not in entry[5]:
+            entry[5] = sorted(entry[5] + [cid])
         cur = s.get("current", key)
         if type(event) is Measured:
-            self._set_current(entry, key, cur, MEASURED + eid)
+            self._set_current(entry, key, cur, MEASURED + eid + _codec.encode(summary_of(event)))
         else:
             s.put("failures", key, eid)
             if cur is None or cur[:1] == FAILED:
-                self._set_current(entry, key, cur, FAILED + eid)
+                self._set_current(entry, key, cur, FAILED + eid + _codec.encode(summary_of(event)))
 
     def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
         if old == new:
             return
         if old is not None:
-            entry[4] = (entry[4] - row_term(key, old[1:])) % MOD
+            entry[4] = (entry[4] - row_term(key, old[1:33])) % MOD
             entry[3] -= 1
         if new is not None:
-            entry[4] = (entry[4] + row_term(key, new[1:])) % MOD
+            entry[4] = (entry[4] + row_term(key, new[1:33])) % MOD
             entry[3] += 1
             self.store.put("current", key, new)
         else:
@@ -114,10 +124,11 @@ class Reducer:
         key = event.key
         cur = s.get("current", key)
         best_measured = best_failed = None
+        events = {}
         for hid in reversed(s.history(key)):
             if s.get("retracted", hid) is not None:
                 continue
-            ev = s.event(hid)
+            ev = events[hid] = s.event(hid)
             if type(ev) is Measured and best_measured is None:
                 best_measured = hid
             elif type(ev) is Failed and best_failed is None:
@@ -125,9 +136,9 @@ class Reducer:
             if best_measured is not None and best_failed is not None:
                 break
         if best_measured is not None:
-            new = MEASURED + best_measured
+            new = MEASURED + best_measured + _codec.encode(summary_of(events[best_measured]))
         elif best_failed is not None:
-            new = FAILED + best_failed
+            new = FAILED + best_failed + _codec.encode(summary_of(events[best_failed]))
         else:
             new = None
         self._set_current(entry, key, cur, new)
@@ -137,6 +148,6 @@ class Reducer:
             s.put("failures", key, best_failed)
 
     def flush(self) -> None:
-        for sid, (t, b, g, rows, acc) in self._scopes.items():
-            self.store.put("scopes", sid, _codec.encode([t, b, g, rows, acc.to_bytes(32, "big")]))
+        for sid, (t, b, g, rows, acc, contracts) in self._scopes.items():
+            self.store.put("scopes", sid, _codec.encode([t, b, g, rows, acc.to_bytes(32, "big"), contracts]))
         self._scopes.clear()

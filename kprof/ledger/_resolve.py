@@ -63,5 +63,5 @@ def resolve(ledger, ref: str) -> Resolved:
                 seq = int.from_bytes(k[32:], "big")
                 history.append((seq, hid, _codec.event_decoder.decode(txn.get(hid, db=dbs["events"]))))
         cur = txn.get(key, db=dbs["current"])
-        current = cur[1:] if cur is not None else None
+        current = cur[1:33] if cur is not None else None
         return Resolved(kind, key, eid if eid is not None else current, history, current)

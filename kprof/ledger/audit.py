@@ -8,6 +8,7 @@ and the stored views against views rebuilt in memory from the log.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from ..errors import IntegrityError, KprofError
+from ..errors import IntegrityError, KprofError, LedgerError
 from . import _codec
 from ._reducer import unpack_seq
 from .events import Retracted
@@ -67,6 +68,8 @@ def _structure(path: str) -> list[str]:
 def audit(path: str) -> AuditReport:
     """Audits the ledger at `path`. Damage is reported as findings; only an unreadable file raises."""
     started = time.perf_counter()
+    if not os.path.isfile(path):
+        raise LedgerError(f"no ledger file at {path}; pass --db or set KPROF_DB")
     found = _Findings()
     for problem in _structure(path):
         found.add("structure", problem)

@@ -24,14 +24,17 @@ __all__ = [
     "Retracted",
     "Event",
     "ERROR_KINDS",
+    "Summary",
+    "summary_of",
 ]
 
 Scalar = Union[bool, int, float, str]
 ERROR_KINDS = ("oom", "unsupported", "crash", "timeout", "wrong_result")
 
 
-class _Record(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=False):
-    pass
+class _Record(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=False, gc=False):
+    """Records hold no cycles, so they stay out of the cyclic GC: decoding a million of them would
+    otherwise trigger full collections over everything decoded so far."""
 
 
 class Contract(_Record):
@@ -148,3 +151,20 @@ class Retracted(_Record, tag="retracted"):
 
 
 Event = Union[Measured, Failed, Retracted]
+
+
+class Summary(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What a reader needs of a current row, stored beside the event id in the `current` view so a
+    lookup decodes a few dozen bytes instead of the whole event (environment, raw samples)."""
+
+    metrics: dict[str, float | None] | None
+    stats: Stats | None  # without raw samples
+    measured_at: float
+    error_kind: str | None = None
+    message: str | None = None
+
+
+def summary_of(event: Measured | Failed) -> Summary:
+    if type(event) is Measured:
+        return Summary(event.metrics, msgspec.structs.replace(event.stats, samples=[]), event.measured_at)
+    return Summary(None, None, event.measured_at, event.error_kind, event.message)

@@ -71,6 +71,15 @@ class ShapeCodec:
         except msgspec.ValidationError:
             return self._slow_to_shape(spec, index)
 
+    def to_shapes(self, specs: list) -> list:
+        """`to_shape` over a list, validated in one msgspec call when every spec is already well-typed."""
+        if self._twin is not None:
+            try:
+                return msgspec.convert(specs, list[self._twin])
+            except msgspec.ValidationError:
+                pass  # find and explain (or normalize) spec by spec
+        return [self.to_shape(spec, i) for i, spec in enumerate(specs)]
+
     def _slow_to_shape(self, spec, index):
         if not isinstance(spec, Mapping):
             raise SpecError(f"expected a JSON object of {self._table_fields()}, got {type(spec).__name__}", index=index)

@@ -30,14 +30,27 @@ DBS = ("events", "log", "current", "scope_index", "history", "failures", "retrac
 VIEW_DBS = ("current", "scope_index", "history", "failures", "retracted", "scopes")
 DEFAULT_MAP_SIZE = 1 << 34  # 16 GiB of address space; the file only grows as pages are used
 _live: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
+# LMDB allows one environment per file per process: every Ledger on a file shares it, counted.
+_envs: dict[str, list] = {}  # realpath -> [env, users]
 
 
 def _forget_after_fork() -> None:
     for ledger in list(_live):
         ledger._forked = True
+    _envs.clear()  # the parent's environments are unusable here; never close them from the child
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _release(real: str, env: lmdb.Environment) -> None:
+    shared = _envs.get(real)
+    if shared is not None and shared[0] is env:
+        shared[1] -= 1
+        if shared[1] > 0:
+            return
+        del _envs[real]
+    env.close()
 
 
 def default_path() -> str:
@@ -86,6 +99,7 @@ class Ledger:
         self.path, self.env, self.readonly = path, env, readonly
         self._pid = os.getpid()
         self._forked = False
+        self._closed = False
         self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
         _live.add(self)
 
@@ -101,8 +115,16 @@ class Ledger:
             raise LedgerError(f"no ledger at {path}; create one with `kprof run ... --db {path}` or pass --db")
         if exists and os.path.getsize(path) == 0:
             raise IntegrityError(f"ledger {path} is empty (0 bytes): the file was truncated; restore it from a copy")
+        real = os.path.realpath(path)
+        shared = _envs.get(real)
+        if shared is not None:
+            shared[1] += 1
+            return cls(path, shared[0], readonly)
+        # The environment is opened writable whenever the file allows it, so that a reader and a writer
+        # in one process can share it; `readonly` is enforced by the Ledger itself.
+        env_readonly = readonly and exists and not os.access(path, os.W_OK)
         try:
-            env = lmdb.open(path, subdir=False, readonly=readonly, max_dbs=len(DBS) + 4, map_size=map_size,
+            env = lmdb.open(path, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
                             lock=True, sync=True, metasync=True, readahead=False, max_readers=510)
         except lmdb.InvalidError:
             raise IntegrityError(f"{path} is not a kprof ledger (not an LMDB file, or its header is damaged); "
@@ -113,17 +135,18 @@ class Ledger:
             cls._check_size(path, env)
             if not readonly:
                 cls._initialize(path, env)
+            _envs[real] = [env, 1]
             ledger = cls(path, env, readonly)
             ledger._check_meta()
         except lmdb.ReadonlyError:
-            env.close()
+            _release(real, env)
             raise LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its permissions") from None
         except lmdb.Error as exc:
-            env.close()
+            _release(real, env)
             raise IntegrityError(f"ledger {path} is damaged ({exc}); run `kprof audit --db {path}` and restore "
                                  f"from a copy") from None
         except BaseException:
-            env.close()
+            _release(real, env)
             raise
         return ledger
 
@@ -133,7 +156,6 @@ class Ledger:
         need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
         have = os.path.getsize(path)
         if have < need:
-            env.close()
             raise IntegrityError(f"ledger {path} is truncated: {have} bytes on disk, its header says {need}; "
                                  f"restore the file from a copy")
 
@@ -284,8 +306,9 @@ class Ledger:
         return resolve(self, ref)
 
     def close(self) -> None:
-        if not self._forked and os.getpid() == self._pid:
-            self.env.close()
+        if not self._forked and os.getpid() == self._pid and not self._closed:
+            _release(os.path.realpath(self.path), self.env)
+        self._closed = True
         _live.discard(self)
 
     def __enter__(self):

@@ -17,8 +17,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import msgspec
 
 from . import _codec
-from ._reducer import FAILED, MEASURED, root_of
-from .events import Contract, Failed, Measured
+from ._reducer import MEASURED, contract_id, root_of
+from .events import Contract, Provenance, Stats, Summary
 from .keys import KeyMaker, ShapeCodec
 
 __all__ = ["View", "Row", "STATUSES", "citation"]
@@ -26,18 +26,26 @@ __all__ = ["View", "Row", "STATUSES", "citation"]
 STATUSES = ("ok", "missing", "stale", "failed", "error")
 
 
+_summary_decoder = msgspec.msgpack.Decoder(Summary)
+
+
 def citation(eid: bytes) -> str:
     return "kprof." + eid.hex()[:16]
 
 
-class Row(msgspec.Struct, frozen=True):
-    """One spec's answer. `event` is the measured (ok/stale) or failed event behind it, if any."""
+class Row(msgspec.Struct, frozen=True, gc=False):
+    """One spec's answer: status, and for ok / stale / failed rows the summary of the event behind it.
+
+    `provenance` is derived from the view's contract (or, for a stale row, read from its own event);
+    the full event (environment, raw samples) is one `ledger.event(row.event_id)` away.
+    """
 
     spec: dict[str, Any]
     status: str
     key: bytes
     event_id: bytes | None = None
-    event: Measured | Failed | None = None
+    summary: Summary | None = None
+    base: Provenance | None = None  # the provenance without (or, for stale rows, with) its shape
 
     @property
     def ok(self) -> bool:
@@ -45,15 +53,17 @@ class Row(msgspec.Struct, frozen=True):
 
     @property
     def metrics(self) -> dict[str, float | None] | None:
-        return self.event.metrics if type(self.event) is Measured else None
+        return self.summary.metrics if self.summary is not None and self.status != "failed" else None
 
     @property
-    def stats(self):
-        return self.event.stats if type(self.event) is Measured else None
+    def stats(self) -> Stats | None:
+        return self.summary.stats if self.summary is not None and self.status != "failed" else None
 
     @property
-    def provenance(self):
-        return self.event.provenance if self.event is not None else None
+    def provenance(self) -> Provenance | None:
+        if self.base is None:
+            return None
+        return self.base if self.base.shape else msgspec.structs.replace(self.base, shape=self.spec)
 
     @property
     def citation(self) -> str | None:
@@ -61,12 +71,12 @@ class Row(msgspec.Struct, frozen=True):
 
     @property
     def measured_at(self) -> str | None:
-        if self.event is None:
+        if self.summary is None:
             return None
-        return _dt.datetime.fromtimestamp(self.event.measured_at, _dt.timezone.utc).isoformat(timespec="seconds")
+        return _dt.datetime.fromtimestamp(self.summary.measured_at, _dt.timezone.utc).isoformat(timespec="seconds")
 
     def to_json(self) -> dict:
-        ev = self.event
+        s = self.summary
         return {
             "spec": self.spec,
             "status": self.status,
@@ -75,9 +85,9 @@ class Row(msgspec.Struct, frozen=True):
             "citation": self.citation,
             "metrics": self.metrics,
             "stats": msgspec.to_builtins(self.stats) if self.stats is not None else None,
-            "provenance": msgspec.to_builtins(ev.provenance) if ev is not None else None,
+            "provenance": msgspec.to_builtins(self.provenance) if self.base is not None else None,
             "measured_at": self.measured_at,
-            "error": {"kind": ev.error_kind, "message": ev.message} if type(ev) is Failed else None,
+            "error": {"kind": s.error_kind, "message": s.message} if s is not None and s.error_kind else None,
         }
 
 
@@ -101,6 +111,7 @@ class View:
         self.shapes = ShapeCodec(args_type)
         self.keys = KeyMaker(table, backend, gpu_key, contract, self.shapes)
         self.scope = self.keys.scope
+        self._contract_id = contract_id(self.keys.base)
         d = ledger.dbs
         self._current, self._events, self._index = d["current"], d["events"], d["scope_index"]
 
@@ -120,60 +131,75 @@ class View:
         with self.ledger.read() as txn:
             return self._root(txn), self._rows(txn, specs)
 
+    def _keys(self, specs) -> tuple[list, list[bytes], list[bytes], list[int]]:
+        """(canonical shapes, shape bytes, keys, lookup order). Looking keys up in sorted order keeps
+        consecutive lookups on neighbouring B-tree pages: on a large ledger that halves the cache misses."""
+        specs = specs if isinstance(specs, list) else list(specs)
+        shapes = self.shapes.to_shapes(specs)
+        encode, prefix, hasher = _codec.encode, self.keys._prefix, _codec.blake3
+        shape_bytes = [encode(s) for s in shapes]
+        keys = [hasher(prefix + b).digest() for b in shape_bytes]
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        return shapes, shape_bytes, keys, order
+
     def missing(self, specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        """The specs without an ok row (missing, stale and failed all count as missing)."""
-        to_shape, encode, prefix = self.shapes.to_shape, _codec.encode, self.keys._prefix
-        hasher = _codec.blake3
-        out = []
+        """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
+        specs = specs if isinstance(specs, list) else list(specs)
+        _shapes, _b, keys, order = self._keys(specs)
+        absent = []
         with self.ledger.read() as txn:
-            get = txn.get
-            cur = self._current
-            for i, spec in enumerate(specs):
-                v = get(hasher(prefix + encode(to_shape(spec, i))).digest(), db=cur)
+            get, cur = txn.get, self._current
+            for i in order:
+                v = get(keys[i], db=cur)
                 if v is None or v[:1] != MEASURED:
-                    out.append(spec)
-        return out
+                    absent.append(i)
+        absent.sort()
+        return [specs[i] for i in absent]
 
     def count_missing(self, specs) -> int:
         return len(self.missing(specs))
 
     def _rows(self, txn, specs) -> list[Row]:
-        to_shape, encode, prefix = self.shapes.to_shape, _codec.encode, self.keys._prefix
-        hasher, decode, get = _codec.blake3, _codec.event_decoder.decode, txn.get
-        cur_db, ev_db = self._current, self._events
-        asdict = msgspec.structs.asdict
-        rows = []
-        for i, spec in enumerate(specs):
-            shape = to_shape(spec, i)
-            shape_b = encode(shape)
-            key = hasher(prefix + shape_b).digest()
-            spec_out = asdict(shape) if isinstance(shape, msgspec.Struct) else shape
+        shapes, shape_bytes, keys, order = self._keys(specs)
+        decode, get, asdict = _summary_decoder.decode, txn.get, msgspec.structs.asdict
+        cur_db, base = self._current, self.keys.base
+        maybe_stale = self._other_contracts(txn)
+        rows: list = [None] * len(keys)
+        for i in order:
+            key, shape = keys[i], shapes[i]
+            spec_out = asdict(shape) if type(shape) is not dict else shape
             v = get(key, db=cur_db)
             if v is not None:
-                eid = v[1:]
-                status = "ok" if v[:1] == MEASURED else "failed"
-                rows.append(Row(spec_out, status, key, eid, decode(get(eid, db=ev_db))))
-                continue
-            rows.append(self._stale_or_missing(txn, spec_out, key, shape_b))
+                rows[i] = Row(spec_out, "ok" if v[:1] == MEASURED else "failed", key, v[1:33], decode(v[33:]), base)
+            elif maybe_stale:
+                rows[i] = self._stale_or_missing(txn, spec_out, key, shape_bytes[i])
+            else:
+                rows[i] = Row(spec_out, "missing", key)
         return rows
 
+    def _other_contracts(self, txn) -> bool:
+        """Whether this scope ever held rows of another contract (else no spec can be stale)."""
+        raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
+        return raw is not None and msgspec.msgpack.decode(raw)[5] != [self._contract_id]
+
     def _stale_or_missing(self, txn, spec, key, shape_b) -> Row:
-        """A spec with no current row under this contract: stale if another contract's row exists."""
+        """A spec with no current row under this contract: stale if another contract's ok row exists."""
         prefix = self.scope + _codec.shape_id(shape_b)
         cursor = txn.cursor(self._index)
         best = None
         if cursor.set_range(prefix):
-            for k, _ in cursor:
+            for k in cursor.iternext(values=False):
                 if not k.startswith(prefix):
                     break
                 v = txn.get(k[32:], db=self._current)
                 if v is not None and v[:1] == MEASURED:
-                    ev = _codec.event_decoder.decode(txn.get(v[1:], db=self._events))
-                    if best is None or ev.measured_at > best[1].measured_at:
-                        best = (v[1:], ev)
+                    summary = _summary_decoder.decode(v[33:])
+                    if best is None or summary.measured_at > best[1].measured_at:
+                        best = (v[1:33], summary)
         if best is None:
             return Row(spec, "missing", key)
-        return Row(spec, "stale", key, best[0], best[1])
+        event = _codec.event_decoder.decode(txn.get(best[0], db=self._events))
+        return Row(spec, "stale", key, best[0], best[1], event.provenance)
 
     # ---- whole view --------------------------------------------------------------------------
     def rows(self) -> Iterator[Row]:
@@ -193,16 +219,16 @@ class View:
                 v = txn.get(key, db=self._current)
                 if v is None:
                     continue
-                ev = _codec.event_decoder.decode(txn.get(v[1:], db=self._events))
-                current_contract = ev.provenance.contract == self.contract
+                prov = _codec.event_decoder.decode(txn.get(v[1:33], db=self._events)).provenance
+                current_contract = prov.contract == self.contract
                 status = ("ok" if v[:1] == MEASURED else "failed") if current_contract else "stale"
-                yield Row(dict(ev.provenance.shape), status, key, v[1:], ev)
+                yield Row(dict(prov.shape), status, key, v[1:33], _summary_decoder.decode(v[33:]), prov)
 
     def _root(self, txn) -> bytes:
         raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
         if raw is None:
             return root_of(self.scope, 0, 0)
-        _t, _b, _g, rows, acc = msgspec.msgpack.decode(raw)
+        _t, _b, _g, rows, acc, _c = msgspec.msgpack.decode(raw)
         return root_of(self.scope, rows, int.from_bytes(acc, "big"))
 
     @property

@@ -1,0 +1,36 @@
+"""The cyclopts app. Verbs are registered by import string, so `kprof list` or `kprof query` import only
+what they use (no torch, cupti or pynvml on the read path)."""
+
+from __future__ import annotations
+
+import sys
+
+from cyclopts import App
+from cyclopts.exceptions import CycloptsError
+
+from .. import __version__
+from ..errors import KprofError
+
+__all__ = ["app", "main"]
+
+app = App(name="kprof", help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
+          version=__version__, exit_on_error=False, print_error=True, result_action="return_value")
+# help is given here too so `kprof --help` lists every verb without importing it
+app.command("kprof.cli.audit:audit", name="audit",
+            help="Verify every event id and key, the log, the views and the file structure (exit 3 on damage).")
+app.command("kprof.cli.show:show", name="show",
+            help="Show one row's provenance, metrics and full history by citation, key or event id.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
+    try:
+        result = app(sys.argv[1:] if argv is None else argv)
+    except CycloptsError:
+        return 2  # cyclopts has printed the parse error
+    except KprofError as exc:
+        from ._render import error
+
+        error(str(exc))
+        return exc.exit_code
+    return result if isinstance(result, int) else 0

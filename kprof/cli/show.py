@@ -1,0 +1,60 @@
+"""`kprof show`: one row's provenance, metrics and full history, by citation, key or event id."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from cyclopts import Parameter
+
+from ..ledger import Ledger, default_path
+from ..ledger.view import citation
+from ._options import Db, Json
+from ._render import console, emit_json
+
+
+def _event_json(seq, eid, event, current) -> dict:
+    doc = {"seq": seq, "event": eid.hex(), "citation": citation(eid), "current": eid == current}
+    doc.update(msgspec.to_builtins(event))
+    doc["key"] = event.key.hex()
+    for name in ("parent", "target"):  # to_builtins writes bytes as base64; ids read as hex everywhere else
+        if getattr(event, name, None) is not None:
+            doc[name] = getattr(event, name).hex()
+    return doc
+
+
+def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event id or a key, or a unique "
+                                        "prefix of at least 8 hex digits.")], *,
+         db: Db = None, json: Json = False) -> int:
+    """Show a row's provenance, metrics and full history."""
+    ledger = Ledger.open(db or default_path(), readonly=True)
+    try:
+        found = ledger.resolve(ref)
+    finally:
+        ledger.close()
+    history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]
+    chosen = next((h for h in history if h["event"] == (found.event_id or b"").hex()), None)
+    doc = {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
+           "current": found.current.hex() if found.current else None, "event": chosen, "history": history}
+    if json:
+        emit_json(doc)
+        return 0
+    out = console()
+    out.print(f"key {doc['key']}", markup=False)
+    if chosen is not None:
+        prov = chosen.get("provenance") or {}
+        out.print("provenance: " + ", ".join(f"{k}={v}" for k, v in prov.items()), markup=False)
+        if chosen["type"] == "measured":
+            out.print("metrics: " + ", ".join(f"{k}={v}" for k, v in chosen["metrics"].items()), markup=False)
+    from rich.table import Table
+
+    table = Table("seq", "event", "kind", "at", "detail", title="history")
+    for h in history:
+        detail = {"measured": lambda: f"time_ms={h['metrics'].get('time_ms')}",
+                  "failed": lambda: f"{h['error_kind']}: {h['message']}",
+                  "retracted": lambda: f"retracts {h['target'][:16]}: {h['reason']}"}[h["type"]]()
+        mark = " (current)" if h["current"] else ""
+        table.add_row(str(h["seq"]), h["citation"] + mark, h["type"], str(h["measured_at"]), detail)
+    out.print(table)
+    return 0
+

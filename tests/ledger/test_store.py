@@ -1,0 +1,177 @@
+"""The LMDB store: atomic idempotent appends, views, statuses, roots, replay, versions, map growth."""
+
+import os
+import random
+
+import lmdb
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kprof.errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
+from kprof.ledger import Ledger, synth
+from kprof.ledger import _codec
+from kprof.ledger.audit import audit
+from kprof.ledger.build import failed, retraction
+from kprof.ledger.replay import rebuild_views
+
+
+def test_append_is_idempotent(ledger):
+    evs = list(synth.events(0, 50))
+    first = ledger.append(evs)
+    assert len(first.added) == 50 and first.last_seq == 50
+    again = ledger.append(evs + evs)
+    assert again.added == [] and len(again.existing) == 100 and again.last_seq == 50
+    assert ledger.last_seq == 50
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=60), st.integers(0, 2**32))
+def test_appends_in_any_batching_are_idempotent_and_root_is_order_independent(tmp_path_factory, idx, seed):
+    d = tmp_path_factory.mktemp("l")
+    evs = [synth.event(i) for i in idx]
+    a = Ledger.open(str(d / "a.db"))
+    for ev in evs:
+        a.append([ev, ev])
+    shuffled = evs[:]
+    random.Random(seed).shuffle(shuffled)
+    b = Ledger.open(str(d / "b.db"))
+    b.append(shuffled)
+    assert synth.view(a).root == synth.view(b).root
+    assert a.last_seq == b.last_seq == len(set(idx))
+    specs = [synth.spec(i) for i in range(41)]
+    assert [r.status for r in synth.view(a).get_many(specs)] == [r.status for r in synth.view(b).get_many(specs)]
+    a.close(), b.close()
+
+
+def test_root_changes_with_every_view_change_and_is_o1(ledger):
+    view = synth.view(ledger)
+    roots = {view.root}
+    for i in range(5):
+        ledger.append([synth.event(i)])
+        roots.add(view.root)
+    assert len(roots) == 6
+    ledger.append([synth.event(0)])  # no-op: same root
+    assert len({view.root} | roots) == 6
+    ledger.append([synth.event(0, seed=9)])  # a re-measurement replaces the current row
+    assert view.root not in roots
+
+
+def test_statuses_ok_missing_stale_failed(ledger):
+    ledger.append([synth.event(0), synth.event(1), synth.event(2, revision=0)])
+    prov3 = synth.event(3).provenance
+    ledger.append([failed(prov3, "oom", "CUDA out of memory")])
+    view = synth.view(ledger)
+    rows = view.get_many([synth.spec(i) for i in range(5)])
+    assert [r.status for r in rows] == ["ok", "ok", "stale", "failed", "missing"]
+    assert rows[0].metrics["time_ms"] == synth.event(0).metrics["time_ms"]
+    assert rows[0].citation.startswith("kprof.") and rows[0].provenance == synth.event(0).provenance
+    assert rows[2].provenance.profiler_revision == 0 and rows[2].metrics is not None
+    assert rows[3].metrics is None and rows[3].to_json()["error"] == {"kind": "oom", "message": "CUDA out of memory"}
+    assert rows[4].event_id is None and rows[4].metrics is None
+    assert view.get(**synth.spec(0)) is not None and view.get(**synth.spec(2)) is None
+    assert view.missing([synth.spec(i) for i in range(5)]) == [synth.spec(i) for i in (2, 3, 4)]
+    assert {r.status for r in view.rows()} == {"ok", "stale", "failed"}
+
+
+def test_failure_never_hides_a_good_row(ledger):
+    ev = synth.event(0)
+    ledger.append([ev])
+    ledger.append([failed(ev.provenance, "timeout", "took too long")])
+    row = synth.view(ledger).get(**synth.spec(0))
+    assert row is not None and row.metrics == ev.metrics
+
+
+def test_retraction_reverts_to_previous_row(ledger):
+    old, new = synth.event(0, seed=1), synth.event(0, seed=2)
+    ledger.append([old])
+    ledger.append([new])
+    view = synth.view(ledger)
+    new_id = _codec.event_id(_codec.encode(new))
+    assert view.get(**synth.spec(0)).event_id == new_id
+    ledger.append([retraction(new_id, new.key, "bad clocks")])
+    assert view.get(**synth.spec(0)).event_id == _codec.event_id(_codec.encode(old))
+    ledger.append([retraction(_codec.event_id(_codec.encode(old)), old.key, "also bad")])
+    assert view.get(**synth.spec(0)) is None
+    assert audit(ledger.path).ok
+
+
+def test_retraction_of_unknown_event_is_refused_whole(ledger):
+    ev = synth.event(0)
+    with pytest.raises(UsageError, match="append the target first"):
+        ledger.append([synth.event(1), retraction(b"\0" * 32, ev.key, "x")])
+    assert ledger.last_seq == 0
+
+
+def test_event_with_forged_key_is_refused(ledger):
+    ev = msgspec.structs.replace(synth.event(0), key=b"\1" * 32)
+    with pytest.raises(IntegrityError, match="provenance hashes to another key"):
+        ledger.append([synth.event(1), ev])
+    assert ledger.last_seq == 0
+
+
+def test_rebuild_views_reproduces_them(ledger):
+    ledger.append(list(synth.events(0, 30)))
+    ledger.append([failed(synth.event(40).provenance, "crash", "boom")])
+    view = synth.view(ledger)
+    before = view.root, [r.to_json() for r in view.get_many([synth.spec(i) for i in range(45)])]
+    assert rebuild_views(ledger) == 31
+    assert (view.root, [r.to_json() for r in view.get_many([synth.spec(i) for i in range(45)])]) == before
+    assert audit(ledger.path).ok
+
+
+def test_map_full_grows_and_retries(tmp_path):
+    led = Ledger.open(str(tmp_path / "small.db"), map_size=256 * 1024)
+    for b in range(0, 3000, 500):
+        led.append(list(synth.events(b, b + 500)))
+    assert led.last_seq == 3000 and led.env.info()["map_size"] > 256 * 1024
+    led.close()
+    assert audit(str(tmp_path / "small.db")).ok
+
+
+def test_newer_format_is_refused_naming_both_versions(ledger_path):
+    led = Ledger.open(ledger_path)
+    led.write(lambda txn: txn.put(b"format_version", _codec.encode(99), db=led.dbs["meta"]))
+    led.close()
+    with pytest.raises(LedgerVersionError, match=r"format version 99, but this kprof reads versions up to 1"):
+        Ledger.open(ledger_path, readonly=True)
+
+
+def test_readonly_open_of_missing_file_and_directory(tmp_path):
+    with pytest.raises(LedgerError, match="no ledger at"):
+        Ledger.open(str(tmp_path / "nope.db"), readonly=True)
+    with pytest.raises(LedgerError, match="is a directory"):
+        Ledger.open(str(tmp_path))
+    assert not os.path.exists(tmp_path / "nope.db")
+
+
+def test_readonly_ledger_refuses_writes(ledger_path):
+    Ledger.open(ledger_path).close()
+    ro = Ledger.open(ledger_path, readonly=True)
+    with pytest.raises(LedgerError, match="read-only"):
+        ro.append([synth.event(0)])
+    ro.close()
+
+
+def test_lmdb_file_that_is_not_a_ledger(tmp_path):
+    p = str(tmp_path / "other.db")
+    env = lmdb.open(p, subdir=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"a", b"b")
+    env.close()
+    with pytest.raises((IntegrityError, LedgerError)):
+        Ledger.open(p, readonly=True)
+
+
+def test_resolve_by_citation_key_and_prefix(ledger):
+    ledger.append(list(synth.events(0, 20)))
+    row = synth.view(ledger).get(**synth.spec(5))
+    by_cite = ledger.resolve(row.citation)
+    assert by_cite.kind == "event" and by_cite.event_id == row.event_id and len(by_cite.history) == 1
+    by_key = ledger.resolve(row.key.hex()[:12])
+    assert by_key.kind == "key" and by_key.current == row.event_id
+    with pytest.raises(UsageError, match="not a citation"):
+        ledger.resolve("xyz")
+    with pytest.raises(UsageError, match="nothing in"):
+        ledger.resolve("kprof.00000000000000000000")
