@@ -17,7 +17,10 @@ def emit_json(doc) -> None:
 def console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    stream = sys.stderr if stderr else sys.stdout
+    # Off a terminal (pipes, logs, tests), rich would wrap tables at 80 columns: give them room instead.
+    width = None if stream.isatty() else 200
+    return Console(file=stream, highlight=False, soft_wrap=True, width=width)
 
 
 def error(message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 from typing import Annotated
 
 import msgspec
@@ -54,7 +55,8 @@ def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event 
                   "failed": lambda: f"{h['error_kind']}: {h['message']}",
                   "retracted": lambda: f"retracts {h['target'][:16]}: {h['reason']}"}[h["type"]]()
         mark = " (current)" if h["current"] else ""
-        table.add_row(str(h["seq"]), h["citation"] + mark, h["type"], str(h["measured_at"]), detail)
+        at = _dt.datetime.fromtimestamp(h["measured_at"], _dt.timezone.utc).isoformat(timespec="seconds")
+        table.add_row(str(h["seq"]), h["citation"] + mark, h["type"], at, detail)
     out.print(table)
     return 0
 

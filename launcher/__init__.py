@@ -1,0 +1,1 @@
+"""Compatibility shim: `python -m launcher kernel-profile <verb> ...` is `kprof <verb> ...`."""

@@ -1,0 +1,44 @@
+import json
+
+from kprof.cli import main
+from kprof.ledger import Ledger, synth
+
+
+def test_audit_clean_ledger_exits_0_with_json(ledger_path, capsys):
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    assert main(["audit", "--db", ledger_path, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is True and doc["events"] == 40 and doc["last_seq"] == 40 and doc["findings"] == []
+
+
+def test_audit_lists_damaged_view_and_exits_3(ledger_path, capsys):
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 10)))
+    key = synth.event(3).key
+    led.write(lambda txn: txn.delete(key, db=led.dbs["current"]))
+    led.write(lambda txn: txn.put(b"\0" * 32, b"m" + b"\1" * 32, db=led.dbs["current"]))
+    led.close()
+    assert main(["audit", "--db", ledger_path]) == 3
+    out = capsys.readouterr().out
+    assert "finding(s)" in out
+    assert f"current: entry {key.hex()[:24]} of the log's replay is not stored" in out
+    assert "current: stored entry " + "00" * 12 + " is not derivable from the log" in out
+
+
+def test_audit_reports_altered_event_bytes(ledger_path, capsys):
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 5)))
+    eid, data = next(iter(led.iter_log()))[1:]
+    led.write(lambda txn: txn.put(eid, data.replace(b"single_gemm", b"single_gemn"), db=led.dbs["events"]))
+    led.close()
+    assert main(["audit", "--db", ledger_path, "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert f"events: event {eid.hex()[:16]}: stored bytes hash to another id (altered or damaged)" in doc["findings"]
+
+
+def test_audit_of_missing_file_is_a_usage_error(tmp_path, capsys):
+    assert main(["audit", "--db", str(tmp_path / "none.db")]) == 2
+    assert "no ledger file at" in capsys.readouterr().err
+    assert not (tmp_path / "none.db").exists()

@@ -1,0 +1,41 @@
+import json
+
+from kprof.cli import main
+from kprof.ledger import Ledger, synth
+from kprof.ledger.build import failed
+
+
+def _ledger(path):
+    led = Ledger.open(path)
+    led.append([synth.event(0, seed=1)])
+    led.append([synth.event(0, seed=2), failed(synth.event(0).provenance, "oom", "CUDA out of memory")])
+    return led
+
+
+def test_show_by_citation_gives_provenance_metrics_and_history(ledger_path, capsys):
+    led = _ledger(ledger_path)
+    row = synth.view(led).get(**synth.spec(0))
+    led.close()
+    assert main(["show", row.citation, "--db", ledger_path, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["resolved_as"] == "event" and doc["event"]["event"] == row.event_id.hex()
+    assert doc["event"]["provenance"]["table"] == "single_gemm"
+    assert doc["event"]["metrics"]["time_ms"] == row.metrics["time_ms"]
+    assert [h["type"] for h in doc["history"]] == ["measured", "measured", "failed"]
+    assert [h["current"] for h in doc["history"]] == [False, True, False]
+    assert doc["key"] == row.key.hex()
+
+
+def test_show_by_key_prefix_renders_a_table(ledger_path, capsys):
+    led = _ledger(ledger_path)
+    key = synth.event(0).key.hex()
+    led.close()
+    assert main(["show", key[:10], "--db", ledger_path]) == 0
+    out = capsys.readouterr().out
+    assert f"key {key}" in out and "oom: CUDA out of memory" in out and "(current)" in out
+
+
+def test_show_unknown_reference_exits_2(ledger_path, capsys):
+    _ledger(ledger_path).close()
+    assert main(["show", "kprof.deadbeefdeadbeef", "--db", ledger_path]) == 2
+    assert "nothing in" in capsys.readouterr().err
