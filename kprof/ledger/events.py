@@ -155,16 +155,32 @@ Event = Union[Measured, Failed, Retracted]
 
 class Summary(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """What a reader needs of a current row, stored beside the event id in the `current` view so a
-    lookup decodes a few dozen bytes instead of the whole event (environment, raw samples)."""
+    lookup decodes one short flat array instead of the whole event (environment, raw samples)."""
 
     metrics: dict[str, float | None] | None
-    stats: Stats | None  # without raw samples
     measured_at: float
+    n: int = 0
+    median: float = 0.0
+    p10: float = 0.0
+    p90: float = 0.0
+    mean: float = 0.0
+    stdev: float = 0.0
+    cv: float = 0.0
+    min: float = 0.0
+    max: float = 0.0
     error_kind: str | None = None
     message: str | None = None
+
+    @property
+    def stats(self) -> Stats | None:
+        if self.metrics is None:
+            return None
+        return Stats(self.n, self.median, self.p10, self.p90, self.mean, self.stdev, self.cv, self.min, self.max)
 
 
 def summary_of(event: Measured | Failed) -> Summary:
     if type(event) is Measured:
-        return Summary(event.metrics, msgspec.structs.replace(event.stats, samples=[]), event.measured_at)
-    return Summary(None, None, event.measured_at, event.error_kind, event.message)
+        s = event.stats
+        return Summary(event.metrics, event.measured_at, s.n, s.median, s.p10, s.p90, s.mean, s.stdev, s.cv,
+                       s.min, s.max)
+    return Summary(None, event.measured_at, error_kind=event.error_kind, message=event.message)

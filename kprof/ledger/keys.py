@@ -71,14 +71,15 @@ class ShapeCodec:
         except msgspec.ValidationError:
             return self._slow_to_shape(spec, index)
 
-    def to_shapes(self, specs: list) -> list:
-        """`to_shape` over a list, validated in one msgspec call when every spec is already well-typed."""
+    def to_shapes(self, specs: list) -> tuple[list, bool]:
+        """(`to_shape` over a list, exact): validated in one msgspec call when every spec is a dict with
+        exactly the declared types (`exact`: each input dict already holds its canonical values)."""
         if self._twin is not None:
             try:
-                return msgspec.convert(specs, list[self._twin])
+                return msgspec.convert(specs, list[self._twin]), True
             except msgspec.ValidationError:
                 pass  # find and explain (or normalize) spec by spec
-        return [self.to_shape(spec, i) for i, spec in enumerate(specs)]
+        return [self.to_shape(spec, i) for i, spec in enumerate(specs)], False
 
     def _slow_to_shape(self, spec, index):
         if not isinstance(spec, Mapping):
@@ -125,16 +126,17 @@ class KeyMaker:
                                layout=contract.layout, numerics=contract.numerics, timing=contract.timing,
                                profiler_revision=contract.profiler_revision)
         self._prefix = _codec.KEY_TAG + _codec.provenance_prefix(self.base)
+        self._hasher = _codec.blake3(self._prefix)  # copied per key: the prefix is hashed once
         self.scope = _codec.scope_id(table, backend, gpu_key)
 
     def shape_bytes(self, spec, index=None) -> bytes:
         return _codec.encode(self.shapes.to_shape(spec, index))
 
     def key_of_bytes(self, shape_bytes: bytes) -> bytes:
-        return _codec.blake3(self._prefix + shape_bytes).digest()
+        return self._hasher.copy().update(shape_bytes).digest()
 
     def key(self, spec, index=None) -> bytes:
-        return _codec.blake3(self._prefix + _codec.encode(self.shapes.to_shape(spec, index))).digest()
+        return self._hasher.copy().update(_codec.encode(self.shapes.to_shape(spec, index))).digest()
 
     def provenance(self, spec, index=None) -> Provenance:
         canonical = msgspec.msgpack.decode(self.shape_bytes(spec, index))

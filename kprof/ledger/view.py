@@ -53,11 +53,11 @@ class Row(msgspec.Struct, frozen=True, gc=False):
 
     @property
     def metrics(self) -> dict[str, float | None] | None:
-        return self.summary.metrics if self.summary is not None and self.status != "failed" else None
+        return self.summary.metrics if self.summary is not None else None
 
     @property
     def stats(self) -> Stats | None:
-        return self.summary.stats if self.summary is not None and self.status != "failed" else None
+        return self.summary.stats if self.summary is not None else None
 
     @property
     def provenance(self) -> Provenance | None:
@@ -131,26 +131,32 @@ class View:
         with self.ledger.read() as txn:
             return self._root(txn), self._rows(txn, specs)
 
-    def _keys(self, specs) -> tuple[list, list[bytes], list[bytes], list[int]]:
-        """(canonical shapes, shape bytes, keys, lookup order). Looking keys up in sorted order keeps
-        consecutive lookups on neighbouring B-tree pages: on a large ledger that halves the cache misses."""
-        specs = specs if isinstance(specs, list) else list(specs)
-        shapes = self.shapes.to_shapes(specs)
-        encode, prefix, hasher = _codec.encode, self.keys._prefix, _codec.blake3
+    def _keys(self, specs: list) -> tuple[list, list, list[bytes], list[bytes], list[int]]:
+        """(canonical specs as dicts, shapes, shape bytes, keys, lookup order). Keys are looked up in
+        sorted order, so consecutive lookups land on neighbouring B-tree pages (fewer cache misses)."""
+        shapes, exact = self.shapes.to_shapes(specs)
+        encode, hasher = _codec.encode, self.keys._hasher
         shape_bytes = [encode(s) for s in shapes]
-        keys = [hasher(prefix + b).digest() for b in shape_bytes]
+        keys = [hasher.copy().update(b).digest() for b in shape_bytes]
         order = sorted(range(len(keys)), key=keys.__getitem__)
-        return shapes, shape_bytes, keys, order
+        if exact and all(type(s) is dict for s in specs):
+            spec_dicts = specs  # already canonical values; no copies
+        else:
+            asdict = msgspec.structs.asdict
+            spec_dicts = [s if type(s) is dict else asdict(s) for s in shapes]
+        return spec_dicts, shapes, shape_bytes, keys, order
 
     def missing(self, specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
         specs = specs if isinstance(specs, list) else list(specs)
-        _shapes, _b, keys, order = self._keys(specs)
+        shapes, exact = self.shapes.to_shapes(specs)
+        encode, hasher = _codec.encode, self.keys._hasher
+        keys = [hasher.copy().update(encode(s)).digest() for s in shapes]
         absent = []
         with self.ledger.read() as txn:
-            get, cur = txn.get, self._current
-            for i in order:
-                v = get(keys[i], db=cur)
+            get = txn.cursor(self._current).get
+            for i in sorted(range(len(keys)), key=keys.__getitem__):
+                v = get(keys[i])
                 if v is None or v[:1] != MEASURED:
                     absent.append(i)
         absent.sort()
@@ -160,21 +166,22 @@ class View:
         return len(self.missing(specs))
 
     def _rows(self, txn, specs) -> list[Row]:
-        shapes, shape_bytes, keys, order = self._keys(specs)
-        decode, get, asdict = _summary_decoder.decode, txn.get, msgspec.structs.asdict
-        cur_db, base = self._current, self.keys.base
+        specs = specs if isinstance(specs, list) else list(specs)
+        spec_dicts, _shapes, shape_bytes, keys, order = self._keys(specs)
+        decode, get = _summary_decoder.decode, txn.cursor(self._current).get
+        base = self.keys.base
         maybe_stale = self._other_contracts(txn)
         rows: list = [None] * len(keys)
         for i in order:
-            key, shape = keys[i], shapes[i]
-            spec_out = asdict(shape) if type(shape) is not dict else shape
-            v = get(key, db=cur_db)
+            key = keys[i]
+            v = get(key)
             if v is not None:
-                rows[i] = Row(spec_out, "ok" if v[:1] == MEASURED else "failed", key, v[1:33], decode(v[33:]), base)
+                rows[i] = Row(spec_dicts[i], "ok" if v[:1] == MEASURED else "failed", key, v[1:33],
+                              decode(v[33:]), base)
             elif maybe_stale:
-                rows[i] = self._stale_or_missing(txn, spec_out, key, shape_bytes[i])
+                rows[i] = self._stale_or_missing(txn, spec_dicts[i], key, shape_bytes[i])
             else:
-                rows[i] = Row(spec_out, "missing", key)
+                rows[i] = Row(spec_dicts[i], "missing", key)
         return rows
 
     def _other_contracts(self, txn) -> bool:
