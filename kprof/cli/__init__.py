@@ -16,6 +16,14 @@ __all__ = ["app", "main"]
 app = App(name="kprof", help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
           version=__version__, exit_on_error=False, print_error=True, result_action="return_value")
 # help is given here too so `kprof --help` lists every verb without importing it
+app.command("kprof.cli.list_:list_", name="list",
+            help="List every table/backend pair with its args, kernel kind, metric family, env and read functions.")
+app.command("kprof.cli.read:count_missing", name="count-missing",
+            help="Count the specs without an ok row. Read-only: never profiles.")
+app.command("kprof.cli.read:query", name="query",
+            help="Read the rows of the given specs. Read-only: never profiles; missing rows exit 0.")
+app.command("kprof.cli.run:run", name="run",
+            help="Profile the missing specs (or all with --force; --fresh writes nothing), then report every row.")
 app.command("kprof.cli.audit:audit", name="audit",
             help="Verify every event id and key, the log, the views and the file structure (exit 3 on damage).")
 app.command("kprof.cli.show:show", name="show",

@@ -6,7 +6,7 @@ import sys
 
 import msgspec
 
-_json = msgspec.json.Encoder(order="deterministic")
+_json = msgspec.json.Encoder()  # keys in the order the contract lists them
 
 
 def emit_json(doc) -> None:
@@ -25,3 +25,36 @@ def console(stderr: bool = False):
 
 def error(message: str) -> None:
     console(stderr=True).print(f"[bold red]error:[/] {message}", markup=True)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def results_table(res) -> None:
+    """A readable table of a query/run result: spec columns beside status and metrics."""
+    from rich.table import Table
+
+    out = console()
+    spec_cols = list(res.results[0]["spec"]) if res.results else []
+    metric_cols = []
+    for r in res.results:
+        for k in r["metrics"] or {}:
+            if k not in metric_cols:
+                metric_cols.append(k)
+    table = Table(*spec_cols, "status", *metric_cols, "citation",
+                  title=f"{res.table} / {res.backend} on {res.gpu_name} ({res.mode})")
+    for r in res.results:
+        m = r["metrics"] or {}
+        table.add_row(*(_fmt(r["spec"][c]) for c in spec_cols), r["status"], *(_fmt(m.get(c)) for c in metric_cols),
+                      r["citation"] or "-")
+    out.print(table)
+    out.print(f"{res.count - res.missing_count} of {res.count} ok, {res.missing_count} missing; db {res.db}; "
+              f"view root {res.view_root[:16]}", markup=False)
+    for r in res.results:
+        if r.get("error"):
+            out.print(f"error for {r['spec']}: {r['error']['kind']}: {r['error']['message']}", markup=False)

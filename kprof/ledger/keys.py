@@ -48,14 +48,17 @@ class ShapeCodec:
         info = msgspec.inspect.type_info(args_type)
         fields = sorted(info.fields, key=lambda f: f.name)
         self.field_names = tuple(f.name for f in info.fields)
+        self._types = {f.name: f.type for f in info.fields}
         self._int_fields = {f.name for f in info.fields if isinstance(f.type, msgspec.inspect.IntType)}
         hints = msgspec.structs.fields(args_type)
         by_name = {f.name: f for f in hints}
+        post_init = getattr(args_type, "__post_init__", None)  # cross-field rules travel with the twin
         self._twin = msgspec.defstruct(
             f"_Canonical{args_type.__name__}",
             [(f.name, by_name[f.name].type) for f in fields],
             frozen=True,
             forbid_unknown_fields=True,
+            namespace={"__post_init__": post_init} if post_init else None,
         )
 
     def to_shape(self, spec: Mapping[str, Any] | msgspec.Struct, index: int | None = None):
@@ -111,8 +114,16 @@ class ShapeCodec:
             name = text.split("`")[1]
             return SpecError(f'field "{name}" is missing; a {self.args_type.__name__} spec needs {self._table_fields()}',
                              index=index, field=name)
-        value = spec.get(name) if name else None
-        return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; fix the value', index=index,
+        if not name:  # a rule across fields (from __post_init__)
+            return SpecError(f"{text}; fix the values", index=index)
+        value = spec.get(name)
+        fix = "fix the value"
+        ftype = self._types.get(name)
+        if isinstance(ftype, msgspec.inspect.LiteralType):
+            fix = "use one of " + ", ".join(map(str, ftype.values))
+        elif isinstance(ftype, msgspec.inspect.IntType) and ftype.gt is not None:
+            fix = f"use an integer greater than {ftype.gt}"
+        return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; {fix}', index=index,
                          field=name, value=value)
 
 

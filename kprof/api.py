@@ -1,0 +1,237 @@
+"""The work behind every verb, callable from Python with the verbs' arguments.
+
+    from kprof import api
+    api.count_missing("single_gemm", "torch-cpu", specs)        # -> CountResult
+    api.query("single_gemm", "torch-cpu", specs, db="profile.db") # -> QueryResult
+    api.run("single_gemm", "torch-cpu", specs, mode="jit")        # -> QueryResult (exit code in .exit_code)
+
+query and count-missing never import torch, cupti or pynvml.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any, Callable, Literal
+
+import msgspec
+
+from .errors import UsageError
+from .ledger import Ledger, default_path
+from .ledger._reducer import root_of
+from .ledger.events import Measured, Origin
+from .ledger.view import Row, citation
+from .runners.registry import Entry, lookup
+from .specs import validate
+
+__all__ = ["resolve_gpu_key", "count_missing", "query", "run", "CountResult", "QueryResult", "Mode"]
+
+Mode = Literal["query", "jit", "force", "fresh"]
+
+
+class CountResult(msgspec.Struct):
+    table: str
+    backend: str
+    gpu_name: str
+    db: str
+    count: int
+    missing_count: int
+    missing: list[dict]
+
+
+class QueryResult(msgspec.Struct):
+    table: str
+    backend: str
+    gpu_name: str
+    db: str
+    mode: str
+    count: int
+    missing_count: int
+    view_root: str
+    results: list[dict]
+    view_root_before: str | None = None
+    exit_code: int = 0
+    seconds: float = 0.0
+    timed_seconds: float = 0.0
+    measured: int = 0
+
+    def to_json(self) -> dict:
+        doc = msgspec.to_builtins(self)
+        for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured"):
+            doc.pop(extra)
+        return doc
+
+
+def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
+    """The GPU key: --gpu-name when given, else the name of the device the entry measures on."""
+    if gpu_name is not None:
+        if not gpu_name.strip():
+            raise UsageError("--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200', or omit it")
+        return gpu_name
+    if entry.device == "cpu":
+        from .measure.env import cpu_model
+
+        return cpu_model()
+    from .measure.env import cuda_name
+
+    return cuda_name()
+
+
+def _prepare(table, backend, specs, gpu_name, db):
+    entry = lookup(table, backend)
+    canonical = validate(entry.args, list(specs))
+    return entry, canonical, resolve_gpu_key(entry, gpu_name), os.fspath(db or default_path())
+
+
+def _open_for_read(db: str) -> Ledger | None:
+    return Ledger.open(db, readonly=True) if os.path.exists(db) else None
+
+
+def count_missing(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
+                  db: str | None = None) -> CountResult:
+    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db)
+    ledger = _open_for_read(db)
+    if ledger is None:
+        missing = canonical
+    else:
+        with ledger:
+            missing = ledger.view(table, backend, gpu_key, entry.contract, entry.args).missing(canonical)
+    return CountResult(table, backend, gpu_key, db, len(canonical), len(missing), missing)
+
+
+def _row_json(row: Row, base) -> dict:
+    doc = row.to_json()
+    if doc["provenance"] is not None:
+        prov = row.provenance
+        doc["provenance"] = {f: getattr(prov, f) for f in prov.__struct_fields__}  # every field, defaults too
+    return doc
+
+
+def _query(entry, canonical, gpu_key, db, ledger, mode) -> QueryResult:
+    if ledger is None:
+        from .ledger._codec import scope_id
+
+        root = root_of(scope_id(entry.table, entry.backend, gpu_key), 0, 0).hex()
+        results = [{"spec": s, "status": "missing", "key": None, "event": None, "citation": None, "metrics": None,
+                    "stats": None, "provenance": None, "measured_at": None, "error": None} for s in canonical]
+        from .ledger.keys import KeyMaker, ShapeCodec
+
+        keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
+        for r, s in zip(results, canonical):
+            r["key"] = keys.key(s).hex()
+    else:
+        view = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
+        raw_root, rows = view.query(canonical)
+        root = raw_root.hex()
+        results = []
+        for spec, row in zip(canonical, rows):
+            doc = _row_json(row, view.keys.base)
+            doc["spec"] = spec
+            results.append(doc)
+    missing = sum(r["status"] != "ok" for r in results)
+    return QueryResult(entry.table, entry.backend, gpu_key, db, mode, len(results), missing, root, results)
+
+
+def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
+          db: str | None = None) -> QueryResult:
+    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db)
+    ledger = _open_for_read(db)
+    try:
+        return _query(entry, canonical, gpu_key, db, ledger, "query")
+    finally:
+        if ledger is not None:
+            ledger.close()
+
+
+def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_name: str | None = None,
+        db: str | None = None, progress: Callable[[int, int, dict], None] | None = None,
+        command: str = "") -> QueryResult:
+    """JIT fill (mode "jit": measure what is missing), refresh ("force": measure all), or look without
+    writing ("fresh": measure all, store nothing). Every spec is validated before anything is measured."""
+    if mode not in ("jit", "force", "fresh"):
+        raise UsageError(f"mode {mode!r} is not one of jit, force, fresh")
+    started = time.perf_counter()
+    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db)
+    if gpu_name is not None:
+        local = resolve_gpu_key(entry, None)
+        if local != gpu_name:
+            raise UsageError(f"--gpu-name {gpu_name!r} differs from the device this run would measure on "
+                             f"({local!r}); omit --gpu-name, or run on a machine with that device")
+    from .runners.worker import measure_specs
+
+    origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
+    ledger = None if mode == "fresh" else Ledger.open(db)
+    if ledger is None and mode == "fresh":
+        ledger = _open_for_read(db)
+    try:
+        if ledger is not None:
+            origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
+            view = ledger.view(table, backend, gpu_key, entry.contract, entry.args)
+            before_root, before_rows = view.query(canonical)
+        else:
+            view, before_root, before_rows = None, None, [None] * len(canonical)
+        if mode == "jit":
+            todo = [i for i, r in enumerate(before_rows) if r.status != "ok"]
+        else:
+            todo = list(range(len(canonical)))
+        parents = {r.key: r.event_id for r in before_rows if r is not None and r.event_id is not None}
+        errored: dict[int, dict] = {}
+        fresh: dict[int, Any] = {}
+        timed = 0.0
+        for n, outcome in enumerate(measure_specs(entry, [canonical[i] for i in todo], gpu_key, origin=origin,
+                                                  parents=parents)):
+            i = todo[outcome.index]
+            timed += outcome.timed_seconds
+            if type(outcome.event) is not Measured:
+                errored[i] = {"kind": outcome.event.error_kind, "message": outcome.event.message}
+            if mode == "fresh":
+                fresh[i] = outcome.event
+            else:
+                ledger.append([outcome.event])  # one commit per spec: a crash keeps what was finished
+            if progress:
+                progress(n + 1, len(todo), canonical[i])
+        if mode == "fresh":
+            result = _fresh_result(entry, canonical, gpu_key, db, fresh, errored, before_root)
+        else:
+            result = _query(entry, canonical, gpu_key, db, ledger, mode)
+            for i, err in errored.items():
+                result.results[i]["status"] = "error"
+                result.results[i]["error"] = err
+            result.missing_count = sum(r["status"] != "ok" for r in result.results)
+        result.view_root_before = before_root.hex() if before_root is not None else None
+        result.exit_code = 1 if result.missing_count else 0
+        result.seconds = time.perf_counter() - started
+        result.timed_seconds = timed
+        result.measured = len(todo)
+        return result
+    finally:
+        if ledger is not None:
+            ledger.close()
+
+
+def _fresh_result(entry, canonical, gpu_key, db, events, errored, before_root) -> QueryResult:
+    """Rows straight from this run's measurements; nothing was written, so no row is citable."""
+    from .ledger import _codec
+    from .ledger.events import summary_of
+
+    results = []
+    for i, spec in enumerate(canonical):
+        ev = events[i]
+        summary = summary_of(ev)
+        prov = ev.provenance
+        ok = type(ev) is Measured
+        results.append({
+            "spec": spec, "status": "ok" if ok else "error", "key": ev.key.hex(),
+            "event": _codec.event_id(_codec.encode(ev)).hex(), "citation": None,
+            "metrics": summary.metrics, "stats": msgspec.to_builtins(summary.stats) if ok else None,
+            "provenance": {f: getattr(prov, f) for f in prov.__struct_fields__},
+            "measured_at": Row(spec, "ok", ev.key, None, summary).measured_at,
+            "error": errored.get(i)})
+    root = before_root.hex() if before_root is not None else root_of(
+        _codec.scope_id(entry.table, entry.backend, gpu_key), 0, 0).hex()
+    missing = sum(r["status"] != "ok" for r in results)
+    return QueryResult(entry.table, entry.backend, gpu_key, db, "fresh", len(results), missing, root, results)
+
+
+del citation

@@ -1,0 +1,1 @@
+"""Timers, statistics and stopping, environment fingerprints. torch is imported inside functions only."""

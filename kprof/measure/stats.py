@@ -1,0 +1,66 @@
+"""Sample statistics and the adaptive stopping rule shared by every timer."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from ..ledger.events import Stats
+
+__all__ = ["summarize", "median_halfwidth", "StopRule"]
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median_halfwidth(xs_sorted: list[float]) -> float:
+    """Half-width of a distribution-free ~95% confidence interval of the median, relative to it.
+
+    The interval runs between the order statistics n/2 ± 0.98·√n (binomial normal approximation), so it
+    needs no assumption about the shape of the timing distribution (which is skewed, with outliers).
+    """
+    n = len(xs_sorted)
+    if n < 5:
+        return math.inf
+    half = 0.98 * math.sqrt(n)
+    lo = max(0, math.floor(n / 2 - half))
+    hi = min(n - 1, math.ceil(n / 2 + half))
+    med = _quantile(xs_sorted, 0.5)
+    return (xs_sorted[hi] - xs_sorted[lo]) / 2 / med if med > 0 else math.inf
+
+
+def summarize(samples_ms: list[float], keep: int = 512) -> Stats:
+    """Summary of the samples (ms). Raw samples are kept up to `keep`, evenly thinned beyond it."""
+    xs = sorted(samples_ms)
+    n = len(xs)
+    mean = statistics.fmean(xs)
+    stdev = statistics.stdev(xs) if n > 1 else 0.0
+    med = _quantile(xs, 0.5)
+    kept = samples_ms if n <= keep else [samples_ms[round(i * (n - 1) / (keep - 1))] for i in range(keep)]
+    return Stats(n=n, median=med, p10=_quantile(xs, 0.1), p90=_quantile(xs, 0.9), mean=mean, stdev=stdev,
+                 cv=stdev / mean if mean > 0 else 0.0, min=xs[0], max=xs[-1], samples=list(kept))
+
+
+class StopRule:
+    """Stop when at least `min_samples` and `min_time_s` are reached and the median's relative CI
+    half-width is under `target`; or when `budget_s` or `max_samples` is reached."""
+
+    def __init__(self, *, target: float = 0.005, min_samples: int = 10, max_samples: int = 2000,
+                 min_time_s: float = 0.02, budget_s: float = 1.0):
+        self.target, self.min_samples, self.max_samples = target, min_samples, max_samples
+        self.min_time_s, self.budget_s = min_time_s, budget_s
+
+    def check(self, samples: list[float], elapsed_s: float) -> str | None:
+        n = len(samples)
+        if n >= self.max_samples:
+            return "max_samples"
+        if elapsed_s >= self.budget_s and n >= 3:
+            return "budget"
+        if n >= self.min_samples and elapsed_s >= self.min_time_s and n % 5 == 0:
+            if median_halfwidth(sorted(samples)) <= self.target:
+                return "converged"
+        return None

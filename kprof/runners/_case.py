@@ -1,0 +1,60 @@
+"""What a runner hands the measuring pipeline for one spec, and shared input/oracle helpers."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, NamedTuple
+
+import msgspec
+
+from ..errors import KprofError
+
+__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_close", "torch_dtype"]
+
+
+class WrongResult(KprofError):
+    """The kernel's result disagrees with the independent oracle: nothing is timed or stored as ok."""
+
+
+class Unsupported(KprofError):
+    """The spec cannot run on this backend/device (a dtype or shape the kernel does not support)."""
+
+
+class Case(NamedTuple):
+    fn: Callable[[], object]  # the timed closure: the production public callable on prepared inputs
+    check: Callable[[], None]  # runs the callable once and compares with the oracle; raises WrongResult
+    flops: float  # counted floating-point operations of one invocation
+    bytes: float  # minimum bytes one invocation must move
+    algorithm: str = ""  # the implementation actually selected, when the library says
+    kernel_filter: str | None = None  # a stable single kernel's name filter for CUPTI; None sums all
+    notes: dict[str, str] = {}
+
+
+def seed_of(spec: msgspec.Struct) -> int:
+    """A deterministic seed per spec, so every run builds the same inputs."""
+    return zlib.crc32(msgspec.json.encode(spec))
+
+
+def torch_dtype(name: str):
+    import torch
+
+    from ._args import DTYPES
+
+    return getattr(torch, DTYPES[name])
+
+
+# Relative Frobenius-norm error allowed against an fp64 oracle, by the kernel's dtype. Loose enough for
+# the dtype's rounding over long reductions, tight enough that a wrong layout or scale cannot pass.
+TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 2e-2, "fp8_e4m3": 8e-2}
+
+
+def check_close(got, ref, dtype: str, what: str) -> None:
+    import torch
+
+    got64, ref64 = got.double(), ref.double()
+    if not torch.isfinite(got64).all():
+        raise WrongResult(f"{what}: result has non-finite values")
+    err = (torch.linalg.vector_norm(got64 - ref64) / torch.linalg.vector_norm(ref64).clamp_min(1e-30)).item()
+    if err > TOLERANCE[dtype]:
+        raise WrongResult(f"{what}: relative error {err:.3g} against the fp64 oracle exceeds {TOLERANCE[dtype]} "
+                          f"for {dtype}")

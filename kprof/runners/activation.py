@@ -1,0 +1,36 @@
+"""silu_mul: out = silu(x[:, :h]) · x[:, h:], the gated MLP activation, as the production torch code
+writes it (two kernels: silu, then the product; the timed closure includes both)."""
+
+from __future__ import annotations
+
+from ._args import DTYPE_BYTES, FloatDtype, KernelArgs, Size
+from ._case import Case, check_close, seed_of, torch_dtype
+
+
+class SiluMulArgs(KernelArgs, frozen=True):
+    tokens: Size
+    hidden: Size  # the output width; the input is [tokens, 2 * hidden]
+    dtype: FloatDtype
+
+
+class SiluMul:
+    def build(self, spec: SiluMulArgs, device: str) -> Case:
+        import torch
+        import torch.nn.functional as F
+
+        dt = torch_dtype(spec.dtype)
+        g = torch.Generator().manual_seed(seed_of(spec))
+        x = (2 * torch.randn(spec.tokens, 2 * spec.hidden, generator=g)).to(device=device, dtype=dt)
+        h = spec.hidden
+
+        def fn():
+            return F.silu(x[:, :h]) * x[:, h:]
+
+        def check():
+            x64 = x.double().cpu()
+            gate, up = x64[:, :h], x64[:, h:]
+            ref = gate / (1 + torch.exp(-gate)) * up
+            check_close(fn().cpu(), ref, spec.dtype, "silu_mul")
+
+        n = spec.tokens * spec.hidden
+        return Case(fn, check, flops=5.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * 3 * n))

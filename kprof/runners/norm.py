@@ -1,0 +1,39 @@
+"""rms_norm: y = x / sqrt(mean(x²) + eps) · w over the last dim, through torch.nn.functional.rms_norm."""
+
+from __future__ import annotations
+
+from ._args import DTYPE_BYTES, FloatDtype, KernelArgs, Size
+from ._case import Case, check_close, seed_of, torch_dtype
+
+EPS = 1e-6
+
+
+class RmsNormArgs(KernelArgs, frozen=True):
+    tokens: Size
+    hidden: Size
+    dtype: FloatDtype
+
+
+class RmsNorm:
+    def build(self, spec: RmsNormArgs, device: str) -> Case:
+        import torch
+        import torch.nn.functional as F
+
+        dt = torch_dtype(spec.dtype)
+        g = torch.Generator().manual_seed(seed_of(spec))
+        # Hidden states with per-channel scale spread (as residual streams have), weights around 1.
+        scale = torch.rand(spec.hidden, generator=g) * 4 + 0.25
+        x = (torch.randn(spec.tokens, spec.hidden, generator=g) * scale).to(device=device, dtype=dt)
+        w = (1 + 0.1 * torch.randn(spec.hidden, generator=g)).to(device=device, dtype=dt)
+        shape = (spec.hidden,)
+
+        def fn():
+            return F.rms_norm(x, shape, w, EPS)
+
+        def check():
+            x64, w64 = x.double().cpu(), w.double().cpu()
+            ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * w64
+            check_close(fn().cpu(), ref, spec.dtype, "rms_norm")
+
+        n = spec.tokens * spec.hidden
+        return Case(fn, check, flops=4.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * (2 * n + spec.hidden)))

@@ -1,0 +1,98 @@
+"""The registry: one entry per (table, backend). It imports no measurement library; runners are named
+by import string and loaded only when something is measured.
+
+An entry supplies every part of a row's provenance except the shape and the GPU key: its `contract`
+(algorithm, layout, numerics, timing method, profiler revision). Bumping `profiler_revision` makes the
+rows measured under the old revision `stale`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Literal
+
+import msgspec
+
+from ..errors import UsageError
+from ..ledger.events import Contract
+
+__all__ = ["Entry", "REGISTRY", "lookup", "entries", "register"]
+
+
+class Entry(msgspec.Struct, frozen=True):
+    table: str
+    backend: str
+    args: type  # the KernelArgs Struct of the table
+    kernel_kind: str  # e.g. "gemm", "norm", "activation", "attention"
+    metric_family: Literal["compute", "comm"]
+    contract: Contract
+    runner: str  # "module:Class", imported lazily
+    device: Literal["cpu", "cuda"] = "cpu"
+    subprocess_env: str = "default_env"
+    gpus: int = 1  # devices one spec needs
+    description: str = ""
+
+    @property
+    def get_fn(self) -> str:
+        return f"kprof.perf_api.get_{self.table}"
+
+    @property
+    def count_fn(self) -> str:
+        return f"kprof.perf_api.count_{self.table}"
+
+    def load_runner(self):
+        module, _, name = self.runner.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def describe(self) -> dict:
+        """Everything `kprof list` shows, with field names."""
+        fields = msgspec.inspect.type_info(self.args).fields
+        return {
+            "table": self.table, "backend": self.backend, "kernel_kind": self.kernel_kind,
+            "args": [f.name for f in fields],
+            "arg_types": {f.name: _type_name(f.type) for f in fields},
+            "metric_family": self.metric_family, "subprocess_env": self.subprocess_env,
+            "get_fn": self.get_fn, "count_fn": self.count_fn, "device": self.device, "gpus": self.gpus,
+            "contract": msgspec.structs.asdict(self.contract), "runner": self.runner,
+            "description": self.description,
+        }
+
+
+def _type_name(t) -> str:
+    inspect = msgspec.inspect
+    if isinstance(t, inspect.LiteralType):
+        return "one of " + ", ".join(map(repr, t.values))
+    if isinstance(t, inspect.IntType):
+        return "int > 0" if t.gt == 0 else "int"
+    return {inspect.BoolType: "bool", inspect.StrType: "str", inspect.FloatType: "float"}.get(type(t), str(t))
+
+
+REGISTRY: dict[tuple[str, str], Entry] = {}
+
+
+def register(entry: Entry) -> Entry:
+    REGISTRY[(entry.table, entry.backend)] = entry
+    return entry
+
+
+def _load() -> None:
+    if not REGISTRY:
+        from . import catalog  # noqa: F401  (registers every family)
+
+
+def entries() -> list[Entry]:
+    _load()
+    return sorted(REGISTRY.values(), key=lambda e: (e.table, e.backend))
+
+
+def lookup(table: str, backend: str) -> Entry:
+    _load()
+    entry = REGISTRY.get((table, backend))
+    if entry is not None:
+        return entry
+    tables = sorted({t for t, _ in REGISTRY})
+    if table not in tables:
+        raise UsageError(f"unknown table {table!r}; known tables: {', '.join(tables)} (see `kprof list`)")
+    backends = sorted(b for t, b in REGISTRY if t == table)
+    raise UsageError(f"table {table!r} has no backend {backend!r}; its backends: {', '.join(backends)} "
+                     f"(see `kprof list`)")
