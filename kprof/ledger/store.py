@@ -34,10 +34,22 @@ _live: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
 _envs: dict[str, list] = {}  # realpath -> [env, users]
 
 
+_inherited: list[lmdb.Environment] = []  # environments a forked child got from its parent
+
+
 def _forget_after_fork() -> None:
     for ledger in list(_live):
         ledger._forked = True
-    _envs.clear()  # the parent's environments are unusable here; never close them from the child
+    _inherited.extend(env for env, _users in _envs.values())
+    _envs.clear()  # the parent's environments are unusable here
+
+
+def _drop_inherited() -> None:
+    """Closes, in a forked child, the environments inherited from the parent, so the child can open the
+    file afresh (the lmdb package allows one environment per file per process). Closing only touches
+    this process's reader slots (LMDB clears slots whose pid is the caller's), never the parent's."""
+    while _inherited:
+        _inherited.pop().close()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -115,6 +127,7 @@ class Ledger:
             raise LedgerError(f"no ledger at {path}; create one with `kprof run ... --db {path}` or pass --db")
         if exists and os.path.getsize(path) == 0:
             raise IntegrityError(f"ledger {path} is empty (0 bytes): the file was truncated; restore it from a copy")
+        _drop_inherited()
         real = os.path.realpath(path)
         shared = _envs.get(real)
         if shared is not None:
