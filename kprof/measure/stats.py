@@ -54,6 +54,19 @@ class StopRule:
         self.target, self.min_samples, self.max_samples = target, min_samples, max_samples
         self.min_time_s, self.budget_s = min_time_s, budget_s
 
+    @classmethod
+    def from_env(cls) -> "StopRule":
+        """The default rule, with KPROF_TIME_BUDGET_S (seconds per spec) and KPROF_TARGET_CI (relative
+        half-width of the median's CI) overriding the budget and the target when set."""
+        import os
+
+        kw = {}
+        if os.environ.get("KPROF_TIME_BUDGET_S"):
+            kw["budget_s"] = float(os.environ["KPROF_TIME_BUDGET_S"])
+        if os.environ.get("KPROF_TARGET_CI"):
+            kw["target"] = float(os.environ["KPROF_TARGET_CI"])
+        return cls(**kw)
+
     def check(self, samples: list[float], elapsed_s: float) -> str | None:
         n = len(samples)
         if n >= self.max_samples:

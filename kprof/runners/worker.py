@@ -63,7 +63,7 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
     runner = entry.load_runner()()
     env = (environment or cpu_environment)()
-    rule = rule or StopRule()
+    rule = rule or StopRule.from_env()
     parents = parents or {}
     for index, raw in enumerate(specs):
         started = time.perf_counter()
