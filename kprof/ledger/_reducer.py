@@ -51,6 +51,7 @@ class Store:
     def delete(self, db: str, k: bytes) -> None: ...
     def history(self, key: bytes) -> list[bytes]: ...  # event ids, oldest first
     def event(self, eid: bytes): ...  # decoded event
+    def flush(self) -> None: ...  # writes what is buffered
 
 
 class Reducer:

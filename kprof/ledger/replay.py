@@ -31,6 +31,9 @@ class MemoryStore(Store):
     def history(self, key):
         return self._history.get(key, [])
 
+    def flush(self) -> None:
+        pass
+
     def event(self, eid):
         return _codec.event_decoder.decode(self.txn.get(eid, db=self.dbs["events"]))
 
@@ -41,6 +44,7 @@ def replay_into(store: Store, events) -> None:
     for seq, eid, event in events:
         reducer.apply(event, eid, seq)
     reducer.flush()
+    store.flush()
 
 
 def rebuild_views(ledger: Ledger) -> int:

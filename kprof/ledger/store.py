@@ -75,22 +75,51 @@ class AppendResult(NamedTuple):
     last_seq: int
 
 
+_DELETED = object()
+
+
 class _TxnStore:
-    """The reducer's Store over one LMDB write transaction."""
+    """The reducer's Store over one LMDB write transaction, with the batch's writes buffered and then
+    written per sub-database in key order (`putmulti`): sorted inserts touch each B-tree page once."""
 
     def __init__(self, txn: lmdb.Transaction, dbs: dict):
         self.txn, self.dbs = txn, dbs
+        self.pending: dict[str, dict] = {}
 
     def get(self, db, k):
+        buf = self.pending.get(db)
+        if buf is not None:
+            v = buf.get(k)
+            if v is not None:
+                return None if v is _DELETED else v
         return self.txn.get(k, db=self.dbs[db])
 
     def put(self, db, k, v):
-        self.txn.put(k, v, db=self.dbs[db])
+        buf = self.pending.get(db)
+        if buf is None:
+            buf = self.pending[db] = {}
+        buf[k] = v
 
     def delete(self, db, k):
-        self.txn.delete(k, db=self.dbs[db])
+        self.put(db, k, _DELETED)
+
+    def flush(self) -> None:
+        txn = self.txn
+        for db, buf in self.pending.items():
+            handle = self.dbs[db]
+            puts = []
+            for k in sorted(buf):
+                v = buf[k]
+                if v is _DELETED:
+                    txn.delete(k, db=handle)
+                else:
+                    puts.append((k, v))
+            if puts:
+                txn.cursor(handle).putmulti(puts, append=db == "log")
+        self.pending.clear()
 
     def history(self, key):
+        self.flush()
         cur = self.txn.cursor(self.dbs["history"])
         out = []
         if cur.set_range(key):
@@ -101,7 +130,8 @@ class _TxnStore:
         return out
 
     def event(self, eid):
-        return _codec.event_decoder.decode(self.txn.get(eid, db=self.dbs["events"]))
+        data = self.get("events", eid)
+        return None if data is None else _codec.event_decoder.decode(data)
 
 
 class Ledger:
@@ -268,22 +298,25 @@ class Ledger:
         dbs = self.dbs
         meta, events_db = dbs["meta"], dbs["events"]
         seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
-        reducer = Reducer(_TxnStore(txn, dbs))
+        store = _TxnStore(txn, dbs)
+        reducer = Reducer(store)
         added, existing = [], []
         for event, data, eid in prepared:
-            if not txn.put(eid, data, db=events_db, overwrite=False):
+            if store.get("events", eid) is not None:
                 existing.append(eid)
                 continue
             if type(event) is Retracted:
-                target = txn.get(event.target, db=events_db)
-                if target is None or _codec.event_decoder.decode(target).key != event.key:
+                target = store.event(event.target)
+                if target is None or target.key != event.key:
                     raise UsageError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, which "
                                      f"is not in this ledger under key {event.key.hex()[:16]}; append the target first")
+            store.put("events", eid, data)
             seq += 1
-            txn.put(pack_seq(seq), eid, db=dbs["log"], append=True)
+            store.put("log", pack_seq(seq), eid)
             reducer.apply(event, eid, seq)
             added.append(eid)
         reducer.flush()
+        store.flush()
         txn.put(b"last_seq", _codec.encode(seq), db=meta)
         return AppendResult(added, existing, seq)
 
