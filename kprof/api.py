@@ -21,8 +21,8 @@ from .errors import UsageError
 from .ledger import Ledger, default_path
 from .ledger._reducer import root_of
 from .ledger.events import Measured, Origin
-from .ledger.view import Row, citation
-from .runners.registry import Entry, lookup
+from .ledger.view import Row
+from .runners.registry import METRICS, Entry, lookup
 from .specs import validate
 
 __all__ = ["resolve_gpu_key", "count_missing", "query", "run", "CountResult", "QueryResult", "Mode"]
@@ -100,8 +100,19 @@ def count_missing(table: str, backend: str, specs: list[Any], *, gpu_name: str |
     return CountResult(table, backend, gpu_key, db, len(canonical), len(missing), missing)
 
 
-def _row_json(row: Row, base) -> dict:
+def _ordered(metrics: dict | None, family: str) -> dict | None:
+    """Metrics in the contract's order for the family (stored maps are key-sorted)."""
+    if metrics is None:
+        return None
+    order = METRICS[family]
+    out = {k: metrics[k] for k in order if k in metrics}
+    out.update((k, v) for k, v in metrics.items() if k not in out)
+    return out
+
+
+def _row_json(row: Row, family: str) -> dict:
     doc = row.to_json()
+    doc["metrics"] = _ordered(doc["metrics"], family)
     if doc["provenance"] is not None:
         prov = row.provenance
         doc["provenance"] = {f: getattr(prov, f) for f in prov.__struct_fields__}  # every field, defaults too
@@ -126,7 +137,7 @@ def _query(entry, canonical, gpu_key, db, ledger, mode) -> QueryResult:
         root = raw_root.hex()
         results = []
         for spec, row in zip(canonical, rows):
-            doc = _row_json(row, view.keys.base)
+            doc = _row_json(row, entry.metric_family)
             doc["spec"] = spec
             results.append(doc)
     missing = sum(r["status"] != "ok" for r in results)
@@ -171,33 +182,42 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
             before_root, before_rows = view.query(canonical)
         else:
             view, before_root, before_rows = None, None, [None] * len(canonical)
-        if mode == "jit":
-            todo = [i for i, r in enumerate(before_rows) if r.status != "ok"]
-        else:
-            todo = list(range(len(canonical)))
+        from .ledger.keys import KeyMaker, ShapeCodec
+
+        keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
+        spec_keys = [keys.key(s) for s in canonical]
+        # One measurement per key: a spec repeated in the request (or given as 64.0 and 64) is measured once.
+        todo, seen = [], set()
+        for i, k in enumerate(spec_keys):
+            if k in seen or (mode == "jit" and before_rows[i].status == "ok"):
+                continue
+            seen.add(k)
+            todo.append(i)
         parents = {r.key: r.event_id for r in before_rows if r is not None and r.event_id is not None}
-        errored: dict[int, dict] = {}
-        fresh: dict[int, Any] = {}
+        errored: dict[bytes, dict] = {}
+        fresh: dict[bytes, Any] = {}
         timed = 0.0
         for n, outcome in enumerate(measure_specs(entry, [canonical[i] for i in todo], gpu_key, origin=origin,
                                                   parents=parents)):
             i = todo[outcome.index]
             timed += outcome.timed_seconds
             if type(outcome.event) is not Measured:
-                errored[i] = {"kind": outcome.event.error_kind, "message": outcome.event.message}
+                errored[spec_keys[i]] = {"kind": outcome.event.error_kind, "message": outcome.event.message}
             if mode == "fresh":
-                fresh[i] = outcome.event
+                fresh[spec_keys[i]] = outcome.event
             else:
                 ledger.append([outcome.event])  # one commit per spec: a crash keeps what was finished
             if progress:
                 progress(n + 1, len(todo), canonical[i])
         if mode == "fresh":
-            result = _fresh_result(entry, canonical, gpu_key, db, fresh, errored, before_root)
+            result = _fresh_result(entry, canonical, gpu_key, db, [fresh[k] for k in spec_keys],
+                                   [errored.get(k) for k in spec_keys], before_root)
         else:
             result = _query(entry, canonical, gpu_key, db, ledger, mode)
-            for i, err in errored.items():
-                result.results[i]["status"] = "error"
-                result.results[i]["error"] = err
+            for doc, k in zip(result.results, spec_keys):
+                if k in errored:
+                    doc["status"] = "error"
+                    doc["error"] = errored[k]
             result.missing_count = sum(r["status"] != "ok" for r in result.results)
         result.view_root_before = before_root.hex() if before_root is not None else None
         result.exit_code = 1 if result.missing_count else 0
@@ -224,14 +244,12 @@ def _fresh_result(entry, canonical, gpu_key, db, events, errored, before_root) -
         results.append({
             "spec": spec, "status": "ok" if ok else "error", "key": ev.key.hex(),
             "event": _codec.event_id(_codec.encode(ev)).hex(), "citation": None,
-            "metrics": summary.metrics, "stats": msgspec.to_builtins(summary.stats) if ok else None,
+            "metrics": _ordered(summary.metrics, entry.metric_family), "stats": msgspec.to_builtins(summary.stats) if ok else None,
             "provenance": {f: getattr(prov, f) for f in prov.__struct_fields__},
             "measured_at": Row(spec, "ok", ev.key, None, summary).measured_at,
-            "error": errored.get(i)})
+            "error": errored[i]})
     root = before_root.hex() if before_root is not None else root_of(
         _codec.scope_id(entry.table, entry.backend, gpu_key), 0, 0).hex()
     missing = sum(r["status"] != "ok" for r in results)
     return QueryResult(entry.table, entry.backend, gpu_key, db, "fresh", len(results), missing, root, results)
 
-
-del citation

@@ -30,10 +30,15 @@ app.command("kprof.cli.show:show", name="show",
             help="Show one row's provenance, metrics and full history by citation, key or event id.")
 
 
+invocation: list[str] = []  # the arguments of the verb now running, for the records it writes
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    invocation[:] = argv
     try:
-        result = app(sys.argv[1:] if argv is None else argv)
+        result = app(argv)
     except CycloptsError:
         return 2  # cyclopts has printed the parse error
     except KprofError as exc:

@@ -50,7 +50,9 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         from ..artifacts import check_output_dir
 
         check_output_dir(output_dir)
-    command = "kprof " + shlex.join(sys.argv[1:]) if sys.argv and "kprof" in sys.argv[0] else "kprof run"
+    from . import invocation
+
+    command = "kprof " + shlex.join(invocation)
     bar, update = _progress()
     t0 = time.perf_counter()
     if bar:

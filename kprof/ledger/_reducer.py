@@ -8,9 +8,9 @@ Views (all rebuildable from the log):
   retracted    target event id -> retraction event id
   scopes       scope id -> msgpack [table, backend, gpu_key, rows, accumulator, contract ids seen]
 
-Current row of a key: its latest non-retracted measured event; else its latest non-retracted failure;
-else none. A failed re-measure therefore never hides a good row (the failure stays in `failures` and
-history). The scope's view root is an additive multiset hash over (key, current event id): it can be
+Current row of a key: its latest non-retracted attempt, measured or failed (the row's status is
+`failed` when the last attempt failed, as the contract defines; the earlier good row stays in history and
+comes back if the failure is retracted). The scope's view root is an additive multiset hash over (key, current event id): it can be
 updated in O(1) per change and does not depend on the order rows arrived in.
 """
 
@@ -101,8 +101,102 @@ class Reducer:
             self._set_current(entry, key, cur, MEASURED + eid + _codec.encode(summary_of(event)))
         else:
             s.put("failures", key, eid)
-            if cur is None or cur[:1] == FAILED:
-                self._set_current(entry, key, cur, FAILED + eid + _codec.encode(summary_of(event)))
+            self._set_current(entry, key, cur, FAILED + eid + _codec.encode(summary_of(event)))
+
+    def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
+        if old == new:
+            return
+        if old is not None:
+            entry[4] = (entry[4] - row_term(key, old[1:33])) % MOD
+            entry[3] -= 1
+        if new is not None:
+            entry[4] = (entry[4] + row_term(key, new[1:33])) % MOD
+            entry[3] += 1
+            self.store.put("current", key, new)
+        else:
+            self.store.delete("current", key)
+
+    def _retract(self, event: Retracted, eid: bytes) -> None:
+        s = self.store
+        s.put("retracted", event.target, eid)
+        target = s.event(event.target)
+        sid, entry = self._scope(target.provenance)
+        key = event.key
+        cur = s.get("current", key)
+        latest = latest_failed = None
+        for hid in reversed(s.history(key)):
+            if s.get("retracted", hid) is not None:
+                continue
+            ev = s.event(hid)
+            if type(ev) is Retracted:
+                continue
+            if latest is None:
+                latest = (hid, ev)
+            if type(ev) is Failed:
+                latest_failed = hid
+                break
+        if latest is None:
+            new = None
+        else:
+            kind = MEASURED if type(latest[1]) is Measured else FAILED
+            new = kind + latest[0] + _codec.encode(summary_of(latest[1]))
+        self._set_current(entry, key, cur, new)
+        if latest_failed is None:
+            s.delete("failures", key)
+        else:
+            s.put("failures", key, latest_failed)
+
+    def flush(self) -> None: ...  # writes what is buffered
+
+
+class Reducer:
+    """Applies events to a Store. Scope accumulators are cached and flushed once per batch."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._scopes: dict[bytes, list] = {}  # scope -> [table, backend, gpu_key, rows, acc, contracts]
+        self._sids: dict[tuple, bytes] = {}
+        self._contracts: dict = {}
+
+    def _scope(self, prov) -> tuple[bytes, list]:
+        names = (prov.table, prov.backend, prov.gpu_key)
+        sid = self._sids.get(names)
+        if sid is None:
+            sid = self._sids[names] = _codec.scope_id(*names)
+        entry = self._scopes.get(sid)
+        if entry is None:
+            raw = self.store.get("scopes", sid)
+            if raw is None:
+                entry = [prov.table, prov.backend, prov.gpu_key, 0, 0, []]
+            else:
+                t, b, g, rows, acc, contracts = msgspec.msgpack.decode(raw)
+                entry = [t, b, g, rows, int.from_bytes(acc, "big"), contracts]
+            self._scopes[sid] = entry
+        return sid, entry
+
+    def apply(self, event, eid: bytes, seq: int, shape_bytes: bytes | None = None) -> None:
+        s = self.store
+        key = event.key
+        s.put("history", key + pack_seq(seq), eid)
+        if type(event) is Retracted:
+            self._retract(event, eid)
+            return
+        prov = event.provenance
+        sid, entry = self._scope(prov)
+        if shape_bytes is None:
+            shape_bytes = _codec.encode(prov.shape)
+        s.put("scope_index", sid + _codec.shape_id(shape_bytes) + key, b"")
+        cid = self._contracts.get(prov.contract)
+        if cid is None:
+            cid = self._contracts[prov.contract] = contract_id(prov)
+        if cid not in entry[5]:
+            entry[5] = sorted(entry[5] + [cid])
+        cur = s.get("current", key)
+        if type(event) is Measured:
+            self._set_current(entry, key, cur, MEASURED + eid + _codec.encode(summary_of(event)))
+        else:
+            s.put("failures", key, eid)
+            self._set_current(entry, key, cur, FAILED + eid + _codec.encode(summary_of(event)))
 
     def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
         if old == new:

@@ -122,7 +122,7 @@ class ShapeCodec:
         if isinstance(ftype, msgspec.inspect.LiteralType):
             fix = "use one of " + ", ".join(map(str, ftype.values))
         elif isinstance(ftype, msgspec.inspect.IntType) and ftype.gt is not None:
-            fix = f"use an integer greater than {ftype.gt}"
+            fix = f"use an integer greater than {ftype.gt}" + (f" and at most {ftype.le}" if ftype.le else "")
         return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; {fix}', index=index,
                          field=name, value=value)
 

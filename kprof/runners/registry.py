@@ -16,7 +16,7 @@ import msgspec
 from ..errors import UsageError
 from ..ledger.events import Contract
 
-__all__ = ["Entry", "REGISTRY", "lookup", "entries", "register"]
+__all__ = ["Entry", "METRICS", "REGISTRY", "lookup", "entries", "register"]
 
 
 class Entry(msgspec.Struct, frozen=True):
@@ -68,6 +68,9 @@ def _type_name(t) -> str:
 
 
 REGISTRY: dict[tuple[str, str], Entry] = {}
+# The metrics of each family, in the order the contract lists them.
+METRICS = {"compute": ("time_ms", "tflops", "memory_bandwidth_gbps", "energy_j"),
+           "comm": ("time_ms", "algbw_gbps", "busbw_gbps", "message_size_bytes", "energy_j")}
 
 
 def register(entry: Entry) -> Entry:

@@ -14,15 +14,17 @@ def _ledger(path):
 
 def test_show_by_citation_gives_provenance_metrics_and_history(ledger_path, capsys):
     led = _ledger(ledger_path)
-    row = synth.view(led).get(**synth.spec(0))
+    row = synth.view(led).get_many([synth.spec(0)])[0]
+    assert row.status == "failed"
+    good = led.resolve(row.key.hex()).history[1]
     led.close()
-    assert main(["show", row.citation, "--db", ledger_path, "--json"]) == 0
+    assert main(["show", f"kprof.{good[1].hex()[:16]}", "--db", ledger_path, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["resolved_as"] == "event" and doc["event"]["event"] == row.event_id.hex()
+    assert doc["resolved_as"] == "event" and doc["event"]["event"] == good[1].hex()
     assert doc["event"]["provenance"]["table"] == "single_gemm"
-    assert doc["event"]["metrics"]["time_ms"] == row.metrics["time_ms"]
+    assert doc["event"]["metrics"]["time_ms"] == synth.event(0, seed=2).metrics["time_ms"]
     assert [h["type"] for h in doc["history"]] == ["measured", "measured", "failed"]
-    assert [h["current"] for h in doc["history"]] == [False, True, False]
+    assert [h["current"] for h in doc["history"]] == [False, False, True]
     assert doc["key"] == row.key.hex()
 
 

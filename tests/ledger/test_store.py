@@ -75,12 +75,18 @@ def test_statuses_ok_missing_stale_failed(ledger):
     assert {r.status for r in view.rows()} == {"ok", "stale", "failed"}
 
 
-def test_failure_never_hides_a_good_row(ledger):
+def test_last_attempt_failing_makes_the_row_failed_until_retracted(ledger):
     ev = synth.event(0)
     ledger.append([ev])
-    ledger.append([failed(ev.provenance, "timeout", "took too long")])
-    row = synth.view(ledger).get(**synth.spec(0))
+    bad = failed(ev.provenance, "wrong_result", "disagrees with the oracle")
+    ledger.append([bad])
+    view = synth.view(ledger)
+    assert view.get(**synth.spec(0)) is None
+    assert view.get_many([synth.spec(0)])[0].status == "failed"
+    ledger.append([retraction(_codec.event_id(_codec.encode(bad)), bad.key, "flaky node")])
+    row = view.get(**synth.spec(0))
     assert row is not None and row.metrics == ev.metrics
+    assert audit(ledger.path).ok
 
 
 def test_retraction_reverts_to_previous_row(ledger):

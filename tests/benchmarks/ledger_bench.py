@@ -1,0 +1,561 @@
+#!/usr/bin/env python
+"""kprof ledger vs. stdlib sqlite3: ingest, lookups, audit, disk and memory, in one run.
+
+    python tests/benchmarks/ledger_bench.py                       # 1M events, 100k lookups
+    python tests/benchmarks/ledger_bench.py --events 100000 --out /tmp/bench
+
+Phases (each printed as it finishes; the summary table comes last):
+
+1. The N synthetic events (`kprof.ledger.synth`) and their canonical bytes are generated once, untimed,
+   in a 2-process pool. Both stores get the very same events, bytes and keys.
+2. kprof ingest: `Ledger.append(batch)` per batch (events, log and every view in one LMDB write txn).
+3. SQLite ingest of the same events, done as well as we know how: WAL, synchronous=NORMAL, 1 GiB page
+   cache, BLOB primary keys WITHOUT ROWID, one transaction and one `executemany` per table per batch,
+   rows sorted by primary key. Per event it computes what a real ingest must: the canonical bytes, the
+   event id (blake3 of them), the summary bytes (`summary_of` + `_codec.encode`, the same bytes kprof
+   stores) and the shape id for the scope index. It takes the key from the event (kprof re-derives and
+   verifies it) and keeps no scope root accumulator (kprof does).
+4. Lookups of Q specs, half present, half missing, shuffled with a fixed seed, in child processes (one
+   for kprof, one for SQLite) so each reports the peak RSS of its own lookup phase. Best of --repeat:
+   `View.get_many`, `View.missing`, the py-lmdb ceiling (precomputed keys, a bare `txn.get` loop), and
+   the SQLite equivalents (same key hashing, `WHERE key IN (...)` in chunks of the best size found,
+   summaries decoded with msgspec for found rows; `missing` without decoding).
+5. `audit(path)` on the N-event ledger.
+6. Bytes on disk per event (LMDB file / N; SQLite db + wal / N).
+
+`--out DIR` writes every figure (and per-table sizes) to DIR/ledger_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import resource
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+
+GEN_CHUNK = 5_000
+CHUNK_CANDIDATES = (100, 250, 500, 1000, 2000, 5000)
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- 1. synthetic events -------------------------------------------------------------------------
+def _gen_chunk(bounds: tuple[int, int]) -> list[bytes]:
+    from kprof.ledger import _codec, synth
+
+    a, b = bounds
+    return [_codec.encode(synth.event(i)) for i in range(a, b)]
+
+
+def pregenerate(n: int, procs: int) -> list[bytes]:
+    bounds = [(a, min(a + GEN_CHUNK, n)) for a in range(0, n, GEN_CHUNK)]
+    if procs <= 1 or n <= GEN_CHUNK:
+        return [blob for bd in bounds for blob in _gen_chunk(bd)]
+    out: list[bytes] = []
+    with mp.get_context("spawn").Pool(procs) as pool:
+        for part in pool.imap(_gen_chunk, bounds):
+            out.extend(part)
+    return out
+
+
+def _batches(blobs: list[bytes], batch: int):
+    from kprof.ledger import _codec
+
+    decode = _codec.event_decoder.decode
+    for a in range(0, len(blobs), batch):
+        part = blobs[a:a + batch]
+        yield part, [decode(b) for b in part]  # decoding is the caller's business: untimed
+
+
+# ---- 2. kprof ingest -----------------------------------------------------------------------------
+def ingest_kprof(path: str, blobs: list[bytes], batch: int) -> dict:
+    from kprof.ledger import Ledger
+
+    ledger = Ledger.open(path)
+    spent = 0.0
+    try:
+        for _part, events in _batches(blobs, batch):
+            t = time.perf_counter()
+            result = ledger.append(events)
+            spent += time.perf_counter() - t
+            if len(result.added) != len(events):
+                raise SystemExit(f"kprof append added {len(result.added)} of {len(events)} fresh events")
+        last_seq = ledger.last_seq
+    finally:
+        ledger.close()
+    if last_seq != len(blobs):
+        raise SystemExit(f"kprof ledger ends at seq {last_seq}, expected {len(blobs)}")
+    return {"seconds": spent, "events_per_s": len(blobs) / spent}
+
+
+# ---- 3. SQLite ingest ----------------------------------------------------------------------------
+SQLITE_SCHEMA = """
+CREATE TABLE events (id BLOB PRIMARY KEY, data BLOB NOT NULL) WITHOUT ROWID;
+CREATE TABLE log (seq INTEGER PRIMARY KEY, id BLOB NOT NULL);
+CREATE TABLE current (key BLOB PRIMARY KEY, kind TEXT NOT NULL, event_id BLOB NOT NULL,
+                      summary BLOB NOT NULL) WITHOUT ROWID;
+CREATE TABLE history (key BLOB NOT NULL, seq INTEGER NOT NULL, event_id BLOB NOT NULL,
+                      PRIMARY KEY (key, seq)) WITHOUT ROWID;
+CREATE TABLE scope_index (scope BLOB NOT NULL, shape BLOB NOT NULL, key BLOB NOT NULL,
+                          PRIMARY KEY (scope, shape, key)) WITHOUT ROWID;
+"""
+
+
+def _sqlite_connect(path: str, readonly: bool = False) -> sqlite3.Connection:
+    if readonly:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    else:
+        con = sqlite3.connect(path, isolation_level=None)
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA synchronous=NORMAL")
+        con.execute("PRAGMA cache_size=-1048576")  # 1 GiB page cache for ingest
+        con.execute("PRAGMA temp_store=MEMORY")
+    return con
+
+
+def ingest_sqlite(path: str, blobs: list[bytes], batch: int) -> dict:
+    from kprof.ledger import _codec
+    from kprof.ledger.events import Measured, summary_of
+
+    encode, event_id, shape_id, scope_id = _codec.encode, _codec.event_id, _codec.shape_id, _codec.scope_id
+    con = _sqlite_connect(path)
+    con.executescript(SQLITE_SCHEMA)
+    scopes: dict[tuple, bytes] = {}
+    seq = 0
+    spent = 0.0
+    for part, events in _batches(blobs, batch):
+        if encode(events[0]) != part[0]:  # untimed: the bytes stored are the pre-generated ones
+            raise SystemExit("canonical bytes differ between generation and ingest")
+        t = time.perf_counter()
+        ev_rows, log_rows, cur_rows, hist_rows, idx_rows = [], [], [], [], []
+        for event in events:
+            data = encode(event)
+            eid = event_id(data)
+            seq += 1
+            key = event.key
+            prov = event.provenance
+            names = (prov.table, prov.backend, prov.gpu_key)
+            sid = scopes.get(names)
+            if sid is None:
+                sid = scopes[names] = scope_id(*names)
+            ev_rows.append((eid, data))
+            log_rows.append((seq, eid))
+            cur_rows.append((key, "m" if type(event) is Measured else "f", eid, encode(summary_of(event))))
+            hist_rows.append((key, seq, eid))
+            idx_rows.append((sid, shape_id(encode(prov.shape)), key))
+        ev_rows.sort()
+        cur_rows.sort()
+        hist_rows.sort()
+        idx_rows.sort()
+        con.execute("BEGIN")
+        con.executemany("INSERT OR IGNORE INTO events VALUES (?, ?)", ev_rows)
+        con.executemany("INSERT INTO log VALUES (?, ?)", log_rows)
+        con.executemany("INSERT OR REPLACE INTO current VALUES (?, ?, ?, ?)", cur_rows)
+        con.executemany("INSERT INTO history VALUES (?, ?, ?)", hist_rows)
+        con.executemany("INSERT OR IGNORE INTO scope_index VALUES (?, ?, ?)", idx_rows)
+        con.execute("COMMIT")
+        spent += time.perf_counter() - t
+    (count,) = con.execute("SELECT COUNT(*) FROM events").fetchone()
+    con.close()
+    if count != len(blobs):
+        raise SystemExit(f"sqlite holds {count} events, expected {len(blobs)}")
+    return {"seconds": spent, "events_per_s": len(blobs) / spent}
+
+
+# ---- 4. lookups (child processes) ----------------------------------------------------------------
+def lookup_specs(n: int, q: int, seed: int) -> tuple[list[dict], int]:
+    """Q specs: half present (indices < n), half missing (indices >= n), shuffled. Returns (specs, present)."""
+    from kprof.ledger import synth
+
+    rng = random.Random(seed)
+    half = q // 2
+    present = rng.sample(range(n), half) if half <= n else [rng.randrange(n) for _ in range(half)]
+    absent = [n + j for j in rng.sample(range(4 * q), q - half)]
+    specs = [synth.spec(i) for i in present + absent]
+    rng.shuffle(specs)
+    return specs, half
+
+
+def _best(fn, repeat: int):
+    times, out = [], None
+    for _ in range(repeat):
+        out = None
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return min(times), times, out
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
+    from kprof.ledger import Ledger, synth
+
+    specs, present = lookup_specs(n, q, seed)
+    ledger = Ledger.open(path, readonly=True)
+    try:
+        view = synth.view(ledger)
+        view.get_many(specs[:1000])  # warm-up
+        view.missing(specs[:1000])
+
+        best_g, times_g, rows = _best(lambda: view.get_many(specs), repeat)
+        ok = sum(1 for r in rows if r.status == "ok")
+        if ok != present or len(rows) != q:
+            raise SystemExit(f"kprof get_many found {ok} ok rows of {len(rows)}, expected {present} of {q}")
+        del rows
+        best_m, times_m, todo = _best(lambda: view.missing(specs), repeat)
+        if len(todo) != q - present:
+            raise SystemExit(f"kprof missing returned {len(todo)} specs, expected {q - present}")
+        del todo
+
+        keys = [view.keys.key(s, i) for i, s in enumerate(specs)]
+        with ledger.read() as txn:
+            get, cur = txn.get, ledger.dbs["current"]
+
+            def ceiling():
+                found = 0
+                for k in keys:
+                    if get(k, db=cur) is not None:
+                        found += 1
+                return found
+
+            best_c, times_c, found = _best(ceiling, repeat)
+        if found != present:
+            raise SystemExit(f"py-lmdb ceiling found {found}, expected {present}")
+    finally:
+        ledger.close()
+    return {
+        "get_many_per_s": q / best_g, "get_many_times": times_g,
+        "missing_per_s": q / best_m, "missing_times": times_m,
+        "ceiling_per_s": q / best_c, "ceiling_times": times_c,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def _sqlite_get_many(con, keyof, decode, specs, chunk):
+    keys = [keyof(s, i) for i, s in enumerate(specs)]
+    ordered = sorted(keys)  # neighbouring keys per chunk: fewer B-tree pages touched per statement
+    found = {}
+    full = "SELECT key, kind, event_id, summary FROM current WHERE key IN (" + ",".join("?" * chunk) + ")"
+    execute = con.execute
+    for a in range(0, len(ordered), chunk):
+        part = ordered[a:a + chunk]
+        sql = full if len(part) == chunk else \
+            "SELECT key, kind, event_id, summary FROM current WHERE key IN (" + ",".join("?" * len(part)) + ")"
+        for key, kind, eid, summary in execute(sql, part):
+            found[key] = (kind, eid, summary)
+    out = []
+    append = out.append
+    for spec, key in zip(specs, keys):
+        r = found.get(key)
+        if r is None:
+            append((spec, "missing", key, None, None))
+        else:
+            append((spec, "ok" if r[0] == "m" else "failed", key, r[1], decode(r[2])))
+    return out
+
+
+def _sqlite_missing(con, keyof, specs, chunk):
+    keys = [keyof(s, i) for i, s in enumerate(specs)]
+    ordered = sorted(keys)
+    ok = set()
+    full = "SELECT key, kind FROM current WHERE key IN (" + ",".join("?" * chunk) + ")"
+    execute = con.execute
+    for a in range(0, len(ordered), chunk):
+        part = ordered[a:a + chunk]
+        sql = full if len(part) == chunk else \
+            "SELECT key, kind FROM current WHERE key IN (" + ",".join("?" * len(part)) + ")"
+        for key, kind in execute(sql, part):
+            if kind == "m":
+                ok.add(key)
+    return [spec for spec, key in zip(specs, keys) if key not in ok]
+
+
+def lookup_sqlite(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
+    import msgspec
+
+    from kprof.ledger import KeyMaker, ShapeCodec, synth
+    from kprof.ledger.events import Summary
+
+    specs, present = lookup_specs(n, q, seed)
+    keys = KeyMaker(synth.TABLE, synth.BACKEND, synth.GPU, synth.CONTRACT, ShapeCodec(synth.SynthArgs))
+    keyof, decode = keys.key, msgspec.msgpack.Decoder(Summary).decode
+    con = _sqlite_connect(path, readonly=True)
+    limit = con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    # Pick the chunk size on a sample, then time the full set with it.
+    sample = specs[: min(len(specs), 20_000)]
+    sweep = {}
+    for chunk in (c for c in CHUNK_CANDIDATES if c <= limit):
+        _sqlite_get_many(con, keyof, decode, sample, chunk)
+        sweep[chunk] = len(sample) / _best(lambda: _sqlite_get_many(con, keyof, decode, sample, chunk), 2)[0]
+    chunk = max(sweep, key=sweep.get)
+
+    best_g, times_g, rows = _best(lambda: _sqlite_get_many(con, keyof, decode, specs, chunk), repeat)
+    ok = sum(1 for r in rows if r[1] == "ok")
+    if ok != present or len(rows) != q:
+        raise SystemExit(f"sqlite get_many found {ok} ok rows of {len(rows)}, expected {present} of {q}")
+    del rows
+    best_m, times_m, todo = _best(lambda: _sqlite_missing(con, keyof, specs, chunk), repeat)
+    if len(todo) != q - present:
+        raise SystemExit(f"sqlite missing returned {len(todo)} specs, expected {q - present}")
+    con.close()
+    return {
+        "chunk": chunk, "chunk_sweep_per_s": sweep,
+        "get_many_per_s": q / best_g, "get_many_times": times_g,
+        "missing_per_s": q / best_m, "missing_times": times_m,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def run_lookup_child(which: str, path: str, args) -> dict:
+    fd, result = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--lookup-only", which, "--db", path,
+               "--events", str(args.events), "--queries", str(args.queries), "--seed", str(args.seed),
+               "--repeat", str(args.repeat), "--result", result]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{which} lookup child failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        with open(result) as f:
+            return json.load(f)
+    finally:
+        os.unlink(result)
+
+
+# ---- 5./6. audit, sizes --------------------------------------------------------------------------
+def lmdb_tables(path: str) -> dict:
+    import lmdb
+
+    from kprof.ledger.store import DBS
+
+    env = lmdb.open(path, subdir=False, readonly=True, lock=False, max_dbs=len(DBS) + 4)
+    out = {}
+    try:
+        psize = env.stat()["psize"]
+        with env.begin() as txn:
+            for name in DBS:
+                st = txn.stat(env.open_db(name.encode(), txn=txn, create=False))
+                pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+                out[name] = {"entries": st["entries"], "bytes": pages * psize, "depth": st["depth"],
+                             "overflow_pages": st["overflow_pages"]}
+        out["_used_bytes"] = (env.info()["last_pgno"] + 1) * psize
+    finally:
+        env.close()
+    return out
+
+
+def sqlite_tables(path: str) -> dict:
+    con = sqlite3.connect(path)
+    try:
+        rows = con.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall()
+        return {name: {"bytes": size} for name, size in rows}
+    except sqlite3.Error:
+        return {}
+    finally:
+        con.close()
+
+
+def file_size(*paths: str) -> int:
+    return sum(os.path.getsize(p) for p in paths if os.path.exists(p))
+
+
+# ---- 8. the table --------------------------------------------------------------------------------
+def _fmt(v, kind: str) -> str:
+    if v is None:
+        return "—"
+    if kind == "rate":
+        return f"{v:,.0f}/s"
+    if kind == "s":
+        return f"{v:,.2f} s"
+    if kind == "B":
+        return f"{v:,.0f} B"
+    if kind == "MiB":
+        return f"{v:,.0f} MiB"
+    return str(v)
+
+
+def build_table(fig: dict) -> list[tuple[str, str, str, str, str, str]]:
+    k, s = fig["kprof"], fig["sqlite"]
+
+    def ratio(a, b):
+        return None if a is None or b in (None, 0) else a / b
+
+    def verdict(ok):
+        return "—" if ok is None else ("PASS" if ok else "FAIL")
+
+    rows = []
+    r = ratio(k["ingest_per_s"], s["ingest_per_s"])
+    rows.append(("ingest events/s", _fmt(k["ingest_per_s"], "rate"), _fmt(s["ingest_per_s"], "rate"),
+                 f"{r:.2f}x", "≥ 2x sqlite", verdict(r >= 2)))
+    r = ratio(k["get_many_per_s"], s["get_many_per_s"])
+    rows.append(("get_many specs/s", _fmt(k["get_many_per_s"], "rate"), _fmt(s["get_many_per_s"], "rate"),
+                 f"{r:.2f}x", "≥ 250,000/s and ≥ 2x", verdict(k["get_many_per_s"] >= 250_000 and r >= 2)))
+    r = ratio(k["missing_per_s"], s["missing_per_s"])
+    rows.append(("missing specs/s", _fmt(k["missing_per_s"], "rate"), _fmt(s["missing_per_s"], "rate"),
+                 f"{r:.2f}x", "≥ 500,000/s", verdict(k["missing_per_s"] >= 500_000)))
+    r = ratio(k["get_many_per_s"], k["ceiling_per_s"])
+    rows.append(("py-lmdb ceiling gets/s", _fmt(k["ceiling_per_s"], "rate"), "—",
+                 f"get_many at {r:.0%}", "(reference)", "—"))
+    a = k.get("audit_s")
+    rows.append(("audit seconds", _fmt(a, "s"), "—", "—", "≤ 20 s", verdict(None if a is None else a <= 20)))
+    r = ratio(k["bytes_per_event"], s["bytes_per_event"])
+    rows.append(("bytes on disk / event", _fmt(k["bytes_per_event"], "B"), _fmt(s["bytes_per_event"], "B"),
+                 f"{r:.2f}x", "(lower is better)", "—"))
+    r = ratio(k["lookup_peak_rss_mib"], s["lookup_peak_rss_mib"])
+    rows.append(("lookup peak RSS", _fmt(k["lookup_peak_rss_mib"], "MiB"), _fmt(s["lookup_peak_rss_mib"], "MiB"),
+                 f"{r:.2f}x", "≤ 1024 MiB", verdict(k["lookup_peak_rss_mib"] <= 1024)))
+    return rows
+
+
+def render_table(rows, title: str) -> str:
+    head = ("figure", "kprof", "sqlite", "ratio kprof/sqlite", "target", "verdict")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+
+    def line(cells):
+        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) if i < 3 else c.ljust(w)
+                          for i, (c, w) in enumerate(zip(cells, widths)))
+
+    sep = "-+-".join("-" * w for w in widths)
+    return "\n".join([title, line(head), sep, *(line(r) for r in rows)])
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--events", type=int, default=1_000_000, help="N events to ingest (default 1,000,000)")
+    p.add_argument("--queries", type=int, default=100_000, help="Q specs per lookup (half present; default 100,000)")
+    p.add_argument("--batch", type=int, default=10_000, help="events per append / transaction (default 10,000)")
+    p.add_argument("--out", help="directory for ledger_bench.json with every figure")
+    p.add_argument("--workdir", help="directory for the databases (default: a temporary one, removed after)")
+    p.add_argument("--keep", action="store_true", help="keep the databases in --workdir")
+    p.add_argument("--skip-audit", action="store_true", help="do not time audit()")
+    p.add_argument("--procs", type=int, default=2, help="processes generating events (default 2)")
+    p.add_argument("--repeat", type=int, default=3, help="lookup timings take the best of this many (default 3)")
+    p.add_argument("--seed", type=int, default=20240611, help="seed of the lookup set")
+    p.add_argument("--lookup-only", choices=("kprof", "sqlite"), help=argparse.SUPPRESS)
+    p.add_argument("--db", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.events < 1 or args.queries < 2 or args.batch < 1:
+        p.error("--events, --batch must be ≥ 1 and --queries ≥ 2")
+    return args
+
+
+def child_main(args) -> int:
+    fn = lookup_kprof if args.lookup_only == "kprof" else lookup_sqlite
+    out = fn(args.db, args.events, args.queries, args.seed, args.repeat)
+    with open(args.result, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.lookup_only:
+        return child_main(args)
+
+    import lmdb
+    import msgspec
+
+    n = args.events
+    tmp = None
+    if args.workdir:
+        workdir = args.workdir
+        os.makedirs(workdir, exist_ok=True)
+    else:
+        workdir = tmp = tempfile.mkdtemp(prefix="kprof-bench-")
+    lmdb_path = os.path.join(workdir, "bench-ledger.db")
+    sqlite_path = os.path.join(workdir, "bench-sqlite.db")
+    created = [lmdb_path, lmdb_path + "-lock", sqlite_path, sqlite_path + "-wal", sqlite_path + "-shm"]
+    for p in created:
+        if os.path.exists(p):
+            os.unlink(p)
+    fig: dict = {"config": {"events": n, "queries": args.queries, "batch": args.batch, "repeat": args.repeat,
+                            "seed": args.seed, "python": platform.python_version(), "lmdb": lmdb.__version__,
+                            "msgspec": msgspec.__version__, "sqlite": sqlite3.sqlite_version,
+                            "cpus": os.cpu_count(), "workdir": workdir},
+                 "kprof": {}, "sqlite": {}}
+    try:
+        _say(f"workdir {workdir}; N={n:,} Q={args.queries:,} batch={args.batch:,}")
+        t = time.perf_counter()
+        blobs = pregenerate(n, args.procs)
+        fig["config"]["generate_s"] = time.perf_counter() - t
+        fig["config"]["event_bytes_mean"] = sum(map(len, blobs)) / n
+        _say(f"generated {n:,} events in {fig['config']['generate_s']:.1f} s "
+             f"({fig['config']['event_bytes_mean']:.0f} B each)")
+
+        ing = ingest_kprof(lmdb_path, blobs, args.batch)
+        fig["kprof"]["ingest_per_s"], fig["kprof"]["ingest_s"] = ing["events_per_s"], ing["seconds"]
+        _say(f"kprof  ingest: {ing['seconds']:.1f} s, {ing['events_per_s']:,.0f} events/s")
+        ing = ingest_sqlite(sqlite_path, blobs, args.batch)
+        fig["sqlite"]["ingest_per_s"], fig["sqlite"]["ingest_s"] = ing["events_per_s"], ing["seconds"]
+        _say(f"sqlite ingest: {ing['seconds']:.1f} s, {ing['events_per_s']:,.0f} events/s")
+        del blobs
+
+        fig["kprof"]["bytes_per_event"] = file_size(lmdb_path) / n
+        fig["sqlite"]["bytes_per_event"] = file_size(sqlite_path, sqlite_path + "-wal") / n
+        fig["kprof"]["tables"] = lmdb_tables(lmdb_path)
+        fig["sqlite"]["tables"] = sqlite_tables(sqlite_path)
+        _say(f"disk: kprof {fig['kprof']['bytes_per_event']:.0f} B/event, "
+             f"sqlite {fig['sqlite']['bytes_per_event']:.0f} B/event")
+
+        k = run_lookup_child("kprof", lmdb_path, args)
+        fig["kprof"].update(k)
+        fig["kprof"]["lookup_peak_rss_mib"] = k["peak_rss_mib"]
+        _say(f"kprof  lookups: get_many {k['get_many_per_s']:,.0f}/s, missing {k['missing_per_s']:,.0f}/s, "
+             f"py-lmdb ceiling {k['ceiling_per_s']:,.0f}/s, peak RSS {k['peak_rss_mib']:.0f} MiB")
+        s = run_lookup_child("sqlite", sqlite_path, args)
+        fig["sqlite"].update(s)
+        fig["sqlite"]["lookup_peak_rss_mib"] = s["peak_rss_mib"]
+        _say(f"sqlite lookups (chunk {s['chunk']}): get_many {s['get_many_per_s']:,.0f}/s, "
+             f"missing {s['missing_per_s']:,.0f}/s, peak RSS {s['peak_rss_mib']:.0f} MiB")
+
+        if not args.skip_audit:
+            from kprof.ledger.audit import audit
+
+            t = time.perf_counter()
+            report = audit(lmdb_path)
+            fig["kprof"]["audit_wall_s"] = time.perf_counter() - t
+            fig["kprof"]["audit_s"] = report.seconds
+            fig["kprof"]["audit_ok"] = report.ok
+            if not report.ok:
+                raise SystemExit("audit found problems: " + "; ".join(report.findings[:5]))
+            _say(f"audit: {report.seconds:.1f} s, {report.events:,} events, ok")
+        else:
+            fig["kprof"]["audit_s"] = None
+
+        rows = build_table(fig)
+        fig["table"] = [dict(zip(("figure", "kprof", "sqlite", "ratio", "target", "verdict"), r)) for r in rows]
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "ledger_bench.json"), "w") as f:
+                json.dump(fig, f, indent=2, default=str)
+        _say("")
+        _say(render_table(rows, f"kprof ledger benchmark: N={n:,} events, Q={args.queries:,} lookups, "
+                                f"batch {args.batch:,}"))
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif not args.keep:
+            for p in created:
+                if os.path.exists(p):
+                    os.unlink(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

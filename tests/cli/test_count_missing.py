@@ -1,0 +1,91 @@
+import json
+import os
+
+from kprof.cli import main
+
+
+def _count(capsys, h, db, *specs, extra=(), table="single_gemm") -> dict:
+    rc = main(["count-missing", table, "--backend", h.CPU, *h.spec_args(*specs), "--db", db, "--json", *extra])
+    out = capsys.readouterr().out
+    assert rc == 0
+    return json.loads(out)
+
+
+def test_nonexistent_db_all_missing_and_not_created(tmp_path, ledger_path, capsys, h, local_gpu):
+    specs = [h.gemm(), h.gemm(m=64), h.gemm(dtype="bf16")]
+    doc = _count(capsys, h, ledger_path, *specs)
+    assert list(doc) == ["table", "backend", "gpu_name", "db", "count", "missing_count", "missing"]
+    assert doc == {"table": "single_gemm", "backend": "torch-cpu", "gpu_name": local_gpu, "db": ledger_path,
+                   "count": 3, "missing_count": 3, "missing": specs}
+    assert os.listdir(tmp_path) == []
+
+
+def test_empty_db_all_missing(ledger_path, capsys, h):
+    from kprof.ledger import Ledger
+
+    Ledger.open(ledger_path).close()
+    doc = _count(capsys, h, ledger_path, h.gemm(), h.gemm(n=64))
+    assert doc["count"] == doc["missing_count"] == 2
+
+
+def test_after_run_nothing_missing(ledger_path, capsys, h):
+    specs = [h.gemm(), h.gemm(n=48)]
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json"]) == 0
+    capsys.readouterr()
+    doc = _count(capsys, h, ledger_path, *specs, h.gemm(n=80))
+    assert set(doc) == h.COUNT_FIELDS
+    assert doc["count"] == 3 and doc["missing_count"] == 1 and doc["missing"] == [h.gemm(n=80)]
+
+
+def test_gpu_name_filters(ledger_path, capsys, h, local_gpu):
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu), h.make_event(h.gemm(m=64), "NVIDIA H200"))
+    assert _count(capsys, h, ledger_path, h.gemm(), h.gemm(m=64))["missing"] == [h.gemm(m=64)]
+    doc = _count(capsys, h, ledger_path, h.gemm(), h.gemm(m=64), extra=["--gpu-name", "NVIDIA H200"])
+    assert doc["gpu_name"] == "NVIDIA H200" and doc["missing"] == [h.gemm()]
+    doc = _count(capsys, h, ledger_path, h.gemm(), h.gemm(m=64), extra=["--gpu-name", "Other GPU"])
+    assert doc["missing_count"] == 2
+
+
+def test_stale_and_failed_count_as_missing(ledger_path, capsys, h, local_gpu):
+    h.append(ledger_path,
+             h.make_event(h.gemm(), local_gpu, revision=0),
+             h.make_event(h.gemm(m=64), local_gpu, kind="failed"),
+             h.make_event(h.gemm(m=128), local_gpu))
+    doc = _count(capsys, h, ledger_path, h.gemm(), h.gemm(m=64), h.gemm(m=128), h.gemm(m=256))
+    assert doc["count"] == 4 and doc["missing_count"] == 3
+    assert doc["missing"] == [h.gemm(), h.gemm(m=64), h.gemm(m=256)]
+
+
+def test_missing_are_canonical_specs_in_input_order(ledger_path, capsys, h):
+    raw = ['{"dtype": "bf16", "k": 8, "n": 8, "m": 8.0}', '{"m": 4, "n": 4, "k": 4, "dtype": "fp32"}']
+    assert main(["count-missing", "single_gemm", "--backend", h.CPU, "--spec", raw[0], "--spec", raw[1],
+                 "--db", ledger_path, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["missing"] == [h.gemm(8, 8, 8, "bf16"), h.gemm(4, 4, 4, "fp32")]
+    assert [list(s) for s in doc["missing"]] == [["m", "n", "k", "dtype"]] * 2
+
+
+def test_human_output(ledger_path, capsys, h, local_gpu):
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu))
+    assert main(["count-missing", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(), h.gemm(m=2)),
+                 "--db", ledger_path]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 2 single_gemm/torch-cpu spec(s) missing" in out and local_gpu in out and ledger_path in out
+
+
+def test_unknown_table_and_backend(capsys, h, tmp_path):
+    assert main(["count-missing", "gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown table 'gemm'" in err and "single_gemm" in err and "rms_norm" in err
+    assert main(["count-missing", "rms_norm", "--backend", "torch",
+                 "--spec", '{"tokens": 1, "hidden": 8, "dtype": "fp32"}', "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "no backend 'torch'" in captured.err and "torch-cpu" in captured.err
+    assert os.listdir(tmp_path) == []
+
+
+def test_empty_gpu_name_is_a_usage_error(ledger_path, capsys, h):
+    assert main(["count-missing", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--gpu-name", " ",
+                 "--db", ledger_path]) == 2
+    assert "--gpu-name is empty" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""The seed's command form `python -m launcher kernel-profile <verb> ...` is `kprof <verb> ...`, as real processes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+GEMM = {"m": 32, "n": 32, "k": 32, "dtype": "fp32"}
+
+
+def _kprof() -> str:
+    path = shutil.which("kprof", path=os.path.dirname(sys.executable))
+    assert path, "the kprof console script is not installed next to this interpreter"
+    return path
+
+
+def _proc(cmd, cwd, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+def _both(tmp_path, *argv):
+    launcher = _proc([sys.executable, "-m", "launcher", "kernel-profile", *argv], tmp_path)
+    kprof = _proc([_kprof(), *argv], tmp_path)
+    return launcher, kprof
+
+
+def test_list_json_is_identical(tmp_path):
+    launcher, kprof = _both(tmp_path, "list", "--json")
+    assert launcher.returncode == kprof.returncode == 0, (launcher.stderr, kprof.stderr)
+    assert launcher.stdout == kprof.stdout
+    assert json.loads(kprof.stdout)["count"] >= 5
+
+
+def test_query_json_is_identical(tmp_path, h, local_gpu):
+    db = str(tmp_path / "profile.db")
+    h.append(db, h.make_event(GEMM, local_gpu), h.make_event({**GEMM, "m": 64}, local_gpu, kind="failed"))
+    argv = ["query", "single_gemm", "--backend", "torch-cpu", *h.spec_args(GEMM, {**GEMM, "m": 64}, {**GEMM, "k": 8}),
+            "--db", db, "--json"]
+    launcher, kprof = _both(tmp_path, *argv)
+    assert launcher.returncode == kprof.returncode == 0, (launcher.stderr, kprof.stderr)
+    assert launcher.stdout == kprof.stdout
+    doc = json.loads(kprof.stdout)
+    assert [r["status"] for r in doc["results"]] == ["ok", "failed", "missing"]
+
+
+def test_usage_errors_are_identical(tmp_path):
+    argv = ["query", "no_such_table", "--backend", "torch-cpu", "--spec", json.dumps(GEMM), "--json"]
+    launcher, kprof = _both(tmp_path, *argv)
+    assert launcher.returncode == kprof.returncode == 2
+    assert launcher.stdout == kprof.stdout == ""
+    assert "unknown table" in launcher.stderr and "unknown table" in kprof.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_launcher_without_kernel_profile_is_a_usage_error(tmp_path):
+    p = _proc([sys.executable, "-m", "launcher", "list"], tmp_path)
+    assert p.returncode == 2 and "kernel-profile" in p.stderr
+
+
+def test_kprof_console_script_runs(tmp_path, local_gpu):
+    db = str(tmp_path / "profile.db")
+    p = _proc([_kprof(), "run", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps(GEMM),
+               "--spec", json.dumps({**GEMM, "dtype": "bf16"}), "--db", db, "--json"], tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)  # one JSON document on stdout, nothing else
+    assert doc["table"] == "single_gemm" and doc["backend"] == "torch-cpu" and doc["mode"] == "jit"
+    assert doc["gpu_name"] == local_gpu and doc["db"] == db
+    assert doc["count"] == 2 and doc["missing_count"] == 0
+    for r in doc["results"]:
+        assert r["status"] == "ok" and r["metrics"]["time_ms"] > 0 and r["citation"].startswith("kprof.")
+    assert os.path.exists(db)
+    # the rows persisted: a second process reads them
+    q = _proc([_kprof(), "count-missing", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps(GEMM),
+               "--db", db, "--json"], tmp_path)
+    assert q.returncode == 0 and json.loads(q.stdout)["missing_count"] == 0

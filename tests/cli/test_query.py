@@ -1,0 +1,192 @@
+import json
+import os
+
+import pytest
+
+from kprof.cli import main
+
+
+def _query(capsys, h, db, *specs, extra=(), table="single_gemm") -> dict:
+    rc = main(["query", table, "--backend", h.CPU, *h.spec_args(*specs), "--db", db, "--json", *extra])
+    out = capsys.readouterr().out
+    assert rc == 0
+    return json.loads(out)
+
+
+def test_query_on_nonexistent_db_is_all_missing_and_creates_nothing(tmp_path, ledger_path, capsys, h, local_gpu):
+    specs = [h.gemm(), h.gemm(m=64), h.gemm(dtype="bf16")]
+    doc = _query(capsys, h, ledger_path, *specs)
+    assert set(doc) == h.QUERY_FIELDS
+    assert (doc["table"], doc["backend"], doc["gpu_name"], doc["db"], doc["mode"]) == \
+        ("single_gemm", "torch-cpu", local_gpu, ledger_path, "query")
+    assert doc["count"] == doc["missing_count"] == 3
+    assert len(doc["view_root"]) == 64
+    assert [r["spec"] for r in doc["results"]] == specs
+    for r in doc["results"]:
+        assert r["status"] == "missing"
+        assert set(h.RESULT_FIELDS) <= set(r)
+        assert len(r["key"]) == 64  # the key the row would have
+        assert r["event"] is r["citation"] is r["metrics"] is r["stats"] is r["provenance"] is None
+        assert r["measured_at"] is None
+    assert os.listdir(tmp_path) == []  # no profile.db, no profile.db-lock
+
+
+def test_query_on_empty_db_is_all_missing(ledger_path, capsys, h):
+    from kprof.ledger import Ledger
+
+    absent = _query(capsys, h, ledger_path, h.gemm())
+    Ledger.open(ledger_path).close()
+    doc = _query(capsys, h, ledger_path, h.gemm())
+    assert doc["missing_count"] == 1 and doc["results"][0]["status"] == "missing"
+    # an absent ledger and an empty one name the same (empty) state, with the same keys
+    assert doc["view_root"] == absent["view_root"] and doc["results"][0]["key"] == absent["results"][0]["key"]
+
+
+def test_missing_keys_match_the_keys_of_measured_rows(ledger_path, capsys, h, local_gpu):
+    before = _query(capsys, h, ledger_path, h.gemm())
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu))
+    after = _query(capsys, h, ledger_path, h.gemm())
+    assert before["results"][0]["key"] == after["results"][0]["key"]
+    assert before["view_root"] != after["view_root"]
+
+
+def test_query_after_run_has_the_contract_fields(ledger_path, capsys, h, local_gpu):
+    specs = [h.gemm(), h.gemm(k=48)]
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json"]) == 0
+    run_doc = json.loads(capsys.readouterr().out)
+    doc = _query(capsys, h, ledger_path, *specs)
+    assert list(doc) == ["table", "backend", "gpu_name", "db", "mode", "count", "missing_count", "view_root",
+                         "results"]
+    assert doc["mode"] == "query" and doc["count"] == 2 and doc["missing_count"] == 0
+    assert doc["view_root"] == run_doc["view_root"]
+    for r, spec, ran in zip(doc["results"], specs, run_doc["results"]):
+        # the contract's fields; `error` is the only extra (null for ok rows)
+        assert set(r) - h.RESULT_FIELDS == {"error"} and h.RESULT_FIELDS <= set(r)
+        assert list(r)[:9] == ["spec", "status", "key", "event", "citation", "metrics", "stats", "provenance",
+                               "measured_at"]
+        assert r["error"] is None
+        assert r["spec"] == spec and r["status"] == "ok"
+        assert r["event"] == ran["event"] and r["key"] == ran["key"]
+        assert r["citation"] == "kprof." + r["event"][:16]
+        assert set(r["metrics"]) == h.METRICS
+        assert r["metrics"]["energy_j"] is None  # no energy counter on the CPU
+        assert r["metrics"]["time_ms"] > 0 and r["metrics"]["tflops"] > 0 and r["metrics"]["memory_bandwidth_gbps"] > 0
+        assert r["stats"]["n"] >= 3 and r["stats"]["median"] == r["metrics"]["time_ms"]
+        assert r["stats"]["p10"] <= r["stats"]["median"] <= r["stats"]["p90"]
+        prov = r["provenance"]
+        assert prov["table"] == "single_gemm" and prov["backend"] == "torch-cpu" and prov["gpu_key"] == local_gpu
+        assert prov["shape"] == spec and prov["profiler_revision"] == 1
+        assert {"algorithm", "layout", "numerics", "timing"} <= set(prov)
+        assert r["measured_at"].endswith("+00:00")
+    # flops sanity: tflops * time = 2mnk
+    r = doc["results"][0]
+    assert abs(r["metrics"]["tflops"] * 1e12 * r["metrics"]["time_ms"] / 1e3 - 2 * 32 ** 3) < 1e-3 * 2 * 32 ** 3
+
+
+def test_gpu_name_filters_rows(ledger_path, capsys, h, local_gpu):
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu), h.make_event(h.gemm(m=64), "NVIDIA H200"))
+    local = _query(capsys, h, ledger_path, h.gemm(), h.gemm(m=64))
+    assert [r["status"] for r in local["results"]] == ["ok", "missing"] and local["gpu_name"] == local_gpu
+    h200 = _query(capsys, h, ledger_path, h.gemm(), h.gemm(m=64), extra=["--gpu-name", "NVIDIA H200"])
+    assert [r["status"] for r in h200["results"]] == ["missing", "ok"] and h200["gpu_name"] == "NVIDIA H200"
+    assert h200["results"][1]["provenance"]["gpu_key"] == "NVIDIA H200"
+    other = _query(capsys, h, ledger_path, h.gemm(), extra=["--gpu-name", "Some Other GPU"])
+    assert other["missing_count"] == 1 and other["results"][0]["status"] == "missing"
+    # a key of one GPU is never the key of another
+    assert local["results"][0]["key"] != other["results"][0]["key"]
+
+
+def test_stale_row_from_an_older_profiler_revision(ledger_path, capsys, h, local_gpu):
+    old = h.make_event(h.gemm(), local_gpu, revision=0, time_ms=0.25)
+    h.append(ledger_path, old)
+    doc = _query(capsys, h, ledger_path, h.gemm(), h.gemm(m=64))
+    stale, missing = doc["results"]
+    assert stale["status"] == "stale" and missing["status"] == "missing"
+    assert doc["missing_count"] == 2  # stale counts as missing
+    assert stale["provenance"]["profiler_revision"] == 0  # the old row's own provenance
+    assert stale["metrics"]["time_ms"] == 0.25 and stale["citation"].startswith("kprof.")
+    assert stale["key"] != old.key.hex()  # the key asked for is the current revision's
+
+
+def test_stale_row_superseded_by_a_current_one(ledger_path, capsys, h, local_gpu):
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu, revision=0, time_ms=0.25))
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu, time_ms=0.5))
+    doc = _query(capsys, h, ledger_path, h.gemm())
+    assert doc["results"][0]["status"] == "ok" and doc["results"][0]["metrics"]["time_ms"] == 0.5
+    assert doc["missing_count"] == 0
+
+
+def test_failed_row(ledger_path, capsys, h, local_gpu):
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu, kind="failed"), h.make_event(h.gemm(m=64), local_gpu))
+    doc = _query(capsys, h, ledger_path, h.gemm(), h.gemm(m=64))
+    failed, ok = doc["results"]
+    assert failed["status"] == "failed" and ok["status"] == "ok"
+    assert doc["missing_count"] == 1
+    assert failed["metrics"] is None and failed["stats"] is None
+    assert failed["error"] == {"kind": "crash", "message": "segfault in the kernel"}
+    assert failed["citation"] == "kprof." + failed["event"][:16]
+
+
+def test_failed_remeasure_makes_the_row_failed(ledger_path, capsys, h, local_gpu):
+    """The contract: `failed` means the last attempt failed; the good row stays in the history."""
+    first = h.make_event(h.gemm(), local_gpu)
+    h.append(ledger_path, first)
+    from kprof.ledger import _codec
+
+    eid = _codec.event_id(_codec.event_bytes(first))
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu, kind="failed", parent=eid))
+    doc = _query(capsys, h, ledger_path, h.gemm())
+    assert doc["results"][0]["status"] == "failed" and doc["results"][0]["event"] != eid.hex()
+    assert doc["missing_count"] == 1
+    assert main(["show", doc["results"][0]["citation"], "--db", ledger_path, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [e["type"] for e in shown["history"]] == ["measured", "failed"]
+
+
+def test_human_output_has_spec_columns_and_status(ledger_path, capsys, h, local_gpu):
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu), h.make_event(h.gemm(k=48), local_gpu, kind="failed"))
+    rc = main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(), h.gemm(k=48), h.gemm(k=80)),
+               "--db", ledger_path])
+    out = capsys.readouterr().out
+    assert rc == 0
+    header = next(line for line in out.splitlines() if "status" in line)
+    for col in ("m", "n", "k", "dtype", "status", "time_ms", "citation"):
+        assert f" {col} " in header
+    assert "ok" in out and "failed" in out and "missing" in out and "80" in out and "fp32" in out
+    assert "1 of 3 ok, 2 missing" in out and local_gpu in out
+
+
+@pytest.mark.parametrize("verb", ["query", "count-missing"])
+def test_unknown_table_lists_known_tables(verb, tmp_path, capsys, h):
+    assert main([verb, "single_gem", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", "x.db"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown table 'single_gem'" in err
+    for table in ("single_gemm", "rms_norm", "silu_mul", "attention_prefill", "attention_decode"):
+        assert table in err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("verb", ["query", "count-missing"])
+def test_unknown_backend_lists_the_tables_backends(verb, tmp_path, capsys, h):
+    assert main([verb, "single_gemm", "--backend", "cutlass", *h.spec_args(h.gemm()), "--db", "x.db"]) == 2
+    err = capsys.readouterr().err
+    assert "no backend 'cutlass'" in err and "torch-cpu" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_backend_option_is_a_usage_error(capsys, h):
+    assert main(["query", "single_gemm", *h.spec_args(h.gemm())]) == 2
+    assert "backend" in capsys.readouterr().err.lower()
+
+
+def test_default_db_is_kprof_db_then_cwd(tmp_path, monkeypatch, capsys, h, local_gpu):
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["db"] == "profile.db" and doc["missing_count"] == 1
+    env_db = str(tmp_path / "env.db")
+    h.append(env_db, h.make_event(h.gemm(), local_gpu))
+    monkeypatch.setenv("KPROF_DB", env_db)
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["db"] == env_db and doc["results"][0]["status"] == "ok"
+    assert not os.path.exists(tmp_path / "profile.db")

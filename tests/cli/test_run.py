@@ -1,0 +1,287 @@
+import json
+import os
+import stat
+
+import pytest
+
+from kprof.cli import main
+from kprof.ledger import Ledger
+
+FP8 = {"m": 32, "n": 32, "k": 32, "dtype": "fp8_e4m3"}
+
+
+def _run(capsys, h, db, *specs, extra=(), table="single_gemm", rc=0) -> dict:
+    code = main(["run", table, "--backend", h.CPU, *h.spec_args(*specs), "--db", db, "--json", *extra])
+    out = capsys.readouterr().out
+    assert code == rc, out
+    return json.loads(out)
+
+
+def _history(capsys, db, ref) -> dict:
+    assert main(["show", ref, "--db", db, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _last_seq(db) -> int:
+    led = Ledger.open(db, readonly=True)
+    try:
+        return led.last_seq
+    finally:
+        led.close()
+
+
+# ---- JIT, --force, --fresh --------------------------------------------------------------------------------
+
+def test_jit_measures_only_missing_specs(ledger_path, capsys, h, local_gpu):
+    a, b, c = h.gemm(), h.gemm(n=48), h.gemm(k=16)
+    first = _run(capsys, h, ledger_path, a, b)
+    assert first["mode"] == "jit" and first["count"] == 2 and first["missing_count"] == 0
+    assert first["gpu_name"] == local_gpu and first["db"] == ledger_path
+    assert [r["status"] for r in first["results"]] == ["ok", "ok"]
+    assert _last_seq(ledger_path) == 2
+
+    second = _run(capsys, h, ledger_path, a, b, c)
+    assert [r["event"] for r in second["results"][:2]] == [r["event"] for r in first["results"]]
+    assert second["results"][2]["status"] == "ok"
+    assert _last_seq(ledger_path) == 3  # only c was measured
+
+    # a third identical run measures nothing
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(a, b, c), "--db", ledger_path]) == 0
+    assert "measured 0 spec(s)" in capsys.readouterr().out
+    assert _last_seq(ledger_path) == 3
+    for r in second["results"]:
+        assert len(_history(capsys, ledger_path, r["key"])["history"]) == 1
+
+
+def test_jit_measures_a_repeated_spec_once(ledger_path, capsys, h):
+    """Once the first copy of a spec is measured, its repeats (also 32.0 for 32) are no longer missing."""
+    a = h.gemm()
+    doc = _run(capsys, h, ledger_path, a, a, {**a, "m": 32.0})
+    assert len({r["key"] for r in doc["results"]}) == 1
+    assert _last_seq(ledger_path) == 1, "one key was measured more than once (sibling events, no parent link)"
+    assert len({r["event"] for r in doc["results"]}) == 1
+
+
+def test_run_result_has_the_query_contract(ledger_path, capsys, h):
+    doc = _run(capsys, h, ledger_path, h.gemm())
+    assert list(doc) == ["table", "backend", "gpu_name", "db", "mode", "count", "missing_count", "view_root",
+                         "results"]
+    r = doc["results"][0]
+    assert h.RESULT_FIELDS <= set(r) and set(r) - h.RESULT_FIELDS <= {"error"}
+    assert set(r["metrics"]) == h.METRICS and r["metrics"]["energy_j"] is None
+    assert r["citation"] == "kprof." + r["event"][:16]
+    # the run's rows are what a later query reads
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
+                 "--json"]) == 0
+    q = json.loads(capsys.readouterr().out)
+    assert q["view_root"] == doc["view_root"]
+    assert q["results"][0]["event"] == r["event"] and q["results"][0]["metrics"] == r["metrics"]
+
+
+def test_force_remeasures_all_with_parent_links(ledger_path, capsys, h):
+    specs = (h.gemm(), h.gemm(m=48))
+    first = _run(capsys, h, ledger_path, *specs)
+    forced = _run(capsys, h, ledger_path, *specs, extra=["--force"])
+    assert forced["mode"] == "force" and forced["missing_count"] == 0
+    assert _last_seq(ledger_path) == 4
+    for old, new in zip(first["results"], forced["results"]):
+        assert new["status"] == "ok" and new["key"] == old["key"] and new["event"] != old["event"]
+        shown = _history(capsys, ledger_path, new["citation"])
+        assert shown["event"]["parent"] == old["event"]
+        assert [e["event"] for e in shown["history"]] == [old["event"], new["event"]]
+        assert shown["current"] == new["event"]
+    assert forced["view_root"] != first["view_root"]
+
+
+def test_fresh_measures_all_and_writes_nothing(tmp_path, ledger_path, capsys, h):
+    doc = _run(capsys, h, ledger_path, h.gemm(), FP8, extra=["--fresh"], rc=1)
+    assert not os.path.exists(ledger_path) and os.listdir(tmp_path) == []
+    assert doc["mode"] == "fresh" and doc["count"] == 2 and doc["missing_count"] == 1  # the failed spec
+    ok, err = doc["results"]
+    assert ok["status"] == "ok" and ok["citation"] is None and ok["event"] and ok["key"]
+    assert set(ok["metrics"]) == h.METRICS and ok["metrics"]["time_ms"] > 0 and ok["stats"]["n"] >= 3
+    assert ok["provenance"]["shape"] == h.gemm()
+    assert err["status"] == "error" and err["error"]["kind"] == "unsupported" and err["citation"] is None
+    assert err["metrics"] is None
+
+
+def test_fresh_leaves_an_existing_db_untouched(ledger_path, capsys, h):
+    first = _run(capsys, h, ledger_path, h.gemm())
+    before = h.digest(ledger_path)
+    doc = _run(capsys, h, ledger_path, h.gemm(), h.gemm(m=64), extra=["--fresh"])
+    assert h.digest(ledger_path) == before and _last_seq(ledger_path) == 1
+    assert doc["missing_count"] == 0 and all(r["citation"] is None for r in doc["results"])
+    assert doc["results"][0]["event"] != first["results"][0]["event"]  # measured again, not read
+    assert doc["view_root"] == first["view_root"]  # the ledger's state, unchanged
+    # a follow-up count-missing still reports the fresh-only spec missing
+    assert main(["count-missing", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(), h.gemm(m=64)),
+                 "--db", ledger_path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["missing"] == [h.gemm(m=64)]
+
+
+def test_force_and_fresh_are_mutually_exclusive(tmp_path, ledger_path, capsys, h):
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
+                 "--force", "--fresh"]) == 2
+    captured = capsys.readouterr()
+    assert "--force" in captured.err and "--fresh" in captured.err
+    assert os.listdir(tmp_path) == []
+
+
+# ---- failures ---------------------------------------------------------------------------------------------
+
+def test_failing_runner_is_an_error_row_and_a_failed_event(ledger_path, capsys, h):
+    doc = _run(capsys, h, ledger_path, h.gemm(), FP8, h.gemm(m=64), rc=1)
+    assert doc["missing_count"] == 1
+    assert [r["status"] for r in doc["results"]] == ["ok", "error", "ok"]
+    err = doc["results"][1]
+    assert err["error"]["kind"] == "unsupported" and "fp8_e4m3" in err["error"]["message"]
+    assert err["metrics"] is None and err["citation"].startswith("kprof.")
+    # the failure is recorded: a later query shows it as failed, count-missing counts it
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(FP8), "--db", ledger_path,
+                 "--json"]) == 0
+    q = json.loads(capsys.readouterr().out)
+    assert q["results"][0]["status"] == "failed" and q["results"][0]["event"] == err["event"]
+    assert q["results"][0]["error"]["kind"] == "unsupported"
+    shown = _history(capsys, ledger_path, err["citation"])
+    assert shown["event"]["type"] == "failed" and shown["event"]["error_kind"] == "unsupported"
+
+
+def test_jit_retries_failed_rows(ledger_path, capsys, h):
+    first = _run(capsys, h, ledger_path, FP8, rc=1)
+    again = _run(capsys, h, ledger_path, FP8, rc=1)
+    assert again["results"][0]["status"] == "error"
+    assert again["results"][0]["event"] != first["results"][0]["event"]
+    assert _last_seq(ledger_path) == 2
+
+
+def test_human_run_output_names_the_error(ledger_path, capsys, h):
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(), FP8), "--db", ledger_path]) == 1
+    out = capsys.readouterr().out
+    assert "error" in out and "unsupported" in out and "fp8_e4m3" in out and "measured 2 spec(s)" in out
+    assert "1 of 2 ok, 1 missing" in out
+
+
+def test_gpu_name_of_another_device_is_refused_before_any_work(tmp_path, ledger_path, capsys, h, local_gpu):
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
+                 "--gpu-name", "NVIDIA H200", "--output-dir", str(tmp_path / "snap")]) == 2
+    err = capsys.readouterr().err
+    assert "NVIDIA H200" in err and local_gpu in err
+    assert os.listdir(tmp_path) == []  # no db, no snapshot
+
+
+def test_gpu_name_of_the_local_device_is_accepted(ledger_path, capsys, h, local_gpu):
+    doc = _run(capsys, h, ledger_path, h.gemm(), extra=["--gpu-name", local_gpu])
+    assert doc["gpu_name"] == local_gpu and doc["missing_count"] == 0
+
+
+@pytest.mark.parametrize("table, spec", [
+    ("rms_norm", {"tokens": 4, "hidden": 32, "dtype": "fp32"}),
+    ("silu_mul", {"tokens": 4, "hidden": 32, "dtype": "bf16"}),
+    ("attention_prefill", {"batch": 1, "seq_len": 8, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
+                           "causal": True, "dtype": "fp32"}),
+    ("attention_decode", {"batch": 1, "kv_len": 16, "num_heads": 2, "num_kv_heads": 2, "head_dim": 8,
+                          "dtype": "fp32"}),
+])
+def test_every_family_runs_ok(table, spec, ledger_path, capsys, h):
+    doc = _run(capsys, h, ledger_path, spec, table=table)
+    r = doc["results"][0]
+    assert r["status"] == "ok" and r["spec"] == spec and set(r["metrics"]) == h.METRICS
+
+
+# ---- --output-dir ----------------------------------------------------------------------------------------
+
+# varying k first in the input, then m, then dtype; n constant: axes must follow declaration order m, n, k, dtype
+SWEEP = [{"m": 16, "n": 32, "k": 16, "dtype": "fp32"}, {"m": 16, "n": 32, "k": 32, "dtype": "fp32"},
+         {"m": 32, "n": 32, "k": 16, "dtype": "fp32"}, {"m": 32, "n": 32, "k": 32, "dtype": "bf16"}]
+
+
+def _read(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_output_dir_snapshot(tmp_path, ledger_path, capsys, h, local_gpu):
+    out_dir = tmp_path / "snap"
+    doc = _run(capsys, h, ledger_path, *SWEEP, extra=["--output-dir", str(out_dir)])
+    names = sorted(os.listdir(out_dir))
+    assert names == ["curve.json", "curve.png", "job.meta.json", "request.json", "results.json"]
+    for name in names:
+        mode = os.stat(out_dir / name).st_mode
+        assert mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) == 0, (name, oct(mode))
+        assert mode & stat.S_IRUSR
+
+    assert _read(out_dir / "results.json") == doc
+
+    request = _read(out_dir / "request.json")
+    assert request["table"] == "single_gemm" and request["backend"] == "torch-cpu" and request["mode"] == "jit"
+    assert request["specs"] == SWEEP and request["gpu_name"] == local_gpu and request["db"] == ledger_path
+
+    curve = _read(out_dir / "curve.json")
+    assert curve["axes"] == ["m", "k", "dtype"]
+    assert (curve["x"], curve["y"], curve["facets"]) == ("m", "k", ["dtype"])
+    assert curve["fixedArgs"] == {"n": 32}
+    assert (curve["table"], curve["backend"], curve["gpu_name"]) == ("single_gemm", "torch-cpu", local_gpu)
+    assert len(curve["points"]) == 4
+    for point, spec, r in zip(curve["points"], SWEEP, doc["results"]):
+        assert {a: point[a] for a in ("m", "k", "dtype")} == {a: spec[a] for a in ("m", "k", "dtype")}
+        assert "n" not in point
+        assert point["status"] == "ok" and point["citation"] == r["citation"]
+        assert point["time_ms"] == r["metrics"]["time_ms"]
+    assert set(curve["metrics"]) == h.METRICS
+
+    meta = _read(out_dir / "job.meta.json")
+    for field in ("command", "versions", "host", "device", "mode", "count", "missing_count", "exit_code",
+                  "duration_s", "view_root_before", "view_root_after"):
+        assert field in meta, field
+    assert meta["command"].startswith("kprof run")
+    assert {"kprof", "python", "torch"} <= set(meta["versions"])
+    assert meta["device"] == local_gpu and meta["mode"] == "jit"
+    assert (meta["count"], meta["missing_count"], meta["exit_code"]) == (4, 0, 0)
+    assert meta["duration_s"] > 0
+    assert meta["view_root_after"] == doc["view_root"] and meta["view_root_before"] != meta["view_root_after"]
+
+
+def test_output_dir_records_failures_and_exit_code(tmp_path, ledger_path, capsys, h):
+    out_dir = tmp_path / "snap"
+    doc = _run(capsys, h, ledger_path, h.gemm(), FP8, extra=["--output-dir", str(out_dir)], rc=1)
+    meta = _read(out_dir / "job.meta.json")
+    assert (meta["missing_count"], meta["exit_code"]) == (1, 1)
+    curve = _read(out_dir / "curve.json")
+    assert curve["axes"] == ["dtype"] and curve["x"] == "dtype" and curve["y"] is None and curve["facets"] == []
+    assert curve["fixedArgs"] == {"m": 32, "n": 32, "k": 32}
+    assert [p["status"] for p in curve["points"]] == ["ok", "error"]
+    assert _read(out_dir / "results.json") == doc
+
+
+def test_output_dir_reuse_is_refused_before_any_work(tmp_path, ledger_path, capsys, h):
+    out_dir = tmp_path / "snap"
+    _run(capsys, h, ledger_path, h.gemm(), extra=["--output-dir", str(out_dir)])
+    db_before, seq = h.digest(ledger_path), _last_seq(ledger_path)
+    files_before = {n: h.digest(out_dir / n) for n in os.listdir(out_dir)}
+    code = main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(m=64)), "--db", ledger_path,
+                 "--force", "--output-dir", str(out_dir), "--json"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert "already holds a snapshot" in captured.err
+    assert h.digest(ledger_path) == db_before and _last_seq(ledger_path) == seq
+    assert {n: h.digest(out_dir / n) for n in os.listdir(out_dir)} == files_before
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path, ledger_path, capsys, h):
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
+                 "--output-dir", str(target)]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert not os.path.exists(ledger_path)
+
+
+def test_job_meta_command_records_the_invocation(tmp_path, ledger_path, capsys, h, monkeypatch):
+    """main(argv) is the CLI: the command in job.meta.json (and each event's origin) must be that argv,
+    not sys.argv of whatever process hosts it."""
+    monkeypatch.setattr("sys.argv", ["/opt/kprof-tools/driver.py", "--unrelated"])
+    out_dir = tmp_path / "snap"
+    _run(capsys, h, ledger_path, h.gemm(), extra=["--output-dir", str(out_dir)])
+    command = _read(out_dir / "job.meta.json")["command"]
+    assert "--unrelated" not in command
+    assert command.startswith("kprof run single_gemm") and "--spec" in command and "--output-dir" in command

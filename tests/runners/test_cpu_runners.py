@@ -1,0 +1,257 @@
+"""The torch-cpu runners: each oracle accepts the production callable and rejects a wrong result; inputs are
+deterministic; the statistics and the CPU timer behave on synthetic samples."""
+
+import math
+import time
+import zlib
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kprof.ledger.events import Failed, Measured
+from kprof.measure.cpu_timer import time_cpu
+from kprof.measure.stats import StopRule, median_halfwidth, summarize
+from kprof.runners._case import TOLERANCE, Unsupported, WrongResult, check_close, seed_of
+from kprof.runners.registry import entries, lookup
+from kprof.runners.worker import classify, measure_specs
+
+# A small spec (all but dtype) per table: GQA where the table has heads, shapes not all equal.
+SMALL = {
+    "single_gemm": {"m": 32, "n": 48, "k": 64},
+    "rms_norm": {"tokens": 8, "hidden": 64},
+    "silu_mul": {"tokens": 8, "hidden": 64},
+    "attention_prefill": {"batch": 2, "seq_len": 16, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                          "causal": True},
+    "attention_decode": {"batch": 2, "kv_len": 32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16},
+}
+# The production public callable each family times; patching it sabotages the kernel but not the oracle.
+CALLABLE = {
+    "single_gemm": (torch, "matmul"),
+    "rms_norm": (F, "rms_norm"),
+    "silu_mul": (F, "silu"),
+    "attention_prefill": (F, "scaled_dot_product_attention"),
+    "attention_decode": (F, "scaled_dot_product_attention"),
+}
+CPU = [e for e in entries() if e.backend == "torch-cpu"]
+IDS = [e.table for e in CPU]
+# a relative error every check must reject: 5% for bf16, 1e-3 for fp32 (and 2% for fp16)
+REJECT = [("bf16", 5e-2), ("fp32", 1e-3), ("fp16", 2e-2)]
+
+
+def _spec(entry, dtype, **over):
+    return msgspec.convert({**SMALL[entry.table], "dtype": dtype, **over}, entry.args)
+
+
+def _case(entry, dtype, **over):
+    spec = _spec(entry, dtype, **over)
+    return spec, entry.load_runner()().build(spec, "cpu")
+
+
+def test_every_cpu_entry_is_covered():
+    assert CPU, "no torch-cpu entries registered"
+    assert {e.table for e in CPU} <= set(SMALL) and {e.table for e in CPU} <= set(CALLABLE)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("entry", CPU, ids=IDS)
+def test_oracle_accepts_the_kernel(entry, dtype):
+    _spec_, case = _case(entry, dtype)
+    case.check()
+    out = case.fn()
+    assert out.dtype == getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
+    assert torch.isfinite(out.double()).all() and out.double().abs().sum() > 0  # realistic inputs, never zeros
+    assert case.flops > 0 and case.bytes > 0
+
+
+@pytest.mark.parametrize("dtype, rel", REJECT)
+@pytest.mark.parametrize("entry", CPU, ids=IDS)
+def test_sabotaged_kernel_fails_the_check(entry, dtype, rel, monkeypatch):
+    _spec_, case = _case(entry, dtype)
+    case.check()
+    module, name = CALLABLE[entry.table]
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: real(*a, **kw) * (1 + rel))
+    with pytest.raises(WrongResult, match="relative error"):
+        case.check()
+
+
+@pytest.mark.parametrize("entry", CPU, ids=IDS)
+def test_non_finite_result_fails_the_check(entry, monkeypatch):
+    _spec_, case = _case(entry, "fp32")
+    module, name = CALLABLE[entry.table]
+    real = getattr(module, name)
+
+    def broken(*a, **kw):
+        out = real(*a, **kw).clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(module, name, broken)
+    with pytest.raises(WrongResult, match="non-finite"):
+        case.check()
+
+
+def _perturbed(ref64: torch.Tensor, rel: float, seed: int = 0) -> torch.Tensor:
+    """ref plus noise in a random direction, with exactly `rel` relative Frobenius error."""
+    noise = torch.randn(ref64.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return ref64 + noise * (rel * torch.linalg.vector_norm(ref64) / torch.linalg.vector_norm(noise))
+
+
+@pytest.mark.parametrize("dtype, rel", REJECT)
+@pytest.mark.parametrize("entry", CPU, ids=IDS)
+def test_check_close_rejects_the_error_on_each_family_output(entry, dtype, rel):
+    _spec_, case = _case(entry, dtype)
+    ref64 = case.fn().double()
+    got = _perturbed(ref64, rel).to(case.fn().dtype)
+    with pytest.raises(WrongResult):
+        check_close(got, ref64, dtype, entry.table)
+    # a result well inside the tolerance passes
+    check_close(_perturbed(ref64, TOLERANCE[dtype] / 10).to(torch.float64), ref64, dtype, entry.table)
+
+
+def test_tolerances_are_ordered_by_precision():
+    assert TOLERANCE["fp32"] < TOLERANCE["fp16"] < TOLERANCE["bf16"] < TOLERANCE["fp8_e4m3"]
+    assert TOLERANCE["fp32"] < 1e-3 and TOLERANCE["bf16"] < 5e-2 and TOLERANCE["fp16"] < 2e-2
+
+
+@pytest.mark.parametrize("entry", CPU, ids=IDS)
+def test_inputs_are_deterministic(entry):
+    spec, a = _case(entry, "bf16")
+    _spec2, b = _case(entry, "bf16")
+    assert torch.equal(a.fn(), b.fn())
+    assert seed_of(spec) == zlib.crc32(msgspec.json.encode(spec))
+    # another spec gets another seed and other inputs
+    other_spec, other = _case(entry, "fp32")
+    assert seed_of(other_spec) != seed_of(spec)
+    assert not torch.equal(a.fn().float(), other.fn())
+
+
+def test_gemm_fp8_is_unsupported_on_cpu():
+    entry = lookup("single_gemm", "torch-cpu")
+    with pytest.raises(Unsupported) as info:
+        entry.load_runner()().build(_spec(entry, "fp8_e4m3"), "cpu")
+    assert classify(info.value) == "unsupported"
+
+
+def test_classify():
+    assert classify(WrongResult("x")) == "wrong_result"
+    assert classify(NotImplementedError("x")) == "unsupported"
+    assert classify(RuntimeError('"addmm" not implemented for \'Half\'')) == "unsupported"
+    assert classify(MemoryError()) == "oom"
+    assert classify(RuntimeError("CUDA out of memory. Tried to allocate")) == "oom"
+    assert classify(TimeoutError()) == "timeout"
+    assert classify(ValueError("boom")) == "crash"
+
+
+def test_measure_specs_measures_and_records_failures():
+    entry = lookup("single_gemm", "torch-cpu")
+    specs = [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}, {"m": 16, "n": 16, "k": 16, "dtype": "fp8_e4m3"}]
+    ok, bad = list(measure_specs(entry, specs, "test cpu"))
+    assert (ok.index, bad.index) == (0, 1)
+    assert type(ok.event) is Measured and type(bad.event) is Failed
+    assert set(ok.event.metrics) == {"time_ms", "tflops", "memory_bandwidth_gbps", "energy_j"}
+    assert ok.event.metrics["energy_j"] is None and ok.event.metrics["time_ms"] == ok.event.stats.median
+    assert ok.event.method.timer == "cpu" and ok.event.method.budget_s == 0.05
+    assert ok.event.method.stop_reason in ("converged", "budget", "max_samples")
+    assert ok.event.provenance.gpu_key == "test cpu" and ok.event.provenance.shape == specs[0]
+    assert 0 < ok.timed_seconds <= ok.seconds
+    assert bad.event.error_kind == "unsupported" and bad.timed_seconds == 0
+
+
+def test_a_wrong_kernel_is_never_timed(monkeypatch):
+    entry = lookup("single_gemm", "torch-cpu")
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: real(a, b) * 1.01)
+    (out,) = measure_specs(entry, [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}], "test cpu")
+    assert type(out.event) is Failed and out.event.error_kind == "wrong_result"
+    assert "relative error" in out.event.message and out.timed_seconds == 0
+
+
+# ---- statistics and stopping ---------------------------------------------------------------------------
+
+def test_summarize_constant_samples():
+    s = summarize([2.0] * 20)
+    assert (s.n, s.median, s.p10, s.p90, s.mean, s.min, s.max) == (20, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0)
+    assert s.stdev == 0.0 and s.cv == 0.0 and s.samples == [2.0] * 20
+
+
+def test_summarize_known_values():
+    xs = [float(x) for x in (7, 3, 10, 1, 5, 2, 9, 4, 8, 6)]
+    s = summarize(xs)
+    assert s.n == 10 and s.median == 5.5 and s.mean == 5.5 and (s.min, s.max) == (1.0, 10.0)
+    assert s.p10 == pytest.approx(1.9) and s.p90 == pytest.approx(9.1)
+    assert s.stdev == pytest.approx(3.0276503540974917) and s.cv == pytest.approx(s.stdev / 5.5)
+    assert s.samples == xs  # raw samples in arrival order
+
+
+def test_summarize_single_sample_and_thinning():
+    assert summarize([1.5]).stdev == 0.0
+    xs = [float(i) for i in range(1000)]
+    s = summarize(xs, keep=512)
+    assert s.n == 1000 and len(s.samples) == 512 and s.samples[0] == 0.0 and s.samples[-1] == 999.0
+    assert s.samples == sorted(s.samples)
+
+
+def test_median_halfwidth():
+    assert median_halfwidth([1.0, 1.0, 1.0, 1.0]) == math.inf  # too few samples
+    assert median_halfwidth([3.0] * 50) == 0.0
+    xs = [float(i) for i in range(1, 101)]
+    # order statistics 40 and 60 (0-based) around a median of 50.5
+    assert median_halfwidth(xs) == pytest.approx((61 - 41) / 2 / 50.5)
+    assert median_halfwidth([0.0] * 10) == math.inf
+
+
+def test_stop_rule_converges_on_constant_samples():
+    rule = StopRule(target=0.005, min_samples=10, min_time_s=0.02, budget_s=1.0)
+    assert rule.check([1.0] * 9, 0.5) is None  # below min_samples
+    assert rule.check([1.0] * 10, 0.01) is None  # below min_time_s
+    assert rule.check([1.0] * 10, 0.03) == "converged"
+    assert rule.check([1.0] * 12, 0.03) is None  # the CI is checked every 5 samples
+
+
+def test_stop_rule_budget_and_max_samples():
+    noisy = [1.0, 2.0, 4.0, 8.0, 16.0] * 4
+    rule = StopRule(target=0.005, budget_s=0.05, max_samples=100)
+    assert rule.check(noisy, 0.04) is None
+    assert rule.check(noisy, 0.05) == "budget"
+    assert rule.check([1.0, 2.0], 10.0) is None  # at least 3 samples, even past the budget
+    assert rule.check(noisy * 5, 0.0) == "max_samples"
+
+
+def test_stop_rule_from_env(monkeypatch):
+    assert StopRule.from_env().budget_s == 0.05  # the conftest's knob
+    monkeypatch.setenv("KPROF_TARGET_CI", "0.02")
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.25")
+    rule = StopRule.from_env()
+    assert (rule.target, rule.budget_s) == (0.02, 0.25)
+    monkeypatch.delenv("KPROF_TARGET_CI")
+    monkeypatch.delenv("KPROF_TIME_BUDGET_S")
+    assert (StopRule.from_env().target, StopRule.from_env().budget_s) == (StopRule().target, StopRule().budget_s)
+
+
+def test_time_cpu_trivial_function():
+    calls = []
+    t = time_cpu(lambda: calls.append(None), StopRule(budget_s=0.05))
+    assert t.samples_ms and all(s > 0 for s in t.samples_ms)
+    assert t.stop_reason in ("converged", "budget", "max_samples")
+    assert t.warmup >= 2 and t.inner > 1  # a sub-microsecond call is timed in groups
+    assert len(calls) == t.warmup + t.inner * len(t.samples_ms)
+    assert 0 < t.wall_s < 1.0
+
+
+def test_time_cpu_stops_on_budget_when_it_cannot_converge():
+    t = time_cpu(lambda: None, StopRule(target=-1.0, budget_s=0.03, max_samples=10 ** 9))  # never converges
+    assert t.stop_reason == "budget" and t.wall_s >= 0.03 and len(t.samples_ms) >= 3
+
+
+def test_time_cpu_stops_at_max_samples():
+    t = time_cpu(lambda: None, StopRule(target=0.0, budget_s=60.0, max_samples=7))
+    assert t.stop_reason == "max_samples" and len(t.samples_ms) == 7
+
+
+def test_time_cpu_measures_a_known_duration():
+    t = time_cpu(lambda: time.sleep(0.002), StopRule(budget_s=0.05, min_samples=5))
+    assert t.inner == 1
+    assert min(t.samples_ms) >= 2.0 and summarize(t.samples_ms).median < 20.0
