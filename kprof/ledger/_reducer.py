@@ -22,9 +22,9 @@ import msgspec
 from blake3 import blake3
 
 from . import _codec
-from .events import Failed, Measured, Retracted, summary_of
+from .events import KIND, summary_of
 
-MEASURED, FAILED = b"m", b"f"
+MEASURED, FAILED, RETRACTED = b"m", b"f", b"r"
 MOD = 1 << 256
 _seq = struct.Struct(">Q")
 pack_seq = _seq.pack
@@ -55,7 +55,11 @@ class Store:
 
 
 class Reducer:
-    """Applies events to a Store. Scope accumulators are cached and flushed once per batch."""
+    """Applies events to a Store. Scope accumulators are cached and flushed once per batch.
+
+    Events may be the full records or their heads (events.KIND maps each type to its kind letter):
+    the views need only the key, provenance, summary fields and retraction target.
+    """
 
     def __init__(self, store: Store):
         self.store = store
@@ -79,29 +83,25 @@ class Reducer:
             self._scopes[sid] = entry
         return sid, entry
 
-    def apply(self, event, eid: bytes, seq: int, shape_bytes: bytes | None = None) -> None:
+    def apply(self, event, eid: bytes, seq: int) -> None:
         s = self.store
         key = event.key
         s.put("history", key + pack_seq(seq), eid)
-        if type(event) is Retracted:
+        kind = KIND[type(event)]
+        if kind == RETRACTED:
             self._retract(event, eid)
             return
         prov = event.provenance
         sid, entry = self._scope(prov)
-        if shape_bytes is None:
-            shape_bytes = _codec.encode(prov.shape)
-        s.put("scope_index", sid + _codec.shape_id(shape_bytes) + key, b"")
+        s.put("scope_index", sid + _codec.shape_id(_codec.encode(prov.shape)) + key, b"")
         cid = self._contracts.get(prov.contract)
         if cid is None:
             cid = self._contracts[prov.contract] = contract_id(prov)
         if cid not in entry[5]:
             entry[5] = sorted(entry[5] + [cid])
-        cur = s.get("current", key)
-        if type(event) is Measured:
-            self._set_current(entry, key, cur, MEASURED + eid + _codec.encode(summary_of(event)))
-        else:
+        if kind == FAILED:
             s.put("failures", key, eid)
-            self._set_current(entry, key, cur, FAILED + eid + _codec.encode(summary_of(event)))
+        self._set_current(entry, key, s.get("current", key), kind + eid + _codec.encode(summary_of(event)))
 
     def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
         if old == new:
@@ -116,131 +116,32 @@ class Reducer:
         else:
             self.store.delete("current", key)
 
-    def _retract(self, event: Retracted, eid: bytes) -> None:
+    def _retract(self, event, eid: bytes) -> None:
+        """The key's current row becomes its latest attempt that is not retracted (or none)."""
         s = self.store
         s.put("retracted", event.target, eid)
         target = s.event(event.target)
-        sid, entry = self._scope(target.provenance)
+        _sid, entry = self._scope(target.provenance)
         key = event.key
-        cur = s.get("current", key)
         latest = latest_failed = None
         for hid in reversed(s.history(key)):
             if s.get("retracted", hid) is not None:
                 continue
             ev = s.event(hid)
-            if type(ev) is Retracted:
+            kind = KIND[type(ev)]
+            if kind == RETRACTED:
                 continue
             if latest is None:
-                latest = (hid, ev)
-            if type(ev) is Failed:
+                latest = (kind, hid, ev)
+            if kind == FAILED:
                 latest_failed = hid
                 break
-        if latest is None:
-            new = None
-        else:
-            kind = MEASURED if type(latest[1]) is Measured else FAILED
-            new = kind + latest[0] + _codec.encode(summary_of(latest[1]))
-        self._set_current(entry, key, cur, new)
+        new = None if latest is None else latest[0] + latest[1] + _codec.encode(summary_of(latest[2]))
+        self._set_current(entry, key, s.get("current", key), new)
         if latest_failed is None:
             s.delete("failures", key)
         else:
             s.put("failures", key, latest_failed)
-
-    def flush(self) -> None: ...  # writes what is buffered
-
-
-class Reducer:
-    """Applies events to a Store. Scope accumulators are cached and flushed once per batch."""
-
-    def __init__(self, store: Store):
-        self.store = store
-        self._scopes: dict[bytes, list] = {}  # scope -> [table, backend, gpu_key, rows, acc, contracts]
-        self._sids: dict[tuple, bytes] = {}
-        self._contracts: dict = {}
-
-    def _scope(self, prov) -> tuple[bytes, list]:
-        names = (prov.table, prov.backend, prov.gpu_key)
-        sid = self._sids.get(names)
-        if sid is None:
-            sid = self._sids[names] = _codec.scope_id(*names)
-        entry = self._scopes.get(sid)
-        if entry is None:
-            raw = self.store.get("scopes", sid)
-            if raw is None:
-                entry = [prov.table, prov.backend, prov.gpu_key, 0, 0, []]
-            else:
-                t, b, g, rows, acc, contracts = msgspec.msgpack.decode(raw)
-                entry = [t, b, g, rows, int.from_bytes(acc, "big"), contracts]
-            self._scopes[sid] = entry
-        return sid, entry
-
-    def apply(self, event, eid: bytes, seq: int, shape_bytes: bytes | None = None) -> None:
-        s = self.store
-        key = event.key
-        s.put("history", key + pack_seq(seq), eid)
-        if type(event) is Retracted:
-            self._retract(event, eid)
-            return
-        prov = event.provenance
-        sid, entry = self._scope(prov)
-        if shape_bytes is None:
-            shape_bytes = _codec.encode(prov.shape)
-        s.put("scope_index", sid + _codec.shape_id(shape_bytes) + key, b"")
-        cid = self._contracts.get(prov.contract)
-        if cid is None:
-            cid = self._contracts[prov.contract] = contract_id(prov)
-        if cid not in entry[5]:
-            entry[5] = sorted(entry[5] + [cid])
-        cur = s.get("current", key)
-        if type(event) is Measured:
-            self._set_current(entry, key, cur, MEASURED + eid + _codec.encode(summary_of(event)))
-        else:
-            s.put("failures", key, eid)
-            self._set_current(entry, key, cur, FAILED + eid + _codec.encode(summary_of(event)))
-
-    def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
-        if old == new:
-            return
-        if old is not None:
-            entry[4] = (entry[4] - row_term(key, old[1:33])) % MOD
-            entry[3] -= 1
-        if new is not None:
-            entry[4] = (entry[4] + row_term(key, new[1:33])) % MOD
-            entry[3] += 1
-            self.store.put("current", key, new)
-        else:
-            self.store.delete("current", key)
-
-    def _retract(self, event: Retracted, eid: bytes) -> None:
-        s = self.store
-        s.put("retracted", event.target, eid)
-        target = s.event(event.target)
-        sid, entry = self._scope(target.provenance)
-        key = event.key
-        cur = s.get("current", key)
-        best_measured = best_failed = None
-        events = {}
-        for hid in reversed(s.history(key)):
-            if s.get("retracted", hid) is not None:
-                continue
-            ev = events[hid] = s.event(hid)
-            if type(ev) is Measured and best_measured is None:
-                best_measured = hid
-            elif type(ev) is Failed and best_failed is None:
-                best_failed = hid
-            if best_measured is not None and best_failed is not None:
-                break
-        if best_measured is not None:
-            new = MEASURED + best_measured + _codec.encode(summary_of(events[best_measured]))
-        elif best_failed is not None:
-            new = FAILED + best_failed + _codec.encode(summary_of(events[best_failed]))
-        else:
-            new = None
-        self._set_current(entry, key, cur, new)
-        if best_failed is None:
-            s.delete("failures", key)
-        else:
-            s.put("failures", key, best_failed)
 
     def flush(self) -> None:
         for sid, (t, b, g, rows, acc, contracts) in self._scopes.items():

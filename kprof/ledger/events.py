@@ -26,6 +26,8 @@ __all__ = [
     "ERROR_KINDS",
     "Summary",
     "summary_of",
+    "EventHead",
+    "KIND",
 ]
 
 Scalar = Union[bool, int, float, str]
@@ -178,8 +180,45 @@ class Summary(msgspec.Struct, frozen=True, array_like=True, gc=False):
         return Stats(self.n, self.median, self.p10, self.p90, self.mean, self.stdev, self.cv, self.min, self.max)
 
 
-def summary_of(event: Measured | Failed) -> Summary:
-    if type(event) is Measured:
+class StatsHead(msgspec.Struct, frozen=True, gc=False):
+    """Stats without the raw samples (decoding skips them)."""
+
+    n: int
+    median: float
+    p10: float
+    p90: float
+    mean: float
+    stdev: float
+    cv: float
+    min: float = 0.0
+    max: float = 0.0
+
+
+class MeasuredHead(msgspec.Struct, frozen=True, gc=False, tag="measured"):
+    """What the views need of a measured event; decoding skips environment, method, origin, samples."""
+
+    key: bytes
+    provenance: Provenance
+    metrics: dict[str, float | None]
+    stats: StatsHead
+    measured_at: float = 0.0
+
+
+class FailedHead(msgspec.Struct, frozen=True, gc=False, tag="failed"):
+    key: bytes
+    provenance: Provenance
+    error_kind: str
+    message: str
+    measured_at: float = 0.0
+
+
+EventHead = Union[MeasuredHead, FailedHead, Retracted]
+# The kind letter of every event type the reducer accepts (the views store it beside each row).
+KIND = {Measured: b"m", MeasuredHead: b"m", Failed: b"f", FailedHead: b"f", Retracted: b"r"}
+
+
+def summary_of(event) -> Summary:
+    if KIND[type(event)] == b"m":
         s = event.stats
         return Summary(event.metrics, event.measured_at, s.n, s.median, s.p10, s.p90, s.mean, s.stdev, s.cv,
                        s.min, s.max)
