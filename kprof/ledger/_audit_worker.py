@@ -1,11 +1,15 @@
-"""The two halves of an audit, each run in its own child process (`python -m kprof.ledger._audit_worker
-PART PATH`, printing one JSON document), so they use both cores and so that a damaged page that faults
-the reader is reported as a finding instead of crashing the caller.
+"""One shard of an audit, run in its own child process: `python -m kprof.ledger._audit_worker SHARD
+SHARDS PATH` prints one JSON document. The parent runs one shard per core; a damaged page that faults the
+reader kills only the child and is reported as a finding.
 
-  structure  walks every sub-database (keys strictly increasing, entry count equal to the header's),
-             and recomputes every event's id and key from its stored bytes
-  views      checks the log (1..last_seq, each event once, each present), replays it into memory and
-             compares every stored view with the replay
+Shard s owns the event ids and the keys whose first byte b has b * SHARDS // 256 == s. It
+  - walks its share of the sub-databases (keys strictly increasing, counts equal to the headers'),
+  - reads the event store once, in order: recomputes the id and key of each event of its id range, and
+    collects the events of its keys (the replay needs log order only within a key, so it sorts them by
+    their sequence numbers instead of reading the events in log order, which would be random reads),
+  - replays them and compares its part of every view with what is stored,
+  - returns its partial scope accumulators, which the parent sums (the view root's hash is additive),
+and shard 0 also checks the log: 1..last_seq, each event once, each present.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import msgspec
 
 from . import _codec
 from ._reducer import unpack_seq
-from .events import Retracted
+from .events import EventHead, Retracted
 from .replay import MemoryStore, replay_into
 
 MAX_LISTED = 50
+head_decoder = msgspec.msgpack.Decoder(EventHead)
 
 
 class Findings:
@@ -37,123 +42,185 @@ class Findings:
             self.items.append(f"{check}: {text}")
 
 
-def structure(ledger, found: Findings) -> dict:
-    dbs = ledger.dbs
-    with ledger.read() as txn:
-        for name, db in dbs.items():
-            expected = txn.stat(db)["entries"]
-            seen, last = 0, None
-            cursor = txn.cursor(db)
+def key_of_bytes(data: bytes) -> bytes | None:
+    """The key of an event from its canonical bytes without decoding them: every event kind encodes as a
+    map whose first two entries are `type` (the tag) and `key` (32 bytes), in that order."""
+    try:
+        at = 6 + 1 + (data[6] & 0x1F) + 4 + 2  # map header, "type", tag string, "key", bin8 header
+        return data[at:at + 32] if data[at - 6:at - 2] == b"\xa3key" else None
+    except IndexError:
+        return None
+
+
+class Shard:
+    def __init__(self, ledger, shard: int, shards: int, found: Findings):
+        self.ledger, self.shard, self.shards, self.found = ledger, shard, shards, found
+        self.lo = bytes([shard * 256 // shards]) if shard else b""
+        self.hi = bytes([(shard + 1) * 256 // shards]) if shard + 1 < shards else None
+
+    def mine(self, k: bytes) -> bool:
+        return k[0] * self.shards // 256 == self.shard
+
+    def _range(self, cursor):
+        """(key, value) of a cursor over this shard's key range."""
+        ok = cursor.set_range(self.lo) if self.lo else cursor.first()
+        if not ok:
+            return
+        hi = self.hi
+        for k, v in cursor:
+            if hi is not None and k >= hi:
+                return
+            yield k, v
+
+    def structure(self, txn) -> None:
+        """Walks this shard's share of the sub-databases other than events (see `events`)."""
+        for i, (name, db) in enumerate(sorted(self.ledger.dbs.items())):
+            if name == "events" or i % self.shards != self.shard:
+                continue
+            expected, seen, last = txn.stat(db)["entries"], 0, None
             try:
-                if name == "events":
-                    seen = _events(cursor, found)
-                else:
-                    for key in cursor.iternext(values=False):
-                        if last is not None and key <= last:
-                            found.add("structure", f"{name}: keys out of order at entry {seen}")
-                            break
-                        last = key
-                        seen += 1
+                for key in txn.cursor(db).iternext(values=False):
+                    if last is not None and key <= last:
+                        self.found.add("structure", f"{name}: keys out of order at entry {seen}")
+                        break
+                    last, seen = key, seen + 1
             except lmdb.Error as exc:
-                found.add("structure", f"{name}: walk failed at entry {seen}: {exc}")
+                self.found.add("structure", f"{name}: walk failed at entry {seen}: {exc}")
                 continue
             if seen != expected:
-                found.add("structure", f"{name}: header counts {expected} entries, walk found {seen}")
-    return {}
+                self.found.add("structure", f"{name}: header counts {expected} entries, walk found {seen}")
 
-
-def _events(cursor, found: Findings) -> int:
-    decode, event_id, key_of = _codec.event_decoder.decode, _codec.event_id, _codec.provenance_key
-    n, last = 0, None
-    for eid, data in cursor:
-        if last is not None and eid <= last:
-            found.add("structure", f"events: keys out of order at entry {n}")
-        last = eid
-        n += 1
-        if event_id(data) != eid:
-            found.add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id (altered or damaged)")
-            continue
-        try:
-            event = decode(data)
-        except msgspec.DecodeError as exc:
-            found.add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
-            continue
-        if type(event) is not Retracted and key_of(event.provenance) != event.key:
-            found.add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance")
-    return n
-
-
-def views(ledger, found: Findings) -> dict:
-    dbs = ledger.dbs
-    decode = _codec.event_decoder.decode
-    with ledger.read() as txn:
+    def log(self, txn) -> tuple[dict[bytes, int], int]:
+        """The log as event id -> seq, and last_seq. Shard 0 reports gaps, repeats and the meta mismatch."""
+        dbs = self.ledger.dbs
+        report = self.found.add if self.shard == 0 else (lambda *_: None)
         raw_last = txn.get(b"last_seq", db=dbs["meta"])
         last_seq = msgspec.msgpack.decode(raw_last) if raw_last is not None else -1
-        n_events = txn.stat(dbs["events"])["entries"]
-        logged: set[bytes] = set()
-        replay = []
+        seqs: dict[bytes, int] = {}
         expect = 1
-        events_db = dbs["events"]
         for k, eid in txn.cursor(dbs["log"]):
             seq = unpack_seq(k)[0] if len(k) == 8 else -1
             if seq != expect:
-                found.add("log", f"sequence {expect} expected, found {seq}")
+                report("log", f"sequence {expect} expected, found {seq}")
                 expect = seq
             expect += 1
-            if eid in logged:
-                found.add("log", f"seq {seq}: event {eid.hex()[:16]} logged twice")
+            if eid in seqs:
+                report("log", f"seq {seq}: event {eid.hex()[:16]} logged twice")
                 continue
-            logged.add(eid)
-            data = txn.get(eid, db=events_db)
-            if data is None:
-                found.add("log", f"seq {seq}: event {eid.hex()[:16]} is not in the event store")
-                continue
-            try:
-                replay.append((seq, eid, decode(data)))
-            except msgspec.DecodeError:
-                continue  # the structure half reports it
+            seqs[eid] = seq
         if expect - 1 != last_seq:
-            found.add("log", f"meta says last_seq {last_seq}, log ends at {expect - 1}")
-        if len(logged) != n_events:
-            found.add("log", f"{n_events} events are stored but {len(logged)} are logged")
+            report("log", f"meta says last_seq {last_seq}, log ends at {expect - 1}")
+        return seqs, last_seq
+
+    def events(self, txn, seqs: dict[bytes, int]) -> tuple[int, list]:
+        """One sequential pass over the event store: checks the id and key of each event in this shard's id
+        range, and collects (seq, id, head) of the events of this shard's keys for the replay. Returns
+        (events in the id range, replay list in log order)."""
+        event_id, key_of, decode, mine = _codec.event_id, _codec.provenance_key, head_decoder.decode, self.mine
+        n, last, replay, unlogged = 0, None, [], 0
+        for eid, data in txn.cursor(self.ledger.dbs["events"]):
+            own_id = mine(eid)
+            key = key_of_bytes(data)
+            own_key = key is not None and mine(key)
+            if not (own_id or own_key):
+                continue
+            event = None
+            if own_id:
+                if last is not None and eid <= last:
+                    self.found.add("structure", f"events: keys out of order at entry {n}")
+                last, n = eid, n + 1
+                if event_id(data) != eid:
+                    self.found.add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id "
+                                             f"(altered or damaged)")
+                    continue
+                try:
+                    event = decode(data)
+                except msgspec.DecodeError as exc:
+                    self.found.add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
+                    continue
+                if type(event) is not Retracted and key_of(event.provenance) != event.key:
+                    self.found.add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not "
+                                           f"match its provenance")
+                seq = seqs.get(eid)
+                if seq is None:
+                    unlogged += 1
+                    if unlogged <= MAX_LISTED:
+                        self.found.add("log", f"event {eid.hex()[:16]} is stored but not in the log")
+            if own_key and seqs.get(eid) is not None:
+                try:
+                    replay.append((seqs[eid], eid, event or decode(data)))
+                except msgspec.DecodeError:
+                    continue  # reported by the shard that owns its id
+        replay.sort(key=lambda item: item[0])
+        return n, replay
+
+    def views(self, txn, replay: list) -> dict:
+        """Replays this shard's keys and compares the stored views; returns partial scope accumulators."""
+        dbs = self.ledger.dbs
+        get, events_db, decode, mine = txn.get, dbs["events"], head_decoder.decode, self.mine
         memory = MemoryStore(txn, dbs)
+        memory.event = lambda eid: decode(get(eid, db=events_db))
         replay_into(memory, replay)
-        del replay
-        for name, rebuilt in memory.data.items():
-            _compare(found, name, txn.cursor(dbs[name]), rebuilt)
-    return {"events": n_events, "last_seq": last_seq}
+        replay.clear()
+        for name in ("current", "history", "failures"):
+            self._compare(name, self._range(txn.cursor(dbs[name])), memory.data[name])
+        self._compare("scope_index", ((k, v) for k, v in txn.cursor(dbs["scope_index"]) if mine(k[32:])),
+                      memory.data["scope_index"])
+        retracted = ((k, v) for k, v in txn.cursor(dbs["retracted"])
+                     if mine(key_of_bytes(get(v, db=events_db) or b"") or b"\0"))
+        self._compare("retracted", retracted, memory.data["retracted"])
+        return {sid.hex(): list(msgspec.msgpack.decode(v)) for sid, v in memory.data["scopes"].items()}
+
+    def _compare(self, name: str, stored, rebuilt: dict[bytes, bytes]) -> None:
+        matched = 0
+        get = rebuilt.get
+        for k, v in stored:
+            want = get(k)
+            if want is None:
+                self.found.add("views", f"{name}: stored entry {k.hex()[:24]} is not derivable from the log")
+            elif want != v:
+                self.found.add("views", f"{name}: entry {k.hex()[:24]} differs from the log's replay")
+            else:
+                matched += 1
+        if matched != len(rebuilt):
+            db, absent = self.ledger.dbs[name], 0
+            with self.ledger.read() as txn:
+                for k in rebuilt:
+                    if txn.get(k, db=db) is None:
+                        absent += 1
+                        self.found.add("views", f"{name}: entry {k.hex()[:24]} of the log's replay is not stored")
+                        if absent >= MAX_LISTED:
+                            break
 
 
-def _compare(found: Findings, name: str, cursor, rebuilt: dict[bytes, bytes]) -> None:
-    matched = 0
-    get = rebuilt.get
-    for k, v in cursor:
-        want = get(k)
-        if want is None:
-            found.add("views", f"{name}: stored entry {k.hex()[:24]} is not derivable from the log")
-        elif want != v:
-            found.add("views", f"{name}: entry {k.hex()[:24]} differs from the log's replay")
-        else:
-            matched += 1
-    if matched != len(rebuilt):
-        absent = [k for k in rebuilt if not cursor.set_key(k)]
-        for k in absent[:MAX_LISTED]:
-            found.add("views", f"{name}: entry {k.hex()[:24]} of the log's replay is not stored")
-
-
-def main(part: str, path: str) -> None:
+def main(shard: int, shards: int, path: str) -> dict:
     from .store import Ledger
 
     gc.disable()  # bulk decoding: the objects made here hold no cycles
     found = Findings()
     ledger = Ledger.open(path, readonly=True)
-    extra = {"structure": structure, "views": views}[part](ledger, found)
-    print(json.dumps({"findings": found.items, "counts": found.counts, **extra}))
+    work = Shard(ledger, shard, shards, found)
+    with ledger.read() as txn:
+        work.structure(txn)
+        seqs, last_seq = work.log(txn)
+        n_events, replay = work.events(txn, seqs)
+        header_events = txn.stat(ledger.dbs["events"])["entries"]
+        if shard == 0:
+            events_db = ledger.dbs["events"]
+            for eid, seq in seqs.items():
+                if txn.get(eid, db=events_db) is None:
+                    found.add("log", f"seq {seq}: event {eid.hex()[:16]} is not in the event store")
+        del seqs
+        scopes = work.views(txn, replay)
+    return {"findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
+            "last_seq": last_seq, "scopes": {k: [v[0], v[1], v[2], v[3], v[4].hex(), v[5]] for k, v in scopes.items()}}
 
 
 if __name__ == "__main__":
+    part = sys.argv[1]
     try:
-        main(sys.argv[1], sys.argv[2])
+        out = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
     except Exception as exc:  # any failure is a finding for the parent to report, with its reason
-        print(json.dumps({"findings": [f"{sys.argv[1]}: {type(exc).__name__}: {exc}"],
-                          "counts": {sys.argv[1]: 1}, "fatal": True}))
+        out = {"findings": [f"structure: shard {part}: {type(exc).__name__}: {exc}"], "counts": {"structure": 1},
+               "fatal": True}
+    print(json.dumps(out, default=lambda b: b.hex()))

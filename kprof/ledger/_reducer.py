@@ -94,9 +94,10 @@ class Reducer:
         prov = event.provenance
         sid, entry = self._scope(prov)
         s.put("scope_index", sid + _codec.shape_id(_codec.encode(prov.shape)) + key, b"")
-        cid = self._contracts.get(prov.contract)
+        contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
+        cid = self._contracts.get(contract)
         if cid is None:
-            cid = self._contracts[prov.contract] = contract_id(prov)
+            cid = self._contracts[contract] = contract_id(prov)
         if cid not in entry[5]:
             entry[5] = sorted(entry[5] + [cid])
         if kind == FAILED:

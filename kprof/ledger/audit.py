@@ -1,9 +1,10 @@
 """`kprof audit`: proves every row can be replayed from the log, or lists what cannot.
 
-Two child processes share the work (one core each): the structure half walks every sub-database and
-recomputes every event id and key; the views half checks the log's continuity and compares the stored
-views with a replay of the log. A child killed by a signal (a damaged page faults the reader) is itself
-a finding: the file's structure is damaged.
+The work is sharded by key and event id over child processes, one per core (see _audit_worker): each
+walks its share of the sub-databases, recomputes its events' ids and keys, replays the log for its keys
+and compares its part of every view; the parent sums their scope accumulators (the view root is an
+additive hash) and compares the scopes view. A child killed by a signal (a damaged page faults the
+reader) is itself a finding: the file's structure is damaged.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from typing import NamedTuple
 
 from ..errors import IntegrityError, LedgerError
+from . import _codec
 from .store import Ledger
 
 __all__ = ["audit", "AuditReport", "require_clean"]
@@ -35,22 +37,51 @@ class AuditReport(NamedTuple):
         return self._asdict()
 
 
-def _child(part: str, path: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kprof.ledger._audit_worker", part, path],
+SHARDS = 2  # one child per core of the machines kprof is sized for; each walks and replays half the keys
+
+
+def _child(shard: int, path: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kprof.ledger._audit_worker", str(shard), str(SHARDS), path],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _result(part: str, proc: subprocess.Popen) -> dict:
+def _result(shard: int, proc: subprocess.Popen) -> dict:
     out, err = proc.communicate()
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
-        return {"findings": [f"structure: the {part} walk crashed with {name}: the file's pages are damaged"],
-                "counts": {"structure": 1}}
+        return {"findings": [f"structure: shard {shard} crashed with {name}: the file's pages are damaged"],
+                "counts": {"structure": 1}, "fatal": True}
     try:
         return json.loads(out)
     except ValueError:
         last = (err.strip().splitlines() or ["no output"])[-1]
-        return {"findings": [f"structure: the {part} walk failed: {last}"], "counts": {"structure": 1}}
+        return {"findings": [f"structure: shard {shard} failed: {last}"], "counts": {"structure": 1}, "fatal": True}
+
+
+def _scopes(path: str, results: list[dict], add) -> None:
+    """Sums the shards' partial scope accumulators and compares them with the stored scopes view."""
+    combined: dict[bytes, list] = {}
+    for res in results:
+        for sid, (t, b, g, rows, acc, contracts) in res["scopes"].items():
+            entry = combined.setdefault(bytes.fromhex(sid), [t, b, g, 0, 0, set()])
+            entry[3] += rows
+            entry[4] = (entry[4] + int(acc, 16)) % (1 << 256)
+            entry[5].update(bytes.fromhex(c) for c in contracts)
+    ledger = Ledger.open(path, readonly=True)
+    try:
+        with ledger.read() as txn:
+            stored = dict(txn.cursor(ledger.dbs["scopes"]))
+    finally:
+        ledger.close()
+    for sid, (t, b, g, rows, acc, contracts) in combined.items():
+        want = _codec.encode([t, b, g, rows, acc.to_bytes(32, "big"), sorted(contracts)])
+        have = stored.pop(sid, None)
+        if have is None:
+            add("views", f"scopes: entry {sid.hex()} of the log's replay is not stored")
+        elif have != want:
+            add("views", f"scopes: entry {sid.hex()} ({t}/{b}/{g}) differs from the log's replay")
+    for sid in stored:
+        add("views", f"scopes: stored entry {sid.hex()} is not derivable from the log")
 
 
 def audit(path: str) -> AuditReport:
@@ -59,16 +90,27 @@ def audit(path: str) -> AuditReport:
     if not os.path.isfile(path):
         raise LedgerError(f"no ledger file at {path}; pass --db or set KPROF_DB")
     Ledger.open(path, readonly=True).close()  # refuses, with its reason, a file that is not a readable ledger
-    parts = {part: _child(part, path) for part in ("structure", "views")}
-    results = {part: _result(part, proc) for part, proc in parts.items()}
-    findings, counts = [], {}
-    for res in results.values():
+    procs = [_child(shard, path) for shard in range(SHARDS)]
+    results = [_result(shard, proc) for shard, proc in enumerate(procs)]
+    findings: list[str] = []
+    counts: dict[str, int] = {}
+
+    def add(check: str, text: str) -> None:
+        counts[check] = counts.get(check, 0) + 1
+        findings.append(f"{check}: {text}")
+
+    for res in results:
         findings += res["findings"]
         for check, n in res["counts"].items():
             counts[check] = counts.get(check, 0) + n
-    views = results["views"]
-    return AuditReport(path, not counts, views.get("events", 0), views.get("last_seq", 0), findings, counts,
-                       time.perf_counter() - started)
+    fatal = any(res.get("fatal") for res in results)
+    n_events = 0 if fatal else sum(res["events"] for res in results)
+    if not fatal:
+        if n_events != results[0]["header_events"]:
+            add("structure", f"events: header counts {results[0]['header_events']} entries, walk found {n_events}")
+        _scopes(path, results, add)
+    last_seq = results[0].get("last_seq") or 0
+    return AuditReport(path, not counts, n_events, last_seq, findings, counts, time.perf_counter() - started)
 
 
 def require_clean(path: str) -> AuditReport:

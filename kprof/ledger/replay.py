@@ -25,11 +25,11 @@ class MemoryStore(Store):
         if db == "history":
             self._history.setdefault(k[:32], []).append(v)
 
-    def delete(self, db, k):
-        self.data[db].pop(k, None)
-
     def history(self, key):
         return self._history.get(key, [])
+
+    def delete(self, db, k):
+        self.data[db].pop(k, None)
 
     def flush(self) -> None:
         pass
