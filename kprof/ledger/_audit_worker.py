@@ -2,11 +2,11 @@
 SHARDS PATH` prints one JSON document. The parent runs one shard per core; a damaged page that faults the
 reader kills only the child and is reported as a finding.
 
-Shard s owns the event ids and the keys whose first byte b has b * SHARDS // 256 == s. It
+Shard s owns the keys whose first byte b has b * SHARDS // 256 == s, and the events of those keys. It
   - walks its share of the sub-databases (keys strictly increasing, counts equal to the headers'),
-  - reads the event store once, in order: recomputes the id and key of each event of its id range, and
-    collects the events of its keys (the replay needs log order only within a key, so it sorts them by
-    their sequence numbers instead of reading the events in log order, which would be random reads),
+  - reads the event store once, in order, and for each event of its keys recomputes the id and key and
+    collects it for the replay (which needs log order only within a key, so the shard sorts its events
+    by sequence number instead of reading them in log order, which would be random reads),
   - replays them and compares its part of every view with what is stored,
   - returns its partial scope accumulators, which the parent sums (the view root's hash is additive),
 and shard 0 also checks the log: 1..last_seq, each event once, each present.
@@ -113,44 +113,39 @@ class Shard:
         return seqs, last_seq
 
     def events(self, txn, seqs: dict[bytes, int]) -> tuple[int, list]:
-        """One sequential pass over the event store: checks the id and key of each event in this shard's id
-        range, and collects (seq, id, head) of the events of this shard's keys for the replay. Returns
-        (events in the id range, replay list in log order)."""
+        """One sequential pass over the event store. Each event belongs to the shard of its key (an event
+        whose key cannot be read belongs to shard 0), so each is hashed and decoded once, by one shard:
+        its id and key are recomputed, and it is collected for the replay. Returns (events owned, replay
+        list in log order)."""
         event_id, key_of, decode, mine = _codec.event_id, _codec.provenance_key, head_decoder.decode, self.mine
         n, last, replay, unlogged = 0, None, [], 0
         for eid, data in txn.cursor(self.ledger.dbs["events"]):
-            own_id = mine(eid)
+            if last is not None and eid <= last and self.shard == 0:
+                self.found.add("structure", f"events: keys out of order at {eid.hex()[:16]}")
+            last = eid
             key = key_of_bytes(data)
-            own_key = key is not None and mine(key)
-            if not (own_id or own_key):
+            if not (mine(key) if key is not None else self.shard == 0):
                 continue
-            event = None
-            if own_id:
-                if last is not None and eid <= last:
-                    self.found.add("structure", f"events: keys out of order at entry {n}")
-                last, n = eid, n + 1
-                if event_id(data) != eid:
-                    self.found.add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id "
-                                             f"(altered or damaged)")
-                    continue
-                try:
-                    event = decode(data)
-                except msgspec.DecodeError as exc:
-                    self.found.add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
-                    continue
-                if type(event) is not Retracted and key_of(event.provenance) != event.key:
-                    self.found.add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not "
-                                           f"match its provenance")
-                seq = seqs.get(eid)
-                if seq is None:
-                    unlogged += 1
-                    if unlogged <= MAX_LISTED:
-                        self.found.add("log", f"event {eid.hex()[:16]} is stored but not in the log")
-            if own_key and seqs.get(eid) is not None:
-                try:
-                    replay.append((seqs[eid], eid, event or decode(data)))
-                except msgspec.DecodeError:
-                    continue  # reported by the shard that owns its id
+            n += 1
+            if event_id(data) != eid:
+                self.found.add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id "
+                                         f"(altered or damaged)")
+                continue
+            try:
+                event = decode(data)
+            except msgspec.DecodeError as exc:
+                self.found.add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
+                continue
+            if type(event) is not Retracted and key_of(event.provenance) != event.key:
+                self.found.add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not "
+                                       f"match its provenance")
+            seq = seqs.get(eid)
+            if seq is None:
+                unlogged += 1
+                if unlogged <= MAX_LISTED:
+                    self.found.add("log", f"event {eid.hex()[:16]} is stored but not in the log")
+                continue
+            replay.append((seq, eid, event))
         replay.sort(key=lambda item: item[0])
         return n, replay
 

@@ -12,11 +12,13 @@ Nothing here imports torch, cupti or pynvml.
 from __future__ import annotations
 
 import datetime as _dt
+from itertools import compress
+from operator import not_
 from typing import Any, Iterable, Iterator, Mapping
 
 import msgspec
 
-from . import _codec
+from . import _codec, _parallel
 from ._reducer import MEASURED, contract_id, root_of
 from .events import Contract, Provenance, Stats, Summary
 from .keys import KeyMaker, ShapeCodec
@@ -27,6 +29,8 @@ STATUSES = ("ok", "missing", "stale", "failed", "error")
 
 
 _summary_decoder = msgspec.msgpack.Decoder(Summary)
+_tail_decoder = msgspec.msgpack.Decoder(tuple[list[bytes], list[bytes | None]])
+HEAD_SHARE = 0.4  # of a split get_many, the parent's: it also decodes and builds every row afterwards
 
 
 def citation(eid: bytes) -> str:
@@ -131,57 +135,90 @@ class View:
         with self.ledger.read() as txn:
             return self._root(txn), self._rows(txn, specs)
 
-    def _keys(self, specs: list) -> tuple[list, list, list[bytes], list[bytes], list[int]]:
-        """(canonical specs as dicts, shapes, shape bytes, keys, lookup order). Keys are looked up in
-        sorted order, so consecutive lookups land on neighbouring B-tree pages (fewer cache misses)."""
-        shapes, exact = self.shapes.to_shapes(specs)
-        encode, hasher = _codec.encode, self.keys._hasher
-        shape_bytes = [encode(s) for s in shapes]
-        keys = [hasher.copy().update(b).digest() for b in shape_bytes]
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        if exact and all(type(s) is dict for s in specs):
-            spec_dicts = specs  # already canonical values; no copies
-        else:
-            asdict = msgspec.structs.asdict
-            spec_dicts = [s if type(s) is dict else asdict(s) for s in shapes]
-        return spec_dicts, shapes, shape_bytes, keys, order
-
     def missing(self, specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
         specs = specs if isinstance(specs, list) else list(specs)
-        shapes, exact = self.shapes.to_shapes(specs)
-        encode, hasher = _codec.encode, self.keys._hasher
-        keys = [hasher.copy().update(encode(s)).digest() for s in shapes]
-        absent = []
+        ok = None
         with self.ledger.read() as txn:
-            get = txn.cursor(self._current).get
-            for i in sorted(range(len(keys)), key=keys.__getitem__):
-                v = get(keys[i])
-                if v is None or v[:1] != MEASURED:
-                    absent.append(i)
-        absent.sort()
-        return [specs[i] for i in absent]
+            if _parallel.worth_it(len(specs)):
+                cut = len(specs) // 2
+                with _parallel.forked(lambda: self._ok_flags(txn, specs[cut:])) as child:
+                    head = self._ok_flags(txn, specs[:cut])
+                    tail = child.result()
+                ok = None if tail is None else head + tail
+            if ok is None:  # serial (or the child failed: redone whole, so an invalid spec is named by its index)
+                ok = self._ok_flags(txn, specs)
+        return list(compress(specs, map(not_, ok)))
 
     def count_missing(self, specs) -> int:
         return len(self.missing(specs))
 
+    def _found(self, txn, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """(key, current value) of the keys that have a row. Sorted keys land on neighbouring B-tree pages
+        (fewer cache misses), and getmulti looks them all up in one C call."""
+        return txn.cursor(self._current).getmulti(sorted(keys))
+
+    def _ok_flags(self, txn, specs: list) -> bytes:
+        """One byte per spec: 1 where its current row is measured (ok), else 0."""
+        keys = self.keys.keys_of(self.shapes.to_shapes(specs)[0])
+        ok = {k for k, v in self._found(txn, keys) if v[:1] == MEASURED}
+        return bytes(map(ok.__contains__, keys))
+
+    def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
+        """(shapes, exact, keys, current value or None), one of each per spec."""
+        shapes, exact = self.shapes.to_shapes(specs)
+        keys = self.keys.keys_of(shapes)
+        found = dict(self._found(txn, keys))
+        return shapes, exact, keys, list(map(found.get, keys))
+
+    def _tail_values(self, txn, specs: list) -> bytes:
+        """`_values` of the tail, as the forked child sends them; refuses specs that are not canonical,
+        whose rows carry converted spec dicts (the serial path builds those)."""
+        _shapes, exact, keys, values = self._values(txn, specs)
+        if not exact:
+            raise ValueError("specs not canonical")
+        return _codec.encode((keys, values))
+
+    def _split_values(self, txn, specs: list) -> tuple[list[bytes], list] | None:
+        """(keys, values) with the tail looked up by a forked child, or None where the serial path must
+        answer (specs not all canonical dicts, or the child failed). The parent's head is the smaller share:
+        it builds every row afterwards."""
+        if set(map(type, specs)) != {dict}:
+            return None
+        cut = int(len(specs) * HEAD_SHARE)
+        with _parallel.forked(lambda: self._tail_values(txn, specs[cut:])) as child:
+            _shapes, exact, keys, values = self._values(txn, specs[:cut])
+            if not exact:
+                return None
+            tail = child.result()
+        if tail is None:
+            return None
+        tail_keys, tail_values = _tail_decoder.decode(tail)
+        return keys + tail_keys, values + tail_values
+
     def _rows(self, txn, specs) -> list[Row]:
         specs = specs if isinstance(specs, list) else list(specs)
-        spec_dicts, _shapes, shape_bytes, keys, order = self._keys(specs)
-        decode, get = _summary_decoder.decode, txn.cursor(self._current).get
-        base = self.keys.base
-        maybe_stale = self._other_contracts(txn)
-        rows: list = [None] * len(keys)
-        for i in order:
-            key = keys[i]
-            v = get(key)
-            if v is not None:
-                rows[i] = Row(spec_dicts[i], "ok" if v[:1] == MEASURED else "failed", key, v[1:33],
-                              decode(v[33:]), base)
-            elif maybe_stale:
-                rows[i] = self._stale_or_missing(txn, spec_dicts[i], key, shape_bytes[i])
+        split = self._split_values(txn, specs) if _parallel.worth_it(len(specs)) else None
+        if split is not None:
+            spec_dicts, (keys, values) = specs, split
+        else:
+            shapes, exact, keys, values = self._values(txn, specs)
+            if exact and all(type(s) is dict for s in specs):
+                spec_dicts = specs  # already canonical values; no copies
             else:
-                rows[i] = Row(spec_dicts[i], "missing", key)
+                asdict = msgspec.structs.asdict
+                spec_dicts = [s if type(s) is dict else asdict(s) for s in shapes]
+        decode, base = _summary_decoder.decode, self.keys.base
+        maybe_stale = self._other_contracts(txn)
+        rows: list = []
+        append = rows.append
+        for spec, key, v in zip(spec_dicts, keys, values):
+            if v is not None:
+                append(Row(spec, "ok" if v[:1] == MEASURED else "failed", key, v[1:33], decode(v[33:]), base))
+            elif maybe_stale:
+                append(self._stale_or_missing(txn, spec, key))
+            else:
+                append(Row(spec, "missing", key))
         return rows
 
     def _other_contracts(self, txn) -> bool:
@@ -189,9 +226,9 @@ class View:
         raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
         return raw is not None and msgspec.msgpack.decode(raw)[5] != [self._contract_id]
 
-    def _stale_or_missing(self, txn, spec, key, shape_b) -> Row:
+    def _stale_or_missing(self, txn, spec, key) -> Row:
         """A spec with no current row under this contract: stale if another contract's ok row exists."""
-        prefix = self.scope + _codec.shape_id(shape_b)
+        prefix = self.scope + _codec.shape_id(self.keys.shape_bytes(spec))
         cursor = txn.cursor(self._index)
         best = None
         if cursor.set_range(prefix):
