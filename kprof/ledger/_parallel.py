@@ -12,6 +12,7 @@ parent's runs in it.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -52,6 +53,7 @@ def forked(work: Callable[[], bytes]) -> Iterator[_Child]:
     if pid == 0:
         code = 1
         try:
+            gc.disable()  # a collection would write to every tracked object's header: copy-on-write faults
             os.close(r)
             data = work()
             with open(w, "wb") as pipe:

@@ -60,6 +60,7 @@ class ShapeCodec:
             [(f.name, by_name[f.name].type) for f in fields],
             frozen=True,
             forbid_unknown_fields=True,
+            gc=False,  # scalars only, never in a cycle: untracked, bulk conversions skip the collector
             namespace={"__post_init__": post_init} if post_init else None,
         )
 

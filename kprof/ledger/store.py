@@ -148,7 +148,9 @@ class Ledger:
     # ---- opening ---------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, *, readonly: bool = False,
-             map_size: int = DEFAULT_MAP_SIZE) -> "Ledger":
+             map_size: int = DEFAULT_MAP_SIZE, readahead: bool = False) -> "Ledger":
+        """Opens (or, unless readonly, creates) the ledger file. `readahead` suits whole-file scans; point
+        lookups are faster without it."""
         path = os.fspath(path if path is not None else default_path())
         if os.path.isdir(path):
             raise LedgerError(f"ledger path {path} is a directory; pass the ledger file, e.g. {path}/profile.db")
@@ -168,7 +170,7 @@ class Ledger:
         env_readonly = readonly and exists and not os.access(path, os.W_OK)
         try:
             env = lmdb.open(path, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
-                            lock=True, sync=True, metasync=True, readahead=False, max_readers=510)
+                            lock=True, sync=True, metasync=True, readahead=readahead, max_readers=510)
         except lmdb.InvalidError:
             raise IntegrityError(f"{path} is not a kprof ledger (not an LMDB file, or its header is damaged); "
                                  f"check the path, or restore the file from a copy") from None

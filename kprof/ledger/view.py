@@ -12,8 +12,8 @@ Nothing here imports torch, cupti or pynvml.
 from __future__ import annotations
 
 import datetime as _dt
-from itertools import compress
-from operator import not_
+from itertools import compress, repeat
+from operator import getitem, not_
 from typing import Any, Iterable, Iterator, Mapping
 
 import msgspec
@@ -29,8 +29,15 @@ STATUSES = ("ok", "missing", "stale", "failed", "error")
 
 
 _summary_decoder = msgspec.msgpack.Decoder(Summary)
-_tail_decoder = msgspec.msgpack.Decoder(tuple[list[bytes], list[bytes | None]])
+_summaries_decoder = msgspec.msgpack.Decoder(list[Summary])
+_heads_decoder = msgspec.msgpack.Decoder(tuple[list[bytes], list[bytes | None]])
 HEAD_SHARE = 0.4  # of a split get_many, the parent's: it also decodes and builds every row afterwards
+
+
+def _summary_array(values: Iterable[bytes]) -> bytes:
+    """One msgpack array of the Summaries in current values (kind + event id + Summary), for one decode call."""
+    parts = list(map(getitem, values, repeat(slice(33, None))))
+    return b"\xdd" + len(parts).to_bytes(4, "big") + b"".join(parts)
 
 
 def citation(eid: bytes) -> str:
@@ -171,50 +178,56 @@ class View:
         found = dict(self._found(txn, keys))
         return shapes, exact, keys, list(map(found.get, keys))
 
-    def _tail_values(self, txn, specs: list) -> bytes:
-        """`_values` of the tail, as the forked child sends them; refuses specs that are not canonical,
-        whose rows carry converted spec dicts (the serial path builds those)."""
+    def _tail(self, txn, specs: list) -> bytes:
+        """What the forked child sends of its share: msgpack (keys, value heads: kind + event id, or None),
+        then its summaries as one msgpack array (the parent decodes them in one call, with no slicing).
+        Refuses specs that are not canonical: their rows carry converted spec dicts (the serial path's)."""
         _shapes, exact, keys, values = self._values(txn, specs)
         if not exact:
             raise ValueError("specs not canonical")
-        return _codec.encode((keys, values))
+        heads = _codec.encode((keys, [v and v[:33] for v in values]))
+        return len(heads).to_bytes(8, "big") + heads + _summary_array(filter(None, values))
 
-    def _split_values(self, txn, specs: list) -> tuple[list[bytes], list] | None:
-        """(keys, values) with the tail looked up by a forked child, or None where the serial path must
-        answer (specs not all canonical dicts, or the child failed). The parent's head is the smaller share:
-        it builds every row afterwards."""
+    def _split_lookup(self, txn, specs: list) -> tuple[list[bytes], list, list[Summary]] | None:
+        """(keys, values or their heads, summaries of the found) with the tail looked up by a forked child;
+        None where the serial path must answer (specs not all canonical dicts, or the child failed). The
+        parent's share is the smaller one: it builds every row afterwards."""
         if set(map(type, specs)) != {dict}:
             return None
         cut = int(len(specs) * HEAD_SHARE)
-        with _parallel.forked(lambda: self._tail_values(txn, specs[cut:])) as child:
+        with _parallel.forked(lambda: self._tail(txn, specs[cut:])) as child:
             _shapes, exact, keys, values = self._values(txn, specs[:cut])
             if not exact:
                 return None
+            summaries = _summaries_decoder.decode(_summary_array(filter(None, values)))
             tail = child.result()
         if tail is None:
             return None
-        tail_keys, tail_values = _tail_decoder.decode(tail)
-        return keys + tail_keys, values + tail_values
+        tail = memoryview(tail)
+        end = 8 + int.from_bytes(tail[:8], "big")
+        tail_keys, tail_heads = _heads_decoder.decode(tail[8:end])
+        return keys + tail_keys, values + tail_heads, summaries + _summaries_decoder.decode(tail[end:])
 
     def _rows(self, txn, specs) -> list[Row]:
         specs = specs if isinstance(specs, list) else list(specs)
-        split = self._split_values(txn, specs) if _parallel.worth_it(len(specs)) else None
+        split = self._split_lookup(txn, specs) if _parallel.worth_it(len(specs)) else None
         if split is not None:
-            spec_dicts, (keys, values) = specs, split
+            spec_dicts, (keys, values, summaries) = specs, split
         else:
             shapes, exact, keys, values = self._values(txn, specs)
+            summaries = _summaries_decoder.decode(_summary_array(filter(None, values)))
             if exact and all(type(s) is dict for s in specs):
                 spec_dicts = specs  # already canonical values; no copies
             else:
                 asdict = msgspec.structs.asdict
                 spec_dicts = [s if type(s) is dict else asdict(s) for s in shapes]
-        decode, base = _summary_decoder.decode, self.keys.base
-        maybe_stale = self._other_contracts(txn)
+        base, maybe_stale = self.keys.base, self._other_contracts(txn)
+        summary = iter(summaries).__next__
         rows: list = []
         append = rows.append
         for spec, key, v in zip(spec_dicts, keys, values):
             if v is not None:
-                append(Row(spec, "ok" if v[:1] == MEASURED else "failed", key, v[1:33], decode(v[33:]), base))
+                append(Row(spec, "ok" if v[:1] == MEASURED else "failed", key, v[1:33], summary(), base))
             elif maybe_stale:
                 append(self._stale_or_missing(txn, spec, key))
             else:
