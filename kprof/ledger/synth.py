@@ -1,7 +1,8 @@
 """Deterministic synthetic events, for tests, fixtures and benchmarks of the ledger itself.
 
 They are shaped like real GEMM rows (a realistic payload size: metrics, 16 raw samples, environment)
-but are labelled `backend="synthetic"` so they can never be mistaken for measurements.
+but are labelled `backend="synthetic"` so they can never be mistaken for measurements (a benchmark of the
+CLI may file them under a real backend in a throwaway ledger, to time the verbs at scale).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def spec(i: int) -> dict:
     return {"m": i + 1, "n": 128 * (1 + i % 64), "k": 4096, "dtype": ("bf16", "fp16")[i % 2]}
 
 
-def event(i: int, *, revision: int = 1, gpu: str = GPU, seed: int = 0, contract: Contract = CONTRACT):
+def event(i: int, *, revision: int = 1, gpu: str = GPU, seed: int = 0, contract: Contract = CONTRACT,
+          backend: str = BACKEND):
     rng = random.Random(i * 1_000_003 + seed)
     base = 0.01 + (i % 997) * 1e-3
     samples = sorted(base * (1 + rng.gauss(0, 0.01)) for _ in range(16))
     med = samples[8]
-    prov = Provenance(table=TABLE, backend=BACKEND, gpu_key=gpu, algorithm=contract.algorithm,
+    prov = Provenance(table=TABLE, backend=backend, gpu_key=gpu, algorithm=contract.algorithm,
                       layout=contract.layout, numerics=contract.numerics, timing=contract.timing,
                       profiler_revision=revision, shape=spec(i))
     flops = 2.0 * prov.shape["m"] * prov.shape["n"] * prov.shape["k"]
