@@ -34,22 +34,19 @@ _live: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
 _envs: dict[str, list] = {}  # realpath -> [env, users]
 
 
-_inherited: list[lmdb.Environment] = []  # environments a forked child got from its parent
+# Files whose environment a forked child inherited. The child can neither use nor close it: closing
+# aborts the inherited transactions, and that frees the parent's reader slots in the shared lock file
+# (the parent's snapshot would lose its protection from writers). The lmdb package allows one
+# environment per file per process, so the child cannot open the file again either.
+_inherited: set[str] = set()
+_FORK_FIX = "open the ledger in a spawned process (multiprocessing 'spawn' or 'forkserver', or a subprocess)"
 
 
 def _forget_after_fork() -> None:
     for ledger in list(_live):
         ledger._forked = True
-    _inherited.extend(env for env, _users in _envs.values())
-    _envs.clear()  # the parent's environments are unusable here
-
-
-def _drop_inherited() -> None:
-    """Closes, in a forked child, the environments inherited from the parent, so the child can open the
-    file afresh (the lmdb package allows one environment per file per process). Closing only touches
-    this process's reader slots (LMDB clears slots whose pid is the caller's), never the parent's."""
-    while _inherited:
-        _inherited.pop().close()
+    _inherited.update(_envs)
+    _envs.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -159,8 +156,10 @@ class Ledger:
             raise LedgerError(f"no ledger at {path}; create one with `kprof run ... --db {path}` or pass --db")
         if exists and os.path.getsize(path) == 0:
             raise IntegrityError(f"ledger {path} is empty (0 bytes): the file was truncated; restore it from a copy")
-        _drop_inherited()
         real = os.path.realpath(path)
+        if real in _inherited:
+            raise LedgerError(f"ledger {path} was open in the parent when this process was forked, and LMDB "
+                              f"cannot open it again in a forked child; {_FORK_FIX}")
         shared = _envs.get(real)
         if shared is not None:
             shared[1] += 1
@@ -231,8 +230,8 @@ class Ledger:
     def _guard(self) -> None:
         if self._forked or os.getpid() != self._pid:
             self._forked = True
-            raise LedgerError(f"ledger {self.path} was opened in process {self._pid} before a fork(); "
-                              f"open it again in this process")
+            raise LedgerError(f"ledger {self.path} was opened in process {self._pid} before a fork(), and LMDB "
+                              f"handles cannot cross a fork; {_FORK_FIX}")
 
     @contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:

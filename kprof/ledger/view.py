@@ -12,6 +12,7 @@ Nothing here imports torch, cupti or pynvml.
 from __future__ import annotations
 
 import datetime as _dt
+from functools import partial
 from itertools import compress, repeat
 from operator import getitem, not_
 from typing import Any, Iterable, Iterator, Mapping
@@ -30,14 +31,23 @@ STATUSES = ("ok", "missing", "stale", "failed", "error")
 
 _summary_decoder = msgspec.msgpack.Decoder(Summary)
 _summaries_decoder = msgspec.msgpack.Decoder(list[Summary])
-_heads_decoder = msgspec.msgpack.Decoder(tuple[list[bytes], list[bytes | None]])
-HEAD_SHARE = 0.4  # of a split get_many, the parent's: it also decodes and builds every row afterwards
+_tail_decoder = msgspec.msgpack.Decoder(tuple[list[bytes], list[bytes | None], list[Summary]])
 
 
-def _summary_array(values: Iterable[bytes]) -> bytes:
-    """One msgpack array of the Summaries in current values (kind + event id + Summary), for one decode call."""
-    parts = list(map(getitem, values, repeat(slice(33, None))))
+class _NotCanonical(Exception):
+    """Specs that are not all canonical dicts: their rows carry converted spec dicts, which only the
+    serial path builds."""
+
+
+def _summary_array(values: Iterable[bytes | None]) -> bytes:
+    """The Summaries of the found current values (kind + event id + Summary) as one msgpack array."""
+    parts = list(map(getitem, filter(None, values), repeat(slice(33, None))))
     return b"\xdd" + len(parts).to_bytes(4, "big") + b"".join(parts)
+
+
+def _summaries(values: list[bytes | None]) -> list[Summary]:
+    """The Summaries of the found values, decoded in one call (not one call and one slice per row)."""
+    return _summaries_decoder.decode(_summary_array(values))
 
 
 def citation(eid: bytes) -> str:
@@ -145,84 +155,90 @@ class View:
     def missing(self, specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
         specs = specs if isinstance(specs, list) else list(specs)
-        ok = None
         with self.ledger.read() as txn:
+            ok = None
             if _parallel.worth_it(len(specs)):
-                cut = len(specs) // 2
-                with _parallel.forked(lambda: self._ok_flags(txn, specs[cut:])) as child:
-                    head = self._ok_flags(txn, specs[:cut])
-                    tail = child.result()
+                flags = partial(self._ok_flags, txn)
+                head, tail = _parallel.split(specs, flags, flags)
                 ok = None if tail is None else head + tail
-            if ok is None:  # serial (or the child failed: redone whole, so an invalid spec is named by its index)
+            if ok is None:  # serial, or the child failed: redone whole, so an invalid spec is named by its index
                 ok = self._ok_flags(txn, specs)
         return list(compress(specs, map(not_, ok)))
 
     def count_missing(self, specs) -> int:
         return len(self.missing(specs))
 
-    def _found(self, txn, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
-        """(key, current value) of the keys that have a row. Sorted keys land on neighbouring B-tree pages
-        (fewer cache misses), and getmulti looks them all up in one C call."""
-        return txn.cursor(self._current).getmulti(sorted(keys))
+    def _ordered(self, txn, keys: list[bytes], default=None) -> tuple[list[bytes], Iterator]:
+        """(keys sorted, their current values or `default`, lazily). Sorted, consecutive keys share B-tree
+        pages, and the cursor finds a key on the page it already holds without descending again."""
+        ordered = sorted(keys)
+        return ordered, map(txn.cursor(self._current).get, ordered, repeat(default))
 
     def _ok_flags(self, txn, specs: list) -> bytes:
         """One byte per spec: 1 where its current row is measured (ok), else 0."""
         keys = self.keys.keys_of(self.shapes.to_shapes(specs)[0])
-        ok = {k for k, v in self._found(txn, keys) if v[:1] == MEASURED}
+        ordered, values = self._ordered(txn, keys, b"")
+        ok = set(compress(ordered, map(bytes.startswith, values, repeat(MEASURED))))
         return bytes(map(ok.__contains__, keys))
 
     def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
         """(shapes, exact, keys, current value or None), one of each per spec."""
         shapes, exact = self.shapes.to_shapes(specs)
         keys = self.keys.keys_of(shapes)
-        found = dict(self._found(txn, keys))
+        found = dict(zip(*self._ordered(txn, keys)))
         return shapes, exact, keys, list(map(found.get, keys))
 
-    def _tail(self, txn, specs: list) -> bytes:
-        """What the forked child sends of its share: msgpack (keys, value heads: kind + event id, or None),
-        then its summaries as one msgpack array (the parent decodes them in one call, with no slicing).
-        Refuses specs that are not canonical: their rows carry converted spec dicts (the serial path's)."""
+    def _canonical_values(self, txn, specs: list) -> tuple[list[bytes], list]:
+        """(keys, current value or None) of canonical dict specs; raises _NotCanonical for others."""
+        if set(map(type, specs)) != {dict}:
+            raise _NotCanonical
         _shapes, exact, keys, values = self._values(txn, specs)
         if not exact:
-            raise ValueError("specs not canonical")
-        heads = _codec.encode((keys, [v and v[:33] for v in values]))
-        return len(heads).to_bytes(8, "big") + heads + _summary_array(filter(None, values))
+            raise _NotCanonical
+        return keys, values
 
-    def _split_lookup(self, txn, specs: list) -> tuple[list[bytes], list, list[Summary]] | None:
-        """(keys, values or their heads, summaries of the found) with the tail looked up by a forked child;
-        None where the serial path must answer (specs not all canonical dicts, or the child failed). The
-        parent's share is the smaller one: it builds every row afterwards."""
-        if set(map(type, specs)) != {dict}:
+    def _head_rows(self, txn, specs: list) -> list[Row]:
+        """The parent's share of a split get_many, built into rows while the child still works."""
+        keys, values = self._canonical_values(txn, specs)
+        return self._build(txn, specs, keys, values, _summaries(values))
+
+    def _tail(self, txn, specs: list) -> bytes:
+        """The forked child's share as it sends it: keys, each value's head (kind + event id; None stays
+        None) and the found summaries spliced in as they are stored, so the parent decodes all in one call."""
+        keys, values = self._canonical_values(txn, specs)
+        return _codec.encode((keys, [v and v[:33] for v in values], msgspec.Raw(_summary_array(values))))
+
+    def _split_rows(self, txn, specs: list) -> list[Row] | None:
+        """The rows, the tail's looked up by a forked child while the parent builds the head's; None where
+        the serial path must answer (specs not all canonical dicts, or the child failed)."""
+        if self.shapes.args_type is None:  # every shape is converted
             return None
-        cut = int(len(specs) * HEAD_SHARE)
-        with _parallel.forked(lambda: self._tail(txn, specs[cut:])) as child:
-            _shapes, exact, keys, values = self._values(txn, specs[:cut])
-            if not exact:
-                return None
-            summaries = _summaries_decoder.decode(_summary_array(filter(None, values)))
-            tail = child.result()
+        try:
+            rows, tail = _parallel.split(specs, partial(self._head_rows, txn), partial(self._tail, txn))
+        except _NotCanonical:
+            return None
         if tail is None:
             return None
-        tail = memoryview(tail)
-        end = 8 + int.from_bytes(tail[:8], "big")
-        tail_keys, tail_heads = _heads_decoder.decode(tail[8:end])
-        return keys + tail_keys, values + tail_heads, summaries + _summaries_decoder.decode(tail[end:])
+        keys, heads, summaries = _tail_decoder.decode(tail)
+        return rows + self._build(txn, specs[len(rows):], keys, heads, summaries)
 
     def _rows(self, txn, specs) -> list[Row]:
         specs = specs if isinstance(specs, list) else list(specs)
-        split = self._split_lookup(txn, specs) if _parallel.worth_it(len(specs)) else None
-        if split is not None:
-            spec_dicts, (keys, values, summaries) = specs, split
+        rows = self._split_rows(txn, specs) if _parallel.worth_it(len(specs)) else None
+        if rows is not None:
+            return rows
+        shapes, exact, keys, values = self._values(txn, specs)
+        if exact and all(type(s) is dict for s in specs):
+            spec_dicts = specs  # already canonical values; no copies
         else:
-            shapes, exact, keys, values = self._values(txn, specs)
-            summaries = _summaries_decoder.decode(_summary_array(filter(None, values)))
-            if exact and all(type(s) is dict for s in specs):
-                spec_dicts = specs  # already canonical values; no copies
-            else:
-                asdict = msgspec.structs.asdict
-                spec_dicts = [s if type(s) is dict else asdict(s) for s in shapes]
+            asdict = msgspec.structs.asdict
+            spec_dicts = [s if type(s) is dict else asdict(s) for s in shapes]
+        return self._build(txn, spec_dicts, keys, values, _summaries(values))
+
+    def _build(self, txn, spec_dicts: list, keys: list[bytes], values: list, summaries: list[Summary]) -> list[Row]:
+        """Rows from current values (or their first 33 bytes: kind + event id) and the found ones' summaries."""
         base, maybe_stale = self.keys.base, self._other_contracts(txn)
-        summary = iter(summaries).__next__
+        summary = iter(summaries).__next__  # the found values' summaries, in the same order
         rows: list = []
         append = rows.append
         for spec, key, v in zip(spec_dicts, keys, values):

@@ -384,9 +384,11 @@ def test_a_ledger_used_after_fork_raises_ledger_error_in_the_child(tmp_path):
     assert audit(str(path)).ok
 
 
-def test_the_forked_child_can_open_the_ledger_again(tmp_path):
-    """The fork guard's message says "open it again in this process": the child must be able to."""
+def test_a_forked_child_is_told_to_use_a_spawned_process(tmp_path):
+    """Reopening in a forked child would need closing the inherited environment, which frees the
+    parent's reader slots: it is refused with the fix, and the parent keeps working."""
     path = _new_ledger(tmp_path / "fork.db", 10)
     result = _run_helper("fork", path, cwd=tmp_path)
     reopened = result["child"]["reopened"]
-    assert reopened == {"last_seq": 10}, reopened
+    assert reopened["raised"] == "LedgerError", reopened
+    assert "forked child" in reopened["message"] and "spawn" in reopened["message"]
