@@ -172,16 +172,14 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
     from .runners.worker import measure_specs
 
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
-    ledger = None if mode == "fresh" else Ledger.open(db)
-    if ledger is None and mode == "fresh":
-        ledger = _open_for_read(db)
+    ledger = _open_for_read(db) if mode == "fresh" else Ledger.open(db)  # --fresh never creates or writes
     try:
         if ledger is not None:
             origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
-            view = ledger.view(table, backend, gpu_key, entry.contract, entry.args)
-            before_root, before_rows = view.query(canonical)
+            before_root, before_rows = ledger.view(table, backend, gpu_key, entry.contract,
+                                                   entry.args).query(canonical)
         else:
-            view, before_root, before_rows = None, None, [None] * len(canonical)
+            before_root, before_rows = None, [None] * len(canonical)
         from .ledger.keys import KeyMaker, ShapeCodec
 
         keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))

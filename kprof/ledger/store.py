@@ -297,7 +297,7 @@ class Ledger:
 
     def _append_txn(self, txn, prepared) -> AppendResult:
         dbs = self.dbs
-        meta, events_db = dbs["meta"], dbs["events"]
+        meta = dbs["meta"]
         seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
         store = _TxnStore(txn, dbs)
         reducer = Reducer(store)
