@@ -16,6 +16,7 @@ __all__ = [
     "Contract",
     "Provenance",
     "Stats",
+    "StatsHead",
     "Method",
     "Environment",
     "Origin",
@@ -67,8 +68,8 @@ class Provenance(_Record):
         return Contract(self.algorithm, self.layout, self.numerics, self.timing, self.profiler_revision)
 
 
-class Stats(_Record):
-    """Summary of one measurement's samples (times in ms), with the raw samples kept beside it."""
+class StatsHead(_Record):
+    """Summary of one measurement's samples (times in ms). Decoding as StatsHead skips the raw samples."""
 
     n: int
     median: float
@@ -79,6 +80,11 @@ class Stats(_Record):
     cv: float
     min: float = 0.0
     max: float = 0.0
+
+
+class Stats(StatsHead):
+    """The summary with the raw samples kept beside it."""
+
     samples: list[float] = []
 
 
@@ -178,20 +184,6 @@ class Summary(msgspec.Struct, frozen=True, array_like=True, gc=False):
         if self.metrics is None:
             return None
         return Stats(self.n, self.median, self.p10, self.p90, self.mean, self.stdev, self.cv, self.min, self.max)
-
-
-class StatsHead(msgspec.Struct, frozen=True, gc=False):
-    """Stats without the raw samples (decoding skips them)."""
-
-    n: int
-    median: float
-    p10: float
-    p90: float
-    mean: float
-    stdev: float
-    cv: float
-    min: float = 0.0
-    max: float = 0.0
 
 
 class MeasuredHead(msgspec.Struct, frozen=True, gc=False, tag="measured"):
