@@ -19,8 +19,10 @@ import msgspec
 
 from .errors import UsageError
 from .ledger import Ledger, default_path
+from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
-from .ledger.events import Measured, Origin
+from .ledger.events import Measured, Origin, summary_of
+from .ledger.keys import KeyMaker, ShapeCodec
 from .ledger.view import Row
 from .runners.registry import METRICS, Entry, lookup
 from .specs import validate
@@ -69,13 +71,12 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
         if not gpu_name.strip():
             raise UsageError("--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200', or omit it")
         return gpu_name
-    if entry.device == "cpu":
-        from .measure.env import cpu_model
+    if entry.device != "cpu":
+        raise UsageError(f"backend {entry.backend} measures on {entry.device}, whose name this version cannot "
+                         f"resolve; pass --gpu-name")
+    from .measure.env import cpu_model
 
-        return cpu_model()
-    from .measure.env import cuda_name
-
-    return cuda_name()
+    return cpu_model()
 
 
 def _prepare(table, backend, specs, gpu_name, db):
@@ -110,38 +111,40 @@ def _ordered(metrics: dict | None, family: str) -> dict | None:
     return out
 
 
-def _row_json(row: Row, family: str) -> dict:
+def _row_json(row: Row, family: str, spec: dict) -> dict:
+    """A row as the contract's JSON: the spec in KernelArgs order, metrics in the family's order, and
+    every provenance field (defaults included)."""
     doc = row.to_json()
+    doc["spec"] = spec
     doc["metrics"] = _ordered(doc["metrics"], family)
     if doc["provenance"] is not None:
         prov = row.provenance
-        doc["provenance"] = {f: getattr(prov, f) for f in prov.__struct_fields__}  # every field, defaults too
+        doc["provenance"] = {f: getattr(prov, f) for f in prov.__struct_fields__}
     return doc
+
+
+def _keys(entry, gpu_key: str) -> KeyMaker:
+    return KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
+
+
+def _empty_root(entry, gpu_key: str) -> bytes:
+    """The view root of a scope with no rows (a ledger file that does not exist yet)."""
+    return root_of(scope_id(entry.table, entry.backend, gpu_key), 0, 0)
 
 
 def _query(entry, canonical, gpu_key, db, ledger, mode) -> QueryResult:
     if ledger is None:
-        from .ledger._codec import scope_id
-
-        root = root_of(scope_id(entry.table, entry.backend, gpu_key), 0, 0).hex()
-        results = [{"spec": s, "status": "missing", "key": None, "event": None, "citation": None, "metrics": None,
-                    "stats": None, "provenance": None, "measured_at": None, "error": None} for s in canonical]
-        from .ledger.keys import KeyMaker, ShapeCodec
-
-        keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
-        for r, s in zip(results, canonical):
-            r["key"] = keys.key(s).hex()
+        keys = _keys(entry, gpu_key)
+        root, rows = _empty_root(entry, gpu_key), [Row(s, "missing", keys.key(s)) for s in canonical]
     else:
-        view = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
-        raw_root, rows = view.query(canonical)
-        root = raw_root.hex()
-        results = []
-        for spec, row in zip(canonical, rows):
-            doc = _row_json(row, entry.metric_family)
-            doc["spec"] = spec
-            results.append(doc)
+        root, rows = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args).query(canonical)
+    return _result(entry, gpu_key, db, mode, root, rows, canonical)
+
+
+def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical) -> QueryResult:
+    results = [_row_json(row, entry.metric_family, spec) for row, spec in zip(rows, canonical)]
     missing = sum(r["status"] != "ok" for r in results)
-    return QueryResult(entry.table, entry.backend, gpu_key, db, mode, len(results), missing, root, results)
+    return QueryResult(entry.table, entry.backend, gpu_key, db, mode, len(results), missing, root.hex(), results)
 
 
 def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
@@ -180,9 +183,7 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
                                                    entry.args).query(canonical)
         else:
             before_root, before_rows = None, [None] * len(canonical)
-        from .ledger.keys import KeyMaker, ShapeCodec
-
-        keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
+        keys = _keys(entry, gpu_key)
         spec_keys = [keys.key(s) for s in canonical]
         # One measurement per key: a spec repeated in the request (or given as 64.0 and 64) is measured once.
         todo, seen = [], set()
@@ -208,8 +209,7 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
             if progress:
                 progress(n + 1, len(todo), canonical[i])
         if mode == "fresh":
-            result = _fresh_result(entry, canonical, gpu_key, db, [fresh[k] for k in spec_keys],
-                                   [errored.get(k) for k in spec_keys], before_root)
+            result = _fresh_result(entry, canonical, gpu_key, db, [fresh[k] for k in spec_keys], before_root)
         else:
             result = _query(entry, canonical, gpu_key, db, ledger, mode)
             for doc, k in zip(result.results, spec_keys):
@@ -228,26 +228,11 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
             ledger.close()
 
 
-def _fresh_result(entry, canonical, gpu_key, db, events, errored, before_root) -> QueryResult:
+def _fresh_result(entry, canonical, gpu_key, db, events, before_root) -> QueryResult:
     """Rows straight from this run's measurements; nothing was written, so no row is citable."""
-    from .ledger import _codec
-    from .ledger.events import summary_of
-
-    results = []
-    for i, spec in enumerate(canonical):
-        ev = events[i]
-        summary = summary_of(ev)
-        prov = ev.provenance
-        ok = type(ev) is Measured
-        results.append({
-            "spec": spec, "status": "ok" if ok else "error", "key": ev.key.hex(),
-            "event": _codec.event_id(_codec.encode(ev)).hex(), "citation": None,
-            "metrics": _ordered(summary.metrics, entry.metric_family), "stats": msgspec.to_builtins(summary.stats) if ok else None,
-            "provenance": {f: getattr(prov, f) for f in prov.__struct_fields__},
-            "measured_at": Row(spec, "ok", ev.key, None, summary).measured_at,
-            "error": errored[i]})
-    root = before_root.hex() if before_root is not None else root_of(
-        _codec.scope_id(entry.table, entry.backend, gpu_key), 0, 0).hex()
-    missing = sum(r["status"] != "ok" for r in results)
-    return QueryResult(entry.table, entry.backend, gpu_key, db, "fresh", len(results), missing, root, results)
-
+    rows = [Row(spec, "ok" if type(ev) is Measured else "error", ev.key, event_id(encode(ev)), summary_of(ev),
+                ev.provenance) for spec, ev in zip(canonical, events)]
+    result = _result(entry, gpu_key, db, "fresh", before_root or _empty_root(entry, gpu_key), rows, canonical)
+    for doc in result.results:
+        doc["citation"] = None
+    return result

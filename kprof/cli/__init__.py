@@ -15,19 +15,21 @@ __all__ = ["app", "main"]
 
 app = App(name="kprof", help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
           version=__version__, exit_on_error=False, print_error=True, result_action="return_value")
-# help is given here too so `kprof --help` lists every verb without importing it
-app.command("kprof.cli.list_:list_", name="list",
-            help="List every table/backend pair with its args, kernel kind, metric family, env and read functions.")
-app.command("kprof.cli.read:count_missing", name="count-missing",
-            help="Count the specs without an ok row. Read-only: never profiles.")
-app.command("kprof.cli.read:query", name="query",
-            help="Read the rows of the given specs. Read-only: never profiles; missing rows exit 0.")
-app.command("kprof.cli.run:run", name="run",
-            help="Profile the missing specs (or all with --force; --fresh writes nothing), then report every row.")
-app.command("kprof.cli.audit:audit", name="audit",
-            help="Verify every event id and key, the log, the views and the file structure (exit 3 on damage).")
-app.command("kprof.cli.show:show", name="show",
-            help="Show one row's provenance, metrics and full history by citation, key or event id.")
+# Verbs by import string, with their help here too, so `kprof --help` lists every verb without importing it.
+VERBS = [
+    ("list", "kprof.cli.list_:list_",
+     "List every table/backend pair with its args, kernel kind, metric family, env and read functions."),
+    ("count-missing", "kprof.cli.read:count_missing", "Count the specs without an ok row. Read-only: never profiles."),
+    ("query", "kprof.cli.read:query",
+     "Read the rows of the given specs. Read-only: never profiles; missing rows exit 0."),
+    ("run", "kprof.cli.run:run",
+     "Profile the missing specs (or all with --force; --fresh writes nothing), then report every row."),
+    ("audit", "kprof.cli.audit:audit",
+     "Verify every event id and key, the log, the views and the file structure (exit 3 on damage)."),
+    ("show", "kprof.cli.show:show", "Show one row's provenance, metrics and full history by citation, key or event id."),
+]
+for _name, _target, _help in VERBS:
+    app.command(_target, name=_name, help=_help)
 
 
 invocation: list[str] = []  # the arguments of the verb now running, for the records it writes
