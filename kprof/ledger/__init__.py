@@ -12,7 +12,6 @@ from .view import STATUSES, Row, View, citation
 __all__ = [
     "AppendResult", "Contract", "ERROR_KINDS", "Environment", "Event", "Failed", "KeyMaker", "Ledger",
     "Measured", "Method", "Origin", "Provenance", "Retracted", "Row", "STATUSES", "ShapeCodec", "Stats", "View",
-    "canonical_shape", "citation", "default_path", "make_key", "provenance_key",
+    "canonical_shape", "citation", "default_path", "provenance_key",
 ]
 
-make_key = provenance_key

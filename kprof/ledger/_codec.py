@@ -21,7 +21,6 @@ ROOT_TAG = b"kprof/root/v1\x00"
 encoder = msgspec.msgpack.Encoder(order="deterministic")
 encode = encoder.encode
 event_decoder = msgspec.msgpack.Decoder(Event)
-provenance_decoder = msgspec.msgpack.Decoder(Provenance)
 
 
 def event_bytes(event) -> bytes:
@@ -54,7 +53,3 @@ def scope_id(table: str, backend: str, gpu_key: str) -> bytes:
 
 def shape_id(shape_bytes: bytes) -> bytes:
     return blake3(SHAPE_TAG + shape_bytes).digest()[:16]
-
-
-def hex_id(raw: bytes) -> str:
-    return raw.hex()

@@ -17,11 +17,11 @@ import sys
 import time
 from typing import NamedTuple
 
-from ..errors import IntegrityError, LedgerError
+from ..errors import LedgerError
 from . import _codec
 from .store import Ledger
 
-__all__ = ["audit", "AuditReport", "require_clean"]
+__all__ = ["audit", "AuditReport"]
 
 
 class AuditReport(NamedTuple):
@@ -111,10 +111,3 @@ def audit(path: str) -> AuditReport:
         _scopes(path, results, add)
     last_seq = results[0].get("last_seq") or 0
     return AuditReport(path, not counts, n_events, last_seq, findings, counts, time.perf_counter() - started)
-
-
-def require_clean(path: str) -> AuditReport:
-    report = audit(path)
-    if not report.ok:
-        raise IntegrityError(f"ledger {path} failed audit: " + "; ".join(report.findings[:5]))
-    return report

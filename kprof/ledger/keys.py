@@ -146,9 +146,6 @@ class KeyMaker:
     def shape_bytes(self, spec, index=None) -> bytes:
         return _codec.encode(self.shapes.to_shape(spec, index))
 
-    def key_of_bytes(self, shape_bytes: bytes) -> bytes:
-        return self._hasher.copy().update(shape_bytes).digest()
-
     def keys_of(self, shapes: list) -> list[bytes]:
         """Keys of canonical shapes, in bulk. Chained maps over C methods: no Python frame per key."""
         hashers = map(blake3.copy, repeat(self._hasher, len(shapes)))

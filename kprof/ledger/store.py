@@ -292,7 +292,7 @@ class Ledger:
                 raise UsageError(f"cannot append {type(event).__name__}; expected Measured, Failed or Retracted")
             if _codec.provenance_key(event.provenance) != event.key:
                 raise IntegrityError(f"event {eid.hex()[:16]} carries key {event.key.hex()[:16]}, but its "
-                                     f"provenance hashes to another key; build events with kprof.ledger.make_key")
+                                     f"provenance hashes to another key; build events with kprof.ledger.build")
         return self.write(lambda txn: self._append_txn(txn, prepared))
 
     def _append_txn(self, txn, prepared) -> AppendResult:
