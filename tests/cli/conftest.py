@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import msgspec
@@ -80,6 +81,16 @@ def append(db, *events) -> list[bytes]:
         led.close()
 
 
+def read_json(capsys, verb: str, db, *specs: dict, extra=(), table: str = GEMM) -> dict:
+    """Runs a read verb (query, count-missing) with --json in-process; it must exit 0."""
+    from kprof.cli import main
+
+    rc = main([verb, table, "--backend", CPU, *spec_args(*specs), "--db", db, "--json", *extra])
+    out = capsys.readouterr().out
+    assert rc == 0
+    return json.loads(out)
+
+
 class Helpers:
     """What the CLI tests share, handed out as the `h` fixture (conftest modules are not imported by tests)."""
 
@@ -90,6 +101,7 @@ class Helpers:
     digest = staticmethod(digest)
     make_event = staticmethod(make_event)
     append = staticmethod(append)
+    read_json = staticmethod(read_json)
 
 
 @pytest.fixture

@@ -5,10 +5,7 @@ from kprof.cli import main
 
 
 def _count(capsys, h, db, *specs, extra=(), table="single_gemm") -> dict:
-    rc = main(["count-missing", table, "--backend", h.CPU, *h.spec_args(*specs), "--db", db, "--json", *extra])
-    out = capsys.readouterr().out
-    assert rc == 0
-    return json.loads(out)
+    return h.read_json(capsys, "count-missing", db, *specs, extra=extra, table=table)
 
 
 def test_nonexistent_db_all_missing_and_not_created(tmp_path, ledger_path, capsys, h, local_gpu):

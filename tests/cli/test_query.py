@@ -7,10 +7,7 @@ from kprof.cli import main
 
 
 def _query(capsys, h, db, *specs, extra=(), table="single_gemm") -> dict:
-    rc = main(["query", table, "--backend", h.CPU, *h.spec_args(*specs), "--db", db, "--json", *extra])
-    out = capsys.readouterr().out
-    assert rc == 0
-    return json.loads(out)
+    return h.read_json(capsys, "query", db, *specs, extra=extra, table=table)
 
 
 def test_query_on_nonexistent_db_is_all_missing_and_creates_nothing(tmp_path, ledger_path, capsys, h, local_gpu):
