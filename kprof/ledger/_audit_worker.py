@@ -23,8 +23,8 @@ import lmdb
 import msgspec
 
 from . import _codec
-from ._reducer import unpack_seq
-from .events import EventHead, Retracted
+from ._reducer import FAILED, MOD, contract_id, pack_seq, row_term, unpack_seq
+from .events import KIND, EventHead, Retracted, summary_of
 from .replay import MemoryStore, replay_into
 
 MAX_LISTED = 50
@@ -51,6 +51,44 @@ def key_of_bytes(data: bytes) -> bytes | None:
         return data[at:at + 32] if data[at - 6:at - 2] == b"\xa3key" else None
     except IndexError:
         return None
+
+
+def replay_plain(replay: list) -> tuple[dict[str, dict], dict[bytes, list]]:
+    """The views and scope entries a Reducer builds from (seq, event id, event head) in log order, for
+    events none of which is a retraction: then a key's current row is simply its last event, rows are
+    never removed, and each scope's root accumulator is the sum over its keys' last events. Equal to
+    `replay_into(MemoryStore)` on such input (a test holds the two equal); several times faster."""
+    history, scope_index, failures, last = {}, {}, {}, {}
+    sids, cids, contracts = {}, {}, {}
+    encode, shape_id, pack = _codec.encode, _codec.shape_id, pack_seq
+    for seq, eid, event in replay:
+        key, prov = event.key, event.provenance
+        history[key + pack(seq)] = eid
+        names = (prov.table, prov.backend, prov.gpu_key)
+        sid = sids.get(names)
+        if sid is None:
+            sid = sids[names] = _codec.scope_id(*names)
+            contracts[sid] = set()
+        scope_index[sid + shape_id(encode(prov.shape)) + key] = b""
+        contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
+        cid = cids.get(contract)
+        if cid is None:
+            cid = cids[contract] = contract_id(prov)
+        contracts[sid].add(cid)
+        if KIND[type(event)] == FAILED:
+            failures[key] = eid
+        last[key] = (sid, eid, event)
+    current, totals = {}, {sid: [0, 0] for sid in contracts}
+    for key, (sid, eid, event) in last.items():
+        current[key] = KIND[type(event)] + eid + encode(summary_of(event))
+        total = totals[sid]
+        total[0] += 1
+        total[1] += row_term(key, eid)
+    scopes = {sid: [*names, totals[sid][0], (totals[sid][1] % MOD).to_bytes(32, "big"), sorted(contracts[sid])]
+              for names, sid in sids.items()}
+    data = {"current": current, "history": history, "failures": failures, "scope_index": scope_index,
+            "retracted": {}}
+    return data, scopes
 
 
 class Shard:
@@ -113,60 +151,68 @@ class Shard:
             report("log", f"meta says last_seq {last_seq}, log ends at {expect - 1}")
         return seqs, last_seq
 
-    def events(self, txn, seqs: dict[bytes, int]) -> tuple[int, list]:
+    def events(self, txn, seqs: dict[bytes, int]) -> tuple[int, int, list]:
         """One sequential pass over the event store. Each event belongs to the shard of its key (an event
         whose key cannot be read belongs to shard 0), so each is hashed and decoded once, by one shard:
-        its id and key are recomputed, and it is collected for the replay. Returns (events owned, replay
-        list in log order)."""
-        event_id, key_of, decode, mine = _codec.event_id, _codec.provenance_key, head_decoder.decode, self.mine
+        its id and key are recomputed, and it is collected for the replay. Returns (events owned, of
+        which logged, replay list in log order). Only owned events are looked up in the log: the parent
+        checks that the shards' logged counts add up to the log's length (else some logged event is not
+        stored)."""
+        event_id, key_of, decode, shards, shard = _codec.event_id, _codec.provenance_key, head_decoder.decode, \
+            self.shards, self.shard
+        add = self.found.add
         n, last, replay, unlogged = 0, None, [], 0
         pop = seqs.pop
+        append = replay.append
         for eid, data in txn.cursor(self.ledger.dbs["events"]):
-            if last is not None and eid <= last and self.shard == 0:
-                self.found.add("structure", f"events: keys out of order at {eid.hex()[:16]}")
-            last = eid
-            seq = pop(eid, None)  # what is left in seqs afterwards was logged but never stored
+            if shard == 0:
+                if last is not None and eid <= last:
+                    add("structure", f"events: keys out of order at {eid.hex()[:16]}")
+                last = eid
             key = key_of_bytes(data)
-            if not (mine(key) if key is not None else self.shard == 0):
+            if (key[0] * shards // 256 != shard) if key is not None else shard != 0:
                 continue
             n += 1
+            seq = pop(eid, None)
             if event_id(data) != eid:
-                self.found.add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id "
-                                         f"(altered or damaged)")
+                add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id (altered or damaged)")
                 continue
             try:
                 event = decode(data)
             except msgspec.DecodeError as exc:
-                self.found.add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
+                add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
                 continue
             if type(event) is not Retracted and key_of(event.provenance) != event.key:
-                self.found.add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not "
-                                       f"match its provenance")
+                add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance")
             if seq is None:
                 unlogged += 1
                 if unlogged <= MAX_LISTED:
-                    self.found.add("log", f"event {eid.hex()[:16]} is stored but not in the log")
+                    add("log", f"event {eid.hex()[:16]} is stored but not in the log")
                 continue
-            replay.append((seq, eid, event))
+            append((seq, eid, event))
         replay.sort(key=lambda item: item[0])
-        return n, replay
+        return n, len(replay), replay
 
     def views(self, txn, replay: list) -> dict:
         """Replays this shard's keys and compares the stored views; returns partial scope accumulators."""
         dbs = self.ledger.dbs
         get, events_db, decode, mine = txn.get, dbs["events"], head_decoder.decode, self.mine
-        memory = MemoryStore(txn, dbs)
-        memory.event = lambda eid: decode(get(eid, db=events_db))
-        replay_into(memory, replay)
-        replay.clear()
+        if any(type(item[2]) is Retracted for item in replay):
+            memory = MemoryStore(txn, dbs)
+            memory.event = lambda eid: decode(get(eid, db=events_db))
+            replay_into(memory, replay)
+            data = memory.data
+            scopes = {sid: msgspec.msgpack.decode(v) for sid, v in data["scopes"].items()}
+        else:  # the common case, no retraction: the same views as the Reducer builds, in one tight loop
+            data, scopes = replay_plain(replay)
         for name in ("current", "history", "failures"):
-            self._compare(name, self._range(txn.cursor(dbs[name])), memory.data[name])
+            self._compare(name, self._range(txn.cursor(dbs[name])), data[name])
         self._compare("scope_index", ((k, v) for k, v in txn.cursor(dbs["scope_index"]) if mine(k[32:])),
-                      memory.data["scope_index"])
+                      data["scope_index"])
         retracted = ((k, v) for k, v in txn.cursor(dbs["retracted"])
                      if mine(key_of_bytes(get(v, db=events_db) or b"") or b"\0"))
-        self._compare("retracted", retracted, memory.data["retracted"])
-        return {sid.hex(): list(msgspec.msgpack.decode(v)) for sid, v in memory.data["scopes"].items()}
+        self._compare("retracted", retracted, data["retracted"])
+        return {sid.hex(): list(v) for sid, v in scopes.items()}
 
     def _compare(self, name: str, stored, rebuilt: dict[bytes, bytes]) -> None:
         matched = 0
@@ -200,15 +246,14 @@ def main(shard: int, shards: int, path: str) -> dict:
     with ledger.read() as txn:
         work.structure(txn)
         seqs, last_seq = work.log(txn)
-        n_events, replay = work.events(txn, seqs)
+        log_entries = len(seqs)
+        n_events, n_logged, replay = work.events(txn, seqs)
         header_events = txn.stat(ledger.dbs["events"])["entries"]
-        if shard == 0:
-            for eid, seq in list(seqs.items())[:MAX_LISTED]:
-                found.add("log", f"seq {seq}: event {eid.hex()[:16]} is not in the event store")
         del seqs
         scopes = work.views(txn, replay)
     return {"findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
-            "last_seq": last_seq, "scopes": {k: [v[0], v[1], v[2], v[3], v[4].hex(), v[5]] for k, v in scopes.items()}}
+            "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
+            "scopes": {k: [v[0], v[1], v[2], v[3], v[4].hex(), v[5]] for k, v in scopes.items()}}
 
 
 if __name__ == "__main__":

@@ -84,6 +84,22 @@ def _scopes(path: str, results: list[dict], add) -> None:
         add("views", f"scopes: stored entry {sid.hex()} is not derivable from the log")
 
 
+def _unstored(path: str, add) -> None:
+    """Lists the logged events missing from the event store (run only when the shards' counts say some are)."""
+    ledger = Ledger.open(path, readonly=True)
+    try:
+        with ledger.read() as txn:
+            events, listed = ledger.dbs["events"], 0
+            for k, eid in txn.cursor(ledger.dbs["log"]):
+                if txn.get(eid, db=events) is None:
+                    add("log", f"seq {int.from_bytes(k, 'big')}: event {eid.hex()[:16]} is not in the event store")
+                    listed += 1
+                    if listed >= 50:
+                        break
+    finally:
+        ledger.close()
+
+
 def audit(path: str) -> AuditReport:
     """Audits the ledger at `path`. Damage is reported as findings; a file that is absent raises."""
     started = time.perf_counter()
@@ -109,5 +125,7 @@ def audit(path: str) -> AuditReport:
         if n_events != results[0]["header_events"]:
             add("structure", f"events: header counts {results[0]['header_events']} entries, walk found {n_events}")
         _scopes(path, results, add)
+        if sum(res["logged"] for res in results) != results[0]["log_entries"]:
+            _unstored(path, add)
     last_seq = results[0].get("last_seq") or 0
     return AuditReport(path, not counts, n_events, last_seq, findings, counts, time.perf_counter() - started)

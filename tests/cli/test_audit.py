@@ -42,3 +42,14 @@ def test_audit_of_missing_file_is_a_usage_error(tmp_path, capsys):
     assert main(["audit", "--db", str(tmp_path / "none.db")]) == 2
     assert "no ledger file at" in capsys.readouterr().err
     assert not (tmp_path / "none.db").exists()
+
+
+def test_audit_lists_a_logged_event_missing_from_the_store(ledger_path, capsys):
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 12)))
+    seq, eid, _data = list(led.iter_log())[7]
+    led.write(lambda txn: txn.delete(eid, db=led.dbs["events"]))
+    led.close()
+    assert main(["audit", "--db", ledger_path, "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert f"log: seq {seq}: event {eid.hex()[:16]} is not in the event store" in doc["findings"]

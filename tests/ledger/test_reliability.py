@@ -101,7 +101,7 @@ def _wait_for_file(path: Path, procs, timeout: float = 60) -> None:
 def _commits(out: str) -> list[dict]:
     """The JSON lines a writer printed; a last line cut short by SIGKILL is dropped (it was never reported)."""
     lines = out.split("\n")
-    complete, _partial = lines[:-1], lines[-1]
+    complete = lines[:-1]  # the last piece is empty, or a line cut short
     return [doc for doc in map(json.loads, complete) if "last_seq" in doc]
 
 

@@ -181,3 +181,22 @@ def test_resolve_by_citation_key_and_prefix(ledger):
         ledger.resolve("xyz")
     with pytest.raises(UsageError, match="nothing in"):
         ledger.resolve("kprof.00000000000000000000")
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=80), st.lists(st.integers(0, 30), max_size=10))
+def test_audit_fast_replay_builds_what_the_reducer_builds(idx, fails):
+    """The audit's retraction-free replay equals the generic Reducer's, views and scope entries alike."""
+    from kprof.ledger._audit_worker import replay_plain
+    from kprof.ledger.replay import MemoryStore, replay_into
+    from kprof.ledger.store import DBS
+
+    events = [synth.event(i, seed=n, revision=1 + n % 2) for n, i in enumerate(idx)]
+    events += [failed(synth.event(i).provenance, "oom", f"out of memory {i}") for i in fails]
+    replay = [(seq, _codec.event_id(_codec.encode(ev)), ev) for seq, ev in enumerate(events, 1)]
+    memory = MemoryStore(None, {name: None for name in DBS})
+    replay_into(memory, replay)
+    data, scopes = replay_plain(replay)
+    for name in ("current", "history", "failures", "scope_index", "retracted"):
+        assert data[name] == memory.data[name], name
+    assert {sid: _codec.encode(v) for sid, v in scopes.items()} == memory.data["scopes"]
