@@ -27,7 +27,7 @@ from .ledger.view import Row
 from .runners.registry import METRICS, Entry, lookup
 from .specs import validate
 
-__all__ = ["resolve_gpu_key", "count_missing", "query", "run", "CountResult", "QueryResult", "Mode"]
+__all__ = ["resolve_gpu_key", "effective_entry", "count_missing", "query", "run", "CountResult", "QueryResult", "Mode"]
 
 Mode = Literal["query", "jit", "force", "fresh"]
 
@@ -71,16 +71,40 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
         if not gpu_name.strip():
             raise UsageError("--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200', or omit it")
         return gpu_name
-    if entry.device != "cpu":
-        raise UsageError(f"backend {entry.backend} measures on {entry.device}, whose name this version cannot "
-                         f"resolve; pass --gpu-name")
+    if entry.device == "cuda":
+        from .measure.device_name import local_gpu_name
+
+        name = local_gpu_name()
+        if name is None:
+            raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and none is visible here; pass "
+                             f"--gpu-name (e.g. --gpu-name 'NVIDIA H200') to read the rows of another machine")
+        return name
     from .measure.env import cpu_model
 
     return cpu_model()
 
 
+TIMERS = ("cupti", "events")
+
+
+def effective_entry(entry: Entry) -> Entry:
+    """The entry with the timing method this process measures and reads with. A CUDA backend times with
+    CUPTI unless KPROF_TIMER=events; the timer is part of the key, so event-timed rows never mix with
+    CUPTI-timed ones and a query reads the rows of the timer it names."""
+    if entry.device != "cuda":
+        return entry
+    timer = os.environ.get("KPROF_TIMER", "cupti").strip() or "cupti"
+    if timer not in TIMERS:
+        raise UsageError(f"KPROF_TIMER={timer!r} is not a GPU timer; use one of {', '.join(TIMERS)}")
+    current = entry.contract.timing.split(";", 1)
+    if current[0] == timer:
+        return entry
+    timing = ";".join([timer, *current[1:]])
+    return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract, timing=timing))
+
+
 def _prepare(table, backend, specs, gpu_name, db):
-    entry = lookup(table, backend)
+    entry = effective_entry(lookup(table, backend))
     canonical = validate(entry.args, list(specs))
     return entry, canonical, resolve_gpu_key(entry, gpu_name), os.fspath(db or default_path())
 
@@ -138,7 +162,25 @@ def _query(entry, canonical, gpu_key, db, ledger, mode) -> QueryResult:
         root, rows = _empty_root(entry, gpu_key), [Row(s, "missing", keys.key(s)) for s in canonical]
     else:
         root, rows = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args).query(canonical)
-    return _result(entry, gpu_key, db, mode, root, rows, canonical)
+    result = _result(entry, gpu_key, db, mode, root, rows, canonical)
+    if ledger is not None and entry.metric_family == "compute":
+        _add_ceilings(entry, gpu_key, ledger, result.results)
+    return result
+
+
+def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> None:
+    """Each ok row's fraction of the device's ceilings, as `ceiling` (only once `kprof calibrate` has
+    measured them for this GPU key: before that the rows are exactly the contract's)."""
+    from .calibrate import ceilings, fractions
+
+    found = ceilings(entry.backend, gpu_key, ledger=ledger)
+    if not found:
+        return
+    cited = {c.metric: c.citation for c in found}
+    for doc in results:
+        share = fractions(doc["metrics"], found) if doc["status"] == "ok" else None
+        if share is not None:
+            doc["ceiling"] = {"fraction": share, "citations": {m: cited[m] for m in share}}
 
 
 def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical) -> QueryResult:

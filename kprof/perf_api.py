@@ -28,10 +28,10 @@ _views: dict[tuple, View] = {}
 
 def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | None = None) -> View:
     """The cached read view of (table, backend, gpu_key) in the ledger at db ($KPROF_DB, ./profile.db)."""
-    entry = lookup(table, backend)
-    if gpu_key is None:
-        from .api import resolve_gpu_key
+    from .api import effective_entry, resolve_gpu_key
 
+    entry = effective_entry(lookup(table, backend))
+    if gpu_key is None:
         gpu_key = resolve_gpu_key(entry, None)
     path = os.path.realpath(db or default_path())
     with _lock:

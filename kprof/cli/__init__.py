@@ -26,6 +26,8 @@ VERBS = [
      "Profile the missing specs (or all with --force; --fresh writes nothing), then report every row."),
     ("audit", "kprof.cli.audit:audit",
      "Verify every event id and key, the log, the views and the file structure (exit 3 on damage)."),
+    ("calibrate", "kprof.cli.calibrate:calibrate",
+     "Measure the device's ceilings (large GEMM, large copy) into the ledger; query reports fractions of them."),
     ("show", "kprof.cli.show:show", "Show one row's provenance, metrics and full history by citation, key or event id."),
 ]
 for _name, _target, _help in VERBS:

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from cyclopts import Parameter
+
 from ..ledger import default_path
 from ..ledger.audit import audit as run_audit
 from ._options import Db, Json
 from ._render import console, emit_json
 
 
-def audit(*, db: Db = None, json: Json = False) -> int:
+def audit(*, db: Db = None, json: Json = False,
+          remeasure: Annotated[int | None, Parameter(name="--remeasure", help=(
+              "Instead: re-measure N random current rows of this machine's device and report their drift "
+              "(exit 1 when any drifts past --tolerance). Writes nothing."))] = None,
+          tolerance: Annotated[float, Parameter(name="--tolerance", help=(
+              "Relative drift allowed by --remeasure."))] = 0.05) -> int:
     """Recompute every event id and key, check the log, rebuild the views and compare; exit 3 on any finding."""
+    if remeasure is not None:
+        return _remeasure(db or default_path(), remeasure, tolerance, json)
     report = run_audit(db or default_path())
     if json:
         emit_json(report.to_json())
@@ -21,3 +32,23 @@ def audit(*, db: Db = None, json: Json = False) -> int:
         for line in report.findings:
             out.print(f"  {line}", markup=False)
     return 0 if report.ok else 3
+
+
+def _remeasure(db: str, n: int, tolerance: float, json: bool) -> int:
+    from ..remeasure import remeasure
+
+    report = remeasure(db, n, tolerance)
+    if json:
+        emit_json(report.to_json())
+    else:
+        out = console()
+        out.print(f"re-measured {len(report.rows)} of {report.candidates} current row(s) of "
+                  f"{', '.join(report.gpu_keys) or 'no local device'}: {report.drifted} drifted past "
+                  f"{report.tolerance:.1%} ({report.seconds:.1f} s)", markup=False)
+        for r in report.rows:
+            drift = f"{r.drift:+.2%}" if r.drift is not None else r.error
+            mark = "ok" if r.ok else "DRIFT"
+            out.print(f"  {mark:5} {r.table}/{r.backend} {r.spec} {r.stored_ms:.4g} ms -> "
+                      f"{r.new_ms if r.new_ms is None else format(r.new_ms, '.4g')} ms ({drift}) {r.citation}",
+                      markup=False)
+    return 1 if report.drifted else 0

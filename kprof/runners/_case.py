@@ -1,7 +1,15 @@
-"""What a runner hands the measuring pipeline for one spec, and shared input/oracle helpers."""
+"""What a runner hands the measuring pipeline for one spec, and shared input/oracle helpers.
+
+A Case's timed closure is `fn() == call(*inputs)`: `inputs` are the tensors the kernel reads, and any it
+writes in place (memcpy's destination); `call` is the production callable on them. The timer may call
+`call(*[t.clone() for t in inputs])` on rotated copies (cold L2 without a flush, CUDA graphs): a clone
+keeps a tensor's strides (`preserve_format`), so a column-major operand stays column-major. Every
+non-tensor argument (shapes, flags, host-side group sizes) is bound inside `call`.
+"""
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Callable, NamedTuple
 
@@ -9,7 +17,7 @@ import msgspec
 
 from ..errors import KprofError
 
-__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_close", "torch_dtype"]
+__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_close", "torch_dtype", "bind"]
 
 
 class WrongResult(KprofError):
@@ -28,6 +36,13 @@ class Case(NamedTuple):
     algorithm: str = ""  # the implementation actually selected, when the library says
     kernel_filter: str | None = None  # a stable single kernel's name filter for CUPTI; None sums all
     notes: dict[str, str] = {}
+    inputs: tuple = ()  # the tensors the timed callable reads (or writes in place), in call order
+    call: Callable | None = None  # fn() == call(*inputs); the timer may call it on clones of the inputs
+
+
+def bind(call: Callable, inputs: tuple) -> Callable[[], object]:
+    """The timed closure of (call, inputs): a partial, so nothing but the call runs per invocation."""
+    return functools.partial(call, *inputs)
 
 
 def seed_of(spec: msgspec.Struct) -> int:

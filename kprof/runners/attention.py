@@ -1,15 +1,32 @@
 """attention_prefill and attention_decode through torch's scaled_dot_product_attention (SDPA).
 
-The SDPA backend torch selects for the inputs (flash, efficient, cudnn, math) is recorded with the row.
+Backend `torch` (and `torch-cpu`) lets SDPA choose its implementation (flash, efficient, cudnn, math); the
+choice, read from torch._fused_sdp_choice on the built inputs, is the row's `algorithm_used`. Backends
+`torch-flash`, `torch-efficient`, `torch-cudnn` and `torch-math` force one implementation: the timed call
+enables only that SDPA backend, calls SDPA, and restores the previous flags. It sets the flags through the
+C-level getters and setters `torch.nn.attention.sdpa_kernel` itself uses: under 1 µs of host work per
+call, where entering and leaving the sdpa_kernel context manager costs 5-20 µs (its contextlib generator
+and list building), which an event timer would count while the GPU waits. A CUDA graph captures the
+kernels alone. A forced backend that cannot run the spec (dtype, head_dim, hardware) is Unsupported at build time.
+
 Grouped-query attention (num_kv_heads < num_heads) uses SDPA's enable_gqa, as serving stacks call it.
+
+Counted work per invocation: flops = 4·batch·heads·q_len·kv_len·head_dim (Q·Kᵀ and P·V), halved for a
+causal square prefill; minimum bytes = q and out (batch·heads·q_len·head_dim each) + k and v
+(batch·kv_heads·kv_len·head_dim each), in the spec dtype.
 """
 
 from __future__ import annotations
 
+import warnings
+
 from ._args import DTYPE_BYTES, FloatDtype, KernelArgs, Size
-from ._case import Case, check_close, seed_of, torch_dtype
+from ._case import Case, Unsupported, bind, check_close, seed_of, torch_dtype
 
 SDPA_BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+# torch._C flag names (torch.nn.attention._backend_names) of each forceable SDPA backend
+_FLAG_NAMES = {"flash": "flash", "efficient": "mem_efficient", "cudnn": "cudnn", "math": "math",
+               "overrideable": "overrideable"}
 ORACLE_PAIRS = 4  # (batch, head) pairs recomputed by the fp64 oracle
 
 
@@ -43,7 +60,48 @@ class AttentionDecodeArgs(KernelArgs, frozen=True):
         _heads_divide(self)
 
 
-def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str) -> Case:
+class _Flags:
+    """Enables exactly one SDPA backend around a call, through the setters sdpa_kernel uses."""
+
+    def __init__(self, backend: str):
+        import torch
+
+        names = list(_FLAG_NAMES.values())
+        self._get = [getattr(torch._C, f"_get_{n}_sdp_enabled") for n in names]
+        self._set = [getattr(torch._C, f"_set_sdp_use_{n}") for n in names]
+        self._only = [n == _FLAG_NAMES[backend] for n in names]
+
+    def enable(self) -> list[bool]:
+        before = [get() for get in self._get]
+        for set_, on in zip(self._set, self._only):
+            set_(on)
+        return before
+
+    def restore(self, before: list[bool]) -> None:
+        for set_, on in zip(self._set, before):
+            set_(on)
+
+
+def _choice(q, k, v, causal: bool, gqa: bool, flags: _Flags | None, what: str) -> str:
+    """The SDPA backend torch will run for these inputs (under the forced flags, if any)."""
+    import torch
+
+    if flags is None:
+        return SDPA_BACKENDS.get(int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=gqa)), "?")
+    before = flags.enable()
+    try:
+        with warnings.catch_warnings(record=True) as seen:  # torch explains a refusal through warnings
+            warnings.simplefilter("always")
+            choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=gqa))
+    except RuntimeError as exc:
+        reasons = "; ".join(str(w.message) for w in seen) or str(exc)
+        raise Unsupported(f"{what}: the forced SDPA backend cannot run this spec: {reasons}") from None
+    finally:
+        flags.restore(before)
+    return SDPA_BACKENDS.get(choice, str(choice))
+
+
+def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str, forced: str | None) -> Case:
     import torch
     import torch.nn.functional as F
 
@@ -56,12 +114,35 @@ def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str) 
 
     q, k, v = tensor(hq, q_len), tensor(hkv, kv_len), tensor(hkv, kv_len)
     gqa = hq != hkv
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=gqa)
-    algorithm = SDPA_BACKENDS.get(int(choice), str(choice))
+    notes = {}
+    flags = _Flags(forced) if forced else None
+    if forced == "math" and torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed():
+        raise Unsupported(f"{what}: the torch-math contract computes fp16/bf16 in fp32; this process allows "
+                          f"fp16/bf16 reductions (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False))")
+    algorithm = _choice(q, k, v, causal, gqa, flags, what)
+    if forced and algorithm != forced:
+        raise Unsupported(f"{what}: forcing SDPA backend {forced} selected {algorithm}")
+    if algorithm == "flash" and q.device.type == "cuda":
+        import torch.nn.attention as sdpa
 
-    def fn():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        impl = getattr(sdpa, "current_flash_attention_impl", lambda: None)()  # FA3/FA4 when activated
+        notes["flash_impl"] = str(impl or "FA2 (built in)")
+    inputs = (q, k, v)
 
+    if flags is None:
+        def call(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    else:
+        enable, restore = flags.enable, flags.restore
+
+        def call(q, k, v):
+            before = enable()
+            try:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            finally:
+                restore(before)
+
+    fn = bind(call, inputs)
     pairs = [(i * 7919 % b, i * 104729 % hq) for i in range(ORACLE_PAIRS)]
 
     def check():
@@ -82,14 +163,52 @@ def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str) 
     flops = 4.0 * b * hq * pairs_scored * d
     size = DTYPE_BYTES[spec.dtype]
     moved = size * (2 * b * hq * q_len * d + 2 * b * hkv * kv_len * d)
-    return Case(fn, check, flops=flops, bytes=float(moved), algorithm=algorithm, notes={"sdpa_backend": algorithm})
+    return Case(fn, check, flops=flops, bytes=float(moved), algorithm=algorithm,
+                notes={"sdpa_backend": algorithm, **notes}, inputs=inputs, call=call)
 
 
 class AttentionPrefill:
+    sdpa_backend: str | None = None  # None: SDPA chooses; else the one backend enabled
+
     def build(self, spec: AttentionPrefillArgs, device: str) -> Case:
-        return _build(spec, device, spec.seq_len, spec.seq_len, spec.causal, "attention_prefill")
+        return _build(spec, device, spec.seq_len, spec.seq_len, spec.causal, "attention_prefill", self.sdpa_backend)
 
 
 class AttentionDecode:
+    sdpa_backend: str | None = None
+
     def build(self, spec: AttentionDecodeArgs, device: str) -> Case:
-        return _build(spec, device, 1, spec.kv_len, False, "attention_decode")
+        return _build(spec, device, 1, spec.kv_len, False, "attention_decode", self.sdpa_backend)
+
+
+# One runner class per forced SDPA backend: the registry names runners by import string, one per entry.
+class AttentionPrefillFlash(AttentionPrefill):
+    sdpa_backend = "flash"
+
+
+class AttentionPrefillEfficient(AttentionPrefill):
+    sdpa_backend = "efficient"
+
+
+class AttentionPrefillCudnn(AttentionPrefill):
+    sdpa_backend = "cudnn"
+
+
+class AttentionPrefillMath(AttentionPrefill):
+    sdpa_backend = "math"
+
+
+class AttentionDecodeFlash(AttentionDecode):
+    sdpa_backend = "flash"
+
+
+class AttentionDecodeEfficient(AttentionDecode):
+    sdpa_backend = "efficient"
+
+
+class AttentionDecodeCudnn(AttentionDecode):
+    sdpa_backend = "cudnn"
+
+
+class AttentionDecodeMath(AttentionDecode):
+    sdpa_backend = "math"

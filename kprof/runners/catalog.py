@@ -1,4 +1,14 @@
-"""The kernel catalog: every (table, backend) kprof can measure, registered with its contract."""
+"""The kernel catalog: every (table, backend) kprof can measure, registered with its contract.
+
+Backends: `torch-cpu` (CPU, timed by wall clock), `torch` (CUDA, SDPA and cuBLAS choose their kernels),
+`torch-flash` / `torch-efficient` / `torch-cudnn` / `torch-math` (CUDA attention with one SDPA backend
+forced) and `torch-loop` (CUDA MoE GEMM as a per-expert loop, beside `torch`'s torch._grouped_mm).
+
+single_gemm's fp8_e4m3 rows live in the `torch` entry, whose numerics string states the fp8 scale
+contract next to the other dtypes' rules: dtype is a spec axis, so a simulator asks one (table, backend)
+for every dtype, and a separate fp8 backend would split one GEMM curve across two scopes, each holding
+Unsupported rows for the other's dtypes.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +16,116 @@ from ..ledger.events import Contract
 from .activation import SiluMulArgs
 from .attention import AttentionDecodeArgs, AttentionPrefillArgs
 from .gemm import SingleGemmArgs
+from .memcpy import MemcpyArgs
+from .moe import MoeGroupedGemmArgs
 from .norm import RmsNormArgs
 from .registry import Entry, register
 
-# The CPU timer's method, part of every torch-cpu key: rows timed another way never share a key.
+__all__ = ["CPU_TIMING", "GPU_TIMING", "TIMERS", "timing_string"]
+
+TIMERS = ("cupti", "events", "cpu-wall")
+
+
+def timing_string(timer: str, l2: str, graph: bool) -> str:
+    """The timing part of a contract, e.g. "events;l2=cold;graph": rows timed another way never share a key."""
+    if timer not in TIMERS:
+        raise ValueError(f"timer {timer!r} is not one of {', '.join(TIMERS)}")
+    if l2 not in ("cold", "warm"):
+        raise ValueError(f"l2 {l2!r} is not cold or warm")
+    return f"{timer};l2={l2};{'graph' if graph else 'eager'}"
+
+
+# The CPU timer's method, part of every torch-cpu key (byte for byte as first released).
 CPU_TIMING = "cpu-wall;l2=warm;eager"
+# The GPU contract's method: CUPTI kernel time, L2 flushed before each call, eager launches. A worker
+# without CUPTI replaces the timer part (timing_string("events", "cold", False)), which changes the key.
+GPU_TIMING = timing_string("cupti", "cold", False)
+
+CPU_NUMERICS = "dtype=spec; fp32 accumulate"
+# cuBLAS under torch's default settings (kprof.runners.gemm.CUDA_MATMUL_DEFAULTS, checked at build time)
+_CUBLAS = ("dtype=spec in/out, fp32 accumulate (cuBLAS: fp32 without TF32; fp16/bf16 reduced-precision "
+           "split-K reductions allowed, torch defaults)")
+_GEMM_CUDA = (f"{_CUBLAS}; fp8_e4m3: torch._scaled_mm, per-tensor fp32 scale_a/scale_b (amax/448), "
+              f"bf16 out, use_fast_accum=False")
+_SDPA = "dtype=spec q/k/v/out, fp32 softmax and accumulate, scale 1/sqrt(head_dim)"
+_SDPA_NUMERICS = {
+    None: f"{_SDPA}, in the SDPA backend torch selects (recorded per row)",
+    "flash": f"{_SDPA}; flash runs fp16/bf16 only",
+    "efficient": _SDPA,
+    "cudnn": f"{_SDPA}; cudnn runs fp16/bf16 only",
+    "math": f"{_SDPA}; math upcasts fp16/bf16 q/k/v to fp32 (fp16/bf16 reduction off) and rounds the output",
+}
+_SDPA_RUNNER = {None: "", "flash": "Flash", "efficient": "Efficient", "cudnn": "Cudnn", "math": "Math"}
+
+_GEMM_LAYOUT = "a[m,k] row-major, b[k,n] row-major, c[m,n] row-major"
+_PREFILL_LAYOUT = "q/k/v [batch,heads,seq,head_dim] contiguous"
+_DECODE_LAYOUT = "q [batch,heads,1,head_dim], k/v [batch,kv_heads,kv_len,head_dim] contiguous"
+_MOE_LAYOUT = ("x[tokens*topk,hidden] row-major, rows grouped by expert; w[experts,intermediate,hidden] "
+               "contiguous, passed transposed; out[tokens*topk,intermediate]")
+_MEMCPY_LAYOUT = "src, dst uint8[bytes] contiguous, separate allocations on one device"
 
 _FAMILIES = [
     # table, args, kernel_kind, runner, algorithm, layout, description
-    ("single_gemm", SingleGemmArgs, "gemm", "kprof.runners.gemm:SingleGemm", "torch.matmul",
-     "a[m,k] row-major, b[k,n] row-major, c[m,n] row-major", "C = A @ B"),
+    ("single_gemm", SingleGemmArgs, "gemm", "kprof.runners.gemm:SingleGemm", "torch.matmul", _GEMM_LAYOUT,
+     "C = A @ B"),
     ("rms_norm", RmsNormArgs, "norm", "kprof.runners.norm:RmsNorm", "torch.nn.functional.rms_norm",
      "x[tokens,hidden] contiguous, w[hidden]", "RMSNorm over hidden, eps 1e-6, with weight"),
     ("silu_mul", SiluMulArgs, "activation", "kprof.runners.activation:SiluMul", "silu(x[:, :h]) * x[:, h:]",
      "x[tokens,2*hidden] contiguous", "gated-MLP activation, two kernels"),
     ("attention_prefill", AttentionPrefillArgs, "attention", "kprof.runners.attention:AttentionPrefill",
-     "torch sdpa (auto backend)", "q/k/v [batch,heads,seq,head_dim] contiguous",
-     "self-attention over a whole prompt, GQA through enable_gqa"),
+     "torch sdpa (auto backend)", _PREFILL_LAYOUT, "self-attention over a whole prompt, GQA through enable_gqa"),
     ("attention_decode", AttentionDecodeArgs, "attention", "kprof.runners.attention:AttentionDecode",
-     "torch sdpa (auto backend)", "q [batch,heads,1,head_dim], k/v [batch,kv_heads,kv_len,head_dim] contiguous",
-     "one decode step against a dense KV cache"),
+     "torch sdpa (auto backend)", _DECODE_LAYOUT, "one decode step against a dense KV cache"),
 ]
 
+# Numerics of each family on backend `torch` (CUDA); every torch-cpu entry keeps CPU_NUMERICS.
+_CUDA_NUMERICS = {
+    "single_gemm": _GEMM_CUDA,
+    "rms_norm": "dtype=spec in/out, weight in dtype=spec, fp32 statistics (opmath), eps 1e-6",
+    "silu_mul": "dtype=spec in/out; silu computed in fp32 and rounded to dtype, then the product in fp32, rounded",
+    "attention_prefill": _SDPA_NUMERICS[None],
+    "attention_decode": _SDPA_NUMERICS[None],
+}
+_CUDA_LAYOUT = {"single_gemm": f"{_GEMM_LAYOUT}; fp8_e4m3: b[k,n] column-major (as torch._scaled_mm requires)"}
+_CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
+
+
+def _register(table, args, kind, runner, backend, device, algorithm, layout, numerics, timing, description):
+    register(Entry(table=table, backend=backend, args=args, kernel_kind=kind, metric_family="compute",
+                   contract=Contract(algorithm=algorithm, layout=layout, numerics=numerics, timing=timing,
+                                     profiler_revision=1),
+                   runner=runner, device=device, description=description))
+
+
 for table, args, kind, runner, algorithm, layout, description in _FAMILIES:
-    register(Entry(table=table, backend="torch-cpu", args=args, kernel_kind=kind, metric_family="compute",
-                   contract=Contract(algorithm=algorithm, layout=layout, numerics="dtype=spec; fp32 accumulate",
-                                     timing=CPU_TIMING, profiler_revision=1),
-                   runner=runner, device="cpu", description=description))
+    _register(table, args, kind, runner, "torch-cpu", "cpu", algorithm, layout, CPU_NUMERICS, CPU_TIMING,
+              description)
+    _register(table, args, kind, runner, "torch", "cuda", _CUDA_ALGORITHM.get(table, algorithm),
+              _CUDA_LAYOUT.get(table, layout), _CUDA_NUMERICS[table], GPU_TIMING, description)
+
+# Attention with one SDPA backend forced on CUDA.
+for forced in ("flash", "efficient", "cudnn", "math"):
+    for table, args, runner, layout in (
+            ("attention_prefill", AttentionPrefillArgs, "AttentionPrefill", _PREFILL_LAYOUT),
+            ("attention_decode", AttentionDecodeArgs, "AttentionDecode", _DECODE_LAYOUT)):
+        _register(table, args, "attention", f"kprof.runners.attention:{runner}{_SDPA_RUNNER[forced]}",
+                  f"torch-{forced}", "cuda", f"torch sdpa ({forced} backend forced)", layout,
+                  _SDPA_NUMERICS[forced], GPU_TIMING, f"attention through SDPA's {forced} backend only")
+
+# The MoE expert GEMM: one algorithm per entry; a runner refuses rather than switch algorithms.
+_MOE = "tokens*topk rows routed by a softmax top-k router, grouped by expert, times each expert's weight"
+_register("moe_grouped_gemm", MoeGroupedGemmArgs, "moe", "kprof.runners.moe:MoeGroupedMm", "torch", "cuda",
+          "torch._grouped_mm", _MOE_LAYOUT, "bf16 in/out, fp32 accumulate (CUTLASS grouped GEMM)", GPU_TIMING,
+          f"{_MOE}: one grouped GEMM launch (bf16, sm90/sm100)")
+_register("moe_grouped_gemm", MoeGroupedGemmArgs, "moe", "kprof.runners.moe:MoeExpertLoop", "torch-loop", "cuda",
+          "per-expert matmul loop", _MOE_LAYOUT, _CUBLAS, GPU_TIMING, f"{_MOE}: one torch.matmul per expert")
+_register("moe_grouped_gemm", MoeGroupedGemmArgs, "moe", "kprof.runners.moe:MoeExpertLoop", "torch-cpu", "cpu",
+          "per-expert matmul loop", _MOE_LAYOUT, CPU_NUMERICS, CPU_TIMING, f"{_MOE}: one torch.matmul per expert")
+
+# Device memory bandwidth.
+_register("memcpy", MemcpyArgs, "memory", "kprof.runners.memcpy:Memcpy", "torch", "cuda",
+          "Tensor.copy_ (cudaMemcpyAsync device-to-device)", _MEMCPY_LAYOUT, "bytes copied verbatim (uint8)",
+          GPU_TIMING, "device-to-device copy bandwidth")
+_register("memcpy", MemcpyArgs, "memory", "kprof.runners.memcpy:Memcpy", "torch-cpu", "cpu",
+          "Tensor.copy_ (ATen CPU copy)", _MEMCPY_LAYOUT, "bytes copied verbatim (uint8)", CPU_TIMING,
+          "host memory copy bandwidth")

@@ -1,11 +1,27 @@
-"""single_gemm: C[m, n] = A[m, k] @ B[k, n], through torch.matmul (cuBLAS on CUDA, oneDNN/MKL on CPU)."""
+"""single_gemm: C[m, n] = A[m, k] @ B[k, n].
+
+- bf16/fp16/fp32: torch.matmul (cuBLAS on CUDA, oneDNN/MKL on CPU), B row-major.
+- fp8_e4m3 (CUDA only): torch._scaled_mm with per-tensor fp32 scales scale_a/scale_b (amax / 448, the
+  e4m3 maximum), bf16 output, use_fast_accum=False, and B column-major as _scaled_mm requires. The
+  quantization happens at build time: the timed call is the scaled GEMM alone. The oracle is the fp64
+  product of the dequantized fp8 inputs, so it checks the GEMM and its scales, not the quantization.
+
+Counted work per invocation: flops = 2·m·n·k; minimum bytes = A + B read once + C written once
+(bytes of each operand's dtype; fp8: 1-byte A and B, 2-byte bf16 C, plus the two 4-byte scales).
+"""
 
 from __future__ import annotations
 
 from ._args import DTYPE_BYTES, GemmDtype, KernelArgs, Size
-from ._case import Case, Unsupported, check_close, seed_of, torch_dtype
+from ._case import Case, Unsupported, WrongResult, bind, check_close, seed_of, torch_dtype
 
 ORACLE_ROWS = 64  # the fp64 oracle recomputes this many sampled rows: independent, and cheap for big shapes
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+# The process-wide cuBLAS settings the `torch` backend's numerics string names (torch's defaults). A row
+# measured under other settings would carry a numerics string that is not true, so the runner refuses.
+CUDA_MATMUL_DEFAULTS = {"float32_matmul_precision": "highest", "allow_fp16_reduced_precision_reduction": True,
+                        "allow_bf16_reduced_precision_reduction": True, "allow_fp16_accumulation": False}
 
 
 class SingleGemmArgs(KernelArgs, frozen=True):
@@ -15,27 +31,89 @@ class SingleGemmArgs(KernelArgs, frozen=True):
     dtype: GemmDtype
 
 
+def require_default_cuda_matmul() -> None:
+    """Raises Unsupported when this process changed a cuBLAS setting the contract's numerics depend on."""
+    import torch
+
+    cublas = torch.backends.cuda.matmul
+    now = {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+           **{name: getattr(cublas, name, CUDA_MATMUL_DEFAULTS[name])  # a torch without the knob: its default
+              for name in CUDA_MATMUL_DEFAULTS if name.startswith("allow_")}}
+    changed = {name: value for name, value in now.items() if value != CUDA_MATMUL_DEFAULTS[name]}
+    if changed:
+        raise Unsupported(f"cuBLAS settings {changed} differ from the torch defaults the backend's numerics "
+                          f"record ({CUDA_MATMUL_DEFAULTS}); restore them before measuring")
+
+
 class SingleGemm:
     def build(self, spec: SingleGemmArgs, device: str) -> Case:
         import torch
 
-        if spec.dtype == "fp8_e4m3":
+        on_cuda = torch.device(device).type == "cuda"
+        if spec.dtype == "fp8_e4m3" and not on_cuda:
             raise Unsupported("fp8_e4m3 GEMM needs torch._scaled_mm on a CUDA device; use backend torch")
-        dt = torch_dtype(spec.dtype)
+        if on_cuda:
+            require_default_cuda_matmul()
         g = torch.Generator().manual_seed(seed_of(spec))
         # Activations ~ N(0, 1); weights scaled by 1/sqrt(k) so outputs stay O(1) as in a real layer.
-        a = torch.randn(spec.m, spec.k, generator=g).to(device=device, dtype=dt)
-        b = (torch.randn(spec.k, spec.n, generator=g) / spec.k ** 0.5).to(device=device, dtype=dt)
+        a = torch.randn(spec.m, spec.k, generator=g)
+        b = torch.randn(spec.k, spec.n, generator=g) / spec.k ** 0.5
         rows = torch.randperm(spec.m, generator=g)[:ORACLE_ROWS]
+        if spec.dtype == "fp8_e4m3":
+            return _fp8_case(spec, device, a, b, rows)
 
-        def fn():
+        dt = torch_dtype(spec.dtype)
+        inputs = (a.to(device=device, dtype=dt), b.to(device=device, dtype=dt))
+
+        def call(a, b):
             return torch.matmul(a, b)
 
         def check():
             c = fn()
-            ref = a[rows.to(a.device)].double().cpu() @ b.double().cpu()
+            a_, b_ = inputs
+            ref = a_[rows.to(a_.device)].double().cpu() @ b_.double().cpu()
             check_close(c[rows.to(c.device)].cpu(), ref, spec.dtype, "single_gemm")
 
+        fn = bind(call, inputs)
         size = DTYPE_BYTES[spec.dtype]
         return Case(fn, check, flops=2.0 * spec.m * spec.n * spec.k,
-                    bytes=float(size * (spec.m * spec.k + spec.k * spec.n + spec.m * spec.n)))
+                    bytes=float(size * (spec.m * spec.k + spec.k * spec.n + spec.m * spec.n)),
+                    algorithm="torch.matmul", inputs=inputs, call=call)
+
+
+def _fp8_case(spec: SingleGemmArgs, device: str, a, b, rows) -> Case:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise Unsupported(f"torch._scaled_mm (fp8_e4m3) needs compute capability >= 8.9; this GPU is sm{major}{minor}")
+    if spec.k % 16 or spec.n % 16:
+        raise Unsupported(f"torch._scaled_mm needs k and n divisible by 16; got k={spec.k}, n={spec.n}")
+    fp8 = torch.float8_e4m3fn
+
+    def quantize(x):  # per-tensor scale: the tensor's amax maps to the e4m3 maximum
+        scale = x.abs().max().clamp_min(1e-12) / E4M3_MAX
+        return (x / scale).to(fp8), scale.to(torch.float32)
+
+    a8, scale_a = quantize(a)
+    bt8, scale_b = quantize(b.T.contiguous())  # B stored [n, k] row-major: b8 = bt8.T is [k, n] column-major
+    inputs = (a8.to(device), bt8.to(device).T, scale_a.to(device), scale_b.to(device))
+
+    def call(a, b, scale_a, scale_b):
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                use_fast_accum=False)
+
+    def check():
+        c = fn()
+        if c.dtype != torch.bfloat16:
+            raise WrongResult(f"single_gemm fp8_e4m3: torch._scaled_mm returned {c.dtype}, not bf16")
+        a64 = a8[rows].double() * scale_a.double()
+        b64 = bt8.T.double() * scale_b.double()
+        # bf16 output rounding is the only error left once the oracle sees the same fp8 inputs and scales
+        check_close(c[rows.to(c.device)].cpu(), a64 @ b64, "bf16", "single_gemm fp8_e4m3 (torch._scaled_mm)")
+
+    fn = bind(call, inputs)
+    return Case(fn, check, flops=2.0 * spec.m * spec.n * spec.k,
+                bytes=float(spec.m * spec.k + spec.k * spec.n + 2 * spec.m * spec.n + 8),
+                algorithm="torch._scaled_mm", inputs=inputs, call=call,
+                notes={"fp8_scales": "per-tensor fp32 scale_a, scale_b = amax/448", "fp8_out_dtype": "bf16"})

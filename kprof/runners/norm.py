@@ -1,9 +1,13 @@
-"""rms_norm: y = x / sqrt(mean(x²) + eps) · w over the last dim, through torch.nn.functional.rms_norm."""
+"""rms_norm: y = x / sqrt(mean(x²) + eps) · w over the last dim, through torch.nn.functional.rms_norm.
+
+Counted work per invocation: flops = 4·tokens·hidden (square, sum, scale by the rsqrt, multiply by w);
+minimum bytes = x read + y written (tokens·hidden each) + w read (hidden), in the spec dtype.
+"""
 
 from __future__ import annotations
 
 from ._args import DTYPE_BYTES, FloatDtype, KernelArgs, Size
-from ._case import Case, check_close, seed_of, torch_dtype
+from ._case import Case, bind, check_close, seed_of, torch_dtype
 
 EPS = 1e-6
 
@@ -26,9 +30,12 @@ class RmsNorm:
         x = (torch.randn(spec.tokens, spec.hidden, generator=g) * scale).to(device=device, dtype=dt)
         w = (1 + 0.1 * torch.randn(spec.hidden, generator=g)).to(device=device, dtype=dt)
         shape = (spec.hidden,)
+        inputs = (x, w)
 
-        def fn():
+        def call(x, w):
             return F.rms_norm(x, shape, w, EPS)
+
+        fn = bind(call, inputs)
 
         def check():
             x64, w64 = x.double().cpu(), w.double().cpu()
@@ -36,4 +43,5 @@ class RmsNorm:
             check_close(fn().cpu(), ref, spec.dtype, "rms_norm")
 
         n = spec.tokens * spec.hidden
-        return Case(fn, check, flops=4.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * (2 * n + spec.hidden)))
+        return Case(fn, check, flops=4.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * (2 * n + spec.hidden)),
+                    algorithm="torch.nn.functional.rms_norm", inputs=inputs, call=call)

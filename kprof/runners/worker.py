@@ -54,37 +54,145 @@ def _metrics(case, time_ms: float, energy_j: float | None) -> dict:
 def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin = Origin(),
                   environment: Callable[[], Environment] | None = None, rule: StopRule | None = None,
                   parents: dict[bytes, bytes] | None = None) -> Iterator[Outcome]:
-    """Measures each spec (a dict or the table's KernelArgs) on the entry's device, yielding as it goes."""
-    if entry.device != "cpu":
-        raise NotImplementedError(f"backend {entry.backend} measures on {entry.device}; this worker is CPU-only")
-    from ..measure.cpu_timer import time_cpu
-    from ..measure.env import cpu_environment
+    """Measures each spec (a dict or the table's KernelArgs) on the entry's device, yielding as it goes.
 
+    `entry.contract.timing` names the method: "cpu-wall;..." on the CPU; "cupti;..." or "events;..." on a
+    CUDA device (see `kprof.api.effective_entry`), with the L2 state and graph/eager after it."""
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
     runner = entry.load_runner()()
-    env = (environment or cpu_environment)()
     rule = rule or StopRule.from_env()
     parents = parents or {}
+    device = _CpuDevice(environment) if entry.device == "cpu" else _CudaDevice(entry, gpu_key, environment)
     for index, raw in enumerate(specs):
         started = time.perf_counter()
         prov: Provenance = keys.provenance(raw, index)
         spec = msgspec.convert(prov.shape, entry.args)
         parent = parents.get(keys.key(raw, index))
         timed = 0.0
+        env = device.env
         try:
-            case = runner.build(spec, entry.device)
+            case = runner.build(spec, device.name)
             case.check()
-            timing = time_cpu(case.fn, rule)
-            timed = timing.wall_s
-            stats = summarize(timing.samples_ms)
-            method = Method(timer="cpu", l2="warm", graph=False, warmup=timing.warmup, budget_s=rule.budget_s,
-                            stop_reason=timing.stop_reason,
-                            notes={"calls_per_sample": str(timing.inner), "target_rel_ci": str(rule.target),
-                                   **({"algorithm_used": case.algorithm} if case.algorithm else {}), **case.notes})
-            event = measured(prov, _metrics(case, stats.median, None), stats, method, environment=env,
+            stats, method, energy, env, timed = device.measure(case, rule)
+            event = measured(prov, _metrics(case, stats.median, energy), stats, method, environment=env,
                              origin=origin, parent=parent)
         except Exception as exc:  # any failure of one spec is recorded, and the others go on
             kind = classify(exc)
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             event = failed(prov, kind, detail[:2000], environment=env, origin=origin, parent=parent)
+            device.recover()
+        case = None
         yield Outcome(index, event, time.perf_counter() - started, timed)
+
+
+class _CpuDevice:
+    name = "cpu"
+
+    def __init__(self, environment):
+        from ..measure.env import cpu_environment
+
+        self.env = (environment or cpu_environment)()
+
+    def measure(self, case, rule: StopRule):
+        from ..measure.cpu_timer import time_cpu
+
+        timing = time_cpu(case.fn, rule)
+        stats = summarize(timing.samples_ms)
+        method = Method(timer="cpu", l2="warm", graph=False, warmup=timing.warmup, budget_s=rule.budget_s,
+                        stop_reason=timing.stop_reason,
+                        notes={"calls_per_sample": str(timing.inner), "target_rel_ci": str(rule.target),
+                               **_algorithm(case), **case.notes})
+        return stats, method, None, self.env, timing.wall_s
+
+    def recover(self) -> None:
+        pass
+
+
+def _algorithm(case) -> dict[str, str]:
+    return {"algorithm_used": case.algorithm} if case.algorithm else {}
+
+
+def energy_window_s() -> float:
+    """Seconds of back-to-back calls behind each row's energy_j (KPROF_ENERGY_S; 0 turns energy off)."""
+    import os
+
+    raw = os.environ.get("KPROF_ENERGY_S", "0.5")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        from ..errors import UsageError
+
+        raise UsageError(f"KPROF_ENERGY_S={raw!r} is not a number of seconds >= 0; e.g. KPROF_ENERGY_S=0.5")
+    return value
+
+
+class _CudaDevice:
+    """CUDA device 0 of this process (a pool gives each worker its own CUDA_VISIBLE_DEVICES)."""
+
+    name = "cuda"
+
+    def __init__(self, entry: Entry, gpu_key: str, environment):
+        import torch
+
+        from ..errors import UsageError
+        from ..measure.nvml import gpu_environment
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and torch {torch.__version__} sees "
+                             f"none; run on a GPU machine, or use backend torch-cpu")
+        actual = torch.cuda.get_device_name(0)
+        if actual != gpu_key:
+            raise UsageError(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit --gpu-name")
+        torch.cuda.set_device(0)
+        self.torch = torch
+        self.timer, l2, mode = (entry.contract.timing.split(";") + ["", ""])[:3]
+        self.cold = l2 != "l2=warm"
+        self.graph = mode == "graph"
+        if self.timer == "cupti":
+            from ..measure.gpu_timer import cupti_available
+
+            why = cupti_available()
+            if why:
+                raise UsageError(f"CUPTI is not usable here ({why}); install cupti-python with nvidia-cuda-cupti, "
+                                 f"or set KPROF_TIMER=events to time with CUDA events (rows kept under their "
+                                 f"own timing key)")
+        self.energy_s = energy_window_s()
+        self.env = (environment or gpu_environment)()
+
+    def measure(self, case, rule: StopRule):
+        from ..measure.gpu_timer import time_gpu
+        from ..measure.nvml import Telemetry, measure_energy, with_telemetry
+
+        with Telemetry(0) as telemetry:
+            timing = time_gpu(case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
+                              kernel_filter=case.kernel_filter)
+            energy = None
+            notes = {}
+            if self.energy_s > 0:
+                result = measure_energy(case.fn, seconds=self.energy_s, sync=self.torch.cuda.synchronize,
+                                        warmup_s=min(0.1, self.energy_s))
+                energy = result.j_per_call
+                notes = {"energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls),
+                         "energy_rel_uncertainty": f"{result.rel_uncertainty:.4f}",
+                         "energy_method": result.method, "energy_power_w": f"{result.power_w:.1f}",
+                         "energy_regime": "back-to-back calls, L2 warm"}
+        env = with_telemetry(self.env, telemetry)
+        if self.energy_s <= 0:
+            env = msgspec.structs.replace(env, errors={**env.errors, "energy": "KPROF_ENERGY_S=0: energy not measured"})
+        stats = summarize(timing.samples_ms)
+        kernels = ",".join(timing.kernels)
+        method = Method(timer=self.timer, l2="cold" if self.cold else "warm", graph=self.graph,
+                        warmup=timing.warmup, budget_s=rule.budget_s, stop_reason=timing.stop_reason,
+                        notes={"target_rel_ci": str(rule.target), **timing.notes,
+                               **({"kernels": kernels[:1000]} if kernels else {}), **notes, **_algorithm(case),
+                               **case.notes})
+        return stats, method, energy, env, timing.gpu_s
+
+    def recover(self) -> None:
+        """After a failure (an OOM above all), give the cached blocks back so the next spec starts clean."""
+        import gc
+
+        gc.collect()
+        self.torch.cuda.empty_cache()

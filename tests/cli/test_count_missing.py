@@ -74,11 +74,11 @@ def test_unknown_table_and_backend(capsys, h, tmp_path):
     assert main(["count-missing", "gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--json"]) == 2
     err = capsys.readouterr().err
     assert "unknown table 'gemm'" in err and "single_gemm" in err and "rms_norm" in err
-    assert main(["count-missing", "rms_norm", "--backend", "torch",
+    assert main(["count-missing", "rms_norm", "--backend", "torch-rocm",
                  "--spec", '{"tokens": 1, "hidden": 8, "dtype": "fp32"}', "--json"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert "no backend 'torch'" in captured.err and "torch-cpu" in captured.err
+    assert "no backend 'torch-rocm'" in captured.err and "torch-cpu" in captured.err
     assert os.listdir(tmp_path) == []
 
 

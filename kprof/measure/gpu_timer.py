@@ -1,0 +1,319 @@
+"""The GPU timers: kernel time from CUPTI activity records (default) or CUDA-event time per launch, with a cold
+L2 before every timed launch and adaptive stopping by `StopRule`. torch and cupti are imported when called.
+
+- ``timer="cupti"``: a sample is the sum of (end - start) of every kernel one logical invocation launched (or
+  of those `kernel_filter` matches): the full launch sequence of a compound callable, without launch gaps.
+  Kernels are attributed through a CUSTOM external correlation id pushed around each invocation, so
+  invocations go out in batches (flush, fn, flush, fn, ..., one synchronize, one CUPTI flush). During warm-up
+  the same invocations are also bracketed by synchronized CUPTI timestamps; if correlation does not find
+  exactly the kernels of each window, every timed invocation is bracketed that way instead (slower wall,
+  same kind of sample). notes["attribution"] says which, notes["launch"] whether launches were batched.
+- ``timer="events"``: a torch.cuda.Event pair around each launch, L2 flush before the start event, one
+  synchronize per batch: triton.testing.do_bench's method. Includes launch gaps inside the callable (small
+  kernels read ~3-4 µs slow).
+- ``graph=True``: one CUDA graph calls every rotation once; a sample is one replay's kernel (or event) time
+  divided by the number of rotations.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Callable, NamedTuple
+
+from ..errors import UsageError
+from . import _cupti, _l2
+from ._attribution import (TimerError, by_correlation, by_window, check_same_kernels, kernel_time_ms,
+                           one_invocation)
+from .stats import StopRule
+
+__all__ = ["GpuTiming", "TimerError", "time_gpu", "cupti_available", "rotation_copies"]
+
+_WARMUP_S = 0.025  # warm-up wall time (at least 2 invocations)
+_WARMUP_MAX = 200  # warm-up invocations at most: each keeps its kernel records until attribution
+_BATCH_S = 0.02  # GPU work per batch between two host synchronizations
+_MAX_BATCH = 100
+_GRAPH_WARMUP_ROUNDS = 3  # eager rounds on a side stream before capture, as torch.cuda.graphs asks
+
+
+class GpuTiming(NamedTuple):
+    samples_ms: list[float]  # one per timed invocation: kernel time (cupti) or event time (events)
+    stop_reason: str  # converged | budget | max_samples (StopRule.check)
+    warmup: int  # invocations run before timing
+    wall_s: float  # wall time spent in time_gpu, warm-up included
+    gpu_s: float  # timed GPU seconds: sum of samples x invocations per sample; gpu_s / wall_s = timer efficiency
+    kernels: tuple[str, ...]  # kernel names of one invocation, in launch order (cupti); () for events
+    dropped: int  # CUPTI records dropped (always 0: a drop raises TimerError)
+    notes: dict[str, str]  # timer, attribution, launch, l2, l2_flush_bytes, batch, graph_copies, ...
+
+
+def cupti_available() -> str | None:
+    """None when cupti-python imports and CUPTI answers; else the reason, for the row's error field."""
+    try:
+        _cupti.load().get_timestamp()
+    except Exception as e:  # noqa: BLE001 - any failure is a reason, reported as text
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def rotation_copies(input_bytes: int, device=None) -> int:
+    """How many input copies graph mode needs on `device`: the fewest whose total bytes exceed 2x its L2."""
+    import torch
+
+    with torch.cuda.device(device):
+        return _l2.copies_for(input_bytes, _l2.l2_bytes(torch.cuda.current_device()))
+
+
+def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: str = "cupti",
+             cold_l2: bool = True, graph: bool = False, kernel_filter: str | None = None,
+             rotations: list[Callable[[], object]] | None = None, device=None) -> GpuTiming:
+    """Time `fn` on the GPU until `rule` stops (default `StopRule()`).
+
+    fn: the production callable, inputs built beforehand; it is called once before warm-up so lazy setup
+        (cuBLAS handles, module loading, autotuning) happens outside every sample, then warmed up for
+        >= 2 invocations and ~25 ms; every later invocation must launch the same multiset of kernels as
+        the first warm-up one (cupti), else TimerError.
+    cold_l2: write a buffer of 2x the device's L2 before every timed launch, outside the timed region.
+    kernel_filter: regex (re.search) on kernel names; only matching kernels are summed (cupti only).
+    graph, rotations: CUDA-graph replay. A graph cannot flush L2 between its launches, so L2 is kept cold by
+        rotating input copies: `rotations` is a list of closures, each calling the callable on its own copy
+        of the inputs. Enough copies are needed that their total input bytes exceed 2x the L2
+        (`rotation_copies(bytes_of_one_copy)`); the caller builds them and decides. One graph calls every
+        rotation once; fn itself is not called then. Without rotations, pass cold_l2=False (graph of fn).
+    device: the CUDA device (index, "cuda:N" or torch.device); the current one when None.
+    """
+    started = time.perf_counter()
+    rule = rule or StopRule()
+    pattern = _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TimerError("time_gpu needs a CUDA device and torch sees none; use the CPU timer (time_cpu) here")
+    with torch.cuda.device(device):
+        index = torch.cuda.current_device()
+        notes = {"timer": timer, "device": f"cuda:{index}"}
+        if kernel_filter:
+            notes["kernel_filter"] = kernel_filter
+        flush = None
+        copies = None
+        if graph:
+            copies = list(rotations) if rotations else [fn]
+            notes.update(graph_copies=str(len(copies)), l2="rotation" if rotations else "warm", l2_flush_bytes="0")
+        elif cold_l2:
+            flush, nbytes = _l2.flusher(index)
+            notes.update(l2="flush", l2_flush_bytes=str(nbytes))
+        else:
+            notes.update(l2="warm", l2_flush_bytes="0")
+
+        if timer == "events":
+            call, per_call, primed = _prime(torch, fn, copies)
+            samples, reason, warm = _run_events(torch, call, flush, per_call, rule, notes)
+            names: tuple[str, ...] = ()
+            dropped = 0
+        else:
+            why = cupti_available()
+            if why:
+                raise TimerError(f"timer='cupti' cannot use CUPTI ({why}); install cupti-python with its "
+                                 f"nvidia-cuda-cupti (pip install --no-deps), or pass timer='events'")
+            # The session opens before any graph is captured: CUPTI attaching after capture can leave a
+            # graph's kernels untraced.
+            with _cupti.Session() as session:
+                call, per_call, primed = _prime(torch, fn, copies)
+                samples, reason, warm, ref = _run_cupti(torch, session, call, flush, per_call, rule, pattern,
+                                                        notes)
+                dropped = session.dropped
+            names = one_invocation(ref, per_call)
+            notes["kernels_per_invocation"] = str(len(names))
+    return GpuTiming(samples, reason, primed + warm * per_call, time.perf_counter() - started,
+                     sum(samples) * per_call / 1e3, names, dropped, notes)
+
+
+def _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations) -> re.Pattern | None:
+    if timer not in ("cupti", "events"):
+        raise UsageError(f"timer must be 'cupti' or 'events', not {timer!r}")
+    if kernel_filter is not None and timer != "cupti":
+        raise UsageError("kernel_filter selects kernels by name, which only timer='cupti' sees; "
+                         "drop it or use timer='cupti'")
+    if rotations is not None and not graph:
+        raise UsageError("rotations are graph mode's input copies; pass graph=True, or drop rotations "
+                         "(eager launches get an L2 flush instead)")
+    if rotations is not None and not (rotations and all(callable(r) for r in rotations)):
+        raise UsageError("rotations must be a non-empty list of callables, one per input copy")
+    if graph and rotations is None and cold_l2:
+        raise UsageError("graph=True cannot flush L2 inside the graph: pass rotations (closures over their own "
+                         "input copies, more than 2x L2 in all; see rotation_copies), or cold_l2=False")
+    if not callable(fn) and not (graph and rotations):
+        raise UsageError(f"fn must be a callable taking no arguments, not {type(fn).__name__}")
+    try:
+        return re.compile(kernel_filter) if kernel_filter else None
+    except re.error as e:
+        raise UsageError(f"kernel_filter {kernel_filter!r} is not a valid regex: {e}") from e
+
+
+def _prime(torch, fn, copies):
+    """Run the callable before any warm-up sample, so lazy setup stays out of the kernel sets compared.
+    Graph mode: eager rounds on a side stream, then one capture calling every copy once.
+    Returns (call, invocations per call, invocations run)."""
+    if copies is None:
+        fn()
+        torch.cuda.synchronize()
+        return fn, 1, 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(_GRAPH_WARMUP_ROUNDS):
+            for c in copies:
+                c()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in copies:
+            c()
+    torch.cuda.synchronize()
+    return g.replay, len(copies), _GRAPH_WARMUP_ROUNDS * len(copies)  # g.replay keeps the graph alive
+
+
+def _batch(per_call_s: float, n: int, elapsed_s: float, rule: StopRule) -> int:
+    """Calls in the next batch: ~_BATCH_S of work, no more than the budget left, a multiple of 5 (StopRule
+    checks convergence at multiples of 5) and never past max_samples."""
+    per_call_s = max(per_call_s, 1e-7)
+    k = _BATCH_S / per_call_s
+    left = rule.budget_s - elapsed_s
+    if left > 0:
+        k = min(k, left / per_call_s)
+    k = min(_MAX_BATCH, max(5, 5 * math.ceil(round(k) / 5)))
+    return max(1, min(k, rule.max_samples - n))
+
+
+def _scoped(session, external_id: int, call) -> None:
+    session.push(external_id)
+    try:
+        call()
+    finally:
+        session.pop(external_id)
+
+
+def _names(group) -> list[str]:
+    return [k[0] for k in group]
+
+
+def _warm_cupti(torch, session, call, flush):
+    """Warm up with each invocation both under an external id and inside a synchronized timestamp window;
+    choose the attribution, and return (groups, attribution, why, wall per invocation)."""
+    windows, ids = [], []
+    t = time.perf_counter()
+    while len(ids) < 2 or (time.perf_counter() - t < _WARMUP_S and len(ids) < _WARMUP_MAX):
+        if flush is not None:
+            flush()
+        torch.cuda.synchronize()
+        a = session.timestamp()
+        _scoped(session, len(ids) + 1, call)
+        torch.cuda.synchronize()
+        windows.append((a, session.timestamp()))
+        ids.append(len(ids) + 1)
+    per_call_s = (time.perf_counter() - t) / len(ids)
+    kernels, correlations = session.collect()
+    win = by_window(kernels, windows)
+    cor = by_correlation(kernels, correlations, ids)
+    if not any(win) and not any(cor):
+        raise TimerError(f"CUPTI saw no kernel in {len(ids)} warm-up invocations ({len(kernels)} kernel records "
+                         f"in all): the callable launched no GPU work on this device, or another profiler "
+                         f"(torch.profiler, nsys) holds CUPTI in this process; use timer='events' to check")
+    if all(c and sorted(c) == sorted(w) for c, w in zip(cor, win)):
+        return cor, "external_correlation", "", per_call_s
+    found = sum(len(c) for c in cor)
+    why = (f"external correlation attributed {found} kernels, the synchronized windows {sum(len(w) for w in win)}"
+           f" ({len(correlations)} correlation records)")
+    return win, "timestamp_window", why, per_call_s
+
+
+def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
+    groups, attribution, why, per_call_s = _warm_cupti(torch, session, call, flush)
+    ref = _names(groups[0])
+    if not ref:
+        raise TimerError("CUPTI saw no kernel in the first warm-up invocation; the callable must launch the "
+                         "same GPU work every call")
+    for i, g in enumerate(groups[1:], 2):
+        check_same_kernels(ref, _names(g), f"warm-up invocation {i}")
+    correlated = attribution == "external_correlation"
+    notes.update(attribution=attribution, launch="batched" if correlated else "synchronized")
+    if why:
+        notes["attribution_why"] = why
+    warm = len(groups)
+    next_id = warm + 1
+    samples: list[float] = []
+    biggest, batches = 0, 0
+    t0 = time.perf_counter()
+    while True:
+        k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
+        b0 = time.perf_counter()
+        if correlated:
+            ids = range(next_id, next_id + k)
+            next_id += k
+            for i in ids:
+                if flush is not None:
+                    flush()  # outside the pushed id: its kernel belongs to no invocation
+                _scoped(session, i, call)
+            torch.cuda.synchronize()
+            kernels, correlations = session.collect()
+            groups = by_correlation(kernels, correlations, ids)
+            if not all(groups):  # a late record: one more flush before calling the set unstable
+                more_k, more_c = session.collect()
+                groups = by_correlation(kernels + more_k, correlations + more_c, ids)
+        else:
+            windows = []
+            for _ in range(k):
+                if flush is not None:
+                    flush()
+                torch.cuda.synchronize()
+                a = session.timestamp()
+                call()
+                torch.cuda.synchronize()
+                windows.append((a, session.timestamp()))
+            kernels, _ = session.collect()
+            groups = by_window(kernels, windows)
+        for g in groups:
+            check_same_kernels(ref, _names(g), f"timed invocation {len(samples) + 1}")
+            samples.append(kernel_time_ms(g, pattern) / per_call)
+        per_call_s = (time.perf_counter() - b0) / k
+        biggest, batches = max(biggest, k), batches + 1
+        reason = rule.check(samples, time.perf_counter() - t0)
+        if reason:
+            notes.update(batch=str(biggest), batches=str(batches))
+            return samples, reason, warm, ref
+
+
+def _run_events(torch, call, flush, per_call, rule, notes):
+    warm = 0
+    t = time.perf_counter()
+    while warm < 2 or (time.perf_counter() - t < _WARMUP_S and warm < _WARMUP_MAX):
+        if flush is not None:
+            flush()
+        call()
+        torch.cuda.synchronize()
+        warm += 1
+    per_call_s = (time.perf_counter() - t) / warm
+    notes.update(attribution="events", launch="batched")
+    samples: list[float] = []
+    biggest, batches = 0, 0
+    t0 = time.perf_counter()
+    while True:
+        k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
+        b0 = time.perf_counter()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
+        for start, end in zip(starts, ends):
+            if flush is not None:
+                flush()  # before the start event: not timed
+            start.record()
+            call()
+            end.record()
+        torch.cuda.synchronize()
+        samples.extend(start.elapsed_time(end) / per_call for start, end in zip(starts, ends))
+        per_call_s = (time.perf_counter() - b0) / k
+        biggest, batches = max(biggest, k), batches + 1
+        reason = rule.check(samples, time.perf_counter() - t0)
+        if reason:
+            notes.update(batch=str(biggest), batches=str(batches))
+            return samples, reason, warm

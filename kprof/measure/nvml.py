@@ -1,0 +1,330 @@
+"""NVML: the visible GPUs, the GPU environment, a telemetry sampler, energy per call, idle GPUs.
+
+pynvml (nvidia-ml-py) is imported inside functions only, so importing this module costs nothing on the
+read path. Device indices are CUDA ordinals (torch's device 0, 1, ...), mapped onto NVML devices through
+CUDA_VISIBLE_DEVICES. NVML numbers devices by PCI bus id; CUDA's default order (FASTEST_FIRST) agrees
+on a host of identical GPUs, since it breaks ties by bus id. On a mixed host set
+CUDA_DEVICE_ORDER=PCI_BUS_ID.
+
+The sampler lives in `_nvml_telemetry` and the energy method in `_nvml_energy`; both are public here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import socket
+import threading
+from typing import Callable, Sequence
+
+import msgspec
+
+from .. import __version__
+from ..errors import KprofError
+from ..ledger.events import Environment
+from ._nvml_energy import EnergyResult, TickPoint, fit_power, measure_energy, steady_points, tick_points
+from ._nvml_telemetry import REASON_BITS, Reading, Telemetry, TelemetrySample, decode_reasons, reasons_seen, summarize
+
+__all__ = [
+    "NvmlError",
+    "parse_visible_devices",
+    "resolve_visible",
+    "device_handle",
+    "gpu_names",
+    "gpu_environment",
+    "idle_gpus",
+    "REASON_BITS",
+    "decode_reasons",
+    "TelemetrySample",
+    "Telemetry",
+    "summarize",
+    "reasons_seen",
+    "with_telemetry",
+    "EnergyResult",
+    "TickPoint",
+    "tick_points",
+    "steady_points",
+    "fit_power",
+    "measure_energy",
+]
+
+
+class NvmlError(KprofError):
+    """NVML is not usable here (no library, no driver, no such device) or a query it needs failed."""
+
+
+# --- which devices: CUDA_VISIBLE_DEVICES ----------------------------------------------------------------
+
+def parse_visible_devices(value: str | None) -> list[int | str] | None:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: None when unset (every device), else the entries before the
+    first invalid one (empty, negative, repeated, or neither an integer nor a `GPU-`/`MIG-` UUID)."""
+    if value is None:
+        return None
+    out: list[int | str] = []
+    for token in value.split(","):
+        token = token.strip()
+        if token.isdigit():
+            entry: int | str = int(token)
+        elif token[:4].upper() in ("GPU-", "MIG-") and len(token) > 4:
+            entry = token
+        else:
+            break
+        if entry in out:
+            break
+        out.append(entry)
+    return out
+
+
+def resolve_visible(entries: list[int | str] | None, count: int, uuids: Sequence[str] = ()) -> list[int]:
+    """NVML indices of the CUDA-visible devices, in CUDA ordinal order. `count` is NVML's device count;
+    `uuids` (NVML order) is needed only for UUID entries, which may be any unique prefix of a GPU's UUID.
+    As in CUDA, an entry that names no device ends the list; MIG instances are not resolved (no energy or
+    clock counters of their own) and end it too."""
+    if entries is None:
+        return list(range(count))
+    out: list[int] = []
+    for entry in entries:
+        if isinstance(entry, int):
+            index = entry if entry < count else None
+        elif entry[:4].upper() == "GPU-":
+            hits = [i for i, u in enumerate(uuids) if u.lower().startswith(entry.lower())]
+            index = hits[0] if len(hits) == 1 else None
+        else:
+            index = None
+        if index is None or index in out:
+            break
+        out.append(index)
+    return out
+
+
+# --- NVML access ----------------------------------------------------------------------------------------
+
+_init_lock = threading.Lock()
+_init_pid: int | None = None  # NVML is initialised once per process (again in a forked child)
+
+
+def _nvml():
+    """The pynvml module, initialised. Raises NvmlError when the package, library or driver is missing."""
+    global _init_pid
+    try:
+        import pynvml
+    except ImportError as e:
+        raise NvmlError("pynvml is not importable; install nvidia-ml-py (pip install 'kprof[measure]')") from e
+    with _init_lock:
+        if _init_pid != os.getpid():
+            try:
+                pynvml.nvmlInit()
+            except pynvml.NVMLError as e:
+                raise NvmlError(f"NVML did not start ({e}); this host needs an NVIDIA GPU with its driver "
+                                f"loaded") from e
+            _init_pid = os.getpid()
+    return pynvml
+
+
+def _visible(nv) -> list[int]:
+    entries = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    count = nv.nvmlDeviceGetCount()
+    uuids: list[str] = []
+    if entries and any(isinstance(e, str) for e in entries):
+        uuids = [nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+    return resolve_visible(entries, count, uuids)
+
+
+def device_handle(index: int = 0):
+    """The NVML handle of CUDA device `index` (a CUDA ordinal, after CUDA_VISIBLE_DEVICES)."""
+    nv = _nvml()
+    try:
+        visible = _visible(nv)
+        if not 0 <= index < len(visible):
+            raise NvmlError(f"CUDA device {index} is not visible: {len(visible)} device(s) visible with "
+                            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}; pass an index "
+                            f"below {len(visible)} or widen CUDA_VISIBLE_DEVICES")
+        return nv.nvmlDeviceGetHandleByIndex(visible[index])
+    except nv.NVMLError as e:
+        raise NvmlError(f"NVML could not open CUDA device {index}: {e}") from e
+
+
+def gpu_names() -> list[str]:
+    """Names of the CUDA-visible GPUs in ordinal order (e.g. ["NVIDIA H200"]), without importing torch.
+    [] when there is no GPU, driver, NVML library or pynvml: never raises for "no GPU"."""
+    try:
+        nv = _nvml()
+    except NvmlError:
+        return []
+    try:
+        return [nv.nvmlDeviceGetName(nv.nvmlDeviceGetHandleByIndex(i)) for i in _visible(nv)]
+    except nv.NVMLError:
+        return []
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"  # NVML encodes 13.0 as 13000
+
+
+def gpu_environment(index: int = 0) -> Environment:
+    """The environment of CUDA device `index`. Whatever cannot be collected is named in `errors`, never raised.
+
+    `cuda` is the CUDA runtime torch was built with, followed by the CUDA version the driver supports:
+    "13.0 (driver 13.0)"; either part is left out when it cannot be read. `clocks` is a snapshot at the time of the call (an idle GPU reads idle clocks);
+    `throttle` stays empty here: `with_telemetry` fills it from what was seen while the work ran.
+    """
+    errors: dict[str, str] = {}
+    fields: dict = {"python": platform.python_version(), "kprof": __version__, "host": socket.gethostname()}
+    runtime = ""
+    try:
+        import torch
+
+        fields["torch"] = str(torch.__version__)
+        runtime = torch.version.cuda or ""
+        if not runtime:
+            errors["cuda"] = f"torch {torch.__version__} was built without CUDA"
+    except ImportError as e:
+        errors["torch"] = f"torch is not importable: {e}"
+    try:
+        fields["cupti"] = importlib.metadata.version("cupti-python")
+    except importlib.metadata.PackageNotFoundError:
+        errors["cupti"] = "cupti-python is not installed (pip install cupti-python)"
+
+    driver_cuda = ""
+    clocks: dict[str, float] = {}
+    try:
+        nv = _nvml()
+        h = device_handle(index)
+    except NvmlError as e:
+        errors["nvml"] = str(e)
+    else:
+        def ask(key: str, fn, *args):
+            try:
+                return fn(*args)
+            except nv.NVMLError as e:
+                errors[key] = f"{fn.__name__}: {e}"
+                return None
+
+        fields["gpu_name"] = ask("gpu_name", nv.nvmlDeviceGetName, h) or ""
+        fields["gpu_uuid"] = ask("gpu_uuid", nv.nvmlDeviceGetUUID, h) or ""
+        fields["driver"] = ask("driver", nv.nvmlSystemGetDriverVersion) or ""
+        v = ask("cuda_driver", nv.nvmlSystemGetCudaDriverVersion_v2)
+        driver_cuda = _cuda_version(v) if v else ""
+        limit = ask("power_limit", nv.nvmlDeviceGetEnforcedPowerLimit, h)
+        if limit is None:  # the management limit is the configured one; the enforced one is what applies
+            limit = ask("power_limit_configured", nv.nvmlDeviceGetPowerManagementLimit, h)
+        fields["power_limit_w"] = limit / 1000 if limit is not None else None  # NVML reports mW
+        snapshot = {
+            "sm_mhz": ask("sm_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+            "mem_mhz": ask("mem_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
+            "sm_max_mhz": ask("sm_max_mhz", nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM),
+            "mem_max_mhz": ask("mem_max_mhz", nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_MEM),
+            "temperature_c": ask("temperature_c", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+            "power_w": _div(ask("power_w", nv.nvmlDeviceGetPowerUsage, h), 1000),
+            "clock_event_reasons": _reasons_reader(nv, h, errors)(),
+        }
+        clocks = {k: float(v) for k, v in snapshot.items() if v is not None}
+    fields["cuda"] = " ".join(filter(None, [runtime, f"(driver {driver_cuda})" if driver_cuda else ""]))
+    return Environment(clocks=clocks, errors=errors, **fields)
+
+
+def _div(x, d):
+    return None if x is None else x / d
+
+
+def _reasons_reader(nv, h, errors: dict[str, str]) -> Callable[[], int | None]:
+    """Reads the clock-event reasons; drivers before 535 only have the older Throttle name of the call."""
+    calls = [nv.nvmlDeviceGetCurrentClocksEventReasons, nv.nvmlDeviceGetCurrentClocksThrottleReasons]
+
+    def read() -> int | None:
+        while calls:
+            try:
+                return calls[0](h)
+            except nv.NVMLError as e:
+                if e.value == nv.NVML_ERROR_FUNCTION_NOT_FOUND and len(calls) > 1:
+                    calls.pop(0)
+                    continue
+                errors.setdefault("clock_event_reasons", f"{calls[0].__name__}: {e}")
+                return None
+        return None
+
+    return read
+
+
+# --- NVML readers for the sampler and the energy counter ------------------------------------------------
+
+def _nvml_reading(index: int, errors: dict[str, str]) -> Callable[[], Reading]:
+    nv = _nvml()
+    h = device_handle(index)
+    reasons = _reasons_reader(nv, h, errors)
+
+    def ask(key: str, fn, *args):
+        try:
+            return fn(*args)
+        except nv.NVMLError as e:
+            errors.setdefault(key, f"{fn.__name__}: {e}")
+            return None
+
+    def read() -> Reading:
+        util = ask("util_pct", nv.nvmlDeviceGetUtilizationRates, h)
+        return (ask("sm_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+                ask("mem_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
+                _div(ask("power_w", nv.nvmlDeviceGetPowerUsage, h), 1000),
+                ask("temp_c", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+                None if util is None else util.gpu,
+                reasons())
+
+    return read
+
+
+def _energy_counter(index: int) -> Callable[[], int]:
+    nv = _nvml()
+    h = device_handle(index)
+    try:
+        nv.nvmlDeviceGetTotalEnergyConsumption(h)
+    except nv.NVMLError as e:
+        raise NvmlError(f"CUDA device {index} has no NVML energy counter ({e}); energy_j needs Volta or newer") from e
+    return lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h)
+
+
+def with_telemetry(env: Environment, telemetry: Telemetry) -> Environment:
+    """`env` with the clocks and throttle reasons seen during the work (the measured regime, not a snapshot)."""
+    s = telemetry.summary()
+    seen = {k: s[k] for k in ("sm_mhz_min", "sm_mhz_median", "sm_mhz_max", "mem_mhz_median", "power_w_mean",
+                              "temp_c_max") if s[k] is not None}
+    errors = dict(env.errors)
+    errors.update({f"telemetry.{k}": v for k, v in telemetry.errors.items()})
+    return msgspec.structs.replace(env, clocks={**env.clocks, **{k: float(v) for k, v in seen.items()}},
+                                   throttle=s["throttle"], errors=errors)
+
+
+# --- idle GPUs ------------------------------------------------------------------------------------------
+
+def _is_idle(processes: int, used_mib: float, util_pct: float, max_mem_used_mib: float, max_util: float) -> bool:
+    return processes == 0 and used_mib <= max_mem_used_mib and util_pct <= max_util
+
+
+def idle_gpus(max_mem_used_mib: float = 1024.0, max_util: float = 10.0) -> list[int]:
+    """CUDA ordinals of the visible GPUs with no compute process, at most `max_mem_used_mib` of memory in
+    use (driver-reserved memory excluded where the driver reports it) and at most `max_util` % utilization.
+    [] without NVML. A GPU that cannot be queried is not idle. Processes in other containers may be
+    invisible to NVML: the memory and utilization limits are what catch them."""
+    try:
+        nv = _nvml()
+    except NvmlError:
+        return []
+    try:
+        visible = _visible(nv)
+    except nv.NVMLError:
+        return []
+    out = []
+    for ordinal, nvml_index in enumerate(visible):
+        try:
+            h = nv.nvmlDeviceGetHandleByIndex(nvml_index)
+            processes = len(nv.nvmlDeviceGetComputeRunningProcesses(h))
+            try:
+                used = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2).used
+            except nv.NVMLError:  # older drivers: v1 counts reserved memory as used
+                used = nv.nvmlDeviceGetMemoryInfo(h).used
+            util = nv.nvmlDeviceGetUtilizationRates(h).gpu
+        except nv.NVMLError:
+            continue
+        if _is_idle(processes, used / 2**20, util, max_mem_used_mib, max_util):
+            out.append(ordinal)
+    return out

@@ -1,0 +1,119 @@
+"""`kprof audit --remeasure N`: measure N random current rows of this machine's device again and report
+each row's drift. Nothing is written: an audit checks the ledger, it does not change it.
+
+A row drifts when |new median / stored median - 1| exceeds the tolerance. Rows are drawn from every
+scope whose GPU key is the local device's (the CUDA GPU's name for CUDA backends, the CPU model for
+torch-cpu), under the contract this process measures with (timer included), so each row is re-measured
+exactly the way it was measured.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import NamedTuple
+
+import msgspec
+
+from .errors import UsageError
+
+__all__ = ["remeasure", "Drift", "RemeasureReport"]
+
+
+class Drift(NamedTuple):
+    table: str
+    backend: str
+    spec: dict
+    citation: str
+    stored_ms: float
+    new_ms: float | None  # None when the re-measurement failed
+    drift: float | None  # new / stored - 1
+    ok: bool
+    error: str | None = None
+
+
+class RemeasureReport(NamedTuple):
+    db: str
+    gpu_keys: list[str]
+    tolerance: float
+    candidates: int  # current ok rows of the local device
+    rows: list[Drift]
+    seconds: float
+
+    @property
+    def drifted(self) -> int:
+        return sum(not r.ok for r in self.rows)
+
+    def to_json(self) -> dict:
+        return {"db": self.db, "gpu_keys": self.gpu_keys, "tolerance": self.tolerance, "candidates": self.candidates,
+                "checked": len(self.rows), "drifted": self.drifted, "seconds": round(self.seconds, 3),
+                "rows": [r._asdict() for r in self.rows]}
+
+
+def _local_keys(devices: set[str]) -> dict[str, str]:
+    """The GPU key of each local device kind that is present: cpu always, cuda when a GPU is visible."""
+    from .measure.device_name import local_gpu_name
+    from .measure.env import cpu_model
+
+    keys = {"cpu": cpu_model()} if "cpu" in devices else {}
+    if "cuda" in devices:
+        name = local_gpu_name()
+        if name:
+            keys["cuda"] = name
+    return keys
+
+
+def remeasure(db: str, n: int, tolerance: float = 0.05, *, seed: int | None = None,
+              device: str | None = None) -> RemeasureReport:
+    """Re-measures `n` random current ok rows of the local device(s) (`device` "cuda" or "cpu" narrows it)."""
+    from .api import effective_entry
+    from .ledger import Ledger
+    from .runners.registry import entries
+    from .runners.worker import measure_specs
+
+    if n < 1:
+        raise UsageError(f"--remeasure {n}: give the number of rows to re-measure, at least 1")
+    if not 0 < tolerance < 1e6:
+        raise UsageError(f"--tolerance {tolerance}: give a relative tolerance such as 0.05 (5%)")
+    if not os.path.isfile(db):
+        raise UsageError(f"no ledger file at {db}; pass --db or set KPROF_DB")
+    started = time.perf_counter()
+    all_entries = [effective_entry(e) for e in entries() if device in (None, e.device)]
+    keys = _local_keys({e.device for e in all_entries})
+    candidates = []
+    with Ledger.open(db, readonly=True) as ledger:
+        held = {(t, b, g) for t, b, g, _rows in ledger.scopes()}
+        for entry in all_entries:
+            gpu_key = keys.get(entry.device)
+            if gpu_key is None or (entry.table, entry.backend, gpu_key) not in held:
+                continue
+            view = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
+            candidates += [(entry, gpu_key, row) for row in view.rows() if row.status == "ok"]
+    rng = random.Random(seed)
+    chosen = rng.sample(candidates, min(n, len(candidates)))
+    out: list[Drift] = []
+    by_entry: dict[tuple, list] = {}
+    for entry, gpu_key, row in chosen:
+        by_entry.setdefault((entry.table, entry.backend, gpu_key), []).append((entry, row))
+    for (_t, _b, gpu_key), items in by_entry.items():
+        entry = items[0][0]
+        specs = [row.spec for _e, row in items]
+        for outcome in measure_specs(entry, specs, gpu_key):
+            _e, row = items[outcome.index]
+            old = row.metrics["time_ms"]
+            event = outcome.event
+            if hasattr(event, "metrics"):
+                new = event.metrics["time_ms"]
+                drift = new / old - 1
+                out.append(Drift(entry.table, entry.backend, row.spec, row.citation, old, new, drift,
+                                 abs(drift) <= tolerance))
+            else:
+                out.append(Drift(entry.table, entry.backend, row.spec, row.citation, old, None, None, False,
+                                 f"{event.error_kind}: {event.message}"))
+    return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
+                           time.perf_counter() - started)
+
+
+def report_json(report: RemeasureReport) -> bytes:
+    return msgspec.json.encode(report.to_json())

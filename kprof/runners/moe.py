@@ -1,0 +1,170 @@
+"""moe_grouped_gemm: the grouped expert GEMM of a mixture-of-experts layer.
+
+tokens·topk routed rows, grouped by expert, times each expert's weight: out[rows, intermediate] =
+x[rows, hidden] @ w[e(row)]ᵀ, with w[experts, intermediate, hidden] stored as nn.Linear keeps it and
+passed transposed ([experts, hidden, intermediate], column-major per expert), as torchtitan calls
+torch._grouped_mm. Routing happens at build time, outside the timed call: router logits are token noise
+plus a per-expert bias (some experts are popular, as in trained routers), softmax, top-k distinct experts
+per token; rows are sorted by expert, so group sizes are uneven and some may be empty. `offs` holds the
+int32 cumulative row ends of the groups (offs[e] = end of expert e's rows, offs[-1] = rows).
+
+The algorithm is fixed per registry entry, never switched silently:
+- `torch` (CUDA): torch._grouped_mm, one CUTLASS grouped GEMM launch. torch runs that kernel only for bf16
+  on sm90/sm100 and otherwise falls back to a per-group loop with a device-to-host sync, so anything else
+  is Unsupported here (use `torch-loop`).
+- `torch-loop` (CUDA) and `torch-cpu`: a per-expert loop of torch.matmul into the rows of one output
+  tensor (one GEMM launch per non-empty expert; group bounds are host integers fixed at build time).
+
+Counted work per invocation: flops = 2·tokens·topk·hidden·intermediate; minimum bytes = routed activations
+(rows·hidden) + the weights of every expert that received a row (active·hidden·intermediate) + outputs
+(rows·intermediate), in the spec dtype. The oracle recomputes sampled rows (every sampled group's first
+and last row among them) in fp64.
+"""
+
+from __future__ import annotations
+
+from ._args import DTYPE_BYTES, FloatDtype, KernelArgs, Size
+from ._case import Case, Unsupported, bind, check_close, seed_of, torch_dtype
+
+ORACLE_RANDOM_ROWS = 32
+ORACLE_GROUPS = 16  # groups whose first and last rows the oracle always checks (offset errors show there)
+EXPERT_BIAS = 0.7  # std of the per-expert router bias: loads differ by a few x between experts
+
+
+class MoeGroupedGemmArgs(KernelArgs, frozen=True):
+    tokens: Size
+    experts: Size
+    topk: Size
+    hidden: Size
+    intermediate: Size
+    dtype: FloatDtype
+
+    def __post_init__(self):
+        if self.topk > self.experts:
+            raise ValueError(f"topk ({self.topk}) must not exceed experts ({self.experts})")
+
+
+def route(spec: MoeGroupedGemmArgs, g):
+    """(token of each routed row, expert of each row, rows per expert), rows sorted by expert."""
+    import torch
+
+    logits = torch.randn(spec.tokens, spec.experts, generator=g) + EXPERT_BIAS * torch.randn(spec.experts, generator=g)
+    chosen = torch.softmax(logits, -1).topk(spec.topk, dim=-1).indices.reshape(-1)  # slot t*topk+j of token t
+    order = torch.sort(chosen, stable=True).indices
+    counts = torch.bincount(chosen, minlength=spec.experts)
+    return order // spec.topk, chosen[order], counts
+
+
+def _weights(spec: MoeGroupedGemmArgs, device: str, dt):
+    """w[experts, intermediate, hidden] ~ N(0, 1/hidden), drawn on the device one expert at a time (a large
+    layer's fp32 weights would not fit in host memory); deterministic for the spec on a given device type."""
+    import torch
+
+    g = torch.Generator(device).manual_seed(seed_of(spec) ^ 0x5EED)
+    w = torch.empty(spec.experts, spec.intermediate, spec.hidden, device=device, dtype=dt)
+    for e in range(spec.experts):
+        w[e] = torch.randn(spec.intermediate, spec.hidden, generator=g, device=device) / spec.hidden ** 0.5
+    return w
+
+
+class _MoeGroupedGemm:
+    grouped = False  # True: torch._grouped_mm; False: the per-expert matmul loop
+
+    def build(self, spec: MoeGroupedGemmArgs, device: str) -> Case:
+        import torch
+
+        on_cuda = torch.device(device).type == "cuda"
+        if self.grouped:
+            _require_grouped_mm(spec, device, on_cuda)
+        elif on_cuda:
+            from .gemm import require_default_cuda_matmul
+
+            require_default_cuda_matmul()
+        dt = torch_dtype(spec.dtype)
+        g = torch.Generator().manual_seed(seed_of(spec))
+        token_of_row, expert_of_row, counts = route(spec, g)
+        rows = spec.tokens * spec.topk
+        hidden_states = torch.randn(spec.tokens, spec.hidden, generator=g).to(device=device, dtype=dt)
+        x = hidden_states[token_of_row.to(device)]  # the routed activations, grouped by expert
+        w_t = _weights(spec, device, dt).transpose(-2, -1)  # [experts, hidden, intermediate], column-major
+        ends = counts.cumsum(0)
+        if self.grouped:
+            inputs = (x, w_t, ends.to(device=device, dtype=torch.int32))
+
+            def call(x, w_t, offs):
+                return torch._grouped_mm(x, w_t, offs=offs)
+        else:
+            bounds = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts.tolist(), ends.tolist())) if n]
+            inputs = (x, w_t)
+
+            def call(x, w_t):
+                out = x.new_empty(x.shape[0], w_t.shape[-1])
+                for e, start, end in bounds:
+                    torch.matmul(x[start:end], w_t[e], out=out[start:end])
+                return out
+
+        fn = bind(call, inputs)
+        sample = _oracle_rows(counts, ends, g)
+
+        def check():
+            out = fn()
+            got, ref = [], []
+            for e in expert_of_row[sample].unique().tolist():
+                picked = sample[expert_of_row[sample] == e].to(x.device)
+                # fp64 on the kernel's device: a big expert's weights are cheap there, costly to copy out
+                ref.append((x[picked].double() @ w_t[e].double()).cpu())
+                got.append(out[picked].cpu())
+            check_close(torch.cat(got), torch.cat(ref), spec.dtype, "moe_grouped_gemm")
+
+        active = int((counts > 0).sum())
+        size = DTYPE_BYTES[spec.dtype]
+        moved = size * (rows * spec.hidden + active * spec.hidden * spec.intermediate + rows * spec.intermediate)
+        loads = sorted(counts.tolist(), reverse=True)
+        return Case(fn, check, flops=2.0 * rows * spec.hidden * spec.intermediate, bytes=float(moved),
+                    algorithm="torch._grouped_mm" if self.grouped else "per-expert matmul loop",
+                    notes={"active_experts": str(active), "max_group_rows": str(loads[0]),
+                           "min_group_rows": str(loads[-1])},
+                    inputs=inputs, call=call)
+
+
+def _require_grouped_mm(spec: MoeGroupedGemmArgs, device: str, on_cuda: bool) -> None:
+    import torch
+
+    if not on_cuda:
+        raise Unsupported("torch._grouped_mm's grouped GEMM kernel runs on CUDA only; use backend torch-cpu")
+    if not hasattr(torch, "_grouped_mm"):
+        raise Unsupported(f"torch {torch.__version__} has no torch._grouped_mm; use backend torch-loop")
+    if spec.dtype != "bf16":
+        raise Unsupported(f"torch._grouped_mm runs its grouped GEMM kernel for bf16 only ({spec.dtype} falls back "
+                          f"to a per-group loop); use backend torch-loop")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        raise Unsupported(f"torch._grouped_mm runs its grouped GEMM kernel on sm90/sm100 only (this GPU is "
+                          f"sm{major}{minor}, where it falls back to a per-group loop); use backend torch-loop")
+    if spec.hidden % 8:
+        raise Unsupported(f"torch._grouped_mm needs 16-byte aligned rows: hidden ({spec.hidden}) must be a "
+                          f"multiple of 8 for bf16")
+
+
+def _oracle_rows(counts, ends, g):
+    """Row indices the oracle recomputes: first and last rows of up to ORACLE_GROUPS non-empty groups, and
+    ORACLE_RANDOM_ROWS random rows."""
+    import torch
+
+    nonempty = torch.nonzero(counts).flatten()
+    groups = nonempty[torch.linspace(0, len(nonempty) - 1, min(ORACLE_GROUPS, len(nonempty))).long()]
+    starts, lasts = ends[groups] - counts[groups], ends[groups] - 1
+    anywhere = torch.randint(0, int(ends[-1]), (ORACLE_RANDOM_ROWS,), generator=g)
+    return torch.cat([starts, lasts, anywhere]).unique()
+
+
+class MoeGroupedMm(_MoeGroupedGemm):
+    """Backend torch: one torch._grouped_mm call."""
+
+    grouped = True
+
+
+class MoeExpertLoop(_MoeGroupedGemm):
+    """Backends torch-cpu and torch-loop: one torch.matmul per non-empty expert."""
+
+    grouped = False

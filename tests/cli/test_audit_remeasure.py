@@ -1,0 +1,42 @@
+"""`kprof audit --remeasure N`: re-measures random current rows of the local device and reports drift."""
+
+import json
+
+from kprof.cli import main
+
+
+def _run(h, capsys, *specs):
+    assert main(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(*specs), "--db", "p.db"]) == 0
+    capsys.readouterr()
+
+
+def test_remeasure_reports_each_row_and_writes_nothing(h, capsys, local_gpu):
+    _run(h, capsys, h.gemm(32, 32, 32), h.gemm(48, 48, 48), h.gemm(64, 64, 64))
+    before = h.digest("p.db")
+    assert main(["audit", "--remeasure", "2", "--tolerance", "100", "--db", "p.db", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["checked"] == 2 and doc["candidates"] == 3 and doc["drifted"] == 0
+    assert local_gpu in doc["gpu_keys"]
+    for r in doc["rows"]:
+        assert r["ok"] and r["new_ms"] > 0 and r["citation"].startswith("kprof.")
+        assert abs(r["drift"] - (r["new_ms"] / r["stored_ms"] - 1)) < 1e-12
+    assert h.digest("p.db") == before
+
+
+def test_remeasure_exits_1_when_a_row_drifts(h, capsys, local_gpu):
+    # a stored row claiming a 1000x faster GEMM than this machine runs must be caught
+    spec = h.gemm(96, 96, 96)
+    h.append("p.db", h.make_event(spec, local_gpu, time_ms=1e-6))
+    assert main(["audit", "--remeasure", "5", "--db", "p.db", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["checked"] == 1 and doc["drifted"] == 1
+    row = doc["rows"][0]
+    assert row["spec"] == spec and not row["ok"] and row["drift"] > 100
+
+
+def test_remeasure_rejects_bad_counts(h, capsys):
+    _run(h, capsys, h.gemm())
+    assert main(["audit", "--remeasure", "0", "--db", "p.db"]) == 2
+    assert "--remeasure 0" in capsys.readouterr().err
+    assert main(["audit", "--remeasure", "1", "--tolerance", "-1", "--db", "p.db"]) == 2
+    assert "--tolerance -1" in capsys.readouterr().err

@@ -1,0 +1,609 @@
+"""The GPU timers. On the CPU: the attribution rules over plain tuples, the CUPTI session against a fake
+binding, and the real warm-up/batch loops against a simulated GPU. On a GPU (marked `gpu`): both timers on a
+bf16 matmul, graph replay, cold vs warm L2, an unstable kernel set."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import types
+
+import pytest
+
+from kprof.errors import KprofError, UsageError
+from kprof.measure import _cupti, gpu_timer
+from kprof.measure._attribution import (TimerError, by_correlation, by_window, check_same_kernels, kernel_time_ms,
+                                        one_invocation)
+from kprof.measure._l2 import copies_for
+from kprof.measure.gpu_timer import GpuTiming, StopRule, cupti_available, time_gpu
+
+FLUSH = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>"
+
+
+# --- attribution over plain tuples ------------------------------------------------------------------------
+
+def test_correlation_groups_by_external_id_and_drops_the_flush():
+    kernels = [("gemm", 130, 150, 11), (FLUSH, 100, 120, 10), ("gemm", 230, 250, 21), (FLUSH, 200, 220, 20),
+               ("splitk_reduce", 151, 155, 12), ("other", 300, 310, 31)]
+    correlations = [(11, 1), (12, 1), (21, 2), (31, 9)]  # id 9 is no invocation of ours; the flushes have none
+    groups = by_correlation(kernels, correlations, [1, 2])
+    assert [[k[0] for k in g] for g in groups] == [["gemm", "splitk_reduce"], ["gemm"]]
+    assert all(FLUSH not in [k[0] for k in g] for g in groups)
+
+
+def test_correlation_orders_each_group_by_launch_time():
+    kernels = [("b", 20, 30, 2), ("a", 10, 15, 1)]
+    assert [k[0] for k in by_correlation(kernels, [(1, 5), (2, 5)], [5])[0]] == ["a", "b"]
+
+
+def test_window_keeps_kernels_that_start_and_end_inside():
+    kernels = [(FLUSH, 90, 99, 1), ("k1", 100, 110, 2), ("k2", 111, 140, 3), ("late", 150, 160, 4),
+               ("straddles", 195, 205, 5), ("k3", 210, 220, 6)]
+    groups = by_window(kernels, [(100, 145), (200, 230)])
+    assert [[k[0] for k in g] for g in groups] == [["k1", "k2"], ["k3"]]
+
+
+def test_same_kernels_in_another_order_is_stable():
+    check_same_kernels(["a", "b", "a"], ["a", "a", "b"], "timed invocation 3")
+
+
+def test_unstable_kernel_set_raises_naming_both_sets():
+    with pytest.raises(TimerError) as e:
+        check_same_kernels(["gemm", "reduce"], ["gemm", "gemm"], "timed invocation 7")
+    msg = str(e.value)
+    assert "timed invocation 7" in msg and "{gemm ×1, reduce ×1}" in msg and "{gemm ×2}" in msg
+    assert "missing {reduce ×1}" in msg and "extra {gemm ×1}" in msg
+    assert isinstance(e.value, KprofError)
+
+
+def test_unstable_message_shortens_long_names():
+    long = "x" * 500
+    with pytest.raises(TimerError) as e:
+        check_same_kernels([long], [], "w")
+    assert len(str(e.value)) < 600
+
+
+def test_kernel_time_sums_the_whole_launch_sequence():
+    group = [("gemm", 1_000, 3_500, 1), ("reduce", 4_000, 4_500, 2)]
+    assert kernel_time_ms(group) == pytest.approx(0.003)  # 2500 + 500 ns, gaps not counted
+
+
+def test_kernel_filter_sums_only_matching_kernels():
+    group = [("nvjet_sm90_gemm", 1_000, 3_500, 1), ("splitk_reduce", 4_000, 4_500, 2)]
+    assert kernel_time_ms(group, re.compile("nvjet")) == pytest.approx(0.0025)
+
+
+def test_kernel_filter_matching_nothing_raises():
+    with pytest.raises(TimerError, match="matches none"):
+        kernel_time_ms([("gemm", 1, 2, 1)], re.compile("softmax"))
+
+
+def test_no_kernel_raises():
+    with pytest.raises(TimerError, match="no kernel seen"):
+        kernel_time_ms([])
+
+
+def test_invalid_timestamps_raise():
+    with pytest.raises(TimerError, match="invalid kernel timestamp"):
+        kernel_time_ms([("gemm", 0, 0, 1)])
+
+
+def test_one_invocation_of_a_graph_replay():
+    assert one_invocation(["a", "b", "a", "b", "a", "b"], 3) == ("a", "b")
+    assert one_invocation(["a", "b", "c"], 2) == ("a", "b", "c")
+
+
+def test_rotation_copies_exceed_twice_the_l2():
+    l2 = 60 << 20
+    for nbytes in (96 << 10, 1 << 20, 50 << 20, 200 << 20):
+        n = copies_for(nbytes, l2)
+        assert n * nbytes > 2 * l2 and (n - 1) * nbytes <= 2 * l2
+
+
+def test_batch_is_a_multiple_of_five_within_caps():
+    rule = StopRule(max_samples=2000, budget_s=1.0)
+    assert gpu_timer._batch(1e-3, 0, 0.0, rule) == 20  # 20 ms of 1 ms calls
+    assert gpu_timer._batch(1e-6, 0, 0.0, rule) == 100  # capped
+    assert gpu_timer._batch(0.5, 0, 0.0, rule) == 5  # at least 5
+    assert gpu_timer._batch(1e-4, 0, 0.995, rule) == 50  # 5 ms of budget left
+    assert gpu_timer._batch(1e-6, 1997, 0.0, rule) == 3  # never past max_samples
+
+
+# --- the CUPTI session against a fake binding -------------------------------------------------------------
+
+def _record(**fields):
+    return types.SimpleNamespace(**fields)
+
+
+class FakeCupti:
+    """The slice of cupti.cupti that Session uses, with records handed over on activity_flush_all."""
+
+    class ActivityKind:
+        CONCURRENT_KERNEL, EXTERNAL_CORRELATION, RUNTIME, DRIVER, KERNEL, MEMCPY = 10, 36, 5, 4, 3, 1
+
+    class ExternalCorrelationKind:
+        CUSTOM0, CUSTOM1, CUSTOM2 = 3, 4, 5
+
+    class ActivityFlag:
+        FLUSH_FORCED = 1
+
+    def __init__(self):
+        self.enabled, self.pending, self.stack, self.dropped = set(), [], [], 0
+        self.completed = None
+
+    def activity_register_callbacks(self, requested, completed):
+        size, _ = requested()
+        assert size > 0
+        self.completed = completed
+
+    def activity_enable(self, kind):
+        assert kind != self.ActivityKind.KERNEL, "the serializing KERNEL kind must never be enabled"
+        self.enabled.add(kind)
+
+    def activity_disable(self, kind):
+        self.enabled.discard(kind)
+
+    def activity_flush_all(self, flag):
+        batch, self.pending = self.pending, []
+        self.completed(batch)
+
+    def activity_get_num_dropped_records(self, context, stream_id, dropped):
+        ctypes.c_size_t.from_address(dropped).value = self.dropped
+        self.dropped = 0
+
+    def activity_push_external_correlation_id(self, kind, id):
+        self.stack.append(id)
+
+    def activity_pop_external_correlation_id(self, kind):
+        return self.stack.pop()
+
+    def get_timestamp(self):
+        return 12345
+
+
+@pytest.fixture
+def fake_cupti(monkeypatch):
+    fake = FakeCupti()
+    monkeypatch.setattr(_cupti, "load", lambda: fake)
+    return fake
+
+
+def test_session_copies_kernels_and_correlations(fake_cupti):
+    with _cupti.Session() as s:
+        k = FakeCupti.ActivityKind
+        assert fake_cupti.enabled == {k.CONCURRENT_KERNEL, k.MEMCPY, k.EXTERNAL_CORRELATION, k.RUNTIME, k.DRIVER}
+        fake_cupti.pending = [
+            _record(kind=k.CONCURRENT_KERNEL, name="gemm", start=10, end=20, correlation_id=7),
+            _record(kind=k.EXTERNAL_CORRELATION, correlation_id=7, external_id=1, external_kind=5),
+            _record(kind=k.RUNTIME, start=1, end=2, correlation_id=7, cbid=211),
+        ]
+        kernels, correlations = s.collect()
+    assert kernels == [("gemm", 10, 20, 7)] and correlations == [(7, 1)]
+    assert fake_cupti.enabled == set()
+
+
+def test_session_raises_on_dropped_records(fake_cupti):
+    with _cupti.Session() as s:
+        fake_cupti.dropped = 3
+        with pytest.raises(TimerError, match="dropped 3"):
+            s.collect()
+
+
+def test_session_reports_a_failing_record_read(fake_cupti):
+    class Broken:
+        kind = FakeCupti.ActivityKind.CONCURRENT_KERNEL
+
+        @property
+        def name(self):
+            raise ValueError("struct layout mismatch")
+
+    with _cupti.Session() as s:
+        fake_cupti.pending = [Broken()]
+        with pytest.raises(TimerError, match="struct layout mismatch"):
+            s.collect()
+
+
+def test_session_is_not_reentrant_and_reopens(fake_cupti):
+    with _cupti.Session():
+        with pytest.raises(TimerError, match="reentrant"):
+            _cupti.Session().__enter__()
+    with _cupti.Session() as s:
+        s.push(4)
+        s.pop(4)
+
+
+def test_session_checks_the_external_id_stack(fake_cupti):
+    with _cupti.Session() as s:
+        s.push(1)
+        s.push(2)
+        with pytest.raises(TimerError, match="out of balance"):
+            s.pop(1)
+
+
+def test_cupti_unavailable_gives_a_reason(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupti", None)
+    reason = cupti_available()
+    assert isinstance(reason, str) and "cupti" in reason
+
+
+# --- the real timing loops against a simulated GPU ----------------------------------------------------------
+
+class SimGpu:
+    """Kernels "run" the moment they are launched on one clock; CUPTI-like records come back on collect()."""
+
+    def __init__(self, correlate=True):
+        self.clock, self.corr, self.stack = 1_000, 0, []
+        self.kernels, self.correlations, self.correlate, self.dropped = [], [], correlate, 0
+
+    def launch(self, name, ns):
+        self.corr += 1
+        if self.stack and self.correlate:
+            self.correlations.append((self.corr, self.stack[-1]))
+        self.kernels.append((name, self.clock + 5, self.clock + 5 + ns, self.corr))
+        self.clock += 10 + ns
+
+    # the Session interface
+    def push(self, i):
+        self.stack.append(i)
+
+    def pop(self, i):
+        assert self.stack.pop() == i
+
+    def timestamp(self):
+        self.clock += 1
+        return self.clock
+
+    def collect(self):
+        out = self.kernels, self.correlations
+        self.kernels, self.correlations = [], []
+        return out
+
+
+FAKE_TORCH = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+RULE = StopRule(max_samples=20, budget_s=5.0)
+
+
+def _run(sim, call, *, flush=True, per_call=1, pattern=None, rule=RULE):
+    notes = {}
+    fl = (lambda: sim.launch(FLUSH, 40_000)) if flush else None
+    samples, reason, warm, ref = gpu_timer._run_cupti(FAKE_TORCH, sim, call, fl, per_call, rule, pattern, notes)
+    return samples, reason, warm, ref, notes
+
+
+def test_loop_attributes_by_external_correlation_in_batches():
+    sim = SimGpu()
+    samples, reason, warm, ref, notes = _run(sim, lambda: (sim.launch("gemm", 2_500), sim.launch("reduce", 500)))
+    assert notes["attribution"] == "external_correlation" and notes["launch"] == "batched"
+    assert ref == ["gemm", "reduce"] and warm >= 2 and reason == "max_samples"
+    assert samples == [pytest.approx(0.003)] * 20  # the 40 µs flushes are never counted
+
+
+def test_loop_falls_back_to_timestamp_windows():
+    sim = SimGpu(correlate=False)
+    samples, _, _, ref, notes = _run(sim, lambda: sim.launch("gemm", 2_500))
+    assert notes["attribution"] == "timestamp_window" and notes["launch"] == "synchronized"
+    assert "external correlation attributed 0 kernels" in notes["attribution_why"]
+    assert ref == ["gemm"] and samples == [pytest.approx(0.0025)] * 20
+
+
+def test_loop_filter_and_graph_divisor():
+    sim = SimGpu()
+
+    def replay():  # a "graph" of 4 rotations, each a gemm plus a split-K reduce
+        for _ in range(4):
+            sim.launch("nvjet_gemm", 2_000)
+            sim.launch("reduce", 400)
+
+    samples, _, _, ref, _ = _run(sim, replay, flush=False, per_call=4, pattern=re.compile("nvjet"))
+    assert samples == [pytest.approx(0.002)] * 20
+    assert one_invocation(ref, 4) == ("nvjet_gemm", "reduce")
+
+
+def test_loop_raises_on_an_unstable_kernel_set():
+    sim = SimGpu()
+    calls = []
+
+    def flaky():
+        calls.append(None)
+        sim.launch("gemm", 2_000)
+        if len(calls) % 7 == 0:
+            sim.launch("extra_memset", 100)
+
+    with pytest.raises(TimerError, match="unstable kernel set"):
+        _run(sim, flaky)
+
+
+def test_loop_raises_when_no_kernel_is_seen():
+    with pytest.raises(TimerError, match="no kernel"):
+        _run(SimGpu(), lambda: None, flush=True)
+
+
+def test_events_loop_divides_by_invocations_per_call():
+    clock = {"t": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.t = clock["t"]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    def call():
+        clock["t"] += 0.008  # ms
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None, Event=Event))
+    notes = {}
+    samples, reason, warm = gpu_timer._run_events(torch, call, None, 2, RULE, notes)
+    assert samples == [pytest.approx(0.004)] * 20 and warm >= 2 and notes["attribution"] == "events"
+
+
+# --- time_gpu end to end against a simulated torch.cuda and CUPTI binding ------------------------------------
+
+class SimDevice(FakeCupti):
+    """torch.cuda and cupti.cupti over one simulated GPU: a launch "runs" at once on one clock and leaves the
+    records real CUPTI would (a kernel record, plus an external correlation record when an id is pushed).
+    Graph capture records launches; a replay runs them under one API call's correlation id."""
+
+    def __init__(self, correlate=True):
+        super().__init__()
+        self.clock, self.corr, self.correlate, self.capture = 1_000, 0, correlate, None
+
+    def api_call(self):
+        self.corr += 1
+        if self.stack and self.correlate:
+            self.pending.append(_record(kind=self.ActivityKind.EXTERNAL_CORRELATION, correlation_id=self.corr,
+                                        external_id=self.stack[-1], external_kind=5))
+        return self.corr
+
+    def run(self, name, ns, corr):
+        self.pending.append(_record(kind=self.ActivityKind.CONCURRENT_KERNEL, name=name, start=self.clock + 5,
+                                    end=self.clock + 5 + ns, correlation_id=corr))
+        self.clock += 10 + ns
+
+    def launch(self, name, ns):
+        if self.capture is not None:
+            self.capture.append((name, ns))
+        else:
+            self.run(name, ns, self.api_call())
+
+    def get_timestamp(self):
+        self.clock += 1
+        return self.clock
+
+
+def sim_torch(dev):
+    import contextlib
+
+    class Buf:
+        def __init__(self, n):
+            self.n = n
+
+        def numel(self):
+            return self.n
+
+        def zero_(self):
+            dev.launch(FLUSH, 40_000)
+
+    class Graph:
+        def __init__(self):
+            self.ops = []
+
+        def replay(self):
+            corr = dev.api_call()
+            for name, ns in self.ops:
+                dev.run(name, ns, corr)
+
+    @contextlib.contextmanager
+    def graph(g):
+        dev.capture = g.ops
+        yield
+        dev.capture = None
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = 0
+
+        def record(self):
+            self.t = dev.clock
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) / 1e6
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True, device=lambda d: contextlib.nullcontext(), current_device=lambda: 0,
+        get_device_properties=lambda i: types.SimpleNamespace(L2_cache_size=60 << 20), synchronize=lambda: None,
+        Event=Event, Stream=Stream, stream=lambda s: contextlib.nullcontext(), current_stream=Stream,
+        CUDAGraph=Graph, graph=graph)
+    return types.SimpleNamespace(cuda=cuda, int32="int32", device=lambda *a: a,
+                                 empty=lambda n, dtype, device: Buf(n))
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    import sys
+
+    dev = SimDevice()
+    monkeypatch.setitem(sys.modules, "torch", sim_torch(dev))
+    monkeypatch.setattr(_cupti, "load", lambda: dev)
+    return dev
+
+
+def test_time_gpu_cupti_end_to_end(sim):
+    t = time_gpu(lambda: (sim.launch("gemm", 2_500), sim.launch("reduce", 500)), StopRule(max_samples=30))
+    assert t.samples_ms == [pytest.approx(0.003)] * 30 and t.stop_reason == "max_samples"
+    assert t.kernels == ("gemm", "reduce") and t.dropped == 0 and t.warmup >= 3
+    assert t.notes["attribution"] == "external_correlation" and t.notes["l2"] == "flush"
+    assert t.notes["l2_flush_bytes"] == str(120 << 20) and t.notes["kernels_per_invocation"] == "2"
+    assert t.gpu_s == pytest.approx(30 * 0.003 / 1e3) and t.wall_s > 0
+    assert sim.enabled == set()  # the session closed
+
+
+def test_time_gpu_cupti_window_fallback_end_to_end(sim):
+    sim.correlate = False
+    t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10), kernel_filter="gem")
+    assert t.notes["attribution"] == "timestamp_window" and t.samples_ms == [pytest.approx(0.0025)] * 10
+
+
+def test_time_gpu_graph_end_to_end(sim):
+    rotations = [lambda: (sim.launch("gemm", 2_000), sim.launch("reduce", 400)) for _ in range(3)]
+    t = time_gpu(None, StopRule(max_samples=10), graph=True, rotations=rotations)
+    assert t.samples_ms == [pytest.approx(0.0024)] * 10  # a replay's kernel time / 3 copies
+    assert t.kernels == ("gemm", "reduce") and t.notes["graph_copies"] == "3" and t.notes["l2"] == "rotation"
+    assert t.notes["attribution"] == "external_correlation" and t.gpu_s == pytest.approx(10 * 3 * 0.0024 / 1e3)
+
+
+def test_time_gpu_events_end_to_end(sim):
+    t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10), timer="events")
+    assert t.kernels == () and t.notes["attribution"] == "events"
+    assert t.samples_ms == [pytest.approx(0.00251)] * 10  # event time includes the 10 ns launch gap
+
+
+def test_time_gpu_unstable_end_to_end(sim):
+    n = []
+
+    def flaky():
+        n.append(None)
+        sim.launch("gemm" if len(n) % 3 else "gemv", 2_000)
+
+    with pytest.raises(TimerError, match="unstable kernel set"):
+        time_gpu(flaky, StopRule(max_samples=50))
+    assert sim.enabled == set()  # closed on the error too
+
+
+# --- argument checks (before any GPU work) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"timer": "nvtx"}, "timer must be"),
+    ({"timer": "events", "kernel_filter": "gemm"}, "only timer='cupti'"),
+    ({"graph": True}, "cannot flush L2 inside the graph"),
+    ({"rotations": [lambda: None]}, "pass graph=True"),
+    ({"graph": True, "rotations": []}, "non-empty list"),
+    ({"kernel_filter": "("}, "not a valid regex"),
+])
+def test_bad_arguments_are_usage_errors(kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        time_gpu(lambda: None, **kwargs)
+
+
+def test_without_cuda_time_gpu_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(TimerError, match="needs a CUDA device"):
+        time_gpu(lambda: None)
+
+
+# --- on a GPU -------------------------------------------------------------------------------------------------
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _needs_cupti():
+    reason = cupti_available()
+    if reason:
+        pytest.skip(f"CUPTI unavailable: {reason}")
+
+
+def _gemm(m=256, n=128, k=128, copies=1):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pairs = [(torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16),
+              torch.randn(k, n, device="cuda", generator=g, dtype=torch.bfloat16)) for _ in range(copies)]
+    return [(lambda a=a, b=b: a @ b) for a, b in pairs]
+
+
+def _median(t: GpuTiming) -> float:
+    xs = sorted(t.samples_ms)
+    return xs[len(xs) // 2]
+
+
+FAST = StopRule(budget_s=0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gpu_cupti_and_events_on_a_bf16_matmul():
+    _needs_cupti()
+    (fn,) = _gemm()
+    cupti = time_gpu(fn, FAST)
+    events = time_gpu(fn, FAST, timer="events")
+    assert cupti.kernels and cupti.dropped == 0 and all(s > 0 for s in cupti.samples_ms)
+    assert cupti.notes["attribution"] in ("external_correlation", "timestamp_window")
+    import torch
+
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    assert int(cupti.notes["l2_flush_bytes"]) >= 2 * l2
+    assert events.kernels == () and all(s > 0 for s in events.samples_ms)
+    assert _median(cupti) < _median(events)  # events add launch overhead to a ~3 µs kernel
+    assert cupti.stop_reason in ("converged", "budget", "max_samples") and cupti.warmup >= 3
+    assert 0 < cupti.gpu_s < cupti.wall_s
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("timer", ["cupti", "events"])
+def test_gpu_graph_replay_with_rotations(timer):
+    if timer == "cupti":
+        _needs_cupti()
+    import torch
+
+    copies = gpu_timer.rotation_copies(256 * 128 * 2 + 128 * 128 * 2)
+    rotations = _gemm(copies=min(copies, 4096))
+    t = time_gpu(None, FAST, timer=timer, graph=True, rotations=rotations)
+    assert t.notes["graph_copies"] == str(len(rotations)) and t.notes["l2"] == "rotation"
+    assert all(s > 0 for s in t.samples_ms)
+    if timer == "cupti":
+        assert t.kernels and t.dropped == 0
+    eager = time_gpu(rotations[0], FAST, timer=timer)
+    assert _median(t) < 3 * _median(eager)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gpu_cold_l2_is_slower_than_warm():
+    _needs_cupti()
+    import torch
+
+    x = torch.randn(8 << 20, device="cuda", dtype=torch.bfloat16)  # 16 MiB: stays in the L2 when warm
+
+    def fn():
+        return x.sum()
+
+    cold = time_gpu(fn, FAST)
+    warm = time_gpu(fn, FAST, cold_l2=False)
+    assert warm.notes["l2"] == "warm" and cold.notes["l2"] == "flush"
+    assert _median(warm) < _median(cold)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gpu_unstable_kernel_set_raises():
+    _needs_cupti()
+    import torch
+
+    a = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
+    calls = []
+
+    def flaky():
+        calls.append(None)
+        return a @ a if len(calls) % 2 else a + a
+
+    with pytest.raises(TimerError, match="unstable kernel set"):
+        time_gpu(flaky, FAST)

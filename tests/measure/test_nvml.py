@@ -1,0 +1,529 @@
+"""kprof.measure.nvml: the pure pieces on synthetic inputs, the NVML paths against a fake pynvml (so the CPU
+run exercises the same code), and the real thing on a GPU (marked `gpu`, skipped without one)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from kprof.errors import UsageError
+from kprof.ledger.events import Environment
+from kprof.measure import nvml
+from kprof.measure.nvml import (
+    REASON_BITS,
+    EnergyResult,
+    NvmlError,
+    Telemetry,
+    TelemetrySample,
+    TickPoint,
+    decode_reasons,
+    fit_power,
+    gpu_names,
+    measure_energy,
+    parse_visible_devices,
+    reasons_seen,
+    resolve_visible,
+    steady_points,
+    summarize,
+    tick_points,
+    with_telemetry,
+)
+
+NVML_SOURCES = [Path(nvml.__file__).with_name(n) for n in ("nvml.py", "_nvml_telemetry.py", "_nvml_energy.py")]
+
+
+# --- clock-event reasons --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mask, labels", [
+    (0x0, []),
+    (0x1, ["idle"]),
+    (0x4, ["power_cap"]),
+    (0x20, ["thermal"]),
+    (0x40 | 0x20, ["thermal"]),
+    (0x8 | 0x80, ["hw_power_brake", "hw_slowdown"]),
+    (0x10 | 0x4 | 0x1, ["idle", "power_cap", "sync_boost"]),
+    (0x200 | 0x400, ["board_limit", "reliability"]),
+    (0x1000 | 0x4, ["power_cap", "unknown_0x1000"]),
+])
+def test_decode_reasons(mask, labels):
+    assert decode_reasons(mask) == labels
+
+
+def test_reason_bits_are_nvml_constants():
+    pynvml = pytest.importorskip("pynvml")
+    named = {
+        "GpuIdle": "idle", "ApplicationsClocksSetting": "app_clocks", "SwPowerCap": "power_cap",
+        "HwSlowdown": "hw_slowdown", "SyncBoost": "sync_boost", "SwThermalSlowdown": "thermal",
+        "HwThermalSlowdown": "thermal", "HwPowerBrakeSlowdown": "hw_power_brake",
+        "DisplayClockSetting": "display_clocks",
+    }
+    for name, label in named.items():
+        assert REASON_BITS[getattr(pynvml, "nvmlClocksEventReason" + name)] == label
+        assert REASON_BITS[getattr(pynvml, "nvmlClocksThrottleReason" + name)] == label
+    assert REASON_BITS[pynvml.nvmlClocksThrottleReasonBoardLimit] == "board_limit"
+    assert REASON_BITS[pynvml.nvmlClocksThrottleReasonReliability] == "reliability"
+    assert decode_reasons(pynvml.nvmlClocksThrottleReasonAll) == sorted(set(REASON_BITS.values()))
+
+
+def test_every_pynvml_name_used_exists():
+    """The NVML paths run against a fake pynvml on CPU; this pins every name they use to the real package."""
+    pynvml = pytest.importorskip("pynvml")
+    used = set()
+    for path in NVML_SOURCES:
+        used |= set(re.findall(r"\bnv\.(\w+)", path.read_text()))
+    assert used, "no pynvml names found"
+    assert sorted(n for n in used if not hasattr(pynvml, n)) == []
+
+
+# --- CUDA_VISIBLE_DEVICES -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, entries", [
+    (None, None),
+    ("", []),
+    ("0,1", [0, 1]),
+    (" 2 , 0 ", [2, 0]),
+    ("0,-1,1", [0]),
+    ("0,0,1", [0]),
+    ("1,,2", [1]),
+    ("0,foo,1", [0]),
+    ("GPU-8932f937,1", ["GPU-8932f937", 1]),
+    ("MIG-1234", ["MIG-1234"]),
+    ("GPU-", []),
+])
+def test_parse_visible_devices(value, entries):
+    assert parse_visible_devices(value) == entries
+
+
+UUIDS = ["GPU-aaaa1111-0000", "GPU-bbbb2222-0000", "GPU-bbbb3333-0000"]
+
+
+@pytest.mark.parametrize("entries, expected", [
+    (None, [0, 1, 2]),
+    ([], []),
+    ([2, 0], [2, 0]),
+    ([0, 5, 1], [0]),
+    (["GPU-aaaa"], [0]),
+    (["gpu-BBBB3"], [2]),
+    (["GPU-bbbb"], []),  # ambiguous prefix: CUDA stops there
+    ([1, "GPU-bbbb2"], [1]),  # the UUID names device 1 again
+    (["GPU-bbbb3333-0000", 0], [2, 0]),
+    (["MIG-1234", 0], []),
+])
+def test_resolve_visible(entries, expected):
+    assert resolve_visible(entries, len(UUIDS), UUIDS) == expected
+
+
+# --- energy: the pure pieces ----------------------------------------------------------------------------
+
+def _counter_at(t: float, power_w: float, tick: float, phase: float = 0.0) -> int:
+    """A counter that, like NVML's, holds the energy up to its last step (steps every `tick` s)."""
+    return int(power_w * 1000 * (math.floor((t - phase) / tick) * tick + phase))
+
+
+def _polls(power_w: float, tick: float, t_end: float, poll: float, phase: float = 0.013) -> list[tuple[float, int]]:
+    n = int(t_end / poll)
+    return [(i * poll, _counter_at(i * poll, power_w, tick, phase)) for i in range(n)]
+
+
+def test_tick_points_time_each_step_between_its_polls():
+    polls = [(0.0, 10), (0.002, 10), (0.004, 25), (0.006, 25), (0.030, 40), (0.032, 55), (0.100, 55)]
+    points = tick_points(polls, 0.0, 1.0, max_width=0.01)
+    # the 0.006 -> 0.030 step was polled too loosely (24 ms) and is dropped
+    assert points == [TickPoint(pytest.approx(0.003), 25, pytest.approx(0.002)),
+                      TickPoint(pytest.approx(0.031), 55, pytest.approx(0.002))]
+    assert tick_points(polls, 0.01, 1.0, max_width=0.01) == [points[1]]  # before the window: left out
+
+
+def test_fit_power_recovers_a_steady_power():
+    polls = _polls(700.0, 0.098, 1.5, 0.002)
+    points = tick_points(polls, 0.0, 1.5)
+    assert 13 <= len(points) <= 16
+    power, rel = fit_power(points)
+    assert power == pytest.approx(700.0, rel=2e-3)
+    assert 0 < rel < 2e-3
+    # a plain two-reading over a short window is off by up to one step
+    two_read = (polls[-1][1] - polls[0][1]) / (polls[-1][0] - polls[0][0]) / 1000
+    assert abs(two_read / 700 - 1) > abs(power / 700 - 1)
+
+
+def test_fit_power_uncertainty_covers_the_error_under_jitter():
+    """Poll times jitter like a busy host's; the reported one-sigma uncertainty covers the error."""
+    import random
+
+    rng = random.Random(7)
+    worst = 0.0
+    for trial in range(40):
+        t, polls = 0.0, []
+        phase = rng.random() * 0.098
+        while t < 1.2:
+            polls.append((t, _counter_at(t, 650.0, 0.098, phase)))
+            t += 0.002 + rng.expovariate(1 / 0.0015)  # 2 ms poll plus scheduling delay
+        power, rel = fit_power(tick_points(polls, 0.0, 1.2))
+        worst = max(worst, abs(power / 650 - 1) / rel)
+        assert abs(power / 650 - 1) < 0.01
+    assert worst < 5  # within 5 sigma over 40 trials
+
+
+def test_fit_power_needs_two_advancing_steps():
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_power([TickPoint(0.0, 5, 0.002)])
+    with pytest.raises(ValueError, match="did not advance"):
+        fit_power([TickPoint(0.0, 5, 0.002), TickPoint(0.1, 5, 0.002)])
+    power, rel = fit_power([TickPoint(0.0, 0, 0.002), TickPoint(0.1, 70_000, 0.002)])
+    assert power == pytest.approx(700.0)
+    assert rel == pytest.approx(0.002 / math.sqrt(12) / (0.05 * math.sqrt(2)))  # the timing floor alone
+
+
+def test_steady_points_drops_a_leading_ramp_only():
+    ramp = [TickPoint(0.0, 0, 0.002), TickPoint(0.1, 30_000, 0.002)]  # 300 W while clocks came up
+    steady = [TickPoint(0.1 + 0.1 * i, 30_000 + 70_000 * i, 0.002) for i in range(1, 12)]
+    assert steady_points(ramp + steady) == [ramp[1]] + steady
+    assert steady_points(steady) == steady
+    dip = steady[:5] + [TickPoint(p.t, p.mj - 20_000, p.width) for p in steady[5:]]  # a mid-window change stays
+    assert steady_points(dip) == dip
+
+
+# --- energy: the whole method against a synthetic counter -----------------------------------------------
+
+class FakeCounter:
+    """A counter on the host clock stepping every `tick` s, `lag` s behind, at `power_w`."""
+
+    def __init__(self, power_w=700.0, tick=0.049, lag=0.01):
+        self.power_w, self.tick, self.lag = power_w, tick, lag
+        self.base = time.perf_counter()
+
+    def __call__(self) -> int:
+        return _counter_at(time.perf_counter() - self.base - self.lag, self.power_w, self.tick) + 10**9
+
+
+def _spin(seconds=0.0015):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("fn", [lambda: time.sleep(0.0015), _spin], ids=["device-bound", "host-bound"])
+def test_measure_energy_on_a_synthetic_counter(fn):
+    switch = sys.getswitchinterval()
+    syncs = []
+    r = measure_energy(fn, seconds=0.6, warmup_s=0.05, sync=lambda: syncs.append(1), counter=FakeCounter())
+    assert sys.getswitchinterval() == switch
+    assert isinstance(r, EnergyResult) and r.method == "nvml-energy-fit"
+    assert r.ticks >= 8 and r.tick_s == pytest.approx(0.049, rel=0.1)
+    assert r.window_s >= 0.6 and r.calls >= 50 and syncs
+    assert r.power_w == pytest.approx(700.0, rel=0.01)
+    assert r.j_per_call == pytest.approx(700.0 * r.window_s / r.calls, rel=0.01)
+    assert 0 < r.rel_uncertainty < 0.01
+    assert r.two_read_j_per_call == pytest.approx(r.j_per_call, rel=0.25)
+
+
+def test_measure_energy_two_read_method():
+    r = measure_energy(lambda: time.sleep(0.001), seconds=0.3, warmup_s=0.0, sync=lambda: None,
+                       counter=FakeCounter(tick=0.02), method="two_read")
+    assert r.method == "nvml-energy-2read" and r.j_per_call == r.two_read_j_per_call
+    assert r.power_w == pytest.approx(700.0, rel=0.2)
+    assert r.rel_uncertainty == pytest.approx(r.tick_s / math.sqrt(6) / r.window_s)
+
+
+def test_measure_energy_errors():
+    with pytest.raises(NvmlError, match="did not advance"):
+        measure_energy(lambda: None, seconds=0.05, warmup_s=0.0, sync=lambda: None, counter=lambda: 5)
+
+    def broken():
+        raise RuntimeError("counter gone")
+
+    with pytest.raises(NvmlError, match="counter gone"):
+        measure_energy(lambda: time.sleep(0.001), seconds=0.05, warmup_s=0.0, sync=lambda: None, counter=broken)
+    with pytest.raises(UsageError, match="unknown energy method"):
+        measure_energy(lambda: None, sync=lambda: None, counter=FakeCounter(), method="guess")
+    with pytest.raises(UsageError, match="must be positive"):
+        measure_energy(lambda: None, seconds=0, sync=lambda: None, counter=FakeCounter())
+
+
+# --- telemetry ------------------------------------------------------------------------------------------
+
+def _sample(t, sm=1500.0, reasons=0x4, power=700.0):
+    return TelemetrySample(t, sm, 2619.0, power, 60.0 + t, 100.0, reasons)
+
+
+def test_reasons_seen_ignores_the_edges():
+    samples = [_sample(0.0, reasons=0x1), _sample(0.1), _sample(0.2, reasons=0x4 | 0x20), _sample(0.3, reasons=0x1)]
+    assert reasons_seen(samples) == ["power_cap", "thermal"]
+    assert reasons_seen(samples[:2]) == ["idle", "power_cap"]
+    assert reasons_seen([]) == []
+
+
+def test_summarize():
+    samples = [_sample(0.0, sm=345, reasons=0x1, power=80), _sample(0.05, sm=1530), _sample(0.1, sm=1500),
+               _sample(0.15, sm=1520), TelemetrySample(0.2, None, None, None, None, None, None)]
+    s = summarize(samples)
+    assert s["samples"] == 5 and s["duration_s"] == pytest.approx(0.2)
+    assert (s["sm_mhz_min"], s["sm_mhz_median"], s["sm_mhz_max"]) == (345, 1510, 1530)
+    assert s["power_w_mean"] == pytest.approx((80 + 700 * 3) / 4) and s["power_w_max"] == 700
+    assert s["temp_c_max"] == pytest.approx(60.15) and s["mem_mhz_median"] == 2619.0
+    assert s["throttle"] == ["power_cap"]
+    assert s["reason_fractions"] == {"idle": 0.2, "power_cap": 0.6}
+    empty = summarize([])
+    assert empty["samples"] == 0 and empty["sm_mhz_median"] is None and empty["throttle"] == []
+
+
+def test_telemetry_samples_on_a_thread():
+    reads = []
+
+    def read():
+        reads.append(time.perf_counter())
+        return (1500.0, 2619.0, 690.0, 55.0, 100.0, 0x4 if len(reads) > 1 else 0x1)
+
+    with Telemetry(hz=100, read=read) as tel:
+        time.sleep(0.25)
+    n = len(tel.samples)
+    assert 8 <= n <= 40
+    time.sleep(0.05)
+    assert len(tel.samples) == n  # stopped on exit
+    assert all(isinstance(s, TelemetrySample) for s in tel.samples)
+    assert [s.t for s in tel.samples] == sorted(s.t for s in tel.samples) and tel.samples[0].t < 0.05
+    assert tel.throttle == ["power_cap"]
+    s = tel.summary()
+    assert s["hz"] == 100 and s["errors"] == {} and s["power_w_mean"] == 690.0
+
+
+def test_telemetry_survives_a_failing_reader():
+    def read():
+        raise OSError("device fell off the bus")
+
+    with Telemetry(hz=50, read=read) as tel:
+        time.sleep(0.05)
+    assert tel.samples == [] and "device fell off the bus" in tel.errors["sampler"]
+
+
+def test_telemetry_rejects_a_bad_rate():
+    with pytest.raises(UsageError, match="must be positive"):
+        Telemetry(hz=0)
+
+
+def test_with_telemetry_records_the_measured_regime():
+    tel = Telemetry(hz=10, read=lambda: (0, 0, 0, 0, 0, 0))
+    tel.samples = [_sample(0.0, reasons=0x1), _sample(0.1, sm=1500), _sample(0.2, sm=1530, reasons=0x24),
+                   _sample(0.3, reasons=0x1)]
+    tel.errors["util_pct"] = "nvmlDeviceGetUtilizationRates: Not Supported"
+    env = Environment(gpu_name="NVIDIA H200", clocks={"sm_max_mhz": 1980.0}, errors={"cupti": "missing"})
+    out = with_telemetry(env, tel)
+    assert out.throttle == ["power_cap", "thermal"]
+    assert out.clocks["sm_max_mhz"] == 1980.0 and out.clocks["sm_mhz_median"] == 1500.0
+    assert out.clocks["power_w_mean"] == 700.0 and out.clocks["temp_c_max"] == pytest.approx(60.3)
+    assert out.errors == {"cupti": "missing", "telemetry.util_pct": "nvmlDeviceGetUtilizationRates: Not Supported"}
+
+
+# --- the NVML paths, against a fake pynvml --------------------------------------------------------------
+
+class _NVMLError(Exception):
+    def __init__(self, value):
+        self.value = value
+        super().__init__(f"NVML error {value}")
+
+
+def _fake_pynvml(*, event_reasons=True, uuids=("GPU-aaaa-1", "GPU-bbbb-2"), procs=(1, 0), fail_init=False):
+    """Two H200s. Device 0 runs a process; device 1 is idle. Power 700 W, energy on the host clock."""
+    m = types.ModuleType("pynvml")
+    m.NVMLError = _NVMLError
+    m.NVML_ERROR_FUNCTION_NOT_FOUND, m.NVML_ERROR_NOT_SUPPORTED, m.NVML_ERROR_LIBRARY_NOT_FOUND = 13, 3, 12
+    m.NVML_CLOCK_SM, m.NVML_CLOCK_MEM, m.NVML_TEMPERATURE_GPU, m.nvmlMemory_v2 = 1, 2, 0, 0x02000028
+    m.calls = []
+    base = time.perf_counter()
+
+    def init():
+        if fail_init:
+            raise _NVMLError(12)
+        m.calls.append("init")
+
+    def handle(i):
+        if not 0 <= i < len(uuids):
+            raise _NVMLError(2)
+        return ("handle", i)
+
+    def event_reasons_fn(h):
+        if not event_reasons:
+            raise _NVMLError(13)  # an old driver: only the Throttle name exists
+        return 0x4
+
+    def memory(h, version=None):
+        used = (40 if h[1] == 0 else 0.5) * 2**30
+        if version is not None and h[1] == 1:
+            raise _NVMLError(3)  # v2 unsupported: v1 is used
+        return types.SimpleNamespace(used=int(used), total=141 * 2**30)
+
+    m.nvmlInit = init
+    m.nvmlDeviceGetCount = lambda: len(uuids)
+    m.nvmlDeviceGetHandleByIndex = handle
+    m.nvmlDeviceGetName = lambda h: "NVIDIA H200"
+    m.nvmlDeviceGetUUID = lambda h: uuids[h[1]]
+    m.nvmlSystemGetDriverVersion = lambda: "580.159"
+    m.nvmlSystemGetCudaDriverVersion_v2 = lambda: 13000
+    m.nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000
+    m.nvmlDeviceGetPowerManagementLimit = lambda h: 700_000
+    m.nvmlDeviceGetClockInfo = lambda h, c: {1: 1530, 2: 2619}[c]
+    m.nvmlDeviceGetMaxClockInfo = lambda h, c: {1: 1980, 2: 2619}[c]
+    m.nvmlDeviceGetTemperature = lambda h, s: 61
+    m.nvmlDeviceGetPowerUsage = lambda h: 699_500
+
+    def temperature_unsupported(h, s):
+        raise _NVMLError(3)
+
+    m.temperature_unsupported = temperature_unsupported
+    m.nvmlDeviceGetCurrentClocksEventReasons = event_reasons_fn
+    m.nvmlDeviceGetCurrentClocksThrottleReasons = lambda h: 0x4 | 0x1
+    m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=100 if h[1] == 0 else 0, memory=0)
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [object()] * procs[h[1]]
+    m.nvmlDeviceGetMemoryInfo = memory
+    m.nvmlDeviceGetTotalEnergyConsumption = lambda h: _counter_at(time.perf_counter() - base, 700.0, 0.049) + 10**9
+    return m
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    def install(**kw):
+        m = _fake_pynvml(**kw)
+        monkeypatch.setitem(sys.modules, "pynvml", m)
+        monkeypatch.setattr(nvml, "_init_pid", None)
+        return m
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return install
+
+
+@pytest.mark.parametrize("visible, names, idle", [
+    (None, 2, [1]),
+    ("1", 1, [0]),
+    ("GPU-bbbb", 1, [0]),
+    ("1,0", 2, [0]),
+    ("", 0, []),
+    ("7", 0, []),
+])
+def test_devices_follow_cuda_visible_devices(fake_nvml, monkeypatch, visible, names, idle):
+    fake_nvml()
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpu_names() == ["NVIDIA H200"] * names
+    assert nvml.idle_gpus() == idle
+    if names:
+        assert nvml.device_handle(0) == ("handle", 1 if visible in ("1", "GPU-bbbb", "1,0") else 0)
+    with pytest.raises(NvmlError, match=f"CUDA device {names} is not visible"):
+        nvml.device_handle(names)
+
+
+def test_idle_gpus_limits(fake_nvml):
+    fake_nvml(procs=(0, 0))
+    assert nvml.idle_gpus() == [1]  # device 0 uses 40 GiB and 100 %
+    assert nvml.idle_gpus(max_mem_used_mib=50 * 1024, max_util=100) == [0, 1]
+    assert nvml.idle_gpus(max_mem_used_mib=100) == []  # v1 memory of device 1: 512 MiB
+
+
+def test_nvml_initialises_once_per_process(fake_nvml):
+    m = fake_nvml()
+    gpu_names()
+    gpu_names()
+    nvml.idle_gpus()
+    assert m.calls == ["init"]
+
+
+def test_gpu_environment_from_nvml(fake_nvml):
+    fake_nvml()
+    env = nvml.gpu_environment(1)
+    assert (env.gpu_name, env.gpu_uuid, env.driver, env.power_limit_w) == ("NVIDIA H200", "GPU-bbbb-2", "580.159", 700.0)
+    assert env.cuda.endswith("(driver 13.0)") and env.kprof and env.python and env.host
+    assert env.clocks == {"sm_mhz": 1530.0, "mem_mhz": 2619.0, "sm_max_mhz": 1980.0, "mem_max_mhz": 2619.0,
+                          "temperature_c": 61.0, "power_w": 699.5, "clock_event_reasons": 4.0}
+    assert env.throttle == [] and "nvml" not in env.errors and "gpu_name" not in env.errors
+
+
+def test_gpu_environment_records_what_it_cannot_collect(fake_nvml):
+    m = fake_nvml(event_reasons=False)
+    m.nvmlDeviceGetTemperature = m.temperature_unsupported
+    env = nvml.gpu_environment(0)
+    assert env.clocks["clock_event_reasons"] == 5.0  # from the older Throttle call
+    assert "temperature_c" not in env.clocks
+    assert env.errors["temperature_c"] == "temperature_unsupported: NVML error 3"
+    missing = nvml.gpu_environment(5)
+    assert "not visible" in missing.errors["nvml"] and missing.gpu_name == "" and missing.clocks == {}
+
+
+def test_telemetry_and_energy_through_nvml(fake_nvml):
+    fake_nvml(event_reasons=False)
+    with Telemetry(1, hz=100) as tel:
+        r = measure_energy(lambda: time.sleep(0.0015), seconds=0.4, warmup_s=0.02, sync=lambda: None, index=1)
+    assert tel.throttle == ["idle", "power_cap"] and tel.errors == {}
+    assert tel.summary()["sm_mhz_median"] == 1530 and tel.summary()["power_w_mean"] == pytest.approx(699.5)
+    assert r.method == "nvml-energy-fit" and r.power_w == pytest.approx(700, rel=0.01)
+
+
+def test_without_nvml_nothing_raises_for_no_gpu(fake_nvml):
+    fake_nvml(fail_init=True)
+    assert gpu_names() == [] and nvml.idle_gpus() == []
+    env = nvml.gpu_environment(0)
+    assert "NVML did not start" in env.errors["nvml"] and env.python and env.kprof
+    with pytest.raises(NvmlError, match="NVML did not start"):
+        nvml.device_handle(0)
+    with pytest.raises(NvmlError):
+        measure_energy(lambda: None, sync=lambda: None)
+    with pytest.raises(NvmlError):
+        Telemetry(0).__enter__()
+
+
+def test_importing_nvml_imports_no_measurement_library(tmp_path):
+    code = ("import sys, kprof.measure.nvml; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cupti', 'pynvml')))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+
+
+# --- on a GPU -------------------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not gpu_names(), reason="no NVIDIA GPU visible through NVML")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_environment_on_the_device():
+    env = nvml.gpu_environment(0)
+    assert env.gpu_name == gpu_names()[0] and env.gpu_uuid.startswith("GPU-")
+    assert env.driver and env.power_limit_w and env.power_limit_w > 0
+    assert env.clocks["sm_mhz"] > 0 and env.clocks["sm_max_mhz"] >= env.clocks["sm_mhz"] * 0.5
+    assert "nvml" not in env.errors
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_telemetry_on_the_device():
+    with Telemetry(0, hz=50) as tel:
+        time.sleep(0.3)
+    s = tel.summary()
+    assert s["samples"] >= 5 and s["sm_mhz_median"] > 0 and s["power_w_mean"] > 0 and s["temp_c_max"] > 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_idle_gpus_are_visible_ordinals():
+    assert set(nvml.idle_gpus()) <= set(range(len(gpu_names())))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_energy_of_a_gemm_on_the_device():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    r = measure_energy(lambda: torch.matmul(a, a, out=c), seconds=1.0, sync=torch.cuda.synchronize)
+    assert r.method == "nvml-energy-fit" and r.ticks >= 5
+    assert 20 < r.power_w < 2000 and 0 < r.rel_uncertainty < 0.03
+    assert r.j_per_call == pytest.approx(r.power_w * r.window_s / r.calls)
+    assert r.two_read_j_per_call == pytest.approx(r.j_per_call, rel=0.15)
