@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs GPU stages on the device machine, each under its own time limit, each logged to $OUT/<stage>.log:
+#   tests/benchmarks/gpu_stage.sh tests catalog timer nvml timing sweep
+# Stages: tests (pytest -m gpu), catalog / timer / nvml (smoke scripts), timing (gpu_timing.py),
+# sweep (gpu_sweep.py). The short table of each is printed at the end.
+set -u
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+for stage in "$@"; do
+  case $stage in
+    tests)   cmd=(timeout 240 $py -m pytest -q -m gpu -p no:cacheprovider tests/measure tests/runners -rs) ;;
+    catalog) cmd=(timeout 120 $py tests/benchmarks/gpu_catalog_smoke.py) ;;
+    timer)   cmd=(timeout 120 $py tests/benchmarks/gpu_timer_smoke.py) ;;
+    nvml)    cmd=(timeout 90 $py tests/benchmarks/nvml_smoke.py --out "$OUT") ;;
+    timing)  cmd=(timeout 300 $py tests/benchmarks/gpu_timing.py --out "$OUT") ;;
+    sweep)   cmd=(timeout 480 $py tests/benchmarks/gpu_sweep.py --out "$OUT") ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  start=$(date +%s)
+  "${cmd[@]}" > "$OUT/$stage.log" 2>&1
+  echo "== $stage: exit $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.log"
+done
+for stage in "$@"; do echo "==== $stage"; tail -n 25 "$OUT/$stage.log"; done
