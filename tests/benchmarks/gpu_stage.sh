@@ -13,7 +13,7 @@ for stage in "$@"; do
     timer)   cmd=(timeout 120 $py tests/benchmarks/gpu_timer_smoke.py) ;;
     nvml)    cmd=(timeout 90 $py tests/benchmarks/nvml_smoke.py --out "$OUT") ;;
     timing)  cmd=(timeout 300 $py tests/benchmarks/gpu_timing.py --out "$OUT") ;;
-    sweep)   cmd=(timeout 480 $py tests/benchmarks/gpu_sweep.py --out "$OUT") ;;
+    sweep)   cmd=(timeout 400 $py tests/benchmarks/gpu_sweep.py --out "$OUT") ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   start=$(date +%s)

@@ -55,13 +55,18 @@ class RawCupti:
 
         self.cupti, self.records = cupti, []
 
+    def _register(self):
+        """Registered before every use: kprof's timer registers its own callbacks for its sessions."""
+        cupti = self.cupti
+        kinds = (int(cupti.ActivityKind.CONCURRENT_KERNEL), int(cupti.ActivityKind.MEMCPY))
+
         def requested():
             return 8 << 20, 0
 
         def completed(activities):
             for a in activities:
-                if int(a.kind) == int(cupti.ActivityKind.CONCURRENT_KERNEL):
-                    self.records.append((int(a.start), int(a.end), str(a.name)))
+                if int(a.kind) in kinds:
+                    self.records.append((int(a.start), int(a.end), str(getattr(a, "name", "memcpy"))))
 
         cupti.activity_register_callbacks(requested, completed)
 
@@ -74,7 +79,9 @@ class RawCupti:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
+        self._register()
         cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
+        cupti.activity_enable(cupti.ActivityKind.MEMCPY)
         windows = []
         try:
             for _ in range(reps):
@@ -87,6 +94,7 @@ class RawCupti:
             cupti.activity_flush_all(1)
         finally:
             cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
+            cupti.activity_disable(cupti.ActivityKind.MEMCPY)
         records, self.records = self.records, []
         sums, counts = [], []
         for t0, t1 in windows:
@@ -134,6 +142,8 @@ def measure_one(table, spec, repeats, raw, flush, rule):
     row["do_bench_ms"] = float(triton.testing.do_bench(case.fn, return_mode="median"))
     row["do_bench_wall_s"] = time.perf_counter() - w
     row["raw_ms"], row["raw_wall_s"], row["raw_kernels"] = raw.time(case.fn, flush)
+    if not row["raw_kernels"]:
+        raise RuntimeError("the raw CUPTI reference saw no kernel in its windows")
     row["kprof_vs_raw"] = row["kprof_ms"] / row["raw_ms"] - 1
     row["tflops"] = case.flops / (row["kprof_ms"] / 1e3) / 1e12 if case.flops else None
     row["gbps"] = case.bytes / (row["kprof_ms"] / 1e3) / 1e9 if case.bytes else None

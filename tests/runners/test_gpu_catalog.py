@@ -26,6 +26,9 @@ CUDA = [e for e in entries() if e.device == "cuda"]
 
 
 def _build(entry, **over):
+    if entry.backend == "torch-efficient" and "num_heads" in GPU[entry.table]:
+        # the memory-efficient kernel has no grouped-query path for dense inputs: MHA specs only
+        over = {"num_kv_heads": GPU[entry.table]["num_heads"], **over}
     spec = msgspec.convert({**GPU[entry.table], **over}, entry.args)
     return entry.load_runner()().build(spec, "cuda")
 
@@ -101,6 +104,12 @@ def test_fp16_bf16_only_backends_refuse_fp32(forced):
 def test_fp32_attention(forced):
     case = _build(lookup("attention_decode", f"torch-{forced}"), dtype="fp32")
     case.check()
+
+
+def test_efficient_backend_refuses_grouped_query_attention():
+    with pytest.raises(Unsupported, match="same num_heads"):
+        spec = msgspec.convert(GPU["attention_decode"], lookup("attention_decode", "torch-efficient").args)
+        lookup("attention_decode", "torch-efficient").load_runner()().build(spec, "cuda")
 
 
 def test_auto_backend_is_recorded():
