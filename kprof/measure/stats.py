@@ -46,13 +46,19 @@ def summarize(samples_ms: list[float], keep: int = 512) -> Stats:
 
 
 class StopRule:
-    """Stop when at least `min_samples` and `min_time_s` are reached and the median's relative CI
-    half-width is under `target`; or when `budget_s` or `max_samples` is reached."""
+    """Stop when at least `min_samples` and `min_time_s` are reached, the samples hold either `min_work_s`
+    of timed work or `min_work_n` samples, and the median's relative CI half-width is under `target`; or
+    when `budget_s` or `max_samples` is reached.
+
+    The work floor keeps a long kernel from converging on its first few samples: its clock still moves
+    (power capping acts over tens of milliseconds), and a median of 10 samples taken in 15 ms would name
+    one moment of that, not the kernel's steady time."""
 
     def __init__(self, *, target: float = 0.005, min_samples: int = 10, max_samples: int = 2000,
-                 min_time_s: float = 0.02, budget_s: float = 1.0):
+                 min_time_s: float = 0.02, budget_s: float = 1.0, min_work_s: float = 0.1, min_work_n: int = 100):
         self.target, self.min_samples, self.max_samples = target, min_samples, max_samples
         self.min_time_s, self.budget_s = min_time_s, budget_s
+        self.min_work_s, self.min_work_n = min_work_s, min_work_n
 
     @classmethod
     def from_env(cls) -> "StopRule":
@@ -74,6 +80,8 @@ class StopRule:
         if elapsed_s >= self.budget_s and n >= 3:
             return "budget"
         if n >= self.min_samples and elapsed_s >= self.min_time_s and n % 5 == 0:
+            if n < self.min_work_n and math.fsum(samples) < self.min_work_s * 1e3:
+                return None
             if median_halfwidth(sorted(samples)) <= self.target:
                 return "converged"
         return None

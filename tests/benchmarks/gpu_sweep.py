@@ -36,6 +36,8 @@ def sweep_specs() -> dict[str, list[dict]]:
               for b in (1, 8, 32, 64) for kv in (1024, 8192)]
     decode += [{"batch": b, "kv_len": 4096, "num_heads": 64, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
                for b in (1, 16)]
+    decode += [{"batch": b, "kv_len": kv, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
+               for b, kv in ((4, 2048), (4, 16384), (16, 2048), (128, 1024), (256, 512))]
     prefill = [{"batch": 1, "seq_len": s, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "causal": True,
                 "dtype": "bf16"} for s in (512, 1024, 2048, 4096, 8192)]
     prefill += [{"batch": 4, "seq_len": s, "num_heads": 32, "num_kv_heads": 32, "head_dim": 128, "causal": c,
