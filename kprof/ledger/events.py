@@ -96,7 +96,7 @@ class Method(_Record):
     graph: bool = False
     warmup: int = 0
     budget_s: float = 0.0
-    stop_reason: str = ""  # converged | budget | max_samples
+    stop_reason: str = ""  # converged | resolution | budget | max_samples
     notes: dict[str, str] = {}
 
 

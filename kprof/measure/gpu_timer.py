@@ -35,7 +35,8 @@ _WARMUP_MAX = 200  # warm-up invocations at most: each keeps its kernel records 
 _BATCH_S = 0.02  # GPU work per batch between two host synchronizations
 _MAX_BATCH = 100
 _SETTLE_S = 0.1  # back-to-back running before the first sample, for calls long enough to heat the GPU
-_SETTLE_MIN_CALL_S = 200e-6  # warm-up wall per call (launch + sync included) from which a call settles
+_SETTLE_MIN_CALL_S = 1e-3  # warm-up wall per call (launch + sync included) from which a call settles
+_SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts SM clock cycles; about the boost clock of current GPUs
 _GRAPH_WARMUP_ROUNDS = 3  # eager rounds on a side stream before capture, as torch.cuda.graphs asks
 
 
@@ -317,6 +318,7 @@ def _run_events(torch, call, flush, per_call, rule, notes):
     per_call_s = (time.perf_counter() - t) / warm
     _settle(torch, call, flush, per_call_s, notes)
     notes.update(attribution="events", launch="batched")
+    enqueue_s = 50e-6  # host time to enqueue one (flush, event, call, event): measured per batch after the first
     samples: list[float] = []
     biggest, batches = 0, 0
     t0 = time.perf_counter()
@@ -325,12 +327,18 @@ def _run_events(torch, call, flush, per_call, rule, notes):
         b0 = time.perf_counter()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
+        # Hold the GPU back while the host enqueues the batch: a start event the GPU reaches before the
+        # host has launched the call would time the host's launch latency (a short kernel reads several
+        # times slow). The sleep runs before the first start event, untimed.
+        torch.cuda._sleep(int(min(enqueue_s * k * 1.5, 0.05) * _SLEEP_CYCLES_PER_S))
+        e0 = time.perf_counter()
         for start, end in zip(starts, ends):
             if flush is not None:
                 flush()  # before the start event: not timed
             start.record()
             call()
             end.record()
+        enqueue_s = (time.perf_counter() - e0) / k
         torch.cuda.synchronize()
         samples.extend(start.elapsed_time(end) / per_call for start, end in zip(starts, ends))
         per_call_s = (time.perf_counter() - b0) / k

@@ -45,6 +45,12 @@ def summarize(samples_ms: list[float], keep: int = 512) -> Stats:
                  cv=stdev / mean if mean > 0 else 0.0, min=xs[0], max=xs[-1], samples=list(kept))
 
 
+def _resolution(xs_sorted: list[float]) -> float:
+    """The smallest step between distinct sample values: the timer's tick as the samples show it."""
+    gaps = [b - a for a, b in zip(xs_sorted, xs_sorted[1:]) if b > a]
+    return min(gaps) if gaps else 0.0
+
+
 class StopRule:
     """Stop when at least `min_samples` and `min_time_s` are reached, the samples hold either `min_work_s`
     of timed work or `min_work_n` samples, and the median's relative CI half-width is under `target`; or
@@ -82,6 +88,10 @@ class StopRule:
         if n >= self.min_samples and elapsed_s >= self.min_time_s and n % 5 == 0:
             if n < self.min_work_n and math.fsum(samples) < self.min_work_s * 1e3:
                 return None
-            if median_halfwidth(sorted(samples)) <= self.target:
+            xs = sorted(samples)
+            half = median_halfwidth(xs)
+            if half <= self.target:
                 return "converged"
+            if 2 * half * _quantile(xs, 0.5) <= _resolution(xs) * (1 + 1e-9):
+                return "resolution"  # the CI spans one tick of the clock: more samples cannot narrow it
         return None

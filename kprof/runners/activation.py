@@ -35,10 +35,10 @@ class SiluMul:
         fn = bind(call, inputs)
 
         def check():
-            x64 = x.double().cpu()
+            x64 = x.double()
             gate, up = x64[:, :h], x64[:, h:]
             ref = gate / (1 + torch.exp(-gate)) * up
-            check_close(fn().cpu(), ref, spec.dtype, "silu_mul")
+            check_close(fn(), ref, spec.dtype, "silu_mul")
 
         n = spec.tokens * spec.hidden
         return Case(fn, check, flops=5.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * 3 * n),

@@ -146,15 +146,16 @@ def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str, 
     pairs = [(i * 7919 % b, i * 104729 % hq) for i in range(ORACLE_PAIRS)]
 
     def check():
-        out = fn().cpu()
+        out = fn()
         got, ref = [], []
-        for bi, hi in pairs:
-            q64 = q[bi, hi].double().cpu()
-            k64 = k[bi, hi // (hq // hkv)].double().cpu()
-            v64 = v[bi, hi // (hq // hkv)].double().cpu()
+        for bi, hi in pairs:  # fp64 on the inputs' device: an independent plain softmax(QK^T)V
+            q64 = q[bi, hi].double()
+            k64 = k[bi, hi // (hq // hkv)].double()
+            v64 = v[bi, hi // (hq // hkv)].double()
             s = q64 @ k64.T / d ** 0.5
             if causal:  # SDPA's is_causal aligns the mask to the top-left corner
-                s = s.masked_fill(torch.ones(q_len, kv_len, dtype=torch.bool).triu(1), float("-inf"))
+                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu(1)
+                s = s.masked_fill(mask, float("-inf"))
             ref.append(torch.softmax(s, -1) @ v64)
             got.append(out[bi, hi])
         check_close(torch.stack(got), torch.stack(ref), spec.dtype, what)

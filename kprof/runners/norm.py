@@ -38,9 +38,9 @@ class RmsNorm:
         fn = bind(call, inputs)
 
         def check():
-            x64, w64 = x.double().cpu(), w.double().cpu()
+            x64, w64 = x.double(), w.double()
             ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * w64
-            check_close(fn().cpu(), ref, spec.dtype, "rms_norm")
+            check_close(fn(), ref, spec.dtype, "rms_norm")
 
         n = spec.tokens * spec.hidden
         return Case(fn, check, flops=4.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * (2 * n + spec.hidden)),

@@ -71,9 +71,14 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
         timed = 0.0
         env = device.env
         try:
+            t_build = time.perf_counter()
             case = runner.build(spec, device.name)
+            t_check = time.perf_counter()
             case.check()
+            t_measure = time.perf_counter()
             stats, method, energy, env, timed = device.measure(case, rule)
+            method = msgspec.structs.replace(method, notes={**method.notes, "build_s": f"{t_check - t_build:.4f}",
+                                                            "check_s": f"{t_measure - t_check:.4f}"})
             event = measured(prov, _metrics(case, stats.median, energy), stats, method, environment=env,
                              origin=origin, parent=parent)
         except Exception as exc:  # any failure of one spec is recorded, and the others go on
@@ -185,7 +190,8 @@ class _CudaDevice:
         kernels = ",".join(timing.kernels)
         method = Method(timer=self.timer, l2="cold" if self.cold else "warm", graph=self.graph,
                         warmup=timing.warmup, budget_s=rule.budget_s, stop_reason=timing.stop_reason,
-                        notes={"target_rel_ci": str(rule.target), **timing.notes,
+                        notes={"target_rel_ci": str(rule.target), "timer_wall_s": f"{timing.wall_s:.4f}",
+                               "gpu_s": f"{timing.gpu_s:.6f}", **timing.notes,
                                **({"kernels": kernels[:1000]} if kernels else {}), **notes, **_algorithm(case),
                                **case.notes})
         return stats, method, energy, env, timing.gpu_s

@@ -54,6 +54,29 @@ def sweep_specs() -> dict[str, list[dict]]:
     return out
 
 
+def _phases(db: str) -> dict[str, float]:
+    """Seconds spent, summed over the sweep's rows (from each row's method notes): building the inputs,
+    checking against the oracle, inside the timer (warm-up included), in timed GPU work, and in the energy
+    windows."""
+    from kprof.ledger import Ledger
+    from kprof.ledger.events import Measured
+
+    out = {"build": 0.0, "check": 0.0, "timer_wall": 0.0, "timed_gpu": 0.0, "energy_window": 0.0}
+    with Ledger.open(db, readonly=True) as ledger:
+        for _seq, _eid, data in ledger.iter_log():
+            from kprof.ledger import _codec
+
+            event = _codec.event_decoder.decode(data)
+            if type(event) is Measured:
+                notes = event.method.notes
+                out["build"] += float(notes.get("build_s", 0))
+                out["check"] += float(notes.get("check_s", 0))
+                out["timer_wall"] += float(notes.get("timer_wall_s", 0))
+                out["timed_gpu"] += float(notes.get("gpu_s", 0))
+                out["energy_window"] += float(notes.get("energy_window_s", 0))
+    return out
+
+
 def reference_energy(seconds: float = 5.0) -> dict:
     """Energy per call of the 8192^3 GEMM over a plain `seconds` window of back-to-back calls: the NVML
     counter read at two tick edges (the start aligned to a tick, the end the first tick after the work)."""
@@ -106,6 +129,7 @@ def main(argv=None) -> int:
                      for r in res.results if r["status"] != "ok"]
         print(f"{table}: {len(specs)} specs in {res.seconds:.1f} s, {res.missing_count} not ok", flush=True)
     wall = time.perf_counter() - t_all
+    phases = _phases(db)
     row = api.query("single_gemm", "torch", [GEMM_BIG], db=db).results[0]
     ref = reference_energy()
     energy = {"row_energy_j": row["metrics"]["energy_j"], "reference": ref,
@@ -116,7 +140,7 @@ def main(argv=None) -> int:
     fractions = api.query("single_gemm", "torch", [{"m": 4096, "n": 4096, "k": 4096, "dtype": "bf16"}],
                           db=db).results[0].get("ceiling")
     drift = remeasure(db, 10, 0.05, seed=1, device="cuda")
-    doc = {"db": db, "per_table": per_table, "wall_s": wall, "specs_per_min": 100 / wall * 60,
+    doc = {"db": db, "per_table": per_table, "wall_s": wall, "specs_per_min": 100 / wall * 60, "phases": phases,
            "timed_share": sum(t["timed_s"] for t in per_table) / sum(t["seconds"] for t in per_table),
            "failures": failures, "energy": energy,
            "ceilings": [c._asdict() for c in ceilings], "gemm_4096_ceiling": fractions,
@@ -131,6 +155,7 @@ def main(argv=None) -> int:
               f"{t['timed_s'] / t['seconds']:11.1%} {t['missing']:6d}")
     print(f"{'total':18} {100:5d} {wall:7.1f} {doc['specs_per_min']:9.1f} {doc['timed_share']:11.1%} "
           f"{len(failures):6d}")
+    print("where the wall time went (s, all 100 specs):", {k: round(v, 1) for k, v in phases.items()})
     print(f"energy 8192^3 bf16: row {energy['row_energy_j']} J vs 5 s reference {ref['j_per_call']:.4f} J "
           f"(ratio {energy['ratio']}), row {energy['row_tflops']:.1f} TFLOP/s")
     print("ceilings:", [(c.metric, round(c.value, 1)) for c in ceilings], "4096^3 fractions:", fractions)

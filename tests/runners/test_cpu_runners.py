@@ -269,3 +269,15 @@ def test_time_cpu_measures_a_known_duration():
     t = time_cpu(lambda: time.sleep(0.002), StopRule(budget_s=0.05, min_samples=5))
     assert t.inner == 1
     assert min(t.samples_ms) >= 2.0 and summarize(t.samples_ms).median < 20.0
+
+
+def test_stop_rule_stops_at_the_clock_resolution():
+    """Samples quantized to a clock tick (a 2.5 µs kernel read by a 32 ns clock) stop once the median's CI
+    spans a tick: more samples cannot narrow it below the tick, and the relative target is then unreachable."""
+    tick = 32e-6
+    xs = [2.528e-3 + tick * (i % 2) for i in range(100)]  # half on each of two ticks
+    rule = StopRule(target=0.005, min_samples=10, min_time_s=0.0, budget_s=10.0)
+    assert median_halfwidth(sorted(xs)) > 0.005  # the relative target alone would never be met
+    assert rule.check(xs, 0.5) == "resolution"
+    spread = [2.5e-3 + tick * (i % 11) for i in range(100)]  # ten ticks of spread: keep sampling
+    assert rule.check(spread, 0.5) is None
