@@ -30,11 +30,11 @@ from .stats import StopRule
 
 __all__ = ["GpuTiming", "TimerError", "time_gpu", "cupti_available", "rotation_copies"]
 
-_WARMUP_S = 0.025  # warm-up wall time (at least 2 invocations)
+_WARMUP_S = 0.01  # warm-up wall time (at least 2 invocations)
 _WARMUP_MAX = 200  # warm-up invocations at most: each keeps its kernel records until attribution
 _BATCH_S = 0.02  # GPU work per batch between two host synchronizations
 _MAX_BATCH = 100
-_SETTLE_S = 0.1  # back-to-back running before the first sample, for calls long enough to heat the GPU
+_SETTLE_S = 0.05  # back-to-back running before the first sample, for calls long enough to heat the GPU
 _SETTLE_MIN_CALL_S = 1e-3  # warm-up wall per call (launch + sync included) from which a call settles
 _SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts SM clock cycles; about the boost clock of current GPUs
 _GRAPH_WARMUP_ROUNDS = 3  # eager rounds on a side stream before capture, as torch.cuda.graphs asks

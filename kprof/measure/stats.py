@@ -61,7 +61,7 @@ class StopRule:
     one moment of that, not the kernel's steady time."""
 
     def __init__(self, *, target: float = 0.005, min_samples: int = 10, max_samples: int = 2000,
-                 min_time_s: float = 0.02, budget_s: float = 1.0, min_work_s: float = 0.1, min_work_n: int = 100):
+                 min_time_s: float = 0.02, budget_s: float = 1.0, min_work_s: float = 0.05, min_work_n: int = 100):
         self.target, self.min_samples, self.max_samples = target, min_samples, max_samples
         self.min_time_s, self.budget_s = min_time_s, budget_s
         self.min_work_s, self.min_work_n = min_work_s, min_work_n

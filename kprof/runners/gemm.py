@@ -54,11 +54,13 @@ class SingleGemm:
             raise Unsupported("fp8_e4m3 GEMM needs torch._scaled_mm on a CUDA device; use backend torch")
         if on_cuda:
             require_default_cuda_matmul()
-        g = torch.Generator().manual_seed(seed_of(spec))
+        # Inputs are drawn on the device itself (a host draw of a large operand costs seconds), from a
+        # generator seeded by the spec: the same inputs on every run of one device and torch.
+        g = torch.Generator(device).manual_seed(seed_of(spec))
         # Activations ~ N(0, 1); weights scaled by 1/sqrt(k) so outputs stay O(1) as in a real layer.
-        a = torch.randn(spec.m, spec.k, generator=g)
-        b = torch.randn(spec.k, spec.n, generator=g) / spec.k ** 0.5
-        rows = torch.randperm(spec.m, generator=g)[:ORACLE_ROWS]
+        a = torch.randn(spec.m, spec.k, generator=g, device=device)
+        b = torch.randn(spec.k, spec.n, generator=g, device=device) / spec.k ** 0.5
+        rows = torch.randperm(spec.m, generator=torch.Generator().manual_seed(seed_of(spec)))[:ORACLE_ROWS]
         if spec.dtype == "fp8_e4m3":
             return _fp8_case(spec, device, a, b, rows)
 

@@ -84,7 +84,8 @@ class _MoeGroupedGemm:
         g = torch.Generator().manual_seed(seed_of(spec))
         token_of_row, expert_of_row, counts = route(spec, g)
         rows = spec.tokens * spec.topk
-        hidden_states = torch.randn(spec.tokens, spec.hidden, generator=g).to(device=device, dtype=dt)
+        gd = torch.Generator(device).manual_seed(seed_of(spec) ^ 0xACE)  # activations drawn on the device
+        hidden_states = torch.randn(spec.tokens, spec.hidden, generator=gd, device=device).to(dtype=dt)
         x = hidden_states[token_of_row.to(device)]  # the routed activations, grouped by expert
         w_t = _weights(spec, device, dt).transpose(-2, -1)  # [experts, hidden, intermediate], column-major
         ends = counts.cumsum(0)

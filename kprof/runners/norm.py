@@ -24,11 +24,11 @@ class RmsNorm:
         import torch.nn.functional as F
 
         dt = torch_dtype(spec.dtype)
-        g = torch.Generator().manual_seed(seed_of(spec))
+        g = torch.Generator(device).manual_seed(seed_of(spec))  # drawn on the device: fast for large inputs
         # Hidden states with per-channel scale spread (as residual streams have), weights around 1.
-        scale = torch.rand(spec.hidden, generator=g) * 4 + 0.25
-        x = (torch.randn(spec.tokens, spec.hidden, generator=g) * scale).to(device=device, dtype=dt)
-        w = (1 + 0.1 * torch.randn(spec.hidden, generator=g)).to(device=device, dtype=dt)
+        scale = torch.rand(spec.hidden, generator=g, device=device) * 4 + 0.25
+        x = (torch.randn(spec.tokens, spec.hidden, generator=g, device=device) * scale).to(dtype=dt)
+        w = (1 + 0.1 * torch.randn(spec.hidden, generator=g, device=device)).to(dtype=dt)
         shape = (spec.hidden,)
         inputs = (x, w)
 

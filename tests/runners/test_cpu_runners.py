@@ -212,17 +212,18 @@ def test_stop_rule_converges_on_constant_samples():
     rule = StopRule(target=0.005, min_samples=10, min_time_s=0.02, budget_s=1.0)
     assert rule.check([20.0] * 9, 0.5) is None  # below min_samples
     assert rule.check([20.0] * 10, 0.01) is None  # below min_time_s
-    assert rule.check([20.0] * 10, 0.3) == "converged"  # 200 ms of timed work
+    assert rule.check([20.0] * 10, 0.3) == "converged"  # 200 ms of timed work (the floor is 50 ms)
     assert rule.check([20.0] * 12, 0.3) is None  # the CI is checked every 5 samples
 
 
 def test_stop_rule_work_floor():
-    """A long kernel must not converge on its first few samples: 100 ms of timed work or 100 samples."""
+    """A long kernel must not converge on its first few samples: 50 ms of timed work or 100 samples."""
     rule = StopRule(target=0.005, min_samples=10, min_time_s=0.02, budget_s=10.0)
     assert rule.check([1.0] * 10, 0.5) is None  # 10 ms of work in 10 samples
+    assert rule.check([2.0] * 20, 0.5) is None  # 40 ms
     assert rule.check([1.0] * 95, 0.5) is None
     assert rule.check([1.0] * 100, 0.5) == "converged"  # 100 samples
-    assert rule.check([5.0] * 20, 0.5) == "converged"  # 100 ms of work
+    assert rule.check([5.0] * 10, 0.5) == "converged"  # 50 ms of work
 
 
 def test_stop_rule_budget_and_max_samples():
