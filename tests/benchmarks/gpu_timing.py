@@ -51,23 +51,42 @@ BIG_GEMM = {"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16"}
 
 
 class RawCupti:
-    """The reference: kernel and memcpy records as CUPTI delivers them, attributed by nothing but timestamps and
-    order. It reads them through kprof's CUPTI session (one set of buffer callbacks per process: two clients
-    registering their own would take each other's records), and uses none of kprof's attribution."""
+    """The reference: CONCURRENT_KERNEL records, a synchronized timestamp window per call, nothing else."""
 
     def __init__(self):
         from cupti import cupti
 
-        self.cupti = cupti
+        self.cupti, self.records = cupti, []
 
-    def _trace(self, work):
-        """Kernel and memcpy records, as (start, end, name), of what `work()` launches (it synchronizes)."""
-        from kprof.measure import _cupti
+    def _register(self):
+        """Registered before every use: kprof's timer registers its own callbacks for its sessions."""
+        cupti = self.cupti
+        kinds = (int(cupti.ActivityKind.CONCURRENT_KERNEL), int(cupti.ActivityKind.MEMCPY))
 
-        with _cupti.Session() as session:
+        def requested():
+            return 8 << 20, 0
+
+        def completed(activities):
+            for a in activities:
+                if int(a.kind) in kinds:
+                    self.records.append((int(a.start), int(a.end), str(getattr(a, "name", "memcpy"))))
+
+        cupti.activity_register_callbacks(requested, completed)
+
+    def _trace(self, work) -> list[tuple[int, int, str]]:
+        """Kernel and memcpy records of what `work()` launches (it synchronizes before returning)."""
+        cupti = self.cupti
+        self._register()
+        cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
+        cupti.activity_enable(cupti.ActivityKind.MEMCPY)
+        try:
             out = work()
-            kernels, _ = session.collect()
-        return [(start, end, name) for name, start, end, _corr in kernels], out
+            cupti.activity_flush_all(1)
+        finally:
+            cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
+            cupti.activity_disable(cupti.ActivityKind.MEMCPY)
+        records, self.records = self.records, []
+        return records, out
 
     def isolated(self, fn, flush, reps: int = 40) -> tuple[float, float, int]:
         """Calls one at a time: (median ms of the per-call kernel sum, wall s, kernels per call)."""
