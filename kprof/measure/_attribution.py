@@ -101,28 +101,3 @@ def one_invocation(names: Sequence[str], copies: int) -> tuple[str, ...]:
     if copies > 1 and n % copies == 0:
         return tuple(names[: n // copies])
     return tuple(names)
-
-
-def by_launch_order(kernels: Iterable[Kernel], flush_names: set[str], per_call: int,
-                    calls: int) -> list[list[Kernel]] | None:
-    """The invocations of a batch launched as (flush, call) x `calls` on one stream, from kernel records alone:
-    every record in start order must read F, k1..k_per_call, F, k1..., each invocation's kernels starting after
-    its flush ended and ending before the next flush starts. Returns the groups, or None when the records do
-    not show that pattern (then the caller attributes by correlation instead). No API records are needed, so
-    a batch costs a third of the records correlation does."""
-    ordered = launch_order(kernels)
-    step = per_call + 1
-    if len(ordered) != calls * step:
-        return None
-    groups: list[list[Kernel]] = []
-    for i in range(0, len(ordered), step):
-        flush, group = ordered[i], ordered[i + 1:i + step]
-        if flush[0] not in flush_names or any(k[0] in flush_names for k in group):
-            return None
-        if group[0][1] < flush[2]:  # started before its flush ended: not serialized behind it
-            return None
-        after = ordered[i + step] if i + step < len(ordered) else None
-        if after is not None and max(k[2] for k in group) > after[1]:  # still running when the next flush began
-            return None
-        groups.append(group)
-    return groups

@@ -152,18 +152,6 @@ class Session:
             raise TimerError(f"CUPTI external correlation stack out of balance: pushed {external_id}, popped "
                              f"{got}; the callable must pop every external correlation id it pushes")
 
-    def api_tracing(self, on: bool) -> None:
-        """Turn the tracing of API calls and external correlation off (kernel and memcpy records alone, for
-        attribution by launch order: see _attribution.by_launch_order) or back on."""
-        k = self.cupti.ActivityKind
-        for kind in (k.EXTERNAL_CORRELATION, k.RUNTIME, k.DRIVER):
-            if on and kind not in self._enabled:
-                self.cupti.activity_enable(kind)
-                self._enabled.append(kind)
-            elif not on and kind in self._enabled:
-                self.cupti.activity_disable(kind)
-                self._enabled.remove(kind)
-
     def timestamp(self) -> int:
         """CUPTI's clock, the one kernel records' start/end use (ns)."""
         return int(self.cupti.get_timestamp())

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 
 from ..errors import UsageError
 from . import _cupti, _l2
-from ._attribution import (TimerError, by_correlation, by_launch_order, by_window, check_same_kernels, kernel_time_ms,
+from ._attribution import (TimerError, by_correlation, by_window, check_same_kernels, kernel_time_ms,
                            one_invocation)
 from .stats import StopRule
 
@@ -248,18 +248,6 @@ def _settle(torch, call, flush, per_call_s: float, notes: dict) -> None:
     notes["settle"] = f"{n} calls in {time.perf_counter() - t:.3f} s"
 
 
-def _flush_names(torch, session, flush, ref: list[str]) -> set[str] | None:
-    """The kernel names one L2 flush launches, when they tell flushes apart from the callable's kernels."""
-    if flush is None:
-        return None
-    torch.cuda.synchronize()
-    session.collect()
-    flush()
-    torch.cuda.synchronize()
-    names = {k[0] for k in session.collect()[0]}
-    return names if names and not names & set(ref) else None
-
-
 def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
     groups, attribution, why, per_call_s = _warm_cupti(torch, session, call, flush)
     _settle(torch, call, flush, per_call_s, notes)
@@ -274,11 +262,6 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
     notes.update(attribution=attribution, launch="batched" if correlated else "synchronized")
     if why:
         notes["attribution_why"] = why
-    flush_names = _flush_names(torch, session, flush, ref) if correlated and per_call == 1 else None
-    if flush_names:
-        session.api_tracing(False)
-        notes["attribution"] = "launch_order"
-        notes["attribution_why"] = "external correlation checked in warm-up; kernel records alone while sampling"
     warm = len(groups)
     next_id = warm + 1
     samples: list[float] = []
@@ -287,21 +270,7 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
     while True:
         k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
         b0 = time.perf_counter()
-        groups = None
-        if flush_names:
-            for _ in range(k):
-                flush()
-                call()
-            torch.cuda.synchronize()
-            kernels, _ = session.collect()
-            groups = by_launch_order(kernels, flush_names, len(ref), k)
-            if groups is None:  # another pattern than (flush, call) x k: correlation from here on
-                flush_names = None
-                session.api_tracing(True)
-                notes["attribution"] = "external_correlation"
-                notes["attribution_why"] = "launch order did not separate the invocations; correlated instead"
-                continue
-        elif correlated:
+        if correlated:
             ids = range(next_id, next_id + k)
             next_id += k
             for i in ids:

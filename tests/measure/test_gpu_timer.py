@@ -236,18 +236,13 @@ class SimGpu:
     def __init__(self, correlate=True):
         self.clock, self.corr, self.stack = 1_000, 0, []
         self.kernels, self.correlations, self.correlate, self.dropped = [], [], correlate, 0
-        self.api = True  # API records traced: external correlation records exist
 
-    def launch(self, name, ns, overrun=0):
-        """`overrun`: the kernel runs on past the next launches (a kernel on a side stream)."""
+    def launch(self, name, ns):
         self.corr += 1
-        if self.stack and self.correlate and self.api:
+        if self.stack and self.correlate:
             self.correlations.append((self.corr, self.stack[-1]))
-        self.kernels.append((name, self.clock + 5, self.clock + 5 + ns + overrun, self.corr))
+        self.kernels.append((name, self.clock + 5, self.clock + 5 + ns, self.corr))
         self.clock += 10 + ns
-
-    def api_tracing(self, on):
-        self.api = on
 
     # the Session interface
     def push(self, i):
@@ -256,8 +251,8 @@ class SimGpu:
     def pop(self, i):
         assert self.stack.pop() == i
 
-    def timestamp(self):  # read after a synchronize: past the end of every kernel launched so far
-        self.clock = max([self.clock] + [k[2] for k in self.kernels]) + 1
+    def timestamp(self):
+        self.clock += 1
         return self.clock
 
     def collect(self):
@@ -277,30 +272,12 @@ def _run(sim, call, *, flush=True, per_call=1, pattern=None, rule=RULE):
     return samples, reason, warm, ref, notes
 
 
-def test_loop_attributes_by_launch_order_once_correlation_is_checked():
+def test_loop_attributes_by_external_correlation_in_batches():
     sim = SimGpu()
     samples, reason, warm, ref, notes = _run(sim, lambda: (sim.launch("gemm", 2_500), sim.launch("reduce", 500)))
-    assert notes["attribution"] == "launch_order" and notes["launch"] == "batched"
-    assert not sim.api  # API tracing off while sampling: kernel records alone
+    assert notes["attribution"] == "external_correlation" and notes["launch"] == "batched"
     assert ref == ["gemm", "reduce"] and warm >= 2 and reason == "max_samples"
     assert samples == [pytest.approx(0.003)] * 20  # the 40 µs flushes are never counted
-
-
-def test_loop_correlates_when_launch_order_cannot_separate_calls():
-    """A kernel still running when the next flush starts (another stream) breaks the (flush, call) pattern:
-    the loop goes back to external correlation, API tracing on again."""
-    sim = SimGpu()
-    samples, _, _, ref, notes = _run(sim, lambda: (sim.launch("gemm", 2_500), sim.launch("side", 500, 60_000)))
-    assert notes["attribution"] == "external_correlation" and sim.api
-    assert "did not separate" in notes["attribution_why"]
-    assert ref == ["gemm", "side"] and samples == [pytest.approx(0.063)] * 20
-
-
-def test_loop_correlates_when_the_flush_kernel_is_also_the_callables():
-    sim = SimGpu()
-    samples, _, _, ref, notes = _run(sim, lambda: (sim.launch(FLUSH, 1_000), sim.launch("gemm", 2_000)))
-    assert notes["attribution"] == "external_correlation" and sim.api
-    assert samples == [pytest.approx(0.003)] * 20
 
 
 def test_loop_falls_back_to_timestamp_windows():
@@ -359,8 +336,7 @@ def test_events_loop_divides_by_invocations_per_call():
     def call():
         clock["t"] += 0.008  # ms
 
-    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None, Event=Event,
-                                                             _sleep=lambda cycles: None))
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None, Event=Event))
     notes = {}
     samples, reason, warm = gpu_timer._run_events(torch, call, None, 2, RULE, notes)
     assert samples == [pytest.approx(0.004)] * 20 and warm >= 2 and notes["attribution"] == "events"
@@ -446,7 +422,7 @@ def sim_torch(dev):
         is_available=lambda: True, device=lambda d: contextlib.nullcontext(), current_device=lambda: 0,
         get_device_properties=lambda i: types.SimpleNamespace(L2_cache_size=60 << 20), synchronize=lambda: None,
         Event=Event, Stream=Stream, stream=lambda s: contextlib.nullcontext(), current_stream=Stream,
-        CUDAGraph=Graph, graph=graph, _sleep=lambda cycles: None)
+        CUDAGraph=Graph, graph=graph)
     return types.SimpleNamespace(cuda=cuda, int32="int32", device=lambda *a: a,
                                  empty=lambda n, dtype, device: Buf(n))
 
@@ -465,8 +441,7 @@ def test_time_gpu_cupti_end_to_end(sim):
     t = time_gpu(lambda: (sim.launch("gemm", 2_500), sim.launch("reduce", 500)), StopRule(max_samples=30))
     assert t.samples_ms == [pytest.approx(0.003)] * 30 and t.stop_reason == "max_samples"
     assert t.kernels == ("gemm", "reduce") and t.dropped == 0 and t.warmup >= 3
-    assert t.notes["attribution"] == "launch_order" and t.notes["l2"] == "flush"
-    assert "external correlation checked in warm-up" in t.notes["attribution_why"]
+    assert t.notes["attribution"] == "external_correlation" and t.notes["l2"] == "flush"
     assert t.notes["l2_flush_bytes"] == str(120 << 20) and t.notes["kernels_per_invocation"] == "2"
     assert t.gpu_s == pytest.approx(30 * 0.003 / 1e3) and t.wall_s > 0
     assert sim.enabled == set()  # the session closed
