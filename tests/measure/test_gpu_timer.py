@@ -336,7 +336,8 @@ def test_events_loop_divides_by_invocations_per_call():
     def call():
         clock["t"] += 0.008  # ms
 
-    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None, Event=Event))
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None, Event=Event,
+                                                             _sleep=lambda cycles: None))
     notes = {}
     samples, reason, warm = gpu_timer._run_events(torch, call, None, 2, RULE, notes)
     assert samples == [pytest.approx(0.004)] * 20 and warm >= 2 and notes["attribution"] == "events"
@@ -422,7 +423,7 @@ def sim_torch(dev):
         is_available=lambda: True, device=lambda d: contextlib.nullcontext(), current_device=lambda: 0,
         get_device_properties=lambda i: types.SimpleNamespace(L2_cache_size=60 << 20), synchronize=lambda: None,
         Event=Event, Stream=Stream, stream=lambda s: contextlib.nullcontext(), current_stream=Stream,
-        CUDAGraph=Graph, graph=graph)
+        CUDAGraph=Graph, graph=graph, _sleep=lambda cycles: None)
     return types.SimpleNamespace(cuda=cuda, int32="int32", device=lambda *a: a,
                                  empty=lambda n, dtype, device: Buf(n))
 
