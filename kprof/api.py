@@ -84,22 +84,29 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
     return cpu_model()
 
 
-TIMERS = ("cupti", "events")
+def _flag(name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in allowed:
+        raise UsageError(f"{name}={value!r} is not one of {', '.join(allowed)}; e.g. {name}={default}")
+    return value
 
 
 def effective_entry(entry: Entry) -> Entry:
-    """The entry with the timing method this process measures and reads with. A CUDA backend times with
-    CUPTI unless KPROF_TIMER=events; the timer is part of the key, so event-timed rows never mix with
-    CUPTI-timed ones and a query reads the rows of the timer it names."""
+    """The entry with the timing method this process measures and reads with. On a CUDA backend:
+    KPROF_TIMER=cupti|events (default cupti), KPROF_L2=cold|warm (default cold: flushed before each call, or
+    rotated input copies under a graph), KPROF_CUDA_GRAPH=0|1 (default 0: eager launches). The method is part
+    of the key, so rows timed one way never mix with rows timed another, and a query reads the rows of the
+    method it names."""
     if entry.device != "cuda":
         return entry
-    timer = os.environ.get("KPROF_TIMER", "cupti").strip() or "cupti"
-    if timer not in TIMERS:
-        raise UsageError(f"KPROF_TIMER={timer!r} is not a GPU timer; use one of {', '.join(TIMERS)}")
-    current = entry.contract.timing.split(";", 1)
-    if current[0] == timer:
+    from .runners.catalog import timing_string
+
+    timer = _flag("KPROF_TIMER", ("cupti", "events"), "cupti")
+    l2 = _flag("KPROF_L2", ("cold", "warm"), "cold")
+    graph = _flag("KPROF_CUDA_GRAPH", ("0", "1"), "0") == "1"
+    timing = timing_string(timer, l2, graph)
+    if timing == entry.contract.timing:
         return entry
-    timing = ";".join([timer, *current[1:]])
     return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract, timing=timing))
 
 

@@ -249,6 +249,7 @@ def _settle(torch, call, flush, per_call_s: float, notes: dict) -> None:
 
 
 def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
+    started = time.perf_counter()
     groups, attribution, why, per_call_s = _warm_cupti(torch, session, call, flush)
     _settle(torch, call, flush, per_call_s, notes)
     session.collect()  # the settling calls ran under no external id: their records are dropped here
@@ -267,6 +268,7 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
     samples: list[float] = []
     biggest, batches = 0, 0
     t0 = time.perf_counter()
+    notes["warmup_s"] = f"{t0 - started:.4f}"  # warm-up and settling, before the first sample
     while True:
         k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
         b0 = time.perf_counter()
@@ -302,11 +304,12 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
         biggest, batches = max(biggest, k), batches + 1
         reason = rule.check(samples, time.perf_counter() - t0)
         if reason:
-            notes.update(batch=str(biggest), batches=str(batches))
+            notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
             return samples, reason, warm, ref
 
 
 def _run_events(torch, call, flush, per_call, rule, notes):
+    started = time.perf_counter()
     warm = 0
     t = time.perf_counter()
     while warm < 2 or (time.perf_counter() - t < _WARMUP_S and warm < _WARMUP_MAX):
@@ -322,6 +325,7 @@ def _run_events(torch, call, flush, per_call, rule, notes):
     samples: list[float] = []
     biggest, batches = 0, 0
     t0 = time.perf_counter()
+    notes["warmup_s"] = f"{t0 - started:.4f}"  # warm-up and settling, before the first sample
     while True:
         k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
         b0 = time.perf_counter()
@@ -345,5 +349,5 @@ def _run_events(torch, call, flush, per_call, rule, notes):
         biggest, batches = max(biggest, k), batches + 1
         reason = rule.check(samples, time.perf_counter() - t0)
         if reason:
-            notes.update(batch=str(biggest), batches=str(batches))
+            notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
             return samples, reason, warm

@@ -176,6 +176,7 @@ def measure_one(table, spec, repeats, raw, flush, rule):
     row["kernels"] = list(runs[0].kernels)
     row["attribution"] = runs[0].notes.get("attribution", "")
     row["settle"] = runs[0].notes.get("settle", "")
+    row["notes"] = [t.notes for t in runs]
     row["raw_ms"] = statistics.median(raws)
     row["raw_medians"] = raws
     t = time_gpu(case.fn, rule, timer="events")
