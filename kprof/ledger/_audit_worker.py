@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+from itertools import islice
 import os
 import sys
 
@@ -28,6 +29,7 @@ from .events import KIND, EventHead, Retracted, summary_of
 from .replay import MemoryStore, replay_into
 
 MAX_LISTED = 50
+RANGED = ("current", "history", "failures")  # views keyed by the row key (history: key + seq)
 head_decoder = msgspec.msgpack.Decoder(EventHead)
 
 
@@ -54,10 +56,11 @@ def key_of_bytes(data: bytes) -> bytes | None:
 
 
 def replay_plain(replay: list) -> tuple[dict[str, dict], dict[bytes, list]]:
-    """The views and scope entries a Reducer builds from (seq, event id, event head) in log order, for
-    events none of which is a retraction: then a key's current row is simply its last event, rows are
-    never removed, and each scope's root accumulator is the sum over its keys' last events. Equal to
-    `replay_into(MemoryStore)` on such input (a test holds the two equal); several times faster."""
+    """The views and scope entries a Reducer builds from (seq, event id, event head), in any order, for
+    events none of which is a retraction: then a key's current row is simply its latest event, rows are
+    never removed, and each scope's root accumulator is the sum over its keys' latest events. Equal to
+    `replay_into(MemoryStore)` of the same events in log order (a test holds the two equal); several times
+    faster, and it needs no sort."""
     history, scope_index, failures, last = {}, {}, {}, {}
     sids, cids, contracts = {}, {}, {}
     encode, shape_id, pack = _codec.encode, _codec.shape_id, pack_seq
@@ -75,11 +78,16 @@ def replay_plain(replay: list) -> tuple[dict[str, dict], dict[bytes, list]]:
         if cid is None:
             cid = cids[contract] = contract_id(prov)
         contracts[sid].add(cid)
+        latest = last.get(key)
+        if latest is None or seq > latest[0]:
+            last[key] = (seq, sid, eid, event)
         if KIND[type(event)] == FAILED:
-            failures[key] = eid
-        last[key] = (sid, eid, event)
+            failed = failures.get(key)
+            if failed is None or seq > failed[0]:
+                failures[key] = (seq, eid)
+    failures = {key: eid for key, (_seq, eid) in failures.items()}
     current, totals = {}, {sid: [0, 0] for sid in contracts}
-    for key, (sid, eid, event) in last.items():
+    for key, (_seq, sid, eid, event) in last.items():
         current[key] = KIND[type(event)] + eid + encode(summary_of(event))
         total = totals[sid]
         total[0] += 1
@@ -92,8 +100,11 @@ def replay_plain(replay: list) -> tuple[dict[str, dict], dict[bytes, list]]:
 
 
 class Shard:
-    def __init__(self, ledger, shard: int, shards: int, found: Findings):
+    def __init__(self, ledger, shard: int, shards: int, found: Findings, detailed: bool = False):
         self.ledger, self.shard, self.shards, self.found = ledger, shard, shards, found
+        self.detailed = detailed  # compare every view entry by entry (the parent asks when counts disagree)
+        self.rebuilt: dict[str, int] = {}  # entries of each view this shard's replay derives
+        self.subset_ok = True  # every rebuilt entry was found stored as rebuilt
         self.lo = bytes([shard * 256 // shards]) if shard else b""
         self.hi = bytes([(shard + 1) * 256 // shards]) if shard + 1 < shards else None
 
@@ -170,7 +181,10 @@ class Shard:
                     add("structure", f"events: keys out of order at {eid.hex()[:16]}")
                 last = eid
             key = key_of_bytes(data)
-            if (key[0] * shards // 256 != shard) if key is not None else shard != 0:
+            if key is None:
+                if shard != 0:
+                    continue
+            elif key[0] * shards // 256 != shard:
                 continue
             n += 1
             seq = pop(eid, None)
@@ -190,8 +204,7 @@ class Shard:
                     add("log", f"event {eid.hex()[:16]} is stored but not in the log")
                 continue
             append((seq, eid, event))
-        replay.sort(key=lambda item: item[0])
-        return n, len(replay), replay
+        return n, len(replay), replay  # in event-id order; the generic replay sorts it by seq
 
     def views(self, txn, replay: list) -> dict:
         """Replays this shard's keys and compares the stored views; returns partial scope accumulators."""
@@ -200,19 +213,43 @@ class Shard:
         if any(type(item[2]) is Retracted for item in replay):
             memory = MemoryStore(txn, dbs)
             memory.event = lambda eid: decode(get(eid, db=events_db))
+            replay.sort(key=lambda item: item[0])  # the Reducer applies events in log order
             replay_into(memory, replay)
             data = memory.data
             scopes = {sid: msgspec.msgpack.decode(v) for sid, v in data["scopes"].items()}
         else:  # the common case, no retraction: the same views as the Reducer builds, in one tight loop
             data, scopes = replay_plain(replay)
-        for name in ("current", "history", "failures"):
-            self._compare(name, self._range(txn.cursor(dbs[name])), data[name])
-        self._compare("scope_index", ((k, v) for k, v in txn.cursor(dbs["scope_index"]) if mine(k[32:])),
-                      data["scope_index"])
-        retracted = ((k, v) for k, v in txn.cursor(dbs["retracted"])
-                     if mine(key_of_bytes(get(v, db=events_db) or b"") or b"\0"))
-        self._compare("retracted", retracted, data["retracted"])
+        walks = {
+            "current": lambda: self._range(txn.cursor(dbs["current"])),
+            "history": lambda: self._range(txn.cursor(dbs["history"])),
+            "failures": lambda: self._range(txn.cursor(dbs["failures"])),
+            "scope_index": lambda: ((k, v) for k, v in txn.cursor(dbs["scope_index"]) if mine(k[32:])),
+            "retracted": lambda: ((k, v) for k, v in txn.cursor(dbs["retracted"])
+                                  if mine(key_of_bytes(get(v, db=events_db) or b"") or b"\0")),
+        }
+        for name, walk in walks.items():
+            self.rebuilt[name] = len(data[name])
+            # Fast: every rebuilt entry is stored as rebuilt (a C-level subset test over the whole stored
+            # view); the parent checks that the shards' counts add up to the view's entries, which rules out
+            # stored entries no replay derives. A failing check, or the parent's detailed pass, walks the
+            # shard's part entry by entry and lists each difference.
+            if self.detailed or not self._subset(txn.cursor(dbs[name]), data[name], ranged=name in RANGED):
+                self.subset_ok = False  # the parent runs every shard in detail, so all differences get listed
+                self._compare(name, walk(), data[name])
         return {sid.hex(): list(v) for sid, v in scopes.items()}
+
+    def _subset(self, cursor, rebuilt: dict[bytes, bytes], ranged: bool) -> bool:
+        """Whether every rebuilt entry is stored as rebuilt, by C-level dict operations. A view keyed by the
+        row key (`ranged`) is read over this shard's key range only: as many entries as the replay rebuilt,
+        then the next key must lie past the range, so an extra stored entry in the range fails the test."""
+        if not ranged:
+            return rebuilt.items() <= dict(cursor).items()
+        if not (cursor.set_range(self.lo) if self.lo else cursor.first()):
+            return not rebuilt
+        stored = dict(islice(cursor, len(rebuilt)))
+        following = cursor.key() if len(stored) == len(rebuilt) and cursor.next() else None
+        past = following is None or (self.hi is not None and following >= self.hi)
+        return past and rebuilt.items() <= stored.items()
 
     def _compare(self, name: str, stored, rebuilt: dict[bytes, bytes]) -> None:
         matched = 0
@@ -236,30 +273,33 @@ class Shard:
                             break
 
 
-def main(shard: int, shards: int, path: str) -> dict:
+def main(shard: int, shards: int, path: str, detailed: bool = False) -> dict:
     from .store import Ledger
 
     gc.disable()  # bulk decoding: the objects made here hold no cycles
     found = Findings()
     ledger = Ledger.open(path, readonly=True, readahead=True)  # whole-file scans: let the kernel read ahead
-    work = Shard(ledger, shard, shards, found)
+    work = Shard(ledger, shard, shards, found, detailed)
     with ledger.read() as txn:
         work.structure(txn)
         seqs, last_seq = work.log(txn)
         log_entries = len(seqs)
         n_events, n_logged, replay = work.events(txn, seqs)
         header_events = txn.stat(ledger.dbs["events"])["entries"]
+        txn_entries = {name: txn.stat(db)["entries"] for name, db in ledger.dbs.items()}
         del seqs
         scopes = work.views(txn, replay)
     return {"findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
-            "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
+            "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries, "rebuilt": work.rebuilt,
+            "subset_ok": work.subset_ok,
+            "view_entries": {name: txn_entries[name] for name in work.rebuilt},
             "scopes": {k: [v[0], v[1], v[2], v[3], v[4].hex(), v[5]] for k, v in scopes.items()}}
 
 
 if __name__ == "__main__":
     part = sys.argv[1]
     try:
-        out = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+        out = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:5] == ["detailed"])
     except Exception as exc:  # any failure is a finding for the parent to report, with its reason
         out = {"findings": [f"structure: shard {part}: {type(exc).__name__}: {exc}"], "counts": {"structure": 1},
                "fatal": True}

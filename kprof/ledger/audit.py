@@ -40,9 +40,21 @@ class AuditReport(NamedTuple):
 SHARDS = 2  # one child per core of the machines kprof is sized for; each walks and replays half the keys
 
 
-def _child(shard: int, path: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kprof.ledger._audit_worker", str(shard), str(SHARDS), path],
+def _child(shard: int, path: str, detailed: bool = False) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kprof.ledger._audit_worker", str(shard), str(SHARDS), path,
+                             *(["detailed"] if detailed else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _shards(path: str, detailed: bool) -> list[dict]:
+    procs = [_child(shard, path, detailed) for shard in range(SHARDS)]
+    return [_result(shard, proc) for shard, proc in enumerate(procs)]
+
+
+def _counts_agree(results: list[dict]) -> bool:
+    """Whether each view holds exactly the entries the shards' replays derive (no stored extra)."""
+    entries = results[0]["view_entries"]
+    return all(sum(res["rebuilt"][name] for res in results) == entries[name] for name in entries)
 
 
 def _result(shard: int, proc: subprocess.Popen) -> dict:
@@ -106,8 +118,10 @@ def audit(path: str) -> AuditReport:
     if not os.path.isfile(path):
         raise LedgerError(f"no ledger file at {path}; pass --db or set KPROF_DB")
     Ledger.open(path, readonly=True).close()  # refuses, with its reason, a file that is not a readable ledger
-    procs = [_child(shard, path) for shard in range(SHARDS)]
-    results = [_result(shard, proc) for shard, proc in enumerate(procs)]
+    results = _shards(path, detailed=False)
+    if not any(res.get("fatal") for res in results) and not (all(res["subset_ok"] for res in results)
+                                                              and _counts_agree(results)):
+        results = _shards(path, detailed=True)  # a view differs from the replay: walk it all, list each entry
     findings: list[str] = []
     counts: dict[str, int] = {}
 
