@@ -182,34 +182,10 @@ class AttentionDecode:
         return _build(spec, device, 1, spec.kv_len, False, "attention_decode", self.sdpa_backend)
 
 
-# One runner class per forced SDPA backend: the registry names runners by import string, one per entry.
-class AttentionPrefillFlash(AttentionPrefill):
-    sdpa_backend = "flash"
-
-
-class AttentionPrefillEfficient(AttentionPrefill):
-    sdpa_backend = "efficient"
-
-
-class AttentionPrefillCudnn(AttentionPrefill):
-    sdpa_backend = "cudnn"
-
-
-class AttentionPrefillMath(AttentionPrefill):
-    sdpa_backend = "math"
-
-
-class AttentionDecodeFlash(AttentionDecode):
-    sdpa_backend = "flash"
-
-
-class AttentionDecodeEfficient(AttentionDecode):
-    sdpa_backend = "efficient"
-
-
-class AttentionDecodeCudnn(AttentionDecode):
-    sdpa_backend = "cudnn"
-
-
-class AttentionDecodeMath(AttentionDecode):
-    sdpa_backend = "math"
+# One runner class per forced SDPA backend (AttentionPrefillFlash, AttentionDecodeMath, ...): the registry
+# names runners by import string, one per entry.
+for _backend in ("flash", "efficient", "cudnn", "math"):
+    for _base in (AttentionPrefill, AttentionDecode):
+        _name = f"{_base.__name__}{_backend.capitalize()}"
+        globals()[_name] = type(_name, (_base,), {"sdpa_backend": _backend, "__module__": __name__})
+del _backend, _base, _name
