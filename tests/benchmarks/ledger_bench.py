@@ -519,7 +519,7 @@ def main(argv=None) -> int:
             os.unlink(p)
     import kprof
 
-    fig: dict = {"config": {"kprof": os.path.dirname(kprof.__file__), "events": n, "queries": args.queries, "batch": args.batch, "repeat": args.repeat,
+    fig: dict = {"config": {"kprof": kprof.__version__, "events": n, "queries": args.queries, "batch": args.batch, "repeat": args.repeat,
                             "seed": args.seed, "python": platform.python_version(), "lmdb": lmdb.__version__,
                             "msgspec": msgspec.__version__, "sqlite": sqlite3.sqlite_version,
                             "cpus": os.cpu_count(), "workdir": workdir},
