@@ -133,6 +133,22 @@ def energy_window_s() -> float:
     return value
 
 
+def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None]:
+    """(measure(), None), or, when the first attempt saw the callable's kernel set change between calls, a
+    second attempt's result and the first attempt's error. Library kernels can change their launch
+    sequence while they settle (cuBLAS split-K is seen to drop its reduce kernel once); a second attempt that
+    is stable for all its calls is a valid measurement, and the row says a first one was refused. A set
+    that changes again fails the row."""
+    from ..measure._attribution import TimerError
+
+    try:
+        return measure(), None
+    except TimerError as exc:
+        if "unstable kernel set" not in str(exc):
+            raise
+        return measure(), str(exc)[:500]
+
+
 class _CudaDevice:
     """CUDA device 0 of this process (a pool gives each worker its own CUDA_VISIBLE_DEVICES)."""
 
@@ -170,9 +186,11 @@ class _CudaDevice:
         from ..measure.gpu_timer import time_gpu
         from ..measure.nvml import Telemetry, measure_energy, with_telemetry
 
+        rotations = self._rotations(case)
         with Telemetry(0) as telemetry:
-            timing = time_gpu(case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
-                              kernel_filter=case.kernel_filter, rotations=self._rotations(case))
+            timing, retried = twice_if_unstable(lambda: time_gpu(
+                case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
+                kernel_filter=case.kernel_filter, rotations=rotations))
             energy = None
             notes = {}
             if self.energy_s > 0:
@@ -191,6 +209,7 @@ class _CudaDevice:
         method = Method(timer=self.timer, l2="cold" if self.cold else "warm", graph=self.graph,
                         warmup=timing.warmup, budget_s=rule.budget_s, stop_reason=timing.stop_reason,
                         notes={"target_rel_ci": str(rule.target), "timer_wall_s": f"{timing.wall_s:.4f}",
+                               **({"first_attempt": retried} if retried else {}),
                                "gpu_s": f"{timing.gpu_s:.6f}", **timing.notes,
                                **({"kernels": kernels[:1000]} if kernels else {}), **notes, **_algorithm(case),
                                **case.notes})

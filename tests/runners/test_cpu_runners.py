@@ -282,3 +282,34 @@ def test_stop_rule_stops_at_the_clock_resolution():
     assert rule.check(xs, 0.5) == "resolution"
     spread = [2.5e-3 + tick * (i % 11) for i in range(100)]  # ten ticks of spread: keep sampling
     assert rule.check(spread, 0.5) is None
+
+
+def test_an_unstable_kernel_set_gets_one_more_attempt():
+    from kprof.measure._attribution import TimerError
+    from kprof.runners.worker import twice_if_unstable
+
+    calls = []
+
+    def flaky():
+        calls.append(None)
+        if len(calls) == 1:
+            raise TimerError("unstable kernel set: warm-up invocation 2 launched {gemm}, but ...")
+        return "timing"
+
+    assert twice_if_unstable(flaky) == ("timing", "unstable kernel set: warm-up invocation 2 launched {gemm}, but ...")
+    assert twice_if_unstable(lambda: "timing") == ("timing", None)
+
+    def always():
+        raise TimerError("unstable kernel set: again")
+
+    with pytest.raises(TimerError, match="again"):
+        twice_if_unstable(always)
+
+    def dropped():
+        calls.append(None)
+        raise TimerError("CUPTI dropped 3 activity records")
+
+    calls.clear()
+    with pytest.raises(TimerError, match="dropped"):
+        twice_if_unstable(dropped)
+    assert len(calls) == 1  # only an unstable set is tried again
