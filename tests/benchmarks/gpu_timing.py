@@ -165,8 +165,8 @@ def measure_one(table, spec, repeats, raw, flush, rule):
         raise RuntimeError("the raw CUPTI reference saw no kernel in its windows")
     runs, raws = [], []
     for _ in range(repeats):  # each kprof run followed by the raw batched reading, in the same GPU state
-        runs.append(twice_if_unstable(lambda: time_gpu(case.fn, rule, timer="cupti",
-                                                       kernel_filter=case.kernel_filter))[0])  # as `run` does
+        runs.append(twice_if_unstable(lambda c=case: time_gpu(c.fn, rule, timer="cupti",
+                                                               kernel_filter=c.kernel_filter))[0])  # as run does
         raws.append(raw.batched(case.fn, flush, row["raw_kernels"]))
     medians = [statistics.median(t.samples_ms) for t in runs]
     row["kprof_ms"] = statistics.median(medians)
