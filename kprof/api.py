@@ -221,8 +221,9 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
         if local != gpu_name:
             raise UsageError(f"--gpu-name {gpu_name!r} differs from the device this run would measure on "
                              f"({local!r}); omit --gpu-name, or run on a machine with that device")
-    from .runners.worker import measure_specs
+    from .runners.worker import measure_specs, prepare_device
 
+    device = prepare_device(entry, gpu_key)  # a device that cannot measure is refused before any file is touched
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
     ledger = _open_for_read(db) if mode == "fresh" else Ledger.open(db)  # --fresh never creates or writes
     try:
@@ -246,7 +247,7 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
         fresh: dict[bytes, Any] = {}
         timed = 0.0
         for n, outcome in enumerate(measure_specs(entry, [canonical[i] for i in todo], gpu_key, origin=origin,
-                                                  parents=parents)):
+                                                  parents=parents, device=device)):
             i = todo[outcome.index]
             timed += outcome.timed_seconds
             if type(outcome.event) is not Measured:

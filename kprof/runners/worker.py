@@ -51,9 +51,15 @@ def _metrics(case, time_ms: float, energy_j: float | None) -> dict:
             "memory_bandwidth_gbps": case.bytes / seconds / 1e9 if case.bytes else None, "energy_j": energy_j}
 
 
+def prepare_device(entry: Entry, gpu_key: str, environment: Callable[[], Environment] | None = None):
+    """The device the entry measures on, checked and fingerprinted: raises UsageError (no GPU, another GPU
+    than the key names, no CUPTI for the cupti timer) before anything is opened or written."""
+    return _CpuDevice(environment) if entry.device == "cpu" else _CudaDevice(entry, gpu_key, environment)
+
+
 def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin = Origin(),
                   environment: Callable[[], Environment] | None = None, rule: StopRule | None = None,
-                  parents: dict[bytes, bytes] | None = None) -> Iterator[Outcome]:
+                  parents: dict[bytes, bytes] | None = None, device=None) -> Iterator[Outcome]:
     """Measures each spec (a dict or the table's KernelArgs) on the entry's device, yielding as it goes.
 
     `entry.contract.timing` names the method: "cpu-wall;..." on the CPU; "cupti;..." or "events;..." on a
@@ -62,7 +68,7 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
     runner = entry.load_runner()()
     rule = rule or StopRule.from_env()
     parents = parents or {}
-    device = _CpuDevice(environment) if entry.device == "cpu" else _CudaDevice(entry, gpu_key, environment)
+    device = device or prepare_device(entry, gpu_key, environment)
     for index, raw in enumerate(specs):
         started = time.perf_counter()
         prov: Provenance = keys.provenance(raw, index)
