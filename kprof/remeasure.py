@@ -14,8 +14,6 @@ import random
 import time
 from typing import NamedTuple
 
-import msgspec
-
 from .errors import UsageError
 
 __all__ = ["remeasure", "Drift", "RemeasureReport"]
@@ -114,6 +112,3 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, seed: int | None = No
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
                            time.perf_counter() - started)
 
-
-def report_json(report: RemeasureReport) -> bytes:
-    return msgspec.json.encode(report.to_json())

@@ -84,13 +84,11 @@ class _TxnStore:
         self.pending: dict[str, dict] = {}
         self.known: dict[str, tuple[set, dict]] = {}  # db -> (keys read ahead, the values found among them)
 
-    def read_ahead(self, db: str, keys) -> dict:
+    def read_ahead(self, db: str, keys) -> None:
         """Reads `keys` of `db` in one sorted pass (sorted keys share B-tree pages: far fewer page visits
-        than one random get each); later gets of these keys are answered from memory. Returns the found."""
+        than one random get each); later gets of these keys are answered from memory."""
         wanted = sorted(set(keys))
-        found = dict(self.txn.cursor(self.dbs[db]).getmulti(wanted))
-        self.known[db] = (set(wanted), found)
-        return found
+        self.known[db] = (set(wanted), dict(self.txn.cursor(self.dbs[db]).getmulti(wanted)))
 
     def get(self, db, k):
         buf = self.pending.get(db)
@@ -316,10 +314,10 @@ class Ledger:
         reducer = Reducer(store)
         added, existing = [], []
         # The batch's event ids and keys are read in two sorted passes, not one random get each.
-        present = store.read_ahead("events", [eid for _e, _d, eid in prepared]).keys()
+        store.read_ahead("events", [eid for _e, _d, eid in prepared])
         store.read_ahead("current", [event.key for event, _d, _eid in prepared])
         for event, data, eid in prepared:
-            if eid in present or store.get("events", eid) is not None:
+            if store.get("events", eid) is not None:
                 existing.append(eid)
                 continue
             if type(event) is Retracted:

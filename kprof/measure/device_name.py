@@ -12,10 +12,54 @@ from __future__ import annotations
 import glob
 import os
 import subprocess
+from typing import Sequence
 
-__all__ = ["visible_gpus", "local_gpu_name"]
+__all__ = ["visible_gpus", "local_gpu_name", "parse_visible_devices", "resolve_visible"]
 
 _PROC = "/proc/driver/nvidia/gpus"
+
+
+def parse_visible_devices(value: str | None) -> list[int | str] | None:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: None when unset (every device), else the entries before the
+    first invalid one (empty, negative, repeated, or neither an integer nor a `GPU-`/`MIG-` UUID)."""
+    if value is None:
+        return None
+    out: list[int | str] = []
+    for token in value.split(","):
+        token = token.strip()
+        if token.isdigit():
+            entry: int | str = int(token)
+        elif token[:4].upper() in ("GPU-", "MIG-") and len(token) > 4:
+            entry = token
+        else:
+            break
+        if entry in out:
+            break
+        out.append(entry)
+    return out
+
+
+def resolve_visible(entries: list[int | str] | None, count: int, uuids: Sequence[str] = ()) -> list[int]:
+    """Indices, in the driver's (PCI bus) order that NVML and /proc share, of the CUDA-visible devices, in
+    CUDA ordinal order. `count` is the driver's device count; `uuids` (same order) is needed only for UUID
+    entries, which may be any unique prefix of a GPU's UUID.
+    As in CUDA, an entry that names no device ends the list; MIG instances are not resolved (no energy or
+    clock counters of their own) and end it too."""
+    if entries is None:
+        return list(range(count))
+    out: list[int] = []
+    for entry in entries:
+        if isinstance(entry, int):
+            index = entry if entry < count else None
+        elif entry[:4].upper() == "GPU-":
+            hits = [i for i, u in enumerate(uuids) if u.lower().startswith(entry.lower())]
+            index = hits[0] if len(hits) == 1 else None
+        else:
+            index = None
+        if index is None or index in out:
+            break
+        out.append(index)
+    return out
 
 
 def _proc_gpus(root: str = _PROC) -> list[tuple[str, str]]:
@@ -53,24 +97,9 @@ def visible_gpus(root: str = _PROC, env: dict | None = None) -> list[str]:
     gpus = _proc_gpus(root) if os.path.isdir(root) else []
     if not gpus and root == _PROC:
         gpus = _smi_gpus()
-    chosen = env.get("CUDA_VISIBLE_DEVICES")
-    if chosen is None:
-        return [name for name, _ in gpus]
-    names = []
-    for item in (part.strip() for part in chosen.split(",")):
-        if not item:
-            break
-        if item.lstrip("-").isdigit():
-            index = int(item)
-            if not 0 <= index < len(gpus):
-                break  # CUDA stops at the first invalid entry
-            names.append(gpus[index][0])
-        else:
-            match = [name for name, uuid in gpus if uuid and (uuid == item or uuid.startswith(item))]
-            if len(match) != 1:
-                break
-            names.append(match[0])
-    return names
+    chosen = resolve_visible(parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES")), len(gpus),
+                             [uuid for _name, uuid in gpus])
+    return [gpus[i][0] for i in chosen]
 
 
 def local_gpu_name() -> str | None:

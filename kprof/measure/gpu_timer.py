@@ -277,13 +277,9 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
         notes["attribution_why"] = why
     warm = len(groups)
     next_id = warm + 1
-    samples: list[float] = []
-    biggest, batches = 0, 0
-    t0 = time.perf_counter()
-    notes["warmup_s"] = f"{t0 - started:.4f}"  # warm-up and settling, before the first sample
-    while True:
-        k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
-        b0 = time.perf_counter()
+
+    def batch(k: int, done: int) -> list[float]:
+        nonlocal next_id
         if correlated:
             ids = range(next_id, next_id + k)
             next_id += k
@@ -312,31 +308,20 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
             if not all(sorted(_names(g)) == ref_sorted for g in groups):  # a late record: flush once more first
                 kernels += session.collect()[0]
                 groups = by_window(kernels, windows)
+        out = []
         for g in groups:
-            check_same_kernels(ref, _names(g), f"timed invocation {len(samples) + 1}")
-            samples.append(kernel_time_ms(g, pattern) / per_call)
-        per_call_s = (time.perf_counter() - b0) / k
-        biggest, batches = max(biggest, k), batches + 1
-        reason = rule.check(samples, time.perf_counter() - t0)
-        if reason:
-            notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
-            return samples, reason, warm, ref
+            check_same_kernels(ref, _names(g), f"timed invocation {done + len(out) + 1}")
+            out.append(kernel_time_ms(g, pattern) / per_call)
+        return out
+
+    samples, reason = _sample(batch, per_call_s, rule, started, notes)
+    return samples, reason, warm, ref
 
 
-def _run_events(torch, call, flush, per_call, rule, notes):
-    started = time.perf_counter()
-    warm = 0
-    t = time.perf_counter()
-    while warm < 2 or (time.perf_counter() - t < _WARMUP_S and warm < _WARMUP_MAX):
-        if flush is not None:
-            flush()
-        call()
-        torch.cuda.synchronize()
-        warm += 1
-    per_call_s = (time.perf_counter() - t) / warm
-    _settle(torch, call, flush, per_call_s, notes)
-    notes.update(attribution="events", launch="batched")
-    enqueue_s = 50e-6  # host time to enqueue one (flush, event, call, event): measured per batch after the first
+def _sample(batch: Callable[[int, int], list[float]], per_call_s: float, rule: StopRule, started: float,
+            notes: dict) -> tuple[list[float], str]:
+    """The sampling loop both timers share: batches sized by `_batch` from the last batch's wall time per
+    call, `batch(k, samples so far)` returning k samples, until `rule` stops."""
     samples: list[float] = []
     biggest, batches = 0, 0
     t0 = time.perf_counter()
@@ -344,6 +329,31 @@ def _run_events(torch, call, flush, per_call, rule, notes):
     while True:
         k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
         b0 = time.perf_counter()
+        samples += batch(k, len(samples))
+        per_call_s = (time.perf_counter() - b0) / k
+        biggest, batches = max(biggest, k), batches + 1
+        reason = rule.check(samples, time.perf_counter() - t0)
+        if reason:
+            notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
+            return samples, reason
+
+
+def _run_events(torch, call, flush, per_call, rule, notes):
+    started = time.perf_counter()
+    warm = 0
+    while warm < 2 or (time.perf_counter() - started < _WARMUP_S and warm < _WARMUP_MAX):
+        if flush is not None:
+            flush()
+        call()
+        torch.cuda.synchronize()
+        warm += 1
+    per_call_s = (time.perf_counter() - started) / warm
+    _settle(torch, call, flush, per_call_s, notes)
+    notes.update(attribution="events", launch="batched")
+    enqueue_s = 50e-6  # host time to enqueue one (flush, event, call, event): measured per batch after the first
+
+    def batch(k: int, _done: int) -> list[float]:
+        nonlocal enqueue_s
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
         # Hold the GPU back while the host enqueues the batch: a start event the GPU reaches before the
@@ -359,10 +369,7 @@ def _run_events(torch, call, flush, per_call, rule, notes):
             end.record()
         enqueue_s = (time.perf_counter() - e0) / k
         torch.cuda.synchronize()
-        samples.extend(start.elapsed_time(end) / per_call for start, end in zip(starts, ends))
-        per_call_s = (time.perf_counter() - b0) / k
-        biggest, batches = max(biggest, k), batches + 1
-        reason = rule.check(samples, time.perf_counter() - t0)
-        if reason:
-            notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
-            return samples, reason, warm
+        return [start.elapsed_time(end) / per_call for start, end in zip(starts, ends)]
+
+    samples, reason = _sample(batch, per_call_s, rule, started, notes)
+    return samples, reason, warm

@@ -16,13 +16,14 @@ import os
 import platform
 import socket
 import threading
-from typing import Callable, Sequence
+from typing import Callable
 
 import msgspec
 
 from .. import __version__
 from ..errors import KprofError
 from ..ledger.events import Environment
+from .device_name import parse_visible_devices, resolve_visible
 from ._nvml_energy import EnergyResult, TickPoint, fit_power, measure_energy, steady_points, tick_points
 from ._nvml_telemetry import REASON_BITS, Reading, Telemetry, TelemetrySample, decode_reasons, reasons_seen, summarize
 
@@ -52,50 +53,6 @@ __all__ = [
 
 class NvmlError(KprofError):
     """NVML is not usable here (no library, no driver, no such device) or a query it needs failed."""
-
-
-# --- which devices: CUDA_VISIBLE_DEVICES ----------------------------------------------------------------
-
-def parse_visible_devices(value: str | None) -> list[int | str] | None:
-    """CUDA_VISIBLE_DEVICES as CUDA reads it: None when unset (every device), else the entries before the
-    first invalid one (empty, negative, repeated, or neither an integer nor a `GPU-`/`MIG-` UUID)."""
-    if value is None:
-        return None
-    out: list[int | str] = []
-    for token in value.split(","):
-        token = token.strip()
-        if token.isdigit():
-            entry: int | str = int(token)
-        elif token[:4].upper() in ("GPU-", "MIG-") and len(token) > 4:
-            entry = token
-        else:
-            break
-        if entry in out:
-            break
-        out.append(entry)
-    return out
-
-
-def resolve_visible(entries: list[int | str] | None, count: int, uuids: Sequence[str] = ()) -> list[int]:
-    """NVML indices of the CUDA-visible devices, in CUDA ordinal order. `count` is NVML's device count;
-    `uuids` (NVML order) is needed only for UUID entries, which may be any unique prefix of a GPU's UUID.
-    As in CUDA, an entry that names no device ends the list; MIG instances are not resolved (no energy or
-    clock counters of their own) and end it too."""
-    if entries is None:
-        return list(range(count))
-    out: list[int] = []
-    for entry in entries:
-        if isinstance(entry, int):
-            index = entry if entry < count else None
-        elif entry[:4].upper() == "GPU-":
-            hits = [i for i, u in enumerate(uuids) if u.lower().startswith(entry.lower())]
-            index = hits[0] if len(hits) == 1 else None
-        else:
-            index = None
-        if index is None or index in out:
-            break
-        out.append(index)
-    return out
 
 
 # --- NVML access ----------------------------------------------------------------------------------------

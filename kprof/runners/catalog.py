@@ -37,8 +37,8 @@ def timing_string(timer: str, l2: str, graph: bool) -> str:
 
 # The CPU timer's method, part of every torch-cpu key (byte for byte as first released).
 CPU_TIMING = "cpu-wall;l2=warm;eager"
-# The GPU contract's method: CUPTI kernel time, L2 flushed before each call, eager launches. A worker
-# without CUPTI replaces the timer part (timing_string("events", "cold", False)), which changes the key.
+# The GPU contract's method: CUPTI kernel time, L2 flushed before each call, eager launches.
+# KPROF_TIMER / KPROF_L2 / KPROF_CUDA_GRAPH choose another (kprof.api.effective_entry), and with it the key.
 GPU_TIMING = timing_string("cupti", "cold", False)
 
 CPU_NUMERICS = "dtype=spec; fp32 accumulate"
@@ -55,7 +55,6 @@ _SDPA_NUMERICS = {
     "cudnn": f"{_SDPA}; cudnn runs fp16/bf16 only",
     "math": f"{_SDPA}; math upcasts fp16/bf16 q/k/v to fp32 (fp16/bf16 reduction off) and rounds the output",
 }
-_SDPA_RUNNER = {None: "", "flash": "Flash", "efficient": "Efficient", "cudnn": "Cudnn", "math": "Math"}
 
 _GEMM_LAYOUT = "a[m,k] row-major, b[k,n] row-major, c[m,n] row-major"
 _PREFILL_LAYOUT = "q/k/v [batch,heads,seq,head_dim] contiguous"
@@ -108,7 +107,7 @@ for forced in ("flash", "efficient", "cudnn", "math"):
     for table, args, runner, layout in (
             ("attention_prefill", AttentionPrefillArgs, "AttentionPrefill", _PREFILL_LAYOUT),
             ("attention_decode", AttentionDecodeArgs, "AttentionDecode", _DECODE_LAYOUT)):
-        _register(table, args, "attention", f"kprof.runners.attention:{runner}{_SDPA_RUNNER[forced]}",
+        _register(table, args, "attention", f"kprof.runners.attention:{runner}{forced.capitalize()}",
                   f"torch-{forced}", "cuda", f"torch sdpa ({forced} backend forced)", layout,
                   _SDPA_NUMERICS[forced], GPU_TIMING, f"attention through SDPA's {forced} backend only")
 

@@ -58,14 +58,12 @@ def _phases(db: str) -> dict[str, float]:
     """Seconds spent, summed over the sweep's rows (from each row's method notes): building the inputs,
     checking against the oracle, inside the timer (warm-up included), in timed GPU work, and in the energy
     windows."""
-    from kprof.ledger import Ledger
+    from kprof.ledger import Ledger, _codec
     from kprof.ledger.events import Measured
 
     out = {"build": 0.0, "check": 0.0, "timer_wall": 0.0, "timed_gpu": 0.0, "energy_window": 0.0}
     with Ledger.open(db, readonly=True) as ledger:
         for _seq, _eid, data in ledger.iter_log():
-            from kprof.ledger import _codec
-
             event = _codec.event_decoder.decode(data)
             if type(event) is Measured:
                 notes = event.method.notes
@@ -134,8 +132,7 @@ def main(argv=None) -> int:
     ref = reference_energy()
     energy = {"row_energy_j": row["metrics"]["energy_j"], "reference": ref,
               "ratio": row["metrics"]["energy_j"] / ref["j_per_call"] if row["metrics"]["energy_j"] else None,
-              "row_tflops": row["metrics"]["tflops"], "row_time_ms": row["metrics"]["time_ms"],
-              "row_throttle": None}
+              "row_tflops": row["metrics"]["tflops"], "row_time_ms": row["metrics"]["time_ms"]}
     cal_runs, ceilings = calibrate("torch", db=db)
     fractions = api.query("single_gemm", "torch", [{"m": 4096, "n": 4096, "k": 4096, "dtype": "bf16"}],
                           db=db).results[0].get("ceiling")

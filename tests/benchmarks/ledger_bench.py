@@ -277,18 +277,22 @@ def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
     }
 
 
-def _sqlite_get_many(con, keyof, decode, specs, chunk):
-    keys = [keyof(s, i) for i, s in enumerate(specs)]
-    ordered = sorted(keys)  # neighbouring keys per chunk: fewer B-tree pages touched per statement
-    found = {}
-    full = "SELECT key, kind, event_id, summary FROM current WHERE key IN (" + ",".join("?" * chunk) + ")"
-    execute = con.execute
+def _select_in(con, columns: str, ordered: list[bytes], chunk: int):
+    """Rows of `current` for the sorted keys, by `WHERE key IN (...)` statements of `chunk` keys (neighbouring
+    keys per statement: fewer B-tree pages touched each)."""
+    def sql(n):
+        return f"SELECT {columns} FROM current WHERE key IN (" + ",".join("?" * n) + ")"
+
+    full, execute = sql(chunk), con.execute
     for a in range(0, len(ordered), chunk):
         part = ordered[a:a + chunk]
-        sql = full if len(part) == chunk else \
-            "SELECT key, kind, event_id, summary FROM current WHERE key IN (" + ",".join("?" * len(part)) + ")"
-        for key, kind, eid, summary in execute(sql, part):
-            found[key] = (kind, eid, summary)
+        yield from execute(full if len(part) == chunk else sql(len(part)), part)
+
+
+def _sqlite_get_many(con, keyof, decode, specs, chunk):
+    keys = [keyof(s, i) for i, s in enumerate(specs)]
+    found = {key: (kind, eid, summary)
+             for key, kind, eid, summary in _select_in(con, "key, kind, event_id, summary", sorted(keys), chunk)}
     out = []
     append = out.append
     for spec, key in zip(specs, keys):
@@ -302,17 +306,7 @@ def _sqlite_get_many(con, keyof, decode, specs, chunk):
 
 def _sqlite_missing(con, keyof, specs, chunk):
     keys = [keyof(s, i) for i, s in enumerate(specs)]
-    ordered = sorted(keys)
-    ok = set()
-    full = "SELECT key, kind FROM current WHERE key IN (" + ",".join("?" * chunk) + ")"
-    execute = con.execute
-    for a in range(0, len(ordered), chunk):
-        part = ordered[a:a + chunk]
-        sql = full if len(part) == chunk else \
-            "SELECT key, kind FROM current WHERE key IN (" + ",".join("?" * len(part)) + ")"
-        for key, kind in execute(sql, part):
-            if kind == "m":
-                ok.add(key)
+    ok = {key for key, kind in _select_in(con, "key, kind", sorted(keys), chunk) if kind == "m"}
     return [spec for spec, key in zip(specs, keys) if key not in ok]
 
 
