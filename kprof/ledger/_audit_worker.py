@@ -5,9 +5,9 @@ reader kills only the child and is reported as a finding.
 Shard s owns the keys whose first byte b has b * SHARDS // 256 == s, and the events of those keys. It
   - walks its share of the sub-databases (keys strictly increasing, counts equal to the headers'),
   - reads the event store once, in order, and for each event of its keys recomputes the id and key and
-    collects it for the replay (which needs log order only within a key, so the shard sorts its events
-    by sequence number instead of reading them in log order, which would be random reads),
-  - replays them and compares its part of every view with what is stored,
+    replays it into the views at once (a retraction-free replay needs no log order: a key's row is its
+    latest event; with a retraction the shard replays its events again, in log order, by the Reducer),
+  - compares its part of every view with its replay,
   - returns its partial scope accumulators, which the parent sums (the view root's hash is additive),
 and shard 0 also checks the log: 1..last_seq, each event once, each present.
 """
@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import gc
 import json
-from itertools import islice
 import os
 import sys
+from itertools import islice
 
 import lmdb
 import msgspec
+from blake3 import blake3
 
 from . import _codec
 from ._reducer import FAILED, MOD, contract_id, pack_seq, row_term, unpack_seq
-from .events import KIND, EventHead, Retracted, summary_of
+from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of
 from .replay import MemoryStore, replay_into
 
 MAX_LISTED = 50
@@ -55,48 +56,113 @@ def key_of_bytes(data: bytes) -> bytes | None:
         return None
 
 
-def replay_plain(replay: list) -> tuple[dict[str, dict], dict[bytes, list]]:
-    """The views and scope entries a Reducer builds from (seq, event id, event head), in any order, for
-    events none of which is a retraction: then a key's current row is simply its latest event, rows are
-    never removed, and each scope's root accumulator is the sum over its keys' latest events. Equal to
-    `replay_into(MemoryStore)` of the same events in log order (a test holds the two equal); several times
-    faster, and it needs no sort."""
-    history, scope_index, failures, last = {}, {}, {}, {}
-    sids, cids, contracts = {}, {}, {}
-    encode, shape_id, pack = _codec.encode, _codec.shape_id, pack_seq
-    for seq, eid, event in replay:
-        key, prov = event.key, event.provenance
-        history[key + pack(seq)] = eid
+class NotDerivable(ValueError):
+    """A provenance whose bytes cannot be decoded."""
+
+
+class Provenances:
+    """What the views need of a provenance, read from its canonical bytes: (scope names, scope id, contract
+    id) and the shape's bytes. The shape is the last field of the encoding, so the bytes before it (table,
+    backend, GPU, contract) are one of the few prefixes a ledger's events share: each prefix is decoded,
+    validated and checked canonical once, and per event only the shape is."""
+
+    _SHAPE = b"\xa5shape"  # the msgpack string "shape": the last map key of a provenance that has a shape
+
+    def __init__(self):
+        self._prefixes: dict[bytes, tuple] = {}
+        self._sids: dict[tuple, bytes] = {}
+
+    def read(self, pb: bytes) -> tuple[tuple, bytes, bytes]:
+        """(info, canonical shape bytes, canonical provenance bytes); info is (names, scope id, contract id).
+        Raises NotDerivable for bytes that do not decode to a Provenance."""
+        cut = pb.rfind(self._SHAPE) + len(self._SHAPE)
+        info = self._prefixes.get(pb[:cut]) if cut >= len(self._SHAPE) else None
+        if info is None:  # a new prefix, or "shape" also occurs inside the shape: decode it all
+            return self._first(pb)
+        # pb = a verified prefix + one msgpack value (pb is one whole map), which is therefore the shape
+        shape = pb[cut:]
+        try:
+            canonical = _codec.encode(shape_decoder.decode(shape))
+        except msgspec.DecodeError as exc:
+            raise NotDerivable(str(exc)) from None
+        return info, canonical, pb if canonical == shape else pb[:cut] + canonical
+
+    def _first(self, pb: bytes) -> tuple[tuple, bytes, bytes]:
+        try:
+            prov = provenance_decoder.decode(pb)
+        except msgspec.DecodeError as exc:
+            raise NotDerivable(str(exc)) from None
         names = (prov.table, prov.backend, prov.gpu_key)
-        sid = sids.get(names)
+        sid = self._sids.get(names)
         if sid is None:
-            sid = sids[names] = _codec.scope_id(*names)
-            contracts[sid] = set()
-        scope_index[sid + shape_id(encode(prov.shape)) + key] = b""
-        contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
-        cid = cids.get(contract)
-        if cid is None:
-            cid = cids[contract] = contract_id(prov)
-        contracts[sid].add(cid)
-        latest = last.get(key)
+            sid = self._sids[names] = _codec.scope_id(*names)
+        info = (names, sid, contract_id(prov))
+        canonical, shape = _codec.encode(prov), _codec.encode(prov.shape)
+        if canonical == pb and prov.shape:
+            self._prefixes[pb[:-len(shape)]] = info
+        return info, shape, canonical
+
+
+provenance_decoder = msgspec.msgpack.Decoder(Provenance)
+shape_decoder = msgspec.msgpack.Decoder(dict[str, Scalar])
+audit_decoder = msgspec.msgpack.Decoder(EventAudit)
+
+
+class PlainReplay:
+    """The views and scope entries a Reducer builds from events none of which is a retraction, derived in
+    any order: a key's current row is simply its latest event, rows are never removed, and each scope's
+    root accumulator is the sum over its keys' latest events. Equal to `replay_into(MemoryStore)` of the
+    same events in log order (a test holds the two equal); several times faster, and it needs no sort.
+
+    `add` takes the sequence number as its 8 big-endian bytes (the log's key), which order as the numbers do.
+    """
+
+    def __init__(self):
+        self.history: dict[bytes, bytes] = {}
+        self.scope_index: dict[bytes, bytes] = {}
+        self._failures: dict[bytes, tuple] = {}
+        self._last: dict[bytes, tuple] = {}
+        self._scopes: dict[bytes, list] = {}  # scope id -> [names, contract ids]
+
+    def add(self, seq: bytes, eid: bytes, event, info: tuple, shape: bytes) -> None:
+        key = event.key
+        self.history[key + seq] = eid
+        names, sid, cid = info
+        scope = self._scopes.get(sid)
+        if scope is None:
+            scope = self._scopes[sid] = [names, set()]
+        scope[1].add(cid)
+        self.scope_index[sid + _codec.shape_id(shape) + key] = b""
+        latest = self._last.get(key)
         if latest is None or seq > latest[0]:
-            last[key] = (seq, sid, eid, event)
+            self._last[key] = (seq, sid, eid, event)
         if KIND[type(event)] == FAILED:
-            failed = failures.get(key)
+            failed = self._failures.get(key)
             if failed is None or seq > failed[0]:
-                failures[key] = (seq, eid)
-    failures = {key: eid for key, (_seq, eid) in failures.items()}
-    current, totals = {}, {sid: [0, 0] for sid in contracts}
-    for key, (_seq, sid, eid, event) in last.items():
-        current[key] = KIND[type(event)] + eid + encode(summary_of(event))
-        total = totals[sid]
-        total[0] += 1
-        total[1] += row_term(key, eid)
-    scopes = {sid: [*names, totals[sid][0], (totals[sid][1] % MOD).to_bytes(32, "big"), sorted(contracts[sid])]
-              for names, sid in sids.items()}
-    data = {"current": current, "history": history, "failures": failures, "scope_index": scope_index,
-            "retracted": {}}
-    return data, scopes
+                self._failures[key] = (seq, eid)
+
+    def result(self) -> tuple[dict[str, dict], dict[bytes, list]]:
+        encode = _codec.encode
+        current, totals = {}, {sid: [0, 0] for sid in self._scopes}
+        for key, (_seq, sid, eid, event) in self._last.items():
+            current[key] = KIND[type(event)] + eid + encode(summary_of(event))
+            total = totals[sid]
+            total[0] += 1
+            total[1] += row_term(key, eid)
+        scopes = {sid: [*names, totals[sid][0], (totals[sid][1] % MOD).to_bytes(32, "big"), sorted(contracts)]
+                  for sid, (names, contracts) in self._scopes.items()}
+        data = {"current": current, "history": self.history, "scope_index": self.scope_index,
+                "failures": {key: eid for key, (_seq, eid) in self._failures.items()}, "retracted": {}}
+        return data, scopes
+
+
+def replay_plain(replay: list) -> tuple[dict[str, dict], dict[bytes, list]]:
+    """PlainReplay over (seq, event id, event) items of any event type the Reducer takes, in any order."""
+    plain, provenances = PlainReplay(), Provenances()
+    for seq, eid, event in replay:
+        info, shape, _canonical = provenances.read(_codec.encode(event.provenance))
+        plain.add(pack_seq(seq), eid, event, info, shape)
+    return plain.result()
 
 
 class Shard:
@@ -140,15 +206,28 @@ class Shard:
             if seen != expected:
                 self.found.add("structure", f"{name}: header counts {expected} entries, walk found {seen}")
 
-    def log(self, txn) -> tuple[dict[bytes, int], int]:
-        """The log as event id -> seq, and last_seq. Shard 0 reports gaps, repeats and the meta mismatch."""
+    def log(self, txn) -> tuple[dict[bytes, bytes], int]:
+        """The log as event id -> seq (its 8-byte key), and last_seq. Built by C-level iteration; the entry by
+        entry walk runs only when the quick checks fail, and shard 0 reports gaps, repeats and the meta
+        mismatch it finds."""
         dbs = self.ledger.dbs
-        report = self.found.add if self.shard == 0 else (lambda *_: None)
         raw_last = txn.get(b"last_seq", db=dbs["meta"])
         last_seq = msgspec.msgpack.decode(raw_last) if raw_last is not None else -1
-        seqs: dict[bytes, int] = {}
+        seq_keys = list(txn.cursor(dbs["log"]).iternext(keys=True, values=False))
+        seqs = dict(zip(txn.cursor(dbs["log"]).iternext(keys=False, values=True), seq_keys))
+        n = len(seq_keys)
+        # n distinct 8-byte keys in B-tree order (the structure walk checks the order) running from 1 to n
+        # are exactly 1..n; and n distinct event ids means none is logged twice
+        if n == len(seqs) == last_seq and set(map(len, seq_keys)) <= {8} and \
+                (n == 0 or (seq_keys[0] == pack_seq(1) and seq_keys[-1] == pack_seq(n))):
+            return seqs, last_seq
+        return self._log_detailed(txn, last_seq), last_seq
+
+    def _log_detailed(self, txn, last_seq: int) -> dict[bytes, bytes]:
+        report = self.found.add if self.shard == 0 else (lambda *_: None)
+        seqs: dict[bytes, bytes] = {}
         expect = 1
-        for k, eid in txn.cursor(dbs["log"]):
+        for k, eid in txn.cursor(self.ledger.dbs["log"]):
             seq = unpack_seq(k)[0] if len(k) == 8 else -1
             if seq != expect:
                 report("log", f"sequence {expect} expected, found {seq}")
@@ -157,68 +236,81 @@ class Shard:
             if eid in seqs:
                 report("log", f"seq {seq}: event {eid.hex()[:16]} logged twice")
                 continue
-            seqs[eid] = seq
+            seqs[eid] = k
         if expect - 1 != last_seq:
             report("log", f"meta says last_seq {last_seq}, log ends at {expect - 1}")
-        return seqs, last_seq
+        return seqs
 
-    def events(self, txn, seqs: dict[bytes, int]) -> tuple[int, int, list]:
-        """One sequential pass over the event store. Each event belongs to the shard of its key (an event
-        whose key cannot be read belongs to shard 0), so each is hashed and decoded once, by one shard:
-        its id and key are recomputed, and it is collected for the replay. Returns (events owned, of
-        which logged, replay list in log order). Only owned events are looked up in the log: the parent
-        checks that the shards' logged counts add up to the log's length (else some logged event is not
-        stored)."""
-        event_id, key_of, decode, shards, shard = _codec.event_id, _codec.provenance_key, head_decoder.decode, \
-            self.shards, self.shard
-        add = self.found.add
-        n, last, replay, unlogged = 0, None, [], 0
-        pop = seqs.pop
-        append = replay.append
+    def events(self, txn, seqs: dict[bytes, bytes]) -> tuple[int, int, PlainReplay, list]:
+        """One sequential pass over the event store. Each event belongs to the shard of its key's first byte
+        (an event too short to hold a key belongs to shard 0), so each is hashed and decoded once, by one
+        shard: its id and key are recomputed, and it is replayed into the views. Returns (events owned, of which logged, the replay of the
+        retraction-free events, the logged retractions as (seq, event id)). Only owned events are looked up
+        in the log: the parent checks that the shards' logged counts add up to the log's length (else some
+        logged event is not stored)."""
+        event_id, decode, shards, shard = _codec.event_id, audit_decoder.decode, self.shards, self.shard
+        add, key_tag, plain, provenances = self.found.add, _codec.KEY_TAG, PlainReplay(), Provenances()
+        n, logged, last, unlogged, retractions = 0, 0, None, 0, []
+        pop, replay = seqs.pop, plain.add
         for eid, data in txn.cursor(self.ledger.dbs["events"]):
             if shard == 0:
                 if last is not None and eid <= last:
                     add("structure", f"events: keys out of order at {eid.hex()[:16]}")
                 last = eid
-            key = key_of_bytes(data)
-            if key is None:
-                if shard != 0:
-                    continue
-            elif key[0] * shards // 256 != shard:
+            try:  # the first byte of the key (see key_of_bytes), inline: this loop sees every event
+                owner = data[13 + (data[6] & 0x1F)] * shards // 256
+            except IndexError:
+                owner = 0
+            if owner != shard:
                 continue
             n += 1
             seq = pop(eid, None)
             if event_id(data) != eid:
                 add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id (altered or damaged)")
                 continue
+            if key_of_bytes(data) is None:
+                add("events", f"event {eid.hex()[:16]}: its bytes do not begin with a type and a key")
+                continue
             try:
                 event = decode(data)
-            except msgspec.DecodeError as exc:
+                if type(event) is not Retracted:
+                    info, shape, canonical = provenances.read(bytes(event.provenance))
+            except (msgspec.DecodeError, NotDerivable) as exc:
                 add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
                 continue
-            if type(event) is not Retracted and key_of(event.provenance) != event.key:
-                add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance")
+            if type(event) is not Retracted:
+                if blake3(key_tag + canonical).digest() != event.key:
+                    add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance")
+                if len(canonical) != len(event.provenance) or canonical != bytes(event.provenance):
+                    add("events", f"event {eid.hex()[:16]}: its provenance is not in canonical form")
             if seq is None:
                 unlogged += 1
                 if unlogged <= MAX_LISTED:
                     add("log", f"event {eid.hex()[:16]} is stored but not in the log")
                 continue
-            append((seq, eid, event))
-        return n, len(replay), replay  # in event-id order; the generic replay sorts it by seq
+            logged += 1
+            if type(event) is Retracted:
+                retractions.append((seq, eid))
+            else:
+                replay(seq, eid, event, info, shape)
+        return n, logged, plain, retractions
 
-    def views(self, txn, replay: list) -> dict:
-        """Replays this shard's keys and compares the stored views; returns partial scope accumulators."""
+    def views(self, txn, plain: PlainReplay, retractions: list) -> dict:
+        """Compares this shard's part of every view with its replay; returns partial scope accumulators.
+        With a retraction among the shard's events the generic Reducer replays them, in log order."""
         dbs = self.ledger.dbs
         get, events_db, decode, mine = txn.get, dbs["events"], head_decoder.decode, self.mine
-        if any(type(item[2]) is Retracted for item in replay):
+        if retractions:
             memory = MemoryStore(txn, dbs)
             memory.event = lambda eid: decode(get(eid, db=events_db))
+            replay = [(unpack_seq(k[32:])[0], eid, decode(get(eid, db=events_db))) for k, eid in plain.history.items()]
+            replay += [(unpack_seq(seq)[0], eid, decode(get(eid, db=events_db))) for seq, eid in retractions]
             replay.sort(key=lambda item: item[0])  # the Reducer applies events in log order
             replay_into(memory, replay)
             data = memory.data
             scopes = {sid: msgspec.msgpack.decode(v) for sid, v in data["scopes"].items()}
-        else:  # the common case, no retraction: the same views as the Reducer builds, in one tight loop
-            data, scopes = replay_plain(replay)
+        else:  # the common case, no retraction: the same views as the Reducer builds
+            data, scopes = plain.result()
         walks = {
             "current": lambda: self._range(txn.cursor(dbs["current"])),
             "history": lambda: self._range(txn.cursor(dbs["history"])),
@@ -284,11 +376,11 @@ def main(shard: int, shards: int, path: str, detailed: bool = False) -> dict:
         work.structure(txn)
         seqs, last_seq = work.log(txn)
         log_entries = len(seqs)
-        n_events, n_logged, replay = work.events(txn, seqs)
         header_events = txn.stat(ledger.dbs["events"])["entries"]
         txn_entries = {name: txn.stat(db)["entries"] for name, db in ledger.dbs.items()}
+        n_events, n_logged, plain, retractions = work.events(txn, seqs)
         del seqs
-        scopes = work.views(txn, replay)
+        scopes = work.views(txn, plain, retractions)
     return {"findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
             "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries, "rebuilt": work.rebuilt,
             "subset_ok": work.subset_ok,

@@ -205,13 +205,40 @@ class FailedHead(msgspec.Struct, frozen=True, gc=False, tag="failed"):
 
 
 EventHead = Union[MeasuredHead, FailedHead, Retracted]
+
+
+class MeasuredAudit(msgspec.Struct, frozen=True, gc=False, tag="measured"):
+    """A measured event as the audit reads it: the provenance stays in its canonical bytes (hashed for the
+    key as stored; its fields are decoded once per distinct prefix, not once per event)."""
+
+    key: bytes
+    provenance: msgspec.Raw
+    metrics: dict[str, float | None]
+    stats: StatsHead
+    measured_at: float = 0.0
+
+
+class FailedAudit(msgspec.Struct, frozen=True, gc=False, tag="failed"):
+    key: bytes
+    provenance: msgspec.Raw
+    error_kind: str
+    message: str
+    measured_at: float = 0.0
+
+
+EventAudit = Union[MeasuredAudit, FailedAudit, Retracted]
 # The kind letter of every event type the reducer accepts (the views store it beside each row).
-KIND = {Measured: b"m", MeasuredHead: b"m", Failed: b"f", FailedHead: b"f", Retracted: b"r"}
+KIND = {Measured: b"m", MeasuredHead: b"m", MeasuredAudit: b"m", Failed: b"f", FailedHead: b"f",
+        FailedAudit: b"f", Retracted: b"r"}
 
 
 def summary_of(event) -> Summary:
+    """The row summary of a measured or failed event. Numbers are stored as the event's decoded types read
+    them (float), so a summary derived from an event built in memory with an int metric, at append, is
+    byte-equal to one derived from the same event decoded from the log, at replay or audit."""
     if KIND[type(event)] == b"m":
         s = event.stats
-        return Summary(event.metrics, event.measured_at, s.n, s.median, s.p10, s.p90, s.mean, s.stdev, s.cv,
-                       s.min, s.max)
-    return Summary(None, event.measured_at, error_kind=event.error_kind, message=event.message)
+        metrics = {name: None if v is None else float(v) for name, v in event.metrics.items()}
+        return Summary(metrics, float(event.measured_at), s.n, float(s.median), float(s.p10), float(s.p90),
+                       float(s.mean), float(s.stdev), float(s.cv), float(s.min), float(s.max))
+    return Summary(None, float(event.measured_at), error_kind=event.error_kind, message=event.message)
