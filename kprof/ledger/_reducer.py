@@ -63,6 +63,7 @@ class Reducer:
 
     def __init__(self, store: Store):
         self.store = store
+        self._put, self._get = store.put, store.get
         self._scopes: dict[bytes, list] = {}  # scope -> [table, backend, gpu_key, rows, acc, contracts]
         self._sids: dict[tuple, bytes] = {}
         self._contracts: dict = {}
@@ -84,16 +85,16 @@ class Reducer:
         return sid, entry
 
     def apply(self, event, eid: bytes, seq: int) -> None:
-        s = self.store
+        put, encode = self._put, _codec.encode
         key = event.key
-        s.put("history", key + pack_seq(seq), eid)
+        put("history", key + pack_seq(seq), eid)
         kind = KIND[type(event)]
         if kind == RETRACTED:
             self._retract(event, eid)
             return
         prov = event.provenance
         sid, entry = self._scope(prov)
-        s.put("scope_index", sid + _codec.shape_id(_codec.encode(prov.shape)) + key, b"")
+        put("scope_index", sid + _codec.shape_id(encode(prov.shape)) + key, b"")
         contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
         cid = self._contracts.get(contract)
         if cid is None:
@@ -101,8 +102,15 @@ class Reducer:
         if cid not in entry[5]:
             entry[5] = sorted(entry[5] + [cid])
         if kind == FAILED:
-            s.put("failures", key, eid)
-        self._set_current(entry, key, s.get("current", key), kind + eid + _codec.encode(summary_of(event)))
+            put("failures", key, eid)
+        new = kind + eid + encode(summary_of(event))
+        old = self._get("current", key)
+        if old is None:  # a new row: the common case, inline
+            entry[4] += row_term(key, eid)
+            entry[3] += 1
+            put("current", key, new)
+        else:
+            self._set_current(entry, key, old, new)
 
     def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
         if old == new:
@@ -146,5 +154,6 @@ class Reducer:
 
     def flush(self) -> None:
         for sid, (t, b, g, rows, acc, contracts) in self._scopes.items():
+            acc %= MOD  # new rows add their terms unreduced (see apply)
             self.store.put("scopes", sid, _codec.encode([t, b, g, rows, acc.to_bytes(32, "big"), contracts]))
         self._scopes.clear()

@@ -81,7 +81,8 @@ class _TxnStore:
 
     def __init__(self, txn: lmdb.Transaction, dbs: dict):
         self.txn, self.dbs = txn, dbs
-        self.pending: dict[str, dict] = {}
+        self.pending: dict[str, dict] = {name: {} for name in dbs}
+        self.deleting: set[str] = set()  # the dbs with a deletion pending
         self.known: dict[str, tuple[set, dict]] = {}  # db -> (keys read ahead, the values found among them)
 
     def read_ahead(self, db: str, keys) -> None:
@@ -91,39 +92,36 @@ class _TxnStore:
         self.known[db] = (set(wanted), dict(self.txn.cursor(self.dbs[db]).getmulti(wanted)))
 
     def get(self, db, k):
-        buf = self.pending.get(db)
-        if buf is not None:
-            v = buf.get(k)
-            if v is not None:
-                return None if v is _DELETED else v
+        v = self.pending[db].get(k)
+        if v is not None:
+            return None if v is _DELETED else v
         known = self.known.get(db)
         if known is not None and k in known[0]:
             return known[1].get(k)
         return self.txn.get(k, db=self.dbs[db])
 
     def put(self, db, k, v):
-        buf = self.pending.get(db)
-        if buf is None:
-            buf = self.pending[db] = {}
-        buf[k] = v
+        self.pending[db][k] = v
 
     def delete(self, db, k):
-        self.put(db, k, _DELETED)
+        self.pending[db][k] = _DELETED
+        self.deleting.add(db)
 
     def flush(self) -> None:
         txn = self.txn
         for db, buf in self.pending.items():
+            if not buf:
+                continue
             handle = self.dbs[db]
-            puts = []
-            for k in sorted(buf):
-                v = buf[k]
-                if v is _DELETED:
+            puts = sorted(buf.items())  # keys are unique: values are never compared
+            if db in self.deleting:
+                for k in [k for k, v in puts if v is _DELETED]:
                     txn.delete(k, db=handle)
-                else:
-                    puts.append((k, v))
+                puts = [item for item in puts if item[1] is not _DELETED]
             if puts:
                 txn.cursor(handle).putmulti(puts, append=db == "log")
-        self.pending.clear()
+            buf.clear()
+        self.deleting.clear()
         self.known.clear()  # what was read ahead may have been written since: read the transaction again
 
     def history(self, key):
