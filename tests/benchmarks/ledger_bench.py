@@ -519,7 +519,8 @@ def main(argv=None) -> int:
     fig: dict = {"config": {"kprof": kprof.__version__, "events": n, "queries": args.queries, "batch": args.batch, "repeat": args.repeat,
                             "seed": args.seed, "python": platform.python_version(), "lmdb": lmdb.__version__,
                             "msgspec": msgspec.__version__, "sqlite": sqlite3.sqlite_version,
-                            "cpus": os.cpu_count(), "workdir": workdir},
+                            "cpus": os.cpu_count(),
+                            "workdir": "a temporary directory" if tmp else "the --workdir given"},
                  "kprof": {}, "sqlite": {}}
     try:
         _say(f"workdir {workdir}; N={n:,} Q={args.queries:,} batch={args.batch:,}")
