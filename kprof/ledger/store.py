@@ -75,6 +75,10 @@ class AppendResult(NamedTuple):
 _DELETED = object()
 
 
+class _NotNew(Exception):
+    """A batch presumed new holds an event or a key already in the ledger (see Ledger._append_txn)."""
+
+
 class _TxnStore:
     """The reducer's Store over one LMDB write transaction, with the batch's writes buffered and then
     written per sub-database in key order (`putmulti`): sorted inserts touch each B-tree page once."""
@@ -83,7 +87,14 @@ class _TxnStore:
         self.txn, self.dbs = txn, dbs
         self.pending: dict[str, dict] = {name: {} for name in dbs}
         self.deleting: set[str] = set()  # the dbs with a deletion pending
+        self.presumed: set[str] = set()  # the dbs whose read-ahead keys were presumed absent, not read
         self.known: dict[str, tuple[set, dict]] = {}  # db -> (keys read ahead, the values found among them)
+
+    def presume_absent(self, db: str, keys) -> None:
+        """Answers gets of `keys` of `db` with None without reading them; the flush then inserts into `db`
+        without overwriting and raises _NotNew if any of its keys was there after all."""
+        self.known[db] = (set(keys), {})
+        self.presumed.add(db)
 
     def read_ahead(self, db: str, keys) -> None:
         """Reads `keys` of `db` in one sorted pass (sorted keys share B-tree pages: far fewer page visits
@@ -118,10 +129,14 @@ class _TxnStore:
                 for k in [k for k, v in puts if v is _DELETED]:
                     txn.delete(k, db=handle)
                 puts = [item for item in puts if item[1] is not _DELETED]
-            if puts:
+            if db in self.presumed:
+                if txn.cursor(handle).putmulti(puts, overwrite=False)[1] != len(puts):
+                    raise _NotNew(db)
+            elif puts:
                 txn.cursor(handle).putmulti(puts, append=db == "log")
             buf.clear()
         self.deleting.clear()
+        self.presumed.clear()
         self.known.clear()  # what was read ahead may have been written since: read the transaction again
 
     def history(self, key):
@@ -302,18 +317,29 @@ class Ledger:
             if _codec.provenance_key(event.provenance) != event.key:
                 raise IntegrityError(f"event {eid.hex()[:16]} carries key {event.key.hex()[:16]}, but its "
                                      f"provenance hashes to another key; build events with kprof.ledger.build")
+        if not any(type(event) is Retracted for event, _d, _eid in prepared):
+            try:  # the common batch: new events of new keys; found out at the inserts, not by reading first
+                return self.write(lambda txn: self._append_txn(txn, prepared, presume_new=True))
+            except _NotNew:
+                pass  # the transaction was aborted: nothing of it was written
         return self.write(lambda txn: self._append_txn(txn, prepared))
 
-    def _append_txn(self, txn, prepared) -> AppendResult:
+    def _append_txn(self, txn, prepared, presume_new: bool = False) -> AppendResult:
+        """With `presume_new`, the batch's event ids and keys are taken to be absent from the ledger without
+        reading them: the inserts of `events` and `current` then refuse to overwrite, and any entry found
+        there raises _NotNew, which aborts the transaction (the caller appends again, reading first)."""
         dbs = self.dbs
         meta = dbs["meta"]
         seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
         store = _TxnStore(txn, dbs)
         reducer = Reducer(store)
         added, existing = [], []
-        # The batch's event ids and keys are read in two sorted passes, not one random get each.
-        store.read_ahead("events", [eid for _e, _d, eid in prepared])
-        store.read_ahead("current", [event.key for event, _d, _eid in prepared])
+        if presume_new:
+            store.presume_absent("events", [eid for _e, _d, eid in prepared])
+            store.presume_absent("current", [event.key for event, _d, _eid in prepared])
+        else:  # the batch's event ids and keys are read in two sorted passes, not one random get each
+            store.read_ahead("events", [eid for _e, _d, eid in prepared])
+            store.read_ahead("current", [event.key for event, _d, _eid in prepared])
         for event, data, eid in prepared:
             if store.get("events", eid) is not None:
                 existing.append(eid)

@@ -45,6 +45,51 @@ def test_appends_in_any_batching_are_idempotent_and_root_is_order_independent(tm
     a.close(), b.close()
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 2)), min_size=1, max_size=12),
+                min_size=1, max_size=8))
+def test_batches_of_new_repeated_and_remeasured_events(tmp_path_factory, batches):
+    """Batches that mix new events, events already stored and new events of stored keys (each batch is first
+    tried as all-new, and appended again reading first when it is not): the ledger ends as if every event
+    had been appended alone, and audits clean."""
+    d = tmp_path_factory.mktemp("l")
+    events = [[synth.event(i, seed=s) for i, s in batch] for batch in batches]
+    a = Ledger.open(str(d / "a.db"))
+    for batch in events:
+        a.append(batch)
+    b = Ledger.open(str(d / "b.db"))
+    for batch in events:
+        for ev in batch:
+            b.append([ev])
+    specs = [synth.spec(i) for i in range(13)]
+    assert synth.view(a).root == synth.view(b).root
+    assert [r.event_id for r in synth.view(a).get_many(specs)] == [r.event_id for r in synth.view(b).get_many(specs)]
+    assert a.last_seq == b.last_seq == len({(i, s) for batch in batches for i, s in batch})
+    a.close(), b.close()
+    report = audit(str(d / "a.db"))
+    assert report.ok, report.findings
+
+
+def test_a_new_batch_is_appended_without_reading_first_and_a_repeat_reads(ledger, monkeypatch):
+    tries = []
+    original = Ledger._append_txn
+
+    def spy(self, txn, prepared, presume_new=False):
+        tries.append(presume_new)
+        return original(self, txn, prepared, presume_new)
+
+    monkeypatch.setattr(Ledger, "_append_txn", spy)
+    ledger.append(list(synth.events(0, 5)))
+    assert tries == [True]
+    tries.clear()
+    result = ledger.append([synth.event(9), synth.event(2)])  # one new, one stored: the first try is aborted
+    assert tries == [True, False] and len(result.added) == 1 and len(result.existing) == 1
+    assert ledger.last_seq == 6
+    tries.clear()
+    ledger.append([synth.event(3, seed=1)])  # a new event of a stored key
+    assert tries == [True, False] and ledger.last_seq == 7
+
+
 def test_root_changes_with_every_view_change_and_is_o1(ledger):
     view = synth.view(ledger)
     roots = {view.root}
