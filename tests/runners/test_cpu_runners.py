@@ -2,6 +2,7 @@
 deterministic; the statistics and the CPU timer behave on synthetic samples."""
 
 import math
+import random
 import time
 import zlib
 
@@ -257,7 +258,10 @@ def test_time_cpu_trivial_function():
 
 
 def test_time_cpu_stops_on_budget_when_it_cannot_converge():
-    t = time_cpu(lambda: None, StopRule(target=-1.0, budget_s=0.03, max_samples=10 ** 9))  # never converges
+    # never converges (target < 0), and never stops at the clock's resolution either: a no-op's grouped samples
+    # can all read the same tick, but sleeps of random length spread over many ticks
+    rng = random.Random(7)
+    t = time_cpu(lambda: time.sleep(rng.random() * 2e-4), StopRule(target=-1.0, budget_s=0.03, max_samples=10 ** 9))
     assert t.stop_reason == "budget" and t.wall_s >= 0.03 and len(t.samples_ms) >= 3
 
 
