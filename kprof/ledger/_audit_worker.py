@@ -133,10 +133,11 @@ class PlainReplay:
             scope = self._scopes[sid] = [names, set()]
         scope[1].add(cid)
         self.scope_index[sid + _codec.shape_id(shape) + key] = b""
+        kind = KIND[type(event)]
         latest = self._last.get(key)
         if latest is None or seq > latest[0]:  # the row, as bytes: the event (and the bytes it was read from) can go
-            self._last[key] = (seq, sid, eid, KIND[type(event)] + eid + _codec.encode(summary_of(event)))
-        if KIND[type(event)] == FAILED:
+            self._last[key] = (seq, sid, eid, kind + eid + _codec.encode(summary_of(event)))
+        if kind == FAILED:
             failed = self._failures.get(key)
             if failed is None or seq > failed[0]:
                 self._failures[key] = (seq, eid)
@@ -153,15 +154,6 @@ class PlainReplay:
         data = {"current": current, "history": self.history, "scope_index": self.scope_index,
                 "failures": {key: eid for key, (_seq, eid) in self._failures.items()}, "retracted": {}}
         return data, scopes
-
-
-def replay_plain(replay: list) -> tuple[dict[str, dict], dict[bytes, list]]:
-    """PlainReplay over (seq, event id, event) items of any event type the Reducer takes, in any order."""
-    plain, provenances = PlainReplay(), Provenances()
-    for seq, eid, event in replay:
-        info, shape, _canonical = provenances.read(_codec.encode(event.provenance))
-        plain.add(pack_seq(seq), eid, event, info, shape)
-    return plain.result()
 
 
 class Shard:
@@ -273,14 +265,15 @@ class Shard:
             try:
                 event = decode(data)
                 if type(event) is not Retracted:
-                    info, shape, canonical = provenances.read(bytes(event.provenance))
+                    stored = bytes(event.provenance)
+                    info, shape, canonical = provenances.read(stored)
             except (msgspec.DecodeError, NotDerivable) as exc:
                 add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
                 continue
             if type(event) is not Retracted:
                 if blake3(key_tag + canonical).digest() != event.key:
                     add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance")
-                if len(canonical) != len(event.provenance) or canonical != bytes(event.provenance):
+                if canonical != stored:
                     add("events", f"event {eid.hex()[:16]}: its provenance is not in canonical form")
             if seq is None:
                 unlogged += 1

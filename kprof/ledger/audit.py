@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from ..errors import LedgerError
 from . import _codec
+from ._audit_worker import MAX_LISTED
 from .store import Ledger
 
 __all__ = ["audit", "AuditReport"]
@@ -106,7 +107,7 @@ def _unstored(path: str, add) -> None:
                 if txn.get(eid, db=events) is None:
                     add("log", f"seq {int.from_bytes(k, 'big')}: event {eid.hex()[:16]} is not in the event store")
                     listed += 1
-                    if listed >= 50:
+                    if listed >= MAX_LISTED:
                         break
     finally:
         ledger.close()

@@ -207,38 +207,50 @@ def _names(group) -> list[str]:
     return [k[0] for k in group]
 
 
+def _attributed(session, attribute, complete):
+    """attribute(kernels, correlations) over the records CUPTI has handed over; when `complete` says the
+    result lacks kernels, over those of one more flush too (a record may come a flush late)."""
+    kernels, correlations = session.collect()
+    result = attribute(kernels, correlations)
+    if not complete(result):
+        more_k, more_c = session.collect()
+        result = attribute(kernels + more_k, correlations + more_c)
+    return result
+
+
+def _windowed(torch, session, call, flush) -> tuple[int, int]:
+    """One call between two synchronized CUPTI timestamps (the flush before it, outside the window)."""
+    if flush is not None:
+        flush()
+    torch.cuda.synchronize()
+    a = session.timestamp()
+    call()
+    torch.cuda.synchronize()
+    return a, session.timestamp()
+
+
 def _warm_cupti(torch, session, call, flush):
     """Warm up with each invocation both under an external id and inside a synchronized timestamp window;
     choose the attribution, and return (groups, attribution, why, wall per invocation)."""
     windows, ids = [], []
     t = time.perf_counter()
     while len(ids) < 2 or (time.perf_counter() - t < _WARMUP_S and len(ids) < _WARMUP_MAX):
-        if flush is not None:
-            flush()
-        torch.cuda.synchronize()
-        a = session.timestamp()
-        _scoped(session, len(ids) + 1, call)
-        torch.cuda.synchronize()
-        windows.append((a, session.timestamp()))
         ids.append(len(ids) + 1)
+        windows.append(_windowed(torch, session, lambda: _scoped(session, ids[-1], call), flush))
     per_call_s = (time.perf_counter() - t) / len(ids)
-    kernels, correlations = session.collect()
-    win = by_window(kernels, windows)
-    cor = by_correlation(kernels, correlations, ids)
-    if not (_uniform(win) and _uniform(cor)):  # a record delivered late: one more flush before judging
-        more_k, more_c = session.collect()
-        kernels, correlations = kernels + more_k, correlations + more_c
-        win = by_window(kernels, windows)
-        cor = by_correlation(kernels, correlations, ids)
+    win, cor, n_kernels, n_correlations = _attributed(
+        session, lambda kernels, correlations: (by_window(kernels, windows), by_correlation(kernels, correlations, ids),
+                                                len(kernels), len(correlations)),
+        lambda r: _uniform(r[0]) and _uniform(r[1]))
     if not any(win) and not any(cor):
-        raise TimerError(f"CUPTI saw no kernel in {len(ids)} warm-up invocations ({len(kernels)} kernel records "
+        raise TimerError(f"CUPTI saw no kernel in {len(ids)} warm-up invocations ({n_kernels} kernel records "
                          f"in all): the callable launched no GPU work on this device, or another profiler "
                          f"(torch.profiler, nsys) holds CUPTI in this process; use timer='events' to check")
     if all(c and sorted(c) == sorted(w) for c, w in zip(cor, win)):
         return cor, "external_correlation", "", per_call_s
     found = sum(len(c) for c in cor)
     why = (f"external correlation attributed {found} kernels, the synchronized windows {sum(len(w) for w in win)}"
-           f" ({len(correlations)} correlation records)")
+           f" ({n_correlations} correlation records)")
     return win, "timestamp_window", why, per_call_s
 
 
@@ -271,6 +283,10 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
     for i, g in enumerate(groups[1:], 2):
         check_same_kernels(ref, _names(g), f"warm-up invocation {i}")
     ref_sorted = sorted(ref)
+
+    def complete(groups) -> bool:
+        return all(sorted(_names(g)) == ref_sorted for g in groups)
+
     correlated = attribution == "external_correlation"
     notes.update(attribution=attribution, launch="batched" if correlated else "synchronized")
     if why:
@@ -288,26 +304,11 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
                     flush()  # outside the pushed id: its kernel belongs to no invocation
                 _scoped(session, i, call)
             torch.cuda.synchronize()
-            kernels, correlations = session.collect()
-            groups = by_correlation(kernels, correlations, ids)
-            if not all(sorted(_names(g)) == ref_sorted for g in groups):  # a late record: flush once more first
-                more_k, more_c = session.collect()
-                groups = by_correlation(kernels + more_k, correlations + more_c, ids)
+            groups = _attributed(session, lambda kernels, correlations: by_correlation(kernels, correlations, ids),
+                                 complete)
         else:
-            windows = []
-            for _ in range(k):
-                if flush is not None:
-                    flush()
-                torch.cuda.synchronize()
-                a = session.timestamp()
-                call()
-                torch.cuda.synchronize()
-                windows.append((a, session.timestamp()))
-            kernels, _ = session.collect()
-            groups = by_window(kernels, windows)
-            if not all(sorted(_names(g)) == ref_sorted for g in groups):  # a late record: flush once more first
-                kernels += session.collect()[0]
-                groups = by_window(kernels, windows)
+            windows = [_windowed(torch, session, call, flush) for _ in range(k)]
+            groups = _attributed(session, lambda kernels, _correlations: by_window(kernels, windows), complete)
         out = []
         for g in groups:
             check_same_kernels(ref, _names(g), f"timed invocation {done + len(out) + 1}")

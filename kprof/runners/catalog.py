@@ -21,7 +21,7 @@ from .moe import MoeGroupedGemmArgs
 from .norm import RmsNormArgs
 from .registry import Entry, register
 
-__all__ = ["CPU_TIMING", "GPU_TIMING", "TIMERS", "timing_string"]
+__all__ = ["CPU_TIMING", "GPU_TIMING", "TIMERS", "parse_timing", "timing_string"]
 
 TIMERS = ("cupti", "events", "cpu-wall")
 
@@ -33,6 +33,12 @@ def timing_string(timer: str, l2: str, graph: bool) -> str:
     if l2 not in ("cold", "warm"):
         raise ValueError(f"l2 {l2!r} is not cold or warm")
     return f"{timer};l2={l2};{'graph' if graph else 'eager'}"
+
+
+def parse_timing(timing: str) -> tuple[str, str, bool]:
+    """(timer, l2, graph) of a contract's timing part: the inverse of `timing_string`."""
+    timer, l2, mode = (timing.split(";") + ["", ""])[:3]
+    return timer, l2.removeprefix("l2="), mode == "graph"
 
 
 # The CPU timer's method, part of every torch-cpu key (byte for byte as first released).

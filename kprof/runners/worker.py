@@ -174,9 +174,10 @@ class _CudaDevice:
             raise UsageError(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit --gpu-name")
         torch.cuda.set_device(0)
         self.torch = torch
-        self.timer, l2, mode = (entry.contract.timing.split(";") + ["", ""])[:3]
-        self.cold = l2 != "l2=warm"
-        self.graph = mode == "graph"
+        from .catalog import parse_timing
+
+        self.timer, l2, self.graph = parse_timing(entry.contract.timing)
+        self.cold = l2 != "warm"
         if self.timer == "cupti":
             from ..measure.gpu_timer import cupti_available
 

@@ -232,7 +232,16 @@ def test_resolve_by_citation_key_and_prefix(ledger):
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=80), st.lists(st.integers(0, 30), max_size=10))
 def test_audit_fast_replay_builds_what_the_reducer_builds(idx, fails):
     """The audit's retraction-free replay equals the generic Reducer's, views and scope entries alike."""
-    from kprof.ledger._audit_worker import replay_plain
+    from kprof.ledger._audit_worker import PlainReplay, Provenances
+    from kprof.ledger._reducer import pack_seq
+
+    def replay_plain(replay):  # as an audit shard feeds it, but from events decoded in full
+        plain, provenances = PlainReplay(), Provenances()
+        for seq, eid, event in replay:
+            info, shape, _canonical = provenances.read(_codec.encode(event.provenance))
+            plain.add(pack_seq(seq), eid, event, info, shape)
+        return plain.result()
+
     from kprof.ledger.replay import MemoryStore, replay_into
     from kprof.ledger.store import DBS
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kprof.ledger.events import Measured
 from kprof.runners import gemm, moe
 from kprof.runners._case import Unsupported, WrongResult, seed_of
-from kprof.runners.catalog import CPU_TIMING, GPU_TIMING, timing_string
+from kprof.runners.catalog import CPU_TIMING, GPU_TIMING, parse_timing, timing_string
 from kprof.runners.registry import entries, lookup
 from kprof.runners.worker import classify, measure_specs
 
@@ -82,6 +82,8 @@ def test_timing_strings():
     assert GPU_TIMING == "cupti;l2=cold;eager"
     assert timing_string("events", "cold", True) == "events;l2=cold;graph"
     assert timing_string("cupti", "warm", True) == "cupti;l2=warm;graph"
+    for timer, l2, graph in (("events", "cold", True), ("cupti", "warm", False), ("cpu-wall", "warm", False)):
+        assert parse_timing(timing_string(timer, l2, graph)) == (timer, l2, graph)
     with pytest.raises(ValueError, match="timer"):
         timing_string("wall", "cold", False)
     with pytest.raises(ValueError, match="l2"):
