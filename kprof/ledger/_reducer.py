@@ -17,6 +17,7 @@ updated in O(1) per change and does not depend on the order rows arrived in.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import msgspec
 from blake3 import blake3
@@ -154,6 +155,67 @@ class Reducer:
 
     def flush(self) -> None:
         for sid, (t, b, g, rows, acc, contracts) in self._scopes.items():
-            acc %= MOD  # new rows add their terms unreduced (see apply)
-            self.store.put("scopes", sid, _codec.encode([t, b, g, rows, acc.to_bytes(32, "big"), contracts]))
+            self.store.put("scopes", sid, scope_value(t, b, g, rows, acc, contracts))
         self._scopes.clear()
+
+
+def scope_value(table: str, backend: str, gpu_key: str, rows: int, acc: int, contracts: list) -> bytes:
+    """A `scopes` entry; `acc` may be unreduced (new rows add their terms without the modulo)."""
+    return _codec.encode([table, backend, gpu_key, rows, (acc % MOD).to_bytes(32, "big"), contracts])
+
+
+class NewRows(NamedTuple):
+    """What a batch of new events of distinct keys writes, computed before any transaction: what
+    `Reducer.apply` does for an event whose id and key are not in the ledger, done for a whole batch.
+
+    Only the sequence numbers depend on the ledger (the log and history keys take them in the transaction),
+    and the scope entries, to which `scopes` adds its rows, terms and contract ids. A property test holds
+    batches appended this way equal to the same events appended one by one through `Reducer.apply`.
+    """
+
+    eids: list[bytes]  # log order
+    events: list[tuple[bytes, bytes]]  # (event id, bytes), sorted: each B-tree page is visited once
+    current: list[tuple[bytes, bytes]]  # (key, row), sorted
+    history: list[tuple[bytes, int, bytes]]  # (key, position in the batch from 1, event id), by key
+    scope_index: list[tuple[bytes, bytes]]  # sorted
+    failures: list[tuple[bytes, bytes]]  # sorted
+    scopes: dict[bytes, list]  # scope id -> [table, backend, gpu_key, rows added, terms added, contract ids]
+
+
+def new_rows(prepared: list[tuple]) -> NewRows | None:
+    """The NewRows of (event, bytes, event id) triples; None when the batch holds a retraction, or an
+    event id or key twice (those batches go through `Reducer.apply`, reading the ledger first)."""
+    encode = _codec.encode
+    eids = [eid for _e, _d, eid in prepared]
+    keys = [event.key for event, _d, _eid in prepared]
+    if len(set(keys)) != len(keys) or len(set(eids)) != len(eids):
+        return None
+    current, scope_index, failures = [], [], []
+    scopes: dict[bytes, list] = {}
+    sids: dict[tuple, bytes] = {}
+    contracts: dict[tuple, bytes] = {}
+    for event, _data, eid in prepared:
+        kind = KIND[type(event)]
+        if kind == RETRACTED:
+            return None
+        prov, key = event.provenance, event.key
+        names = (prov.table, prov.backend, prov.gpu_key)
+        sid = sids.get(names)
+        if sid is None:
+            sid = sids[names] = _codec.scope_id(*names)
+            scopes[sid] = [*names, 0, 0, set()]
+        entry = scopes[sid]
+        contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
+        cid = contracts.get(contract)
+        if cid is None:
+            cid = contracts[contract] = contract_id(prov)
+        entry[5].add(cid)
+        entry[3] += 1
+        entry[4] += row_term(key, eid)
+        scope_index.append((sid + _codec.shape_id(encode(prov.shape)) + key, b""))
+        if kind == FAILED:
+            failures.append((key, eid))
+        current.append((key, kind + eid + encode(summary_of(event))))
+    by_key = sorted(range(len(keys)), key=keys.__getitem__)
+    return NewRows(eids, sorted(zip(eids, [data for _e, data, _eid in prepared])), sorted(current),
+                   [(keys[i], i + 1, eids[i]) for i in by_key], sorted(scope_index), sorted(failures), scopes)

@@ -13,6 +13,7 @@ import os
 import time
 import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable, Iterator, NamedTuple
 
@@ -21,7 +22,7 @@ import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
 from . import _codec
-from ._reducer import Reducer, pack_seq, unpack_seq
+from ._reducer import NewRows, Reducer, new_rows, pack_seq, scope_value, unpack_seq
 from .events import Failed, Measured, Retracted
 
 __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path"]
@@ -76,7 +77,7 @@ _DELETED = object()
 
 
 class _NotNew(Exception):
-    """A batch presumed new holds an event or a key already in the ledger (see Ledger._append_txn)."""
+    """A batch written as all-new holds an event or a key already in the ledger (see Ledger._append_new)."""
 
 
 class _TxnStore:
@@ -87,14 +88,7 @@ class _TxnStore:
         self.txn, self.dbs = txn, dbs
         self.pending: dict[str, dict] = {name: {} for name in dbs}
         self.deleting: set[str] = set()  # the dbs with a deletion pending
-        self.presumed: set[str] = set()  # the dbs whose read-ahead keys were presumed absent, not read
         self.known: dict[str, tuple[set, dict]] = {}  # db -> (keys read ahead, the values found among them)
-
-    def presume_absent(self, db: str, keys) -> None:
-        """Answers gets of `keys` of `db` with None without reading them; the flush then inserts into `db`
-        without overwriting and raises _NotNew if any of its keys was there after all."""
-        self.known[db] = (set(keys), {})
-        self.presumed.add(db)
 
     def read_ahead(self, db: str, keys) -> None:
         """Reads `keys` of `db` in one sorted pass (sorted keys share B-tree pages: far fewer page visits
@@ -129,14 +123,10 @@ class _TxnStore:
                 for k in [k for k, v in puts if v is _DELETED]:
                     txn.delete(k, db=handle)
                 puts = [item for item in puts if item[1] is not _DELETED]
-            if db in self.presumed:
-                if txn.cursor(handle).putmulti(puts, overwrite=False)[1] != len(puts):
-                    raise _NotNew(db)
-            elif puts:
+            if puts:
                 txn.cursor(handle).putmulti(puts, append=db == "log")
             buf.clear()
         self.deleting.clear()
-        self.presumed.clear()
         self.known.clear()  # what was read ahead may have been written since: read the transaction again
 
     def history(self, key):
@@ -305,6 +295,39 @@ class Ledger:
         Every event's key is recomputed from its provenance first: a batch with a wrong key is refused
         whole, before anything is written.
         """
+        return self._write_batch(self._prepare(events))
+
+    def append_batches(self, batches: Iterable[Iterable]) -> list[AppendResult]:
+        """Appends each batch in its own transaction, in order: `append` per batch, pipelined. While one
+        batch is written and synced to disk (LMDB syncs with the GIL released), the next one is encoded,
+        hashed and checked in this thread, so a bulk import spends its CPU time inside the disk's.
+
+        A refused batch (a wrong key, say) raises once every batch before it has committed; nothing of it
+        or of the batches after it is written. Returns one AppendResult per batch.
+        """
+        self._guard()
+        results: list[AppendResult] = []
+        with ThreadPoolExecutor(1, thread_name_prefix="kprof-ledger-writer") as writer:
+            pending = None
+            try:
+                for events in batches:
+                    prepared = self._prepare(events)
+                    if pending is not None:
+                        results.append(pending.result())
+                    pending = writer.submit(self._write_batch, prepared)
+            except BaseException as exc:
+                # The batch being written finishes first; if it failed too, that is what the caller must see.
+                failed = pending.exception() if pending is not None else None
+                if failed is not None and failed is not exc:
+                    raise failed from exc
+                raise
+            if pending is not None:
+                results.append(pending.result())
+        return results
+
+    def _prepare(self, events: Iterable) -> tuple[list[tuple], NewRows | None]:
+        """(event, canonical bytes, event id) per event, every key verified against its provenance, and the
+        batch's rows as an all-new batch would write them (None where it cannot be one)."""
         prepared = []
         for event in events:
             data = _codec.event_bytes(event)
@@ -317,29 +340,58 @@ class Ledger:
             if _codec.provenance_key(event.provenance) != event.key:
                 raise IntegrityError(f"event {eid.hex()[:16]} carries key {event.key.hex()[:16]}, but its "
                                      f"provenance hashes to another key; build events with kprof.ledger.build")
-        if not any(type(event) is Retracted for event, _d, _eid in prepared):
+        return prepared, new_rows(prepared)
+
+    def _write_batch(self, batch: tuple[list[tuple], NewRows | None]) -> AppendResult:
+        prepared, rows = batch
+        if rows is not None:
             try:  # the common batch: new events of new keys; found out at the inserts, not by reading first
-                return self.write(lambda txn: self._append_txn(txn, prepared, presume_new=True))
+                return self.write(lambda txn: self._append_new(txn, rows))
             except _NotNew:
                 pass  # the transaction was aborted: nothing of it was written
         return self.write(lambda txn: self._append_txn(txn, prepared))
 
-    def _append_txn(self, txn, prepared, presume_new: bool = False) -> AppendResult:
-        """With `presume_new`, the batch's event ids and keys are taken to be absent from the ledger without
-        reading them: the inserts of `events` and `current` then refuse to overwrite, and any entry found
-        there raises _NotNew, which aborts the transaction (the caller appends again, reading first)."""
+    def _append_new(self, txn, rows: NewRows) -> AppendResult:
+        """Writes a batch taken to be all-new: its rows were computed before the transaction, so the write
+        lock is held for the inserts alone. The `events` and `current` inserts refuse to overwrite; any event
+        or key found there raises _NotNew, which aborts the transaction (the caller appends again, reading
+        first)."""
+        dbs, cursor = self.dbs, txn.cursor
+        n = len(rows.eids)
+        for db, items in (("events", rows.events), ("current", rows.current)):
+            if cursor(dbs[db]).putmulti(items, overwrite=False)[1] != n:
+                raise _NotNew(db)
+        meta = dbs["meta"]
+        seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
+        cursor(dbs["log"]).putmulti([(pack_seq(seq + i), eid) for i, eid in enumerate(rows.eids, 1)], append=True)
+        cursor(dbs["history"]).putmulti([(key + pack_seq(seq + i), eid) for key, i, eid in rows.history])
+        cursor(dbs["scope_index"]).putmulti(rows.scope_index)
+        if rows.failures:
+            cursor(dbs["failures"]).putmulti(rows.failures)
+        scopes = dbs["scopes"]
+        for sid, (table, backend, gpu_key, added, terms, cids) in rows.scopes.items():
+            raw = txn.get(sid, db=scopes)
+            rows_, acc, contracts = 0, 0, []
+            if raw is not None:
+                _t, _b, _g, rows_, acc_bytes, contracts = msgspec.msgpack.decode(raw)
+                acc = int.from_bytes(acc_bytes, "big")
+            txn.put(sid, scope_value(table, backend, gpu_key, rows_ + added, acc + terms,
+                                     sorted(cids.union(contracts))), db=scopes)
+        txn.put(b"last_seq", _codec.encode(seq + n), db=meta)
+        return AppendResult(list(rows.eids), [], seq + n)
+
+    def _append_txn(self, txn, prepared) -> AppendResult:
+        """Appends through `Reducer.apply`, reading the batch's event ids and keys first: any batch (repeats,
+        re-measurements, retractions)."""
         dbs = self.dbs
         meta = dbs["meta"]
         seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
         store = _TxnStore(txn, dbs)
         reducer = Reducer(store)
         added, existing = [], []
-        if presume_new:
-            store.presume_absent("events", [eid for _e, _d, eid in prepared])
-            store.presume_absent("current", [event.key for event, _d, _eid in prepared])
-        else:  # the batch's event ids and keys are read in two sorted passes, not one random get each
-            store.read_ahead("events", [eid for _e, _d, eid in prepared])
-            store.read_ahead("current", [event.key for event, _d, _eid in prepared])
+        # The batch's event ids and keys are read in two sorted passes, not one random get each.
+        store.read_ahead("events", [eid for _e, _d, eid in prepared])
+        store.read_ahead("current", [event.key for event, _d, _eid in prepared])
         for event, data, eid in prepared:
             if store.get("events", eid) is not None:
                 existing.append(eid)

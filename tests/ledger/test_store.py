@@ -45,15 +45,23 @@ def test_appends_in_any_batching_are_idempotent_and_root_is_order_independent(tm
     a.close(), b.close()
 
 
+def _mixed_event(i: int, s: int, kind: int):
+    """Event i of seed s: measured, or (kind 1) a failure of the same key."""
+    if kind == 0:
+        return synth.event(i, seed=s)
+    return failed(synth.event(i).provenance, "oom", f"attempt {s}", measured_at=1.8e9 + i + s)
+
+
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 2)), min_size=1, max_size=12),
-                min_size=1, max_size=8))
+@given(st.lists(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 2), st.integers(0, 1)), min_size=1,
+                         max_size=12), min_size=1, max_size=8))
 def test_batches_of_new_repeated_and_remeasured_events(tmp_path_factory, batches):
-    """Batches that mix new events, events already stored and new events of stored keys (each batch is first
-    tried as all-new, and appended again reading first when it is not): the ledger ends as if every event
-    had been appended alone, and audits clean."""
+    """Batches that mix new events, events already stored, new events of stored keys, failures and repeats
+    within the batch (each batch is first tried as all-new, and appended again reading first when it is
+    not), appended one call per batch and pipelined: the ledger ends as if every event had been appended
+    alone through the reducer, and audits clean."""
     d = tmp_path_factory.mktemp("l")
-    events = [[synth.event(i, seed=s) for i, s in batch] for batch in batches]
+    events = [[_mixed_event(*t) for t in batch] for batch in batches]
     a = Ledger.open(str(d / "a.db"))
     for batch in events:
         a.append(batch)
@@ -61,33 +69,69 @@ def test_batches_of_new_repeated_and_remeasured_events(tmp_path_factory, batches
     for batch in events:
         for ev in batch:
             b.append([ev])
+    c = Ledger.open(str(d / "c.db"))
+    results = c.append_batches(iter(events))
+    with c.read() as txn:  # one result per batch, and what they added is the log, in order
+        assert len(results) == len(events)
+        assert [eid for r in results for eid in r.added] == [eid for _seq, eid in txn.cursor(c.dbs["log"])]
     specs = [synth.spec(i) for i in range(13)]
-    assert synth.view(a).root == synth.view(b).root
-    assert [r.event_id for r in synth.view(a).get_many(specs)] == [r.event_id for r in synth.view(b).get_many(specs)]
-    assert a.last_seq == b.last_seq == len({(i, s) for batch in batches for i, s in batch})
-    a.close(), b.close()
-    report = audit(str(d / "a.db"))
-    assert report.ok, report.findings
+    want = [(r.status, r.event_id) for r in synth.view(b).get_many(specs)]
+    for other in (a, c):
+        assert synth.view(other).root == synth.view(b).root
+        assert [(r.status, r.event_id) for r in synth.view(other).get_many(specs)] == want
+        with other.read() as txn:  # every view, entry by entry, as the one-by-one reducer wrote it
+            for name in ("current", "scope_index", "history", "failures", "scopes", "log"):
+                mine = list(txn.cursor(other.dbs[name]))
+                with b.read() as txn_b:
+                    assert mine == list(txn_b.cursor(b.dbs[name])), name
+    assert a.last_seq == b.last_seq == c.last_seq == len(set(map(tuple, (t for batch in batches for t in batch))))
+    a.close(), b.close(), c.close()
+    for name in ("a.db", "c.db"):
+        report = audit(str(d / name))
+        assert report.ok, report.findings
 
 
 def test_a_new_batch_is_appended_without_reading_first_and_a_repeat_reads(ledger, monkeypatch):
     tries = []
-    original = Ledger._append_txn
-
-    def spy(self, txn, prepared, presume_new=False):
-        tries.append(presume_new)
-        return original(self, txn, prepared, presume_new)
-
-    monkeypatch.setattr(Ledger, "_append_txn", spy)
+    new, read_first = Ledger._append_new, Ledger._append_txn
+    monkeypatch.setattr(Ledger, "_append_new", lambda self, txn, rows: (tries.append("new"), new(self, txn, rows))[1])
+    monkeypatch.setattr(Ledger, "_append_txn", lambda self, txn, p: (tries.append("read"), read_first(self, txn, p))[1])
     ledger.append(list(synth.events(0, 5)))
-    assert tries == [True]
+    assert tries == ["new"]
     tries.clear()
     result = ledger.append([synth.event(9), synth.event(2)])  # one new, one stored: the first try is aborted
-    assert tries == [True, False] and len(result.added) == 1 and len(result.existing) == 1
+    assert tries == ["new", "read"] and len(result.added) == 1 and len(result.existing) == 1
     assert ledger.last_seq == 6
     tries.clear()
     ledger.append([synth.event(3, seed=1)])  # a new event of a stored key
-    assert tries == [True, False] and ledger.last_seq == 7
+    assert tries == ["new", "read"] and ledger.last_seq == 7
+    tries.clear()
+    ledger.append([synth.event(20), synth.event(20, seed=1)])  # one key twice: read first, never tried as new
+    assert tries == ["read"] and ledger.last_seq == 9
+
+
+def test_pipelined_batches_commit_in_order_and_a_refused_batch_stops_the_rest(ledger):
+    bad = msgspec.structs.replace(synth.event(100), key=b"\0" * 32)
+    batches = [list(synth.events(0, 10)), list(synth.events(10, 20)), [synth.event(30), bad], list(synth.events(40, 50))]
+    with pytest.raises(IntegrityError, match="provenance hashes to another key"):
+        ledger.append_batches(batches)
+    assert ledger.last_seq == 20  # the two batches before the refused one, whole; nothing of it or after
+    view = synth.view(ledger)
+    assert view.missing([synth.spec(i) for i in (0, 19, 30, 40)]) == [synth.spec(30), synth.spec(40)]
+    results = ledger.append_batches([list(synth.events(0, 20)), list(synth.events(20, 25))])
+    assert [(len(r.added), len(r.existing), r.last_seq) for r in results] == [(0, 20, 20), (5, 0, 25)]
+    assert ledger.append_batches([]) == []
+    assert audit(ledger.path).ok
+
+
+def test_a_failing_write_in_the_pipeline_is_what_the_caller_sees(ledger, monkeypatch):
+    def boom(self, batch):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(Ledger, "_write_batch", boom)
+    with pytest.raises(OSError, match="disk gone"):
+        ledger.append_batches([list(synth.events(0, 3)), list(synth.events(3, 6))])
+    assert ledger.last_seq == 0
 
 
 def test_root_changes_with_every_view_change_and_is_o1(ledger):
