@@ -21,7 +21,7 @@ import lmdb
 import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
-from . import _codec
+from . import _codec, _parallel
 from ._reducer import NewRows, Reducer, new_rows, pack_seq, scope_value, unpack_seq
 from .events import Failed, Measured, Retracted
 
@@ -60,6 +60,7 @@ def _release(real: str, env: lmdb.Environment) -> None:
         if shared[1] > 0:
             return
         del _envs[real]
+    _parallel.stop(real)  # the lookup helper of this file, if a large lookup started one
     env.close()
 
 

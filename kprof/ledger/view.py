@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import msgspec
 
-from . import _codec, _parallel
+from . import _codec, _lookup, _parallel
 from ._reducer import MEASURED, contract_id, root_of
 from .events import Contract, Provenance, Stats, Summary
 from .keys import KeyMaker, ShapeCodec
@@ -156,37 +156,27 @@ class View:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
         specs = specs if isinstance(specs, list) else list(specs)
         with self.ledger.read() as txn:
-            ok = None
-            if _parallel.worth_it(len(specs)):
-                flags = partial(self._ok_flags, txn)
-                head, tail = _parallel.split(specs, flags, flags)
-                ok = None if tail is None else head + tail
-            if ok is None:  # serial, or the child failed: redone whole, so an invalid spec is named by its index
-                ok = self._ok_flags(txn, specs)
+            halves = self._split(txn, "flags", specs, partial(self._ok_flags, txn))
+            # Answered here alone, or redone whole when the helper did not answer: an invalid spec is then
+            # named by its index in the whole list.
+            ok = self._ok_flags(txn, specs) if halves is None else halves[0] + halves[1]
         return list(compress(specs, map(not_, ok)))
 
     def count_missing(self, specs) -> int:
         return len(self.missing(specs))
 
-    def _ordered(self, txn, keys: list[bytes], default=None) -> tuple[list[bytes], Iterator]:
-        """(keys sorted, their current values or `default`, lazily). Sorted, consecutive keys share B-tree
-        pages, and the cursor finds a key on the page it already holds without descending again."""
-        ordered = sorted(keys)
-        return ordered, map(txn.cursor(self._current).get, ordered, repeat(default))
-
     def _ok_flags(self, txn, specs: list) -> bytes:
         """One byte per spec: 1 where its current row is measured (ok), else 0."""
-        keys = self.keys.keys_of(self.shapes.to_shapes(specs)[0])
-        ordered, values = self._ordered(txn, keys, b"")
-        ok = set(compress(ordered, map(bytes.startswith, values, repeat(MEASURED))))
-        return bytes(map(ok.__contains__, keys))
+        return self._shape_flags(txn, self.shapes.to_shapes(specs)[0])
+
+    def _shape_flags(self, txn, shapes: list) -> bytes:
+        return _lookup.measured_flags(txn.cursor(self._current), self.keys.keys_of(shapes))
 
     def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
         """(shapes, exact, keys, current value or None), one of each per spec."""
         shapes, exact = self.shapes.to_shapes(specs)
         keys = self.keys.keys_of(shapes)
-        found = dict(zip(*self._ordered(txn, keys)))
-        return shapes, exact, keys, list(map(found.get, keys))
+        return shapes, exact, keys, _lookup.values(txn.cursor(self._current), keys)
 
     def _canonical_values(self, txn, specs: list) -> tuple[list[bytes], list]:
         """(keys, current value or None) of canonical dict specs; raises _NotCanonical for others."""
@@ -197,34 +187,47 @@ class View:
             raise _NotCanonical
         return keys, values
 
+    def _split(self, txn, op: str, specs: list, head):
+        """(head(first part of the specs), the lookup helper's answer for the rest), or None: answer them all
+        here (see _parallel.split). Only a view whose args type the helper can import by name is split."""
+        args = self.shapes.args_type
+        if not _parallel.worth_it(len(specs)) or args is None or "<locals>" in args.__qualname__:
+            return None
+        request = [op, txn.id(), self.table, self.backend, self.gpu_key, _codec.encode(self.contract),
+                   args.__module__, args.__qualname__]
+        return _parallel.split(self.ledger.path, specs, head, request)
+
     def _head_rows(self, txn, specs: list) -> list[Row]:
-        """The parent's share of a split get_many, built into rows while the child still works."""
+        """This process's share of a split get_many, built into rows while the helper answers the rest."""
         keys, values = self._canonical_values(txn, specs)
         return self._build(txn, specs, keys, values, _summaries(values))
 
-    def _tail(self, txn, specs: list) -> bytes:
-        """The forked child's share as it sends it: keys, each value's head (kind + event id; None stays
-        None) and the found summaries spliced in as they are stored, so the parent decodes all in one call."""
-        keys, values = self._canonical_values(txn, specs)
+    def _tail(self, txn, shapes: list) -> bytes:
+        """The lookup helper's share of a get_many (canonical shapes) as it sends it: keys, each value's head
+        (kind + event id; None stays None) and the found summaries spliced in as they are stored, so the
+        requester decodes all in one call."""
+        keys = self.keys.keys_of(shapes)
+        values = _lookup.values(txn.cursor(self._current), keys)
         return _codec.encode((keys, [v and v[:33] for v in values], msgspec.Raw(_summary_array(values))))
 
     def _split_rows(self, txn, specs: list) -> list[Row] | None:
-        """The rows, the tail's looked up by a forked child while the parent builds the head's; None where
-        the serial path must answer (specs not all canonical dicts, or the child failed)."""
-        if self.shapes.args_type is None:  # every shape is converted
+        """The rows, the tail's looked up by the lookup helper while this process builds the head's; None
+        where the serial path must answer (not split, specs not all canonical dicts, or no answer)."""
+        if set(map(type, specs)) != {dict}:  # rows carry converted spec dicts, which only the serial path builds
             return None
         try:
-            rows, tail = _parallel.split(specs, partial(self._head_rows, txn), partial(self._tail, txn))
+            halves = self._split(txn, "tail", specs, partial(self._head_rows, txn))
         except _NotCanonical:
             return None
-        if tail is None:
+        if halves is None:
             return None
+        rows, tail = halves
         keys, heads, summaries = _tail_decoder.decode(tail)
         return rows + self._build(txn, specs[len(rows):], keys, heads, summaries)
 
     def _rows(self, txn, specs) -> list[Row]:
         specs = specs if isinstance(specs, list) else list(specs)
-        rows = self._split_rows(txn, specs) if _parallel.worth_it(len(specs)) else None
+        rows = self._split_rows(txn, specs)
         if rows is not None:
             return rows
         shapes, exact, keys, values = self._values(txn, specs)

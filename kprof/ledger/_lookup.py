@@ -1,0 +1,68 @@
+"""Bulk point lookups of 32-byte keys (provenance keys) in one LMDB sub-database.
+
+Keys are looked up in sorted order: consecutive sorted keys share the B-tree's upper pages, which then
+stay in the CPU caches, where random order misses at every level (about 2.5x slower on a 1M-row view).
+Sorting Python bytes objects compares them one pair at a time; from a few thousand keys on, the keys are
+instead ordered by their first 8 bytes with numpy (a blake3 key's bytes are uniform: ties are rare and
+harmless, since the order only serves locality), and the answers are put back in input order the same way.
+"""
+
+from __future__ import annotations
+
+from itertools import compress, repeat
+from typing import TYPE_CHECKING
+
+from ._reducer import MEASURED
+
+if TYPE_CHECKING:
+    import lmdb
+
+NUMPY_FROM = 4096  # below this, numpy's import and per-call overhead cost more than sorted() does
+KEY_BYTES = 32
+
+
+def _sorted(keys: list[bytes]):
+    """(keys in sorted order, the permutation as a numpy array) or None for short lists or other key sizes."""
+    if len(keys) < NUMPY_FROM:
+        return None
+    blob = b"".join(keys)
+    if len(blob) != KEY_BYTES * len(keys):
+        return None
+    import numpy as np
+
+    order = np.argsort(np.frombuffer(blob, ">u8")[:: KEY_BYTES // 8])
+    packed = np.frombuffer(blob, f"V{KEY_BYTES}")[order].tobytes()
+    ends = range(KEY_BYTES, len(packed) + KEY_BYTES, KEY_BYTES)
+    return list(map(packed.__getitem__, map(slice, range(0, len(packed), KEY_BYTES), ends))), order
+
+
+def measured_flags(cursor: "lmdb.Cursor", keys: list[bytes]) -> bytes:
+    """One byte per key: 1 where its value starts with the measured kind, else 0 (or absent)."""
+    by_key = _sorted(keys)
+    if by_key is None:
+        ordered = sorted(keys)
+        values = map(cursor.get, ordered, repeat(b""))
+        ok = set(compress(ordered, map(bytes.startswith, values, repeat(MEASURED))))
+        return bytes(map(ok.__contains__, keys))
+    import numpy as np
+
+    ordered, order = by_key
+    ok = bytes(map(bytes.startswith, map(cursor.get, ordered, repeat(b"")), repeat(MEASURED)))
+    flags = np.empty(len(keys), np.uint8)
+    flags[order] = np.frombuffer(ok, np.uint8)
+    return flags.tobytes()
+
+
+def values(cursor: "lmdb.Cursor", keys: list[bytes]) -> list:
+    """Each key's value, or None, in input order."""
+    by_key = _sorted(keys)
+    if by_key is None:
+        ordered = sorted(keys)
+        return list(map(dict(zip(ordered, map(cursor.get, ordered))).get, keys))
+    import numpy as np
+
+    ordered, order = by_key
+    found = list(map(cursor.get, ordered))
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return list(map(found.__getitem__, inverse.tolist()))
