@@ -46,6 +46,20 @@ class Findings:
             self.items.append(f"{check}: {text}")
 
 
+def sorted_keys(keys: list[bytes]) -> list[bytes]:
+    """The keys in byte order. Keys of one length are sorted by numpy as fixed-width strings (byte order:
+    trailing NULs, which numpy strips, sort first either way), in C; sorting Python bytes compares them
+    one pair at a time, through objects scattered over a heap of gigabytes (~7x slower on 500k keys)."""
+    width = len(keys[0]) if keys else 0
+    blob = b"".join(keys)
+    if not width or len(blob) != width * len(keys):
+        return sorted(keys)
+    import numpy as np
+
+    packed = np.sort(np.frombuffer(blob, f"S{width}")).tobytes()
+    return list(map(packed.__getitem__, map(slice, range(0, len(packed), width), range(width, len(packed) + width, width))))
+
+
 def key_of_bytes(data: bytes) -> bytes | None:
     """The key of an event from its canonical bytes without decoding them: every event kind encodes as a
     map whose first two entries are `type` (the tag) and `key` (32 bytes), in that order."""
@@ -329,8 +343,8 @@ class Shard:
         (the scope index, keyed by scope and shape first) has this shard's entries spread over all of it:
         they are looked up, in key order, rather than the whole view read."""
         if not ranged:
-            wanted = sorted(rebuilt.items())  # keys are unique: values are never compared
-            return cursor.getmulti([k for k, _v in wanted]) == wanted
+            ordered = sorted_keys(list(rebuilt))
+            return cursor.getmulti(ordered) == list(zip(ordered, map(rebuilt.__getitem__, ordered)))
         if not (cursor.set_range(self.lo) if self.lo else cursor.first()):
             return not rebuilt
         stored = dict(islice(cursor, len(rebuilt)))

@@ -87,3 +87,21 @@ def test_meta_last_seq_disagrees_with_the_log(ledger_path):
         led.write(lambda txn: txn.put(b"last_seq", _codec.encode(7), db=led.dbs["meta"]))
     report = audit(ledger_path)
     assert report.findings == ["log: meta says last_seq 7, log ends at 4"], report.findings
+
+
+def test_sorted_keys_is_byte_order():
+    """The audit sorts a shard's scope-index entries with numpy as fixed-width strings: NUL bytes, which numpy
+    strips at the end of a string, still sort as bytes do."""
+    import os
+    import random
+
+    from kprof.ledger._audit_worker import sorted_keys
+
+    rng = random.Random(2)
+    keys = [os.urandom(64) for _ in range(2000)]
+    keys += [b"\0" * 64, b"\0" * 63 + b"\1", b"\1" + b"\0" * 63, b"a" + b"\0" * 63, b"a" * 64]
+    keys += [k[:40] + b"\0" * 24 for k in keys[:50]] + [k[:40] + b"\0" * 23 + b"\1" for k in keys[:50]]
+    rng.shuffle(keys)
+    assert sorted_keys(keys) == sorted(keys)
+    assert sorted_keys([b"ab", b"a", b"b"]) == [b"a", b"ab", b"b"]  # mixed lengths: sorted() itself
+    assert sorted_keys([]) == []
