@@ -99,9 +99,12 @@ class Helper:
         self.ready = False
         self.broken = False
         self.served = 0  # tails answered (tests read it)
+        # The helper imports this very kprof, wherever it was imported from here.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen([sys.executable, "-m", "kprof.ledger._lookup_helper", path],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     bufsize=0, close_fds=True)
+                                     bufsize=0, close_fds=True, env=env)
         for stream in (self.proc.stdin, self.proc.stdout):
             _widen(stream.fileno())
 
@@ -145,33 +148,49 @@ class Helper:
         return frame[1:]
 
     def close(self) -> None:
+        """Stops the helper: end of file on its stdin, which an idle helper answers by exiting. One still
+        starting (or busy past a timeout) is killed: it holds no transaction between requests, so no
+        snapshot is left pinned, and nobody waits for its imports."""
+        self._close_pipes()
+        try:
+            self.proc.wait(timeout=1 if self.ready else 0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _close_pipes(self) -> None:
         for stream in (self.proc.stdin, self.proc.stdout):
             try:
                 stream.close()
             except OSError:
                 pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 _helpers: dict[str, Helper] = {}  # real path of the ledger file -> its helper
+_never: set[str] = set()  # files whose helper died before it was ready: not started again by this process
 _inherited: list[Helper] = []  # a forked child keeps its parent's helpers referenced, and never uses them
 _lock = threading.Lock()
+start_helpers = True  # one-shot commands (the CLI) set this off: a helper would start after their only lookup
 
 
 def helper_for(path: str, wait: float = 0.0) -> Helper | None:
-    """The ready helper for a ledger file; starts one (and returns None) where there is none yet."""
+    """The ready helper for a ledger file; starts one (and returns None) where there is none yet. A helper
+    that died after it was ready (killed, say) is replaced; one that never got ready is not retried."""
     real = os.path.realpath(path)
     with _lock:
         helper = _helpers.get(real)
-        if helper is None or helper.broken:
-            if helper is not None:
-                helper.close()
+        if helper is not None and helper.broken:
+            del _helpers[real]
+            if not helper.ready:
+                _never.add(real)
+            helper.close()
+            helper = None
+        if helper is None:
+            if not start_helpers or real in _never:
+                return None
             helper = _helpers[real] = Helper(real)
-    return helper if helper.usable(wait) else None
+        usable = helper.usable(wait)  # under the lock: only one thread reads the ready byte
+    return helper if usable else None
 
 
 def stop(path: str) -> None:
@@ -188,6 +207,10 @@ def stop_all() -> None:
 
 
 def _forget_after_fork() -> None:
+    """In a forked child: the parent's helpers are not this process's. Its copies of their pipes are closed
+    (so a helper still sees end of file when the parent dies), the objects kept, never used nor reaped."""
+    for helper in _helpers.values():
+        helper._close_pipes()
     _inherited.extend(_helpers.values())
     _helpers.clear()
 

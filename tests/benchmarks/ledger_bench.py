@@ -215,12 +215,20 @@ def _best(fn, repeat: int):
     return min(times), times, out
 
 
-def _peak_rss_mib() -> float:
-    """Peak RSS of this process, MiB. On Linux ru_maxrss carries over fork + exec (a child started by a
-    big parent reports at least the parent's peak), so VmHWM, the peak of this process's own address
-    space, is read instead where /proc has it."""
+def _status_mib(pid: int, field: str) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    return 0.0
+
+
+def _peak_rss_mib(pid: int | None = None) -> float:
+    """Peak RSS of this process (or of pid), MiB. On Linux ru_maxrss carries over fork + exec (a child
+    started by a big parent reports at least the parent's peak), so VmHWM, the peak of the process's own
+    address space, is read instead where /proc has it."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid or 'self'}/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024  # kB
@@ -232,12 +240,21 @@ def _peak_rss_mib() -> float:
 def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
     from kprof.ledger import Ledger, synth
 
+    from kprof.ledger import _parallel
+
     specs, present = lookup_specs(n, q, seed)
     ledger = Ledger.open(path, readonly=True)
     try:
         view = synth.view(ledger)
-        view.get_many(specs[:1000])  # warm-up
-        view.missing(specs[:1000])
+        # The first full-size lookups of the process: they start the lookup helper and answer alone. Then
+        # the steady state of a long-lived reader (a simulator) is timed: its helper is up, both processes
+        # have the map's pages mapped. The first calls' times are reported beside it.
+        first_g, _t, _rows = _best(lambda: view.get_many(specs), 1)
+        first_m, _t, _todo = _best(lambda: view.missing(specs), 1)
+        del _rows, _todo
+        helper_ready = _parallel.helper_for(path, wait=60) is not None and _parallel.worth_it(q)
+        view.get_many(specs)
+        view.missing(specs)
 
         best_g, times_g, rows = _best(lambda: view.get_many(specs), repeat)
         ok = sum(1 for r in rows if r.status == "ok")
@@ -276,11 +293,19 @@ def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
             best_s, times_s, found = _best(sorted_ceiling, repeat)
             if found != present:
                 raise SystemExit(f"py-lmdb sorted ceiling found {found}, expected {present}")
+        # The helper's own memory at its peak: its peak RSS less the mapped file pages it holds, which are
+        # the same page-cache pages this process maps (counted once, in this process's peak RSS).
+        helper = _parallel._helpers.get(os.path.realpath(path))
+        helper_rss = 0.0
+        if helper is not None and helper.proc.poll() is None:
+            helper_rss = _peak_rss_mib(helper.proc.pid) - _status_mib(helper.proc.pid, "RssFile")
     finally:
         ledger.close()
     return {
         "get_many_per_s": q / best_g, "get_many_times": times_g,
         "missing_per_s": q / best_m, "missing_times": times_m,
+        "first_get_many_per_s": q / first_g, "first_missing_per_s": q / first_m, "helper": helper_ready,
+        "helper_peak_rss_mib": helper_rss,  # its peak RSS less the mapped ledger pages it shares
         "ceiling_per_s": q / best_c, "ceiling_times": times_c,
         "sorted_ceiling_per_s": q / best_s, "sorted_ceiling_times": times_s,
         "peak_rss_mib": _peak_rss_mib(),
@@ -339,6 +364,8 @@ def lookup_sqlite(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
         _sqlite_get_many(con, keyof, decode, sample, chunk)
         sweep[chunk] = len(sample) / _best(lambda: _sqlite_get_many(con, keyof, decode, sample, chunk), 2)[0]
     chunk = max(sweep, key=sweep.get)
+    _sqlite_get_many(con, keyof, decode, specs, chunk)  # full-size warm-up, as kprof's
+    _sqlite_missing(con, keyof, specs, chunk)
 
     best_g, times_g, rows = _best(lambda: _sqlite_get_many(con, keyof, decode, specs, chunk), repeat)
     ok = sum(1 for r in rows if r[1] == "ok")
@@ -445,6 +472,11 @@ def build_table(fig: dict) -> list[tuple[str, str, str, str, str, str]]:
     r = ratio(k["missing_per_s"], s["missing_per_s"])
     rows.append(("missing specs/s", _fmt(k["missing_per_s"], "rate"), _fmt(s["missing_per_s"], "rate"),
                  f"{r:.2f}x", "≥ 500,000/s", verdict(k["missing_per_s"] >= 500_000)))
+    if "first_get_many_per_s" in k:
+        rows.append(("first get_many of a process", _fmt(k["first_get_many_per_s"], "rate"), "—", "—",
+                     "(reference)", "—"))
+        rows.append(("first missing of a process", _fmt(k["first_missing_per_s"], "rate"), "—", "—",
+                     "(reference)", "—"))
     r = ratio(k["get_many_per_s"], k["ceiling_per_s"])
     rows.append(("py-lmdb ceiling gets/s", _fmt(k["ceiling_per_s"], "rate"), "—",
                  f"get_many at {r:.0%}", "(reference)", "—"))
@@ -456,9 +488,10 @@ def build_table(fig: dict) -> list[tuple[str, str, str, str, str, str]]:
     r = ratio(k["bytes_per_event"], s["bytes_per_event"])
     rows.append(("bytes on disk / event", _fmt(k["bytes_per_event"], "B"), _fmt(s["bytes_per_event"], "B"),
                  f"{r:.2f}x", "(lower is better)", "—"))
-    r = ratio(k["lookup_peak_rss_mib"], s["lookup_peak_rss_mib"])
-    rows.append(("lookup peak RSS", _fmt(k["lookup_peak_rss_mib"], "MiB"), _fmt(s["lookup_peak_rss_mib"], "MiB"),
-                 f"{r:.2f}x", "≤ 1024 MiB", verdict(k["lookup_peak_rss_mib"] <= 1024)))
+    rss = k["lookup_peak_rss_mib"] + k.get("helper_peak_rss_mib", 0.0)  # with the helper's own memory
+    r = ratio(rss, s["lookup_peak_rss_mib"])
+    rows.append(("lookup peak RSS (+ helper)", _fmt(rss, "MiB"), _fmt(s["lookup_peak_rss_mib"], "MiB"),
+                 f"{r:.2f}x", "≤ 1024 MiB", verdict(rss <= 1024)))
     return rows
 
 

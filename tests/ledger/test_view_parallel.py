@@ -214,3 +214,36 @@ def test_summaries_survive_the_pipe(view, helper):
     for i, row in enumerate(rows):
         if row.status == "ok":
             assert msgspec.to_builtins(row.summary.metrics) == synth.event(i).metrics
+
+
+def test_a_helper_that_never_gets_ready_is_not_started_again(view, specs, monkeypatch):
+    monkeypatch.setattr(_parallel, "worth_it", lambda n: n >= 2)
+    monkeypatch.setattr(_parallel, "_never", set())
+    started = []
+
+    class Failing(_parallel.Helper):
+        def __init__(self, path):
+            started.append(path)
+            super().__init__(path)
+            self.proc.kill()  # dies before its ready byte, as a helper that cannot import kprof would
+
+    monkeypatch.setattr(_parallel, "Helper", Failing)
+    for _ in range(3):
+        assert view.missing(specs) == serial(lambda: view.missing(specs))
+        _parallel.helper_for(view.ledger.path, wait=5)
+    assert len(started) == 1
+
+
+def test_a_verb_of_the_cli_starts_no_helper(view, specs, tmp_path, monkeypatch):
+    import json
+
+    from kprof.cli import main
+
+    monkeypatch.setattr(_parallel, "worth_it", lambda n: n >= 2)
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps(specs))
+    args = ["count-missing", synth.TABLE, "--backend", "torch-cpu", "--specs", str(path), "--db", view.ledger.path,
+            "--gpu-name", synth.GPU, "--json"]
+    with mock.patch.object(_parallel, "Helper", side_effect=AssertionError("a helper was started")):
+        assert main(args) == 0
+    assert _parallel.start_helpers
