@@ -39,12 +39,12 @@ invocation: list[str] = []  # the arguments of the verb now running, for the rec
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
-    from ..ledger import _parallel
+    from .. import _process
 
     argv = sys.argv[1:] if argv is None else list(argv)
     invocation[:] = argv
-    starting = _parallel.start_helpers
-    _parallel.start_helpers = False  # a verb looks up once: a lookup helper would start after it was needed
+    one_shot = _process.one_shot
+    _process.one_shot = True  # a verb looks up once: no lookup helper (kprof.ledger._parallel) is started
     try:
         result = app(argv)
     except CycloptsError:
@@ -55,5 +55,5 @@ def main(argv: list[str] | None = None) -> int:
         error(str(exc))
         return exc.exit_code
     finally:
-        _parallel.start_helpers = starting
+        _process.one_shot = one_shot
     return result if isinstance(result, int) else 0

@@ -30,6 +30,8 @@ from typing import Any
 
 import msgspec
 
+from .. import _process
+
 MIN_ITEMS = 40_000  # below this, sending the specs and their answers costs about what half the work saves
 # This process's share of a split lookup, per helper op. The helper decodes the request straight into
 # canonical shapes, and this process decodes the answer of a get_many and builds its rows; on the 2-core VM
@@ -170,7 +172,6 @@ _helpers: dict[str, Helper] = {}  # real path of the ledger file -> its helper
 _never: set[str] = set()  # files whose helper died before it was ready: not started again by this process
 _inherited: list[Helper] = []  # a forked child keeps its parent's helpers referenced, and never uses them
 _lock = threading.Lock()
-start_helpers = True  # one-shot commands (the CLI) set this off: a helper would start after their only lookup
 
 
 def helper_for(path: str, wait: float = 0.0) -> Helper | None:
@@ -186,7 +187,7 @@ def helper_for(path: str, wait: float = 0.0) -> Helper | None:
             helper.close()
             helper = None
         if helper is None:
-            if not start_helpers or real in _never:
+            if _process.one_shot or real in _never:  # a CLI verb: a helper would start after its only lookup
                 return None
             helper = _helpers[real] = Helper(real)
         usable = helper.usable(wait)  # under the lock: only one thread reads the ready byte
