@@ -3,11 +3,12 @@
 It opens the ledger read-only, writes one READY byte, then answers requests on stdin until end of file.
 A request is one frame (8-byte big-endian length, then msgpack):
 
-    [op, txn id, table, backend, gpu key, contract, args module, args qualname, specs]
+    [op, [ledger id, txn id, last seq], table, backend, gpu key, contract, args module, args qualname, specs]
 
 op "flags" answers View._ok_flags of the specs, op "tail" View._tail. The answer is one frame: a tag
 byte and its payload: OK and the bytes, MOVED when this process's read transaction is not the requester's
-snapshot, or REFUSED and the reason for anything else (an invalid spec, specs that are not canonical, an
+snapshot (another transaction, or another file with the same transaction id), or REFUSED and the reason
+for anything else (an invalid spec, specs that are not canonical, an
 args type that cannot be imported here).
 """
 
@@ -23,7 +24,7 @@ from .events import Contract
 from .store import Ledger
 
 _contract = msgspec.msgpack.Decoder(Contract)
-_request = msgspec.msgpack.Decoder(tuple[str, int, str, str, str, bytes, str, str, msgspec.Raw])
+_request = msgspec.msgpack.Decoder(tuple[str, tuple[bytes, int, bytes], str, str, str, bytes, str, str, msgspec.Raw])
 
 
 def _args_type(module: str, qualname: str) -> type:
@@ -42,14 +43,15 @@ def serve(path: str, stdin, stdout) -> None:
     stdout.flush()
     while (frame := read_frame(stdin)) is not None:
         try:
-            op, txn_id, table, backend, gpu_key, contract, module, qualname, specs = _request.decode(frame)
+            op, snapshot, table, backend, gpu_key, contract, module, qualname, specs = _request.decode(frame)
             config = (table, backend, gpu_key, contract, module, qualname)
             view = views.get(config)
             if view is None:
                 view = views[config] = ledger.view(table, backend, gpu_key, contract=_contract.decode(contract),
                                                    args_type=_args_type(module, qualname))
             with ledger.read() as txn:
-                if txn.id() != txn_id:
+                meta = ledger.dbs["meta"]
+                if [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)] != list(snapshot):
                     tag, payload = MOVED, b""
                 elif op in ("flags", "tail"):
                     # Decoded straight into canonical shapes; a spec that needs normalizing (an int given as

@@ -151,6 +151,7 @@ class Ledger:
 
     def __init__(self, path: str, env: lmdb.Environment, readonly: bool):
         self.path, self.env, self.readonly = path, env, readonly
+        self.real_path = os.path.realpath(path)  # as resolved at opening: the process may change directory
         self._pid = os.getpid()
         self._forked = False
         self._closed = False
@@ -445,7 +446,7 @@ class Ledger:
 
     def close(self) -> None:
         if not self._forked and os.getpid() == self._pid and not self._closed:
-            _release(os.path.realpath(self.path), self.env)
+            _release(self.real_path, self.env)
         self._closed = True
         _live.discard(self)
 

@@ -193,9 +193,13 @@ class View:
         args = self.shapes.args_type
         if not _parallel.worth_it(len(specs)) or args is None or "<locals>" in args.__qualname__:
             return None
-        request = [op, txn.id(), self.table, self.backend, self.gpu_key, _codec.encode(self.contract),
+        # The snapshot, named so the helper can tell it sees the very same one: this file (its ledger id, a
+        # file put in its place has another), at this transaction, holding this many events.
+        meta = self.ledger.dbs["meta"]
+        snapshot = [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)]
+        request = [op, snapshot, self.table, self.backend, self.gpu_key, _codec.encode(self.contract),
                    args.__module__, args.__qualname__]
-        return _parallel.split(self.ledger.path, specs, head, request)
+        return _parallel.split(self.ledger.real_path, specs, head, request)
 
     def _head_rows(self, txn, specs: list) -> list[Row]:
         """This process's share of a split get_many, built into rows while the helper answers the rest."""

@@ -249,3 +249,21 @@ def test_a_verb_of_the_cli_starts_no_helper(view, specs, tmp_path, monkeypatch):
     from kprof import _process
 
     assert not _process.one_shot  # restored when the verb returns
+
+
+def test_the_helper_answers_only_the_very_snapshot_it_was_asked_about(view, specs, helper):
+    """A request names its snapshot by ledger id, transaction id and last sequence number: a file put in the
+    ledger's place could repeat the transaction id, never the ledger id."""
+    ledger = view.ledger
+    with ledger.read() as txn:
+        meta = ledger.dbs["meta"]
+        snapshot = [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)]
+    config = [view.table, view.backend, view.gpu_key, msgspec.msgpack.encode(view.contract),
+              synth.SynthArgs.__module__, synth.SynthArgs.__qualname__, specs]
+    with ledger.read() as txn:
+        want = view._ok_flags(txn, specs)
+    for other in ([msgspec.msgpack.encode("another ledger"), *snapshot[1:]], [snapshot[0], snapshot[1] + 1, snapshot[2]],
+                  [*snapshot[:2], msgspec.msgpack.encode(10**6)]):
+        assert helper.ask(["flags", other, *config]) and helper.answer() is None
+    assert helper.ask(["flags", snapshot, *config]) and bytes(helper.answer()) == want
+    assert helper.served == 1
