@@ -8,9 +8,10 @@ and shares this process's heap copy-on-write, so it takes a page fault for nearl
 on the 2-core VM kprof is sized for a fault costs ~6 µs, and the forked half ran twice as slow as serial
 code (the split gained nothing on `missing`). The helper pays its faults once.
 
-One snapshot: a request carries the id of this process's read transaction, and the helper answers only from
-a read transaction with the same id (the same committed state); otherwise it says so, and this process
-answers the tail itself. The helper holds no transaction between requests, so it never pins old pages.
+One snapshot: a request names this process's read snapshot (the ledger's id, the transaction id, the last
+sequence number), and the helper answers only from a read transaction that names the same (the same
+committed state of the same file); otherwise it says so, and this process answers the tail itself. The
+helper holds no transaction between requests, so it never pins old pages.
 
 Lifecycle: the first lookup large enough to split starts the helper in the background and is answered here
 alone; later lookups use the helper once it has said it is ready. It is stopped when the ledger's environment
@@ -45,8 +46,8 @@ _encode = msgspec.msgpack.encode
 
 
 def worth_it(n: int) -> bool:
-    """Whether to split n items: enough of them, and a second usable core."""
-    return n >= MIN_ITEMS and _cores() > 1
+    """Whether to split n items: enough of them, a second usable core, and pipes `select` can wait on."""
+    return n >= MIN_ITEMS and sys.platform != "win32" and _cores() > 1
 
 
 def _cores() -> int:
@@ -61,8 +62,10 @@ PIPE_BYTES = 1 << 20  # answers run to megabytes: a larger pipe means fewer swit
 
 def write_frame(stream, payload: bytes, tag: bytes = b"") -> None:
     """A frame: 8-byte big-endian length of tag + payload, the tag, the payload (written as is: no copy)."""
-    stream.write((len(tag) + len(payload)).to_bytes(8, "big") + tag)
-    stream.write(payload)
+    for part in ((len(tag) + len(payload)).to_bytes(8, "big") + tag, payload):
+        view = memoryview(part)
+        while view:  # an unbuffered pipe may take part of a write
+            view = view[stream.write(view):]
     stream.flush()
 
 

@@ -217,8 +217,8 @@ class View:
     def _split_rows(self, txn, specs: list) -> list[Row] | None:
         """The rows, the tail's looked up by the lookup helper while this process builds the head's; None
         where the serial path must answer (not split, specs not all canonical dicts, or no answer)."""
-        if set(map(type, specs)) != {dict}:  # rows carry converted spec dicts, which only the serial path builds
-            return None
+        if not _parallel.worth_it(len(specs)) or set(map(type, specs)) != {dict}:
+            return None  # rows of specs that are not dicts carry converted dicts, which only the serial path builds
         try:
             halves = self._split(txn, "tail", specs, partial(self._head_rows, txn))
         except _NotCanonical:
