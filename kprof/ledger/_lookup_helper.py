@@ -37,6 +37,8 @@ def _args_type(module: str, qualname: str) -> type:
 
 
 def serve(path: str, stdin, stdout) -> None:
+    import numpy  # noqa: F401  (bulk lookups sort with it: imported before the first request, not during it)
+
     ledger = Ledger.open(path, readonly=True)
     views: dict[tuple, object] = {}
     stdout.write(READY)

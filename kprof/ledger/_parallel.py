@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import select
-import subprocess
 import sys
 import threading
 from typing import Any
@@ -99,6 +97,8 @@ class Helper:
     (another thread's lookup) answers alone."""
 
     def __init__(self, path: str):
+        import subprocess  # here, not at import: a CLI verb's start-up does not pay for it
+
         self.path = path
         self.lock = threading.Lock()
         self.ready = False
@@ -117,6 +117,8 @@ class Helper:
         """Whether the helper has opened the ledger and is alive; never blocks longer than `wait` seconds."""
         if self.ready or self.broken:
             return self.ready and not self.broken
+        import select
+
         if select.select([self.proc.stdout], [], [], wait)[0]:
             if self.proc.stdout.read(1) == READY:
                 self.ready = True
@@ -139,6 +141,8 @@ class Helper:
 
     def answer(self) -> memoryview | None:
         """The answer's bytes; None when the helper refused the request, found another snapshot, or died."""
+        import select
+
         if not select.select([self.proc.stdout], [], [], ANSWER_TIMEOUT_S)[0]:
             self.broken = True
             self.proc.kill()
@@ -156,6 +160,8 @@ class Helper:
         """Stops the helper: end of file on its stdin, which an idle helper answers by exiting. One still
         starting (or busy past a timeout) is killed: it holds no transaction between requests, so no
         snapshot is left pinned, and nobody waits for its imports."""
+        import subprocess
+
         self._close_pipes()
         try:
             self.proc.wait(timeout=1 if self.ready else 0)

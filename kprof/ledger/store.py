@@ -13,7 +13,6 @@ import os
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable, Iterator, NamedTuple
 
@@ -307,6 +306,8 @@ class Ledger:
         A refused batch (a wrong key, say) raises once every batch before it has committed; nothing of it
         or of the batches after it is written. Returns one AppendResult per batch.
         """
+        from concurrent.futures import ThreadPoolExecutor  # here: a CLI verb's start-up does not pay for it
+
         self._guard()
         results: list[AppendResult] = []
         with ThreadPoolExecutor(1, thread_name_prefix="kprof-ledger-writer") as writer:

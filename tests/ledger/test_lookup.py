@@ -45,3 +45,24 @@ def test_keys_of_other_sizes_take_sorted(store, monkeypatch):
     keys = list(stored)[:100] + [b"short"]
     with env.begin() as txn:
         assert _lookup.values(txn.cursor(), keys) == [stored.get(k) for k in keys]
+
+
+def test_a_cli_verb_does_not_import_numpy_for_a_lookup_it_would_not_repay(tmp_path):
+    """A CLI verb runs once: importing numpy (~0.1 s) for 10,000 keys would cost more than it saves."""
+    import json
+    import subprocess
+    import sys
+
+    from kprof.ledger import Ledger, synth
+
+    db = str(tmp_path / "profile.db")
+    with Ledger.open(db) as ledger:
+        ledger.append(list(synth.events(0, 100)))
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps([synth.spec(i) for i in range(10_000)]))
+    script = (f"import sys; from kprof.cli import main; "
+              f"rc = main(['count-missing', 'single_gemm', '--backend', 'torch-cpu', '--specs', {str(specs)!r}, "
+              f"'--db', {db!r}, '--gpu-name', 'X', '--json']); "
+              f"print(rc, 'numpy' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.stderr.strip().splitlines()[-1] == "0 False", proc.stderr
