@@ -25,8 +25,9 @@ import msgspec
 from blake3 import blake3
 
 from . import _codec
-from ._reducer import FAILED, MOD, contract_id, pack_seq, row_term, unpack_seq
-from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of
+from ._lookup import sorted_keys
+from ._reducer import FAILED, MOD, contract_id, current_row, index_key, pack_seq, row_term, unpack_seq
+from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar
 from .replay import MemoryStore, replay_into
 
 MAX_LISTED = 50
@@ -44,20 +45,6 @@ class Findings:
         self.counts[check] = n + 1
         if n < MAX_LISTED:
             self.items.append(f"{check}: {text}")
-
-
-def sorted_keys(keys: list[bytes]) -> list[bytes]:
-    """The keys in byte order. Keys of one length are sorted by numpy as fixed-width strings (byte order:
-    trailing NULs, which numpy strips, sort first either way), in C; sorting Python bytes compares them
-    one pair at a time, through objects scattered over a heap of gigabytes (~7x slower on 500k keys)."""
-    width = len(keys[0]) if keys else 0
-    blob = b"".join(keys)
-    if not width or len(blob) != width * len(keys):
-        return sorted(keys)
-    import numpy as np
-
-    packed = np.sort(np.frombuffer(blob, f"S{width}")).tobytes()
-    return list(map(packed.__getitem__, map(slice, range(0, len(packed), width), range(width, len(packed) + width, width))))
 
 
 def key_of_bytes(data: bytes) -> bytes | None:
@@ -146,11 +133,11 @@ class PlainReplay:
         if scope is None:
             scope = self._scopes[sid] = [names, set()]
         scope[1].add(cid)
-        self.scope_index[sid + _codec.shape_id(shape) + key] = b""
+        self.scope_index[index_key(sid, shape, key)] = b""
         kind = KIND[type(event)]
         latest = self._last.get(key)
         if latest is None or seq > latest[0]:  # the row, as bytes: the event (and the bytes it was read from) can go
-            self._last[key] = (seq, sid, eid, kind + eid + _codec.encode(summary_of(event)))
+            self._last[key] = (seq, sid, eid, current_row(kind, eid, event))
         if kind == FAILED:
             failed = self._failures.get(key)
             if failed is None or seq > failed[0]:

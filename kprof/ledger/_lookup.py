@@ -37,9 +37,27 @@ def _sorted(keys: list[bytes]):
     import numpy as np
 
     order = np.argsort(np.frombuffer(blob, ">u8")[:: KEY_BYTES // 8])
-    packed = np.frombuffer(blob, f"V{KEY_BYTES}")[order].tobytes()
-    ends = range(KEY_BYTES, len(packed) + KEY_BYTES, KEY_BYTES)
-    return list(map(packed.__getitem__, map(slice, range(0, len(packed), KEY_BYTES), ends))), order
+    return _unpack(np.frombuffer(blob, f"V{KEY_BYTES}")[order].tobytes(), KEY_BYTES), order
+
+
+def _unpack(packed: bytes, width: int) -> list[bytes]:
+    """The `width`-byte items of a packed run, as bytes objects."""
+    return list(map(packed.__getitem__, map(slice, range(0, len(packed), width),
+                                            range(width, len(packed) + width, width))))
+
+
+def sorted_keys(keys: list[bytes]) -> list[bytes]:
+    """The keys in byte order (all of them, not by a prefix). Keys of one length are sorted by numpy as
+    fixed-width strings (byte order: trailing NULs, which numpy strips, sort first either way), in C; sorting
+    Python bytes compares them one pair at a time, through objects that may lie scattered over a heap of
+    gigabytes, as an audit shard's do (~7x slower on 500k keys)."""
+    width = len(keys[0]) if keys else 0
+    blob = b"".join(keys)
+    if not width or len(blob) != width * len(keys):
+        return sorted(keys)
+    import numpy as np
+
+    return _unpack(np.sort(np.frombuffer(blob, f"S{width}")).tobytes(), width)
 
 
 def measured_flags(cursor: "lmdb.Cursor", keys: list[bytes]) -> bytes:

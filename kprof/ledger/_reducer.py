@@ -40,6 +40,17 @@ def row_term(key: bytes, eid: bytes) -> int:
     return int.from_bytes(blake3(_codec.ROOT_TAG + key + eid).digest(), "big")
 
 
+def current_row(kind: bytes, eid: bytes, event) -> bytes:
+    """A `current` value: kind letter, event id, the event's Summary (what append, replay and audit store
+    or expect)."""
+    return kind + eid + _codec.encode(summary_of(event))
+
+
+def index_key(sid: bytes, shape: bytes, key: bytes) -> bytes:
+    """A `scope_index` key: scope id, the id of the shape's canonical bytes, the row key."""
+    return sid + _codec.shape_id(shape) + key
+
+
 def root_of(scope: bytes, rows: int, acc: int) -> bytes:
     return blake3(_codec.ROOT_TAG + scope + rows.to_bytes(8, "big") + acc.to_bytes(32, "big")).digest()
 
@@ -95,7 +106,7 @@ class Reducer:
             return
         prov = event.provenance
         sid, entry = self._scope(prov)
-        put("scope_index", sid + _codec.shape_id(encode(prov.shape)) + key, b"")
+        put("scope_index", index_key(sid, encode(prov.shape), key), b"")
         contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
         cid = self._contracts.get(contract)
         if cid is None:
@@ -104,7 +115,7 @@ class Reducer:
             entry[5] = sorted(entry[5] + [cid])
         if kind == FAILED:
             put("failures", key, eid)
-        new = kind + eid + encode(summary_of(event))
+        new = current_row(kind, eid, event)
         old = self._get("current", key)
         if old is None:  # a new row: the common case, inline
             entry[4] += row_term(key, eid)
@@ -146,7 +157,7 @@ class Reducer:
             if kind == FAILED:
                 latest_failed = hid
                 break
-        new = None if latest is None else latest[0] + latest[1] + _codec.encode(summary_of(latest[2]))
+        new = None if latest is None else current_row(*latest)
         self._set_current(entry, key, s.get("current", key), new)
         if latest_failed is None:
             s.delete("failures", key)
@@ -212,10 +223,10 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
         entry[5].add(cid)
         entry[3] += 1
         entry[4] += row_term(key, eid)
-        scope_index.append((sid + _codec.shape_id(encode(prov.shape)) + key, b""))
+        scope_index.append((index_key(sid, encode(prov.shape), key), b""))
         if kind == FAILED:
             failures.append((key, eid))
-        current.append((key, kind + eid + encode(summary_of(event))))
+        current.append((key, current_row(kind, eid, event)))
     by_key = sorted(range(len(keys)), key=keys.__getitem__)
     return NewRows(eids, sorted(zip(eids, [data for _e, data, _eid in prepared])), sorted(current),
                    [(keys[i], i + 1, eids[i]) for i in by_key], sorted(scope_index), sorted(failures), scopes)
