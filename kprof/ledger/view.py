@@ -135,6 +135,7 @@ class View:
         self._contract_id = contract_id(self.keys.base)
         d = ledger.dbs
         self._current, self._events, self._index = d["current"], d["events"], d["scope_index"]
+        self._failures = d["failures"]
 
     # ---- lookups -----------------------------------------------------------------------------
     def get(self, **spec) -> Row | None:
@@ -170,7 +171,8 @@ class View:
         return self._shape_flags(txn, self.shapes.to_shapes(specs)[0])
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
-        return _lookup.measured_flags(txn.cursor(self._current), self.keys.keys_of(shapes))
+        return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures),
+                                      self.keys.keys_of(shapes))
 
     def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
         """(shapes, exact, keys, current value or None), one of each per spec."""

@@ -12,19 +12,24 @@ from kprof.ledger import _lookup
 
 @pytest.fixture
 def store(tmp_path):
-    env = lmdb.open(str(tmp_path / "t.lmdb"), subdir=False, map_size=1 << 28)
+    """A current view (kind byte + anything) and its failures view: every key whose row is failed, and some
+    whose row is measured (a failure, then a success), as the reducer keeps them."""
+    env = lmdb.open(str(tmp_path / "t.lmdb"), subdir=False, map_size=1 << 28, max_dbs=2)
+    current, failures = env.open_db(b"current"), env.open_db(b"failures")
     rng = random.Random(3)
     stored = {os.urandom(32): rng.choice((b"m", b"f")) + os.urandom(rng.randrange(0, 60)) for _ in range(6000)}
     with env.begin(write=True) as txn:
         for k, v in stored.items():
-            txn.put(k, v)
-    yield env, stored
+            txn.put(k, v, db=current)
+            if v[:1] == b"f" or rng.random() < 0.2:
+                txn.put(k, os.urandom(32), db=failures)
+    yield env, stored, current, failures
     env.close()
 
 
 @pytest.mark.parametrize("numpy_from", [1, 10**9])  # every list through numpy, none
 def test_bulk_lookups_answer_as_one_get_per_key(store, monkeypatch, numpy_from):
-    env, stored = store
+    env, stored, current, failures = store
     monkeypatch.setattr(_lookup, "NUMPY_FROM", numpy_from)
     rng = random.Random(11)
     present = list(stored)
@@ -33,18 +38,24 @@ def test_bulk_lookups_answer_as_one_get_per_key(store, monkeypatch, numpy_from):
     keys.append(b"\0" * 32)  # ties in the first 8 bytes, and the smallest key there is
     keys.append(b"\0" * 31 + b"\1")
     with env.begin() as txn:
-        assert _lookup.values(txn.cursor(), keys) == [stored.get(k) for k in keys]
+        cur, fail = txn.cursor(current), txn.cursor(failures)
+        assert _lookup.values(cur, keys) == [stored.get(k) for k in keys]
         want = bytes(stored.get(k, b"").startswith(b"m") for k in keys)
-        assert _lookup.measured_flags(txn.cursor(), keys) == want
-        assert _lookup.values(txn.cursor(), []) == [] and _lookup.measured_flags(txn.cursor(), []) == b""
+        assert 0 < sum(want) < len(keys)
+        assert _lookup.measured_flags(cur, fail, keys) == want
+        measured = [k for k in keys if stored.get(k, b"").startswith(b"m")]  # no failed row among them
+        assert _lookup.measured_flags(cur, fail, measured) == b"\1" * len(measured)
+        assert _lookup.values(cur, []) == [] and _lookup.measured_flags(cur, fail, []) == b""
 
 
 def test_keys_of_other_sizes_take_sorted(store, monkeypatch):
-    env, stored = store
+    env, stored, current, failures = store
     monkeypatch.setattr(_lookup, "NUMPY_FROM", 1)
     keys = list(stored)[:100] + [b"short"]
     with env.begin() as txn:
-        assert _lookup.values(txn.cursor(), keys) == [stored.get(k) for k in keys]
+        assert _lookup.values(txn.cursor(current), keys) == [stored.get(k) for k in keys]
+        want = bytes(stored.get(k, b"").startswith(b"m") for k in keys)
+        assert _lookup.measured_flags(txn.cursor(current), txn.cursor(failures), keys) == want
 
 
 def test_a_cli_verb_does_not_import_numpy_for_a_lookup_it_would_not_repay(tmp_path):

@@ -91,6 +91,38 @@ def test_batches_of_new_repeated_and_remeasured_events(tmp_path_factory, batches
         assert report.ok, report.findings
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=40),
+       st.booleans())
+def test_missing_agrees_with_the_statuses_through_failures_successes_and_retractions(tmp_path_factory, steps,
+                                                                                   through_numpy):
+    """`missing` tests the current rows for presence and reads the kind only of keys with a failure on record;
+    it names exactly the specs whose row is not ok, whatever mix of measurements, failures and retractions
+    (of either) came before."""
+    from kprof.ledger import _lookup
+
+    ledger = Ledger.open(str(tmp_path_factory.mktemp("l") / "m.db"))
+    appended = []
+    for i, s, op in steps:
+        if op == 2 and appended:  # retract one of the events appended so far
+            ev = appended[(i * 7 + s) % len(appended)]
+            ledger.append([retraction(_codec.event_id(_codec.encode(ev)), ev.key, "step")])
+        else:
+            ev = _mixed_event(i, s, op)
+            ledger.append([ev])
+            appended.append(ev)
+    specs = [synth.spec(i) for i in range(11)] * 2
+    view = synth.view(ledger)
+    want = [spec for spec, row in zip(specs, view.get_many(specs)) if row.status != "ok"]
+    saved = _lookup.NUMPY_FROM
+    _lookup.NUMPY_FROM = 1 if through_numpy else 10**9
+    try:
+        assert view.missing(specs) == want
+    finally:
+        _lookup.NUMPY_FROM = saved
+    ledger.close()
+
+
 def test_a_new_batch_is_appended_without_reading_first_and_a_repeat_reads(ledger, monkeypatch):
     tries = []
     new, read_first = Ledger._append_new, Ledger._append_txn
