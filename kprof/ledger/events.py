@@ -247,3 +247,14 @@ def summary_of(event) -> Summary:
         return Summary(metrics, float(event.measured_at), s.n, float(s.median), float(s.p10), float(s.p90),
                        float(s.mean), float(s.stdev), float(s.cv), float(s.min), float(s.max))
     return Summary(None, float(event.measured_at), error_kind=event.error_kind, message=event.message)
+
+
+def summary_of_decoded(event) -> Summary:
+    """`summary_of` of an event msgspec decoded into its typed fields (MeasuredAudit, FailedAudit, or the
+    full types): its numbers are already floats, since the decoder converts an int read for a float field, so
+    the checks and conversions are skipped (~3x faster; the audit derives every current row with it)."""
+    if KIND[type(event)] == b"m":
+        s = event.stats
+        return Summary(event.metrics, event.measured_at, s.n, s.median, s.p10, s.p90, s.mean, s.stdev, s.cv,
+                       s.min, s.max)
+    return Summary(None, event.measured_at, error_kind=event.error_kind, message=event.message)

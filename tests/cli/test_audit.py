@@ -65,3 +65,17 @@ def test_audit_lists_a_stored_view_entry_no_replay_derives(ledger_path, capsys):
     assert main(["audit", "--db", ledger_path, "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
     assert doc["findings"] == ["views: history: stored entry " + "42" * 12 + " is not derivable from the log"]
+
+
+def test_audit_lists_a_scope_index_entry_that_holds_a_value(ledger_path, capsys):
+    """The shards test their scope-index entries for presence only; the structure walk finds the value, and
+    the detailed pass names the entry."""
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 10)))
+    with led.read() as txn:
+        entry = list(txn.cursor(led.dbs["scope_index"]).iternext(values=False))[4]
+    led.write(lambda txn: txn.put(entry, b"x", db=led.dbs["scope_index"]))
+    led.close()
+    assert main(["audit", "--db", ledger_path, "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["findings"] == [f"views: scope_index: entry {entry.hex()[:24]} differs from the log's replay"]

@@ -307,21 +307,29 @@ def test_resolve_by_citation_key_and_prefix(ledger):
 @settings(max_examples=20, deadline=None)
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=80), st.lists(st.integers(0, 30), max_size=10))
 def test_audit_fast_replay_builds_what_the_reducer_builds(idx, fails):
-    """The audit's retraction-free replay equals the generic Reducer's, views and scope entries alike."""
-    from kprof.ledger._audit_worker import PlainReplay, Provenances
+    """The audit's retraction-free replay, of events decoded as an audit shard decodes them, equals the
+    generic Reducer's of the events as built in memory (some with int numbers), views and scope entries alike."""
+    from kprof.ledger import build
+    from kprof.ledger._audit_worker import PlainReplay, Provenances, audit_decoder
     from kprof.ledger._reducer import pack_seq
 
-    def replay_plain(replay):  # as an audit shard feeds it, but from events decoded in full
+    def replay_plain(replay):
         plain, provenances = PlainReplay(), Provenances()
         for seq, eid, event in replay:
-            info, shape, _canonical = provenances.read(_codec.encode(event.provenance))
-            plain.add(pack_seq(seq), eid, event, info, shape)
+            decoded = audit_decoder.decode(_codec.encode(event))
+            info, shape, _canonical = provenances.read(bytes(decoded.provenance))
+            plain.add(pack_seq(seq), eid, decoded, info, shape)
         return plain.result()
+
+    def with_ints(ev):  # numbers given as ints: the stored summary holds them as floats either way
+        return build.measured(ev.provenance, {"time_ms": 1, "tflops": 2, "energy_j": None},
+                              msgspec.structs.replace(ev.stats, median=2, p10=1, max=3), ev.method, measured_at=5)
 
     from kprof.ledger.replay import MemoryStore, replay_into
     from kprof.ledger.store import DBS
 
     events = [synth.event(i, seed=n, revision=1 + n % 2) for n, i in enumerate(idx)]
+    events = [with_ints(ev) if n % 3 == 0 else ev for n, ev in enumerate(events)]
     events += [failed(synth.event(i).provenance, "oom", f"out of memory {i}") for i in fails]
     replay = [(seq, _codec.event_id(_codec.encode(ev)), ev) for seq, ev in enumerate(events, 1)]
     memory = MemoryStore(None, {name: None for name in DBS})
