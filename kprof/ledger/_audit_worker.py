@@ -22,10 +22,9 @@ from itertools import islice
 
 import lmdb
 import msgspec
-from blake3 import blake3
 
 from . import _codec
-from ._lookup import in_locality_order
+from ._lookup import sorted_keys
 from ._reducer import FAILED, MOD, contract_id, current_row, index_key, pack_seq, row_terms, unpack_seq
 from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of_decoded
 from .replay import MemoryStore, replay_into
@@ -72,15 +71,22 @@ class Provenances:
     def __init__(self):
         self._prefixes: dict[bytes, tuple] = {}
         self._sids: dict[tuple, bytes] = {}
+        self._hit: tuple | None = None  # (prefix, info) of the last provenance read: most share the one before's
 
     def read(self, pb: bytes) -> tuple[tuple, bytes, bytes]:
         """(info, canonical shape bytes, canonical provenance bytes); info is (names, scope id, contract id).
         Raises NotDerivable for bytes that do not decode to a Provenance."""
-        cut = pb.rfind(self._SHAPE) + len(self._SHAPE)
-        info = self._prefixes.get(pb[:cut]) if cut >= len(self._SHAPE) else None
-        if info is None:  # a new prefix, or "shape" also occurs inside the shape: decode it all
-            return self._first(pb)
-        # pb = a verified prefix + one msgpack value (pb is one whole map), which is therefore the shape
+        hit = self._hit
+        if hit is not None and pb.startswith(hit[0]):
+            cut, info = len(hit[0]), hit[1]
+        else:
+            cut = pb.rfind(self._SHAPE) + len(self._SHAPE)
+            info = self._prefixes.get(pb[:cut]) if cut >= len(self._SHAPE) else None
+            if info is None:  # a new prefix, or "shape" also occurs inside the shape: decode it all
+                return self._first(pb)
+            self._hit = (pb[:cut], info)
+        # pb = a verified prefix + the rest, which must decode as exactly one msgpack value (no trailing bytes)
+        # for pb to be a provenance: the shape
         shape = pb[cut:]
         try:
             canonical = _codec.encode(shape_decoder.decode(shape))
@@ -243,7 +249,7 @@ class Shard:
         in the log: the parent checks that the shards' logged counts add up to the log's length (else some
         logged event is not stored)."""
         event_id, decode, shards, shard = _codec.event_id, audit_decoder.decode, self.shards, self.shard
-        add, key_tag, plain, provenances = self.found.add, _codec.KEY_TAG, PlainReplay(), Provenances()
+        add, key_of, plain, provenances = self.found.add, _codec.key_of, PlainReplay(), Provenances()
         n, logged, last, unlogged, retractions = 0, 0, None, 0, []
         pop, replay = seqs.pop, plain.add
         for eid, data in txn.cursor(self.ledger.dbs["events"]):
@@ -275,7 +281,7 @@ class Shard:
                 add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
                 continue
             if type(event) is not Retracted:
-                if blake3(key_tag + canonical).digest() != event.key:
+                if key_of(canonical) != event.key:
                     add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance")
                 if canonical != stored:
                     add("events", f"event {eid.hex()[:16]}: its provenance is not in canonical form")
@@ -333,7 +339,7 @@ class Shard:
         (the scope index, keyed by scope and shape first) has this shard's entries spread over all of it:
         they are looked up, in key order, rather than the whole view read."""
         if not ranged:  # the scope index: every value is empty, which the shard walking its structure checks
-            return all(map(cursor.set_key, in_locality_order(list(rebuilt))))
+            return all(map(cursor.set_key, sorted_keys(list(rebuilt))))  # in B-tree order: each page visited once
         if not (cursor.set_range(self.lo) if self.lo else cursor.first()):
             return not rebuilt
         stored = dict(islice(cursor, len(rebuilt)))

@@ -36,8 +36,16 @@ def event_id(data: bytes) -> bytes:
     return _EVENT_HASHER.copy().update(data).digest()
 
 
+_KEY_HASHER = blake3(KEY_TAG)
+
+
+def key_of(provenance_bytes) -> bytes:
+    """The key of a provenance's canonical bytes (any buffer): blake3(KEY_TAG + bytes)."""
+    return _KEY_HASHER.copy().update(provenance_bytes).digest()
+
+
 def provenance_key(provenance: Provenance) -> bytes:
-    return blake3(KEY_TAG + encode(provenance)).digest()
+    return key_of(encode(provenance))
 
 
 def provenance_prefix(provenance_without_shape: Provenance) -> bytes:

@@ -89,22 +89,22 @@ def test_meta_last_seq_disagrees_with_the_log(ledger_path):
     assert report.findings == ["log: meta says last_seq 7, log ends at 4"], report.findings
 
 
-def test_locality_order_is_a_prefix_order_of_the_same_keys():
-    """The audit looks up a shard's scope-index entries ordered by their first 8 bytes (numpy); keys of mixed
-    or other widths are sorted whole."""
+def test_sorted_keys_is_byte_order():
+    """The audit sorts a shard's scope-index entries with numpy as fixed-width strings: NUL bytes, which numpy
+    strips at the end of a string, still sort as bytes do."""
     import os
     import random
 
-    from kprof.ledger._lookup import in_locality_order
+    from kprof.ledger._audit_worker import sorted_keys
 
     rng = random.Random(2)
-    keys = [os.urandom(64) for _ in range(2000)] + [b"\0" * 64, b"\0" * 63 + b"\1", b"\1" + b"\0" * 63]
+    keys = [os.urandom(64) for _ in range(2000)]
+    keys += [b"\0" * 64, b"\0" * 63 + b"\1", b"\1" + b"\0" * 63, b"a" + b"\0" * 63, b"a" * 64]
+    keys += [k[:40] + b"\0" * 24 for k in keys[:50]] + [k[:40] + b"\0" * 23 + b"\1" for k in keys[:50]]
     rng.shuffle(keys)
-    ordered = in_locality_order(keys)
-    assert sorted(ordered) == sorted(keys) and [k[:8] for k in ordered] == sorted(k[:8] for k in keys)
-    assert in_locality_order([b"ab", b"a", b"b"]) == [b"a", b"ab", b"b"]  # mixed widths: sorted() itself
-    assert in_locality_order([b"c" * 12, b"a" * 12]) == [b"a" * 12, b"c" * 12]  # not a multiple of 8
-    assert in_locality_order([]) == []
+    assert sorted_keys(keys) == sorted(keys)
+    assert sorted_keys([b"ab", b"a", b"b"]) == [b"a", b"ab", b"b"]  # mixed lengths: sorted() itself
+    assert sorted_keys([]) == []
 
 
 def test_event_bytes_that_do_not_begin_with_a_type_and_a_key(ledger_path):
