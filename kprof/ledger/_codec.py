@@ -63,5 +63,9 @@ def scope_id(table: str, backend: str, gpu_key: str) -> bytes:
     return blake3(SCOPE_TAG + encode([table, backend, gpu_key])).digest()[:16]
 
 
+_SHAPE_HASHER = blake3(SHAPE_TAG)
+
+
 def shape_id(shape_bytes: bytes) -> bytes:
-    return blake3(SHAPE_TAG + shape_bytes).digest()[:16]
+    """blake3(SHAPE_TAG + shape bytes), its first 16 bytes (asked of the hash's output directly: no slice)."""
+    return _SHAPE_HASHER.copy().update(shape_bytes).digest(16)
