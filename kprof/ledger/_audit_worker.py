@@ -25,7 +25,7 @@ import msgspec
 
 from . import _codec
 from ._lookup import sorted_keys
-from ._reducer import FAILED, MOD, contract_id, current_row, index_key, pack_seq, row_terms, unpack_seq
+from ._reducer import FAILED, MOD, ProvenanceIds, current_row, index_key, pack_seq, row_terms, unpack_seq
 from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of_decoded
 from .replay import MemoryStore, replay_into
 
@@ -70,7 +70,7 @@ class Provenances:
 
     def __init__(self):
         self._prefixes: dict[bytes, tuple] = {}
-        self._sids: dict[tuple, bytes] = {}
+        self._ids = ProvenanceIds()
         self._hit: tuple | None = None  # (prefix, info) of the last provenance read: most share the one before's
 
     def read(self, pb: bytes) -> tuple[tuple, bytes, bytes]:
@@ -99,11 +99,7 @@ class Provenances:
             prov = provenance_decoder.decode(pb)
         except msgspec.DecodeError as exc:
             raise NotDerivable(str(exc)) from None
-        names = (prov.table, prov.backend, prov.gpu_key)
-        sid = self._sids.get(names)
-        if sid is None:
-            sid = self._sids[names] = _codec.scope_id(*names)
-        info = (names, sid, contract_id(prov))
+        info = ((prov.table, prov.backend, prov.gpu_key), self._ids.scope(prov), self._ids.contract(prov))
         canonical, shape = _codec.encode(prov), _codec.encode(prov.shape)
         if canonical == pb and prov.shape:
             self._prefixes[pb[:-len(shape)]] = info
@@ -244,10 +240,10 @@ class Shard:
     def events(self, txn, seqs: dict[bytes, bytes]) -> tuple[int, int, PlainReplay, list]:
         """One sequential pass over the event store. Each event belongs to the shard of its key's first byte
         (an event too short to hold a key belongs to shard 0), so each is hashed and decoded once, by one
-        shard: its id and key are recomputed, and it is replayed into the views. Returns (events owned, of which logged, the replay of the
-        retraction-free events, the logged retractions as (seq, event id)). Only owned events are looked up
-        in the log: the parent checks that the shards' logged counts add up to the log's length (else some
-        logged event is not stored)."""
+        shard: its id and key are recomputed, and it is replayed into the views. Returns (events owned, of
+        which logged, the replay of the retraction-free events, the logged retractions as (seq, event id)).
+        Only owned events are looked up in the log: the parent checks that the shards' logged counts add up
+        to the log's length (else some logged event is not stored)."""
         event_id, decode, shards, shard = _codec.event_id, audit_decoder.decode, self.shards, self.shard
         add, key_of, plain, provenances = self.found.add, _codec.key_of, PlainReplay(), Provenances()
         n, logged, last, unlogged, retractions = 0, 0, None, 0, []

@@ -37,6 +37,29 @@ def contract_id(prov) -> bytes:
     return blake3(_codec.encode(prov.contract)).digest()[:8]
 
 
+class ProvenanceIds:
+    """The scope id and contract id of provenances, each computed once per distinct value (a ledger's events
+    share a few): the reducer, an all-new batch's rows and the audit's replay all take them from here."""
+
+    def __init__(self):
+        self._sids: dict[tuple, bytes] = {}
+        self._cids: dict[tuple, bytes] = {}
+
+    def scope(self, prov) -> bytes:
+        names = (prov.table, prov.backend, prov.gpu_key)
+        sid = self._sids.get(names)
+        if sid is None:
+            sid = self._sids[names] = _codec.scope_id(*names)
+        return sid
+
+    def contract(self, prov) -> bytes:
+        contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
+        cid = self._cids.get(contract)
+        if cid is None:
+            cid = self._cids[contract] = contract_id(prov)
+        return cid
+
+
 def row_term(key: bytes, eid: bytes) -> int:
     """A current row's term in its scope's root accumulator (the sum of its rows' terms, mod MOD)."""
     return int.from_bytes(blake3(_codec.ROOT_TAG + key + eid).digest(), "big")
@@ -86,14 +109,10 @@ class Reducer:
         self.store = store
         self._put, self._get = store.put, store.get
         self._scopes: dict[bytes, list] = {}  # scope -> [table, backend, gpu_key, rows, acc, contracts]
-        self._sids: dict[tuple, bytes] = {}
-        self._contracts: dict = {}
+        self._ids = ProvenanceIds()
 
     def _scope(self, prov) -> tuple[bytes, list]:
-        names = (prov.table, prov.backend, prov.gpu_key)
-        sid = self._sids.get(names)
-        if sid is None:
-            sid = self._sids[names] = _codec.scope_id(*names)
+        sid = self._ids.scope(prov)
         entry = self._scopes.get(sid)
         if entry is None:
             raw = self.store.get("scopes", sid)
@@ -116,10 +135,7 @@ class Reducer:
         prov = event.provenance
         sid, entry = self._scope(prov)
         put("scope_index", index_key(sid, encode(prov.shape), key), b"")
-        contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
-        cid = self._contracts.get(contract)
-        if cid is None:
-            cid = self._contracts[contract] = contract_id(prov)
+        cid = self._ids.contract(prov)
         if cid not in entry[5]:
             entry[5] = sorted(entry[5] + [cid])
         if kind == FAILED:
@@ -212,24 +228,17 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
         return None
     current, scope_index, failures = [], [], []
     scopes: dict[bytes, list] = {}
-    sids: dict[tuple, bytes] = {}
-    contracts: dict[tuple, bytes] = {}
+    ids = ProvenanceIds()
     for event, _data, eid in prepared:
         kind = KIND[type(event)]
         if kind == RETRACTED:
             return None
         prov, key = event.provenance, event.key
-        names = (prov.table, prov.backend, prov.gpu_key)
-        sid = sids.get(names)
-        if sid is None:
-            sid = sids[names] = _codec.scope_id(*names)
-            scopes[sid] = [*names, 0, 0, set()]
-        entry = scopes[sid]
-        contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
-        cid = contracts.get(contract)
-        if cid is None:
-            cid = contracts[contract] = contract_id(prov)
-        entry[5].add(cid)
+        sid = ids.scope(prov)
+        entry = scopes.get(sid)
+        if entry is None:
+            entry = scopes[sid] = [prov.table, prov.backend, prov.gpu_key, 0, 0, set()]
+        entry[5].add(ids.contract(prov))
         entry[3] += 1
         entry[4] += row_term(key, eid)
         scope_index.append((index_key(sid, encode(prov.shape), key), b""))

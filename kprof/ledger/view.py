@@ -177,17 +177,12 @@ class View:
     def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
         """(shapes, exact, keys, current value or None), one of each per spec."""
         shapes, exact = self.shapes.to_shapes(specs)
-        keys = self.keys.keys_of(shapes)
-        return shapes, exact, keys, _lookup.values(txn.cursor(self._current), keys)
+        return (shapes, exact, *self._shape_values(txn, shapes))
 
-    def _canonical_values(self, txn, specs: list) -> tuple[list[bytes], list]:
-        """(keys, current value or None) of canonical dict specs; raises _NotCanonical for others."""
-        if set(map(type, specs)) != {dict}:
-            raise _NotCanonical
-        _shapes, exact, keys, values = self._values(txn, specs)
-        if not exact:
-            raise _NotCanonical
-        return keys, values
+    def _shape_values(self, txn, shapes: list) -> tuple[list[bytes], list]:
+        """(keys, current value or None) of canonical shapes."""
+        keys = self.keys.keys_of(shapes)
+        return keys, _lookup.values(txn.cursor(self._current), keys)
 
     def _split(self, txn, op: str, specs: list, head):
         """(head(first part of the specs), the lookup helper's answer for the rest), or None: answer them all
@@ -204,16 +199,18 @@ class View:
         return _parallel.split(self.ledger.real_path, specs, head, request)
 
     def _head_rows(self, txn, specs: list) -> list[Row]:
-        """This process's share of a split get_many, built into rows while the helper answers the rest."""
-        keys, values = self._canonical_values(txn, specs)
+        """This process's share of a split get_many, built into rows while the helper answers the rest. The
+        specs are dicts (see _split_rows); raises _NotCanonical where one holds a value to convert."""
+        _shapes, exact, keys, values = self._values(txn, specs)
+        if not exact:
+            raise _NotCanonical
         return self._build(txn, specs, keys, values, _summaries(values))
 
     def _tail(self, txn, shapes: list) -> bytes:
         """The lookup helper's share of a get_many (canonical shapes) as it sends it: keys, each value's head
         (kind + event id; None stays None) and the found summaries spliced in as they are stored, so the
         requester decodes all in one call."""
-        keys = self.keys.keys_of(shapes)
-        values = _lookup.values(txn.cursor(self._current), keys)
+        keys, values = self._shape_values(txn, shapes)
         return _codec.encode((keys, [v and v[:33] for v in values], msgspec.Raw(_summary_array(values))))
 
     def _split_rows(self, txn, specs: list) -> list[Row] | None:

@@ -215,12 +215,13 @@ def _best(fn, repeat: int):
     return min(times), times, out
 
 
-def _status_mib(pid: int, field: str) -> float:
+def _status_mib(pid: int | str, field: str) -> float | None:
+    """A memory field of /proc/PID/status, MiB; None where the file does not list it."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024  # kB
-    return 0.0
+    return None
 
 
 def _peak_rss_mib(pid: int | None = None) -> float:
@@ -228,19 +229,14 @@ def _peak_rss_mib(pid: int | None = None) -> float:
     started by a big parent reports at least the parent's peak), so VmHWM, the peak of the process's own
     address space, is read instead where /proc has it."""
     try:
-        with open(f"/proc/{pid or 'self'}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
+        peak = _status_mib(pid or "self", "VmHWM")
     except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        peak = None
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
-    from kprof.ledger import Ledger, synth
-
-    from kprof.ledger import _parallel
+    from kprof.ledger import Ledger, _parallel, synth
 
     specs, present = lookup_specs(n, q, seed)
     ledger = Ledger.open(path, readonly=True)
@@ -298,7 +294,7 @@ def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
         helper = _parallel._helpers.get(os.path.realpath(path))
         helper_rss = 0.0
         if helper is not None and helper.proc.poll() is None:
-            helper_rss = _peak_rss_mib(helper.proc.pid) - _status_mib(helper.proc.pid, "RssFile")
+            helper_rss = _peak_rss_mib(helper.proc.pid) - (_status_mib(helper.proc.pid, "RssFile") or 0.0)
     finally:
         ledger.close()
     return {
