@@ -25,12 +25,13 @@ import msgspec
 
 from . import _codec
 from ._lookup import sorted_keys
-from ._reducer import FAILED, MOD, ProvenanceIds, current_row, index_key, pack_seq, row_terms, unpack_seq
+from ._reducer import (FAILED, MOD, NO_ROW, ProvenanceIds, current_row, history_seqs, index_key, pack_seq, row_terms,
+                       unpack_seq)
 from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of_decoded
 from .replay import MemoryStore, replay_into
 
 MAX_LISTED = 50
-RANGED = ("current", "history", "failures")  # views keyed by the row key (history: key + seq)
+RANGED = ("current", "history", "failures")  # views keyed by the row key
 head_decoder = msgspec.msgpack.Decoder(EventHead)
 
 
@@ -121,7 +122,7 @@ class PlainReplay:
     """
 
     def __init__(self):
-        self.history: dict[bytes, bytes] = {}
+        self._seqs: dict[bytes, bytes] = {}  # key -> its events' seqs, in the order added
         self.scope_index: dict[bytes, bytes] = {}
         self._failures: dict[bytes, tuple] = {}
         self._last: dict[bytes, tuple] = {}
@@ -129,7 +130,8 @@ class PlainReplay:
 
     def add(self, seq: bytes, eid: bytes, event, info: tuple, shape: bytes) -> None:
         key = event.key
-        self.history[key + seq] = eid
+        seqs = self._seqs.get(key)
+        self._seqs[key] = seq if seqs is None else seqs + seq
         names, sid, cid = info
         scope = self._scopes.get(sid)
         if scope is None:
@@ -145,14 +147,21 @@ class PlainReplay:
             if failed is None or seq > failed[0]:
                 self._failures[key] = (seq, eid)
 
+    def logged(self) -> list[bytes]:
+        """The seqs of the events added."""
+        return [seq for seqs in self._seqs.values() for seq in history_seqs(b"-" + seqs)]
+
     def result(self) -> tuple[dict[str, dict], dict[bytes, list]]:
-        current, rows = {}, {sid: [] for sid in self._scopes}  # scope id -> its rows' key + event id
+        current, history, rows = {}, {}, {sid: [] for sid in self._scopes}  # scope id -> its rows' key + event id
+        seqs_of = self._seqs
         for key, (_seq, sid, eid, row) in self._last.items():
             current[key] = row
+            seqs = seqs_of[key]
+            history[key] = row[:1] + (seqs if len(seqs) == 8 else b"".join(sorted(history_seqs(b"-" + seqs))))
             rows[sid].append(key + eid)
         scopes = {sid: [*names, len(rows[sid]), (row_terms(rows[sid]) % MOD).to_bytes(32, "big"), sorted(contracts)]
                   for sid, (names, contracts) in self._scopes.items()}
-        data = {"current": current, "history": self.history, "scope_index": self.scope_index,
+        data = {"current": current, "history": history, "scope_index": self.scope_index,
                 "failures": {key: eid for key, (_seq, eid) in self._failures.items()}, "retracted": {}}
         return data, scopes
 
@@ -301,7 +310,9 @@ class Shard:
         if retractions:
             memory = MemoryStore(txn, dbs)
             memory.event = lambda eid: decode(get(eid, db=events_db))
-            replay = [(unpack_seq(k[32:])[0], eid, decode(get(eid, db=events_db))) for k, eid in plain.history.items()]
+            log = dbs["log"]
+            replay = [(unpack_seq(seq)[0], eid, decode(get(eid, db=events_db)))
+                      for seq, eid in ((seq, get(seq, db=log)) for seq in plain.logged())]
             replay += [(unpack_seq(seq)[0], eid, decode(get(eid, db=events_db))) for seq, eid in retractions]
             replay.sort(key=lambda item: item[0])  # the Reducer applies events in log order
             replay_into(memory, replay)
@@ -318,6 +329,9 @@ class Shard:
                                   if mine(key_of_bytes(get(v, db=events_db) or b"") or b"\0")),
         }
         for name, walk in walks.items():
+            if name == "history" and self.ledger.format_in(txn) < 2:
+                self._history_v1(txn, data[name])
+                continue
             self.rebuilt[name] = len(data[name])
             # Fast: every rebuilt entry is stored as rebuilt (a C-level subset test over the whole stored
             # view); the parent checks that the shards' counts add up to the view's entries, which rules out
@@ -327,6 +341,28 @@ class Shard:
                 self.subset_ok = False  # the parent runs every shard in detail, so all differences get listed
                 self._compare(name, walk(), data[name])
         return {sid.hex(): list(v) for sid, v in scopes.items()}
+
+    def _history_v1(self, txn, rebuilt: dict[bytes, bytes]) -> None:
+        """A format-1 file's history (key + seq -> event id), read read-only as it is: its shard's part is put in
+        format 2's layout (each event id checked against the log; the status from the stored current row, which
+        is checked itself) and compared with the replay's."""
+        dbs, get = self.ledger.dbs, txn.get
+        stored: dict[bytes, bytes] = {}
+        entries = 0
+        for k, eid in self._range(txn.cursor(dbs["history"])):
+            entries += 1
+            key, seq = k[:32], k[32:]
+            if get(seq, db=dbs["log"]) != eid:
+                self.found.add("views", f"history: entry {k.hex()[:24]} names an event the log does not hold there")
+            if key in stored:
+                stored[key] += seq
+            else:
+                row = get(key, db=dbs["current"])
+                stored[key] = (NO_ROW if row is None else row[:1]) + seq
+        self.rebuilt["history"] = entries  # the parent compares it with the stored entries: one per event
+        if self.detailed or stored != rebuilt or entries != sum((len(v) - 1) // 8 for v in rebuilt.values()):
+            self.subset_ok = False
+            self._compare("history", stored.items(), rebuilt)
 
     def _subset(self, cursor, rebuilt: dict[bytes, bytes], ranged: bool) -> bool:
         """Whether every rebuilt entry is stored as rebuilt, by C-level operations. A view keyed by the row key

@@ -3,7 +3,12 @@
 Views (all rebuildable from the log):
   current      key -> kind byte (b"m" measured, b"f" failed) + event id (32) + Summary: the row a reader sees
   scope_index  scope id (16) + shape id (16) + key -> b"": every key ever seen in a scope, by shape
-  history      key + seq (8, big-endian) -> event id: every event of a key in log order
+  history      key -> status byte + seq (8, big-endian) of every event of the key, in log order (format 2;
+               format 1 kept key + seq -> event id). The event ids are the log's entries at those seqs. The
+               status byte is the kind of the key's current row: b"m" measured, b"f" failed, b"-" none (all
+               retracted). `missing` asks this tree: ~50 bytes a key, where `current` holds ~330, so a bulk
+               lookup's pages stay in the CPU caches (~0.7 µs less per key on a 1M-row view), and an append
+               writes no more pages than the format-1 layout did
   failures     key -> event id of the key's latest (non-retracted) failure
   retracted    target event id -> retraction event id
   scopes       scope id -> msgpack [table, backend, gpu_key, rows, accumulator, contract ids seen]
@@ -27,6 +32,7 @@ from . import _codec
 from .events import KIND, summary_of
 
 MEASURED, FAILED, RETRACTED = b"m", b"f", b"r"
+NO_ROW = b"-"  # a history's status when the key has no current row (its every attempt retracted)
 MOD = 1 << 256
 _seq = struct.Struct(">Q")
 pack_seq = _seq.pack
@@ -83,6 +89,11 @@ def index_key(sid: bytes, shape: bytes, key: bytes) -> bytes:
     return sid + _codec.shape_id(shape) + key
 
 
+def history_seqs(value: bytes) -> list[bytes]:
+    """The 8-byte seqs (log keys) of a format-2 history value, oldest first."""
+    return [value[i:i + 8] for i in range(1, len(value), 8)]
+
+
 def root_of(scope: bytes, rows: int, acc: int) -> bytes:
     return blake3(_codec.ROOT_TAG + scope + rows.to_bytes(8, "big") + acc.to_bytes(32, "big")).digest()
 
@@ -93,7 +104,7 @@ class Store:
     def get(self, db: str, k: bytes) -> bytes | None: ...
     def put(self, db: str, k: bytes, v: bytes) -> None: ...
     def delete(self, db: str, k: bytes) -> None: ...
-    def history(self, key: bytes) -> list[bytes]: ...  # event ids, oldest first
+    def logged(self, seq: bytes) -> bytes: ...  # the event id the log holds at seq (8 bytes)
     def event(self, eid: bytes): ...  # decoded event
     def flush(self) -> None: ...  # writes what is buffered
 
@@ -127,9 +138,10 @@ class Reducer:
     def apply(self, event, eid: bytes, seq: int) -> None:
         put, encode = self._put, _codec.encode
         key = event.key
-        put("history", key + pack_seq(seq), eid)
+        history = (self._get("history", key) or NO_ROW) + pack_seq(seq)  # status as it was; set below
         kind = KIND[type(event)]
         if kind == RETRACTED:
+            put("history", key, history)
             self._retract(event, eid)
             return
         prov = event.provenance
@@ -146,21 +158,29 @@ class Reducer:
             entry[4] += row_term(key, eid)
             entry[3] += 1
             put("current", key, new)
+            put("history", key, kind + history[1:])
         else:
+            put("history", key, history)
             self._set_current(entry, key, old, new)
 
     def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
+        """Makes `new` (or none) the key's current row, and its kind the status of the key's history."""
         if old == new:
             return
+        store = self.store
         if old is not None:
             entry[4] = (entry[4] - row_term(key, old[1:33])) % MOD
             entry[3] -= 1
         if new is not None:
             entry[4] = (entry[4] + row_term(key, new[1:33])) % MOD
             entry[3] += 1
-            self.store.put("current", key, new)
+            store.put("current", key, new)
         else:
-            self.store.delete("current", key)
+            store.delete("current", key)
+        status = NO_ROW if new is None else new[:1]
+        history = store.get("history", key)
+        if history[:1] != status:
+            store.put("history", key, status + history[1:])
 
     def _retract(self, event, eid: bytes) -> None:
         """The key's current row becomes its latest attempt that is not retracted (or none)."""
@@ -170,7 +190,7 @@ class Reducer:
         _sid, entry = self._scope(target.provenance)
         key = event.key
         latest = latest_failed = None
-        for hid in reversed(s.history(key)):
+        for hid in map(s.logged, reversed(history_seqs(s.get("history", key)))):
             if s.get("retracted", hid) is not None:
                 continue
             ev = s.event(hid)
@@ -212,7 +232,7 @@ class NewRows(NamedTuple):
     eids: list[bytes]  # log order
     events: list[tuple[bytes, bytes]]  # (event id, bytes), sorted: each B-tree page is visited once
     current: list[tuple[bytes, bytes]]  # (key, row), sorted
-    history: list[tuple[bytes, int, bytes]]  # (key, position in the batch from 1, event id), by key
+    history: list[tuple[bytes, int, bytes]]  # (key, position in the batch from 1, status byte), by key
     scope_index: list[tuple[bytes, bytes]]  # sorted
     failures: list[tuple[bytes, bytes]]  # sorted
     scopes: dict[bytes, list]  # scope id -> [table, backend, gpu_key, rows added, terms added, contract ids]
@@ -246,5 +266,6 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
             failures.append((key, eid))
         current.append((key, current_row(kind, eid, event)))
     by_key = sorted(range(len(keys)), key=keys.__getitem__)
+    kinds = [KIND[type(event)] for event, _d, _eid in prepared]
     return NewRows(eids, sorted(zip(eids, [data for _e, data, _eid in prepared])), sorted(current),
-                   [(keys[i], i + 1, eids[i]) for i in by_key], sorted(scope_index), sorted(failures), scopes)
+                   [(keys[i], i + 1, kinds[i]) for i in by_key], sorted(scope_index), sorted(failures), scopes)

@@ -54,14 +54,8 @@ def resolve(ledger, ref: str) -> Resolved:
             key, eid = event.key, raw
         else:
             key, eid = raw, None
-        history = []
-        cursor = txn.cursor(dbs["history"])
-        if cursor.set_range(key):
-            for k, hid in cursor:
-                if not k.startswith(key):
-                    break
-                seq = int.from_bytes(k[32:], "big")
-                history.append((seq, hid, _codec.event_decoder.decode(txn.get(hid, db=dbs["events"]))))
+        history = [(seq, hid, _codec.event_decoder.decode(txn.get(hid, db=dbs["events"])))
+                   for seq, hid in ledger.history_of(txn, key)]
         cur = txn.get(key, db=dbs["current"])
         current = cur[1:33] if cur is not None else None
         return Resolved(kind, key, eid if eid is not None else current, history, current)

@@ -15,18 +15,15 @@ class MemoryStore(Store):
     def __init__(self, txn, dbs):
         self.txn, self.dbs = txn, dbs
         self.data: dict[str, dict[bytes, bytes]] = {name: {} for name in VIEW_DBS}
-        self._history: dict[bytes, list[bytes]] = {}
 
     def get(self, db, k):
         return self.data[db].get(k)
 
     def put(self, db, k, v):
         self.data[db][k] = v
-        if db == "history":
-            self._history.setdefault(k[:32], []).append(v)
 
-    def history(self, key):
-        return self._history.get(key, [])
+    def logged(self, seq):
+        return self.txn.get(seq, db=self.dbs["log"])
 
     def delete(self, db, k):
         self.data[db].pop(k, None)

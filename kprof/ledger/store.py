@@ -21,7 +21,7 @@ import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
 from . import _codec, _parallel
-from ._reducer import NewRows, Reducer, new_rows, pack_seq, scope_value, unpack_seq
+from ._reducer import NO_ROW, NewRows, Reducer, history_seqs, new_rows, pack_seq, scope_value, unpack_seq
 from .events import Failed, Measured, Retracted
 
 __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path"]
@@ -129,20 +129,30 @@ class _TxnStore:
         self.deleting.clear()
         self.known.clear()  # what was read ahead may have been written since: read the transaction again
 
-    def history(self, key):
-        self.flush()
-        cur = self.txn.cursor(self.dbs["history"])
-        out = []
-        if cur.set_range(key):
-            for k, v in cur:
-                if not k.startswith(key):
-                    break
-                out.append(v)
-        return out
+    def logged(self, seq):
+        return self.get("log", seq)
 
     def event(self, eid):
         data = self.get("events", eid)
         return None if data is None else _codec.event_decoder.decode(data)
+
+
+def _upgrade_history(txn: lmdb.Transaction, env: lmdb.Environment) -> None:
+    """Rewrites a format-1 `history` (key + seq -> event id) as format 2's (key -> status + seqs; see
+    `_reducer`), in the upgrading transaction: the status is the kind of the key's current row. The audit
+    checks the result against the log's replay like any view."""
+    history, current = env.open_db(b"history", txn=txn), env.open_db(b"current", txn=txn)
+    get = txn.get
+    out: list[tuple[bytes, bytes]] = []
+    for k in txn.cursor(history).iternext(values=False):  # in key + seq order: a key's seqs ascending
+        key, seq = k[:32], k[32:]
+        if out and out[-1][0] == key:
+            out[-1] = (key, out[-1][1] + seq)
+        else:
+            row = get(key, db=current)
+            out.append((key, (NO_ROW if row is None else row[:1]) + seq))
+    txn.drop(history, delete=False)
+    txn.cursor(history).putmulti(out, append=True)
 
 
 class Ledger:
@@ -177,8 +187,16 @@ class Ledger:
                               f"cannot open it again in a forked child; {_FORK_FIX}")
         shared = _envs.get(real)
         if shared is not None:
+            if not readonly:  # the file may be of an older format, opened read-only here first: upgrade it
+                cls._initialize(path, shared[0])
             shared[1] += 1
-            return cls(path, shared[0], readonly)
+            ledger = cls(path, shared[0], readonly)
+            try:
+                ledger._check_meta()
+            except BaseException:
+                ledger.close()
+                raise
+            return ledger
         # The environment is opened writable whenever the file allows it, so that a reader and a writer
         # in one process can share it; `readonly` is enforced by the Ledger itself.
         env_readonly = readonly and exists and not os.access(path, os.W_OK)
@@ -220,17 +238,25 @@ class Ledger:
 
     @staticmethod
     def _initialize(path: str, env: lmdb.Environment) -> None:
+        """Creates the sub-databases and meta of a new file; upgrades a file of an older format. A file of a
+        newer format is left untouched (`_check_meta` refuses it)."""
         with env.begin(write=True) as txn:
+            meta = env.open_db(b"meta", txn=txn, create=True)
+            raw = txn.get(b"format_version", db=meta)
+            found = None if raw is None else msgspec.msgpack.decode(raw)
+            if found is not None and found >= _codec.FORMAT_VERSION:
+                return
             for name in DBS:
                 env.open_db(name.encode(), txn=txn, create=True)
-            meta = env.open_db(b"meta", txn=txn)
-            if txn.get(b"format_version", db=meta) is None:
+            if found is None:
                 if txn.stat(env.open_db(b"events", txn=txn))["entries"]:
                     raise IntegrityError(f"ledger {path} holds events but no format version; restore it from a copy")
-                txn.put(b"format_version", _codec.encode(_codec.FORMAT_VERSION), db=meta)
                 txn.put(b"ledger_id", _codec.encode(uuid.uuid4().hex), db=meta)
                 txn.put(b"created_at", _codec.encode(time.time()), db=meta)
                 txn.put(b"last_seq", _codec.encode(0), db=meta)
+            elif found < 2:
+                _upgrade_history(txn, env)
+            txn.put(b"format_version", _codec.encode(_codec.FORMAT_VERSION), db=meta)
 
     def _check_meta(self) -> None:
         raw = self._get("meta", b"format_version")
@@ -361,13 +387,14 @@ class Ledger:
         first)."""
         dbs, cursor = self.dbs, txn.cursor
         n = len(rows.eids)
-        for db, items in (("events", rows.events), ("current", rows.current)):
-            if cursor(dbs[db]).putmulti(items, overwrite=False)[1] != n:
-                raise _NotNew(db)
         meta = dbs["meta"]
         seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
+        # a key without a current row may have a history (its attempts all retracted): not a new key then
+        history = [(key, kind + pack_seq(seq + i)) for key, i, kind in rows.history]
+        for db, items in (("events", rows.events), ("current", rows.current), ("history", history)):
+            if cursor(dbs[db]).putmulti(items, overwrite=False)[1] != n:
+                raise _NotNew(db)
         cursor(dbs["log"]).putmulti([(pack_seq(seq + i), eid) for i, eid in enumerate(rows.eids, 1)], append=True)
-        cursor(dbs["history"]).putmulti([(key + pack_seq(seq + i), eid) for key, i, eid in rows.history])
         cursor(dbs["scope_index"]).putmulti(rows.scope_index)
         if rows.failures:
             cursor(dbs["failures"]).putmulti(rows.failures)
@@ -418,6 +445,27 @@ class Ledger:
     def event(self, eid: bytes):
         raw = self._get("events", eid)
         return None if raw is None else _codec.event_decoder.decode(raw)
+
+    def format_in(self, txn) -> int:
+        """The format version of the snapshot `txn` reads (a writer in another process may have upgraded the
+        file since this Ledger was opened)."""
+        return msgspec.msgpack.decode(txn.get(b"format_version", db=self.dbs["meta"]))
+
+    def history_of(self, txn, key: bytes) -> list[tuple[int, bytes]]:
+        """(seq, event id) of every event of a key, oldest first, read from `history` in either layout (a
+        format-1 file opened read-only keeps its own)."""
+        if self.format_in(txn) < 2:
+            out = []
+            cursor = txn.cursor(self.dbs["history"])
+            if cursor.set_range(key):
+                for k, eid in cursor:
+                    if not k.startswith(key):
+                        break
+                    out.append((unpack_seq(k[32:])[0], eid))
+            return out
+        value = txn.get(key, db=self.dbs["history"])
+        log = self.dbs["log"]
+        return [(unpack_seq(seq)[0], txn.get(seq, db=log)) for seq in history_seqs(value or b"")]
 
     def iter_log(self, txn=None) -> Iterator[tuple[int, bytes, bytes]]:
         """(seq, event id, event bytes) in log order, from one snapshot."""

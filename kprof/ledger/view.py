@@ -135,7 +135,7 @@ class View:
         self._contract_id = contract_id(self.keys.base)
         d = ledger.dbs
         self._current, self._events, self._index = d["current"], d["events"], d["scope_index"]
-        self._failures = d["failures"]
+        self._failures, self._history = d["failures"], d["history"]
 
     # ---- lookups -----------------------------------------------------------------------------
     def get(self, **spec) -> Row | None:
@@ -171,8 +171,11 @@ class View:
         return self._shape_flags(txn, self.shapes.to_shapes(specs)[0])
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
-        return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures),
-                                      self.keys.keys_of(shapes))
+        keys = self.keys.keys_of(shapes)
+        if self.ledger.format_version < 2:  # opened read-only: its history has no status byte (if a writer has
+            # upgraded it since, `current` and `failures` still give the same answer)
+            return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures), keys)
+        return _lookup.status_flags(txn.cursor(self._history), keys)
 
     def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
         """(shapes, exact, keys, current value or None), one of each per spec."""

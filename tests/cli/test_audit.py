@@ -1,7 +1,7 @@
 import json
 
 from kprof.cli import main
-from kprof.ledger import Ledger, synth
+from kprof.ledger import Ledger, build, synth
 
 
 def test_audit_clean_ledger_exits_0_with_json(ledger_path, capsys):
@@ -79,3 +79,22 @@ def test_audit_lists_a_scope_index_entry_that_holds_a_value(ledger_path, capsys)
     assert main(["audit", "--db", ledger_path, "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
     assert doc["findings"] == [f"views: scope_index: entry {entry.hex()[:24]} differs from the log's replay"]
+
+
+def test_audit_lists_history_entries_whose_status_or_events_disagree_with_the_log(ledger_path, capsys):
+    """A history entry's status byte (the kind of the key's current row, what `missing` reads) and its seqs are
+    rebuilt and compared like every view: a measured row's key marked failed, and a seq dropped, are named."""
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 10)))
+    led.append([synth.event(4, seed=1)])  # a re-measurement: key 4 holds two seqs
+    marked, dropped = synth.event(2).key, synth.event(4).key
+    with led.read() as txn:
+        value = txn.get(dropped, db=led.dbs["history"])
+    assert len(value) == 17
+    led.write(lambda txn: txn.put(marked, b"f" + txn.get(marked, db=led.dbs["history"])[1:], db=led.dbs["history"]))
+    led.write(lambda txn: txn.put(dropped, value[:9], db=led.dbs["history"]))
+    led.close()
+    assert main(["audit", "--db", ledger_path, "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc["findings"]) == sorted([f"views: history: entry {marked.hex()[:24]} differs from the log's replay",
+                                              f"views: history: entry {dropped.hex()[:24]} differs from the log's replay"])

@@ -261,8 +261,14 @@ def test_newer_format_is_refused_naming_both_versions(ledger_path):
     led = Ledger.open(ledger_path)
     led.write(lambda txn: txn.put(b"format_version", _codec.encode(99), db=led.dbs["meta"]))
     led.close()
-    with pytest.raises(LedgerVersionError, match=r"format version 99, but this kprof reads versions up to 1"):
-        Ledger.open(ledger_path, readonly=True)
+    with open(ledger_path, "rb") as f:
+        before = f.read()
+    expect = rf"format version 99, but this kprof reads versions up to {_codec.FORMAT_VERSION}"
+    for readonly in (True, False):  # a writer that cannot read it does not touch it either
+        with pytest.raises(LedgerVersionError, match=expect):
+            Ledger.open(ledger_path, readonly=readonly)
+    with open(ledger_path, "rb") as f:
+        assert f.read() == before
 
 
 def test_readonly_open_of_missing_file_and_directory(tmp_path):
