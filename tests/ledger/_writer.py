@@ -1,7 +1,7 @@
 """Helper processes for tests/ledger/test_reliability.py. Each mode is a real, separate process.
 
     python _writer.py write PATH --start A --count N [--batch-min B --batch-max B --seed S]
-                                 [--ready-file F] [--start-file F] [--pause SECONDS]
+                                 [--ready-file F] [--start-file F] [--pause SECONDS] [--open-after-start]
         Opens the ledger, touches the ready file, waits for the start file, then appends synthetic
         events A..A+N in batches (sizes drawn from [batch-min, batch-max] with the seed) and prints one
         JSON line per committed batch, flushed right after the commit:
@@ -56,9 +56,14 @@ def write(args) -> int:
     from kprof.ledger import Ledger, synth
 
     rng = random.Random(args.seed)
-    ledger = Ledger.open(args.path)
-    _touch(args.ready_file)
-    _wait_for(args.start_file)
+    if args.open_after_start:  # writers started together open the file together (an upgrade races)
+        _touch(args.ready_file)
+        _wait_for(args.start_file)
+        ledger = Ledger.open(args.path)
+    else:
+        ledger = Ledger.open(args.path)
+        _touch(args.ready_file)
+        _wait_for(args.start_file)
     i, stop = args.start, args.start + args.count
     while i < stop:
         n = min(rng.randint(args.batch_min, args.batch_max), stop - i)
@@ -190,6 +195,7 @@ def main(argv=None) -> int:
     w.add_argument("--batch-max", type=int, default=200)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--ready-file")
+    w.add_argument("--open-after-start", action="store_true", help="open the ledger once the start file appears")
     w.add_argument("--start-file")
     w.add_argument("--pause", type=float, default=0.0)
     rd = sub.add_parser("read")

@@ -235,6 +235,32 @@ def test_two_concurrent_writers_lose_nothing(tmp_path):
     assert report.events == report.last_seq == 2 * PER_WRITER
 
 
+def test_two_writers_opening_a_format_1_file_at_once_upgrade_it_once_and_lose_nothing(tmp_path):
+    """Both writers open a copy of the committed format-1 ledger at the same moment: one of them upgrades it
+    (LMDB serializes the two write transactions; the second finds format 2 and leaves it), and then both
+    append. Every event is there, and the file audits clean."""
+    path = tmp_path / "v1.db"
+    shutil.copyfile(ROOT / "fixtures" / "ledgers" / "synthetic-v1.db", path)
+    start, per = tmp_path / "start", 600
+    procs = [_helper("write", path, "--start", 1000 + w * per, "--count", per, "--batch-min", 50, "--batch-max", 200,
+                     "--seed", w, "--ready-file", tmp_path / f"ready-{w}", "--start-file", start, "--open-after-start",
+                     cwd=tmp_path) for w in range(2)]
+    for w in range(2):
+        _wait_for_file(tmp_path / f"ready-{w}", procs)
+    start.touch()
+    for w, proc in enumerate(procs):
+        out, err = _finish(proc, 120)
+        assert proc.returncode == 0 and "Traceback" not in err, f"writer {w} exited {proc.returncode}:\n{err}"
+        assert sum(c["added"] for c in _commits(out)) == per
+    with Ledger.open(str(path), readonly=True) as ledger:
+        assert ledger.format_version == 2 and ledger.last_seq == 49 + 2 * per
+        view = synth.view(ledger)
+        specs = [synth.spec(i) for i in range(1000, 1000 + 2 * per)]
+        assert view.missing(specs) == [] and all(row.ok for row in view.get_many(specs))
+    report = audit(str(path))
+    assert report.ok, report.findings
+
+
 # ---- 3. A reader during appends -------------------------------------------------------------------------
 
 

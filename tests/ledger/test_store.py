@@ -224,6 +224,25 @@ def test_retraction_reverts_to_previous_row(ledger):
     assert audit(ledger.path).ok
 
 
+def test_a_key_whose_attempts_were_all_retracted_keeps_its_history_when_measured_again(ledger):
+    """A key with no current row may have a history (format 2 keeps it as one entry): a new event of that key,
+    in a batch that looks all-new, extends the history instead of replacing it."""
+    first = synth.event(0, seed=1)
+    first_id = _codec.event_id(_codec.encode(first))
+    ledger.append([first])
+    ledger.append([retraction(first_id, first.key, "bad clocks")])
+    view = synth.view(ledger)
+    assert view.missing([synth.spec(0)]) == [synth.spec(0)]
+    again = synth.event(0, seed=2)
+    ledger.append([again])  # a new event id and a key with no current row
+    with ledger.read() as txn:
+        history = ledger.history_of(txn, first.key)
+    assert [seq for seq, _eid in history] == [1, 2, 3]
+    assert history[0][1] == first_id and history[2][1] == _codec.event_id(_codec.encode(again))
+    assert view.missing([synth.spec(0)]) == [] and view.get(**synth.spec(0)).event_id == history[2][1]
+    assert audit(ledger.path).ok
+
+
 def test_retraction_of_unknown_event_is_refused_whole(ledger):
     ev = synth.event(0)
     with pytest.raises(UsageError, match="append the target first"):
