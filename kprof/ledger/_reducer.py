@@ -246,13 +246,14 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
     keys = [event.key for event, _d, _eid in prepared]
     if len(set(keys)) != len(keys) or len(set(eids)) != len(eids):
         return None
-    current, scope_index, failures = [], [], []
+    current, scope_index, failures, kinds = [], [], [], []
     scopes: dict[bytes, list] = {}
     ids = ProvenanceIds()
     for event, _data, eid in prepared:
         kind = KIND[type(event)]
         if kind == RETRACTED:
             return None
+        kinds.append(kind)
         prov, key = event.provenance, event.key
         sid = ids.scope(prov)
         entry = scopes.get(sid)
@@ -266,6 +267,5 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
             failures.append((key, eid))
         current.append((key, current_row(kind, eid, event)))
     by_key = sorted(range(len(keys)), key=keys.__getitem__)
-    kinds = [KIND[type(event)] for event, _d, _eid in prepared]
     return NewRows(eids, sorted(zip(eids, [data for _e, data, _eid in prepared])), sorted(current),
                    [(keys[i], i + 1, kinds[i]) for i in by_key], sorted(scope_index), sorted(failures), scopes)
