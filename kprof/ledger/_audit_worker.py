@@ -25,8 +25,8 @@ import msgspec
 
 from . import _codec
 from ._lookup import sorted_keys
-from ._reducer import (FAILED, MOD, NO_ROW, ProvenanceIds, current_row, history_seqs, index_key, pack_seq, row_terms,
-                       unpack_seq)
+from ._reducer import (FAILED, MOD, ProvenanceIds, current_row, history_from_v1, history_seqs, index_key, pack_seq,
+                       row_terms, status_of, unpack_seq)
 from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of_decoded
 from .replay import MemoryStore, replay_into
 
@@ -149,7 +149,7 @@ class PlainReplay:
 
     def logged(self) -> list[bytes]:
         """The seqs of the events added."""
-        return [seq for seqs in self._seqs.values() for seq in history_seqs(b"-" + seqs)]
+        return [seq for seqs in self._seqs.values() for seq in history_seqs(seqs, 0)]
 
     def result(self) -> tuple[dict[str, dict], dict[bytes, list]]:
         current, history, rows = {}, {}, {sid: [] for sid in self._scopes}  # scope id -> its rows' key + event id
@@ -157,7 +157,7 @@ class PlainReplay:
         for key, (_seq, sid, eid, row) in self._last.items():
             current[key] = row
             seqs = seqs_of[key]
-            history[key] = row[:1] + (seqs if len(seqs) == 8 else b"".join(sorted(history_seqs(b"-" + seqs))))
+            history[key] = row[:1] + (seqs if len(seqs) == 8 else b"".join(sorted(history_seqs(seqs, 0))))
             rows[sid].append(key + eid)
         scopes = {sid: [*names, len(rows[sid]), (row_terms(rows[sid]) % MOD).to_bytes(32, "big"), sorted(contracts)]
                   for sid, (names, contracts) in self._scopes.items()}
@@ -347,18 +347,17 @@ class Shard:
         format 2's layout (each event id checked against the log; the status from the stored current row, which
         is checked itself) and compared with the replay's."""
         dbs, get = self.ledger.dbs, txn.get
-        stored: dict[bytes, bytes] = {}
         entries = 0
-        for k, eid in self._range(txn.cursor(dbs["history"])):
-            entries += 1
-            key, seq = k[:32], k[32:]
-            if get(seq, db=dbs["log"]) != eid:
-                self.found.add("views", f"history: entry {k.hex()[:24]} names an event the log does not hold there")
-            if key in stored:
-                stored[key] += seq
-            else:
-                row = get(key, db=dbs["current"])
-                stored[key] = (NO_ROW if row is None else row[:1]) + seq
+
+        def checked():
+            nonlocal entries
+            for k, eid in self._range(txn.cursor(dbs["history"])):
+                entries += 1
+                if get(k[32:], db=dbs["log"]) != eid:
+                    self.found.add("views", f"history: entry {k.hex()[:24]} names an event the log does not hold there")
+                yield k
+
+        stored = history_from_v1(checked(), lambda key: status_of(get(key, db=dbs["current"])))
         self.rebuilt["history"] = entries  # the parent compares it with the stored entries: one per event
         if self.detailed or stored != rebuilt or entries != sum((len(v) - 1) // 8 for v in rebuilt.values()):
             self.subset_ok = False

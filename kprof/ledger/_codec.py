@@ -11,7 +11,7 @@ from blake3 import blake3
 
 from .events import Event, Provenance
 
-FORMAT_VERSION = 2  # the ledger file's layout and event encoding (2: the `measured` view)
+FORMAT_VERSION = 2  # the ledger file's layout and event encoding (2: one history entry per key, with a status)
 KEY_TAG = b"kprof/key/v1\x00"
 EVENT_TAG = b"kprof/event/v1\x00"
 SCOPE_TAG = b"kprof/scope/v1\x00"

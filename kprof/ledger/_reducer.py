@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from itertools import repeat
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import msgspec
 from blake3 import blake3
@@ -89,9 +89,26 @@ def index_key(sid: bytes, shape: bytes, key: bytes) -> bytes:
     return sid + _codec.shape_id(shape) + key
 
 
-def history_seqs(value: bytes) -> list[bytes]:
-    """The 8-byte seqs (log keys) of a format-2 history value, oldest first."""
-    return [value[i:i + 8] for i in range(1, len(value), 8)]
+def history_seqs(value: bytes, start: int = 1) -> list[bytes]:
+    """The 8-byte seqs (log keys) of a format-2 history value, oldest first (`start=0`: of a bare run of seqs)."""
+    return [value[i:i + 8] for i in range(start, len(value), 8)]
+
+
+def status_of(row: bytes | None) -> bytes:
+    """A history's status for a key whose current row is `row` (None: no row)."""
+    return NO_ROW if row is None else row[:1]
+
+
+def history_from_v1(keys: Iterable[bytes], status: Callable[[bytes], bytes]) -> dict[bytes, bytes]:
+    """Format 2's history entries, in key order, of a format-1 history's keys (key + seq, in key order): each
+    key's status (`status(key)`), then its seqs. The upgrade writes them; the audit of a format-1 file compares
+    them with its replay."""
+    out: dict[bytes, bytes] = {}
+    for k in keys:
+        key = k[:32]
+        value = out.get(key)
+        out[key] = status(key) + k[32:] if value is None else value + k[32:]
+    return out
 
 
 def root_of(scope: bytes, rows: int, acc: int) -> bytes:
@@ -177,7 +194,7 @@ class Reducer:
             store.put("current", key, new)
         else:
             store.delete("current", key)
-        status = NO_ROW if new is None else new[:1]
+        status = status_of(new)
         history = store.get("history", key)
         if history[:1] != status:
             store.put("history", key, status + history[1:])

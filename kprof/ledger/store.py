@@ -21,7 +21,8 @@ import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
 from . import _codec, _parallel
-from ._reducer import NO_ROW, NewRows, Reducer, history_seqs, new_rows, pack_seq, scope_value, unpack_seq
+from ._reducer import (NewRows, Reducer, history_from_v1, history_seqs, new_rows, pack_seq, scope_value, status_of,
+                       unpack_seq)
 from .events import Failed, Measured, Retracted
 
 __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path"]
@@ -142,17 +143,10 @@ def _upgrade_history(txn: lmdb.Transaction, env: lmdb.Environment) -> None:
     `_reducer`), in the upgrading transaction: the status is the kind of the key's current row. The audit
     checks the result against the log's replay like any view."""
     history, current = env.open_db(b"history", txn=txn), env.open_db(b"current", txn=txn)
-    get = txn.get
-    out: list[tuple[bytes, bytes]] = []
-    for k in txn.cursor(history).iternext(values=False):  # in key + seq order: a key's seqs ascending
-        key, seq = k[:32], k[32:]
-        if out and out[-1][0] == key:
-            out[-1] = (key, out[-1][1] + seq)
-        else:
-            row = get(key, db=current)
-            out.append((key, (NO_ROW if row is None else row[:1]) + seq))
+    entries = history_from_v1(txn.cursor(history).iternext(values=False),
+                              lambda key: status_of(txn.get(key, db=current)))
     txn.drop(history, delete=False)
-    txn.cursor(history).putmulti(out, append=True)
+    txn.cursor(history).putmulti(entries.items(), append=True)
 
 
 class Ledger:
