@@ -3,7 +3,10 @@ SHARDS PATH` prints one JSON document. The parent runs one shard per core; a dam
 reader kills only the child and is reported as a finding.
 
 Shard s owns the keys whose first byte b has b * SHARDS // 256 == s, and the events of those keys. It
-  - walks its share of the sub-databases (keys strictly increasing, counts equal to the headers'),
+  - walks the sub-databases (keys strictly increasing, counts equal to the headers'), those it reads anyway
+    where it reads them: the views keyed by row key over its key range as it compares them, the log whole (it
+    needs all of it), the event store in the events pass; the rest (scope index, meta, scopes, retractions)
+    are walked by one shard each,
   - reads the event store once, in order, and for each event of its keys recomputes the id and key and
     replays it into the views at once (a retraction-free replay needs no log order: a key's row is its
     latest event; with a retraction the shard replays its events again, in log order, by the Reducer),
@@ -19,6 +22,8 @@ import json
 import os
 import sys
 from itertools import islice
+from typing import NamedTuple
+from operator import lt
 
 import lmdb
 import msgspec
@@ -32,7 +37,9 @@ from .replay import MemoryStore, replay_into
 
 MAX_LISTED = 50
 RANGED = ("current", "history", "failures")  # views keyed by the row key
+WALKED_WHERE_READ = RANGED + ("log", "events")  # not walked again by `structure`
 head_decoder = msgspec.msgpack.Decoder(EventHead)
+KEY_BYTES = 32  # a key's and an event id's length
 
 
 class Findings:
@@ -122,26 +129,30 @@ class PlainReplay:
     """
 
     def __init__(self):
-        self._seqs: dict[bytes, bytes] = {}  # key -> its events' seqs, in the order added
+        self._keys: dict[bytes, list] = {}  # key -> [latest seq, scope id, its event id, its current row, all seqs]
         self.scope_index: dict[bytes, bytes] = {}
         self._failures: dict[bytes, tuple] = {}
-        self._last: dict[bytes, tuple] = {}
         self._scopes: dict[bytes, list] = {}  # scope id -> [names, contract ids]
+        self._info: tuple | None = None  # the last scope info added (most events share the one before's object)
 
     def add(self, seq: bytes, eid: bytes, event, info: tuple, shape: bytes) -> None:
-        key = event.key
-        seqs = self._seqs.get(key)
-        self._seqs[key] = seq if seqs is None else seqs + seq
-        names, sid, cid = info
-        scope = self._scopes.get(sid)
-        if scope is None:
-            scope = self._scopes[sid] = [names, set()]
-        scope[1].add(cid)
+        key, sid = event.key, info[1]
+        if info is not self._info:
+            scope = self._scopes.get(sid)
+            if scope is None:
+                scope = self._scopes[sid] = [info[0], set()]
+            scope[1].add(info[2])
+            self._info = info
         self.scope_index[index_key(sid, shape, key)] = b""
         kind = KIND[type(event)]
-        latest = self._last.get(key)
-        if latest is None or seq > latest[0]:  # the row, as bytes: the event (and the bytes it was read from) can go
-            self._last[key] = (seq, sid, eid, current_row(kind, eid, event, summary_of_decoded))
+        entry = self._keys.get(key)
+        # the row, as bytes: the event (and the bytes it was read from) can go
+        if entry is None:
+            self._keys[key] = [seq, sid, eid, current_row(kind, eid, event, summary_of_decoded), seq]
+        else:
+            entry[4] += seq
+            if seq > entry[0]:
+                entry[:4] = seq, sid, eid, current_row(kind, eid, event, summary_of_decoded)
         if kind == FAILED:
             failed = self._failures.get(key)
             if failed is None or seq > failed[0]:
@@ -149,21 +160,50 @@ class PlainReplay:
 
     def logged(self) -> list[bytes]:
         """The seqs of the events added."""
-        return [seq for seqs in self._seqs.values() for seq in history_seqs(seqs, 0)]
+        return [seq for entry in self._keys.values() for seq in history_seqs(entry[4], 0)]
 
     def result(self) -> tuple[dict[str, dict], dict[bytes, list]]:
-        current, history, rows = {}, {}, {sid: [] for sid in self._scopes}  # scope id -> its rows' key + event id
-        seqs_of = self._seqs
-        for key, (_seq, sid, eid, row) in self._last.items():
-            current[key] = row
-            seqs = seqs_of[key]
-            history[key] = row[:1] + (seqs if len(seqs) == 8 else b"".join(sorted(history_seqs(seqs, 0))))
-            rows[sid].append(key + eid)
+        entries = self._keys
+        current = {key: entry[3] for key, entry in entries.items()}
+        history = {key: entry[3][:1] + (entry[4] if len(entry[4]) == 8 else b"".join(sorted(history_seqs(entry[4], 0))))
+                   for key, entry in entries.items()}
+        rows: dict[bytes, list] = {sid: [] for sid in self._scopes}  # scope id -> its rows' key + event id
+        if len(rows) == 1:
+            rows[next(iter(rows))] = [key + entry[2] for key, entry in entries.items()]
+        else:
+            for key, entry in entries.items():
+                rows[entry[1]].append(key + entry[2])
         scopes = {sid: [*names, len(rows[sid]), (row_terms(rows[sid]) % MOD).to_bytes(32, "big"), sorted(contracts)]
                   for sid, (names, contracts) in self._scopes.items()}
         data = {"current": current, "history": history, "scope_index": self.scope_index,
                 "failures": {key: eid for key, (_seq, eid) in self._failures.items()}, "retracted": {}}
         return data, scopes
+
+
+class LogIndex(NamedTuple):
+    """The logged event ids, concatenated in byte order (the event store's order), and the seq (8-byte log key)
+    of each at the same position, concatenated: two bytes objects, not a dict of a million entries."""
+
+    eids: bytes
+    seqs: bytes
+
+    @classmethod
+    def of(cls, seqs: dict[bytes, bytes]) -> "LogIndex":
+        """From event id -> seq (entries of other lengths, from damage, are left out: their event, if stored, is
+        reported as not logged)."""
+        ordered = sorted_keys([eid for eid, seq in seqs.items() if len(eid) == KEY_BYTES and len(seq) == 8])
+        return cls(b"".join(ordered), b"".join(map(seqs.__getitem__, ordered)))
+
+    def find(self, eid: bytes) -> int:
+        """The position of the first logged id >= eid (bisection over the fixed-width ids)."""
+        lo, hi = 0, len(self.eids) // KEY_BYTES
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.eids[mid * KEY_BYTES:(mid + 1) * KEY_BYTES] < eid:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
 
 class Shard:
@@ -172,27 +212,38 @@ class Shard:
         self.detailed = detailed  # compare every view entry by entry (the parent asks when counts disagree)
         self.rebuilt: dict[str, int] = {}  # entries of each view this shard's replay derives
         self.subset_ok = True  # every rebuilt entry was found stored as rebuilt
+        self.walked: dict[str, int] = {}  # entries of each ranged view walked over this shard's range
         self.lo = bytes([shard * 256 // shards]) if shard else b""
         self.hi = bytes([(shard + 1) * 256 // shards]) if shard + 1 < shards else None
 
     def mine(self, k: bytes) -> bool:
         return k[0] * self.shards // 256 == self.shard
 
-    def _range(self, cursor):
-        """(key, value) of a cursor over this shard's key range."""
+    def _range(self, cursor, name: str):
+        """(key, value) of a cursor over this shard's key range, counted into `walked` and checked in order."""
         ok = cursor.set_range(self.lo) if self.lo else cursor.first()
+        self.walked[name] = 0
         if not ok:
             return
-        hi = self.hi
-        for k, v in cursor:
-            if hi is not None and k >= hi:
-                return
-            yield k, v
+        hi, seen, last = self.hi, 0, None
+        try:
+            for k, v in cursor:
+                if hi is not None and k >= hi:
+                    return
+                if last is not None and k <= last:
+                    self.found.add("structure", f"{name}: keys out of order after {last.hex()[:24]}")
+                last, seen = k, seen + 1
+                self.walked[name] = seen
+                yield k, v
+        except lmdb.Error as exc:
+            self.found.add("structure", f"{name}: walk failed after {seen} entries of shard {self.shard}'s range: {exc}")
 
     def structure(self, txn) -> None:
-        """Walks this shard's share of the sub-databases other than events (see `events`)."""
-        for i, (name, db) in enumerate(sorted(self.ledger.dbs.items())):
-            if name == "events" or i % self.shards != self.shard:
+        """Walks this shard's share of the sub-databases not walked where they are read (see the module's
+        docstring): the scope index, meta, retracted, scopes."""
+        rest = [(name, db) for name, db in sorted(self.ledger.dbs.items()) if name not in WALKED_WHERE_READ]
+        for i, (name, db) in enumerate(rest):
+            if i % self.shards != self.shard:
                 continue
             expected, seen, last = txn.stat(db)["entries"], 0, None
             try:
@@ -207,26 +258,34 @@ class Shard:
             if seen != expected:
                 self.found.add("structure", f"{name}: header counts {expected} entries, walk found {seen}")
             if name == "scope_index" and any(txn.cursor(db).iternext(keys=False, values=True)):
-                # every entry's value is empty; the shards test only their entries' presence (see _subset), so
-                # a value here sends every shard through the detailed pass, which names the entry
+                # every entry's value is empty; the shards test only their entries' presence (see _looked_up),
+                # so a value here sends every shard through the detailed pass, which names the entry
                 self.subset_ok = False
 
-    def log(self, txn) -> tuple[dict[bytes, bytes], int]:
-        """The log as event id -> seq (its 8-byte key), and last_seq. Built by C-level iteration; the entry by
-        entry walk runs only when the quick checks fail, and shard 0 reports gaps, repeats and the meta
-        mismatch it finds."""
+    def log(self, txn) -> tuple[LogIndex, int]:
+        """The log's event ids in byte order with their seqs (see LogIndex), and last_seq. Read by C-level
+        iteration, which is also the log's structure walk: its keys must be exactly 1..n in order (compared
+        with numpy's in one test), n its header's count, and its n event ids distinct (adjacent once sorted).
+        The entry by entry walk runs only when the quick checks fail, and shard 0 reports gaps, repeats, the
+        header's and the meta's mismatch it finds."""
+        import numpy as np
+
         dbs = self.ledger.dbs
         raw_last = txn.get(b"last_seq", db=dbs["meta"])
         last_seq = msgspec.msgpack.decode(raw_last) if raw_last is not None else -1
-        seq_keys = list(txn.cursor(dbs["log"]).iternext(keys=True, values=False))
-        seqs = dict(zip(txn.cursor(dbs["log"]).iternext(keys=False, values=True), seq_keys))
-        n = len(seq_keys)
-        # n distinct 8-byte keys in B-tree order (the structure walk checks the order) running from 1 to n
-        # are exactly 1..n; and n distinct event ids means none is logged twice
-        if n == len(seqs) == last_seq and set(map(len, seq_keys)) <= {8} and \
-                (n == 0 or (seq_keys[0] == pack_seq(1) and seq_keys[-1] == pack_seq(n))):
-            return seqs, last_seq
-        return self._log_detailed(txn, last_seq), last_seq
+        seq_keys = b"".join(txn.cursor(dbs["log"]).iternext(keys=True, values=False))
+        eids = b"".join(txn.cursor(dbs["log"]).iternext(keys=False, values=True))
+        n, expected = len(seq_keys) // 8, txn.stat(dbs["log"])["entries"]
+        if n != expected and self.shard == 0:
+            self.found.add("structure", f"log: header counts {expected} entries, walk found {n}")
+        if n == last_seq == len(eids) // KEY_BYTES and len(eids) % KEY_BYTES == 0 and \
+                seq_keys == np.arange(1, n + 1, dtype=">u8").tobytes():
+            ids = np.frombuffer(eids, f"S{KEY_BYTES}")
+            order = np.argsort(ids)
+            ordered = ids[order]
+            if not (ordered[1:] == ordered[:-1]).any():  # none logged twice
+                return LogIndex(ordered.tobytes(), (order + 1).astype(">u8").tobytes()), last_seq
+        return LogIndex.of(self._log_detailed(txn, last_seq)), last_seq
 
     def _log_detailed(self, txn, last_seq: int) -> dict[bytes, bytes]:
         report = self.found.add if self.shard == 0 else (lambda *_: None)
@@ -246,18 +305,22 @@ class Shard:
             report("log", f"meta says last_seq {last_seq}, log ends at {expect - 1}")
         return seqs
 
-    def events(self, txn, seqs: dict[bytes, bytes]) -> tuple[int, int, PlainReplay, list]:
+    def events(self, txn, index: LogIndex) -> tuple[int, int, PlainReplay, list]:
         """One sequential pass over the event store. Each event belongs to the shard of its key's first byte
         (an event too short to hold a key belongs to shard 0), so each is hashed and decoded once, by one
         shard: its id and key are recomputed, and it is replayed into the views. Returns (events owned, of
         which logged, the replay of the retraction-free events, the logged retractions as (seq, event id)).
         Only owned events are looked up in the log: the parent checks that the shards' logged counts add up
-        to the log's length (else some logged event is not stored)."""
+        to the log's length (else some logged event is not stored).
+
+        The store is read in event id order, the order of `index`: while the two hold the same events, the
+        event at position `pos` of the store is the log's at `pos + shift` (a merge, not a hash lookup per
+        event); an event out of step (not logged, or a logged one absent before it) is found by bisection."""
         event_id, decode, shards, shard = _codec.event_id, audit_decoder.decode, self.shards, self.shard
         add, key_of, plain, provenances = self.found.add, _codec.key_of, PlainReplay(), Provenances()
         n, logged, last, unlogged, retractions = 0, 0, None, 0, []
-        pop, replay = seqs.pop, plain.add
-        for eid, data in txn.cursor(self.ledger.dbs["events"]):
+        replay, ids, seqs, shift = plain.add, index.eids, index.seqs, 0
+        for pos, (eid, data) in enumerate(txn.cursor(self.ledger.dbs["events"])):
             if shard == 0:
                 if last is not None and eid <= last:
                     add("structure", f"events: keys out of order at {eid.hex()[:16]}")
@@ -270,7 +333,11 @@ class Shard:
             if owner != shard:
                 continue
             n += 1
-            seq = pop(eid, None)
+            j = (pos + shift) * KEY_BYTES
+            if ids[j:j + KEY_BYTES] != eid:
+                j = index.find(eid) * KEY_BYTES
+                shift = j // KEY_BYTES - pos
+            seq = seqs[j // 4:j // 4 + 8] if ids[j:j + KEY_BYTES] == eid else None
             if event_id(data) != eid:
                 add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id (altered or damaged)")
                 continue
@@ -321,12 +388,12 @@ class Shard:
         else:  # the common case, no retraction: the same views as the Reducer builds
             data, scopes = plain.result()
         walks = {
-            "current": lambda: self._range(txn.cursor(dbs["current"])),
-            "history": lambda: self._range(txn.cursor(dbs["history"])),
-            "failures": lambda: self._range(txn.cursor(dbs["failures"])),
+            "current": lambda: self._range(txn.cursor(dbs["current"]), "current"),
+            "history": lambda: self._range(txn.cursor(dbs["history"]), "history"),
+            "failures": lambda: self._range(txn.cursor(dbs["failures"]), "failures"),
             "scope_index": lambda: ((k, v) for k, v in txn.cursor(dbs["scope_index"]) if mine(k[32:])),
-            "retracted": lambda: ((k, v) for k, v in txn.cursor(dbs["retracted"])
-                                  if mine(key_of_bytes(get(v, db=events_db) or b"") or b"\0")),
+            "retracted": lambda: ((k, v) for k, v in txn.cursor(dbs["retracted"])  # owned by the target's key
+                                  if mine(key_of_bytes(get(k, db=events_db) or b"") or b"\0")),
         }
         for name, walk in walks.items():
             if name == "history" and self.ledger.format_in(txn) < 2:
@@ -337,7 +404,9 @@ class Shard:
             # view); the parent checks that the shards' counts add up to the view's entries, which rules out
             # stored entries no replay derives. A failing check, or the parent's detailed pass, walks the
             # shard's part entry by entry and lists each difference.
-            if self.detailed or not self._subset(txn.cursor(dbs[name]), data[name], ranged=name in RANGED):
+            fast = (self._subset(txn.cursor(dbs[name]), data[name], name) if name in RANGED else
+                    self._looked_up(txn.cursor(dbs[name]), data[name], name == "scope_index"))
+            if self.detailed or not fast:
                 self.subset_ok = False  # the parent runs every shard in detail, so all differences get listed
                 self._compare(name, walk(), data[name])
         return {sid.hex(): list(v) for sid, v in scopes.items()}
@@ -351,7 +420,7 @@ class Shard:
 
         def checked():
             nonlocal entries
-            for k, eid in self._range(txn.cursor(dbs["history"])):
+            for k, eid in self._range(txn.cursor(dbs["history"]), "history"):
                 entries += 1
                 if get(k[32:], db=dbs["log"]) != eid:
                     self.found.add("views", f"history: entry {k.hex()[:24]} names an event the log does not hold there")
@@ -363,20 +432,34 @@ class Shard:
             self.subset_ok = False
             self._compare("history", stored.items(), rebuilt)
 
-    def _subset(self, cursor, rebuilt: dict[bytes, bytes], ranged: bool) -> bool:
-        """Whether every rebuilt entry is stored as rebuilt, by C-level operations. A view keyed by the row key
-        (`ranged`) is read over this shard's key range only: as many entries as the replay rebuilt, then the
-        next key must lie past the range, so an extra stored entry in the range fails the test. Another view
-        (the scope index, keyed by scope and shape first) has this shard's entries spread over all of it:
-        they are looked up, in key order, rather than the whole view read."""
-        if not ranged:  # the scope index: every value is empty, which the shard walking its structure checks
-            return all(map(cursor.set_key, sorted_keys(list(rebuilt))))  # in B-tree order: each page visited once
+    def _subset(self, cursor, rebuilt: dict[bytes, bytes], name: str) -> bool:
+        """Whether this shard's part of a view keyed by the row key is stored exactly as rebuilt, by C-level
+        operations over this shard's key range: as many entries as the replay rebuilt, in strictly increasing
+        order, then the next key must lie past the range, so an extra stored entry in the range fails the test.
+        It is the view's structure walk too: on success its range holds exactly len(rebuilt) entries; on failure
+        the caller walks the range entry by entry, which counts them and names each difference."""
         if not (cursor.set_range(self.lo) if self.lo else cursor.first()):
+            self.walked[name] = 0
             return not rebuilt
         stored = dict(islice(cursor, len(rebuilt)))
         following = cursor.key() if len(stored) == len(rebuilt) and cursor.next() else None
         past = following is None or (self.hi is not None and following >= self.hi)
-        return past and rebuilt == stored  # as many read as rebuilt: subset means equal (compared in C, no item tuples)
+        keys = list(stored)
+        if past and rebuilt == stored and all(map(lt, keys, islice(keys, 1, None))):  # compared in C, no item tuples
+            self.walked[name] = len(keys)
+            return True
+        return False
+
+    @staticmethod
+    def _looked_up(cursor, rebuilt: dict[bytes, bytes], keys_only: bool) -> bool:
+        """Whether every rebuilt entry of a view keyed otherwise (the scope index, the retractions) is stored as
+        rebuilt, looked up in key order (each page visited once); the parent's count check rules out stored
+        extras. `keys_only`: the scope index's values, all empty, are checked by the shard walking its structure
+        (its entries are spread over all of it; looking up half is cheaper than reading it all)."""
+        ordered = sorted_keys(list(rebuilt))
+        if keys_only:
+            return all(map(cursor.set_key, ordered))
+        return dict(zip(ordered, map(cursor.get, ordered))) == rebuilt
 
     def _compare(self, name: str, stored, rebuilt: dict[bytes, bytes]) -> None:
         matched = 0
@@ -409,16 +492,16 @@ def main(shard: int, shards: int, path: str, detailed: bool = False) -> dict:
     work = Shard(ledger, shard, shards, found, detailed)
     with ledger.read() as txn:
         work.structure(txn)
-        seqs, last_seq = work.log(txn)
-        log_entries = len(seqs)
+        index, last_seq = work.log(txn)
+        log_entries = len(index.seqs) // 8
         header_events = txn.stat(ledger.dbs["events"])["entries"]
         txn_entries = {name: txn.stat(db)["entries"] for name, db in ledger.dbs.items()}
-        n_events, n_logged, plain, retractions = work.events(txn, seqs)
-        del seqs
+        n_events, n_logged, plain, retractions = work.events(txn, index)
+        del index
         scopes = work.views(txn, plain, retractions)
     return {"findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
             "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries, "rebuilt": work.rebuilt,
-            "subset_ok": work.subset_ok,
+            "subset_ok": work.subset_ok, "walked": work.walked,
             "view_entries": {name: txn_entries[name] for name in work.rebuilt},
             "scopes": {k: [v[0], v[1], v[2], v[3], v[4].hex(), v[5]] for k, v in scopes.items()}}
 

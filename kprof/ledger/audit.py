@@ -1,7 +1,7 @@
 """`kprof audit`: proves every row can be replayed from the log, or lists what cannot.
 
 The work is sharded by key and event id over child processes, one per core (see _audit_worker): each
-walks its share of the sub-databases, recomputes its events' ids and keys, replays the log for its keys
+walks its share of the sub-databases (the parent adds up the counts of the views walked by key range), recomputes its events' ids and keys, replays the log for its keys
 and compares its part of every view; the parent sums their scope accumulators (the view root is an
 additive hash) and compares the scopes view. A child killed by a signal (a damaged page faults the
 reader) is itself a finding: the file's structure is damaged.
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from ..errors import LedgerError
 from . import _codec
-from ._audit_worker import MAX_LISTED
+from ._audit_worker import MAX_LISTED, RANGED
 from .store import Ledger
 
 __all__ = ["audit", "AuditReport"]
@@ -139,6 +139,11 @@ def audit(path: str) -> AuditReport:
     if not fatal:
         if n_events != results[0]["header_events"]:
             add("structure", f"events: header counts {results[0]['header_events']} entries, walk found {n_events}")
+        entries = results[0]["view_entries"]
+        for name in RANGED:  # each shard walked its key range of these views as it compared them
+            walked = sum(res["walked"][name] for res in results)
+            if walked != entries[name]:
+                add("structure", f"{name}: header counts {entries[name]} entries, walk found {walked}")
         _scopes(path, results, add)
         if sum(res["logged"] for res in results) != results[0]["log_entries"]:
             _unstored(path, add)

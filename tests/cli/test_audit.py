@@ -1,7 +1,9 @@
 import json
 
+import pytest
+
 from kprof.cli import main
-from kprof.ledger import Ledger, build, synth
+from kprof.ledger import Ledger, _codec, build, synth
 
 
 def test_audit_clean_ledger_exits_0_with_json(ledger_path, capsys):
@@ -98,3 +100,69 @@ def test_audit_lists_history_entries_whose_status_or_events_disagree_with_the_lo
     doc = json.loads(capsys.readouterr().out)
     assert sorted(doc["findings"]) == sorted([f"views: history: entry {marked.hex()[:24]} differs from the log's replay",
                                               f"views: history: entry {dropped.hex()[:24]} differs from the log's replay"])
+
+
+def test_audit_lists_a_retraction_entry_that_names_another_event(ledger_path, capsys):
+    """The retractions view (target event id -> retraction's id) is compared value by value: an entry whose
+    value names another event is listed, though every key is present and the counts agree."""
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 10)))
+    target = _codec.event_id(_codec.encode(synth.event(3)))
+    led.append([build.retraction(target, synth.event(3).key, "bad clocks")])
+    led.write(lambda txn: txn.put(target, b"\x09" * 32, db=led.dbs["retracted"]))
+    led.close()
+    assert main(["audit", "--db", ledger_path, "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["findings"] == [f"views: retracted: entry {target.hex()[:24]} differs from the log's replay"]
+
+
+@pytest.mark.parametrize("first_byte", [0x01, 0xF1])  # a row key of each shard
+def test_audit_lists_scope_index_entries_missing_or_extra(ledger_path, capsys, first_byte):
+    """Each shard looks up its scope-index entries (by the row key's first byte) and the counts are added up: an
+    entry removed and one added (a row key of either shard) are both named."""
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 10)))
+    with led.read() as txn:
+        removed = list(txn.cursor(led.dbs["scope_index"]).iternext(values=False))[6]
+    extra = removed[:32] + bytes([first_byte]) + b"\x05" * 31
+    led.write(lambda txn: txn.delete(removed, db=led.dbs["scope_index"]) and txn.put(extra, b"", db=led.dbs["scope_index"]))
+    led.close()
+    assert main(["audit", "--db", ledger_path, "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc["findings"]) == sorted([f"views: scope_index: entry {removed.hex()[:24]} of the log's replay is not stored",
+                                              f"views: scope_index: stored entry {extra.hex()[:24]} is not derivable from the log"])
+
+
+class _Cursor:
+    """A cursor over given (key, value) pairs, in the given order (a B-tree whose keys are out of order)."""
+
+    def __init__(self, items):
+        self.items, self.at = items, 0
+
+    def set_range(self, lo):
+        self.at = next((i for i, (k, _) in enumerate(self.items) if k >= lo), len(self.items))
+        return self.at < len(self.items)
+
+    def first(self):
+        self.at = 0
+        return bool(self.items)
+
+    def __iter__(self):
+        while self.at < len(self.items):
+            yield self.items[self.at]
+            self.at += 1
+
+
+def test_a_shards_range_walk_counts_its_entries_and_names_keys_out_of_order():
+    """The views keyed by row key are walked where they are compared: each shard counts its range (the parent
+    adds the counts up against the header's) and names a key that does not follow the one before."""
+    from kprof.ledger._audit_worker import Findings, Shard
+
+    keys = [bytes([b]) * 32 for b in (0x10, 0x30, 0x20, 0x70, 0x90, 0xA0)]  # 0x20 after 0x30
+    for shard, count in ((0, 4), (1, 2)):
+        found = Findings()
+        work = Shard(None, shard, 2, found)
+        walked = [k for k, _ in work._range(_Cursor([(k, b"") for k in keys]), "current")]
+        assert walked == keys[:4] if shard == 0 else keys[4:]
+        assert work.walked == {"current": count}
+        assert found.items == (["structure: current: keys out of order after " + "30" * 12] if shard == 0 else [])

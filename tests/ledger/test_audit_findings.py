@@ -120,3 +120,15 @@ def test_event_bytes_that_do_not_begin_with_a_type_and_a_key(ledger_path):
     for eid in (short, swapped):
         assert f"events: event {eid.hex()[:16]}: its bytes do not begin with a type and a key" in report.findings
     assert not report.ok
+
+
+def test_an_event_stored_but_never_logged_is_named_alone(ledger_path):
+    """The log itself is intact, so the events pass merges the store with the log by position; the unlogged
+    events put the two out of step, and every other event is still matched with its seq (nothing else named)."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 40)))
+        extra = [_codec.encode(synth.event(100 + i)) for i in range(6)]  # ids spread over the store's order
+        led.write(lambda txn: [txn.put(_codec.event_id(data), data, db=led.dbs["events"]) for data in extra])
+    report = audit(ledger_path)
+    assert sorted(report.findings) == sorted(f"log: event {_codec.event_id(data).hex()[:16]} is stored but not in the log"
+                                             for data in extra)

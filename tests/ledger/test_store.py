@@ -353,7 +353,8 @@ def test_audit_fast_replay_builds_what_the_reducer_builds(idx, fails):
     from kprof.ledger.replay import MemoryStore, replay_into
     from kprof.ledger.store import DBS
 
-    events = [synth.event(i, seed=n, revision=1 + n % 2) for n, i in enumerate(idx)]
+    events = [synth.event(i, seed=n, revision=1 + n % 2, gpu="NVIDIA H100" if i % 4 == 1 else synth.GPU)
+              for n, i in enumerate(idx)]  # two scopes, two contracts
     events = [with_ints(ev) if n % 3 == 0 else ev for n, ev in enumerate(events)]
     events += [failed(synth.event(i).provenance, "oom", f"out of memory {i}") for i in fails]
     replay = [(seq, _codec.event_id(_codec.encode(ev)), ev) for seq, ev in enumerate(events, 1)]
