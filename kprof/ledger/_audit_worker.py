@@ -281,7 +281,13 @@ class Shard:
         if n == last_seq == len(eids) // KEY_BYTES and len(eids) % KEY_BYTES == 0 and \
                 seq_keys == np.arange(1, n + 1, dtype=">u8").tobytes():
             ids = np.frombuffer(eids, f"S{KEY_BYTES}")
-            order = np.argsort(ids)
+            # ordered by the first 8 bytes (native integers sort ~2x faster than 32-byte strings); exact unless
+            # two ids share them, a duplicate or a ~1-in-10^7 coincidence in a 1M-event log: then by all 32
+            head = np.frombuffer(eids, ">u8")[::KEY_BYTES // 8].astype(np.uint64)
+            order = np.argsort(head)
+            ordered_head = head[order]
+            if (ordered_head[1:] == ordered_head[:-1]).any():
+                order = np.argsort(ids, kind="stable")
             ordered = ids[order]
             if not (ordered[1:] == ordered[:-1]).any():  # none logged twice
                 return LogIndex(ordered.tobytes(), (order + 1).astype(">u8").tobytes()), last_seq

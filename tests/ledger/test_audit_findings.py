@@ -3,6 +3,7 @@
 import msgspec
 
 from kprof.ledger import Ledger, _codec, build, synth
+from kprof.ledger._audit_worker import Findings, Shard
 from kprof.ledger._reducer import pack_seq
 from kprof.ledger.audit import audit
 
@@ -132,3 +133,30 @@ def test_an_event_stored_but_never_logged_is_named_alone(ledger_path):
     report = audit(ledger_path)
     assert sorted(report.findings) == sorted(f"log: event {_codec.event_id(data).hex()[:16]} is stored but not in the log"
                                              for data in extra)
+
+
+def test_logged_ids_that_share_their_first_eight_bytes_are_matched_exactly(ledger_path):
+    """The log's ids are ordered by their first 8 bytes unless two share them; ids that do (forged here, stored
+    under ids their bytes do not hash to) are ordered by all 32, so each stored event still finds its seq: only
+    the forgery is named, never a logged event as unlogged."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 30)))
+        data = _codec.encode(synth.event(200))
+        forged = [bytes([0x10 + i]) * 8 + bytes([0xFF - j]) * 24 for i in range(3) for j in range(3)]  # logged in
+        # descending order within each shared head
+
+        def work(txn):
+            for seq, eid in enumerate(forged, 31):
+                txn.put(eid, data, db=led.dbs["events"])
+                txn.put(pack_seq(seq), eid, db=led.dbs["log"])
+            txn.put(b"last_seq", _codec.encode(30 + len(forged)), db=led.dbs["meta"])
+
+        led.write(work)
+    with Ledger.open(ledger_path, readonly=True) as led, led.read() as txn:
+        index, _last = Shard(led, 0, 2, Findings()).log(txn)
+        logged = {eid: seq for seq, eid in txn.cursor(led.dbs["log"])}
+    assert index.eids == b"".join(sorted(logged))
+    assert index.seqs == b"".join(logged[eid] for eid in sorted(logged))
+    report = audit(ledger_path)
+    assert sorted(report.findings) == sorted(f"events: event {eid.hex()[:16]}: stored bytes hash to another id "
+                                             "(altered or damaged)" for eid in forged)
