@@ -22,15 +22,15 @@ import json
 import os
 import sys
 from itertools import islice
-from typing import NamedTuple
 from operator import lt
+from typing import NamedTuple
 
 import lmdb
 import msgspec
 
 from . import _codec
 from ._lookup import sorted_keys
-from ._reducer import (FAILED, MOD, ProvenanceIds, current_row, history_from_v1, history_seqs, index_key, pack_seq,
+from ._reducer import (FAILED, MOD, ProvenanceIds, current_row, history_from_v1, history_seqs, index_key,
                        row_terms, status_of, unpack_seq)
 from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of_decoded
 from .replay import MemoryStore, replay_into
@@ -236,7 +236,8 @@ class Shard:
                 self.walked[name] = seen
                 yield k, v
         except lmdb.Error as exc:
-            self.found.add("structure", f"{name}: walk failed after {seen} entries of shard {self.shard}'s range: {exc}")
+            self.found.add("structure", f"{name}: walk failed after {seen} entries of shard {self.shard}'s "
+                                        f"range: {exc}")
 
     def structure(self, txn) -> None:
         """Walks this shard's share of the sub-databases not walked where they are read (see the module's
@@ -339,11 +340,13 @@ class Shard:
             if owner != shard:
                 continue
             n += 1
-            j = (pos + shift) * KEY_BYTES
-            if ids[j:j + KEY_BYTES] != eid:
-                j = index.find(eid) * KEY_BYTES
-                shift = j // KEY_BYTES - pos
-            seq = seqs[j // 4:j // 4 + 8] if ids[j:j + KEY_BYTES] == eid else None
+            j = pos + shift
+            if ids[j * KEY_BYTES:(j + 1) * KEY_BYTES] == eid:
+                seq = seqs[j * 8:j * 8 + 8]
+            else:
+                j = index.find(eid)
+                shift = j - pos
+                seq = seqs[j * 8:j * 8 + 8] if ids[j * KEY_BYTES:(j + 1) * KEY_BYTES] == eid else None
             if event_id(data) != eid:
                 add("events", f"event {eid.hex()[:16]}: stored bytes hash to another id (altered or damaged)")
                 continue

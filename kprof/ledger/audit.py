@@ -1,10 +1,11 @@
 """`kprof audit`: proves every row can be replayed from the log, or lists what cannot.
 
 The work is sharded by key and event id over child processes, one per core (see _audit_worker): each
-walks its share of the sub-databases (the parent adds up the counts of the views walked by key range), recomputes its events' ids and keys, replays the log for its keys
-and compares its part of every view; the parent sums their scope accumulators (the view root is an
-additive hash) and compares the scopes view. A child killed by a signal (a damaged page faults the
-reader) is itself a finding: the file's structure is damaged.
+walks its share of the sub-databases (the parent adds up the counts of the views walked by key range),
+recomputes its events' ids and keys, replays the log for its keys and compares its part of every view;
+the parent sums their scope accumulators (the view root is an additive hash) and compares the scopes view.
+A child killed by a signal (a damaged page faults the reader) is itself a finding: the file's structure is
+damaged.
 """
 
 from __future__ import annotations

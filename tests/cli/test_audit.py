@@ -125,12 +125,14 @@ def test_audit_lists_scope_index_entries_missing_or_extra(ledger_path, capsys, f
     with led.read() as txn:
         removed = list(txn.cursor(led.dbs["scope_index"]).iternext(values=False))[6]
     extra = removed[:32] + bytes([first_byte]) + b"\x05" * 31
-    led.write(lambda txn: txn.delete(removed, db=led.dbs["scope_index"]) and txn.put(extra, b"", db=led.dbs["scope_index"]))
+    led.write(lambda txn: txn.delete(removed, db=led.dbs["scope_index"]) and
+              txn.put(extra, b"", db=led.dbs["scope_index"]))
     led.close()
     assert main(["audit", "--db", ledger_path, "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
-    assert sorted(doc["findings"]) == sorted([f"views: scope_index: entry {removed.hex()[:24]} of the log's replay is not stored",
-                                              f"views: scope_index: stored entry {extra.hex()[:24]} is not derivable from the log"])
+    assert sorted(doc["findings"]) == sorted([
+        f"views: scope_index: entry {removed.hex()[:24]} of the log's replay is not stored",
+        f"views: scope_index: stored entry {extra.hex()[:24]} is not derivable from the log"])
 
 
 class _Cursor:
