@@ -29,7 +29,7 @@ import lmdb
 import msgspec
 
 from . import _codec
-from ._lookup import sorted_keys
+from ._lookup import KEY_BYTES, key_order, sorted_keys
 from ._reducer import (FAILED, MOD, ProvenanceIds, current_row, history_from_v1, history_seqs, index_key,
                        row_terms, status_of, unpack_seq)
 from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of_decoded
@@ -39,7 +39,6 @@ MAX_LISTED = 50
 RANGED = ("current", "history", "failures")  # views keyed by the row key
 WALKED_WHERE_READ = RANGED + ("log", "events")  # not walked again by `structure`
 head_decoder = msgspec.msgpack.Decoder(EventHead)
-KEY_BYTES = 32  # a key's and an event id's length
 
 
 class Findings:
@@ -221,23 +220,22 @@ class Shard:
 
     def _range(self, cursor, name: str):
         """(key, value) of a cursor over this shard's key range, counted into `walked` and checked in order."""
-        ok = cursor.set_range(self.lo) if self.lo else cursor.first()
-        self.walked[name] = 0
-        if not ok:
-            return
         hi, seen, last = self.hi, 0, None
         try:
+            if not (cursor.set_range(self.lo) if self.lo else cursor.first()):
+                return
             for k, v in cursor:
                 if hi is not None and k >= hi:
                     return
                 if last is not None and k <= last:
                     self.found.add("structure", f"{name}: keys out of order after {last.hex()[:24]}")
                 last, seen = k, seen + 1
-                self.walked[name] = seen
                 yield k, v
         except lmdb.Error as exc:
             self.found.add("structure", f"{name}: walk failed after {seen} entries of shard {self.shard}'s "
                                         f"range: {exc}")
+        finally:
+            self.walked[name] = seen
 
     def structure(self, txn) -> None:
         """Walks this shard's share of the sub-databases not walked where they are read (see the module's
@@ -281,15 +279,8 @@ class Shard:
             self.found.add("structure", f"log: header counts {expected} entries, walk found {n}")
         if n == last_seq == len(eids) // KEY_BYTES and len(eids) % KEY_BYTES == 0 and \
                 seq_keys == np.arange(1, n + 1, dtype=">u8").tobytes():
-            ids = np.frombuffer(eids, f"S{KEY_BYTES}")
-            # ordered by the first 8 bytes (native integers sort ~2x faster than 32-byte strings); exact unless
-            # two ids share them, a duplicate or a ~1-in-10^7 coincidence in a 1M-event log: then by all 32
-            head = np.frombuffer(eids, ">u8")[::KEY_BYTES // 8].astype(np.uint64)
-            order = np.argsort(head)
-            ordered_head = head[order]
-            if (ordered_head[1:] == ordered_head[:-1]).any():
-                order = np.argsort(ids, kind="stable")
-            ordered = ids[order]
+            order = key_order(eids, KEY_BYTES, exact=True)
+            ordered = np.frombuffer(eids, f"S{KEY_BYTES}")[order]
             if not (ordered[1:] == ordered[:-1]).any():  # none logged twice
                 return LogIndex(ordered.tobytes(), (order + 1).astype(">u8").tobytes()), last_seq
         return LogIndex.of(self._log_detailed(txn, last_seq)), last_seq
@@ -453,11 +444,13 @@ class Shard:
         stored = dict(islice(cursor, len(rebuilt)))
         following = cursor.key() if len(stored) == len(rebuilt) and cursor.next() else None
         past = following is None or (self.hi is not None and following >= self.hi)
+        if not (past and rebuilt == stored):  # compared in C, no item tuples
+            return False
         keys = list(stored)
-        if past and rebuilt == stored and all(map(lt, keys, islice(keys, 1, None))):  # compared in C, no item tuples
-            self.walked[name] = len(keys)
-            return True
-        return False
+        if not all(map(lt, keys, islice(keys, 1, None))):
+            return False
+        self.walked[name] = len(keys)
+        return True
 
     @staticmethod
     def _looked_up(cursor, rebuilt: dict[bytes, bytes], keys_only: bool) -> bool:

@@ -35,12 +35,26 @@ def _sorted(keys: list[bytes]):
     blob = b"".join(keys)
     if len(blob) != KEY_BYTES * len(keys):
         return None
-    import numpy as np
-
-    order = np.argsort(np.frombuffer(blob, ">u8")[:: KEY_BYTES // 8])
+    order = key_order(blob, KEY_BYTES)
     # the very key objects, gathered in one C call (n >= NUMPY_FROM > 1, so itemgetter returns a tuple): no
     # new bytes objects, ~25% less than slicing a sorted copy of the blob
     return itemgetter(*order.tolist())(keys), order
+
+
+def key_order(blob: bytes, width: int, exact: bool = False):
+    """The permutation (numpy array) ordering the `width`-byte keys packed in `blob` (width a multiple of 8) by
+    their first 8 bytes, argsorted as native integers (~2x faster than as `width`-byte strings). `exact`: in full
+    byte order; the keys are then sorted by all their bytes, but only where two share their first 8 (a duplicate,
+    or for blake3 keys a ~1-in-10^7 coincidence among 1M)."""
+    import numpy as np
+
+    head = np.frombuffer(blob, ">u8")[:: width // 8].astype(np.uint64)
+    order = np.argsort(head)
+    if exact:
+        ordered = head[order]
+        if (ordered[1:] == ordered[:-1]).any():
+            order = np.argsort(np.frombuffer(blob, f"S{width}"), kind="stable")
+    return order
 
 
 def _unpack(packed: bytes, width: int) -> list[bytes]:

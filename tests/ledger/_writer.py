@@ -56,14 +56,12 @@ def write(args) -> int:
     from kprof.ledger import Ledger, synth
 
     rng = random.Random(args.seed)
-    if args.open_after_start:  # writers started together open the file together (an upgrade races)
-        _touch(args.ready_file)
-        _wait_for(args.start_file)
+    # --open-after-start: writers started together open the file together (an upgrade races)
+    ledger = None if args.open_after_start else Ledger.open(args.path)
+    _touch(args.ready_file)
+    _wait_for(args.start_file)
+    if ledger is None:
         ledger = Ledger.open(args.path)
-    else:
-        ledger = Ledger.open(args.path)
-        _touch(args.ready_file)
-        _wait_for(args.start_file)
     i, stop = args.start, args.start + args.count
     while i < stop:
         n = min(rng.randint(args.batch_min, args.batch_max), stop - i)
