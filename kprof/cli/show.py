@@ -14,13 +14,25 @@ from ._options import Db, Json
 from ._render import console, emit_json
 
 
+def _builtins(obj):
+    """An event as JSON values, every field present: msgspec.to_builtins leaves out fields at their default
+    (the event Structs omit them when encoded), and writes bytes (ids) as base64 where they read as hex
+    everywhere else."""
+    if isinstance(obj, msgspec.Struct):
+        config = obj.__struct_config__
+        doc = {} if config.tag is None else {config.tag_field: config.tag}
+        doc.update((name, _builtins(getattr(obj, name))) for name in obj.__struct_fields__)
+        return doc
+    if isinstance(obj, dict):
+        return {k: _builtins(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_builtins(v) for v in obj]
+    return obj.hex() if isinstance(obj, bytes) else obj
+
+
 def _event_json(seq, eid, event, current) -> dict:
     doc = {"seq": seq, "event": eid.hex(), "citation": citation(eid), "current": eid == current}
-    doc.update(msgspec.to_builtins(event))
-    doc["key"] = event.key.hex()
-    for name in ("parent", "target"):  # to_builtins writes bytes as base64; ids read as hex everywhere else
-        if getattr(event, name, None) is not None:
-            doc[name] = getattr(event, name).hex()
+    doc.update(_builtins(event))
     return doc
 
 

@@ -216,7 +216,8 @@ class Shard:
         self.hi = bytes([(shard + 1) * 256 // shards]) if shard + 1 < shards else None
 
     def mine(self, k: bytes) -> bool:
-        return k[0] * self.shards // 256 == self.shard
+        """Whether this shard owns a row key (an empty one, from a damaged entry, is shard 0's)."""
+        return (k[0] if k else 0) * self.shards // 256 == self.shard
 
     def _range(self, cursor, name: str):
         """(key, value) of a cursor over this shard's key range, counted into `walked` and checked in order."""
@@ -270,8 +271,7 @@ class Shard:
         import numpy as np
 
         dbs = self.ledger.dbs
-        raw_last = txn.get(b"last_seq", db=dbs["meta"])
-        last_seq = msgspec.msgpack.decode(raw_last) if raw_last is not None else -1
+        last_seq = self._meta(txn)
         seq_keys = b"".join(txn.cursor(dbs["log"]).iternext(keys=True, values=False))
         eids = b"".join(txn.cursor(dbs["log"]).iternext(keys=False, values=True))
         n, expected = len(seq_keys) // 8, txn.stat(dbs["log"])["entries"]
@@ -284,6 +284,31 @@ class Shard:
             if not (ordered[1:] == ordered[:-1]).any():  # none logged twice
                 return LogIndex(ordered.tobytes(), (order + 1).astype(">u8").tobytes()), last_seq
         return LogIndex.of(self._log_detailed(txn, last_seq)), last_seq
+
+    def _meta(self, txn) -> int:
+        """Checks the meta entries a reader or writer relies on (shard 0 reports); returns last_seq, or -1 where
+        it is not a count."""
+        meta = self.ledger.dbs["meta"]
+        report = self.found.add if self.shard == 0 else (lambda *_: None)
+        values = {}
+        for name, valid, fix in ((b"format_version", lambda v: type(v) is int and v > 0, "a positive integer"),
+                                 (b"ledger_id", lambda v: type(v) is str and len(v) == 32
+                                  and all(c in "0123456789abcdef" for c in v), "32 hex digits"),
+                                 (b"last_seq", lambda v: type(v) is int and v >= 0, "a count"),
+                                 (b"created_at", lambda v: type(v) is float, "a time")):
+            raw = txn.get(name, db=meta)
+            try:
+                value = None if raw is None else msgspec.msgpack.decode(raw)
+            except msgspec.DecodeError:
+                report("meta", f"{name.decode()}: its bytes do not decode ({raw.hex()[:32]})")
+                continue
+            if raw is None:
+                report("meta", f"{name.decode()} is missing")
+            elif not valid(value):
+                report("meta", f"{name.decode()} is {value!r}, not {fix}")
+            else:
+                values[name] = value
+        return values.get(b"last_seq", -1)
 
     def _log_detailed(self, txn, last_seq: int) -> dict[bytes, bytes]:
         report = self.found.add if self.shard == 0 else (lambda *_: None)
@@ -364,10 +389,36 @@ class Shard:
                 continue
             logged += 1
             if type(event) is Retracted:
-                retractions.append((seq, eid))
+                if self._retraction_ok(txn, eid, event):
+                    retractions.append((seq, eid))
             else:
                 replay(seq, eid, event, info, shape)
         return n, logged, plain, retractions
+
+    def stored_scopes(self, txn) -> dict[str, str]:
+        """The stored scopes view (hex), for the parent to compare with the sum of the shards' replays: read
+        here, where a damaged page faults a child, not the parent."""
+        try:
+            return {k.hex(): v.hex() for k, v in txn.cursor(self.ledger.dbs["scopes"])}
+        except lmdb.Error as exc:
+            self.found.add("structure", f"scopes: read failed: {exc}")
+            return {}
+
+    def _retraction_ok(self, txn, eid: bytes, event) -> bool:
+        """Whether a logged retraction names an event an append would accept: one stored, of its own key, not
+        itself a retraction. One that does not is named, and left out of the replay (which could not apply
+        it); the views it touched then differ from the replay, and are named too."""
+        target = txn.get(event.target, db=self.ledger.dbs["events"])
+        problem = None
+        if target is None:
+            problem = "which is not stored"
+        elif key_of_bytes(target) != event.key:
+            problem = "of another key"
+        elif target[7:7 + (target[6] & 0x1F)] == b"retracted":
+            problem = "itself a retraction"
+        if problem is not None:
+            self.found.add("events", f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, {problem}")
+        return problem is None
 
     def views(self, txn, plain: PlainReplay, retractions: list) -> dict:
         """Compares this shard's part of every view with its replay; returns partial scope accumulators.
@@ -376,7 +427,7 @@ class Shard:
         get, events_db, decode, mine = txn.get, dbs["events"], head_decoder.decode, self.mine
         if retractions:
             memory = MemoryStore(txn, dbs)
-            memory.event = lambda eid: decode(get(eid, db=events_db))
+            memory.event = lambda eid: None if (data := get(eid, db=events_db)) is None else decode(data)
             log = dbs["log"]
             replay = [(unpack_seq(seq)[0], eid, decode(get(eid, db=events_db)))
                       for seq, eid in ((seq, get(seq, db=log)) for seq in plain.logged())]
@@ -422,6 +473,10 @@ class Shard:
             nonlocal entries
             for k, eid in self._range(txn.cursor(dbs["history"]), "history"):
                 entries += 1
+                if len(k) != 40:
+                    self.found.add("views", f"history: entry {k.hex()[:24]} has {len(k)} bytes where the file's "
+                                            f"format 1 keeps key + seq (40)")
+                    continue
                 if get(k[32:], db=dbs["log"]) != eid:
                     self.found.add("views", f"history: entry {k.hex()[:24]} names an event the log does not hold there")
                 yield k
@@ -501,7 +556,8 @@ def main(shard: int, shards: int, path: str, detailed: bool = False) -> dict:
         n_events, n_logged, plain, retractions = work.events(txn, index)
         del index
         scopes = work.views(txn, plain, retractions)
-    return {"findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
+        stored_scopes = work.stored_scopes(txn) if shard == 0 else {}
+    return {"stored_scopes": stored_scopes, "findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
             "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries, "rebuilt": work.rebuilt,
             "subset_ok": work.subset_ok, "walked": work.walked,
             "view_entries": {name: txn_entries[name] for name in work.rebuilt},

@@ -103,6 +103,7 @@ class Helper:
         self.lock = threading.Lock()
         self.ready = False
         self.broken = False
+        self.pending = False  # a request is (being) sent and its answer not wholly read: the pipes are mid-frame
         self.served = 0  # tails answered (tests read it)
         # The helper imports this very kprof, wherever it was imported from here.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -130,8 +131,9 @@ class Helper:
         """Sends a request; False when it could not be sent."""
         try:
             payload = _encode(request)
-        except (TypeError, ValueError):  # a spec msgpack cannot carry: answered here
-            return False
+        except Exception:  # a spec msgpack cannot carry (an object, an int past 64 bits): answered here, where
+            return False   # validation names it
+        self.pending = True
         try:
             write_frame(self.proc.stdin, payload)
             return True
@@ -151,10 +153,17 @@ class Helper:
         if frame is None:
             self.broken = True
             return None
+        self.pending = False
         if frame[:1] != OK:  # another snapshot there, or refused (the reason follows the tag)
             return None
         self.served += 1
         return frame[1:]
+
+    def abandon(self) -> None:
+        """An exchange was cut short (an interrupt while sending or waiting): the pipes are mid-frame, and the
+        next request would read this one's answer. The helper is killed; the next lookup starts another."""
+        self.broken = True
+        self.proc.kill()
 
     def close(self) -> None:
         """Stops the helper: end of file on its stdin, which an idle helper answers by exiting. One still
@@ -234,7 +243,8 @@ def split(path: str, items: list, head, request: list) -> tuple[Any, bytes] | No
     helper ready yet, the helper busy or dead, another snapshot there, or the request refused, e.g. for an
     invalid spec, which the caller then names by its index). `request` is the helper's request without its
     specs. If head raises, the helper's answer is read and dropped before the error leaves, so the next
-    request pairs with its own answer."""
+    request pairs with its own answer; if anything cuts the exchange itself short (Ctrl-C while the request
+    is sent or the answer read), the helper is abandoned, never asked again."""
     helper = helper_for(path)
     if helper is None or not helper.lock.acquire(blocking=False):
         return None
@@ -248,4 +258,6 @@ def split(path: str, items: list, head, request: list) -> tuple[Any, bytes] | No
             tail = helper.answer()
         return None if tail is None else (mine, tail)
     finally:
+        if helper.pending:
+            helper.abandon()
         helper.lock.release()

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, NamedTuple
 import msgspec
 from blake3 import blake3
 
+from ..errors import IntegrityError
 from . import _codec
 from .events import KIND, summary_of
 
@@ -105,6 +106,9 @@ def history_from_v1(keys: Iterable[bytes], status: Callable[[bytes], bytes]) -> 
     them with its replay."""
     out: dict[bytes, bytes] = {}
     for k in keys:
+        if len(k) != 40:
+            raise IntegrityError(f"the file says format 1, but its history holds a key of {len(k)} bytes where "
+                                 f"format 1 keeps key + seq (40); restore the file from a copy")
         key = k[:32]
         value = out.get(key)
         out[key] = status(key) + k[32:] if value is None else value + k[32:]
@@ -204,6 +208,9 @@ class Reducer:
         s = self.store
         s.put("retracted", event.target, eid)
         target = s.event(event.target)
+        if target is None or KIND[type(target)] == RETRACTED:  # appends refuse these; a log that holds one was not appended
+            raise IntegrityError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, which is "
+                                 f"{'not stored' if target is None else 'a retraction'}; restore the file from a copy")
         _sid, entry = self._scope(target.provenance)
         key = event.key
         latest = latest_failed = None

@@ -16,16 +16,19 @@ class Resolved(NamedTuple):
     current: bytes | None  # the key's current event id
 
 
-def _by_prefix(txn, db, prefix_hex: str) -> list[bytes]:
+def _by_prefix(txn, db, prefix_hex: str, width: int = 32) -> list[bytes]:
+    """The distinct first `width` bytes of the db's keys that start with the hex prefix, up to two (two are
+    enough to call it ambiguous)."""
     even = prefix_hex[: len(prefix_hex) // 2 * 2]
     start = bytes.fromhex(even)
-    out = []
+    out: list[bytes] = []
     cursor = txn.cursor(db)
     if cursor.set_range(start):
         for k in cursor.iternext(values=False):
             if not k.hex().startswith(prefix_hex):
                 break
-            out.append(k)
+            if not out or out[-1] != k[:width]:  # format 1 keeps one history entry per event: key + seq
+                out.append(k[:width])
             if len(out) > 1:
                 break
     return out
@@ -40,9 +43,7 @@ def resolve(ledger, ref: str) -> Resolved:
     dbs = ledger.dbs
     with ledger.read() as txn:
         events = _by_prefix(txn, dbs["events"], text)
-        keys = [k for k in _by_prefix(txn, dbs["current"], text)]
-        if not keys:
-            keys = [k[:32] for k in _by_prefix(txn, dbs["history"], text)][:1]
+        keys = _by_prefix(txn, dbs["history"], text)  # every key ever written, current or all retracted
         found = [("event", e) for e in events] + [("key", k) for k in keys]
         if not found:
             raise UsageError(f"nothing in {ledger.path} matches {ref!r}; check the --db and the reference")

@@ -18,7 +18,9 @@ import sys
 import time
 from typing import NamedTuple
 
-from ..errors import LedgerError
+import lmdb
+
+from ..errors import IntegrityError, LedgerError
 from . import _codec
 from ._audit_worker import MAX_LISTED, RANGED
 from .store import Ledger
@@ -72,7 +74,7 @@ def _result(shard: int, proc: subprocess.Popen) -> dict:
         return {"findings": [f"structure: shard {shard} failed: {last}"], "counts": {"structure": 1}, "fatal": True}
 
 
-def _scopes(path: str, results: list[dict], add) -> None:
+def _scopes(results: list[dict], add) -> None:
     """Sums the shards' partial scope accumulators and compares them with the stored scopes view."""
     combined: dict[bytes, list] = {}
     for res in results:
@@ -81,12 +83,7 @@ def _scopes(path: str, results: list[dict], add) -> None:
             entry[3] += rows
             entry[4] = (entry[4] + int(acc, 16)) % (1 << 256)
             entry[5].update(bytes.fromhex(c) for c in contracts)
-    ledger = Ledger.open(path, readonly=True)
-    try:
-        with ledger.read() as txn:
-            stored = dict(txn.cursor(ledger.dbs["scopes"]))
-    finally:
-        ledger.close()
+    stored = {bytes.fromhex(k): bytes.fromhex(v) for k, v in results[0]["stored_scopes"].items()}
     for sid, (t, b, g, rows, acc, contracts) in combined.items():
         want = _codec.encode([t, b, g, rows, acc.to_bytes(32, "big"), sorted(contracts)])
         have = stored.pop(sid, None)
@@ -110,6 +107,8 @@ def _unstored(path: str, add) -> None:
                     listed += 1
                     if listed >= MAX_LISTED:
                         break
+    except lmdb.Error as exc:  # the shards' walks name the damage; this listing stops at it
+        add("structure", f"log: listing the events missing from the store failed: {exc}")
     finally:
         ledger.close()
 
@@ -119,7 +118,10 @@ def audit(path: str) -> AuditReport:
     started = time.perf_counter()
     if not os.path.isfile(path):
         raise LedgerError(f"no ledger file at {path}; pass --db or set KPROF_DB")
-    Ledger.open(path, readonly=True).close()  # refuses, with its reason, a file that is not a readable ledger
+    try:
+        Ledger.open(path, readonly=True).close()
+    except IntegrityError as exc:  # a file damaged past opening (truncated, header or format version damaged)
+        return AuditReport(path, False, 0, 0, [f"structure: {exc}"], {"structure": 1}, time.perf_counter() - started)
     results = _shards(path, detailed=False)
     if not any(res.get("fatal") for res in results) and not (all(res["subset_ok"] for res in results)
                                                               and _counts_agree(results)):
@@ -145,7 +147,7 @@ def audit(path: str) -> AuditReport:
             walked = sum(res["walked"][name] for res in results)
             if walked != entries[name]:
                 add("structure", f"{name}: header counts {entries[name]} entries, walk found {walked}")
-        _scopes(path, results, add)
+        _scopes(results, add)
         if sum(res["logged"] for res in results) != results[0]["log_entries"]:
             _unstored(path, add)
     last_seq = results[0].get("last_seq") or 0

@@ -10,6 +10,7 @@ sees all of a batch or none of it. LMDB serializes writers across processes with
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -43,11 +44,62 @@ _inherited: set[str] = set()
 _FORK_FIX = "open the ledger in a spawned process (multiprocessing 'spawn' or 'forkserver', or a subprocess)"
 
 
+# The read transactions open in this process: id -> (environment, transaction, thread id). A forked child
+# keeps its copies alive for good, and a map is grown only when no other snapshot of this process reads it.
+_reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}
+GROW_WAIT_S = 10.0
+CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases  # how long a map change waits for this process's other snapshots to end
+
+
+def _header_written(path: str, deadline: float) -> bool:
+    """Whether the file holds more than 0 bytes, waiting until `deadline` for a writer that is creating it
+    (LMDB creates the file, then writes its header) before taking it for truncated."""
+    while os.path.getsize(path) == 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _keep_forever(objects: list) -> None:
+    """One reference more to each object, never given back: not even the interpreter's shutdown frees them.
+    For a forked child's copies of the parent's transactions and environments, whose freeing would abort
+    the parent's read transactions (clearing its reader slots in the shared lock file)."""
+    if objects:
+        import ctypes
+
+        for obj in objects:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 def _forget_after_fork() -> None:
     for ledger in list(_live):
         ledger._forked = True
+    _keep_forever([env for env, _users in _envs.values()] + [txn for _env, txn, _thread in _reads.values()])
     _inherited.update(_envs)
     _envs.clear()
+    _reads.clear()
+
+
+def _other_reads(env: lmdb.Environment, mine=None) -> tuple[int, bool]:
+    """(how many read transactions of this process other than `mine` are open on env, whether one is this
+    thread's own: waiting would not end that one)."""
+    here = threading.get_ident()
+    others = [thread for e, txn, thread in list(_reads.values()) if e is env and txn is not mine]
+    return len(others), here in others
+
+
+def _change_map(env: lmdb.Environment, path: str, size: int, mine=None) -> None:
+    """env.set_mapsize(size), which ends every transaction this process has open on the file: first waits
+    (for other threads) until `mine` is the only one, and refuses with a clear error if that does not come."""
+    deadline = time.monotonic() + GROW_WAIT_S
+    while (reads := _other_reads(env, mine))[0]:
+        if reads[1] or time.monotonic() > deadline:
+            raise LedgerError(f"ledger {path}'s memory map must change size (the file grew past it), and this "
+                              f"process holds {reads[0]} read(s) open on it; end them (finish iterating "
+                              f"view.rows() or iter_log()), or open the ledger with a larger map_size")
+        time.sleep(0.01)
+    env.set_mapsize(size)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -75,6 +127,10 @@ class AppendResult(NamedTuple):
 
 
 _DELETED = object()
+
+
+class _Creating(Exception):
+    """The file holds no kprof sub-databases yet: a writer creating it may not have committed them."""
 
 
 class _NotNew(Exception):
@@ -138,6 +194,21 @@ class _TxnStore:
         return None if data is None else _codec.event_decoder.decode(data)
 
 
+def _canonical(event, index: int):
+    """(the event as the ledger reads it back, its canonical bytes). An event is stored as it decodes: checked
+    against the schema (msgspec Structs do not validate when built), and with each value of the type its field
+    declares (an int given for a float field is stored as that float), so appending the event that `ledger.event`
+    returns is a no-op, and no event is stored that the ledger could not read back."""
+    data = _codec.event_bytes(event)
+    try:
+        stored = _codec.event_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise UsageError(f"event {index} of the batch does not fit the event schema: {exc}; build events with "
+                         f"kprof.ledger.build") from None
+    again = _codec.event_bytes(stored)
+    return (event, data) if again == data else (stored, again)
+
+
 def _upgrade_history(txn: lmdb.Transaction, env: lmdb.Environment) -> None:
     """Rewrites a format-1 `history` (key + seq -> event id) as format 2's (key -> status + seqs; see
     `_reducer`), in the upgrading transaction: the status is the kind of the key's current row. The audit
@@ -168,12 +239,21 @@ class Ledger:
         """Opens (or, unless readonly, creates) the ledger file. `readahead` suits whole-file scans; point
         lookups are faster without it."""
         path = os.fspath(path if path is not None else default_path())
+        deadline = time.monotonic() + CREATE_WAIT_S
+        while True:
+            try:
+                return cls._open(path, readonly, map_size, readahead, deadline)
+            except _Creating:  # a writer is creating the file: its sub-databases are not committed yet
+                time.sleep(0.01)
+
+    @classmethod
+    def _open(cls, path: str, readonly: bool, map_size: int, readahead: bool, deadline: float) -> "Ledger":
         if os.path.isdir(path):
             raise LedgerError(f"ledger path {path} is a directory; pass the ledger file, e.g. {path}/profile.db")
         exists = os.path.exists(path)
         if readonly and not exists:
             raise LedgerError(f"no ledger at {path}; create one with `kprof run ... --db {path}` or pass --db")
-        if exists and os.path.getsize(path) == 0:
+        if exists and not _header_written(path, deadline):
             raise IntegrityError(f"ledger {path} is empty (0 bytes): the file was truncated; restore it from a copy")
         real = os.path.realpath(path)
         if real in _inherited:
@@ -182,7 +262,11 @@ class Ledger:
         shared = _envs.get(real)
         if shared is not None:
             if not readonly:  # the file may be of an older format, opened read-only here first: upgrade it
-                cls._initialize(path, shared[0])
+                try:
+                    cls._initialize(path, shared[0])
+                except lmdb.ReadonlyError:
+                    raise LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its "
+                                      f"permissions") from None
             shared[1] += 1
             ledger = cls(path, shared[0], readonly)
             try:
@@ -209,6 +293,12 @@ class Ledger:
             _envs[real] = [env, 1]
             ledger = cls(path, env, readonly)
             ledger._check_meta()
+        except lmdb.NotFoundError:  # no kprof sub-databases: a writer creating the file has not committed yet
+            _release(real, env)
+            if time.monotonic() < deadline:
+                raise _Creating from None
+            raise IntegrityError(f"{path} is an LMDB file without kprof's sub-databases: not a kprof ledger; check "
+                                 f"the path") from None
         except lmdb.ReadonlyError:
             _release(real, env)
             raise LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its permissions") from None
@@ -232,14 +322,29 @@ class Ledger:
 
     @staticmethod
     def _initialize(path: str, env: lmdb.Environment) -> None:
+        """Creates the sub-databases and meta of a new file, or upgrades one of an older format, growing or
+        adopting the map as `write` does."""
+        while True:
+            try:
+                return Ledger._initialize_txn(path, env)
+            except lmdb.MapFullError:
+                _change_map(env, path, env.info()["map_size"] * 2)
+            except lmdb.MapResizedError:
+                _change_map(env, path, 0)
+
+    @staticmethod
+    def _initialize_txn(path: str, env: lmdb.Environment) -> None:
         """Creates the sub-databases and meta of a new file; upgrades a file of an older format. A file of a
         newer format is left untouched (`_check_meta` refuses it)."""
         with env.begin(write=True) as txn:
             meta = env.open_db(b"meta", txn=txn, create=True)
             raw = txn.get(b"format_version", db=meta)
-            found = None if raw is None else msgspec.msgpack.decode(raw)
-            if found is not None and found >= _codec.FORMAT_VERSION:
-                return
+            try:
+                found = None if raw is None else msgspec.msgpack.decode(raw)
+            except msgspec.DecodeError:
+                return  # damaged: _check_meta refuses it, naming it
+            if found is not None and (type(found) is not int or found < 1 or found >= _codec.FORMAT_VERSION):
+                return  # current, newer (refused), or damaged (refused): left untouched
             for name in DBS:
                 env.open_db(name.encode(), txn=txn, create=True)
             if found is None:
@@ -256,13 +361,21 @@ class Ledger:
         raw = self._get("meta", b"format_version")
         if raw is None:
             raise IntegrityError(f"{self.path} is an LMDB file but not a kprof ledger (no format version)")
-        found = msgspec.msgpack.decode(raw)
+        try:
+            found = msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError:
+            found = None
+        if type(found) is not int or found < 1:
+            raise IntegrityError(f"{self.path}: its format version is damaged ({raw.hex()[:32]} is not a version "
+                                 f"number); restore the file from a copy")
         if found > _codec.FORMAT_VERSION:
             raise LedgerVersionError(self.path, found, _codec.FORMAT_VERSION)
         self.format_version = found
 
     # ---- transactions ----------------------------------------------------------------------
     def _guard(self) -> None:
+        if self._closed:
+            raise LedgerError(f"ledger {self.path} is closed; open it again with Ledger.open")
         if self._forked or os.getpid() != self._pid:
             self._forked = True
             raise LedgerError(f"ledger {self.path} was opened in process {self._pid} before a fork(), and LMDB "
@@ -277,11 +390,14 @@ class Ledger:
                 txn = self.env.begin(buffers=False)
                 break
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)  # another process grew the map: adopt its size
+                _change_map(self.env, self.path, 0)  # another process grew the map: adopt its size
+        _reads[id(txn)] = (self.env, txn, threading.get_ident())
         try:
             yield txn
         finally:
-            txn.abort()
+            if os.getpid() == self._pid:  # a forked child keeps its copy (see _keep_forever), never aborts it
+                _reads.pop(id(txn), None)
+                txn.abort()
 
     def _get(self, db: str, k: bytes):
         with self.read() as txn:
@@ -305,9 +421,9 @@ class Ledger:
                 with self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                _change_map(self.env, self.path, self.env.info()["map_size"] * 2)
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
+                _change_map(self.env, self.path, 0)
 
     # ---- appending -------------------------------------------------------------------------
     def append(self, events: Iterable) -> AppendResult:
@@ -352,14 +468,15 @@ class Ledger:
         """(event, canonical bytes, event id) per event, every key verified against its provenance, and the
         batch's rows as an all-new batch would write them (None where it cannot be one)."""
         prepared = []
-        for event in events:
-            data = _codec.event_bytes(event)
+        for i, given in enumerate(events):
+            if type(given) not in (Measured, Failed, Retracted):
+                raise UsageError(f"event {i} of the batch is a {type(given).__name__}; append Measured, Failed or "
+                                 f"Retracted events (kprof.ledger.build makes them)")
+            event, data = _canonical(given, i)
             prepared.append((event, data, _codec.event_id(data)))
         for event, _data, eid in prepared:
             if type(event) is Retracted:
                 continue
-            if type(event) not in (Measured, Failed):
-                raise UsageError(f"cannot append {type(event).__name__}; expected Measured, Failed or Retracted")
             if _codec.provenance_key(event.provenance) != event.key:
                 raise IntegrityError(f"event {eid.hex()[:16]} carries key {event.key.hex()[:16]}, but its "
                                      f"provenance hashes to another key; build events with kprof.ledger.build")
@@ -425,6 +542,9 @@ class Ledger:
                 if target is None or target.key != event.key:
                     raise UsageError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, which "
                                      f"is not in this ledger under key {event.key.hex()[:16]}; append the target first")
+                if type(target) is Retracted:
+                    raise UsageError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, itself a "
+                                     f"retraction; retract a measured or failed event")
             store.put("events", eid, data)
             seq += 1
             store.put("log", pack_seq(seq), eid)

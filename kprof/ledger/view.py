@@ -285,7 +285,8 @@ class View:
 
     # ---- whole view --------------------------------------------------------------------------
     def rows(self) -> Iterator[Row]:
-        """Every current row of the scope, under any contract (rows of other contracts are `stale`)."""
+        """Every current row of the scope: this contract's (ok or failed), and other contracts' measured rows
+        as `stale`. As in `get_many`, another contract's failed attempt is no row of this view."""
         with self.ledger.read() as txn:
             cursor = txn.cursor(self._index)
             if not cursor.set_range(self.scope):
@@ -302,8 +303,12 @@ class View:
                 if v is None:
                     continue
                 prov = _codec.event_decoder.decode(txn.get(v[1:33], db=self._events)).provenance
-                current_contract = prov.contract == self.contract
-                status = ("ok" if v[:1] == MEASURED else "failed") if current_contract else "stale"
+                if prov.contract == self.contract:
+                    status = "ok" if v[:1] == MEASURED else "failed"
+                elif v[:1] == MEASURED:
+                    status = "stale"
+                else:
+                    continue
                 yield Row(dict(prov.shape), status, key, v[1:33], _summary_decoder.decode(v[33:]), prov)
 
     def _root(self, txn) -> bytes:
