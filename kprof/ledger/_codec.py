@@ -23,6 +23,17 @@ encode = encoder.encode
 event_decoder = msgspec.msgpack.Decoder(Event)
 
 
+def stored_event(data: bytes, eid: bytes):
+    """A stored event, decoded; IntegrityError (exit 3) naming it where its bytes do not fit the schema."""
+    try:
+        return event_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        from ..errors import IntegrityError
+
+        raise IntegrityError(f"stored event {eid.hex()[:16]} cannot be decoded ({exc}); run `kprof audit` and "
+                             f"restore the file from a copy") from None
+
+
 def event_bytes(event) -> bytes:
     return encode(event)
 

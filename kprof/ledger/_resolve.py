@@ -51,11 +51,11 @@ def resolve(ledger, ref: str) -> Resolved:
             raise UsageError(f"{ref!r} is ambiguous in {ledger.path}; give more hex digits")
         kind, raw = found[0]
         if kind == "event":
-            event = _codec.event_decoder.decode(txn.get(raw, db=dbs["events"]))
+            event = _codec.stored_event(txn.get(raw, db=dbs["events"]), raw)
             key, eid = event.key, raw
         else:
             key, eid = raw, None
-        history = [(seq, hid, _codec.event_decoder.decode(txn.get(hid, db=dbs["events"])))
+        history = [(seq, hid, _codec.stored_event(txn.get(hid, db=dbs["events"]), hid))
                    for seq, hid in ledger.history_of(txn, key)]
         cur = txn.get(key, db=dbs["current"])
         current = cur[1:33] if cur is not None else None

@@ -208,22 +208,32 @@ EventHead = Union[MeasuredHead, FailedHead, Retracted]
 
 
 class MeasuredAudit(msgspec.Struct, frozen=True, gc=False, tag="measured"):
-    """A measured event as the audit reads it: the provenance stays in its canonical bytes (hashed for the
-    key as stored; its fields are decoded once per distinct prefix, not once per event)."""
+    """A measured event as the audit reads it: every field of Measured is decoded and so checked against the
+    schema (an event the ledger could not read back is a finding), but the provenance stays in its canonical
+    bytes (hashed for the key as stored; its fields are decoded once per distinct prefix, not once per event)."""
 
     key: bytes
     provenance: msgspec.Raw
     metrics: dict[str, float | None]
-    stats: StatsHead
+    stats: Stats
+    method: Method
+    environment: Environment = Environment()
+    origin: Origin = Origin()
     measured_at: float = 0.0
+    parent: bytes | None = None
 
 
 class FailedAudit(msgspec.Struct, frozen=True, gc=False, tag="failed"):
+    """A failed event as the audit reads it (see MeasuredAudit)."""
+
     key: bytes
     provenance: msgspec.Raw
-    error_kind: str
+    error_kind: Literal["oom", "unsupported", "crash", "timeout", "wrong_result"]
     message: str
+    environment: Environment = Environment()
+    origin: Origin = Origin()
     measured_at: float = 0.0
+    parent: bytes | None = None
 
 
 EventAudit = Union[MeasuredAudit, FailedAudit, Retracted]

@@ -47,8 +47,8 @@ _FORK_FIX = "open the ledger in a spawned process (multiprocessing 'spawn' or 'f
 # The read transactions open in this process: id -> (environment, transaction, thread id). A forked child
 # keeps its copies alive for good, and a map is grown only when no other snapshot of this process reads it.
 _reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}
-GROW_WAIT_S = 10.0
-CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases  # how long a map change waits for this process's other snapshots to end
+GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
+CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
 
 
 def _header_written(path: str, deadline: float) -> bool:
@@ -81,19 +81,18 @@ def _forget_after_fork() -> None:
     _reads.clear()
 
 
-def _other_reads(env: lmdb.Environment, mine=None) -> tuple[int, bool]:
-    """(how many read transactions of this process other than `mine` are open on env, whether one is this
-    thread's own: waiting would not end that one)."""
-    here = threading.get_ident()
-    others = [thread for e, txn, thread in list(_reads.values()) if e is env and txn is not mine]
-    return len(others), here in others
+def _open_reads(env: lmdb.Environment) -> tuple[int, bool]:
+    """(how many read transactions this process has open on env, whether one is this thread's own: waiting
+    would not end that one)."""
+    threads = [thread for e, _txn, thread in list(_reads.values()) if e is env]
+    return len(threads), threading.get_ident() in threads
 
 
-def _change_map(env: lmdb.Environment, path: str, size: int, mine=None) -> None:
-    """env.set_mapsize(size), which ends every transaction this process has open on the file: first waits
-    (for other threads) until `mine` is the only one, and refuses with a clear error if that does not come."""
+def _change_map(env: lmdb.Environment, path: str, size: int) -> None:
+    """env.set_mapsize(size), which ends every transaction this process has open on the file: first waits for
+    other threads' reads to end, and refuses with a clear error where they do not (or one is this thread's)."""
     deadline = time.monotonic() + GROW_WAIT_S
-    while (reads := _other_reads(env, mine))[0]:
+    while (reads := _open_reads(env))[0]:
         if reads[1] or time.monotonic() > deadline:
             raise LedgerError(f"ledger {path}'s memory map must change size (the file grew past it), and this "
                               f"process holds {reads[0]} read(s) open on it; end them (finish iterating "
@@ -558,7 +557,7 @@ class Ledger:
     # ---- reading ---------------------------------------------------------------------------
     def event(self, eid: bytes):
         raw = self._get("events", eid)
-        return None if raw is None else _codec.event_decoder.decode(raw)
+        return None if raw is None else _codec.stored_event(raw, eid)
 
     def format_in(self, txn) -> int:
         """The format version of the snapshot `txn` reads (a writer in another process may have upgraded the
