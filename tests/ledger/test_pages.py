@@ -142,4 +142,4 @@ def test_a_tree_header_count_that_disagrees_is_named(tmp_path, field, value):
     at = newer * 4096 + (96 if field == b"branch" else 104)
     struct.pack_into("<Q", data, at, struct.unpack_from("<Q", data, at)[0] + value)
     Path(p).write_bytes(data)
-    assert any(f"main: its header counts" in f and field.decode() in f for f in _check(p)), _check(p)
+    assert any("main: its header counts" in f and field.decode() in f for f in _check(p)), _check(p)
