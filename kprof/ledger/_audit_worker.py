@@ -321,7 +321,11 @@ class Shard:
         seqs: dict[bytes, bytes] = {}
         expect = 1
         for k, eid in txn.cursor(self.ledger.dbs["log"]):
-            seq = unpack_seq(k)[0] if len(k) == 8 else -1
+            if len(k) != 8:
+                report("log", f"entry {k.hex()[:24]} after seq {expect - 1}: a key of {len(k)} bytes, not a "
+                              f"sequence number (8)")
+                continue
+            seq = unpack_seq(k)[0]
             if seq != expect:
                 report("log", f"sequence {expect} expected, found {seq}")
                 expect = seq
