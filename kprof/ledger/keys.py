@@ -159,11 +159,27 @@ class KeyMaker:
         bytes (no prefix + shape concatenated). Chained maps over C methods: no Python frame per key. ~22%
         faster than hashing prefix + shape afresh (1.35 against 1.73 µs a key on 100,000 keys, alternated)."""
         n = len(shapes)
-        return list(map(blake3.digest, map(blake3.update, map(blake3.copy, repeat(self._hasher, n)),
-                                           map(_codec.encode, shapes))))
+        try:
+            return list(map(blake3.digest, map(blake3.update, map(blake3.copy, repeat(self._hasher, n)),
+                                               map(_codec.encode, shapes))))
+        except OverflowError:  # an int field without bounds holding an int msgpack cannot carry: name it
+            for i, shape in enumerate(shapes):
+                self.shape_key_bytes(shape, i)
+            raise
+
+    def shape_key_bytes(self, shape, index=None) -> bytes:
+        """A canonical shape's bytes; SpecError where a value is an int past 64 bits (msgpack's range)."""
+        try:
+            return _codec.encode(shape)
+        except OverflowError:
+            fields = shape if isinstance(shape, dict) else msgspec.structs.asdict(shape)
+            name, value = next((k, v) for k, v in fields.items() if isinstance(v, int) and not
+                               -(1 << 63) <= v < (1 << 64))
+            raise SpecError(f'field "{name}" = {value}: past the 64-bit integers a key can hold; use a smaller '
+                            f'value', index=index, field=name, value=value) from None
 
     def key(self, spec, index=None) -> bytes:
-        return self._hasher.copy().update(_codec.encode(self.shapes.to_shape(spec, index))).digest()
+        return self._hasher.copy().update(self.shape_key_bytes(self.shapes.to_shape(spec, index), index)).digest()
 
     def provenance(self, spec, index=None) -> Provenance:
         canonical = msgspec.msgpack.decode(self.shape_bytes(spec, index))

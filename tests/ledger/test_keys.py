@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kprof.errors import SpecError
-from kprof.ledger import Contract, KeyMaker, Provenance, ShapeCodec, provenance_key
+from kprof.ledger import Contract, KeyMaker, Ledger, Provenance, ShapeCodec, provenance_key
 from kprof.ledger import _codec, synth
 from kprof.ledger.events import Environment, Measured, Method, Stats
 
@@ -104,3 +104,18 @@ def test_new_defaulted_field_does_not_change_old_bytes():
 def test_contract_is_provenance_without_shape_and_gpu():
     prov = synth.event(3).provenance
     assert prov.contract == Contract(prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
+
+
+def test_an_int_past_64_bits_in_an_unbounded_field_is_a_spec_error_naming_it(tmp_path):
+    # SynthArgs' ints have no bounds: validation passes them, and the key's encoding cannot carry them
+    led = Ledger.open(str(tmp_path / "big-int.db"))
+    led.append(list(synth.events(0, 3)))
+    view = synth.view(led)
+    specs = [synth.spec(0)] * 5 + [{"m": 2 ** 70, "n": 128, "k": 4096, "dtype": "bf16"}]
+    for lookup in (view.missing, view.get_many):
+        with pytest.raises(SpecError, match=r'spec 5: field "m" = 1180591620717411303424: past the 64-bit'):
+            lookup(specs)
+    with pytest.raises(SpecError, match='field "m"'):
+        view.keys.key({"m": -(2 ** 64), "n": 128, "k": 4096, "dtype": "bf16"})
+    assert view.get(**synth.spec(1)) is not None
+    led.close()
