@@ -30,7 +30,7 @@ from blake3 import blake3
 
 from ..errors import IntegrityError
 from . import _codec
-from .events import KIND, summary_of
+from .events import KIND, summary_of, summary_of_decoded
 
 MEASURED, FAILED, RETRACTED = b"m", b"f", b"r"
 NO_ROW = b"-"  # a history's status when the key has no current row (its every attempt retracted)
@@ -289,7 +289,8 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
         scope_index.append((index_key(sid, encode(prov.shape), key), b""))
         if kind == FAILED:
             failures.append((key, eid))
-        current.append((key, current_row(kind, eid, event)))
+        # appended events are as they decode (see store._canonical): their float fields hold floats already
+        current.append((key, current_row(kind, eid, event, summary_of_decoded)))
     by_key = sorted(range(len(keys)), key=keys.__getitem__)
     return NewRows(eids, sorted(zip(eids, [data for _e, data, _eid in prepared])), sorted(current),
                    [(keys[i], i + 1, kinds[i]) for i in by_key], sorted(scope_index), sorted(failures), scopes)
