@@ -567,7 +567,8 @@ def main(shard: int, shards: int, path: str, detailed: bool = False) -> dict:
         del index
         scopes = work.views(txn, plain, retractions)
         stored_scopes = work.stored_scopes(txn) if shard == 0 else {}
-    return {"stored_scopes": stored_scopes, "findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
+    return {"stored_scopes": stored_scopes,
+            "findings": found.items, "counts": found.counts, "events": n_events, "header_events": header_events,
             "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries, "rebuilt": work.rebuilt,
             "subset_ok": work.subset_ok, "walked": work.walked,
             "view_entries": {name: txn_entries[name] for name in work.rebuilt},

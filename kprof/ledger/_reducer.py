@@ -208,7 +208,7 @@ class Reducer:
         s = self.store
         s.put("retracted", event.target, eid)
         target = s.event(event.target)
-        if target is None or KIND[type(target)] == RETRACTED:  # appends refuse these; a log that holds one was not appended
+        if target is None or KIND[type(target)] == RETRACTED:  # appends refuse these: such a log was not appended
             raise IntegrityError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, which is "
                                  f"{'not stored' if target is None else 'a retraction'}; restore the file from a copy")
         _sid, entry = self._scope(target.provenance)

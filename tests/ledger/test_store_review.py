@@ -272,7 +272,8 @@ def test_map_growth_with_a_read_open_raises_ledger_error_and_the_snapshot_keeps_
     assert led.env.info()["map_size"] == map_before
     rest = list(it)  # the snapshot keeps reading
     assert [seq for seq, _e, _d in rest] == list(range(2, 21))
-    assert [_codec.event_decoder.decode(data).key for _s, _e, data in rest] == [synth.event(i).key for i in range(1, 20)]
+    decode = _codec.event_decoder.decode
+    assert [decode(data).key for _s, _e, data in rest] == [synth.event(i).key for i in range(1, 20)]
     assert led.last_seq == 20
 
     # with no read open the map grows, on the all-new path, the reducer's and append_batches', losing nothing
