@@ -294,8 +294,7 @@ class Shard:
     def _meta(self, txn) -> int:
         """Checks the meta entries a reader or writer relies on (shard 0 reports); returns last_seq, or -1 where
         it is not a count."""
-        meta = self.ledger.dbs["meta"]
-        report = self.found.add if self.shard == 0 else (lambda *_: None)
+        meta, report = self.ledger.dbs["meta"], self._report
         values = {}
         for name, valid, fix in ((b"format_version", lambda v: type(v) is int and v > 0, "a positive integer"),
                                  (b"ledger_id", lambda v: type(v) is str and len(v) == 32
@@ -316,8 +315,13 @@ class Shard:
                 values[name] = value
         return values.get(b"last_seq", -1)
 
+    def _report(self, check: str, text: str) -> None:
+        """A finding of what every shard reads whole (the log, the meta): shard 0 reports it, once."""
+        if self.shard == 0:
+            self.found.add(check, text)
+
     def _log_detailed(self, txn, last_seq: int) -> dict[bytes, bytes]:
-        report = self.found.add if self.shard == 0 else (lambda *_: None)
+        report = self._report
         seqs: dict[bytes, bytes] = {}
         expect = 1
         for k, eid in txn.cursor(self.ledger.dbs["log"]):
@@ -418,13 +422,17 @@ class Shard:
         """Whether a logged retraction names an event an append would accept: one stored, of its own key, not
         itself a retraction. One that does not is named, and left out of the replay (which could not apply
         it); the views it touched then differ from the replay, and are named too."""
-        target = txn.get(event.target, db=self.ledger.dbs["events"])
+        data = txn.get(event.target, db=self.ledger.dbs["events"])
+        try:  # retractions are few: their targets are decoded (a damaged one is named as an event of its own)
+            target = None if data is None else audit_decoder.decode(data)
+        except msgspec.DecodeError:
+            target = None
         problem = None
         if target is None:
-            problem = "which is not stored"
-        elif key_of_bytes(target) != event.key:
+            problem = "which is not stored" if data is None else "which cannot be decoded"
+        elif target.key != event.key:
             problem = "of another key"
-        elif target[7:7 + (target[6] & 0x1F)] == b"retracted":
+        elif type(target) is Retracted:
             problem = "itself a retraction"
         if problem is not None:
             self.found.add("events", f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, {problem}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 from blake3 import blake3
 
+from ..errors import IntegrityError
 from .events import Event, Provenance
 
 FORMAT_VERSION = 2  # the ledger file's layout and event encoding (2: one history entry per key, with a status)
@@ -28,8 +29,6 @@ def stored_event(data: bytes, eid: bytes):
     try:
         return event_decoder.decode(data)
     except msgspec.DecodeError as exc:
-        from ..errors import IntegrityError
-
         raise IntegrityError(f"stored event {eid.hex()[:16]} cannot be decoded ({exc}); run `kprof audit` and "
                              f"restore the file from a copy") from None
 

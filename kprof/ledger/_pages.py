@@ -26,7 +26,7 @@ import numpy as np
 
 MAGIC = 0xBEEFC0DE
 P_BRANCH, P_LEAF, P_OVERFLOW, P_LEAF2 = 0x01, 0x02, 0x04, 0x20
-F_BIGDATA, F_SUBDATA, F_DUPDATA = 0x01, 0x02, 0x04
+F_BIGDATA, F_SUBDATA = 0x01, 0x02
 P_INVALID = (1 << 64) - 1
 HEADER, NODE = 16, 8
 DB_RECORD = struct.Struct("<IHHQQQQQ")  # pad, flags, depth, branch, leaf, overflow pages, entries, root
@@ -72,8 +72,8 @@ class Pages:
                               f"({int(bad.sum())} such)")
         return pgnos[~bad].astype(np.int64)
 
-    def nodes(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the page of each node, each node's byte offset in the file) of the given pages."""
+    def nodes(self, pages: np.ndarray) -> np.ndarray:
+        """The byte offset in the file of each node of the given pages."""
         base = pages * self.psize
         lower = self.u16(base + 12)
         n = np.maximum((lower - HEADER) // 2, 0)
@@ -86,7 +86,7 @@ class Pages:
         ok = (offset >= HEADER) & (offset + NODE <= self.psize) & (offset % 2 == 0)
         if not ok.all():
             self.found.append(f"page {int(pages[page_of[~ok][0]])}: a node offset lies outside its page")
-        return pages[page_of[ok]], base[page_of[ok]] + offset[ok]
+        return base[page_of[ok]] + offset[ok]
 
     def walk(self, tree: Tree, subtrees: list[Tree] | None = None) -> None:
         """Walks a tree level by level from its root: branch pages give the next level; leaves give overflow
@@ -115,18 +115,18 @@ class Pages:
                                   f"({len(odd)} such)")
             tree.counts["branch"] += len(branch)
             tree.counts["leaf"] += len(leaf)
-            if len(leaf) and parse:
-                self._leaves(tree, leaf[(self.u16(leaf * self.psize + 10) & P_LEAF2) == 0], subtrees)
+            if len(leaf) and parse:  # LEAF2 pages (fixed-size duplicates) hold bare keys: nothing to follow
+                self._leaves(tree, level[((flags & P_LEAF) != 0) & ((flags & P_LEAF2) == 0)], subtrees)
             if not len(branch):
                 break
-            _page, at = self.nodes(branch)
+            at = self.nodes(branch)
             child = self.u16(at) | (self.u16(at + 2) << 16) | (self.u16(at + 4) << 32)
             level = self.valid(child.astype(np.uint64), f"{tree.name}: a branch")
         if tree.depth and depth != tree.depth:
             self.found.append(f"{tree.name}: its header says depth {tree.depth}, the walk went {depth} deep")
 
     def _leaves(self, tree: Tree, leaf: np.ndarray, subtrees: list[Tree] | None) -> None:
-        _page, at = self.nodes(leaf)
+        at = self.nodes(leaf)
         flags, ksize = self.u16(at + 4), self.u16(at + 6)
         data = at + NODE + ksize
         big = (flags & F_BIGDATA) != 0
@@ -148,7 +148,8 @@ class Pages:
             name = bytes(self.u8[at[i] + NODE:at[i] + NODE + ksize[i]]).decode("utf-8", "replace")
             child = Tree(name if subtrees is not None else f"{tree.name} (duplicates)", record)
             self.walk(child)
-            (subtrees if subtrees is not None else []).append(child)
+            if subtrees is not None:
+                subtrees.append(child)
             tree.pages.extend(child.pages)
 
 
@@ -156,17 +157,21 @@ def check(path: str, txnid: int) -> list[str]:
     """Findings of the page accounting of the snapshot with this transaction id ([] when sound). When
     neither meta page is that snapshot's any more (a writer committed twice since), there is nothing to
     account for, and no finding."""
+    return ["pages: " + text for text in _check(path, txnid)]
+
+
+def _check(path: str, txnid: int) -> list[str]:
     found: list[str] = []
     with open(path, "rb") as f:
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file: refused at opening
-            return ["pages: the file is empty"]
+            return ["the file is empty"]
     try:
         head = bytes(buf[:HEADER + 160])
         psize = DB_RECORD.unpack_from(head, META_DBS)[0]
         if psize < 512 or psize & (psize - 1) or len(buf) < 2 * psize:
-            return [f"pages: meta page 0 gives page size {psize}"]
+            return [f"meta page 0 gives page size {psize}"]
         meta = None
         for i in (0, 1):
             page = bytes(buf[i * psize:i * psize + HEADER + 160])
@@ -178,7 +183,7 @@ def check(path: str, txnid: int) -> list[str]:
             return []
         page, last = meta
         if (last + 1) * psize > len(buf):
-            return [f"pages: the snapshot's last page {last} lies past the file's end ({len(buf)} bytes)"]
+            return [f"the snapshot's last page {last} lies past the file's end ({len(buf)} bytes)"]
         pages = Pages(buf, psize, last, found)
         free = Tree("free list", DB_RECORD.unpack_from(page, META_DBS))
         main = Tree("main", DB_RECORD.unpack_from(page, META_DBS + DB_RECORD.size))
@@ -190,10 +195,9 @@ def check(path: str, txnid: int) -> list[str]:
             own = tree.counts
             for kind in ("branch", "leaf", "overflow"):
                 if own[kind] != getattr(tree, kind):
-                    found.append(f"pages: {tree.name}: its header counts {getattr(tree, kind)} {kind} pages, "
+                    found.append(f"{tree.name}: its header counts {getattr(tree, kind)} {kind} pages, "
                                  f"the walk found {own[kind]}")
-        used = np.concatenate([np.concatenate(free.pages) if free.pages else np.empty(0, np.int64),
-                               np.concatenate(main.pages) if main.pages else np.empty(0, np.int64)])
+        used = np.concatenate(free.pages + main.pages) if free.pages or main.pages else np.empty(0, np.int64)
         _account(used, listed, last, found)
         del pages
     finally:
@@ -210,7 +214,7 @@ def _free_pages(pages: Pages, free: Tree) -> np.ndarray:
     u16 = pages.u16(level_pages * pages.psize + 10)
     leaves = level_pages[(u16 & P_LEAF) != 0]
     out = []
-    _page, at = pages.nodes(leaves)
+    at = pages.nodes(leaves)
     for node in at.tolist():
         lo, hi, flags, ksize = struct.unpack(
             "<HHHH", bytes(pages.u8[node:node + NODE]))
@@ -218,20 +222,20 @@ def _free_pages(pages: Pages, free: Tree) -> np.ndarray:
         if flags & F_BIGDATA:
             start = int(pages.u64(np.array([data]))[0])
             if not 2 <= start <= pages.last:
-                pages.found.append(f"pages: a free-list record's overflow page {start} is outside 2..{pages.last}")
+                pages.found.append(f"a free-list record's overflow page {start} is outside 2..{pages.last}")
                 continue
             data = start * pages.psize + HEADER
         if size < 8 or data + size > len(pages.u8):
-            pages.found.append(f"pages: a free-list record of {size} bytes is damaged")
+            pages.found.append(f"a free-list record of {size} bytes is damaged")
             continue
         ids = np.frombuffer(bytes(pages.u8[data:data + size]), "<u8")
         count = int(ids[0])
         if count != len(ids) - 1:
-            pages.found.append(f"pages: a free-list record says {count} pages and holds {len(ids) - 1}")
+            pages.found.append(f"a free-list record says {count} pages and holds {len(ids) - 1}")
             count = min(count, len(ids) - 1)
         out.append(ids[1:1 + count])
     listed = np.concatenate(out) if out else np.empty(0, np.uint64)
-    return pages.valid(listed, "pages: the free list")
+    return pages.valid(listed, "the free list")
 
 
 def _account(used: np.ndarray, listed: np.ndarray, last: int, found: list[str]) -> None:
@@ -243,6 +247,6 @@ def _account(used: np.ndarray, listed: np.ndarray, last: int, found: list[str]) 
                        ((uses == 0) & (frees == 0), "is neither used nor free")):
         pages = np.flatnonzero(mask)
         if len(pages):
-            found.append(f"pages: page {int(pages[0]) + 2} {text} ({len(pages)} such)"
+            found.append(f"page {int(pages[0]) + 2} {text} ({len(pages)} such)"
                          + (": the next write would overwrite live data" if "listed free" in text and "twice"
                             not in text else ""))

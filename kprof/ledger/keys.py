@@ -152,7 +152,7 @@ class KeyMaker:
         self.scope = _codec.scope_id(table, backend, gpu_key)
 
     def shape_bytes(self, spec, index=None) -> bytes:
-        return _codec.encode(self.shapes.to_shape(spec, index))
+        return self._encoded(self.shapes.to_shape(spec, index), index)
 
     def keys_of(self, shapes: list) -> list[bytes]:
         """Keys of canonical shapes, in bulk: copies of a hasher that has taken the prefix take each shape's
@@ -164,10 +164,11 @@ class KeyMaker:
                                                map(_codec.encode, shapes))))
         except OverflowError:  # an int field without bounds holding an int msgpack cannot carry: name it
             for i, shape in enumerate(shapes):
-                self.shape_key_bytes(shape, i)
+                self._encoded(shape, i)
             raise
 
-    def shape_key_bytes(self, shape, index=None) -> bytes:
+    @staticmethod
+    def _encoded(shape, index=None) -> bytes:
         """A canonical shape's bytes; SpecError where a value is an int past 64 bits (msgpack's range)."""
         try:
             return _codec.encode(shape)
@@ -179,7 +180,7 @@ class KeyMaker:
                             f'value', index=index, field=name, value=value) from None
 
     def key(self, spec, index=None) -> bytes:
-        return self._hasher.copy().update(self.shape_key_bytes(self.shapes.to_shape(spec, index), index)).digest()
+        return self._hasher.copy().update(self.shape_bytes(spec, index)).digest()
 
     def provenance(self, spec, index=None) -> Provenance:
         canonical = msgspec.msgpack.decode(self.shape_bytes(spec, index))
