@@ -29,6 +29,7 @@ import lmdb
 import msgspec
 
 from . import _codec, _pages
+from ._index import REBUILT
 from ._lookup import KEY_BYTES, key_order, sorted_keys
 from ._reducer import (FAILED, MOD, ProvenanceIds, current_row, history_from_v1, history_seqs, index_key,
                        row_terms, status_of, unpack_seq)
@@ -300,8 +301,11 @@ class Shard:
                                  (b"ledger_id", lambda v: type(v) is str and len(v) == 32
                                   and all(c in "0123456789abcdef" for c in v), "32 hex digits"),
                                  (b"last_seq", lambda v: type(v) is int and v >= 0, "a count"),
-                                 (b"created_at", lambda v: type(v) is float, "a time")):
+                                 (b"created_at", lambda v: type(v) is float, "a time"),
+                                 (REBUILT, lambda v: type(v) is int and v > 0, "a count of rebuilds")):
             raw = txn.get(name, db=meta)
+            if raw is None and name == REBUILT:  # absent until the views are first rebuilt
+                continue
             try:
                 value = None if raw is None else msgspec.msgpack.decode(raw)
             except msgspec.DecodeError:

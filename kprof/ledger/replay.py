@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from . import _codec
+from ._index import REBUILT
 from ._reducer import Reducer, Store
 from .store import VIEW_DBS, Ledger, _TxnStore
 
@@ -53,6 +56,14 @@ def rebuild_views(ledger: Ledger) -> int:
         decode = _codec.event_decoder.decode
         events = [(seq, eid, decode(data)) for seq, eid, data in ledger.iter_log(txn)]
         replay_into(_TxnStore(txn, ledger.dbs), events)
+        # Counted, so a reader's key index (see _index), which follows the log's tail, knows the views changed
+        # without an event.
+        meta = ledger.dbs["meta"]
+        try:
+            count = msgspec.msgpack.decode(txn.get(REBUILT, db=meta) or b"\x00")
+        except msgspec.DecodeError:
+            count = 0
+        txn.put(REBUILT, _codec.encode((count if type(count) is int and count > 0 else 0) + 1), db=meta)
         return len(events)
 
     return ledger.write(work)

@@ -22,6 +22,7 @@ import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
 from . import _codec, _parallel
+from ._index import Indexer
 from ._reducer import (NewRows, Reducer, history_from_v1, history_seqs, new_rows, pack_seq, scope_value, status_of,
                        unpack_seq)
 from .events import Failed, Measured, Retracted
@@ -229,6 +230,7 @@ class Ledger:
         self._forked = False
         self._closed = False
         self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
+        self.indexer = Indexer(self)  # an in-memory key index, for a process that looks up many keys
         _live.add(self)
 
     # ---- opening ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import msgspec
 
-from . import _codec, _lookup, _parallel
+from . import _codec, _index, _lookup, _parallel
 from ._reducer import MEASURED, contract_id, root_of
 from .events import Contract, Provenance, Stats, Summary
 from .keys import KeyMaker, ShapeCodec
@@ -175,7 +175,10 @@ class View:
         if self.ledger.format_version < 2:  # opened read-only: its history has no status byte (if a writer has
             # upgraded it since, `current` and `failures` still give the same answer)
             return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures), keys)
-        return _lookup.status_flags(txn.cursor(self._history), keys)
+        history = txn.cursor(self._history)
+        usable = self.ledger.indexer.usable(txn, len(keys))
+        flags = None if usable is None else _index.status_flags(usable[0], keys, usable[1], history)
+        return _lookup.status_flags(history, keys) if flags is None else flags
 
     def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
         """(shapes, exact, keys, current value or None), one of each per spec."""
@@ -185,7 +188,10 @@ class View:
     def _shape_values(self, txn, shapes: list) -> tuple[list[bytes], list]:
         """(keys, current value or None) of canonical shapes."""
         keys = self.keys.keys_of(shapes)
-        return keys, _lookup.values(txn.cursor(self._current), keys)
+        current = txn.cursor(self._current)
+        usable = self.ledger.indexer.usable(txn, len(keys))
+        found = None if usable is None else _index.values(usable[0], keys, usable[1], current)
+        return keys, _lookup.values(current, keys) if found is None else found
 
     def _split(self, txn, op: str, specs: list, head):
         """(head(first part of the specs), the lookup helper's answer for the rest), or None: answer them all

@@ -23,6 +23,9 @@ Phases (each printed as it finishes; the summary table comes last):
    a `cursor.get` loop over the keys sorted, the access pattern a sorted bulk lookup can use), and
    the SQLite equivalents (same key hashing, keys sorted, `WHERE key IN (...)` in chunks of the best
    size found, mmap reads, summaries decoded with msgspec for found rows; `missing` without decoding).
+   Each timed repetition asks for a fresh spec set (the same sets for both stores), so no answer comes
+   from a memo of an earlier call. kprof's steady state includes its key index (`kprof.ledger._index`),
+   which the first full-size lookups earn; a third child times kprof with KPROF_KEY_INDEX=0 beside it.
 5. `audit(path)` on the N-event ledger.
 6. Bytes on disk per event (LMDB file / N; SQLite db + wal / N).
 
@@ -215,6 +218,21 @@ def _best(fn, repeat: int):
     return min(times), times, out
 
 
+def _best_fresh(fn, n: int, q: int, seed: int, repeat: int, check):
+    """Best of `repeat` timings of fn(specs), each on a fresh spec set (seeds seed+1, seed+2, ...: the same sets
+    for both stores), generated untimed: no answer can come from a memo of an earlier call. check(specs, out, present)
+    validates each answer."""
+    times = []
+    for r in range(repeat):
+        specs, present = lookup_specs(n, q, seed + 1 + r)
+        t = time.perf_counter()
+        out = fn(specs)
+        times.append(time.perf_counter() - t)
+        check(specs, out, present)
+        del out, specs
+    return min(times), times
+
+
 def _status_mib(pid: int | str, field: str) -> float | None:
     """A memory field of /proc/PID/status, MiB; None where the file does not list it."""
     with open(f"/proc/{pid}/status") as f:
@@ -252,15 +270,18 @@ def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
         view.get_many(specs)
         view.missing(specs)
 
-        best_g, times_g, rows = _best(lambda: view.get_many(specs), repeat)
-        ok = sum(1 for r in rows if r.status == "ok")
-        if ok != present or len(rows) != q:
-            raise SystemExit(f"kprof get_many found {ok} ok rows of {len(rows)}, expected {present} of {q}")
-        del rows
-        best_m, times_m, todo = _best(lambda: view.missing(specs), repeat)
-        if len(todo) != q - present:
-            raise SystemExit(f"kprof missing returned {len(todo)} specs, expected {q - present}")
-        del todo
+        def rows_ok(specs, rows, present):
+            ok = sum(1 for r in rows if r.status == "ok")
+            if ok != present or len(rows) != len(specs):
+                raise SystemExit(f"kprof get_many found {ok} ok rows of {len(rows)}, expected {present} of {q}")
+
+        def todo_ok(specs, todo, present):
+            if len(todo) != len(specs) - present:
+                raise SystemExit(f"kprof missing returned {len(todo)} specs, expected {q - present}")
+
+        best_g, times_g = _best_fresh(view.get_many, n, q, seed, repeat, rows_ok)
+        best_m, times_m = _best_fresh(view.missing, n, q, seed, repeat, todo_ok)
+        index = ledger.indexer.index
 
         keys = [view.keys.key(s, i) for i, s in enumerate(specs)]
         with ledger.read() as txn:
@@ -301,6 +322,8 @@ def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
         "get_many_per_s": q / best_g, "get_many_times": times_g,
         "missing_per_s": q / best_m, "missing_times": times_m,
         "first_get_many_per_s": q / first_g, "first_missing_per_s": q / first_m, "helper": helper_ready,
+        "key_index": ledger.indexer.enabled, "key_index_builds": ledger.indexer.builds,
+        "key_index_mib": index.nbytes / 2**20 if index is not None else 0.0,
         "helper_peak_rss_mib": helper_rss,  # its peak RSS less the mapped ledger pages it shares
         "ceiling_per_s": q / best_c, "ceiling_times": times_c,
         "sorted_ceiling_per_s": q / best_s, "sorted_ceiling_times": times_s,
@@ -363,14 +386,20 @@ def lookup_sqlite(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
     _sqlite_get_many(con, keyof, decode, specs, chunk)  # full-size warm-up, as kprof's
     _sqlite_missing(con, keyof, specs, chunk)
 
-    best_g, times_g, rows = _best(lambda: _sqlite_get_many(con, keyof, decode, specs, chunk), repeat)
-    ok = sum(1 for r in rows if r[1] == "ok")
-    if ok != present or len(rows) != q:
-        raise SystemExit(f"sqlite get_many found {ok} ok rows of {len(rows)}, expected {present} of {q}")
-    del rows
-    best_m, times_m, todo = _best(lambda: _sqlite_missing(con, keyof, specs, chunk), repeat)
-    if len(todo) != q - present:
-        raise SystemExit(f"sqlite missing returned {len(todo)} specs, expected {q - present}")
+    def rows_ok(specs, rows, present):
+        ok = sum(1 for r in rows if r[1] == "ok")
+        if ok != present or len(rows) != len(specs):
+            raise SystemExit(f"sqlite get_many found {ok} ok rows of {len(rows)}, expected {present} of {q}")
+
+    def todo_ok(specs, todo, present):
+        if len(todo) != len(specs) - present:
+            raise SystemExit(f"sqlite missing returned {len(todo)} specs, expected {q - present}")
+
+    del specs
+    best_g, times_g = _best_fresh(lambda specs: _sqlite_get_many(con, keyof, decode, specs, chunk), n, q, seed,
+                                  repeat, rows_ok)
+    best_m, times_m = _best_fresh(lambda specs: _sqlite_missing(con, keyof, specs, chunk), n, q, seed, repeat,
+                                  todo_ok)
     con.close()
     return {
         "chunk": chunk, "chunk_sweep_per_s": sweep,
@@ -388,7 +417,8 @@ def run_lookup_child(which: str, path: str, args) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--lookup-only", which, "--db", path,
                "--events", str(args.events), "--queries", str(args.queries), "--seed", str(args.seed),
                "--repeat", str(args.repeat), "--result", result]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ, KPROF_KEY_INDEX="0" if which == "kprof-noindex" else "1")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{which} lookup child failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
         with open(result) as f:
@@ -473,6 +503,12 @@ def build_table(fig: dict) -> list[tuple[str, str, str, str, str, str]]:
                      "(reference)", "—"))
         rows.append(("first missing of a process", _fmt(k["first_missing_per_s"], "rate"), "—", "—",
                      "(reference)", "—"))
+    k0 = fig.get("kprof_noindex")
+    if k0:
+        for op in ("get_many", "missing"):
+            r = ratio(k[f"{op}_per_s"], k0[f"{op}_per_s"])
+            rows.append((f"{op} without the key index", _fmt(k0[f"{op}_per_s"], "rate"), "—",
+                         f"index {r:.2f}x", "(reference)", "—"))
     r = ratio(k["get_many_per_s"], k["ceiling_per_s"])
     rows.append(("py-lmdb ceiling gets/s", _fmt(k["ceiling_per_s"], "rate"), "—",
                  f"get_many at {r:.0%}", "(reference)", "—"))
@@ -516,7 +552,7 @@ def parse_args(argv=None):
     p.add_argument("--procs", type=int, default=2, help="processes generating events (default 2)")
     p.add_argument("--repeat", type=int, default=3, help="lookup timings take the best of this many (default 3)")
     p.add_argument("--seed", type=int, default=20240611, help="seed of the lookup set")
-    p.add_argument("--lookup-only", choices=("kprof", "sqlite"), help=argparse.SUPPRESS)
+    p.add_argument("--lookup-only", choices=("kprof", "kprof-noindex", "sqlite"), help=argparse.SUPPRESS)
     p.add_argument("--db", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -526,7 +562,7 @@ def parse_args(argv=None):
 
 
 def child_main(args) -> int:
-    fn = lookup_kprof if args.lookup_only == "kprof" else lookup_sqlite
+    fn = lookup_sqlite if args.lookup_only == "sqlite" else lookup_kprof
     out = fn(args.db, args.events, args.queries, args.seed, args.repeat)
     with open(args.result, "w") as f:
         json.dump(out, f)
@@ -592,6 +628,10 @@ def main(argv=None) -> int:
         _say(f"kprof  lookups: get_many {k['get_many_per_s']:,.0f}/s, missing {k['missing_per_s']:,.0f}/s, "
              f"py-lmdb ceiling {k['ceiling_per_s']:,.0f}/s (sorted cursor {k['sorted_ceiling_per_s']:,.0f}/s), "
              f"peak RSS {k['peak_rss_mib']:.0f} MiB")
+        k0 = run_lookup_child("kprof-noindex", lmdb_path, args)
+        fig["kprof_noindex"] = k0
+        _say(f"kprof  lookups without the key index: get_many {k0['get_many_per_s']:,.0f}/s, "
+             f"missing {k0['missing_per_s']:,.0f}/s")
         s = run_lookup_child("sqlite", sqlite_path, args)
         fig["sqlite"].update(s)
         fig["sqlite"]["lookup_peak_rss_mib"] = s["peak_rss_mib"]

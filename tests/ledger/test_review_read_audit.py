@@ -241,6 +241,8 @@ def test_a_logged_retraction_of_a_target_append_refuses_is_named(ledger_path, ca
     ("ledger_id", 7, "meta: ledger_id is 7, not 32 hex digits"),
     ("ledger_id", "abc", "meta: ledger_id is 'abc', not 32 hex digits"),
     ("ledger_id", "z" * 32, f"meta: ledger_id is {'z' * 32!r}, not 32 hex digits"),
+    ("views_rebuilt", 0, "meta: views_rebuilt is 0, not a count of rebuilds"),
+    ("views_rebuilt", 1.0, "meta: views_rebuilt is 1.0, not a count of rebuilds"),
 ])
 def test_damaged_meta_values_are_meta_findings(ledger_path, capsys, name, value, finding):
     _base(ledger_path)
