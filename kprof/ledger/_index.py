@@ -21,7 +21,9 @@ When to read the index (a rent-or-buy rule): reading it costs ~0.6-0.7 µs per k
 looked up. It is read once the keys looked up through LMDB since the last index (this call's included) reach
 BUILD_FRACTION of the keys held, so a process never spends more than about twice what the best choice in
 hindsight would have: a CLI verb asking for a few thousand specs never reads it, a long-lived reader soon does.
-Tails past a fraction of the index (a writer appending meanwhile) retire it, and the rule starts over.
+Tails past a fraction of the index (a writer appending meanwhile) retire it, and the rule starts over. A lookup
+split with the helper process (see _parallel) counts whole in the requesting process, and while that process holds
+an index its requests ask the helper to read one too.
 
 KPROF_KEY_INDEX=0 turns the index off (every key is looked up in the file); the lookup helper inherits it.
 """
@@ -167,6 +169,9 @@ class Indexer:
         self.index: KeyIndex | None = None
         self.rent = 0  # keys looked up through LMDB since the last index (or since opening)
         self.builds = 0  # indexes read (tests read it)
+        # Set in the lookup helper while its requester holds an index: the requester's rent (which counts the
+        # helper's share of its lookups too, see charge) has paid for this process's as well.
+        self.requested = False
         self.enabled = enabled()
         self._lock = threading.Lock()
 
@@ -197,7 +202,7 @@ class Indexer:
                 self.index = None  # views rebuilt, or a tail too long: retired
             self.rent += n
             entries = txn.stat(dbs["history"])["entries"]
-            if self.rent < max(MIN_RENT, BUILD_FRACTION * entries):
+            if not self.requested and self.rent < max(MIN_RENT, BUILD_FRACTION * entries):
                 return None
             budget = _memory_bytes() * MEMORY_FRACTION
             if budget and entries * (KEY_BYTES + 5) > budget:
@@ -210,6 +215,12 @@ class Indexer:
             return built, frozenset()
         finally:
             self._lock.release()
+
+    def charge(self, n: int) -> None:
+        """Counts n keys that the lookup helper looks up for this process as this process's rent: a split
+        lookup's keys all count, so both processes read their index after the same lookups."""
+        if self.enabled and self.index is None:
+            self.rent += n
 
     def _extend(self, txn, index: KeyIndex, last_seq: int) -> _Tail | None:
         """The index's tail extended to last_seq (read from txn's log), or None: too long (the index is then

@@ -238,11 +238,11 @@ atexit.register(stop_all)
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def split(path: str, items: list, head, request: list) -> tuple[Any, bytes] | None:
+def split(path: str, items: list, head, request: list, charge=None) -> tuple[Any, bytes] | None:
     """(head(first part of `items`), the helper's answer for the rest), or None: answer them all here (no
     helper ready yet, the helper busy or dead, another snapshot there, or the request refused, e.g. for an
     invalid spec, which the caller then names by its index). `request` is the helper's request without its
-    specs. If head raises, the helper's answer is read and dropped before the error leaves, so the next
+    specs. `charge(n)`, if given, is told how many items the helper was sent. If head raises, the helper's answer is read and dropped before the error leaves, so the next
     request pairs with its own answer; if anything cuts the exchange itself short (Ctrl-C while the request
     is sent or the answer read), the helper is abandoned, never asked again."""
     helper = helper_for(path)
@@ -252,6 +252,8 @@ def split(path: str, items: list, head, request: list) -> tuple[Any, bytes] | No
         cut = int(len(items) * PARENT_SHARE[request[0]])
         if not helper.ask([*request, items[cut:]]):
             return None
+        if charge is not None:
+            charge(len(items) - cut)
         try:
             mine = head(items[:cut])
         finally:

@@ -203,9 +203,10 @@ class View:
         # file put in its place has another), at this transaction, holding this many events.
         meta = self.ledger.dbs["meta"]
         snapshot = [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)]
+        indexer = self.ledger.indexer
         request = [op, snapshot, self.table, self.backend, self.gpu_key, _codec.encode(self.contract),
-                   args.__module__, args.__qualname__]
-        return _parallel.split(self.ledger.real_path, specs, head, request)
+                   args.__module__, args.__qualname__, indexer.index is not None]
+        return _parallel.split(self.ledger.real_path, specs, head, request, indexer.charge)
 
     def _head_rows(self, txn, specs: list) -> list[Row]:
         """This process's share of a split get_many, built into rows while the helper answers the rest. The

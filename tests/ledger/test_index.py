@@ -242,3 +242,52 @@ def test_key_index_0_turns_it_off_and_a_bad_value_is_refused(tmp_path, eager, mo
     spec = '{"m": 64, "n": 64, "k": 64, "dtype": "fp32"}'
     assert main(["count-missing", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", path]) == 2
     assert "KPROF_KEY_INDEX='yes'" in capsys.readouterr().err
+
+
+def test_the_lookup_helper_reads_its_index_when_its_requester_holds_one(tmp_path, monkeypatch):
+    """A split lookup counts whole in the requesting process; once that process holds an index, its next
+    request has the helper read one too. Both follow the log's tail after, and every answer is exact."""
+    import msgspec
+
+    from kprof.ledger import _parallel
+
+    path = str(tmp_path / "x.db")
+    writer = Ledger.open(path)
+    writer.append(list(synth.events(0, 600)))
+    reader = Ledger.open(path, readonly=True)
+    ref = _through_lmdb(path)
+    view = synth.view(reader)
+    specs = [synth.spec(i) for i in range(0, 1400, 2)]
+    monkeypatch.setattr(_parallel, "worth_it", lambda n: n >= 2)
+    monkeypatch.setattr(_index, "INDEX_FROM", 1)
+    monkeypatch.setattr(_index, "MIN_RENT", 10**9)
+    helper = _parallel.helper_for(path, wait=60)
+    assert helper is not None, "the lookup helper did not start"
+
+    def helper_index():
+        with reader.read() as txn:
+            meta = reader.dbs["meta"]
+            snapshot = [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)]
+        request = ["index", snapshot, view.table, view.backend, view.gpu_key, _codec.encode(view.contract),
+                   synth.SynthArgs.__module__, synth.SynthArgs.__qualname__, False, []]
+        assert helper.ask(request)
+        return msgspec.msgpack.decode(bytes(helper.answer()))
+
+    def want(op):  # answered in this process alone, through LMDB (the helper would answer with its index)
+        with monkeypatch.context() as m:
+            m.setattr(_parallel, "worth_it", lambda n: False)
+            return op(synth.view(ref), specs)
+
+    served = helper.served
+    assert view.missing(specs) == want(lambda v, s: v.missing(s)) and helper.served == served + 1
+    assert reader.indexer.rent == len(specs) and helper_index() == [0, False]  # the helper's half counted here
+    monkeypatch.setattr(_index, "MIN_RENT", 0)
+    assert view.missing(specs) == want(lambda v, s: v.missing(s))  # read here; the request had gone out before
+    assert reader.indexer.builds == 1 and helper_index() == [0, False]
+    assert [r.status for r in view.get_many(specs)] == want(lambda v, s: [r.status for r in v.get_many(s)])
+    assert helper_index() == [1, True]
+    writer.append(list(synth.events(600, 700)) + [failed(synth.event(5).provenance, "oom", "x")])
+    assert view.missing(specs) == want(lambda v, s: v.missing(s))
+    assert [(r.status, r.event_id) for r in view.get_many(specs)] == want(lambda v, s: [(r.status, r.event_id) for r in v.get_many(s)])
+    assert helper_index() == [1, True] and reader.indexer.builds == 1
+    reader.close(), ref.close(), writer.close()
