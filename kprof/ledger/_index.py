@@ -123,22 +123,30 @@ def as_rows(keys: list[bytes]):
 
 def _build(txn, history, meta) -> KeyIndex | None:
     """The index of a format-2 `history` as this transaction sees it; None where a key is not 32 bytes (a
-    damaged file: the LMDB path answers, and the audit names it)."""
+    damaged file: the LMDB path answers, and the audit names it). The arrays are allocated once, at the size the
+    transaction's own count of entries gives, and filled a chunk at a time: besides the index itself (~37 MB at
+    1M keys), the build holds one chunk's bytes objects."""
     import numpy as np
 
-    keys, kinds = bytearray(), bytearray()
+    entries = txn.stat(history)["entries"]
+    rows, status = np.empty((entries, 4), np.uint64), np.empty(entries, np.uint8)
     # Two cursors in step, keys and values apart: no (key, value) tuple per entry (~25% faster)
     key_run, value_run = txn.cursor(history).iternext(values=False), txn.cursor(history).iternext(keys=False)
     first = itemgetter(slice(0, 1))
+    at = 0
     while blob := b"".join(islice(key_run, CHUNK)):
-        keys += blob
-        kinds += b"".join(map(first, islice(value_run, CHUNK)))
-    if len(keys) != KEY_BYTES * len(kinds):
+        kinds = b"".join(map(first, islice(value_run, CHUNK)))
+        if len(blob) != KEY_BYTES * len(kinds) or at + len(kinds) > entries:
+            return None
+        rows[at:at + len(kinds)] = np.frombuffer(blob, ">u8").reshape(-1, 4)  # big-endian words, as integers
+        status[at:at + len(kinds)] = np.frombuffer(kinds, np.uint8)
+        at += len(kinds)
+    if at != entries:
         return None
-    status = np.frombuffer(bytes(kinds), np.uint8)
     held = status != NO_ROW[0]
-    rows = np.frombuffer(bytes(keys), ">u8").reshape(-1, 4)[held].astype(np.uint64)
-    measured = (status[held] == MEASURED[0]).astype(np.uint8)
+    if not held.all():  # keys whose every attempt was retracted: no row
+        rows, status = rows[held], status[held]
+    measured = (status == MEASURED[0]).astype(np.uint8)
     last_seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
     return KeyIndex(txn.id(), last_seq, txn.get(REBUILT, db=meta), rows, measured)
 
