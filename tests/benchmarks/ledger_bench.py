@@ -337,6 +337,8 @@ def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
         "ceiling_per_s": q / best_c, "ceiling_times": times_c,
         "sorted_ceiling_per_s": q / best_s, "sorted_ceiling_times": times_s,
         "peak_rss_mib": _peak_rss_mib(),
+        # at the end: the ledger file's pages mapped in (page cache, shared) and the process's own memory
+        "rss_file_mib": _status_mib("self", "RssFile"), "rss_anon_mib": _status_mib("self", "RssAnon"),
         "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
