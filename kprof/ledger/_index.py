@@ -21,12 +21,9 @@ When to read the index (a rent-or-buy rule): reading it costs ~0.6-0.7 µs per k
 looked up. It is read once the keys looked up through LMDB since the last index (this call's included) reach
 BUILD_FRACTION of the keys held, so a process never spends more than about twice what the best choice in
 hindsight would have: a CLI verb asking for a few thousand specs never reads it, a long-lived reader soon does.
-Tails past a fraction of the index (a writer appending meanwhile) retire it, and the rule starts over.
-
-Only the process the lookups are asked of reads an index, and a call consults it once, for all its keys. A lookup
-split with the helper process (see _parallel) then has the helper hash its share of the keys and send them back
-(32 bytes each): the index answers all of them here. So the helper holds no index of its own (~40 MB at 1M keys,
-and its build), and its share of a `get_many` reads every one of its keys through LMDB.
+Tails past a fraction of the index (a writer appending meanwhile) retire it, and the rule starts over. A lookup
+split with the helper process (see _parallel) counts whole in the requesting process, and while that process holds
+an index its requests ask the helper to read one too.
 
 KPROF_KEY_INDEX=0 turns the index off (every key is looked up in the file); the lookup helper inherits it.
 """
@@ -114,19 +111,14 @@ class KeyIndex:
         return pos
 
 
-def rows_of(run: bytes):
-    """A packed run of 32-byte keys as an (n, 4) uint64 array of their big-endian words."""
-    import numpy as np
-
-    if len(run) % KEY_BYTES:
-        raise ValueError(f"a run of keys of {len(run)} bytes, not a multiple of {KEY_BYTES}")
-    return np.frombuffer(run, ">u8").reshape(-1, 4).astype(np.uint64)
-
-
 def as_rows(keys: list[bytes]):
     """The keys as an (n, 4) uint64 array of their big-endian words; None unless all are KEY_BYTES long."""
+    import numpy as np
+
     blob = b"".join(keys)
-    return rows_of(blob) if len(blob) == KEY_BYTES * len(keys) else None
+    if len(blob) != KEY_BYTES * len(keys):
+        return None
+    return np.frombuffer(blob, ">u8").reshape(-1, 4).astype(np.uint64)
 
 
 def _build(txn, history, meta) -> KeyIndex | None:
@@ -185,6 +177,9 @@ class Indexer:
         self.index: KeyIndex | None = None
         self.rent = 0  # keys looked up through LMDB since the last index (or since opening)
         self.builds = 0  # indexes read (tests read it)
+        # Set in the lookup helper while its requester holds an index: the requester's rent (which counts the
+        # helper's share of its lookups too, see charge) has paid for this process's as well.
+        self.requested = False
         self.enabled = enabled()
         self._lock = threading.Lock()
 
@@ -215,7 +210,7 @@ class Indexer:
                 self.index = None  # views rebuilt, or a tail too long: retired
             self.rent += n
             entries = txn.stat(dbs["history"])["entries"]
-            if self.rent < max(MIN_RENT, BUILD_FRACTION * entries):
+            if not self.requested and self.rent < max(MIN_RENT, BUILD_FRACTION * entries):
                 return None
             budget = _memory_bytes() * MEMORY_FRACTION
             if budget and entries * (KEY_BYTES + 5) > budget:
@@ -228,6 +223,12 @@ class Indexer:
             return built, frozenset()
         finally:
             self._lock.release()
+
+    def charge(self, n: int) -> None:
+        """Counts n keys that the lookup helper looks up for this process as this process's rent: a split
+        lookup's keys all count, so both processes read their index after the same lookups."""
+        if self.enabled and self.index is None:
+            self.rent += n
 
     def _extend(self, txn, index: KeyIndex, last_seq: int) -> _Tail | None:
         """The index's tail extended to last_seq (read from txn's log), or None: too long (the index is then
@@ -252,18 +253,19 @@ class Indexer:
             self._lock.release()
 
 
-def status_flags(index: KeyIndex, run: bytes, touched: frozenset, history) -> bytes:
-    """One byte per key of a packed run of 32-byte keys, 1 where its current row is measured (see
-    _lookup.status_flags), from the index; the touched keys from `history` (a cursor of the transaction)."""
+def status_flags(index: KeyIndex, keys: list[bytes], touched: frozenset, history) -> bytes | None:
+    """One byte per key, 1 where its current row is measured (see _lookup.status_flags), from the index; the
+    touched keys from `history` (a cursor of the transaction). None where a key is not 32 bytes."""
     import numpy as np
 
-    query = rows_of(run)
-    flags = np.zeros(len(query), np.uint8)
+    query = as_rows(keys)
+    if query is None:
+        return None
     pos = index.find(query)
+    flags = np.zeros(len(keys), np.uint8)
     hit = pos >= 0
     flags[hit] = index.measured[pos[hit]]
     if touched:
-        keys = [run[i:i + KEY_BYTES] for i in range(0, len(run), KEY_BYTES)]
         for i in np.flatnonzero(np.fromiter(map(touched.__contains__, keys), bool, len(keys))).tolist():
             value = history.get(keys[i])
             flags[i] = value is not None and value[:1] == MEASURED

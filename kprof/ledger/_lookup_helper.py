@@ -3,10 +3,11 @@
 It opens the ledger read-only, writes one READY byte, then answers requests on stdin until end of file.
 A request is one frame (8-byte big-endian length, then msgpack):
 
-    [op, [ledger id, txn id, last seq], table, backend, gpu key, contract, args module, args qualname, specs]
+    [op, [ledger id, txn id, last seq], table, backend, gpu key, contract, args module, args qualname,
+     requester holds a key index (bool), specs]
 
-op "flags" answers View._ok_flags of the specs, op "tail" View._tail, op "keys" the specs' keys packed (a
-requester holding a key index looks them up there; this process never reads one: see _index). The answer is one frame: a tag
+op "flags" answers View._ok_flags of the specs, op "tail" View._tail, op "index" the state of this process's key
+index (see _index; the specs are ignored). The answer is one frame: a tag
 byte and its payload: OK and the bytes, MOVED when this process's read transaction is not the requester's
 snapshot (another transaction, or another file with the same transaction id), or REFUSED and the reason
 for anything else (an invalid spec, specs that are not canonical, an
@@ -25,7 +26,8 @@ from .events import Contract
 from .store import Ledger
 
 _contract = msgspec.msgpack.Decoder(Contract)
-_request = msgspec.msgpack.Decoder(tuple[str, tuple[bytes, int, bytes], str, str, str, bytes, str, str, msgspec.Raw])
+_request = msgspec.msgpack.Decoder(tuple[str, tuple[bytes, int, bytes], str, str, str, bytes, str, str, bool,
+                                         msgspec.Raw])
 
 
 def _args_type(module: str, qualname: str) -> type:
@@ -46,7 +48,8 @@ def serve(path: str, stdin, stdout) -> None:
     stdout.flush()
     while (frame := read_frame(stdin)) is not None:
         try:
-            op, snapshot, table, backend, gpu_key, contract, module, qualname, specs = _request.decode(frame)
+            op, snapshot, table, backend, gpu_key, contract, module, qualname, indexed, specs = _request.decode(frame)
+            ledger.indexer.requested = indexed  # the requester's lookups earned it one: read ours too (see _index)
             config = (table, backend, gpu_key, contract, module, qualname)
             view = views.get(config)
             if view is None:
@@ -56,20 +59,19 @@ def serve(path: str, stdin, stdout) -> None:
                 meta = ledger.dbs["meta"]
                 if [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)] != list(snapshot):
                     tag, payload = MOVED, b""
-                elif op in ("flags", "tail", "keys"):
+                elif op in ("flags", "tail"):
                     # Decoded straight into canonical shapes; a spec that needs normalizing (an int given as
                     # 4096.0) or is invalid takes the general path (flags) or is refused (tail: the requester
                     # builds rows of converted specs itself, and names an invalid spec by its index).
                     shapes = view.shapes.shapes_from_msgpack(specs)
                     if op == "tail":
                         tag, payload = (REFUSED, b"specs not canonical") if shapes is None else (OK, view._tail(txn, shapes))
-                    elif op == "keys":
-                        shapes = view.shapes.to_shapes(msgspec.msgpack.decode(specs))[0] if shapes is None else shapes
-                        tag, payload = OK, b"".join(view.keys.keys_of(shapes))
                     elif shapes is None:
                         tag, payload = OK, view._ok_flags(txn, msgspec.msgpack.decode(specs))
                     else:
                         tag, payload = OK, view._shape_flags(txn, shapes)
+                elif op == "index":  # this process's key index: [indexes read, one held now]
+                    tag, payload = OK, msgspec.msgpack.encode([ledger.indexer.builds, ledger.indexer.index is not None])
                 else:
                     tag, payload = REFUSED, f"unknown op {op!r}".encode()
         except Exception as exc:  # the requester answers the whole lookup itself (and names a bad spec)

@@ -37,7 +37,7 @@ MIN_ITEMS = 40_000  # below this, sending the specs and their answers costs abou
 # 2-core VM, with the key index read (see _index), five alternated rounds of 100,000-spec lookups, fresh specs
 # each: `get_many` medians 247k (0.5), 313k (0.45), 277k (0.42), 262k (0.38) specs/s; `missing` 681k (0.5),
 # 698k (0.45), 648k (0.55): even within the noise (±20%).
-PARENT_SHARE = {"flags": 0.5, "tail": 0.44, "keys": 0.45}
+PARENT_SHARE = {"flags": 0.5, "tail": 0.44}
 READY = b"R"
 OK, MOVED, REFUSED = b"o", b"m", b"r"  # an answer's tag
 ANSWER_TIMEOUT_S = 120.0  # a helper silent this long is taken for hung: stopped, and the lookup done here
@@ -240,11 +240,11 @@ atexit.register(stop_all)
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def split(path: str, items: list, head, request: list) -> tuple[Any, bytes] | None:
+def split(path: str, items: list, head, request: list, charge=None) -> tuple[Any, bytes] | None:
     """(head(first part of `items`), the helper's answer for the rest), or None: answer them all here (no
     helper ready yet, the helper busy or dead, another snapshot there, or the request refused, e.g. for an
     invalid spec, which the caller then names by its index). `request` is the helper's request without its
-    specs. If head raises, the helper's answer is read and dropped before the error leaves, so the next
+    specs. `charge(n)`, if given, is told how many items the helper was sent. If head raises, the helper's answer is read and dropped before the error leaves, so the next
     request pairs with its own answer; if anything cuts the exchange itself short (Ctrl-C while the request
     is sent or the answer read), the helper is abandoned, never asked again."""
     helper = helper_for(path)
@@ -254,6 +254,8 @@ def split(path: str, items: list, head, request: list) -> tuple[Any, bytes] | No
         cut = int(len(items) * PARENT_SHARE[request[0]])
         if not helper.ask([*request, items[cut:]]):
             return None
+        if charge is not None:
+            charge(len(items) - cut)
         try:
             mine = head(items[:cut])
         finally:

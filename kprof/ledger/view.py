@@ -157,32 +157,17 @@ class View:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
         specs = specs if isinstance(specs, list) else list(specs)
         with self.ledger.read() as txn:
-            ok = self._missing_flags(txn, specs)
+            halves = self._split(txn, "flags", specs, partial(self._ok_flags, txn))
+            # Answered here alone, or redone whole when the helper did not answer: an invalid spec is then
+            # named by its index in the whole list.
+            ok = self._ok_flags(txn, specs) if halves is None else halves[0] + halves[1]
         return list(compress(specs, map(not_, ok)))
 
     def count_missing(self, specs) -> int:
         return len(self.missing(specs))
 
-    def _missing_flags(self, txn, specs: list) -> bytes:
-        """One byte per spec, 1 where its current row is measured (ok). From this process's key index where it
-        holds one (see _index; a split lookup's helper then only hashes its share of the keys), else through
-        LMDB (the helper looks its share up there)."""
-        usable = self.ledger.indexer.usable(txn, len(specs))
-        if usable is None:
-            halves = self._split(txn, "flags", specs, partial(self._ok_flags, txn))
-            # Answered here alone, or redone whole when the helper did not answer: an invalid spec is then
-            # named by its index in the whole list.
-            return self._ok_flags(txn, specs) if halves is None else halves[0] + halves[1]
-        halves = self._split(txn, "keys", specs, self._key_run)
-        run = self._key_run(specs) if halves is None else halves[0] + halves[1]
-        return _index.status_flags(usable[0], run, usable[1], txn.cursor(self._history))
-
-    def _key_run(self, specs: list) -> bytes:
-        """The specs' keys, packed (32 bytes each)."""
-        return b"".join(self.keys.keys_of(self.shapes.to_shapes(specs)[0]))
-
     def _ok_flags(self, txn, specs: list) -> bytes:
-        """One byte per spec: 1 where its current row is measured (ok), else 0, read through LMDB."""
+        """One byte per spec: 1 where its current row is measured (ok), else 0."""
         return self._shape_flags(txn, self.shapes.to_shapes(specs)[0])
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
@@ -190,18 +175,21 @@ class View:
         if self.ledger.format_version < 2:  # opened read-only: its history has no status byte (if a writer has
             # upgraded it since, `current` and `failures` still give the same answer)
             return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures), keys)
-        return _lookup.status_flags(txn.cursor(self._history), keys)
+        history = txn.cursor(self._history)
+        usable = self.ledger.indexer.usable(txn, len(keys))
+        flags = None if usable is None else _index.status_flags(usable[0], keys, usable[1], history)
+        return _lookup.status_flags(history, keys) if flags is None else flags
 
-    def _values(self, txn, specs: list, usable=None) -> tuple[list, bool, list[bytes], list]:
+    def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
         """(shapes, exact, keys, current value or None), one of each per spec."""
         shapes, exact = self.shapes.to_shapes(specs)
-        return (shapes, exact, *self._shape_values(txn, shapes, usable))
+        return (shapes, exact, *self._shape_values(txn, shapes))
 
-    def _shape_values(self, txn, shapes: list, usable=None) -> tuple[list[bytes], list]:
-        """(keys, current value or None) of canonical shapes; `usable`: (key index, its touched keys) to read
-        only the keys it holds (see _index), or None: read every key."""
+    def _shape_values(self, txn, shapes: list) -> tuple[list[bytes], list]:
+        """(keys, current value or None) of canonical shapes."""
         keys = self.keys.keys_of(shapes)
         current = txn.cursor(self._current)
+        usable = self.ledger.indexer.usable(txn, len(keys))
         found = None if usable is None else _index.values(usable[0], keys, usable[1], current)
         return keys, _lookup.values(current, keys) if found is None else found
 
@@ -215,14 +203,15 @@ class View:
         # file put in its place has another), at this transaction, holding this many events.
         meta = self.ledger.dbs["meta"]
         snapshot = [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)]
+        indexer = self.ledger.indexer
         request = [op, snapshot, self.table, self.backend, self.gpu_key, _codec.encode(self.contract),
-                   args.__module__, args.__qualname__]
-        return _parallel.split(self.ledger.real_path, specs, head, request)
+                   args.__module__, args.__qualname__, indexer.index is not None]
+        return _parallel.split(self.ledger.real_path, specs, head, request, indexer.charge)
 
-    def _head_rows(self, txn, usable, specs: list) -> list[Row]:
+    def _head_rows(self, txn, specs: list) -> list[Row]:
         """This process's share of a split get_many, built into rows while the helper answers the rest. The
         specs are dicts (see _split_rows); raises _NotCanonical where one holds a value to convert."""
-        _shapes, exact, keys, values = self._values(txn, specs, usable)
+        _shapes, exact, keys, values = self._values(txn, specs)
         if not exact:
             raise _NotCanonical
         return self._build(txn, specs, keys, values, _summaries(values))
@@ -234,13 +223,13 @@ class View:
         keys, values = self._shape_values(txn, shapes)
         return _codec.encode((keys, [v and v[:33] for v in values], msgspec.Raw(_summary_array(values))))
 
-    def _split_rows(self, txn, specs: list, usable) -> list[Row] | None:
+    def _split_rows(self, txn, specs: list) -> list[Row] | None:
         """The rows, the tail's looked up by the lookup helper while this process builds the head's; None
         where the serial path must answer (not split, specs not all canonical dicts, or no answer)."""
         if not _parallel.worth_it(len(specs)) or set(map(type, specs)) != {dict}:
             return None  # rows of specs that are not dicts carry converted dicts, which only the serial path builds
         try:
-            halves = self._split(txn, "tail", specs, partial(self._head_rows, txn, usable))
+            halves = self._split(txn, "tail", specs, partial(self._head_rows, txn))
         except _NotCanonical:
             return None
         if halves is None:
@@ -251,11 +240,10 @@ class View:
 
     def _rows(self, txn, specs) -> list[Row]:
         specs = specs if isinstance(specs, list) else list(specs)
-        usable = self.ledger.indexer.usable(txn, len(specs))  # this process's key index, for the whole lookup
-        rows = self._split_rows(txn, specs, usable)
+        rows = self._split_rows(txn, specs)
         if rows is not None:
             return rows
-        shapes, exact, keys, values = self._values(txn, specs, usable)
+        shapes, exact, keys, values = self._values(txn, specs)
         if exact and all(type(s) is dict for s in specs):
             spec_dicts = specs  # already canonical values; no copies
         else:

@@ -91,14 +91,14 @@ def test_a_snapshot_older_than_the_index_is_answered_from_itself(tmp_path, eager
     writer.append(list(synth.events(0, 20)))
     reader = Ledger.open(path, readonly=True)
     view = synth.view(reader)
-    specs = [synth.spec(i) for i in range(30)]
+    shapes = view.shapes.to_shapes([synth.spec(i) for i in range(30)])[0]
     old = reader.env.begin()
     try:
         writer.append(list(synth.events(20, 30)) + [failed(synth.event(3).provenance, "oom", "x")])
         assert view.missing([synth.spec(i) for i in range(30)]) == [synth.spec(3)]  # reads the index now
         built = reader.indexer.index
         assert built is not None and reader.indexer.builds == 1
-        assert view._missing_flags(old, specs) == bytes([1] * 20 + [0] * 10)
+        assert view._shape_flags(old, shapes) == bytes([1] * 20 + [0] * 10)
         assert reader.indexer.index is built and reader.indexer.builds == 1  # no reason to drop it
     finally:
         old.abort()
@@ -244,10 +244,11 @@ def test_key_index_0_turns_it_off_and_a_bad_value_is_refused(tmp_path, eager, mo
     assert "KPROF_KEY_INDEX='yes'" in capsys.readouterr().err
 
 
-def test_a_split_lookup_counts_whole_and_its_helper_hashes_for_the_index(tmp_path, monkeypatch):
-    """A split lookup counts whole toward this process's index. Once it holds one, a split `missing` has the
-    lookup helper hash its share of the keys (op "keys"), which the index here answers; the helper reads no
-    index of its own, and every answer is exact, through the log's tail too."""
+def test_the_lookup_helper_reads_its_index_when_its_requester_holds_one(tmp_path, monkeypatch):
+    """A split lookup counts whole in the requesting process; once that process holds an index, its next
+    request has the helper read one too. Both follow the log's tail after, and every answer is exact."""
+    import msgspec
+
     from kprof.ledger import _parallel
 
     path = str(tmp_path / "x.db")
@@ -262,25 +263,31 @@ def test_a_split_lookup_counts_whole_and_its_helper_hashes_for_the_index(tmp_pat
     monkeypatch.setattr(_index, "MIN_RENT", 10**9)
     helper = _parallel.helper_for(path, wait=60)
     assert helper is not None, "the lookup helper did not start"
-    ops = []
-    ask = helper.ask
-    monkeypatch.setattr(helper, "ask", lambda request: ops.append(request[0]) or ask(request))
 
-    def want(op):  # answered in this process alone, through LMDB
+    def helper_index():
+        with reader.read() as txn:
+            meta = reader.dbs["meta"]
+            snapshot = [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)]
+        request = ["index", snapshot, view.table, view.backend, view.gpu_key, _codec.encode(view.contract),
+                   synth.SynthArgs.__module__, synth.SynthArgs.__qualname__, False, []]
+        assert helper.ask(request)
+        return msgspec.msgpack.decode(bytes(helper.answer()))
+
+    def want(op):  # answered in this process alone, through LMDB (the helper would answer with its index)
         with monkeypatch.context() as m:
             m.setattr(_parallel, "worth_it", lambda n: False)
-            return op(synth.view(ref))
+            return op(synth.view(ref), specs)
 
-    def answers():
-        return (view.missing(specs), [(r.status, r.event_id, r.summary) for r in view.get_many(specs)])
-
-    expected = want(lambda v: (v.missing(specs), [(r.status, r.event_id, r.summary) for r in v.get_many(specs)]))
-    assert answers() == expected and ops == ["flags", "tail"]
-    assert reader.indexer.rent == 2 * len(specs) and reader.indexer.builds == 0  # both calls counted whole
+    served = helper.served
+    assert view.missing(specs) == want(lambda v, s: v.missing(s)) and helper.served == served + 1
+    assert reader.indexer.rent == len(specs) and helper_index() == [0, False]  # the helper's half counted here
     monkeypatch.setattr(_index, "MIN_RENT", 0)
-    assert answers() == expected and ops[2:] == ["keys", "tail"] and reader.indexer.builds == 1
+    assert view.missing(specs) == want(lambda v, s: v.missing(s))  # read here; the request had gone out before
+    assert reader.indexer.builds == 1 and helper_index() == [0, False]
+    assert [r.status for r in view.get_many(specs)] == want(lambda v, s: [r.status for r in v.get_many(s)])
+    assert helper_index() == [1, True]
     writer.append(list(synth.events(600, 700)) + [failed(synth.event(5).provenance, "oom", "x")])
-    expected = want(lambda v: (v.missing(specs), [(r.status, r.event_id, r.summary) for r in v.get_many(specs)]))
-    assert answers() == expected and ops[4:] == ["keys", "tail"] and reader.indexer.builds == 1
-    assert helper.served == 6
+    assert view.missing(specs) == want(lambda v, s: v.missing(s))
+    assert [(r.status, r.event_id) for r in view.get_many(specs)] == want(lambda v, s: [(r.status, r.event_id) for r in v.get_many(s)])
+    assert helper_index() == [1, True] and reader.indexer.builds == 1
     reader.close(), ref.close(), writer.close()

@@ -259,7 +259,7 @@ def test_the_helper_answers_only_the_very_snapshot_it_was_asked_about(view, spec
         meta = ledger.dbs["meta"]
         snapshot = [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)]
     config = [view.table, view.backend, view.gpu_key, msgspec.msgpack.encode(view.contract),
-              synth.SynthArgs.__module__, synth.SynthArgs.__qualname__, specs]
+              synth.SynthArgs.__module__, synth.SynthArgs.__qualname__, False, specs]
     with ledger.read() as txn:
         want = view._ok_flags(txn, specs)
     for other in ([msgspec.msgpack.encode("another ledger"), *snapshot[1:]], [snapshot[0], snapshot[1] + 1, snapshot[2]],
