@@ -14,12 +14,23 @@ from kprof.ledger.build import failed, retraction
 from kprof.ledger.replay import rebuild_views
 
 
+def _tune(monkeypatch, **constants):
+    for name, value in constants.items():
+        monkeypatch.setattr(_index, name, value)
+
+
+def _written(tmp_path, n: int):
+    """(path, writer) of a ledger holding synthetic events 0..n-1."""
+    path = str(tmp_path / "x.db")
+    writer = Ledger.open(path)
+    writer.append(list(synth.events(0, n)))
+    return path, writer
+
+
 @pytest.fixture
 def eager(monkeypatch):
     """Every lookup may use the index, and the first one reads it."""
-    monkeypatch.setattr(_index, "INDEX_FROM", 1)
-    monkeypatch.setattr(_index, "MIN_RENT", 0)
-    monkeypatch.setattr(_index, "BUILD_FRACTION", 0)
+    _tune(monkeypatch, INDEX_FROM=1, MIN_RENT=0, BUILD_FRACTION=0)
 
 
 def _through_lmdb(path):
@@ -86,9 +97,7 @@ def test_the_index_answers_as_lmdb_through_any_tail(tmp_path_factory, before, af
 
 def test_a_snapshot_older_than_the_index_is_answered_from_itself(tmp_path, eager):
     """A read transaction begun before the index was read (another thread's, say) sees its own state."""
-    path = str(tmp_path / "x.db")
-    writer = Ledger.open(path)
-    writer.append(list(synth.events(0, 20)))
+    path, writer = _written(tmp_path, 20)
     reader = Ledger.open(path, readonly=True)
     view = synth.view(reader)
     shapes = view.shapes.to_shapes([synth.spec(i) for i in range(30)])[0]
@@ -108,9 +117,7 @@ def test_a_snapshot_older_than_the_index_is_answered_from_itself(tmp_path, eager
 def test_views_rebuilt_under_the_index_retire_it(tmp_path, eager):
     """`rebuild_views` changes the views without logging an event. Views damaged by hand (a row taken out)
     are what the index reads; once they are rebuilt, the reader sees the row again."""
-    path = str(tmp_path / "x.db")
-    writer = Ledger.open(path)
-    writer.append(list(synth.events(0, 10)))
+    path, writer = _written(tmp_path, 10)
     key = synth.event(4).key
     with writer.env.begin(write=True) as txn:  # the damage: key 4's row gone, its history saying so
         txn.delete(key, db=writer.dbs["current"])
@@ -130,14 +137,8 @@ def test_views_rebuilt_under_the_index_retire_it(tmp_path, eager):
 
 
 def test_a_long_tail_retires_the_index_and_the_rent_starts_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(_index, "INDEX_FROM", 1)
-    monkeypatch.setattr(_index, "MIN_RENT", 30)
-    monkeypatch.setattr(_index, "BUILD_FRACTION", 0)
-    monkeypatch.setattr(_index, "CHUNK", 4)
-    monkeypatch.setattr(_index, "TAIL_FRACTION", 0.1)
-    path = str(tmp_path / "x.db")
-    writer = Ledger.open(path)
-    writer.append(list(synth.events(0, 40)))
+    _tune(monkeypatch, INDEX_FROM=1, MIN_RENT=30, BUILD_FRACTION=0, CHUNK=4, TAIL_FRACTION=0.1)
+    path, writer = _written(tmp_path, 40)
     reader = Ledger.open(path, readonly=True)
     ref = _through_lmdb(path)
     specs = [synth.spec(i) for i in range(60)]
@@ -155,11 +156,8 @@ def test_a_long_tail_retires_the_index_and_the_rent_starts_over(tmp_path, monkey
 def test_the_index_is_read_once_lookups_have_earned_it(tmp_path, monkeypatch):
     """Rent or buy: the keys looked up through LMDB (lookups shorter than INDEX_FROM not counted) reach
     max(MIN_RENT, BUILD_FRACTION x the keys held), then the index is read, once."""
-    monkeypatch.setattr(_index, "INDEX_FROM", 50)
-    monkeypatch.setattr(_index, "MIN_RENT", 100)
-    path = str(tmp_path / "x.db")
-    writer = Ledger.open(path)
-    writer.append(list(synth.events(0, 1000)))
+    _tune(monkeypatch, INDEX_FROM=50, MIN_RENT=100)
+    path, writer = _written(tmp_path, 1000)
     reader = Ledger.open(path, readonly=True)
     view = synth.view(reader)
     small = [synth.spec(i) for i in range(49)]
@@ -201,9 +199,7 @@ def test_find_is_exact_where_keys_share_their_first_bytes():
 
 def test_threads_looking_up_while_the_index_is_read_all_answer_right(tmp_path, eager):
     """Threads that find another reading the index or extending its tail answer through LMDB meanwhile."""
-    path = str(tmp_path / "x.db")
-    writer = Ledger.open(path)
-    writer.append(list(synth.events(0, 300)))
+    path, writer = _written(tmp_path, 300)
     reader = Ledger.open(path, readonly=True)
     specs = [synth.spec(i) for i in range(0, 400, 3)]
     want = [s for s in specs if s["m"] > 300]
@@ -251,16 +247,13 @@ def test_the_lookup_helper_reads_its_index_when_its_requester_holds_one(tmp_path
 
     from kprof.ledger import _parallel
 
-    path = str(tmp_path / "x.db")
-    writer = Ledger.open(path)
-    writer.append(list(synth.events(0, 600)))
+    path, writer = _written(tmp_path, 600)
     reader = Ledger.open(path, readonly=True)
     ref = _through_lmdb(path)
     view = synth.view(reader)
     specs = [synth.spec(i) for i in range(0, 1400, 2)]
     monkeypatch.setattr(_parallel, "worth_it", lambda n: n >= 2)
-    monkeypatch.setattr(_index, "INDEX_FROM", 1)
-    monkeypatch.setattr(_index, "MIN_RENT", 10**9)
+    _tune(monkeypatch, INDEX_FROM=1, MIN_RENT=10**9)
     helper = _parallel.helper_for(path, wait=60)
     assert helper is not None, "the lookup helper did not start"
 
@@ -281,7 +274,7 @@ def test_the_lookup_helper_reads_its_index_when_its_requester_holds_one(tmp_path
     served = helper.served
     assert view.missing(specs) == want(lambda v, s: v.missing(s)) and helper.served == served + 1
     assert reader.indexer.rent == len(specs) and helper_index() == [0, False]  # the helper's half counted here
-    monkeypatch.setattr(_index, "MIN_RENT", 0)
+    _tune(monkeypatch, MIN_RENT=0)
     assert view.missing(specs) == want(lambda v, s: v.missing(s))  # read here; the request had gone out before
     assert reader.indexer.builds == 1 and helper_index() == [0, False]
     assert [r.status for r in view.get_many(specs)] == want(lambda v, s: [r.status for r in v.get_many(s)])
