@@ -48,6 +48,7 @@ TAIL_FRACTION = 0.125  # a log tail past this fraction of the keys held retires 
 MEMORY_FRACTION = 1 / 16  # the index may take at most this share of the machine's memory
 CHUNK = 65_536  # history entries read per step of the build (bounds its transient memory)
 KEY_BYTES = 32
+INDEX_BYTES_PER_KEY = KEY_BYTES + 1 + 16  # the key, its status, and up to two buckets' starts
 REBUILT = b"views_rebuilt"  # meta: how many times rebuild_views has rewritten the views (absent: never)
 
 
@@ -195,13 +196,11 @@ class Indexer:
             if txn.id() == index.txn_id:
                 return index, frozenset()
             rebuilt, last_seq = txn.get(REBUILT, db=meta), msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
-            if rebuilt == index.rebuilt and last_seq >= index.last_seq:
-                tail = index.tail
-                if last_seq > tail.last_seq:
-                    tail = self._extend(txn, index, last_seq)
-                if tail is not None:
-                    return index, tail.keys
-            elif last_seq < index.last_seq:
+            limit = max(CHUNK, TAIL_FRACTION * len(index.keys))  # past it, the tail retires the index
+            if rebuilt == index.rebuilt and 0 <= last_seq - index.last_seq <= limit:
+                tail = index.tail if last_seq <= index.tail.last_seq else self._extend(txn, index, last_seq)
+                return None if tail is None else (index, tail.keys)  # None: another thread is extending it
+            if last_seq < index.last_seq:
                 return None  # an older snapshot than the index's (another thread's): not rent, nor a reason to drop it
         if not self._lock.acquire(blocking=False):
             return None
@@ -213,10 +212,11 @@ class Indexer:
             if not self.requested and self.rent < max(MIN_RENT, BUILD_FRACTION * entries):
                 return None
             budget = _memory_bytes() * MEMORY_FRACTION
-            if budget and entries * (KEY_BYTES + 5) > budget:
+            if budget and entries * INDEX_BYTES_PER_KEY > budget:
                 return None
             built = _build(txn, dbs["history"], meta)
-            if built is None:
+            if built is None:  # a damaged history: not tried again by this ledger object (the audit names it)
+                self.enabled = False
                 return None
             self.index, self.rent = built, 0
             self.builds += 1
@@ -231,10 +231,7 @@ class Indexer:
             self.rent += n
 
     def _extend(self, txn, index: KeyIndex, last_seq: int) -> _Tail | None:
-        """The index's tail extended to last_seq (read from txn's log), or None: too long (the index is then
-        retired by the caller), or another thread is extending it."""
-        if last_seq - index.last_seq > max(CHUNK, TAIL_FRACTION * len(index.keys)):
-            return None
+        """The index's tail extended to last_seq (read from txn's log), or None: another thread is extending it."""
         if not self._lock.acquire(blocking=False):
             return None
         try:

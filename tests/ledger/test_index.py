@@ -284,3 +284,20 @@ def test_the_lookup_helper_reads_its_index_when_its_requester_holds_one(tmp_path
     assert [(r.status, r.event_id) for r in view.get_many(specs)] == want(lambda v, s: [(r.status, r.event_id) for r in v.get_many(s)])
     assert helper_index() == [1, True] and reader.indexer.builds == 1
     reader.close(), ref.close(), writer.close()
+
+
+def test_a_damaged_history_is_answered_through_lmdb_and_never_read_again(tmp_path, eager, monkeypatch):
+    """A history key that is not 32 bytes (damage the audit names) leaves the index unread: lookups are answered
+    through LMDB, and the ledger object does not scan `history` again at every lookup."""
+    path, writer = _written(tmp_path, 10)
+    with writer.env.begin(write=True) as txn:
+        txn.put(b"\x01" * 31, b"m", db=writer.dbs["history"])
+    reader = Ledger.open(path, readonly=True)
+    scans = []
+    build = _index._build
+    monkeypatch.setattr(_index, "_build", lambda *a: scans.append(1) or build(*a))
+    specs = [synth.spec(i) for i in range(12)]
+    for _ in range(3):
+        assert synth.view(reader).missing(specs) == specs[10:]
+    assert scans == [1] and reader.indexer.index is None and not reader.indexer.enabled
+    reader.close(), writer.close()
