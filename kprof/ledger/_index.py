@@ -3,7 +3,7 @@
 A bulk lookup through LMDB walks the `history` (or `current`) B-tree once per key: ~1 µs a key on the 2-core VM
 even in sorted order, plus ~0.5 µs to sort the keys for that order. A process that has looked up about as many
 keys as the ledger holds (a simulator asking for 100,000 specs again and again) instead reads `history` once, in
-key order, into three numpy arrays (~37 bytes a key):
+key order, into three numpy arrays (~40 bytes a key):
 
   keys      every key with a current row, as 4 native uint64 (its bytes, big-endian), in byte order
   measured  1 where that row is measured, 0 where it is failed (the status byte `history` keeps first)

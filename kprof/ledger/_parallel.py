@@ -244,8 +244,8 @@ def split(path: str, items: list, head, request: list, charge=None) -> tuple[Any
     """(head(first part of `items`), the helper's answer for the rest), or None: answer them all here (no
     helper ready yet, the helper busy or dead, another snapshot there, or the request refused, e.g. for an
     invalid spec, which the caller then names by its index). `request` is the helper's request without its
-    specs. `charge(n)`, if given, is told how many items the helper was sent. If head raises, the helper's answer is read and dropped before the error leaves, so the next
-    request pairs with its own answer; if anything cuts the exchange itself short (Ctrl-C while the request
+    specs. `charge(n)`, if given, is told how many items the helper was sent. If head raises, the helper's
+    answer is read and dropped before the error leaves, so the next request pairs with its own answer; if anything cuts the exchange itself short (Ctrl-C while the request
     is sent or the answer read), the helper is abandoned, never asked again."""
     helper = helper_for(path)
     if helper is None or not helper.lock.acquire(blocking=False):

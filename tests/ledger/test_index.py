@@ -281,7 +281,8 @@ def test_the_lookup_helper_reads_its_index_when_its_requester_holds_one(tmp_path
     assert helper_index() == [1, True]
     writer.append(list(synth.events(600, 700)) + [failed(synth.event(5).provenance, "oom", "x")])
     assert view.missing(specs) == want(lambda v, s: v.missing(s))
-    assert [(r.status, r.event_id) for r in view.get_many(specs)] == want(lambda v, s: [(r.status, r.event_id) for r in v.get_many(s)])
+    assert [(r.status, r.event_id) for r in view.get_many(specs)] == \
+        want(lambda v, s: [(r.status, r.event_id) for r in v.get_many(s)])
     assert helper_index() == [1, True] and reader.indexer.builds == 1
     reader.close(), ref.close(), writer.close()
 
