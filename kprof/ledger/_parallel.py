@@ -245,8 +245,9 @@ def split(path: str, items: list, head, request: list, charge=None) -> tuple[Any
     helper ready yet, the helper busy or dead, another snapshot there, or the request refused, e.g. for an
     invalid spec, which the caller then names by its index). `request` is the helper's request without its
     specs. `charge(n)`, if given, is told how many items the helper was sent. If head raises, the helper's
-    answer is read and dropped before the error leaves, so the next request pairs with its own answer; if anything cuts the exchange itself short (Ctrl-C while the request
-    is sent or the answer read), the helper is abandoned, never asked again."""
+    answer is read and dropped before the error leaves, so the next request pairs with its own answer; if
+    anything cuts the exchange itself short (Ctrl-C while the request is sent or the answer read), the helper
+    is abandoned, never asked again."""
     helper = helper_for(path)
     if helper is None or not helper.lock.acquire(blocking=False):
         return None

@@ -102,6 +102,23 @@ def _change_map(env: lmdb.Environment, path: str, size: int) -> None:
     env.set_mapsize(size)
 
 
+def _write_txn(env: lmdb.Environment, path: str, fn):
+    """fn(txn) in one write transaction; the map grown and fn retried when it is full, or another process's
+    size adopted when it moved."""
+    while True:
+        try:
+            with env.begin(write=True) as txn:
+                return fn(txn)
+        except lmdb.MapFullError:
+            _change_map(env, path, env.info()["map_size"] * 2)
+        except lmdb.MapResizedError:
+            _change_map(env, path, 0)
+
+
+def _read_only_file(path: str) -> LedgerError:
+    return LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its permissions")
+
+
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
@@ -266,8 +283,7 @@ class Ledger:
                 try:
                     cls._initialize(path, shared[0])
                 except lmdb.ReadonlyError:
-                    raise LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its "
-                                      f"permissions") from None
+                    raise _read_only_file(path) from None
             shared[1] += 1
             ledger = cls(path, shared[0], readonly)
             try:
@@ -302,7 +318,7 @@ class Ledger:
                                  f"the path") from None
         except lmdb.ReadonlyError:
             _release(real, env)
-            raise LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its permissions") from None
+            raise _read_only_file(path) from None
         except lmdb.Error as exc:
             _release(real, env)
             raise IntegrityError(f"ledger {path} is damaged ({exc}); run `kprof audit --db {path}` and restore "
@@ -323,21 +339,10 @@ class Ledger:
 
     @staticmethod
     def _initialize(path: str, env: lmdb.Environment) -> None:
-        """Creates the sub-databases and meta of a new file, or upgrades one of an older format, growing or
-        adopting the map as `write` does."""
-        while True:
-            try:
-                return Ledger._initialize_txn(path, env)
-            except lmdb.MapFullError:
-                _change_map(env, path, env.info()["map_size"] * 2)
-            except lmdb.MapResizedError:
-                _change_map(env, path, 0)
-
-    @staticmethod
-    def _initialize_txn(path: str, env: lmdb.Environment) -> None:
         """Creates the sub-databases and meta of a new file; upgrades a file of an older format. A file of a
-        newer format is left untouched (`_check_meta` refuses it)."""
-        with env.begin(write=True) as txn:
+        newer format is left untouched (`_check_meta` refuses it). The map is grown or adopted as in `write`."""
+
+        def work(txn):
             meta = env.open_db(b"meta", txn=txn, create=True)
             raw = txn.get(b"format_version", db=meta)
             try:
@@ -357,6 +362,8 @@ class Ledger:
             elif found < 2:
                 _upgrade_history(txn, env)
             txn.put(b"format_version", _codec.encode(_codec.FORMAT_VERSION), db=meta)
+
+        _write_txn(env, path, work)
 
     def _check_meta(self) -> None:
         raw = self._get("meta", b"format_version")
@@ -417,14 +424,7 @@ class Ledger:
         self._guard()
         if self.readonly:
             raise LedgerError(f"ledger {self.path} was opened read-only; open it with readonly=False to write")
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    return fn(txn)
-            except lmdb.MapFullError:
-                _change_map(self.env, self.path, self.env.info()["map_size"] * 2)
-            except lmdb.MapResizedError:
-                _change_map(self.env, self.path, 0)
+        return _write_txn(self.env, self.path, fn)
 
     # ---- appending -------------------------------------------------------------------------
     def append(self, events: Iterable) -> AppendResult:
