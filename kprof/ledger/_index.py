@@ -205,6 +205,7 @@ class Indexer:
             if budget and entries * INDEX_BYTES_PER_KEY > budget:
                 return None
             built = _build(txn, dbs["history"], meta)
+            self.ledger.mapped.read_keys(entries)
             if built is None:  # a damaged history: not tried again by this ledger object (the audit names it)
                 self.enabled = False
                 return None

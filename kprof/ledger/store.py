@@ -23,6 +23,7 @@ import msgspec
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
 from . import _codec, _parallel
 from ._index import Indexer
+from ._mapped import CHECK_EVERY, Mapped
 from ._reducer import (NewRows, Reducer, history_from_v1, history_seqs, new_rows, pack_seq, scope_value, status_of,
                        unpack_seq)
 from .events import Failed, Measured, Retracted
@@ -248,6 +249,7 @@ class Ledger:
         self._closed = False
         self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
         self.indexer = Indexer(self)  # an in-memory key index, for a process that looks up many keys
+        self.mapped = Mapped(self)  # keeps what this process maps of the file to the trees lookups read
         _live.add(self)
 
     # ---- opening ---------------------------------------------------------------------------
@@ -402,6 +404,8 @@ class Ledger:
         _reads[id(txn)] = (self.env, txn, threading.get_ident())
         try:
             yield txn
+            if self.mapped.pending >= CHECK_EVERY:
+                self.mapped.check(txn)
         finally:
             if os.getpid() == self._pid:  # a forked child keeps its copy (see _keep_forever), never aborts it
                 _reads.pop(id(txn), None)

@@ -176,6 +176,7 @@ class View:
             # upgraded it since, `current` and `failures` still give the same answer)
             return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures), keys)
         history = txn.cursor(self._history)
+        self.ledger.mapped.read_keys(len(keys))
         usable = self.ledger.indexer.usable(txn, len(keys))
         flags = None if usable is None else _index.status_flags(usable[0], keys, usable[1], history)
         return _lookup.status_flags(history, keys) if flags is None else flags
@@ -189,6 +190,7 @@ class View:
         """(keys, current value or None) of canonical shapes."""
         keys = self.keys.keys_of(shapes)
         current = txn.cursor(self._current)
+        self.ledger.mapped.read_keys(len(keys))
         usable = self.ledger.indexer.usable(txn, len(keys))
         found = None if usable is None else _index.values(usable[0], keys, usable[1], current)
         return keys, _lookup.values(current, keys) if found is None else found
