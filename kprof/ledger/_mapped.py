@@ -9,8 +9,9 @@ to trees a lookup never reads (events, log, scope index). On a 1M-event ledger c
 `history`) take ~420 MiB. Mapped page-cache pages are shared and reclaimable, but they count in the process's
 resident set (RSS), which is what a user's monitor and a container's accounting of the process show.
 
-So a long-lived reader trims its mapping: after lookups of CHECK_EVERY keys or more in one read transaction, it
-reads its RssFile (one line of /proc/self/status), and when that grew by more than SLACK since the last trim, it
+So a long-lived reader trims its mapping: at the end of a read transaction, once it has looked up CHECK_EVERY
+keys or more since the last check, it reads its RssFile (one line of /proc/self/status), and when that grew by
+more than SLACK since the last trim, it
 drops its mappings of every page of the file outside those two trees (madvise MADV_DONTNEED: on a shared read-only
 file mapping it only unmaps; the pages stay in the page cache, and a later read maps them again with a minor
 fault). The trees' pages stay mapped, so a reader in its steady state faults, and trims, no more. Which pages are
@@ -35,9 +36,6 @@ CHECK_EVERY = 4096  # keys looked up (through LMDB) before the process's RssFile
 SLACK = 128 << 20  # mapped-file growth (bytes) since the last trim that makes the next check trim
 KEEP = (b"current", b"history")  # the trees bulk lookups read (views and the key index); main is kept too
 MADV_DONTNEED = 4
-_RECORD = struct.Struct("<IHHQQQQQ")  # an LMDB database record: pad, flags, depth, page counts, entries, root
-_META_MAIN = 16 + 24 + _RECORD.size  # a meta page: header, magic, version, address, map size, free list, main
-_META_TXN = _META_MAIN + _RECORD.size + 8  # then the last page number and the transaction id
 _DUPSORT = 0x04
 _PRESENT = 1 << 63  # a pagemap entry's "page present" bit
 
@@ -86,10 +84,13 @@ def mappings(path: str) -> list[tuple[int, int]]:
 
 def tree_pages(fd: int, psize: int, record: bytes, npages: int):
     """The page numbers (numpy int64) of one tree, its branch pages read with pread, its leaves named by them
-    (not read). Pages outside the file are left out (a damaged file: the audit names it)."""
+    (not read). Pages outside the file are left out (a damaged file: the audit names it). The layout read is
+    _pages' (LMDB 0.9's)."""
     import numpy as np
 
-    _pad, flags, depth, _b, _l, _o, _n, root = _RECORD.unpack(record)
+    from ._pages import DB_RECORD, HEADER
+
+    _pad, flags, depth, _b, _l, _o, _n, root = DB_RECORD.unpack(record)
     if flags & _DUPSORT or not depth or root >= npages:
         return np.zeros(0, np.int64)
     level = np.array([root], np.int64)
@@ -99,11 +100,11 @@ def tree_pages(fd: int, psize: int, record: bytes, npages: int):
         if len(buf) != psize * len(level):
             break
         words = np.frombuffer(buf, "<u2").reshape(len(level), psize // 2).astype(np.int64)
-        count = np.clip((words[:, 6] - 16) // 2, 0, (psize - 16) // 2)  # `lower` gives the node count
+        count = np.clip((words[:, 6] - HEADER) // 2, 0, (psize - HEADER) // 2)  # `lower` gives the node count
         page = np.repeat(np.arange(len(level)), count)
         nth = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-        at = words[page, 8 + nth] // 2  # each node's offset in its page, in words
-        ok = (at >= 8) & (at + 2 < psize // 2)
+        at = words[page, HEADER // 2 + nth] // 2  # each node's offset in its page, in words
+        ok = (at >= HEADER // 2) & (at + 2 < psize // 2)
         page, at = page[ok], at[ok]
         child = words[page, at] | (words[page, at + 1] << 16) | (words[page, at + 2] << 32)
         level = child[(child >= 2) & (child < npages)]
@@ -113,12 +114,15 @@ def tree_pages(fd: int, psize: int, record: bytes, npages: int):
 
 def _main_record(fd: int, psize: int, txn_id: int) -> bytes | None:
     """The main database's record (it names the others) in the meta page of this snapshot, or of the newer."""
-    metas = [os.pread(fd, _META_TXN + 8, i * psize) for i in (0, 1)]
-    if any(len(m) < _META_TXN + 8 for m in metas):
+    from ._pages import DB_RECORD, META_DBS
+
+    main, txn_at = META_DBS + DB_RECORD.size, META_DBS + 2 * DB_RECORD.size + 8  # after free list; last page
+    metas = [os.pread(fd, txn_at + 8, i * psize) for i in (0, 1)]
+    if any(len(m) < txn_at + 8 for m in metas):
         return None
-    txns = [struct.unpack_from("<Q", m, _META_TXN)[0] for m in metas]
+    txns = [struct.unpack_from("<Q", m, txn_at)[0] for m in metas]
     meta = metas[txns.index(txn_id)] if txn_id in txns else metas[txns.index(max(txns))]
-    return meta[_META_MAIN:_META_MAIN + _RECORD.size]
+    return meta[main:main + DB_RECORD.size]
 
 
 def _present(start: int, npages: int):
@@ -173,6 +177,8 @@ class Mapped:
         """Unmaps the mapped pages outside the KEEP trees of txn's snapshot; the bytes advised."""
         import numpy as np
 
+        from ._pages import DB_RECORD
+
         path = self.ledger.real_path
         psize = self.ledger.env.stat()["psize"]
         if psize != mmap.PAGESIZE:
@@ -183,7 +189,7 @@ class Mapped:
             keep = np.zeros(npages + 1, bool)  # one past the end, kept: every run below ends in the file
             keep[:2] = True  # the meta pages
             for record in [_main_record(f.fileno(), psize, txn.id())] + [txn.get(name) for name in KEEP]:
-                if record is not None and len(record) == _RECORD.size:  # a named tree's record, in main
+                if record is not None and len(record) == DB_RECORD.size:  # a named tree's record, in main
                     keep[tree_pages(f.fileno(), psize, record, npages)] = True
         for start, length in mappings(path):
             n = min(npages, length // psize)

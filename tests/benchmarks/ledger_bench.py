@@ -44,10 +44,10 @@ import random
 import resource
 import shutil
 import sqlite3
-import threading
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 GEN_CHUNK = 5_000

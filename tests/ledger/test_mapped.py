@@ -76,7 +76,7 @@ def test_tree_pages_are_the_pages_the_audit_walks(ledger_path):
         npages = f.seek(0, 2) // psize
         for name in ("current", "history", "events", "log"):
             record = txn.get(name.encode())
-            assert _mapped._RECORD.unpack(record)[2] >= 2, f"{name}: too shallow to test the branch walk"
+            assert _pages.DB_RECORD.unpack(record)[2] >= 2, f"{name}: too shallow to test the branch walk"
             assert set(_mapped.tree_pages(f.fileno(), psize, record, npages).tolist()) == walked[name], name
     ledger.close()
 
