@@ -147,6 +147,7 @@ class Mapped:
         self.ledger = ledger
         self.pending = 0  # keys looked up since the last check
         self.trims = 0  # trims made (tests and the benchmark read it)
+        self.error: str | None = None  # why trimming was turned off, where a trim failed
         self.enabled = _madvise_fn is not None
         self.baseline = rss_file() if self.enabled else None  # RssFile after the last trim (or at opening)
         self.enabled = self.baseline is not None
@@ -168,7 +169,10 @@ class Mapped:
             if now is None:
                 self.enabled = False
             elif now - self.baseline > SLACK:
-                self.trim(txn)
+                try:
+                    self.trim(txn)
+                except (OSError, ValueError, IndexError) as exc:  # an economy never fails a lookup
+                    self.enabled, self.error = False, f"{type(exc).__name__}: {exc}"
                 self.baseline = rss_file() or now
         finally:
             self._lock.release()
@@ -186,7 +190,7 @@ class Mapped:
         advised = 0
         with open(path, "rb", buffering=0) as f:
             npages = os.fstat(f.fileno()).st_size // psize
-            keep = np.zeros(npages + 1, bool)  # one past the end, kept: every run below ends in the file
+            keep = np.zeros(npages, bool)
             keep[:2] = True  # the meta pages
             for record in [_main_record(f.fileno(), psize, txn.id())] + [txn.get(name) for name in KEEP]:
                 if record is not None and len(record) == DB_RECORD.size:  # a named tree's record, in main

@@ -160,3 +160,19 @@ def test_without_proc_a_reader_never_trims(ledger_path, monkeypatch):
     assert len(synth.view(ledger).missing(_specs())) == N // 2
     assert ledger.mapped.trims == 0
     ledger.close()
+
+
+def test_a_failing_trim_turns_trimming_off_and_the_lookup_still_answers(ledger_path, monkeypatch):
+    monkeypatch.setattr(_mapped, "SLACK", 0)
+
+    def gone(self, txn):
+        raise OSError("the file was replaced")
+
+    monkeypatch.setattr(_mapped.Mapped, "trim", gone)
+    ledger = Ledger.open(ledger_path, readonly=True)
+    with ledger.read() as txn:
+        for _ in txn.cursor(db=ledger.dbs["events"]):
+            pass
+    assert len(synth.view(ledger).missing(_specs())) == N // 2
+    assert not ledger.mapped.enabled and "the file was replaced" in ledger.mapped.error
+    ledger.close()
