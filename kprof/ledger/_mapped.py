@@ -25,8 +25,7 @@ mapped again when read. A CLI verb (one lookup, then exit) never trims, nor does
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import functools
 import mmap
 import os
 import struct
@@ -40,17 +39,18 @@ _DUPSORT = 0x04
 _PRESENT = 1 << 63  # a pagemap entry's "page present" bit
 
 
-def _madvise():
+@functools.cache
+def madvise():
+    """libc's madvise, or None. Looked up at the first trim, not at import, in the process's own symbols: at
+    import, ctypes and a library search (find_library) had cost every CLI verb, which never trims, ~40 ms."""
+    import ctypes
+
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.madvise
+        fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
-
-
-_madvise_fn = _madvise() if os.path.exists("/proc/self/maps") else None
 
 
 def rss_file() -> int | None:
@@ -148,8 +148,7 @@ class Mapped:
         self.pending = 0  # keys looked up since the last check
         self.trims = 0  # trims made (tests and the benchmark read it)
         self.error: str | None = None  # why trimming was turned off, where a trim failed
-        self.enabled = _madvise_fn is not None
-        self.baseline = rss_file() if self.enabled else None  # RssFile after the last trim (or at opening)
+        self.baseline = rss_file()  # RssFile after the last trim (or at opening); None without /proc
         self.enabled = self.baseline is not None
         self._lock = threading.Lock()
 
@@ -184,8 +183,9 @@ class Mapped:
         from ._pages import DB_RECORD
 
         path = self.ledger.real_path
-        psize = self.ledger.env.stat()["psize"]
-        if psize != mmap.PAGESIZE:
+        psize, advise = self.ledger.env.stat()["psize"], madvise()
+        if psize != mmap.PAGESIZE or advise is None:
+            self.enabled = False
             return 0
         advised = 0
         with open(path, "rb", buffering=0) as f:
@@ -203,7 +203,7 @@ class Mapped:
                 drop &= present
             edges = np.diff(np.concatenate(([0], drop.view(np.int8), [0])))
             for first, end in zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()):
-                if _madvise_fn(start + first * psize, (end - first) * psize, MADV_DONTNEED) != 0:
+                if advise(start + first * psize, (end - first) * psize, MADV_DONTNEED) != 0:
                     self.enabled = False  # refused here (EINVAL, EPERM): not tried again
                     return advised
                 advised += (end - first) * psize

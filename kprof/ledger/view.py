@@ -175,11 +175,7 @@ class View:
         if self.ledger.format_version < 2:  # opened read-only: its history has no status byte (if a writer has
             # upgraded it since, `current` and `failures` still give the same answer)
             return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures), keys)
-        history = txn.cursor(self._history)
-        self.ledger.mapped.read_keys(len(keys))
-        usable = self.ledger.indexer.usable(txn, len(keys))
-        flags = None if usable is None else _index.status_flags(usable[0], keys, usable[1], history)
-        return _lookup.status_flags(history, keys) if flags is None else flags
+        return self._look_up(txn, keys, self._history, _index.status_flags, _lookup.status_flags)
 
     def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
         """(shapes, exact, keys, current value or None), one of each per spec."""
@@ -189,11 +185,17 @@ class View:
     def _shape_values(self, txn, shapes: list) -> tuple[list[bytes], list]:
         """(keys, current value or None) of canonical shapes."""
         keys = self.keys.keys_of(shapes)
-        current = txn.cursor(self._current)
+        return keys, self._look_up(txn, keys, self._current, _index.values, _lookup.values)
+
+    def _look_up(self, txn, keys: list[bytes], db, by_index, through_lmdb):
+        """by_index(index, keys, touched keys, cursor) from the key index where this process holds a usable one
+        (None from it: a key not 32 bytes), else through_lmdb(cursor, keys); counted for the index's rent and
+        the mapping's trims."""
+        cursor = txn.cursor(db)
         self.ledger.mapped.read_keys(len(keys))
         usable = self.ledger.indexer.usable(txn, len(keys))
-        found = None if usable is None else _index.values(usable[0], keys, usable[1], current)
-        return keys, _lookup.values(current, keys) if found is None else found
+        found = None if usable is None else by_index(usable[0], keys, usable[1], cursor)
+        return through_lmdb(cursor, keys) if found is None else found
 
     def _split(self, txn, op: str, specs: list, head):
         """(head(first part of the specs), the lookup helper's answer for the rest), or None: answer them all

@@ -11,7 +11,7 @@ import pytest
 from kprof import _process
 from kprof.ledger import Ledger, _mapped, _pages, synth
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or _mapped._madvise_fn is None,
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or _mapped.madvise() is None,
                                 reason="reads /proc/self and calls madvise (Linux)")
 
 N = 20_000
