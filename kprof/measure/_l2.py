@@ -18,13 +18,25 @@ def l2_bytes(device_index: int) -> int:
 
 
 def flusher(device_index: int) -> tuple[Callable[[], object], int]:
-    """(flush, bytes): `flush()` writes a buffer of twice the L2 with one fill kernel on the current stream,
-    evicting every line the previous launch left. It runs between timed launches, never inside one."""
+    """(flush, bytes): `flush()` reads a buffer of twice the L2 with one reduction kernel on the current stream,
+    evicting every line the previous launch left. It runs between timed launches, never inside one.
+
+    The sweep reads: the lines it leaves are clean. Zeroing the buffer instead (what most benchmarks do)
+    leaves the L2 full of dirty lines, and the timed kernel then pays for writing them back: +12 % to +27 %
+    on decode GEMMs of an H200 against the same kernels inside a model, where a read sweep lands within
+    -1 % to -3 %. The buffer is written once, here, and synchronized before any timing."""
     import torch
 
     nbytes = 2 * l2_bytes(device_index)
-    buf = torch.empty((nbytes + 3) // 4, dtype=torch.int32, device=torch.device("cuda", device_index))
-    return buf.zero_, buf.numel() * 4  # the bound method keeps the buffer alive
+    device = torch.device("cuda", device_index)
+    buf = torch.ones((nbytes + 3) // 4, dtype=torch.int32, device=device)
+    out = torch.empty((), dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+
+    def flush():
+        return torch.sum(buf, dim=0, out=out)  # the closure keeps the buffer alive; out: no allocation per call
+
+    return flush, buf.numel() * 4
 
 
 def copies_for(input_bytes: int, l2: int) -> int:

@@ -13,17 +13,25 @@ L2 before every timed launch and adaptive stopping by `StopRule`. torch and cupt
   kernels read ~3-4 µs slow).
 - ``graph=True``: one CUDA graph calls every rotation once; a sample is one replay's kernel (or event) time
   divided by the number of rotations.
+- ``state``: the thermal and power protocol (`kprof.measure._state`): before the first sample the callable runs
+  back to back, as the samples will, until the SM clock holds steady; each timed batch is read while it runs,
+  and a batch off the settled clock (or thermally slowed) is discarded. Without it, calls of 1 ms or more
+  run back to back for _SETTLE_S first and every batch is kept.
+- Cold L2 (`kprof.measure._l2`) is a read sweep of twice the L2 before each timed launch: it leaves clean lines,
+  so the timed kernel never pays for writing back a flush's dirty lines.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import statistics
 import time
 from typing import Callable, NamedTuple
 
 from ..errors import UsageError
 from . import _cupti, _l2
+from ._state import StateProtocol
 from ._attribution import (TimerError, by_correlation, by_window, check_same_kernels, kernel_time_ms,
                            one_invocation)
 from .stats import StopRule
@@ -70,7 +78,8 @@ def rotation_copies(input_bytes: int, device=None) -> int:
 
 def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: str = "cupti",
              cold_l2: bool = True, graph: bool = False, kernel_filter: str | None = None,
-             rotations: list[Callable[[], object]] | None = None, device=None) -> GpuTiming:
+             rotations: list[Callable[[], object]] | None = None, device=None,
+             state: StateProtocol | None = None) -> GpuTiming:
     """Time `fn` on the GPU until `rule` stops (default `StopRule()`).
 
     fn: the production callable, inputs built beforehand; it is called once before warm-up so lazy setup
@@ -85,6 +94,8 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         (`rotation_copies(bytes_of_one_copy)`); the caller builds them and decides. One graph calls every
         rotation once; fn itself is not called then. Without rotations, pass cold_l2=False (graph of fn).
     device: the CUDA device (index, "cuda:N" or torch.device); the current one when None.
+    state: the thermal and power protocol whose probe reads this device (settle, then hold every batch to the
+        settled clock); its summary joins the notes. None: the fixed settle of long calls only.
     """
     started = time.perf_counter()
     rule = rule or StopRule()
@@ -105,13 +116,13 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
             notes.update(graph_copies=str(len(copies)), l2="rotation" if rotations else "warm", l2_flush_bytes="0")
         elif cold_l2:
             flush, nbytes = _l2.flusher(index)
-            notes.update(l2="flush", l2_flush_bytes=str(nbytes))
+            notes.update(l2="read-sweep", l2_flush_bytes=str(nbytes))
         else:
             notes.update(l2="warm", l2_flush_bytes="0")
 
         if timer == "events":
             call, per_call, primed = _prime(torch, fn, copies)
-            samples, reason, warm = _run_events(torch, call, flush, per_call, rule, notes)
+            samples, reason, warm = _run_events(torch, call, flush, per_call, rule, notes, state)
             names: tuple[str, ...] = ()
             dropped = 0
         else:
@@ -124,10 +135,12 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
             with _cupti.Session() as session:
                 call, per_call, primed = _prime(torch, fn, copies)
                 samples, reason, warm, ref = _run_cupti(torch, session, call, flush, per_call, rule, pattern,
-                                                        notes)
+                                                        notes, state)
                 dropped = session.dropped
             names = one_invocation(ref, per_call)
             notes["kernels_per_invocation"] = str(len(names))
+        if state is not None:
+            notes.update(state.summary())
     return GpuTiming(samples, reason, primed + warm * per_call, time.perf_counter() - started,
                      sum(samples) * per_call / 1e3, names, dropped, notes)
 
@@ -254,10 +267,14 @@ def _warm_cupti(torch, session, call, flush):
     return win, "timestamp_window", why, per_call_s
 
 
-def _settle(torch, call, flush, per_call_s: float, notes: dict) -> None:
-    """Run back to back, as the samples will, for _SETTLE_S before the first sample. A long kernel draws the
-    GPU towards its power cap within milliseconds; without this its first samples would catch the boost
-    clock the warm-up's synchronized calls leave, and the median would mix two regimes."""
+def _settle(torch, call, flush, per_call_s: float, notes: dict, state: StateProtocol | None = None) -> None:
+    """Run back to back, as the samples will, before the first sample. A long kernel draws the GPU towards
+    its power cap within milliseconds; without this its first samples would catch the boost clock the
+    warm-up's synchronized calls leave, and the median would mix two regimes. With `state`, until the SM
+    clock holds steady (any call length); without, for _SETTLE_S, calls of 1 ms or more only."""
+    if state is not None:
+        _settle_to_state(torch, call, flush, per_call_s, state)
+        return
     if per_call_s < _SETTLE_MIN_CALL_S:
         return
     t, n = time.perf_counter(), 0
@@ -271,10 +288,30 @@ def _settle(torch, call, flush, per_call_s: float, notes: dict) -> None:
     notes["settle"] = f"{n} calls in {time.perf_counter() - t:.3f} s"
 
 
-def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
+def _settle_to_state(torch, call, flush, per_call_s: float, state: StateProtocol) -> None:
+    """state.settle over chunks of (flush, call) pairs with two chunks in flight at most: the clock is read
+    while a chunk runs, and the host never runs far ahead of the GPU."""
+    pending = []
+
+    def run_chunk(chunk_s: float) -> None:
+        for _ in range(max(1, int(chunk_s / max(per_call_s, 1e-7)))):
+            if flush is not None:
+                flush()
+            call()
+        done = torch.cuda.Event()
+        done.record()
+        pending.append(done)
+        if len(pending) > 1:
+            pending.pop(0).synchronize()
+
+    state.settle(run_chunk)
+    torch.cuda.synchronize()
+
+
+def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes, state=None):
     started = time.perf_counter()
     groups, attribution, why, per_call_s = _warm_cupti(torch, session, call, flush)
-    _settle(torch, call, flush, per_call_s, notes)
+    _settle(torch, call, flush, per_call_s, notes, state)
     session.collect()  # the settling calls ran under no external id: their records are dropped here
     ref = _names(groups[0])
     if not ref:
@@ -294,7 +331,7 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
     warm = len(groups)
     next_id = warm + 1
 
-    def batch(k: int, done: int) -> list[float]:
+    def batch(k: int, done: int, during: Callable[[], None]) -> list[float]:
         nonlocal next_id
         if correlated:
             ids = range(next_id, next_id + k)
@@ -303,11 +340,14 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
                 if flush is not None:
                     flush()  # outside the pushed id: its kernel belongs to no invocation
                 _scoped(session, i, call)
+            during()  # the batch is running: read the GPU's state now
             torch.cuda.synchronize()
             groups = _attributed(session, lambda kernels, correlations: by_correlation(kernels, correlations, ids),
                                  complete)
         else:
-            windows = [_windowed(torch, session, call, flush) for _ in range(k)]
+            windows = [_windowed(torch, session, call, flush) for _ in range(k // 2)]
+            during()  # between synchronized calls: the clock of the calls just run
+            windows += [_windowed(torch, session, call, flush) for _ in range(k - k // 2)]
             groups = _attributed(session, lambda kernels, _correlations: by_window(kernels, windows), complete)
         out = []
         for g in groups:
@@ -315,22 +355,33 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes):
             out.append(kernel_time_ms(g, pattern) / per_call)
         return out
 
-    samples, reason = _sample(batch, per_call_s, rule, started, notes)
+    samples, reason = _sample(batch, per_call_s, rule, started, notes, state)
     return samples, reason, warm, ref
 
 
-def _sample(batch: Callable[[int, int], list[float]], per_call_s: float, rule: StopRule, started: float,
-            notes: dict) -> tuple[list[float], str]:
+def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_call_s: float, rule: StopRule,
+            started: float, notes: dict, state: StateProtocol | None = None) -> tuple[list[float], str]:
     """The sampling loop both timers share: batches sized by `_batch` from the last batch's wall time per
-    call, `batch(k, samples so far)` returning k samples, until `rule` stops."""
+    call, `batch(k, samples so far, during)` returning k samples, until `rule` stops. `during()` is called
+    while the batch runs on the GPU; with `state`, it reads the GPU there, and a batch that ran out of the
+    settled state (`state.hold`) has its samples discarded."""
     samples: list[float] = []
     biggest, batches = 0, 0
     t0 = time.perf_counter()
     notes["warmup_s"] = f"{t0 - started:.4f}"  # warm-up and settling, before the first sample
+    reading = []
+
+    def during() -> None:
+        if state is not None:
+            reading.append(state.probe())
+
     while True:
         k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
         b0 = time.perf_counter()
-        samples += batch(k, len(samples))
+        reading.clear()
+        got = batch(k, len(samples), during)
+        if not reading or state.hold(reading[-1]):
+            samples += got
         per_call_s = (time.perf_counter() - b0) / k
         biggest, batches = max(biggest, k), batches + 1
         reason = rule.check(samples, time.perf_counter() - t0)
@@ -339,7 +390,23 @@ def _sample(batch: Callable[[int, int], list[float]], per_call_s: float, rule: S
             return samples, reason
 
 
-def _run_events(torch, call, flush, per_call, rule, notes):
+def _empty_pair_ms(torch, flush, n: int = 25) -> float:
+    """The time an event pair reads with nothing between it, in the samples' pattern (after a flush, the GPU
+    held back while the host enqueues): the pair's own cost, subtracted from every events sample. What it
+    cannot remove is the timed kernel's own launch latency, which only kernel records (CUPTI) leave out."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    torch.cuda._sleep(int(0.002 * _SLEEP_CYCLES_PER_S))
+    for start, end in zip(starts, ends):
+        if flush is not None:
+            flush()
+        start.record()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+
+
+def _run_events(torch, call, flush, per_call, rule, notes, state=None):
     started = time.perf_counter()
     warm = 0
     while warm < 2 or (time.perf_counter() - started < _WARMUP_S and warm < _WARMUP_MAX):
@@ -349,11 +416,13 @@ def _run_events(torch, call, flush, per_call, rule, notes):
         torch.cuda.synchronize()
         warm += 1
     per_call_s = (time.perf_counter() - started) / warm
-    _settle(torch, call, flush, per_call_s, notes)
+    _settle(torch, call, flush, per_call_s, notes, state)
     notes.update(attribution="events", launch="batched")
     enqueue_s = 50e-6  # host time to enqueue one (flush, event, call, event): measured per batch after the first
+    zero_ms = _empty_pair_ms(torch, flush)
+    notes["events_zero_us"] = f"{zero_ms * 1e3:.3f}"
 
-    def batch(k: int, _done: int) -> list[float]:
+    def batch(k: int, _done: int, during: Callable[[], None]) -> list[float]:
         nonlocal enqueue_s
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
@@ -369,8 +438,9 @@ def _run_events(torch, call, flush, per_call, rule, notes):
             call()
             end.record()
         enqueue_s = (time.perf_counter() - e0) / k
+        during()
         torch.cuda.synchronize()
-        return [start.elapsed_time(end) / per_call for start, end in zip(starts, ends)]
+        return [max(start.elapsed_time(end) - zero_ms, 0.0) / per_call for start, end in zip(starts, ends)]
 
-    samples, reason = _sample(batch, per_call_s, rule, started, notes)
+    samples, reason = _sample(batch, per_call_s, rule, started, notes, state)
     return samples, reason, warm

@@ -42,6 +42,7 @@ __all__ = [
     "summarize",
     "reasons_seen",
     "with_telemetry",
+    "state_probe",
     "EnergyResult",
     "TickPoint",
     "tick_points",
@@ -226,6 +227,32 @@ def _nvml_reading(index: int, errors: dict[str, str]) -> Callable[[], Reading]:
                 ask("temp_c", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
                 None if util is None else util.gpu,
                 reasons())
+
+    return read
+
+
+def state_probe(index: int, errors: dict[str, str]) -> Callable[[], "StateReading"]:
+    """A reader of what the thermal and power protocol holds a row to (`kprof.measure._state`): SM clock,
+    power, temperature and clock-event reasons of CUDA device `index`. A field NVML cannot give is None, and
+    why is in `errors`."""
+    from ._state import StateReading
+
+    nv = _nvml()
+    h = device_handle(index)
+    reasons = _reasons_reader(nv, h, errors)
+
+    def ask(key: str, fn, *args):
+        try:
+            return fn(*args)
+        except nv.NVMLError as e:
+            errors.setdefault(key, f"{fn.__name__}: {e}")
+            return None
+
+    def read() -> StateReading:
+        return StateReading(ask("sm_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+                            _div(ask("power_w", nv.nvmlDeviceGetPowerUsage, h), 1000),
+                            ask("temp_c", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+                            reasons())
 
     return read
 

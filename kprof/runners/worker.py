@@ -123,11 +123,16 @@ def _algorithm(case) -> dict[str, str]:
     return {"algorithm_used": case.algorithm} if case.algorithm else {}
 
 
+# Seconds of steady back-to-back calls behind each row's energy_j: two to three steps of NVML's ~98 ms
+# counter, fitted once the clock has settled (the settle, not the window, brings the GPU to its steady power).
+ENERGY_S = 0.25
+
+
 def energy_window_s() -> float:
     """Seconds of back-to-back calls behind each row's energy_j (KPROF_ENERGY_S; 0 turns energy off)."""
     import os
 
-    raw = os.environ.get("KPROF_ENERGY_S", "0.5")
+    raw = os.environ.get("KPROF_ENERGY_S", str(ENERGY_S))
     try:
         value = float(raw)
     except ValueError:
@@ -188,27 +193,27 @@ class _CudaDevice:
                                  f"own timing key)")
         self.energy_s = energy_window_s()
         self.env = (environment or gpu_environment)()
+        self.state_errors: dict[str, str] = {}
+        self.start_notes: dict[str, str] = {}
 
     def measure(self, case, rule: StopRule):
         from ..measure.gpu_timer import time_gpu
-        from ..measure.nvml import Telemetry, measure_energy, with_telemetry
+        from ..measure.nvml import Telemetry, with_telemetry
 
         rotations = self._rotations(case)
         with Telemetry(0) as telemetry:
+            self.start_notes = {}
+            state = self._state()
+            energy, notes = self._energy(case, state) if self.energy_s > 0 else (None, {})
+            # Timing follows the energy window: the GPU is already in the steady state of this kernel, and
+            # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
             timing, retried = twice_if_unstable(lambda: time_gpu(
                 case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
-                kernel_filter=case.kernel_filter, rotations=rotations))
-            energy = None
-            notes = {}
-            if self.energy_s > 0:
-                result = measure_energy(case.fn, seconds=self.energy_s, sync=self.torch.cuda.synchronize,
-                                        warmup_s=min(0.1, self.energy_s))
-                energy = result.j_per_call
-                notes = {"energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls),
-                         "energy_rel_uncertainty": f"{result.rel_uncertainty:.4f}",
-                         "energy_method": result.method, "energy_power_w": f"{result.power_w:.1f}",
-                         "energy_regime": "back-to-back calls, L2 warm"}
+                kernel_filter=case.kernel_filter, rotations=rotations, state=self._state(start=False)))
         env = with_telemetry(self.env, telemetry)
+        if self.state_errors:
+            env = msgspec.structs.replace(env, errors={**env.errors, **{f"state.{k}": v
+                                                                       for k, v in self.state_errors.items()}})
         if self.energy_s <= 0:
             env = msgspec.structs.replace(env, errors={**env.errors, "energy": "KPROF_ENERGY_S=0: energy not measured"})
         stats = summarize(timing.samples_ms)
@@ -217,10 +222,61 @@ class _CudaDevice:
                         warmup=timing.warmup, budget_s=rule.budget_s, stop_reason=timing.stop_reason,
                         notes={"target_rel_ci": str(rule.target), "timer_wall_s": f"{timing.wall_s:.4f}",
                                **({"first_attempt": retried} if retried else {}),
-                               "gpu_s": f"{timing.gpu_s:.6f}", **timing.notes,
+                               "gpu_s": f"{timing.gpu_s:.6f}", **self.start_notes, **timing.notes,
                                **({"kernels": kernels[:1000]} if kernels else {}), **notes, **_algorithm(case),
                                **case.notes})
         return stats, method, energy, env, timing.gpu_s
+
+    def _state(self, start: bool = True):
+        """A fresh thermal and power protocol for device 0 (None where NVML cannot read it: the row says so).
+        `start`: first wait until the GPU is no hotter than the stated start temperature."""
+        from ..measure._state import StateProtocol
+        from ..measure.nvml import state_probe
+
+        try:
+            probe = state_probe(0, self.state_errors)
+        except Exception as e:  # noqa: BLE001 - no NVML: time without the protocol, and record why
+            self.state_errors["state"] = f"{type(e).__name__}: {e}"
+            return None
+        state = StateProtocol(probe)
+        if start:
+            state.start()
+            self.start_notes = dict(state.notes)
+        return state
+
+    def _energy(self, case, state) -> tuple[float, dict[str, str]]:
+        """Energy per call over a window of steady back-to-back calls (L2 warm): the calls first run until the
+        SM clock holds steady (the protocol's settle), then NVML's counter is fitted over the window."""
+        from ..measure.nvml import measure_energy
+
+        torch = self.torch
+        warm = {}
+        if state is not None:
+            t = time.perf_counter()
+            case.fn()
+            torch.cuda.synchronize()
+            per_call = max(time.perf_counter() - t, 1e-6)
+            pending = []
+
+            def run_chunk(chunk_s: float) -> None:
+                for _ in range(max(1, int(chunk_s / per_call))):
+                    case.fn()
+                done = torch.cuda.Event()
+                done.record()
+                pending.append(done)
+                if len(pending) > 1:
+                    pending.pop(0).synchronize()
+
+            settled = state.settle(run_chunk)
+            torch.cuda.synchronize()
+            warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
+        result = measure_energy(case.fn, seconds=self.energy_s, sync=torch.cuda.synchronize,
+                                warmup_s=0.0 if state is not None else min(0.1, self.energy_s))
+        return result.j_per_call, {
+            "energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls),
+            "energy_rel_uncertainty": f"{result.rel_uncertainty:.4f}", "energy_method": result.method,
+            "energy_power_w": f"{result.power_w:.1f}", "energy_regime": "back-to-back calls, L2 warm, settled",
+            **warm}
 
     def _rotations(self, case) -> list | None:
         """Graph mode with a cold L2: closures over enough copies of the inputs that together they exceed

@@ -365,6 +365,7 @@ class SimDevice(FakeCupti):
     def __init__(self, correlate=True):
         super().__init__()
         self.clock, self.corr, self.correlate, self.capture = 1_000, 0, correlate, None
+        self.flushes = 0
 
     def api_call(self):
         self.corr += 1
@@ -399,8 +400,10 @@ def sim_torch(dev):
         def numel(self):
             return self.n
 
-        def zero_(self):
-            dev.launch(FLUSH, 40_000)
+    def flush_sum(buf, dim, out):  # the read sweep: one reduction kernel over the flush buffer
+        assert isinstance(buf, Buf) and dim == 0
+        dev.flushes += 1
+        dev.launch(FLUSH, 40_000)
 
     class Graph:
         def __init__(self):
@@ -418,11 +421,14 @@ def sim_torch(dev):
         dev.capture = None
 
     class Event:
-        def __init__(self, enable_timing):
+        def __init__(self, enable_timing=False):
             self.t = 0
 
         def record(self):
             self.t = dev.clock
+
+        def synchronize(self):
+            pass
 
         def elapsed_time(self, end):
             return (end.t - self.t) / 1e6
@@ -433,11 +439,13 @@ def sim_torch(dev):
 
     cuda = types.SimpleNamespace(
         is_available=lambda: True, device=lambda d: contextlib.nullcontext(), current_device=lambda: 0,
-        get_device_properties=lambda i: types.SimpleNamespace(L2_cache_size=60 << 20), synchronize=lambda: None,
+        get_device_properties=lambda i: types.SimpleNamespace(L2_cache_size=60 << 20),
+        synchronize=lambda device=None: None,
         Event=Event, Stream=Stream, stream=lambda s: contextlib.nullcontext(), current_stream=Stream,
         CUDAGraph=Graph, graph=graph, _sleep=lambda cycles: None)
-    return types.SimpleNamespace(cuda=cuda, int32="int32", device=lambda *a: a,
-                                 empty=lambda n, dtype, device: Buf(n))
+    return types.SimpleNamespace(cuda=cuda, int32="int32", int64="int64", device=lambda *a: a,
+                                 ones=lambda n, dtype, device: Buf(n), empty=lambda shape, dtype, device: None,
+                                 sum=flush_sum)
 
 
 @pytest.fixture
@@ -454,7 +462,7 @@ def test_time_gpu_cupti_end_to_end(sim):
     t = time_gpu(lambda: (sim.launch("gemm", 2_500), sim.launch("reduce", 500)), StopRule(max_samples=30))
     assert t.samples_ms == [pytest.approx(0.003)] * 30 and t.stop_reason == "max_samples"
     assert t.kernels == ("gemm", "reduce") and t.dropped == 0 and t.warmup >= 3
-    assert t.notes["attribution"] == "external_correlation" and t.notes["l2"] == "flush"
+    assert t.notes["attribution"] == "external_correlation" and t.notes["l2"] == "read-sweep"
     assert t.notes["l2_flush_bytes"] == str(120 << 20) and t.notes["kernels_per_invocation"] == "2"
     assert t.gpu_s == pytest.approx(30 * 0.003 / 1e3) and t.wall_s > 0
     assert sim.enabled == set()  # the session closed
@@ -478,6 +486,55 @@ def test_time_gpu_events_end_to_end(sim):
     t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10), timer="events")
     assert t.kernels == () and t.notes["attribution"] == "events"
     assert t.samples_ms == [pytest.approx(0.00251)] * 10  # event time includes the 10 ns launch gap
+
+
+def _held_state(schedule):
+    """A StateProtocol whose probe replays `schedule` (one StateReading per read) and a kernel whose length
+    follows the reading in effect: 2.5 µs at 1980 MHz, 3 µs while the clock is held down."""
+    from kprof.measure._state import StateProtocol, StateReading
+
+    current = {"i": 0}
+
+    def reading():
+        return StateReading(*schedule[min(current["i"], len(schedule) - 1)])
+
+    def probe():
+        r = reading()
+        current["i"] += 1
+        return r
+
+    def ns():
+        return 2_500 if reading().sm_mhz == 1980 else 3_000
+
+    return StateProtocol(probe, min_s=0.0, chunk_s=1e-4, window=3, max_discards=100), ns
+
+
+def test_time_gpu_discards_batches_out_of_the_settled_state(sim):
+    """The settle reads 1980 MHz three times; then the first batch runs at 1700 MHz with a thermal reason: its
+    (slower) samples are dropped, and only the in-state samples of the next batch are kept."""
+    normal, hot = (1980, 650.0, 60.0, 0x4), (1700, 700.0, 88.0, 0x20)
+    state, ns = _held_state([normal] * 3 + [hot] + [normal] * 20)
+    t = time_gpu(lambda: sim.launch("gemm", ns()), StopRule(max_samples=30), state=state)
+    assert t.samples_ms == [pytest.approx(0.0025)] * 30
+    assert t.notes["batches_discarded"] == "1" and t.notes["settled_sm_mhz"] == "1980.0"
+    assert t.notes["state"] == "sustained, power-capped" and t.notes["timed_reasons"] == "power_cap"
+
+
+def test_time_gpu_without_a_state_keeps_throttled_samples(sim):
+    """The same schedule without the protocol: the slow batch's samples stay in (what the protocol fixes)."""
+    clock = {"n": 0}
+
+    def fn():
+        clock["n"] += 1
+        sim.launch("gemm", 3_000 if clock["n"] % 7 == 0 else 2_500)
+
+    t = time_gpu(fn, StopRule(max_samples=30))
+    assert max(t.samples_ms) == pytest.approx(0.003)
+
+
+def test_time_gpu_flushes_by_reading_before_every_timed_call(sim):
+    t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=20))
+    assert t.notes["l2"] == "read-sweep" and sim.flushes >= 20  # warm-up calls are flushed too
 
 
 def test_time_gpu_unstable_end_to_end(sim):

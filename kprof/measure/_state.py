@@ -1,0 +1,172 @@
+"""The thermal and power state a GPU row is timed in, so that a row does not depend on what ran before it.
+
+A kernel inside a model runs back to back with others, and its SM clock is the one that load sustains: near
+boost for decode-sized kernels, held down by the power limit for large GEMMs. A row timed from an idle GPU
+(boost clock, cool die) or right after heavy work (a hot die leaks more power, so the power-capped clock
+is lower) names a moment, not the kernel. The protocol, for every CUDA row:
+
+1. **Start**: a GPU hotter than `max_start_c` is left idle until it cools to it (at most `cool_s`), so no
+   row starts from a die heated by its neighbours beyond the stated limit.
+2. **Settle**: the callable runs back to back, as the samples will, in chunks of ~`chunk_s` of GPU work,
+   with the SM clock read while each chunk runs, until the last `window` readings lie within `tol` of their
+   median (after at least `min_s`, at most `max_s`). Their median is the settled clock.
+3. **Hold**: each timed batch gets a reading taken while it runs. A batch whose SM clock is off the settled
+   clock by more than `tol`, or that shows a thermal or hardware slowdown, was measured out of state: its
+   samples are discarded and the stopping rule asks for more, as nvbench drops throttled samples. Past
+   `max_discards` discarded batches the state is re-anchored on the latest reading (the GPU found a new
+   steady state; the row says so) rather than looping forever on a drifting GPU.
+
+The row records the state in its method notes (`state`, settled and timed SM clock, power, temperature,
+reasons, discards). Readings come from `probe()`: NVML on a GPU, anything returning a `StateReading` in
+tests. Nothing here imports torch or NVML.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, NamedTuple, Sequence
+
+from ._nvml_telemetry import decode_reasons
+
+__all__ = ["StateReading", "StateProtocol", "Settled", "state_label", "OUT_OF_STATE_REASONS"]
+
+# Clock-event reasons that mean the clock was held below what the load itself sets: a batch showing one
+# was timed in another state than its neighbours. (power_cap is the steady state of a heavy kernel.)
+OUT_OF_STATE_REASONS = frozenset({"thermal", "hw_slowdown", "hw_power_brake"})
+
+
+class StateReading(NamedTuple):
+    sm_mhz: float | None
+    power_w: float | None
+    temp_c: float | None
+    reasons: int | None  # clock-event reasons bitmask
+
+
+class Settled(NamedTuple):
+    sm_mhz: float | None  # the settled clock: median of the last readings (None: no clock readings)
+    seconds: float
+    chunks: int
+    steady: bool  # False: max_s ran out before the clock held still
+
+
+def state_label(readings: Sequence[StateReading]) -> str:
+    """What limited the clock while these readings were taken: 'power-capped', 'thermal-limited' or
+    'boost' (nothing but the load itself), prefixed by 'sustained' (the protocol's back-to-back state)."""
+    seen = set()
+    for r in readings:
+        seen.update(decode_reasons(r.reasons or 0))
+    if seen & OUT_OF_STATE_REASONS:
+        return "sustained, thermal-limited"
+    if "power_cap" in seen:
+        return "sustained, power-capped"
+    return "sustained, boost"
+
+
+class StateProtocol:
+    """Start, settle and hold (see the module doc) around one row's timing, with readings from `probe`."""
+
+    def __init__(self, probe: Callable[[], StateReading], *, max_start_c: float = 80.0, cool_s: float = 30.0,
+                 tol: float = 0.02, window: int = 3, chunk_s: float = 0.015, min_s: float = 0.04,
+                 max_s: float = 1.5, max_discards: int = 8, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.probe, self.max_start_c, self.cool_s, self.tol = probe, max_start_c, cool_s, tol
+        self.window, self.chunk_s, self.min_s, self.max_s = window, chunk_s, min_s, max_s
+        self.max_discards, self._sleep, self._clock = max_discards, sleep, clock
+        self.reference: float | None = None  # the settled clock batches are held to
+        self.kept: list[StateReading] = []  # readings of the batches whose samples were kept
+        self.discarded = 0  # since the last re-anchoring
+        self.discarded_total = 0
+        self.reanchored = 0
+        self.notes: dict[str, str] = {}
+
+    def start(self) -> None:
+        """Wait, idle, until the GPU is no hotter than max_start_c (at most cool_s)."""
+        first = self.probe()
+        temp, waited, t0 = first.temp_c, 0.0, self._clock()
+        while temp is not None and temp > self.max_start_c and waited < self.cool_s:
+            self._sleep(0.5)
+            temp = self.probe().temp_c
+            waited = self._clock() - t0
+        self.notes["start_temp_c"] = _fmt(first.temp_c)
+        if waited:
+            self.notes["cooldown_s"] = f"{waited:.1f}"
+            self.notes["cooldown_to_c"] = _fmt(temp)
+
+    def settle(self, run_chunk: Callable[[float], None]) -> Settled:
+        """Run `run_chunk(chunk_s)` (about chunk_s of GPU work, enqueued and left running) and read the clock
+        while it runs, until the clock holds steady; sets the reference clock."""
+        t0 = self._clock()
+        clocks: list[float] = []
+        chunks = 0
+        steady = False
+        while True:
+            run_chunk(self.chunk_s)
+            reading = self.probe()
+            chunks += 1
+            if reading.sm_mhz is not None:
+                clocks.append(reading.sm_mhz)
+            elapsed = self._clock() - t0
+            if elapsed >= self.min_s and _steady(clocks[-self.window:], self.window, self.tol):
+                steady = True
+                break
+            if elapsed >= self.max_s:
+                break
+        ref = statistics.median(clocks[-self.window:]) if clocks else None
+        self.reference = ref
+        result = Settled(ref, self._clock() - t0, chunks, steady)
+        self.notes.update(settle_s=f"{result.seconds:.3f}", settle_chunks=str(chunks),
+                          settled_sm_mhz=_fmt(ref), settled="yes" if steady else "no (max_s reached)")
+        return result
+
+    def hold(self, reading: StateReading) -> bool:
+        """Whether a batch read as `reading` ran in the settled state (keep its samples). Counts discards and
+        re-anchors past max_discards."""
+        reasons = set(decode_reasons(reading.reasons or 0))
+        off_clock = (self.reference is not None and reading.sm_mhz is not None
+                     and abs(reading.sm_mhz / self.reference - 1) > self.tol)
+        if not off_clock and not reasons & OUT_OF_STATE_REASONS:
+            self.kept.append(reading)
+            return True
+        if self.discarded >= self.max_discards:
+            # The GPU has moved to another steady state (a slow thermal drift, a neighbour's load): hold to it
+            # from here on, and say so, rather than discard without end.
+            self.reanchored += 1
+            self.discarded = 0
+            self.reference = reading.sm_mhz if reading.sm_mhz is not None else self.reference
+            self.kept.append(reading)
+            return True
+        self.discarded += 1
+        self.discarded_total += 1
+        return False
+
+    def summary(self) -> dict[str, str]:
+        """The row's state notes: label, settled and timed clocks, power, temperature, reasons, discards."""
+        kept = self.kept
+        out = dict(self.notes)
+        out["state"] = state_label(kept) if kept else "unknown (no readings)"
+        out["batches_discarded"] = str(self.discarded_total)
+        if self.reanchored:
+            out["state_reanchored"] = str(self.reanchored)
+        for name, col in (("sm_mhz", "sm_mhz"), ("power_w", "power_w"), ("temp_c", "temp_c")):
+            values = [getattr(r, col) for r in kept if getattr(r, col) is not None]
+            if values:
+                out[f"timed_{name}_median"] = _fmt(statistics.median(values))
+                out[f"timed_{name}_min"] = _fmt(min(values))
+                out[f"timed_{name}_max"] = _fmt(max(values))
+        mask = 0
+        for r in kept:
+            mask |= r.reasons or 0
+        out["timed_reasons"] = ",".join(decode_reasons(mask)) or "none"
+        return out
+
+
+def _steady(clocks: Sequence[float], window: int, tol: float) -> bool:
+    if len(clocks) < window:
+        return False
+    mid = statistics.median(clocks)
+    return mid > 0 and all(abs(c / mid - 1) <= tol for c in clocks)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"

@@ -1,0 +1,107 @@
+"""The thermal and power protocol's decisions (kprof.measure._state), on scripted readings: no GPU needed."""
+
+import pytest
+
+from kprof.measure._state import StateProtocol, StateReading, state_label
+
+
+class Script:
+    """A probe that replays readings (the last one repeats), on a fake clock that `sleep` and chunks advance."""
+
+    def __init__(self, readings):
+        self.readings, self.i, self.now, self.slept = list(readings), 0, 0.0, 0.0
+
+    def probe(self):
+        r = self.readings[min(self.i, len(self.readings) - 1)]
+        self.i += 1
+        return StateReading(*r)
+
+    def sleep(self, s):
+        self.slept += s
+        self.now += s
+
+    def clock(self):
+        return self.now
+
+    def chunk(self, chunk_s):
+        self.now += chunk_s
+
+
+def protocol(script, **kw):
+    return StateProtocol(script.probe, sleep=script.sleep, clock=script.clock, **kw)
+
+
+def test_start_waits_for_a_hot_gpu_to_cool_to_the_stated_temperature():
+    s = Script([(1980, 80.0, 86.0, 0), (1980, 80.0, 84.0, 0), (345, 70.0, 79.0, 1)])
+    p = protocol(s, max_start_c=80.0)
+    p.start()
+    assert s.slept == pytest.approx(1.0) and p.notes["start_temp_c"] == "86.0"
+    assert p.notes["cooldown_to_c"] == "79.0" and p.notes["cooldown_s"] == "1.0"
+
+
+def test_start_gives_up_cooling_after_cool_s_and_says_how_hot_it_stayed():
+    s = Script([(1980, 80.0, 90.0, 0)])
+    p = protocol(s, max_start_c=80.0, cool_s=3.0)
+    p.start()
+    assert s.slept == pytest.approx(3.0) and p.notes["cooldown_to_c"] == "90.0"
+
+
+def test_a_cool_gpu_starts_at_once():
+    s = Script([(345, 70.0, 40.0, 1)])
+    p = protocol(s)
+    p.start()
+    assert s.slept == 0 and "cooldown_s" not in p.notes
+
+
+def test_settle_runs_until_the_clock_holds_steady_and_takes_its_median():
+    # A power-capped GEMM: boost, then the clock falls over a few chunks and holds at ~1500 MHz.
+    ramp = [(1980, 400, 50, 0), (1830, 690, 51, 4), (1650, 700, 52, 4), (1520, 700, 53, 4),
+            (1500, 700, 53, 4), (1515, 700, 53, 4), (1500, 700, 53, 4)]
+    s = Script(ramp)
+    p = protocol(s, chunk_s=0.02, min_s=0.04, window=3, tol=0.02)
+    settled = p.settle(s.chunk)
+    assert settled.steady and settled.sm_mhz in (1500, 1515)
+    assert settled.chunks == 6 and p.reference == settled.sm_mhz and p.notes["settled"] == "yes"
+
+
+def test_settle_stops_at_max_s_on_a_clock_that_never_holds():
+    s = Script([(1980 - 60 * i, 700, 60, 4) for i in range(100)])
+    p = protocol(s, chunk_s=0.1, min_s=0.0, max_s=1.0, window=3, tol=0.02)
+    settled = p.settle(s.chunk)
+    assert not settled.steady and settled.chunks in (10, 11) and p.notes["settled"] == "no (max_s reached)"
+
+
+def test_hold_keeps_in_state_batches_and_discards_off_clock_or_throttled_ones():
+    s = Script([(1500, 700, 60, 4)] * 3)
+    p = protocol(s, min_s=0.0, tol=0.02)
+    p.settle(s.chunk)
+    assert p.hold(StateReading(1515, 700, 60, 4))  # within 2 %
+    assert not p.hold(StateReading(1600, 600, 60, 0))  # off the settled clock: the power state moved
+    assert not p.hold(StateReading(1500, 700, 90, 0x20))  # on the clock but thermally slowed
+    summary = p.summary()
+    assert summary["batches_discarded"] == "2" and summary["state"] == "sustained, power-capped"
+    assert summary["timed_sm_mhz_median"] == "1515.0" and summary["timed_reasons"] == "power_cap"
+
+
+def test_hold_reanchors_on_a_gpu_that_found_a_new_steady_state():
+    s = Script([(1500, 700, 60, 4)] * 3)
+    p = protocol(s, min_s=0.0, tol=0.02, max_discards=2)
+    p.settle(s.chunk)
+    drifted = StateReading(1400, 700, 70, 4)
+    assert [p.hold(drifted) for _ in range(4)] == [False, False, True, True]
+    summary = p.summary()
+    assert p.reference == 1400 and summary["state_reanchored"] == "1" and summary["batches_discarded"] == "2"
+
+
+def test_the_state_label_names_what_held_the_clock():
+    assert state_label([StateReading(1980, 300, 40, 0)]) == "sustained, boost"
+    assert state_label([StateReading(1500, 700, 60, 0x4)]) == "sustained, power-capped"
+    assert state_label([StateReading(1400, 700, 88, 0x4 | 0x20)]) == "sustained, thermal-limited"
+
+
+def test_no_clock_readings_settle_without_a_reference_and_hold_everything():
+    s = Script([(None, None, None, None)])
+    p = protocol(s, min_s=0.0, max_s=0.05, chunk_s=0.01)
+    settled = p.settle(s.chunk)
+    assert settled.sm_mhz is None and not settled.steady
+    assert p.hold(StateReading(None, None, None, None)) and p.summary()["settled_sm_mhz"] == "n/a"
