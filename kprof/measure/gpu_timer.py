@@ -79,7 +79,7 @@ def rotation_copies(input_bytes: int, device=None) -> int:
 def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: str = "cupti",
              cold_l2: bool = True, graph: bool = False, kernel_filter: str | None = None,
              rotations: list[Callable[[], object]] | None = None, device=None,
-             state: StateProtocol | None = None) -> GpuTiming:
+             state: StateProtocol | None = None, warm: Callable[[], object] | None = None) -> GpuTiming:
     """Time `fn` on the GPU until `rule` stops (default `StopRule()`).
 
     fn: the production callable, inputs built beforehand; it is called once before warm-up so lazy setup
@@ -94,6 +94,9 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         (`rotation_copies(bytes_of_one_copy)`); the caller builds them and decides. One graph calls every
         rotation once; fn itself is not called then. Without rotations, pass cold_l2=False (graph of fn).
     device: the CUDA device (index, "cuda:N" or torch.device); the current one when None.
+    warm: with cold_l2 (eager), called after each flush, outside the timed region: reads back the inputs a
+        model's previous kernel would have just written (the activations), so only the rest (weights, KV
+        caches) is cold, as inside a model.
     state: the thermal and power protocol whose probe reads this device (settle, then hold every batch to the
         settled clock); its summary joins the notes. None: the fixed settle of long calls only.
     """
@@ -117,6 +120,14 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         elif cold_l2:
             flush, nbytes = _l2.flusher(index)
             notes.update(l2="read-sweep", l2_flush_bytes=str(nbytes))
+            if warm is not None:
+                sweep = flush
+
+                def flush():  # noqa: F811 - the sweep, then the activations read back in
+                    sweep()
+                    warm()
+
+                notes["l2_warm_inputs"] = "activations read back after the sweep"
         else:
             notes.update(l2="warm", l2_flush_bytes="0")
 

@@ -1,6 +1,6 @@
 """What a runner hands the measuring pipeline for one spec, and shared input/oracle helpers.
 
-A Case's timed closure is `fn() == call(*inputs)`: `inputs` are the tensors the kernel reads, and any it
+A Case's timed closure is `fn() == call(*inputs)`, and `warm` names which inputs are activations: `inputs` are the tensors the kernel reads, and any it
 writes in place (memcpy's destination); `call` is the production callable on them. The timer may call
 `call(*[t.clone() for t in inputs])` on rotated copies (cold L2 without a flush, CUDA graphs): a clone
 keeps a tensor's strides (`preserve_format`), so a column-major operand stays column-major. Every
@@ -38,6 +38,10 @@ class Case(NamedTuple):
     notes: dict[str, str] = {}
     inputs: tuple = ()  # the tensors the timed callable reads (or writes in place), in call order
     call: Callable | None = None  # fn() == call(*inputs); the timer may call it on clones of the inputs
+    # Positions in `inputs` of the activations: what the previous kernel of a model has just written, so in
+    # L2 when this one starts (weights and KV caches are not). Cold-L2 timing evicts everything by a read
+    # sweep, then reads these back in, outside the timed region.
+    warm: tuple[int, ...] = ()
 
 
 def bind(call: Callable, inputs: tuple) -> Callable[[], object]:

@@ -42,4 +42,4 @@ class SiluMul:
 
         n = spec.tokens * spec.hidden
         return Case(fn, check, flops=5.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * 3 * n),
-                    algorithm="silu(x[:, :h]) * x[:, h:]", inputs=inputs, call=call)
+                    algorithm="silu(x[:, :h]) * x[:, h:]", inputs=inputs, call=call, warm=(0,))

@@ -165,7 +165,10 @@ def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str, 
     size = DTYPE_BYTES[spec.dtype]
     moved = size * (2 * b * hq * q_len * d + 2 * b * hkv * kv_len * d)
     return Case(fn, check, flops=flops, bytes=float(moved), algorithm=algorithm,
-                notes={"sdpa_backend": algorithm, **notes}, inputs=inputs, call=call)
+                notes={"sdpa_backend": algorithm, **notes}, inputs=inputs, call=call,
+                # q, k, v of a prompt come from the QKV projection just run; a decode step's new q does, its
+                # KV cache (read whole) does not
+                warm=(0, 1, 2) if q_len == kv_len else (0,))
 
 
 class AttentionPrefill:

@@ -80,7 +80,7 @@ class SingleGemm:
         size = DTYPE_BYTES[spec.dtype]
         return Case(fn, check, flops=2.0 * spec.m * spec.n * spec.k,
                     bytes=float(size * (spec.m * spec.k + spec.k * spec.n + spec.m * spec.n)),
-                    algorithm="torch.matmul", inputs=inputs, call=call)
+                    algorithm="torch.matmul", inputs=inputs, call=call, warm=(0,))
 
 
 def _fp8_case(spec: SingleGemmArgs, device: str, a, b, rows) -> Case:
@@ -118,5 +118,5 @@ def _fp8_case(spec: SingleGemmArgs, device: str, a, b, rows) -> Case:
     fn = bind(call, inputs)
     return Case(fn, check, flops=2.0 * spec.m * spec.n * spec.k,
                 bytes=float(spec.m * spec.k + spec.k * spec.n + 2 * spec.m * spec.n + 8),
-                algorithm="torch._scaled_mm", inputs=inputs, call=call,
+                algorithm="torch._scaled_mm", inputs=inputs, call=call, warm=(0, 2),
                 notes={"fp8_scales": "per-tensor fp32 scale_a, scale_b = amax/448", "fp8_out_dtype": "bf16"})

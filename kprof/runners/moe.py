@@ -125,7 +125,7 @@ class _MoeGroupedGemm:
                     algorithm="torch._grouped_mm" if self.grouped else "per-expert matmul loop",
                     notes={"active_experts": str(active), "max_group_rows": str(loads[0]),
                            "min_group_rows": str(loads[-1])},
-                    inputs=inputs, call=call)
+                    inputs=inputs, call=call, warm=(0, 2) if self.grouped else (0,))
 
 
 def _require_grouped_mm(spec: MoeGroupedGemmArgs, device: str, on_cuda: bool) -> None:

@@ -44,4 +44,4 @@ class RmsNorm:
 
         n = spec.tokens * spec.hidden
         return Case(fn, check, flops=4.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * (2 * n + spec.hidden)),
-                    algorithm="torch.nn.functional.rms_norm", inputs=inputs, call=call)
+                    algorithm="torch.nn.functional.rms_norm", inputs=inputs, call=call, warm=(0,))

@@ -126,6 +126,9 @@ def _algorithm(case) -> dict[str, str]:
 # Seconds of steady back-to-back calls behind each row's energy_j: two to three steps of NVML's ~98 ms
 # counter, fitted once the clock has settled (the settle, not the window, brings the GPU to its steady power).
 ENERGY_S = 0.25
+# Input copies a CUDA graph rotates through at most (each is a node of the graph; tiny weights would need
+# thousands to fill twice the L2).
+MAX_ROTATIONS = 64
 
 
 def energy_window_s() -> float:
@@ -209,7 +212,8 @@ class _CudaDevice:
             # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
             timing, retried = twice_if_unstable(lambda: time_gpu(
                 case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
-                kernel_filter=case.kernel_filter, rotations=rotations, state=self._state(start=False)))
+                kernel_filter=case.kernel_filter, rotations=rotations, state=self._state(start=False),
+                warm=self._warm(case)))
         env = with_telemetry(self.env, telemetry)
         if self.state_errors:
             env = msgspec.structs.replace(env, errors={**env.errors, **{f"state.{k}": v
@@ -278,9 +282,18 @@ class _CudaDevice:
             "energy_power_w": f"{result.power_w:.1f}", "energy_regime": "back-to-back calls, L2 warm, settled",
             **warm}
 
+    def _warm(self, case):
+        """Eager cold L2: after each sweep, read the case's activations back into L2 (see Case.warm)."""
+        if self.graph or not self.cold or not case.warm:
+            return None
+        tensors = [case.inputs[i] for i in case.warm]
+        return lambda: [t.sum() for t in tensors]
+
     def _rotations(self, case) -> list | None:
-        """Graph mode with a cold L2: closures over enough copies of the inputs that together they exceed
-        twice the L2, so each call in the replayed graph reads inputs the previous calls did not touch."""
+        """Graph mode with a cold L2: closures over enough copies of the cold inputs (all but the case's
+        activations, which every copy shares, as a model's next kernel finds them in L2) that together they
+        exceed twice the L2, so each call in the replayed graph reads weights the previous calls did not touch.
+        At most MAX_ROTATIONS copies: inputs that small stay partly in L2 in the graph (a note says so)."""
         if not (self.graph and self.cold):
             return None
         from ..measure.gpu_timer import rotation_copies
@@ -289,9 +302,11 @@ class _CudaDevice:
             from ._case import Unsupported
 
             raise Unsupported("this runner does not expose its inputs, so a graph cannot rotate copies of them")
-        size = sum(t.numel() * t.element_size() for t in case.inputs)
-        copies = [case.inputs] + [tuple(t.clone() for t in case.inputs)
-                                  for _ in range(rotation_copies(size) - 1)]
+        cold = [i for i in range(len(case.inputs)) if i not in case.warm]
+        size = sum(case.inputs[i].numel() * case.inputs[i].element_size() for i in cold)
+        n = min(rotation_copies(size), MAX_ROTATIONS) if size else 1
+        copies = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
+                                  for _ in range(n - 1)]
         return [(lambda c=c: case.call(*c)) for c in copies]
 
     def recover(self) -> None:
