@@ -658,7 +658,7 @@ def test_gpu_cold_l2_is_slower_than_warm():
 
     cold = time_gpu(fn, FAST)
     warm = time_gpu(fn, FAST, cold_l2=False)
-    assert warm.notes["l2"] == "warm" and cold.notes["l2"] == "flush"
+    assert warm.notes["l2"] == "warm" and cold.notes["l2"] == "read-sweep"
     assert _median(warm) < _median(cold)
 
 
@@ -677,3 +677,21 @@ def test_gpu_unstable_kernel_set_raises():
 
     with pytest.raises(TimerError, match="unstable kernel set"):
         time_gpu(flaky, FAST)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gpu_state_protocol_settles_and_records_the_state():
+    _needs_cupti()
+    import torch
+
+    from kprof.measure._state import StateProtocol
+    from kprof.measure.nvml import state_probe
+
+    errors: dict[str, str] = {}
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t = time_gpu(lambda: a @ a, FAST, state=StateProtocol(state_probe(0, errors)))
+    assert not errors, errors
+    assert float(t.notes["settled_sm_mhz"]) > 500 and t.notes["state"].startswith("sustained, ")
+    assert float(t.notes["timed_sm_mhz_median"]) > 500 and int(t.notes["batches_discarded"]) >= 0
+    assert all(s > 0 for s in t.samples_ms)
