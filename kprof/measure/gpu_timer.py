@@ -11,8 +11,9 @@ L2 before every timed launch and adaptive stopping by `StopRule`. torch and cupt
 - ``timer="events"``: a torch.cuda.Event pair around each launch, L2 flush before the start event, one
   synchronize per batch: triton.testing.do_bench's method. Includes launch gaps inside the callable (small
   kernels read ~3-4 µs slow).
-- ``graph=True``: one CUDA graph calls every rotation once; a sample is one replay's kernel (or event) time
-  divided by the number of rotations.
+- ``graph=True``: the callable captured as one CUDA graph, a sample per replay, swept before each replay as
+  an eager call is (or, given rotations, one graph calling every input copy once, a sample being a replay's
+  time over the copies).
 - ``state``: the thermal and power protocol (`kprof.measure._state`): before the first sample the callable runs
   back to back, as the samples will, until the SM clock holds steady; each timed batch is read while it runs,
   and a batch off the settled clock (or thermally slowed) is discarded. Without it, calls of 1 ms or more
@@ -88,11 +89,12 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         the first warm-up one (cupti), else TimerError.
     cold_l2: write a buffer of 2x the device's L2 before every timed launch, outside the timed region.
     kernel_filter: regex (re.search) on kernel names; only matching kernels are summed (cupti only).
-    graph, rotations: CUDA-graph replay. A graph cannot flush L2 between its launches, so L2 is kept cold by
-        rotating input copies: `rotations` is a list of closures, each calling the callable on its own copy
-        of the inputs. Enough copies are needed that their total input bytes exceed 2x the L2
-        (`rotation_copies(bytes_of_one_copy)`); the caller builds them and decides. One graph calls every
-        rotation once; fn itself is not called then. Without rotations, pass cold_l2=False (graph of fn).
+    graph: the callable is captured once as a CUDA graph and each invocation is one replay. With cold_l2 the
+        sweep (and `warm`) runs before every replay, outside the graph, exactly as before an eager call, so
+        the two modes time the same L2 state and differ only in how the callable's kernels are launched.
+    rotations: instead, one graph calls every rotation (a closure over its own copy of the inputs) once and
+        a sample is a replay's time over the copies; L2 stays cold only if the copies' bytes exceed 2x the L2
+        (`rotation_copies`). No sweep then; fn is not called.
     device: the CUDA device (index, "cuda:N" or torch.device); the current one when None.
     warm: with cold_l2 (eager), called after each flush, outside the timed region: reads back the inputs a
         model's previous kernel would have just written (the activations), so only the rest (weights, KV
@@ -116,7 +118,9 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         copies = None
         if graph:
             copies = list(rotations) if rotations else [fn]
-            notes.update(graph_copies=str(len(copies)), l2="rotation" if rotations else "warm", l2_flush_bytes="0")
+            notes["graph_copies"] = str(len(copies))
+        if rotations:
+            notes.update(l2="rotation", l2_flush_bytes="0")
         elif cold_l2:
             flush, nbytes = _l2.flusher(index)
             notes.update(l2="read-sweep", l2_flush_bytes=str(nbytes))
@@ -167,9 +171,6 @@ def _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations) -> re.Patte
                          "(eager launches get an L2 flush instead)")
     if rotations is not None and not (rotations and all(callable(r) for r in rotations)):
         raise UsageError("rotations must be a non-empty list of callables, one per input copy")
-    if graph and rotations is None and cold_l2:
-        raise UsageError("graph=True cannot flush L2 inside the graph: pass rotations (closures over their own "
-                         "input copies, more than 2x L2 in all; see rotation_copies), or cold_l2=False")
     if not callable(fn) and not (graph and rotations):
         raise UsageError(f"fn must be a callable taking no arguments, not {type(fn).__name__}")
     try:
@@ -401,10 +402,19 @@ def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_ca
             return samples, reason
 
 
-def _empty_pair_ms(torch, flush, n: int = 25) -> float:
-    """The time an event pair reads with nothing between it, in the samples' pattern (after a flush, the GPU
-    held back while the host enqueues): the pair's own cost, subtracted from every events sample. What it
-    cannot remove is the timed kernel's own launch latency, which only kernel records (CUPTI) leave out."""
+_ZERO_SLEEP_US = 10.0  # length of the reference kernel that measures an event pair's overhead
+
+
+def _events_zero_ms(torch, flush, clock_mhz: float | None, n: int = 25) -> tuple[float, str]:
+    """What an event pair adds to the kernel it brackets, in the samples' own pattern (a flush first, the
+    GPU held back while the host enqueues), subtracted from every events sample.
+
+    With the SM clock known (the settled clock of the state protocol), the pair brackets a reference kernel
+    of known length: torch.cuda._sleep spins for a count of SM clock cycles, so it lasts cycles / clock. The
+    reading less that length is the pair's cost plus a kernel's launch and completion latency, which every
+    kernel pays alike (~2-3 µs on an H200: +10 % to +20 % on a 20 µs kernel). Without a clock, an empty pair
+    is the zero: its own cost only, so the launch latency stays in the samples. Returns (ms, method)."""
+    cycles = round(_ZERO_SLEEP_US * clock_mhz) if clock_mhz else 0  # µs x MHz = cycles
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     torch.cuda._sleep(int(0.002 * _SLEEP_CYCLES_PER_S))
@@ -412,9 +422,15 @@ def _empty_pair_ms(torch, flush, n: int = 25) -> float:
         if flush is not None:
             flush()
         start.record()
+        if cycles:
+            torch.cuda._sleep(cycles)
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+    reading = statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+    if not cycles:
+        return reading, "empty event pair"
+    known_ms = cycles / (clock_mhz * 1e6) * 1e3
+    return max(reading - known_ms, 0.0), f"{cycles}-cycle sleep kernel at {clock_mhz:.0f} MHz"
 
 
 def _run_events(torch, call, flush, per_call, rule, notes, state=None):
@@ -430,8 +446,9 @@ def _run_events(torch, call, flush, per_call, rule, notes, state=None):
     _settle(torch, call, flush, per_call_s, notes, state)
     notes.update(attribution="events", launch="batched")
     enqueue_s = 50e-6  # host time to enqueue one (flush, event, call, event): measured per batch after the first
-    zero_ms = _empty_pair_ms(torch, flush)
-    notes["events_zero_us"] = f"{zero_ms * 1e3:.3f}"
+    clock_mhz = state.reference if state is not None else None
+    zero_ms, how = _events_zero_ms(torch, flush, clock_mhz)
+    notes.update(events_zero_us=f"{zero_ms * 1e3:.3f}", events_zero_method=how)
 
     def batch(k: int, _done: int, during: Callable[[], None]) -> list[float]:
         nonlocal enqueue_s

@@ -1,10 +1,11 @@
 """What a runner hands the measuring pipeline for one spec, and shared input/oracle helpers.
 
-A Case's timed closure is `fn() == call(*inputs)`, and `warm` names which inputs are activations: `inputs` are the tensors the kernel reads, and any it
-writes in place (memcpy's destination); `call` is the production callable on them. The timer may call
-`call(*[t.clone() for t in inputs])` on rotated copies (cold L2 without a flush, CUDA graphs): a clone
-keeps a tensor's strides (`preserve_format`), so a column-major operand stays column-major. Every
-non-tensor argument (shapes, flags, host-side group sizes) is bound inside `call`.
+A Case's timed closure is `fn() == call(*inputs)`: `inputs` are the tensors the kernel reads, and any it
+writes in place (memcpy's destination); `call` is the production callable on them, with every non-tensor
+argument (shapes, flags, host-side group sizes) bound inside it. `warm` names which inputs are activations:
+what a model's previous kernel has just written, so the cold-L2 timing reads them back into L2 after its
+sweep, while weights and KV caches stay cold. A caller may also call `call` on clones of the inputs (a
+clone keeps a tensor's strides, so a column-major operand stays column-major).
 """
 
 from __future__ import annotations

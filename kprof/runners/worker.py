@@ -126,9 +126,6 @@ def _algorithm(case) -> dict[str, str]:
 # Seconds of steady back-to-back calls behind each row's energy_j: two to three steps of NVML's ~98 ms
 # counter, fitted once the clock has settled (the settle, not the window, brings the GPU to its steady power).
 ENERGY_S = 0.25
-# Input copies a CUDA graph rotates through at most (each is a node of the graph; tiny weights would need
-# thousands to fill twice the L2).
-MAX_ROTATIONS = 64
 
 
 def energy_window_s() -> float:
@@ -203,7 +200,6 @@ class _CudaDevice:
         from ..measure.gpu_timer import time_gpu
         from ..measure.nvml import Telemetry, with_telemetry
 
-        rotations = self._rotations(case)
         with Telemetry(0) as telemetry:
             self.start_notes = {}
             state = self._state()
@@ -212,7 +208,7 @@ class _CudaDevice:
             # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
             timing, retried = twice_if_unstable(lambda: time_gpu(
                 case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
-                kernel_filter=case.kernel_filter, rotations=rotations, state=self._state(start=False),
+                kernel_filter=case.kernel_filter, state=self._state(start=False),
                 warm=self._warm(case)))
         env = with_telemetry(self.env, telemetry)
         if self.state_errors:
@@ -283,31 +279,12 @@ class _CudaDevice:
             **warm}
 
     def _warm(self, case):
-        """Eager cold L2: after each sweep, read the case's activations back into L2 (see Case.warm)."""
-        if self.graph or not self.cold or not case.warm:
+        """Cold L2: after each sweep, read the case's activations back into L2 (see Case.warm); before an eager
+        call and a graph replay alike."""
+        if not self.cold or not case.warm:
             return None
         tensors = [case.inputs[i] for i in case.warm]
         return lambda: [t.sum() for t in tensors]
-
-    def _rotations(self, case) -> list | None:
-        """Graph mode with a cold L2: closures over enough copies of the cold inputs (all but the case's
-        activations, which every copy shares, as a model's next kernel finds them in L2) that together they
-        exceed twice the L2, so each call in the replayed graph reads weights the previous calls did not touch.
-        At most MAX_ROTATIONS copies: inputs that small stay partly in L2 in the graph (a note says so)."""
-        if not (self.graph and self.cold):
-            return None
-        from ..measure.gpu_timer import rotation_copies
-
-        if case.call is None or not case.inputs:
-            from ._case import Unsupported
-
-            raise Unsupported("this runner does not expose its inputs, so a graph cannot rotate copies of them")
-        cold = [i for i in range(len(case.inputs)) if i not in case.warm]
-        size = sum(case.inputs[i].numel() * case.inputs[i].element_size() for i in cold)
-        n = min(rotation_copies(size), MAX_ROTATIONS) if size else 1
-        copies = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
-                                  for _ in range(n - 1)]
-        return [(lambda c=c: case.call(*c)) for c in copies]
 
     def recover(self) -> None:
         """After a failure (an OOM above all), give the cached blocks back so the next spec starts clean."""

@@ -442,7 +442,7 @@ def sim_torch(dev):
         get_device_properties=lambda i: types.SimpleNamespace(L2_cache_size=60 << 20),
         synchronize=lambda device=None: None,
         Event=Event, Stream=Stream, stream=lambda s: contextlib.nullcontext(), current_stream=Stream,
-        CUDAGraph=Graph, graph=graph, _sleep=lambda cycles: None)
+        CUDAGraph=Graph, graph=graph, _sleep=lambda cycles: dev.launch("sleep", cycles // 2))  # a 2 GHz SM clock
     return types.SimpleNamespace(cuda=cuda, int32="int32", int64="int64", device=lambda *a: a,
                                  ones=lambda n, dtype, device: Buf(n), empty=lambda shape, dtype, device: None,
                                  sum=flush_sum)
@@ -537,6 +537,26 @@ def test_time_gpu_flushes_by_reading_before_every_timed_call(sim):
     assert t.notes["l2"] == "read-sweep" and sim.flushes >= 20  # warm-up calls are flushed too
 
 
+def test_time_gpu_events_less_the_launch_latency_measured_on_a_known_kernel(sim):
+    """With the settled clock known (2000 MHz), a sleep kernel of known length calibrates what an event pair
+    adds (here the simulated 10 ns launch gap): the events samples then read the kernel's own time."""
+    normal = (2000, 400.0, 50.0, 0)
+    state, _ns = _held_state([normal] * 50)
+    t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10), timer="events", state=state)
+    assert t.samples_ms == [pytest.approx(0.0025)] * 10
+    assert t.notes["events_zero_us"] == "0.010" and "sleep kernel at 2000 MHz" in t.notes["events_zero_method"]
+
+
+def test_time_gpu_graph_is_swept_before_every_replay_like_an_eager_call(sim):
+    fn = lambda: (sim.launch("gemm", 2_000), sim.launch("reduce", 400))  # noqa: E731
+    eager = time_gpu(fn, StopRule(max_samples=10))
+    before = sim.flushes
+    graph = time_gpu(fn, StopRule(max_samples=10), graph=True)
+    assert graph.samples_ms == eager.samples_ms == [pytest.approx(0.0024)] * 10
+    assert graph.notes["l2"] == "read-sweep" and graph.notes["graph_copies"] == "1"
+    assert sim.flushes - before >= 10  # one sweep before each timed replay
+
+
 def test_time_gpu_unstable_end_to_end(sim):
     n = []
 
@@ -554,7 +574,6 @@ def test_time_gpu_unstable_end_to_end(sim):
 @pytest.mark.parametrize("kwargs, match", [
     ({"timer": "nvtx"}, "timer must be"),
     ({"timer": "events", "kernel_filter": "gemm"}, "only timer='cupti'"),
-    ({"graph": True}, "cannot flush L2 inside the graph"),
     ({"rotations": [lambda: None]}, "pass graph=True"),
     ({"graph": True, "rotations": []}, "non-empty list"),
     ({"kernel_filter": "("}, "not a valid regex"),
