@@ -4,6 +4,10 @@
     api.count_missing("single_gemm", "torch-cpu", specs)        # -> CountResult
     api.query("single_gemm", "torch-cpu", specs, db="profile.db") # -> QueryResult
     api.run("single_gemm", "torch-cpu", specs, mode="jit")        # -> QueryResult (exit code in .exit_code)
+    api.query("single_gemm", "torch", specs, gpu_name="NVIDIA H200", timer="events", l2="warm")  # CUDA method
+
+CUDA rows are keyed by their timing method: `timer`, `l2` and `cuda_graph` choose it, each defaulting to its
+environment variable (KPROF_TIMER, KPROF_L2, KPROF_CUDA_GRAPH); see `effective_entry`.
 
 query and count-missing never import torch, cupti or pynvml.
 """
@@ -84,34 +88,83 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
     return cpu_model()
 
 
-def _flag(name: str, allowed: tuple[str, ...], default: str) -> str:
+# The CUDA timing method's three settings: (flag, environment variable, allowed values, default).
+_TIMER = ("--timer", "KPROF_TIMER", ("cupti", "events"), "cupti")
+_L2 = ("--l2", "KPROF_L2", ("cold", "warm"), "cold")
+_GRAPH = ("--cuda-graph", "KPROF_CUDA_GRAPH", ("0", "1"), "0")
+
+
+def _from_env(name: str, allowed: tuple[str, ...], default: str) -> str:
     value = os.environ.get(name, default).strip().lower() or default
     if value not in allowed:
         raise UsageError(f"{name}={value!r} is not one of {', '.join(allowed)}; e.g. {name}={default}")
     return value
 
 
-def effective_entry(entry: Entry) -> Entry:
-    """The entry with the timing method this process measures and reads with. On a CUDA backend:
-    KPROF_TIMER=cupti|events (default cupti), KPROF_L2=cold|warm (default cold: flushed before each call, or
-    rotated input copies under a graph), KPROF_CUDA_GRAPH=0|1 (default 0: eager launches). The method is part
-    of the key, so rows timed one way never mix with rows timed another, and a query reads the rows of the
-    method it names."""
+def _choice(setting: tuple, given: str | None) -> str:
+    """An explicit value wins over the environment variable, which wins over the default."""
+    flag, env, allowed, default = setting
+    if given is None:
+        return _from_env(env, allowed, default)
+    value = given.strip().lower() if isinstance(given, str) else given
+    if value not in allowed:
+        raise UsageError(f"{flag} {given!r} is not one of {', '.join(allowed)}; e.g. {flag} {default}, or omit "
+                         f"it to use ${env} (default {default})")
+    return value
+
+
+def _graph(given: bool | None) -> bool:
+    if given is None:
+        return _choice(_GRAPH, None) == "1"
+    if not isinstance(given, bool):  # a truthy string such as "0" must not silently select graphs
+        raise UsageError(f"--cuda-graph {given!r} is not a bool; pass --cuda-graph or --no-cuda-graph "
+                         f"(cuda_graph=True/False), or omit it to use $KPROF_CUDA_GRAPH (default 0)")
+    return given
+
+
+def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: bool | None) -> None:
+    """The CPU timer has one method (wall clock, warm caches, eager calls): an explicit flag asking for any
+    other is refused rather than ignored, so nobody reads CPU rows believing they were timed some other way.
+    Only the explicit values are looked at: the environment variables never apply to a CPU entry."""
+    from .runners.catalog import parse_timing
+
+    cpu_timer, cpu_l2, cpu_graph = parse_timing(entry.contract.timing)
+    asked = []
+    if timer is not None:  # no CUDA timer is the CPU's
+        asked.append(f"--timer {_choice(_TIMER, timer)}")
+    if l2 is not None and _choice(_L2, l2) != cpu_l2:
+        asked.append(f"--l2 {_choice(_L2, l2)}")
+    if cuda_graph is not None and _graph(cuda_graph) != cpu_graph:
+        asked.append("--cuda-graph")
+    if asked:
+        flag = asked[0]
+        raise UsageError(f"{flag} applies to CUDA backends; {entry.backend} is timed by wall clock ({cpu_timer}, "
+                         f"L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls); omit {flag.split()[0]}, "
+                         f"or pass a CUDA backend (see `kprof list`)")
+
+
+def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = None,
+                    cuda_graph: bool | None = None) -> Entry:
+    """The entry with the timing method this process measures and reads with. On a CUDA backend each setting
+    is the explicit argument (the verbs' --timer, --l2, --cuda-graph/--no-cuda-graph) when given, else its
+    environment variable, else the default: timer cupti|events ($KPROF_TIMER, default cupti), l2 cold|warm
+    ($KPROF_L2, default cold: flushed before each call, or rotated input copies under a graph), cuda_graph
+    ($KPROF_CUDA_GRAPH=0|1, default 0: eager launches). The method is part of the key, so rows timed one way
+    never mix with rows timed another, and a query reads the rows of the method it names. A CPU entry keeps
+    its one method: the environment variables do not apply to it and an explicit other method is refused."""
     if entry.device != "cuda":
+        _refuse_on_cpu(entry, timer, l2, cuda_graph)
         return entry
     from .runners.catalog import timing_string
 
-    timer = _flag("KPROF_TIMER", ("cupti", "events"), "cupti")
-    l2 = _flag("KPROF_L2", ("cold", "warm"), "cold")
-    graph = _flag("KPROF_CUDA_GRAPH", ("0", "1"), "0") == "1"
-    timing = timing_string(timer, l2, graph)
+    timing = timing_string(_choice(_TIMER, timer), _choice(_L2, l2), _graph(cuda_graph))
     if timing == entry.contract.timing:
         return entry
     return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract, timing=timing))
 
 
-def _prepare(table, backend, specs, gpu_name, db):
-    entry = effective_entry(lookup(table, backend))
+def _prepare(table, backend, specs, gpu_name, db, method: dict):
+    entry = effective_entry(lookup(table, backend), **method)
     canonical = validate(entry.args, list(specs))
     return entry, canonical, resolve_gpu_key(entry, gpu_name), os.fspath(db or default_path())
 
@@ -121,8 +174,11 @@ def _open_for_read(db: str) -> Ledger | None:
 
 
 def count_missing(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
-                  db: str | None = None) -> CountResult:
-    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db)
+                  db: str | None = None, timer: str | None = None, l2: str | None = None,
+                  cuda_graph: bool | None = None) -> CountResult:
+    """The specs without an ok row under the timing method `timer`/`l2`/`cuda_graph` (see `effective_entry`)."""
+    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
+                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph))
     ledger = _open_for_read(db)
     if ledger is None:
         missing = canonical
@@ -178,16 +234,9 @@ def _query(entry, canonical, gpu_key, db, ledger, mode) -> QueryResult:
 def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> None:
     """Each ok row's fraction of the device's ceilings, as `ceiling` (only once `kprof calibrate` has
     measured them for this GPU key: before that the rows are exactly the contract's)."""
-    from .calibrate import ceilings, fractions
+    from .calibrate import annotate, ceilings
 
-    found = ceilings(entry.backend, gpu_key, ledger=ledger)
-    if not found:
-        return
-    cited = {c.metric: c.citation for c in found}
-    for doc in results:
-        share = fractions(doc["metrics"], found) if doc["status"] == "ok" else None
-        if share is not None:
-            doc["ceiling"] = {"fraction": share, "citations": {m: cited[m] for m in share}}
+    annotate(results, ceilings(entry.backend, gpu_key, ledger=ledger, timing=entry.contract.timing))
 
 
 def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical) -> QueryResult:
@@ -197,8 +246,11 @@ def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical) -
 
 
 def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
-          db: str | None = None) -> QueryResult:
-    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db)
+          db: str | None = None, timer: str | None = None, l2: str | None = None,
+          cuda_graph: bool | None = None) -> QueryResult:
+    """The rows of the specs under the timing method `timer`/`l2`/`cuda_graph` (see `effective_entry`)."""
+    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
+                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph))
     ledger = _open_for_read(db)
     try:
         return _query(entry, canonical, gpu_key, db, ledger, "query")
@@ -209,13 +261,16 @@ def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = 
 
 def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_name: str | None = None,
         db: str | None = None, progress: Callable[[int, int, dict], None] | None = None,
-        command: str = "") -> QueryResult:
+        command: str = "", timer: str | None = None, l2: str | None = None,
+        cuda_graph: bool | None = None) -> QueryResult:
     """JIT fill (mode "jit": measure what is missing), refresh ("force": measure all), or look without
-    writing ("fresh": measure all, store nothing). Every spec is validated before anything is measured."""
+    writing ("fresh": measure all, store nothing), timed by `timer`/`l2`/`cuda_graph` (see `effective_entry`).
+    Every spec and the method are validated before anything is measured."""
     if mode not in ("jit", "force", "fresh"):
         raise UsageError(f"mode {mode!r} is not one of jit, force, fresh")
     started = time.perf_counter()
-    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db)
+    entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
+                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph))
     if gpu_name is not None:
         local = resolve_gpu_key(entry, None)
         if local != gpu_name:

@@ -4,7 +4,9 @@ each row's drift. Nothing is written: an audit checks the ledger, it does not ch
 A row drifts when |new median / stored median - 1| exceeds the tolerance. Rows are drawn from every
 scope whose GPU key is the local device's (the CUDA GPU's name for CUDA backends, the CPU model for
 torch-cpu), under the contract this process measures with (timer included), so each row is re-measured
-exactly the way it was measured.
+exactly the way it was measured. An explicit CUDA timing method (`timer`, `l2`, `cuda_graph`, the verb's
+--timer/--l2/--cuda-graph) picks the CUDA rows of that method and leaves the CPU's rows out: they were never
+timed that way.
 """
 
 from __future__ import annotations
@@ -62,9 +64,19 @@ def _local_keys(devices: set[str]) -> dict[str, str]:
     return keys
 
 
-def remeasure(db: str, n: int, tolerance: float = 0.05, *, seed: int | None = None,
+def _named(method: dict) -> str:
+    """The flags a timing method was given by, as typed on the command line."""
+    words = [f"--{name} {method[name]}" for name in ("timer", "l2") if method[name] is not None]
+    if method["cuda_graph"] is not None:
+        words.append("--cuda-graph" if method["cuda_graph"] else "--no-cuda-graph")
+    return " ".join(words)
+
+
+def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = None, l2: str | None = None,
+              cuda_graph: bool | None = None, seed: int | None = None,
               device: str | None = None) -> RemeasureReport:
-    """Re-measures `n` random current ok rows of the local device(s) (`device` "cuda" or "cpu" narrows it)."""
+    """Re-measures `n` random current ok rows of the local device(s) (`device` "cuda" or "cpu" narrows it),
+    the CUDA rows under the timing method `timer`/`l2`/`cuda_graph` (see `kprof.api.effective_entry`)."""
     from .api import effective_entry
     from .ledger import Ledger
     from .runners.registry import entries
@@ -77,8 +89,15 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, seed: int | None = No
     if not os.path.isfile(db):
         raise UsageError(f"no ledger file at {db}; pass --db or set KPROF_DB")
     started = time.perf_counter()
-    all_entries = [effective_entry(e) for e in entries() if device in (None, e.device)]
+    method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph}
+    explicit = any(v is not None for v in method.values())
+    if explicit and device is None:
+        device = "cuda"  # a CUDA method names CUDA rows; on device="cpu" effective_entry refuses it
+    all_entries = [effective_entry(e, **method) for e in entries() if device in (None, e.device)]
     keys = _local_keys({e.device for e in all_entries})
+    if explicit and device == "cuda" and "cuda" not in keys:
+        raise UsageError(f"{_named(method)} re-measures CUDA rows and no CUDA GPU is visible here; run on the GPU "
+                         f"the rows were measured on, or drop {_named(method)}")
     candidates = []
     with Ledger.open(db, readonly=True) as ledger:
         held = {(t, b, g) for t, b, g, _rows in ledger.scopes()}

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, get_args
 
 from cyclopts import Parameter
 
+from ..errors import UsageError
 from ..ledger import default_path
 from ..ledger.audit import audit as run_audit
-from ._options import Db, Json
+from ._options import L2, CudaGraph, Db, Json, Timer
 from ._render import console, emit_json
+
+
+def _remeasure_only(alias):
+    """A shared timing-method option whose help says it serves --remeasure (the audit reads every method)."""
+    shared = get_args(alias)[-1]
+    return Annotated[alias, Parameter(help=f"With --remeasure: {shared.help}")]
 
 
 def audit(*, db: Db = None, json: Json = False,
@@ -17,10 +24,15 @@ def audit(*, db: Db = None, json: Json = False,
               "Instead: re-measure N random current rows of this machine's device and report their drift "
               "(exit 1 when any drifts past --tolerance). Writes nothing."))] = None,
           tolerance: Annotated[float, Parameter(name="--tolerance", help=(
-              "Relative drift allowed by --remeasure."))] = 0.05) -> int:
-    """Recompute every event id and key, check the log, rebuild the views and compare; exit 3 on any finding."""
+              "Relative drift allowed by --remeasure."))] = 0.05,
+          timer: _remeasure_only(Timer) = None, l2: _remeasure_only(L2) = None,
+          cuda_graph: _remeasure_only(CudaGraph) = None) -> int:
+    """Recompute every event id and key, check the log, rebuild the views and compare; exit 3 on any finding.
+    The timing-method flags pick which CUDA rows --remeasure re-measures, and how."""
+    method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph}
     if remeasure is not None:
-        return _remeasure(db or default_path(), remeasure, tolerance, json)
+        return _remeasure(db or default_path(), remeasure, tolerance, json, method)
+    _no_method_without_remeasure(method)
     report = run_audit(db or default_path())
     if json:
         emit_json(report.to_json())
@@ -34,10 +46,20 @@ def audit(*, db: Db = None, json: Json = False,
     return 0 if report.ok else 3
 
 
-def _remeasure(db: str, n: int, tolerance: float, json: bool) -> int:
+def _no_method_without_remeasure(method: dict) -> None:
+    """The audit itself checks every row whatever its method, so a method flag alone would be silently
+    ignored: refuse it instead."""
+    given = [f"--{'no-' if value is False else ''}{name.replace('_', '-')}" for name, value in method.items()
+             if value is not None]
+    if given:
+        raise UsageError(f"{given[0]} applies to `kprof audit --remeasure N` only (the audit checks the rows of "
+                         f"every timing method); add --remeasure N, or drop {given[0]}")
+
+
+def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> int:
     from ..remeasure import remeasure
 
-    report = remeasure(db, n, tolerance)
+    report = remeasure(db, n, tolerance, **method)
     if json:
         emit_json(report.to_json())
     else:

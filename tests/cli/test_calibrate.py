@@ -1,11 +1,44 @@
-"""`kprof calibrate` on the CPU backend, and the ceiling fractions `query --json` reports after it."""
+"""`kprof calibrate`: the ceilings are the maximum over a stated set of shapes, each cited, with how the set was
+measured; query reports each ok row's fraction of them and flags a row above a ceiling.
+
+Real CPU kernels where the pipeline is under test; hand-built rows (known values, known environments) where
+the arithmetic is, so a wrong maximum, citation or flag cannot pass by chance."""
 
 import json
 
+import msgspec
 import pytest
 
-from kprof.calibrate import CEILING_SPECS
+from kprof import api
+from kprof.calibrate import CEILING_SETS, CEILING_SPECS, annotate, calibrate, ceilings, fractions
 from kprof.cli import main
+from kprof.ledger import KeyMaker, ShapeCodec
+from kprof.ledger.build import measured
+from kprof.ledger.events import Environment, Method, Stats
+from kprof.runners.registry import lookup
+
+GPU = "Test GPU"  # a GPU key no real device has: hand-built rows only
+CPU_FLOPS, CPU_BYTES = CEILING_SETS["cpu"]
+GPU_FLOPS, GPU_BYTES = CEILING_SETS["cuda"]
+CPU_GEMMS = [spec for _t, spec in CPU_FLOPS.members]
+CPU_COPIES = [spec for t, spec in CPU_BYTES.members if t == "memcpy"]
+
+
+def _row(spec, *, table="single_gemm", backend="torch-cpu", gpu=GPU, timing=None, tflops=1.0, gbps=1.0,
+         env=Environment(), parent=None):
+    """A measured event of `spec` with the given metrics (and, for a CUDA backend, the given timing string)."""
+    entry = lookup(table, backend)
+    contract = entry.contract if timing is None else msgspec.structs.replace(entry.contract, timing=timing)
+    prov = KeyMaker(table, backend, gpu, contract, ShapeCodec(entry.args)).provenance(spec)
+    stats = Stats(n=3, median=1.0, p10=1.0, p90=1.0, mean=1.0, stdev=0.0, cv=0.0, min=1.0, max=1.0)
+    metrics = {"time_ms": 1.0, "tflops": tflops, "memory_bandwidth_gbps": gbps, "energy_j": None}
+    return measured(prov, metrics, stats, Method(timer="cpu", l2="warm", stop_reason="converged"), environment=env,
+                    parent=parent)
+
+
+def _env(sm_min, sm_max, power, throttle):
+    return Environment(clocks={"sm_mhz_min": sm_min, "sm_mhz_max": sm_max, "power_w_mean": power},
+                       throttle=throttle)
 
 
 def test_query_has_no_ceiling_before_calibrate(h, capsys):
@@ -15,15 +48,58 @@ def test_query_has_no_ceiling_before_calibrate(h, capsys):
     assert "ceiling" not in doc["results"][0]  # the rows are as they were until ceilings exist
 
 
-def test_calibrate_measures_ceiling_rows_and_query_reports_fractions(h, capsys):
+def _query(table, specs, db="p.db", **kw):
+    return api.query(table, "torch-cpu", list(specs), db=db, **kw).results
+
+
+def test_the_sets_are_stated_distinct_and_valid():
+    for device, sets in CEILING_SETS.items():
+        assert [s.metric for s in sets] == ["tflops", "memory_bandwidth_gbps"]
+        backend = {"cuda": "torch", "cpu": "torch-cpu"}[device]
+        for s in sets:
+            assert len(s.members) >= 3
+            assert len({json.dumps(m, sort_keys=True) for m in s.members}) == len(s.members)
+            for table, spec in s.members:
+                msgspec.convert(spec, lookup(table, backend).args)  # raises on a spec the table refuses
+    # the GPU's arithmetic set: bf16 only, 4-6 large square-ish GEMMs from 4096^3 to 8192^3
+    assert {t for t, _x in GPU_FLOPS.members} == {"single_gemm"}
+    assert {x["dtype"] for _t, x in GPU_FLOPS.members} == {"bf16"}
+    assert 4 <= len(GPU_FLOPS.members) <= 6
+    shapes = {(x["m"], x["n"], x["k"]) for _t, x in GPU_FLOPS.members}
+    assert {(4096, 4096, 4096), (8192, 8192, 8192)} <= shapes
+    assert all(min(s) >= 4096 and max(s) <= 2 * min(s) for s in shapes)
+    # its bandwidth set: copies of 1, 2 and 4 GiB, and decode GEMMs whose weights are past twice a 60 MiB L2
+    assert [x["bytes"] for t, x in GPU_BYTES.members if t == "memcpy"] == [1 << 30, 2 << 30, 4 << 30]
+    decode = [x for t, x in GPU_BYTES.members if t == "single_gemm"]
+    assert decode and all(x["m"] == 1 and x["dtype"] == "bf16" and 2 * x["n"] * x["k"] > 120 << 20 for x in decode)
+    assert CEILING_SPECS["cuda"] == [(t, x, s.metric) for s in CEILING_SETS["cuda"] for t, x in s.members]
+
+
+def test_calibrate_measures_every_shape_once_and_the_ceiling_is_their_max(h, capsys):
     assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json"]) == 0
     cal = json.loads(capsys.readouterr().out)
     by_metric = {c["metric"]: c for c in cal["ceilings"]}
     assert set(by_metric) == {"tflops", "memory_bandwidth_gbps"}
-    assert [c["spec"] for c in cal["ceilings"]] == [spec for _t, spec, _m in CEILING_SPECS["cpu"]]
-    assert all(c["value"] > 0 and c["citation"].startswith("kprof.") for c in cal["ceilings"])
-    assert [r["status"] for r in cal["rows"]] == ["ok", "ok"]
 
+    runs, found = calibrate(h.CPU, db="p.db")  # nothing missing: reads back what the command measured
+    assert [(r.table, r.measured) for r in runs] == [("single_gemm", 0), ("memcpy", 0)]  # one run per table
+    assert [c.citation for c in found] == [by_metric[c.metric]["citation"] for c in found]
+    for c, s in zip(found, CEILING_SETS["cpu"]):
+        rows = [dict(r, table=t) for t, x in s.members for r in _query(t, [x])]
+        assert [r["status"] for r in rows] == ["ok"] * len(s.members)  # every shape of the set was measured
+        values = [r["metrics"][s.metric] for r in rows]
+        best = rows[values.index(max(values))]
+        assert c.value == max(values) == by_metric[s.metric]["value"]
+        assert (c.table, c.spec, c.citation) == (best["table"], best["spec"], best["citation"])
+        assert list(c.shapes) == [{"table": t, "spec": x} for t, x in s.members]
+        assert [(r["table"], r["spec"], r["value"], r["citation"]) for r in c.rows] == [
+            (r["table"], r["spec"], r["metrics"][s.metric], r["citation"]) for r in rows]
+        n = len(s.members)
+        assert (c.method["measured"], c.method["of"], c.method["missing"]) == (n, n, [])
+        assert c.method["timing"] == lookup("single_gemm", h.CPU).contract.timing
+        assert c.method["summary"].startswith(f"max over {n}/{n} shapes (at {best['table']} ")
+
+    # a row's fractions are of the maxima, and the rows of the set are at most 1 (one of them exactly 1)
     assert main(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(64, 64, 64)), "--db", "p.db"]) == 0
     capsys.readouterr()
     row = h.read_json(capsys, "query", "p.db", h.gemm(64, 64, 64))["results"][0]
@@ -32,20 +108,107 @@ def test_calibrate_measures_ceiling_rows_and_query_reports_fractions(h, capsys):
     assert ceiling["fraction"]["memory_bandwidth_gbps"] == pytest.approx(
         row["metrics"]["memory_bandwidth_gbps"] / by_metric["memory_bandwidth_gbps"]["value"])
     assert ceiling["citations"] == {m: c["citation"] for m, c in by_metric.items()}
-    # the ceiling GEMM itself is at fraction 1 of the arithmetic ceiling
-    big = h.read_json(capsys, "query", "p.db", CEILING_SPECS["cpu"][0][1])["results"][0]
-    assert big["ceiling"]["fraction"]["tflops"] == pytest.approx(1.0)
+    shares = [fractions(r["metrics"], found)["tflops"] for r in _query("single_gemm", CPU_GEMMS)]
+    assert max(shares) == 1.0 and all(x <= 1.0 for x in shares)
 
-
-def test_calibrate_again_measures_nothing_unless_forced(h, capsys):
-    assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json"]) == 0
-    first = json.loads(capsys.readouterr().out)
-    assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json"]) == 0
-    again = json.loads(capsys.readouterr().out)
-    assert [c["citation"] for c in again["ceilings"]] == [c["citation"] for c in first["ceilings"]]
+    # again: nothing is measured and the ceilings are the same rows; --force measures every shape anew
+    runs, again = calibrate(h.CPU, db="p.db")
+    assert [r.measured for r in runs] == [0, 0] and again == found
     assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json", "--force"]) == 0
     forced = json.loads(capsys.readouterr().out)
-    assert all(a["citation"] != b["citation"] for a, b in zip(forced["ceilings"], first["ceilings"]))
+    assert all(a["citation"] != b["citation"] for a, b in zip(forced["ceilings"], cal["ceilings"]))
+    runs, refound = calibrate(h.CPU, db="p.db")
+    assert all(r["citation"] not in {x["citation"] for x in c.rows} for a, c in zip(found, refound) for r in a.rows)
+
+
+def test_the_ceiling_is_the_max_wherever_it_lies_in_the_set(h):
+    specs = CPU_GEMMS
+    events = [_row(specs[0], tflops=3.0, env=_env(1500, 1700, 690.0, ["power_cap"])),
+              _row(specs[1], tflops=7.0, env=_env(1400, 1980, 700.0, [])),
+              _row(specs[2], tflops=5.0, env=_env(1600, 1800, 650.0, ["thermal"]))]
+    ids = h.append("p.db", *events)
+    (c,) = ceilings(h.CPU, GPU, db="p.db")  # no copy rows: that ceiling is absent, not zero
+    assert (c.metric, c.value, c.table, c.spec) == ("tflops", 7.0, "single_gemm", specs[1])
+    assert c.citation == "kprof." + ids[1].hex()[:16]
+    assert [r["value"] for r in c.rows] == [3.0, 7.0, 5.0]
+    m = c.method
+    assert m["clocks"]["sm_mhz_min"] == [1400, 1600] and m["clocks"]["sm_mhz_max"] == [1700, 1980]
+    assert m["clocks"]["power_w_mean"] == [650.0, 700.0]
+    assert m["throttle"] == ["power_cap", "thermal"]
+    assert m["at"] == "single_gemm 768x768x768"
+    assert "SM 1400-1980 MHz" in m["summary"] and "650-700 W" in m["summary"]
+    assert "throttle power_cap,thermal" in m["summary"]
+
+    # the best row re-measured lower: the ceiling moves to the next best, and says which shape holds it
+    h.append("p.db", _row(specs[1], tflops=2.0, parent=ids[1]))
+    (c,) = ceilings(h.CPU, GPU, db="p.db")
+    assert (c.value, c.spec, c.citation) == (5.0, specs[2], "kprof." + ids[2].hex()[:16])
+
+
+def test_a_partly_measured_set_says_what_is_missing(h):
+    copies = CPU_COPIES
+    h.append("p.db", _row(copies[0], table="memcpy", gbps=10.0), _row(copies[2], table="memcpy", gbps=4.0))
+    (c,) = ceilings(h.CPU, GPU, db="p.db")
+    n = len(CPU_BYTES.members)
+    assert (c.metric, c.value, c.table, c.spec) == ("memory_bandwidth_gbps", 10.0, "memcpy", copies[0])
+    assert (c.method["measured"], c.method["of"]) == (2, n)
+    assert c.method["missing"] == [{"table": t, "spec": x} for t, x in CPU_BYTES.members
+                                   if x not in (copies[0], copies[2])]
+    assert c.method["summary"].startswith(f"max over 2/{n} shapes (at memcpy 64 MiB)")
+    # the set's GEMM streams faster than any copy: the ceiling is its row, in another table
+    (matvec,) = [x for t, x in CPU_BYTES.members if t == "single_gemm"]
+    (eid,) = h.append("p.db", _row(matvec, gbps=12.5, tflops=0.001))
+    by_metric = {c.metric: c for c in ceilings(h.CPU, GPU, db="p.db")}
+    c = by_metric["memory_bandwidth_gbps"]
+    assert (c.value, c.table, c.spec, c.citation) == (12.5, "single_gemm", matvec, "kprof." + eid.hex()[:16])
+    assert "tflops" not in by_metric  # only the arithmetic set's own rows make that ceiling
+
+
+def test_ceilings_are_read_under_one_timing_method(h):
+    timing = "events;l2=cold;eager"
+    h.append("p.db", *[_row(x, backend="torch", timing=timing, tflops=100.0 + i)
+                       for i, (_t, x) in enumerate(GPU_FLOPS.members)])
+    assert ceilings("torch", GPU, db="p.db") == []  # the default (cupti) rows do not exist
+    flops = {c.metric: c for c in ceilings("torch", GPU, db="p.db", timing=timing)}["tflops"]
+    assert flops.value == 100.0 + len(GPU_FLOPS.members) - 1 and flops.method["timing"] == timing
+
+
+def _above_ceiling_ledger(h):
+    """Ceiling rows of known value, and three rows: below both ceilings, above the arithmetic one, and
+    exactly at it."""
+    h.append("p.db", *[_row(s, tflops=v, gbps=0.1) for s, v in zip(CPU_GEMMS, (3.0, 7.0, 5.0))],
+             *[_row(s, table="memcpy", gbps=v) for s, v in zip(CPU_COPIES, (10.0, 20.0, 15.0))])
+    others = [h.gemm(64, 64, 64), h.gemm(96, 96, 96), h.gemm(128, 128, 128)]
+    h.append("p.db", _row(others[0], tflops=3.5, gbps=5.0), _row(others[1], tflops=8.4, gbps=5.0),
+             _row(others[2], tflops=7.0, gbps=20.0))
+    return others
+
+
+def test_a_row_above_a_ceiling_is_flagged_never_capped(h):
+    others = _above_ceiling_ledger(h)
+    found = ceilings(h.CPU, GPU, db="p.db")
+    docs = api.query("single_gemm", h.CPU, others, gpu_name=GPU, db="p.db").results
+    annotate(docs, found)
+    below, above, at = (d["ceiling"] for d in docs)
+    assert below["fraction"] == {"tflops": 0.5, "memory_bandwidth_gbps": 0.25} and "above_ceiling" not in below
+    assert above["fraction"]["tflops"] == pytest.approx(1.2) and above["above_ceiling"] is True
+    assert at["fraction"] == {"tflops": 1.0, "memory_bandwidth_gbps": 1.0} and "above_ceiling" not in at
+    assert above["citations"] == {c.metric: c.citation for c in found}
+    assert set(above["method"]) == {"tflops", "memory_bandwidth_gbps"}
+    assert above["method"]["tflops"].startswith("max over 3/3 shapes (at single_gemm 768x768x768)")
+    # rows that are not ok get nothing; no ceilings, nothing at all
+    missing = api.query("single_gemm", h.CPU, [h.gemm(8, 8, 8)], gpu_name=GPU, db="p.db").results
+    annotate(missing, found)
+    annotate(docs[:1] + missing, [])
+    assert "ceiling" not in missing[0]
+
+
+def test_query_json_flags_a_row_above_a_ceiling(h, capsys):
+    others = _above_ceiling_ledger(h)
+    doc = h.read_json(capsys, "query", "p.db", *others, extra=["--gpu-name", GPU])
+    below, above, _at = (r["ceiling"] for r in doc["results"])
+    assert above["above_ceiling"] is True and "above_ceiling" not in below
+    assert set(above["method"]) == {"tflops", "memory_bandwidth_gbps"}
 
 
 def test_calibrate_unknown_backend_is_a_usage_error(h, capsys, tmp_path):

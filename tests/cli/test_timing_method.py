@@ -1,5 +1,5 @@
-"""The timing method of CUDA rows comes from KPROF_TIMER / KPROF_L2 / KPROF_CUDA_GRAPH and is part of the key;
-reading the rows of a GPU needs no GPU (only --gpu-name)."""
+"""The timing method of CUDA rows comes from --timer / --l2 / --cuda-graph, else KPROF_TIMER / KPROF_L2 /
+KPROF_CUDA_GRAPH, and is part of the key; reading the rows of a GPU needs no GPU (only --gpu-name)."""
 
 import json
 
@@ -11,6 +11,13 @@ from kprof.errors import UsageError
 from kprof.runners.registry import lookup
 
 H200 = "NVIDIA H200"
+
+
+@pytest.fixture(autouse=True)
+def _no_method_in_the_environment(monkeypatch):
+    """Each test sets the variables it means: an inherited KPROF_TIMER would pick another key."""
+    for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.mark.parametrize("env, timing", [
@@ -64,3 +71,221 @@ def test_a_device_that_cannot_measure_is_refused_before_the_ledger_is_created(h,
     assert main(["run", "rms_norm", "--backend", "torch", *h.spec_args(spec), "--db", "p.db"]) == 2
     assert "CUPTI is not usable here" in capsys.readouterr().err
     assert not (tmp_path / "p.db").exists()
+
+
+# --- explicit method flags -------------------------------------------------------------------------------
+
+NORM = {"tokens": 4, "hidden": 64, "dtype": "bf16"}
+SELECTORS = {"cupti;l2=cold;eager": [], "events;l2=cold;eager": ["--timer", "events"],
+             "cupti;l2=warm;eager": ["--l2", "warm"], "cupti;l2=cold;graph": ["--cuda-graph"]}
+
+
+def _event_under(spec, gpu, table="rms_norm", backend="torch", time_ms=0.5, **method):
+    """A measured row keyed under the timing method that the explicit arguments select."""
+    from kprof.ledger import KeyMaker, ShapeCodec
+    from kprof.ledger.build import measured
+    from kprof.ledger.events import Method, Stats
+    from kprof.runners.catalog import parse_timing
+
+    entry = effective_entry(lookup(table, backend), **method)
+    prov = KeyMaker(table, backend, gpu, entry.contract, ShapeCodec(entry.args)).provenance(spec)
+    timer, l2, graph = parse_timing(entry.contract.timing)
+    stats = Stats(n=5, median=time_ms, p10=time_ms, p90=time_ms, mean=time_ms, stdev=0.0, cv=0.0, min=time_ms,
+                  max=time_ms, samples=[time_ms] * 5)
+    metrics = {"time_ms": time_ms, "tflops": 1.0, "memory_bandwidth_gbps": 2.0, "energy_j": None}
+    return measured(prov, metrics, stats, Method(timer=timer, l2=l2, graph=graph))
+
+
+def _read(capsys, h, verb, *flags, table="rms_norm", spec=NORM, backend="torch"):
+    rc = main([verb, table, "--backend", backend, *h.spec_args(spec), "--gpu-name", H200, "--db", "p.db",
+               "--json", *flags])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads(captured.out)
+
+
+@pytest.mark.parametrize("kwargs, timing", [  # the environment alone: events;l2=cold;graph
+    ({"timer": "cupti", "l2": "warm", "cuda_graph": False}, "cupti;l2=warm;eager"),
+    ({"timer": " CUPTI "}, "cupti;l2=cold;graph"),
+    ({"l2": "warm"}, "events;l2=warm;graph"),
+    ({"cuda_graph": False}, "events;l2=cold;eager"),
+    ({"timer": "cupti", "cuda_graph": False}, "cupti;l2=cold;eager"),
+])
+def test_explicit_arguments_beat_the_environment_one_setting_at_a_time(monkeypatch, kwargs, timing):
+    monkeypatch.setenv("KPROF_TIMER", "events")
+    monkeypatch.setenv("KPROF_L2", "cold")
+    monkeypatch.setenv("KPROF_CUDA_GRAPH", "1")
+    assert effective_entry(lookup("rms_norm", "torch"), **kwargs).contract.timing == timing
+
+
+@pytest.mark.parametrize("written", list(SELECTORS))
+def test_a_row_written_under_one_method_is_missing_under_every_other(h, capsys, written):
+    timer, l2, mode = written.split(";")
+    h.append("p.db", _event_under(NORM, H200, timer=timer, l2=l2.removeprefix("l2="), cuda_graph=mode == "graph"))
+    for timing, flags in SELECTORS.items():
+        missing = _read(capsys, h, "count-missing", *flags)["missing_count"]
+        doc = _read(capsys, h, "query", *flags)
+        row = doc["results"][0]
+        if timing == written:
+            assert (missing, row["status"], row["provenance"]["timing"]) == (0, "ok", written)
+        else:  # only a row of another method exists: not this method's row (stale counts as missing)
+            assert (missing, doc["missing_count"]) == (1, 1) and row["status"] in ("missing", "stale"), timing
+
+
+def test_query_keys_differ_by_method(h, capsys):
+    keys = {timing: _read(capsys, h, "query", *flags)["results"][0]["key"] for timing, flags in SELECTORS.items()}
+    assert len(set(keys.values())) == len(SELECTORS)
+
+
+def test_a_flag_beats_the_environment(h, capsys, monkeypatch):
+    h.append("p.db", _event_under(NORM, H200))  # the default method: cupti, cold, eager
+    monkeypatch.setenv("KPROF_TIMER", "events")
+    monkeypatch.setenv("KPROF_CUDA_GRAPH", "1")
+    assert _read(capsys, h, "count-missing")["missing_count"] == 1  # the environment picks events + graph
+    assert _read(capsys, h, "count-missing", "--timer", "cupti")["missing_count"] == 1  # graph still from env
+    assert _read(capsys, h, "count-missing", "--timer", "cupti", "--no-cuda-graph")["missing_count"] == 0
+    # an explicit value does not read its variable at all, so a bad one in the environment is overridden
+    monkeypatch.setenv("KPROF_L2", "lukewarm")
+    explicit = ["--timer", "cupti", "--no-cuda-graph", "--l2", "cold"]
+    assert _read(capsys, h, "count-missing", *explicit)["missing_count"] == 0
+    assert _read(capsys, h, "query", *explicit)["missing_count"] == 0  # the ceilings are read the same way
+    assert main(["count-missing", "rms_norm", "--backend", "torch", *h.spec_args(NORM), "--gpu-name", H200,
+                 "--timer", "cupti", "--no-cuda-graph", "--db", "p.db"]) == 2
+    assert "KPROF_L2='lukewarm' is not one of cold, warm" in capsys.readouterr().err
+
+
+def test_the_api_passes_the_method_through(h):
+    from kprof import api
+
+    h.append("p.db", _event_under(NORM, H200, timer="events"))
+    assert api.count_missing("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db").missing_count == 1
+    assert api.count_missing("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", timer="events").missing_count == 0
+    row = api.query("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", timer="events").results[0]
+    assert row["status"] == "ok" and row["provenance"]["timing"] == "events;l2=cold;eager"
+    with pytest.raises(UsageError, match="--cuda-graph '0' is not a bool"):
+        api.query("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", cuda_graph="0")
+
+
+BAD = [(["--timer", "nsys"], "--timer 'nsys' is not one of cupti, events; e.g. --timer cupti"),
+       (["--l2", "hot"], "--l2 'hot' is not one of cold, warm; e.g. --l2 cold")]
+
+
+@pytest.mark.parametrize("flags, message", BAD)
+@pytest.mark.parametrize("verb", ["run", "query", "count-missing", "calibrate"])
+def test_a_bad_flag_value_is_named_and_nothing_is_written(h, capsys, monkeypatch, tmp_path, verb, flags, message):
+    monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [H200])
+    table = [] if verb == "calibrate" else ["rms_norm", *h.spec_args(NORM)]
+    assert main([verb, *table, "--backend", "torch", "--db", "p.db", *flags]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "$KPROF_" in captured.err
+    assert captured.out == ""
+    assert not (tmp_path / "p.db").exists()
+
+
+@pytest.mark.parametrize("flags, message", BAD)
+def test_a_bad_flag_value_refuses_remeasure(h, capsys, flags, message):
+    h.append("p.db", _event_under(NORM, H200))
+    before = h.digest("p.db")
+    assert main(["audit", "--remeasure", "1", "--db", "p.db", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert h.digest("p.db") == before
+
+
+@pytest.mark.parametrize("flags, shown", [
+    (["--timer", "events"], "--timer events"), (["--timer", "cupti"], "--timer cupti"),
+    (["--l2", "cold"], "--l2 cold"), (["--cuda-graph"], "--cuda-graph"),
+])
+@pytest.mark.parametrize("verb", ["run", "query", "count-missing", "calibrate"])
+def test_a_cpu_backend_refuses_a_cuda_method(h, capsys, tmp_path, verb, flags, shown):
+    table = [] if verb == "calibrate" else [h.GEMM, *h.spec_args(h.gemm())]
+    assert main([verb, *table, "--backend", h.CPU, "--db", "p.db", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{shown} applies to CUDA backends; torch-cpu is timed by wall clock (cpu-wall" in err
+    assert not (tmp_path / "p.db").exists()
+
+
+def test_a_cpu_backend_accepts_its_own_method_and_ignores_the_environment(h, capsys, monkeypatch, local_gpu):
+    h.append("p.db", h.make_event(h.gemm(), local_gpu))
+    monkeypatch.setenv("KPROF_TIMER", "nsys")  # not read for a CPU entry
+    for flags in ([], ["--l2", "warm"], ["--no-cuda-graph"], ["--l2", "WARM", "--no-cuda-graph"]):
+        doc = h.read_json(capsys, "query", "p.db", h.gemm(), extra=flags)
+        assert doc["missing_count"] == 0, flags
+
+
+@pytest.mark.parametrize("flags, named", [(["--timer", "events"], "--timer"), (["--l2", "warm"], "--l2"),
+                                          (["--cuda-graph"], "--cuda-graph"), (["--no-cuda-graph"], "--no-cuda-graph")])
+def test_audit_refuses_a_method_flag_without_remeasure(h, capsys, flags, named):
+    h.append("p.db", _event_under(NORM, H200))
+    assert main(["audit", "--db", "p.db", "--json", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"{named} applies to `kprof audit --remeasure N` only" in captured.err
+    assert main(["audit", "--db", "p.db", "--json"]) == 0  # the same ledger audits clean without the flag
+
+
+def test_remeasure_with_a_cuda_method_needs_a_gpu(h, capsys, monkeypatch, local_gpu):
+    monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [])
+    h.append("p.db", h.make_event(h.gemm(), local_gpu))
+    assert main(["audit", "--remeasure", "1", "--db", "p.db", "--no-cuda-graph", "--timer", "events"]) == 2
+    assert "--timer events --no-cuda-graph re-measures CUDA rows and no CUDA GPU is visible" in capsys.readouterr().err
+
+
+def test_remeasure_measures_the_cuda_rows_of_the_method_given(h, capsys, monkeypatch, local_gpu):
+    """The flag picks the rows (CPU rows and rows of other methods are left out) and the method they are
+    measured with: the entry handed to the worker carries it."""
+    import kprof.runners.worker as worker
+    from kprof.runners.worker import Outcome
+
+    seen = []
+
+    def fake_measure(entry, specs, gpu_key, **kw):
+        seen.append((entry.backend, entry.contract.timing, gpu_key))
+        for i, spec in enumerate(specs):
+            yield Outcome(i, _event_under(spec, gpu_key, time_ms=0.5, timer="events"), 0.0, 0.0)
+
+    monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [H200])
+    monkeypatch.setattr(worker, "measure_specs", fake_measure)
+    h.append("p.db", h.make_event(h.gemm(), local_gpu), _event_under(NORM, H200),
+             _event_under(NORM, H200, timer="events"))
+    assert main(["audit", "--remeasure", "5", "--db", "p.db", "--json", "--timer", "events"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["candidates"], doc["checked"], doc["drifted"], doc["gpu_keys"]) == (1, 1, 0, [H200])
+    assert seen == [("torch", "events;l2=cold;eager", H200)]
+
+
+def test_a_query_reads_the_ceilings_of_its_own_method(h, capsys):
+    """`query --json` cites the ceilings measured under the same timing method as the rows it reports."""
+    from kprof.calibrate import CEILING_SPECS
+
+    gemm = {"m": 64, "n": 64, "k": 64, "dtype": "bf16"}
+    events = [_event_under(gemm, H200, table="single_gemm", timer="events")]
+    events += [_event_under(spec, H200, table=table, timer="events") for table, spec, _m in CEILING_SPECS["cuda"]]
+    h.append("p.db", *events)
+    row = _read(capsys, h, "query", "--timer", "events", table="single_gemm", spec=gemm)["results"][0]
+    assert row["status"] == "ok" and set(row["ceiling"]["citations"]) == {"tflops", "memory_bandwidth_gbps"}
+    assert row["ceiling"]["fraction"]["tflops"] == 1.0
+
+
+def test_run_stores_its_rows_under_the_method_given(h, capsys, monkeypatch):
+    """`run --timer events --l2 warm` hands the worker an entry of that method, and its row lands under that key
+    (the worker is replaced: this machine has no GPU; the GPU path is tests/runners/test_gpu_run.py)."""
+    import kprof.runners.worker as worker
+    from kprof.runners.worker import Outcome
+
+    seen = []
+
+    def fake_measure(entry, specs, gpu_key, **kw):
+        seen.append(entry.contract.timing)
+        timer, l2, _mode = entry.contract.timing.split(";")
+        for i, spec in enumerate(specs):
+            yield Outcome(i, _event_under(spec, gpu_key, timer=timer, l2=l2.removeprefix("l2=")), 0.0, 0.0)
+
+    monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [H200])
+    monkeypatch.setattr(worker, "prepare_device", lambda entry, gpu_key, environment=None: None)
+    monkeypatch.setattr(worker, "measure_specs", fake_measure)
+    monkeypatch.setenv("KPROF_L2", "cold")  # the flag beats it
+    doc = _read(capsys, h, "run", "--timer", "events", "--l2", "warm")
+    assert (doc["missing_count"], doc["results"][0]["provenance"]["timing"]) == (0, "events;l2=warm;eager")
+    assert seen == ["events;l2=warm;eager"]
+    assert _read(capsys, h, "count-missing", "--timer", "events", "--l2", "warm")["missing_count"] == 0
+    assert _read(capsys, h, "count-missing", "--timer", "events")["missing_count"] == 1
