@@ -2,7 +2,7 @@
 # Runs GPU stages on the device machine, each under its own time limit, each logged to $OUT/<stage>.log:
 #   tests/benchmarks/gpu_stage.sh tests catalog timer nvml timing sweep
 # Stages: tests (pytest -m gpu), catalog / timer / nvml (smoke scripts), timing (gpu_timing.py),
-# sweep (gpu_sweep.py). The short table of each is printed at the end.
+# sweep (gpu_sweep.py), model (model_step.py, $MODEL_ARGS), protocol (protocol_check.py, $PROTOCOL_ARGS). The short table of each is printed at the end.
 set -u
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -14,6 +14,8 @@ for stage in "$@"; do
     nvml)    cmd=(timeout 90 $py tests/benchmarks/nvml_smoke.py --out "$OUT") ;;
     timing)  cmd=(timeout 300 $py tests/benchmarks/gpu_timing.py --out "$OUT") ;;
     sweep)   cmd=(timeout 400 $py tests/benchmarks/gpu_sweep.py --out "$OUT") ;;
+    model)   cmd=(timeout ${MODEL_S:-330} $py tests/benchmarks/model_step.py --out "$OUT" ${MODEL_ARGS:-}) ;;
+    protocol) cmd=(timeout ${PROTOCOL_S:-330} $py tests/benchmarks/protocol_check.py --out "$OUT" ${PROTOCOL_ARGS:-}) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   start=$(date +%s)
