@@ -50,26 +50,28 @@ class Settled(NamedTuple):
     steady: bool  # False: max_s ran out before the clock held still
 
 
-def state_label(readings: Sequence[StateReading]) -> str:
+def state_label(readings: Sequence[StateReading], regime: str = "sustained") -> str:
     """What limited the clock while these readings were taken: 'power-capped', 'thermal-limited' or
-    'boost' (nothing but the load itself), prefixed by 'sustained' (the protocol's back-to-back state)."""
+    'boost' (nothing but the load itself), after the regime: 'sustained' (the kernel back to back) or
+    'loaded' (each call after heavy work that holds the GPU at its power limit)."""
     seen = set()
     for r in readings:
         seen.update(decode_reasons(r.reasons or 0))
     if seen & OUT_OF_STATE_REASONS:
-        return "sustained, thermal-limited"
+        return f"{regime}, thermal-limited"
     if "power_cap" in seen:
-        return "sustained, power-capped"
-    return "sustained, boost"
+        return f"{regime}, power-capped"
+    return f"{regime}, boost"
 
 
 class StateProtocol:
     """Start, settle and hold (see the module doc) around one row's timing, with readings from `probe`."""
 
     def __init__(self, probe: Callable[[], StateReading], *, max_start_c: float = 80.0, cool_s: float = 30.0,
-                 tol: float = 0.02, window: int = 3, chunk_s: float = 0.015, min_s: float = 0.04,
+                 tol: float = 0.02, window: int = 3, chunk_s: float = 0.02, min_s: float = 0.12,
                  max_s: float = 1.5, max_discards: int = 8, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, regime: str = "sustained"):
+        self.regime = regime
         self.probe, self.max_start_c, self.cool_s, self.tol = probe, max_start_c, cool_s, tol
         self.window, self.chunk_s, self.min_s, self.max_s = window, chunk_s, min_s, max_s
         self.max_discards, self._sleep, self._clock = max_discards, sleep, clock
@@ -144,7 +146,7 @@ class StateProtocol:
         """The row's state notes: label, settled and timed clocks, power, temperature, reasons, discards."""
         kept = self.kept
         out = dict(self.notes)
-        out["state"] = state_label(kept) if kept else "unknown (no readings)"
+        out["state"] = state_label(kept, self.regime) if kept else "unknown (no readings)"
         out["batches_discarded"] = str(self.discarded_total)
         if self.reanchored:
             out["state_reanchored"] = str(self.reanchored)

@@ -46,6 +46,8 @@ _MAX_BATCH = 100
 _SETTLE_S = 0.05  # back-to-back running before the first sample, for calls long enough to heat the GPU
 _SETTLE_MIN_CALL_S = 1e-3  # warm-up wall per call (launch + sync included) from which a call settles
 _SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts SM clock cycles; about the boost clock of current GPUs
+_HEAT_RATIO = 2.0  # loaded state: heavy work per sample, in multiples of the call's own time
+_HEAT_MAX_UNITS = 32
 _GRAPH_WARMUP_ROUNDS = 3  # eager rounds on a side stream before capture, as torch.cuda.graphs asks
 
 
@@ -80,7 +82,8 @@ def rotation_copies(input_bytes: int, device=None) -> int:
 def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: str = "cupti",
              cold_l2: bool = True, graph: bool = False, kernel_filter: str | None = None,
              rotations: list[Callable[[], object]] | None = None, device=None,
-             state: StateProtocol | None = None, warm: Callable[[], object] | None = None) -> GpuTiming:
+             state: StateProtocol | None = None, warm: Callable[[], object] | None = None,
+             heat: Callable[[], object] | None = None) -> GpuTiming:
     """Time `fn` on the GPU until `rule` stops (default `StopRule()`).
 
     fn: the production callable, inputs built beforehand; it is called once before warm-up so lazy setup
@@ -99,6 +102,9 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
     warm: with cold_l2 (eager), called after each flush, outside the timed region: reads back the inputs a
         model's previous kernel would have just written (the activations), so only the rest (weights, KV
         caches) is cold, as inside a model.
+    heat: the loaded power state: one unit of heavy work (a large GEMM) enqueued before every sweep, as many
+        units as make about twice the call's time, so the GPU runs at its power limit as it does inside a
+        prefill, whatever the timed kernel itself draws. Outside the timed region, like the sweep.
     state: the thermal and power protocol whose probe reads this device (settle, then hold every batch to the
         settled clock); its summary joins the notes. None: the fixed settle of long calls only.
     """
@@ -137,7 +143,7 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
 
         if timer == "events":
             call, per_call, primed = _prime(torch, fn, copies)
-            samples, reason, warm = _run_events(torch, call, flush, per_call, rule, notes, state)
+            samples, reason, warm = _run_events(torch, call, flush, per_call, rule, notes, state, heat)
             names: tuple[str, ...] = ()
             dropped = 0
         else:
@@ -150,7 +156,7 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
             with _cupti.Session() as session:
                 call, per_call, primed = _prime(torch, fn, copies)
                 samples, reason, warm, ref = _run_cupti(torch, session, call, flush, per_call, rule, pattern,
-                                                        notes, state)
+                                                        notes, state, heat)
                 dropped = session.dropped
             names = one_invocation(ref, per_call)
             notes["kernels_per_invocation"] = str(len(names))
@@ -320,9 +326,34 @@ def _settle_to_state(torch, call, flush, per_call_s: float, state: StateProtocol
     torch.cuda.synchronize()
 
 
-def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes, state=None):
+def _heated(torch, flush, heat, per_call_s: float, notes: dict):
+    """`flush` preceded by enough units of `heat` to take about _HEAT_RATIO times the call (at least one, at
+    most _HEAT_MAX_UNITS), or `flush` itself without heat."""
+    if heat is None:
+        return flush
+    heat()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        heat()
+    torch.cuda.synchronize()
+    unit_s = (time.perf_counter() - t) / 5
+    units = max(1, min(_HEAT_MAX_UNITS, math.ceil(_HEAT_RATIO * per_call_s / unit_s)))
+    notes.update(power="loaded", heat_units=str(units), heat_unit_us=f"{unit_s * 1e6:.1f}")
+
+    def heated() -> None:
+        for _ in range(units):
+            heat()
+        if flush is not None:
+            flush()
+
+    return heated
+
+
+def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes, state=None, heat=None):
     started = time.perf_counter()
     groups, attribution, why, per_call_s = _warm_cupti(torch, session, call, flush)
+    flush = _heated(torch, flush, heat, per_call_s, notes)
     _settle(torch, call, flush, per_call_s, notes, state)
     session.collect()  # the settling calls ran under no external id: their records are dropped here
     ref = _names(groups[0])
@@ -433,7 +464,7 @@ def _events_zero_ms(torch, flush, clock_mhz: float | None, n: int = 25) -> tuple
     return max(reading - known_ms, 0.0), f"{cycles}-cycle sleep kernel at {clock_mhz:.0f} MHz"
 
 
-def _run_events(torch, call, flush, per_call, rule, notes, state=None):
+def _run_events(torch, call, flush, per_call, rule, notes, state=None, heat=None):
     started = time.perf_counter()
     warm = 0
     while warm < 2 or (time.perf_counter() - started < _WARMUP_S and warm < _WARMUP_MAX):
@@ -443,6 +474,7 @@ def _run_events(torch, call, flush, per_call, rule, notes, state=None):
         torch.cuda.synchronize()
         warm += 1
     per_call_s = (time.perf_counter() - started) / warm
+    flush = _heated(torch, flush, heat, per_call_s, notes)
     _settle(torch, call, flush, per_call_s, notes, state)
     notes.update(attribution="events", launch="batched")
     enqueue_s = 50e-6  # host time to enqueue one (flush, event, call, event): measured per batch after the first

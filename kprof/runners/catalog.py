@@ -26,19 +26,35 @@ __all__ = ["CPU_TIMING", "GPU_TIMING", "TIMERS", "parse_timing", "timing_string"
 TIMERS = ("cupti", "events", "cpu-wall")
 
 
-def timing_string(timer: str, l2: str, graph: bool) -> str:
-    """The timing part of a contract, e.g. "events;l2=cold;graph": rows timed another way never share a key."""
+POWER_STATES = ("sustained", "loaded")
+
+
+def timing_string(timer: str, l2: str, graph: bool, power: str = "sustained") -> str:
+    """The timing part of a contract, e.g. "events;l2=cold;graph": rows timed another way never share a key.
+    The power state is named only when it is not the default ("...;power=loaded"), so the keys of default
+    rows are what they were before the power state existed."""
     if timer not in TIMERS:
         raise ValueError(f"timer {timer!r} is not one of {', '.join(TIMERS)}")
     if l2 not in ("cold", "warm"):
         raise ValueError(f"l2 {l2!r} is not cold or warm")
-    return f"{timer};l2={l2};{'graph' if graph else 'eager'}"
+    if power not in POWER_STATES:
+        raise ValueError(f"power {power!r} is not one of {', '.join(POWER_STATES)}")
+    base = f"{timer};l2={l2};{'graph' if graph else 'eager'}"
+    return base if power == "sustained" else f"{base};power={power}"
 
 
 def parse_timing(timing: str) -> tuple[str, str, bool]:
-    """(timer, l2, graph) of a contract's timing part: the inverse of `timing_string`."""
+    """(timer, l2, graph) of a contract's timing part: the inverse of `timing_string` (see `timing_power`)."""
     timer, l2, mode = (timing.split(";") + ["", ""])[:3]
     return timer, l2.removeprefix("l2="), mode == "graph"
+
+
+def timing_power(timing: str) -> str:
+    """The power state a contract's timing names: "sustained" unless it says "power=loaded"."""
+    for part in timing.split(";")[3:]:
+        if part.startswith("power="):
+            return part.removeprefix("power=")
+    return "sustained"
 
 
 # The CPU timer's method, part of every torch-cpu key (byte for byte as first released).

@@ -179,9 +179,11 @@ class _CudaDevice:
             raise UsageError(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit --gpu-name")
         torch.cuda.set_device(0)
         self.torch = torch
-        from .catalog import parse_timing
+        from .catalog import parse_timing, timing_power
 
         self.timer, l2, self.graph = parse_timing(entry.contract.timing)
+        self.power = timing_power(entry.contract.timing)
+        self._heater = None
         self.cold = l2 != "warm"
         if self.timer == "cupti":
             from ..measure.gpu_timer import cupti_available
@@ -209,7 +211,7 @@ class _CudaDevice:
             timing, retried = twice_if_unstable(lambda: time_gpu(
                 case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
                 kernel_filter=case.kernel_filter, state=self._state(start=False),
-                warm=self._warm(case)))
+                warm=self._warm(case), heat=self._heat()))
         env = with_telemetry(self.env, telemetry)
         if self.state_errors:
             env = msgspec.structs.replace(env, errors={**env.errors, **{f"state.{k}": v
@@ -238,7 +240,7 @@ class _CudaDevice:
         except Exception as e:  # noqa: BLE001 - no NVML: time without the protocol, and record why
             self.state_errors["state"] = f"{type(e).__name__}: {e}"
             return None
-        state = StateProtocol(probe)
+        state = StateProtocol(probe, regime=self.power)
         if start:
             state.start()
             self.start_notes = dict(state.notes)
@@ -278,12 +280,29 @@ class _CudaDevice:
             "energy_power_w": f"{result.power_w:.1f}", "energy_regime": "back-to-back calls, L2 warm, settled",
             **warm}
 
+    def _heat(self):
+        """The loaded power state's unit of heavy work (see time_gpu's `heat`): a 4096^3 bf16 GEMM, the kind of
+        kernel that holds a GPU at its power limit through a prefill; None in the sustained state."""
+        if self.power != "loaded":
+            return None
+        if self._heater is None:
+            torch = self.torch
+            g = torch.Generator("cuda").manual_seed(0x4EA7)
+            a, b = (torch.randn(4096, 4096, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+            out = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+            self._heater = lambda: torch.matmul(a, b, out=out)
+        return self._heater
+
     def _warm(self, case):
         """Cold L2: after each sweep, read the case's activations back into L2 (see Case.warm); before an eager
         call and a graph replay alike."""
         if not self.cold or not case.warm:
             return None
-        tensors = [case.inputs[i] for i in case.warm]
+        import torch
+
+        # fp8 has no reduction kernels: its bytes are read as uint8, which reads the same lines.
+        tensors = [t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+                   for t in (case.inputs[i] for i in case.warm)]
         return lambda: [t.sum() for t in tensors]
 
     def recover(self) -> None:

@@ -557,6 +557,19 @@ def test_time_gpu_graph_is_swept_before_every_replay_like_an_eager_call(sim):
     assert sim.flushes - before >= 10  # one sweep before each timed replay
 
 
+def test_time_gpu_loaded_runs_heavy_work_before_every_sweep_and_times_only_the_call(sim):
+    heats = []
+
+    def heat():
+        heats.append(None)
+        sim.launch("heater_gemm", 100_000)
+
+    t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=20), heat=heat)
+    assert t.samples_ms == [pytest.approx(0.0025)] * 20 and t.kernels == ("gemm",)
+    assert t.notes["power"] == "loaded" and int(t.notes["heat_units"]) >= 1
+    assert len(heats) >= 20 + 6  # one unit before each timed call, after the unit's own timing
+
+
 def test_time_gpu_unstable_end_to_end(sim):
     n = []
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kprof.ledger.events import Measured
 from kprof.runners import gemm, moe
 from kprof.runners._case import Unsupported, WrongResult, seed_of
-from kprof.runners.catalog import CPU_TIMING, GPU_TIMING, parse_timing, timing_string
+from kprof.runners.catalog import CPU_TIMING, GPU_TIMING, parse_timing, timing_power, timing_string
 from kprof.runners.registry import entries, lookup
 from kprof.runners.worker import classify, measure_specs
 
@@ -75,6 +75,15 @@ def test_first_cpu_contracts_are_unchanged():
         assert msgspec.structs.asdict(contract) == {
             "algorithm": algorithm, "layout": layout, "numerics": "dtype=spec; fp32 accumulate",
             "timing": "cpu-wall;l2=warm;eager", "profiler_revision": 1}
+
+
+def test_the_power_state_is_named_only_when_loaded():
+    assert timing_string("cupti", "cold", False, "sustained") == GPU_TIMING == "cupti;l2=cold;eager"
+    loaded = timing_string("cupti", "cold", False, "loaded")
+    assert loaded == "cupti;l2=cold;eager;power=loaded" and timing_power(loaded) == "loaded"
+    assert parse_timing(loaded) == ("cupti", "cold", False) and timing_power(GPU_TIMING) == "sustained"
+    with pytest.raises(ValueError, match="power 'hot'"):
+        timing_string("cupti", "cold", False, "hot")
 
 
 def test_timing_strings():
