@@ -125,7 +125,9 @@ def _algorithm(case) -> dict[str, str]:
 
 # Seconds of steady back-to-back calls behind each row's energy_j: two to three steps of NVML's ~98 ms
 # counter, fitted once the clock has settled (the settle, not the window, brings the GPU to its steady power).
-ENERGY_S = 0.25
+ENERGY_S = 0.2
+# The timing's settle right after an energy window, which has brought the GPU to this kernel's steady clock.
+SETTLED_MIN_S = 0.04
 
 
 def energy_window_s() -> float:
@@ -210,7 +212,7 @@ class _CudaDevice:
             # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
             timing, retried = twice_if_unstable(lambda: time_gpu(
                 case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
-                kernel_filter=case.kernel_filter, state=self._state(start=False),
+                kernel_filter=case.kernel_filter, state=self._state(start=False, settled=energy is not None),
                 warm=self._warm(case), heat=self._heat()))
         env = with_telemetry(self.env, telemetry)
         if self.state_errors:
@@ -229,9 +231,11 @@ class _CudaDevice:
                                **case.notes})
         return stats, method, energy, env, timing.gpu_s
 
-    def _state(self, start: bool = True):
+    def _state(self, start: bool = True, settled: bool = False):
         """A fresh thermal and power protocol for device 0 (None where NVML cannot read it: the row says so).
-        `start`: first wait until the GPU is no hotter than the stated start temperature."""
+        `start`: first wait until the GPU is no hotter than the stated start temperature. `settled`: the GPU
+        has just run this kernel back to back to a steady clock (the energy window), so the timing's own
+        settle need only confirm it in the samples' pattern (a shorter minimum)."""
         from ..measure._state import StateProtocol
         from ..measure.nvml import state_probe
 
@@ -240,7 +244,7 @@ class _CudaDevice:
         except Exception as e:  # noqa: BLE001 - no NVML: time without the protocol, and record why
             self.state_errors["state"] = f"{type(e).__name__}: {e}"
             return None
-        state = StateProtocol(probe, regime=self.power)
+        state = StateProtocol(probe, regime=self.power, **({"min_s": SETTLED_MIN_S} if settled else {}))
         if start:
             state.start()
             self.start_notes = dict(state.notes)
