@@ -5,9 +5,11 @@
     api.query("single_gemm", "torch-cpu", specs, db="profile.db") # -> QueryResult
     api.run("single_gemm", "torch-cpu", specs, mode="jit")        # -> QueryResult (exit code in .exit_code)
     api.query("single_gemm", "torch", specs, gpu_name="NVIDIA H200", timer="events", l2="warm")  # CUDA method
+    api.run("single_gemm", "torch", prefill_specs, power="loaded")  # timed after heavy GEMMs, as in a prefill
 
-CUDA rows are keyed by their timing method: `timer`, `l2` and `cuda_graph` choose it, each defaulting to its
-environment variable (KPROF_TIMER, KPROF_L2, KPROF_CUDA_GRAPH); see `effective_entry`.
+CUDA rows are keyed by their timing method: `timer`, `l2`, `cuda_graph` and the power state `power` choose it,
+each defaulting to its environment variable (KPROF_TIMER, KPROF_L2, KPROF_CUDA_GRAPH, KPROF_POWER); see
+`effective_entry`.
 
 query and count-missing never import torch, cupti or pynvml.
 """
@@ -88,10 +90,11 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
     return cpu_model()
 
 
-# The CUDA timing method's three settings: (flag, environment variable, allowed values, default).
+# The CUDA timing method's settings: (flag, environment variable, allowed values, default).
 _TIMER = ("--timer", "KPROF_TIMER", ("cupti", "events"), "cupti")
 _L2 = ("--l2", "KPROF_L2", ("cold", "warm"), "cold")
 _GRAPH = ("--cuda-graph", "KPROF_CUDA_GRAPH", ("0", "1"), "0")
+_POWER = ("--power", "KPROF_POWER", ("sustained", "loaded"), "sustained")  # kprof.runners.catalog.POWER_STATES
 
 
 def _from_env(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -122,10 +125,11 @@ def _graph(given: bool | None) -> bool:
     return given
 
 
-def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: bool | None) -> None:
-    """The CPU timer has one method (wall clock, warm caches, eager calls): an explicit flag asking for any
-    other is refused rather than ignored, so nobody reads CPU rows believing they were timed some other way.
-    Only the explicit values are looked at: the environment variables never apply to a CPU entry."""
+def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: bool | None,
+                   power: str | None) -> None:
+    """The CPU timer has one method (wall clock, warm caches, eager calls back to back): an explicit flag asking
+    for any other is refused rather than ignored, so nobody reads CPU rows believing they were timed some other
+    way. Only the explicit values are looked at: the environment variables never apply to a CPU entry."""
     from .runners.catalog import parse_timing
 
     cpu_timer, cpu_l2, cpu_graph = parse_timing(entry.contract.timing)
@@ -136,28 +140,32 @@ def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: 
         asked.append(f"--l2 {_choice(_L2, l2)}")
     if cuda_graph is not None and _graph(cuda_graph) != cpu_graph:
         asked.append("--cuda-graph")
+    if power is not None and _choice(_POWER, power) != _POWER[3]:  # no heavy GEMMs heat a CPU before its calls
+        asked.append(f"--power {_choice(_POWER, power)}")
     if asked:
         flag = asked[0]
         raise UsageError(f"{flag} applies to CUDA backends; {entry.backend} is timed by wall clock ({cpu_timer}, "
-                         f"L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls); omit {flag.split()[0]}, "
-                         f"or pass a CUDA backend (see `kprof list`)")
+                         f"L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls back to back); omit "
+                         f"{flag.split()[0]}, or pass a CUDA backend (see `kprof list`)")
 
 
 def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = None,
-                    cuda_graph: bool | None = None) -> Entry:
+                    cuda_graph: bool | None = None, power: str | None = None) -> Entry:
     """The entry with the timing method this process measures and reads with. On a CUDA backend each setting
-    is the explicit argument (the verbs' --timer, --l2, --cuda-graph/--no-cuda-graph) when given, else its
-    environment variable, else the default: timer cupti|events ($KPROF_TIMER, default cupti), l2 cold|warm
+    is the explicit argument (the verbs' --timer, --l2, --cuda-graph/--no-cuda-graph, --power) when given, else
+    its environment variable, else the default: timer cupti|events ($KPROF_TIMER, default cupti), l2 cold|warm
     ($KPROF_L2, default cold: flushed before each call, or rotated input copies under a graph), cuda_graph
-    ($KPROF_CUDA_GRAPH=0|1, default 0: eager launches). The method is part of the key, so rows timed one way
-    never mix with rows timed another, and a query reads the rows of the method it names. A CPU entry keeps
-    its one method: the environment variables do not apply to it and an explicit other method is refused."""
+    ($KPROF_CUDA_GRAPH=0|1, default 0: eager launches), power sustained|loaded ($KPROF_POWER, default sustained:
+    the kernel back to back, as in decode; loaded: each call after heavy GEMMs that hold the GPU at its power
+    limit, as inside a prefill). The method is part of the key, so rows timed one way never mix with rows timed
+    another, and a query reads the rows of the method it names. A CPU entry keeps its one method: the
+    environment variables do not apply to it and an explicit other method is refused."""
     if entry.device != "cuda":
-        _refuse_on_cpu(entry, timer, l2, cuda_graph)
+        _refuse_on_cpu(entry, timer, l2, cuda_graph, power)
         return entry
     from .runners.catalog import timing_string
 
-    timing = timing_string(_choice(_TIMER, timer), _choice(_L2, l2), _graph(cuda_graph))
+    timing = timing_string(_choice(_TIMER, timer), _choice(_L2, l2), _graph(cuda_graph), _choice(_POWER, power))
     if timing == entry.contract.timing:
         return entry
     return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract, timing=timing))
@@ -175,10 +183,11 @@ def _open_for_read(db: str) -> Ledger | None:
 
 def count_missing(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
                   db: str | None = None, timer: str | None = None, l2: str | None = None,
-                  cuda_graph: bool | None = None) -> CountResult:
-    """The specs without an ok row under the timing method `timer`/`l2`/`cuda_graph` (see `effective_entry`)."""
+                  cuda_graph: bool | None = None, power: str | None = None) -> CountResult:
+    """The specs without an ok row under the timing method `timer`/`l2`/`cuda_graph`/`power` (see
+    `effective_entry`)."""
     entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
-                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph))
+                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
     ledger = _open_for_read(db)
     if ledger is None:
         missing = canonical
@@ -247,10 +256,10 @@ def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical) -
 
 def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
           db: str | None = None, timer: str | None = None, l2: str | None = None,
-          cuda_graph: bool | None = None) -> QueryResult:
-    """The rows of the specs under the timing method `timer`/`l2`/`cuda_graph` (see `effective_entry`)."""
+          cuda_graph: bool | None = None, power: str | None = None) -> QueryResult:
+    """The rows of the specs under the timing method `timer`/`l2`/`cuda_graph`/`power` (see `effective_entry`)."""
     entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
-                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph))
+                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
     ledger = _open_for_read(db)
     try:
         return _query(entry, canonical, gpu_key, db, ledger, "query")
@@ -262,15 +271,15 @@ def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = 
 def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_name: str | None = None,
         db: str | None = None, progress: Callable[[int, int, dict], None] | None = None,
         command: str = "", timer: str | None = None, l2: str | None = None,
-        cuda_graph: bool | None = None) -> QueryResult:
+        cuda_graph: bool | None = None, power: str | None = None) -> QueryResult:
     """JIT fill (mode "jit": measure what is missing), refresh ("force": measure all), or look without
-    writing ("fresh": measure all, store nothing), timed by `timer`/`l2`/`cuda_graph` (see `effective_entry`).
-    Every spec and the method are validated before anything is measured."""
+    writing ("fresh": measure all, store nothing), timed by `timer`/`l2`/`cuda_graph`/`power` (see
+    `effective_entry`). Every spec and the method are validated before anything is measured."""
     if mode not in ("jit", "force", "fresh"):
         raise UsageError(f"mode {mode!r} is not one of jit, force, fresh")
     started = time.perf_counter()
     entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
-                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph))
+                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
     if gpu_name is not None:
         local = resolve_gpu_key(entry, None)
         if local != gpu_name:

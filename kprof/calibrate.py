@@ -119,9 +119,9 @@ def lookup_any(backend: str):
 
 def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = None, force: bool = False,
               command: str = "", timer: str | None = None, l2: str | None = None,
-              cuda_graph: bool | None = None) -> tuple[list, list[Ceiling]]:
+              cuda_graph: bool | None = None, power: str | None = None) -> tuple[list, list[Ceiling]]:
     """Measures the calibration sets of the device `backend` runs on (only the rows missing, unless `force`),
-    with the timing method named (`timer`, `l2`, `cuda_graph`; None: this process's default).
+    with the timing method named (`timer`, `l2`, `cuda_graph`, `power`; None: this process's default).
     Returns (one run result per table, the ceilings now in the ledger under that method)."""
     from . import api
 
@@ -129,7 +129,8 @@ def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = Non
     base = BASE_BACKEND[device]
     tables = _by_table(m for s in CEILING_SETS[device] for m in s.members)
     results = [api.run(table, base, specs, mode="force" if force else "jit", gpu_name=gpu_name, db=db,
-                       command=command, timer=timer, l2=l2, cuda_graph=cuda_graph) for table, specs in tables.items()]
+                       command=command, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
+               for table, specs in tables.items()]
     # The timing the rows were stored under, from the rows themselves: the ceilings are read back under it.
     timing = next((doc["provenance"]["timing"] for r in results for doc in r.results if doc.get("provenance")),
                   None)

@@ -4,9 +4,9 @@ each row's drift. Nothing is written: an audit checks the ledger, it does not ch
 A row drifts when |new median / stored median - 1| exceeds the tolerance. Rows are drawn from every
 scope whose GPU key is the local device's (the CUDA GPU's name for CUDA backends, the CPU model for
 torch-cpu), under the contract this process measures with (timer included), so each row is re-measured
-exactly the way it was measured. An explicit CUDA timing method (`timer`, `l2`, `cuda_graph`, the verb's
---timer/--l2/--cuda-graph) picks the CUDA rows of that method and leaves the CPU's rows out: they were never
-timed that way.
+exactly the way it was measured. An explicit CUDA timing method (`timer`, `l2`, `cuda_graph`, `power`, the
+verb's --timer/--l2/--cuda-graph/--power) picks the CUDA rows of that method and leaves the CPU's rows out: they
+were never timed that way.
 """
 
 from __future__ import annotations
@@ -69,14 +69,16 @@ def _named(method: dict) -> str:
     words = [f"--{name} {method[name]}" for name in ("timer", "l2") if method[name] is not None]
     if method["cuda_graph"] is not None:
         words.append("--cuda-graph" if method["cuda_graph"] else "--no-cuda-graph")
+    if method["power"] is not None:
+        words.append(f"--power {method['power']}")
     return " ".join(words)
 
 
 def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = None, l2: str | None = None,
-              cuda_graph: bool | None = None, seed: int | None = None,
+              cuda_graph: bool | None = None, power: str | None = None, seed: int | None = None,
               device: str | None = None) -> RemeasureReport:
     """Re-measures `n` random current ok rows of the local device(s) (`device` "cuda" or "cpu" narrows it),
-    the CUDA rows under the timing method `timer`/`l2`/`cuda_graph` (see `kprof.api.effective_entry`)."""
+    the CUDA rows under the timing method `timer`/`l2`/`cuda_graph`/`power` (see `kprof.api.effective_entry`)."""
     from .api import effective_entry
     from .ledger import Ledger
     from .runners.registry import entries
@@ -89,7 +91,7 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     if not os.path.isfile(db):
         raise UsageError(f"no ledger file at {db}; pass --db or set KPROF_DB")
     started = time.perf_counter()
-    method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph}
+    method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
     explicit = any(v is not None for v in method.values())
     if explicit and device is None:
         device = "cuda"  # a CUDA method names CUDA rows; on device="cpu" effective_entry refuses it

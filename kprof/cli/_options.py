@@ -19,11 +19,14 @@ Specs = Annotated[str | None, Parameter(name="--specs", help="A file of specs: a
 OutputDir = Annotated[str | None, Parameter(name="--output-dir", help="Write request.json, results.json, "
                                             "curve.json and job.meta.json there, once, read-only.")]
 # The timing method of CUDA rows (part of their key). None = the environment variable, so scripts that set
-# KPROF_TIMER / KPROF_L2 / KPROF_CUDA_GRAPH keep working; values are checked by kprof.api.effective_entry, one
-# rule and one message for the CLI and the Python API.
+# KPROF_TIMER / KPROF_L2 / KPROF_CUDA_GRAPH / KPROF_POWER keep working; values are checked by
+# kprof.api.effective_entry, one rule and one message for the CLI and the Python API.
 Timer = Annotated[str | None, Parameter(name="--timer", help="CUDA timer: cupti (kernel time) or events (CUDA "
                                         "events per launch). Default: $KPROF_TIMER, else cupti.")]
 L2 = Annotated[str | None, Parameter(name="--l2", help="CUDA L2 state per call: cold (flushed) or warm. "
                                      "Default: $KPROF_L2, else cold.")]
 CudaGraph = Annotated[bool | None, Parameter(name="--cuda-graph", negative="--no-cuda-graph", help=(
     "Time CUDA graph replays (--no-cuda-graph: eager launches). Default: $KPROF_CUDA_GRAPH=0|1, else eager."))]
+Power = Annotated[str | None, Parameter(name="--power", help=(
+    "CUDA power state: loaded: each call after heavy GEMMs that hold the GPU at its power limit, as inside a "
+    "prefill; sustained (default): the kernel back to back, as in decode. Default: $KPROF_POWER, else sustained."))]

@@ -9,7 +9,7 @@ from cyclopts import Parameter
 from ..errors import UsageError
 from ..ledger import default_path
 from ..ledger.audit import audit as run_audit
-from ._options import L2, CudaGraph, Db, Json, Timer
+from ._options import L2, CudaGraph, Db, Json, Power, Timer
 from ._render import console, emit_json
 
 
@@ -26,10 +26,10 @@ def audit(*, db: Db = None, json: Json = False,
           tolerance: Annotated[float, Parameter(name="--tolerance", help=(
               "Relative drift allowed by --remeasure."))] = 0.05,
           timer: _remeasure_only(Timer) = None, l2: _remeasure_only(L2) = None,
-          cuda_graph: _remeasure_only(CudaGraph) = None) -> int:
+          cuda_graph: _remeasure_only(CudaGraph) = None, power: _remeasure_only(Power) = None) -> int:
     """Recompute every event id and key, check the log, rebuild the views and compare; exit 3 on any finding.
     The timing-method flags pick which CUDA rows --remeasure re-measures, and how."""
-    method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph}
+    method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
     if remeasure is not None:
         return _remeasure(db or default_path(), remeasure, tolerance, json, method)
     _no_method_without_remeasure(method)

@@ -9,21 +9,21 @@ from typing import Annotated
 from cyclopts import Parameter
 
 from ..calibrate import calibrate as run_calibrate
-from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Timer
+from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Timer
 from ._render import console, emit_json
 
 
 def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(negative="", help=(
         "Measure the ceilings again even when they are in the ledger."))] = False,
               gpu_name: GpuName = None, db: Db = None, timer: Timer = None, l2: L2 = None,
-              cuda_graph: CudaGraph = None, json: Json = False) -> int:
+              cuda_graph: CudaGraph = None, power: Power = None, json: Json = False) -> int:
     """Measure the ceilings of the device BACKEND runs on: each the best of a stated shape set (on a GPU, six
     large bf16 GEMMs for TFLOP/s; 1-4 GiB copies and two decode GEMMs for bandwidth)."""
     from . import invocation
 
     results, found = run_calibrate(backend, gpu_name=gpu_name, db=db, force=force,
                                    command="kprof " + shlex.join(invocation), timer=timer, l2=l2,
-                                   cuda_graph=cuda_graph)
+                                   cuda_graph=cuda_graph, power=power)
     rows = [row for r in results for row in r.results]
     if json:
         emit_json({"backend": backend, "gpu_name": results[0].gpu_name, "db": results[0].db,

@@ -16,7 +16,7 @@ from cyclopts import Group, Parameter, validators
 from .. import __version__, api
 from ..runners.registry import lookup
 from ..specs import read_specs
-from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Spec, Specs, Table, Timer
+from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Power, Spec, Specs, Table, Timer
 from ._render import console, emit_json, results_table
 
 modes = Group("Mode", validator=validators.MutuallyExclusive())
@@ -42,7 +42,7 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         fresh: Annotated[bool, Parameter(group=modes, negative="",
                                          help="Measure every spec and write nothing.")] = False,
         output_dir: OutputDir = None, gpu_name: GpuName = None, db: Db = None, timer: Timer = None, l2: L2 = None,
-        cuda_graph: CudaGraph = None, json: Json = False) -> int:
+        cuda_graph: CudaGraph = None, power: Power = None, json: Json = False) -> int:
     """Profile the specs that are missing (or all with --force / --fresh), then report every row."""
     started_at = _dt.datetime.now(_dt.timezone.utc)
     raw = read_specs(spec, specs)
@@ -56,7 +56,8 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
     command = "kprof " + shlex.join(invocation)
     bar, update = _progress()
     t0 = time.perf_counter()
-    options = dict(mode=mode, gpu_name=gpu_name, db=db, command=command, timer=timer, l2=l2, cuda_graph=cuda_graph)
+    options = dict(mode=mode, gpu_name=gpu_name, db=db, command=command, timer=timer, l2=l2, cuda_graph=cuda_graph,
+                   power=power)
     if bar:
         with bar:
             res = api.run(table, backend, raw, progress=update, **options)

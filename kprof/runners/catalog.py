@@ -21,7 +21,7 @@ from .moe import MoeGroupedGemmArgs
 from .norm import RmsNormArgs
 from .registry import Entry, register
 
-__all__ = ["CPU_TIMING", "GPU_TIMING", "TIMERS", "parse_timing", "timing_string"]
+__all__ = ["CPU_TIMING", "GPU_TIMING", "POWER_STATES", "TIMERS", "parse_timing", "timing_power", "timing_string"]
 
 TIMERS = ("cupti", "events", "cpu-wall")
 

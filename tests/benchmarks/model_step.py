@@ -17,7 +17,10 @@ discovered kernel name, or the pass fails with the first difference. An op's in-
 over layers 1..N-1 (layer 0 reads the static model input, not a predecessor's output, so it is left out) and
 iterations, of the sum of its kernels' (end - start). kprof's rows come from kprof.api.run(table, "torch",
 specs, mode="jit") into a ledger under the output directory, with kprof's default method (CUPTI, cold L2,
-eager) or, with --row-method graph, its CUDA-graph method.
+eager) or, with --row-method graph, its CUDA-graph method. Each phase reads the rows of its power state: decode
+phases sustained (the kernel back to back), prefill phases --prefill-power (default loaded: each call after
+heavy GEMMs that hold the GPU at its power limit, as inside a prefill). The state is part of a row's key, so a
+spec in a decode and a prefill phase has two rows.
 
 Kernels with no kprof table (KV-cache write, residual adds, MoE routing, gather, combine, and any layout copy
 SDPA or a reshape adds) are "uncovered": reported with their in-model time and share of the layer.
@@ -27,7 +30,7 @@ median |error| <= 3 %, max <= 8 %. Writes model_step.json (every raw sample) and
 
     python tests/benchmarks/model_step.py [--out DIR] [--layers 16] [--iters 10] [--quick]
            [--configs qwen2.5-7b,mixtral-8x7b] [--phases decode_b1,decode_b8,decode_b64,prefill_2048]
-           [--row-method default|graph] [--db PATH]
+           [--row-method default|graph] [--prefill-power loaded|sustained] [--db PATH]
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ if importlib.util.find_spec("kprof") is None:  # run from a checkout without kpr
 from _decoder import CONFIGS, END, PHASES, Config, Op, Phase, layer_ops  # noqa: E402  (no torch imported)
 
 MODES = ("eager", "graph")
+POWER_STATES = ("loaded", "sustained")  # --prefill-power's choices (kprof.runners.catalog.POWER_STATES)
 TARGETS = {"layer": 0.03, "kernel_median": 0.03, "kernel_max": 0.08}
 GRAPH_WARMUP = 3  # forwards on a side stream before any capture, as torch.cuda.graphs asks
 QUICK = {"layers": 4, "iters": 3, "warmup": 2, "phases": ("decode_b1", "prefill_2048")}
@@ -69,6 +73,9 @@ NOTES = [
     "the weighted combine (index_copy, cast, multiply, sum). attn_out is a view unless SDPA returns another "
     "layout (then its copy is listed there).",
     "In-model medians leave out layer 0 (its input is the static model input, not a predecessor's output).",
+    "Rows of decode phases are timed sustained (the kernel back to back, as in decode); rows of prefill phases in "
+    "the power state plan.prefill_power names (loaded: each call after heavy GEMMs that hold the GPU at its power "
+    "limit, as inside a prefill). Each phase's state is its 'power'; a spec in both kinds of phase has two rows.",
     "The MoE router adds a per-expert bias of std kprof.runners.moe.EXPERT_BIAS, as the rows' routing does.",
     "KPROF_ENERGY_S defaults to 0 here (energy is not compared; it saves ~0.5 s per row).",
 ]
@@ -306,10 +313,21 @@ class Plan(NamedTuple):
     db: str | None
     row_method: str
     quick: bool
+    prefill_power: str = "loaded"
 
     @property
     def skip_first_layer(self) -> bool:
         return self.layers > 1
+
+    def power(self, ph: Phase) -> str:
+        return phase_power(ph, self.prefill_power)
+
+
+def phase_power(ph: Phase, prefill_power: str = "loaded") -> str:
+    """The power state a phase's rows are timed and read in: decode sustained (kprof's default: the kernel back
+    to back, as a decode step runs its small kernels), prefill `prefill_power` (loaded: the GPU held at its
+    power limit by heavy GEMMs, as a prefill's own GEMMs hold it)."""
+    return "sustained" if ph.kind == "decode" else prefill_power
 
 
 def _names(value: str | None, known: dict, what: str, default) -> list:
@@ -335,6 +353,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--row-method", choices=("default", "graph"), default="default",
                    help="kprof's timing method for the rows: default (CUPTI, cold L2, eager) or graph "
                         "(api.run(..., cuda_graph=True))")
+    p.add_argument("--prefill-power", choices=POWER_STATES, default="loaded",
+                   help="power state of the prefill phases' rows: loaded (default: each call after heavy GEMMs "
+                        "that hold the GPU at its power limit, as inside a prefill) or sustained (the kernel back "
+                        "to back, as in decode); decode phases always read sustained rows")
     p.add_argument("--db", default=None, help="ledger to fill and read (default: OUT/model_step.db, then packed "
                    "into model_step_ledger.tar.gz); an existing ledger's ok rows are reused")
     return p.parse_args(argv)
@@ -348,62 +370,79 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--layers ({layers}) and --iters ({iters}) must be at least 1")
     phases = _names(args.phases, PHASES, "phase", QUICK["phases"] if args.quick else list(PHASES))
     return Plan(_names(args.configs, CONFIGS, "config", list(CONFIGS)), phases, layers, iters,
-                QUICK["warmup"] if args.quick else 3, args.out, args.db, args.row_method, args.quick)
+                QUICK["warmup"] if args.quick else 3, args.out, args.db, args.row_method, args.quick,
+                args.prefill_power)
 
 
-def spec_key(table: str, spec: dict) -> str:
-    return table + " " + json.dumps(spec, sort_keys=True)
+RowKey = tuple  # (table, spec as sorted JSON, power state): one kprof row
 
 
-def wanted_specs(cfg: Config, phases: list[Phase]) -> dict[str, list[dict]]:
-    """The unique kprof specs of a config's layers over the phases, per table."""
-    out: dict[str, dict[str, dict]] = {}
+def row_key(table: str, spec: dict, power: str) -> RowKey:
+    return table, json.dumps(spec, sort_keys=True), power
+
+
+def wanted_specs(cfg: Config, phases: list[Phase], prefill_power: str = "loaded") -> dict[tuple, list[dict]]:
+    """The unique kprof specs of a config's layers over the phases, per (table, power state of the phase)."""
+    out: dict[tuple, dict[RowKey, dict]] = {}
     for ph in phases:
+        power = phase_power(ph, prefill_power)
         for o in layer_ops(cfg, ph):
             if o.table is not None:
-                out.setdefault(o.table, {})[spec_key(o.table, o.spec)] = o.spec
-    return {table: list(specs.values()) for table, specs in out.items()}
+                out.setdefault((o.table, power), {})[row_key(o.table, o.spec, power)] = o.spec
+    return {group: list(specs.values()) for group, specs in out.items()}
 
 
 # ----- kprof rows ------------------------------------------------------------------------------------
 
-def _method_kwargs(row_method: str, run) -> tuple[dict, dict]:
-    """(keyword arguments for api.run, environment to set around it) for the row method. graph uses
-    api.run(cuda_graph=True); a kprof whose api.run has no such argument gets KPROF_CUDA_GRAPH=1, the same
-    method through the environment."""
-    if row_method == "default":
-        return {}, {}
+def _method_kwargs(row_method: str, run, power: str | None = None) -> tuple[dict, dict]:
+    """(keyword arguments for api.run, environment to set around it) for the row method and power state. graph
+    uses api.run(cuda_graph=True); a kprof whose api.run has no such argument gets KPROF_CUDA_GRAPH=1, the same
+    method through the environment. The power state (None: kprof's own default) is always passed by name, so
+    $KPROF_POWER cannot give a phase the rows of another state; a kprof without it cannot time one."""
     import inspect
 
-    if "cuda_graph" in inspect.signature(run).parameters:
-        return {"cuda_graph": True}, {}
-    return {}, {"KPROF_CUDA_GRAPH": "1"}
+    params = inspect.signature(run).parameters
+    kwargs, env = {}, {}
+    if row_method != "default":
+        if "cuda_graph" in params:
+            kwargs["cuda_graph"] = True
+        else:
+            env["KPROF_CUDA_GRAPH"] = "1"
+    if power is not None:
+        if "power" not in params:
+            raise TypeError(f"this kprof's api.run takes no power state, so no {power} row can be read; run the "
+                            f"benchmark with a kprof that has one")
+        kwargs["power"] = power
+    return kwargs, env
 
 
-def fill_rows(wanted: dict[str, list[dict]], backend: str, db: str, row_method: str = "default",
-              log=None) -> dict[str, dict]:
-    """kprof rows of every wanted spec (api.run mode jit: measured unless the ledger has them), keyed by
-    spec_key: status, time_us, citation, timing, and the measured event's kernel names and notes."""
+def fill_rows(wanted: dict[tuple, list[dict]], backend: str, db: str, row_method: str = "default",
+              log=None) -> dict[RowKey, dict]:
+    """kprof rows of every wanted spec, per (table, power state) (api.run mode jit: measured unless the ledger
+    has them), keyed by row_key: status, time_us, citation, timing, power, and the measured event's kernel
+    names and notes."""
     from kprof import api
     from kprof.ledger import Ledger
 
-    kwargs, env = _method_kwargs(row_method, api.run)
-    out: dict[str, dict] = {}
-    for table, specs in wanted.items():
-        def progress(n, total, spec, table=table):
+    out: dict[RowKey, dict] = {}
+    for (table, power), specs in wanted.items():
+        def progress(n, total, spec, table=table, power=power):
             if log:
-                log(f"  row {table} {n}/{total} {json.dumps(spec)}")
+                log(f"  row {table} ({power}) {n}/{total} {json.dumps(spec)}")
 
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        env: dict = {}
+        saved: dict = {}
         try:
+            kwargs, env = _method_kwargs(row_method, api.run, power)
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             result = api.run(table, backend, specs, mode="jit", db=db, progress=progress, **kwargs)
         except Exception as e:  # noqa: BLE001 - a table that cannot run leaves its ops without rows, loudly
             for spec in specs:
-                out[spec_key(table, spec)] = {"table": table, "spec": spec, "status": "error", "time_us": None,
-                                              "error": f"{type(e).__name__}: {e}"}
+                out[row_key(table, spec, power)] = {"table": table, "spec": spec, "power": power, "status": "error",
+                                                    "time_us": None, "error": f"{type(e).__name__}: {e}"}
             if log:
-                log(f"  rows of {table} failed: {type(e).__name__}: {e}")
+                log(f"  rows of {table} ({power}) failed: {type(e).__name__}: {e}")
             continue
         finally:
             for k, v in saved.items():
@@ -413,8 +452,8 @@ def fill_rows(wanted: dict[str, list[dict]], backend: str, db: str, row_method: 
                     os.environ[k] = v
         for spec, doc in zip(specs, result.results):
             ok = doc["status"] == "ok"
-            out[spec_key(table, spec)] = {
-                "table": table, "spec": spec, "status": doc["status"], "citation": doc.get("citation"),
+            out[row_key(table, spec, power)] = {
+                "table": table, "spec": spec, "power": power, "status": doc["status"], "citation": doc.get("citation"),
                 "event": doc.get("event"), "time_us": doc["metrics"]["time_ms"] * 1e3 if ok else None,
                 "timing": (doc.get("provenance") or {}).get("timing"), "stats": doc.get("stats"),
                 "error": doc.get("error")}
@@ -439,18 +478,20 @@ def _add_event_details(row: dict, ledger) -> None:
         row["notes_error"] = f"{type(e).__name__}: {e}"
 
 
-def attach_rows(phase: dict, ops: list[Op], rows: dict[str, dict]) -> None:
-    """Composes one phase's in-model samples with the rows, into phase["ops"/"layer"/"uncovered"]."""
+def attach_rows(phase: dict, ops: list[Op], rows: dict[RowKey, dict], power: str) -> None:
+    """Composes one phase's in-model samples with its rows, those of the power state `power`, into
+    phase["ops"/"layer"/"uncovered"]; phase["power"] records the state."""
+    phase["power"] = power
     kprof_us, by_op = {}, {}
     for o in ops:
         if o.table is not None:
-            row = rows.get(spec_key(o.table, o.spec), {"status": "missing", "time_us": None})
+            row = rows.get(row_key(o.table, o.spec, power), {"status": "missing", "time_us": None})
             kprof_us[o.name], by_op[o.name] = row.get("time_us"), row
     phase.update(compose(ops, phase.get("samples_us", {}), kprof_us))
     for name, row in by_op.items():
         entry = phase["ops"][name]
         entry["layout_in_model"] = phase.get("layouts", {}).get(name)
-        entry["row"] = {k: row.get(k) for k in ("status", "citation", "timing", "error")}
+        entry["row"] = {k: row.get(k) for k in ("status", "citation", "timing", "power", "error")}
         notes = row.get("notes", {})
         entry["row"].update({k: notes[k] for k in ("algorithm_used", "kernels_per_invocation") if k in notes})
         in_model = phase.get("kernels", {}).get("eager", {}).get(name)
@@ -589,7 +630,8 @@ def run_phase(model, ph: Phase, plan: Plan) -> dict:
     cfg, ops = model.cfg, layer_ops(model.cfg, ph)
     names = [o.name for o in ops]
     result = {"config": cfg.name, "phase": ph.name, "kind": ph.kind, "batch": ph.batch, "tokens": ph.tokens,
-              "length": ph.length, "layers": plan.layers, "iterations": plan.iters, "warmup": plan.warmup,
+              "length": ph.length, "power": plan.power(ph), "layers": plan.layers, "iterations": plan.iters,
+              "warmup": plan.warmup,
               "layers_used": f"{1 if plan.skip_first_layer else 0}..{plan.layers - 1}",
               "kernels": {}, "isolated_us": {}, "samples_us": {}, "telemetry": {}, "overlapping_kernels": {},
               "layer_span_us": {}, "errors": {}, "retries": {}, "mismatch": {}}
@@ -686,7 +728,8 @@ def _us(x: float | None, width: int = 9) -> str:
 
 def phase_lines(p: dict) -> list[str]:
     """A phase's per-op table (stderr, as each config finishes)."""
-    lines = [f"{p['config']} {p['phase']} (layers {p.get('layers_used')}, {p.get('iterations')} iterations)"
+    lines = [f"{p['config']} {p['phase']} (layers {p.get('layers_used')}, {p.get('iterations')} iterations, "
+             f"rows {p.get('power', 'n/a')})"
              + (f"  ERRORS {p['errors']}" if p.get("errors") else "")]
     lines.append(f"  {'op':14} {'table':18} {'kprof':>9} {'eager':>9} {'graph':>9} {'Δeager':>7} {'Δgraph':>7} "
                  f"{'e/g':>6} kernels")
@@ -724,12 +767,12 @@ def summary_lines(doc: dict) -> list[str]:
                 e = p.get("ops", {}).get(name)
                 cells.append(f" {_pct(e['err_eager'])}/{_pct(e['err_graph'])}" if e else f" {'-':>13}")
             lines.append(f"  {name:12} {table:17}" + "".join(cells))
-    lines.append(f"{'per layer, covered ops':27} {'kprof µs':>9} {'eager µs':>9} {'graph µs':>9} {'Δeager':>7} "
-                 f"{'Δgraph':>7} {'uncov e/g %':>12} {'e/g':>6}")
+    lines.append(f"{'per layer, covered ops':27} {'power':9} {'kprof µs':>9} {'eager µs':>9} {'graph µs':>9} "
+                 f"{'Δeager':>7} {'Δgraph':>7} {'uncov e/g %':>12} {'e/g':>6}")
     for p in phases:
         layer, unc = p.get("layer", {}), p.get("uncovered", {})
         share = "/".join(_share(unc.get(k)).rstrip("%") for k in ("share_eager", "share_graph"))
-        lines.append(f"{p['config'][:12]:12} {p['phase']:14} {_us(layer.get('kprof_us'))} "
+        lines.append(f"{p['config'][:12]:12} {p['phase']:14} {p.get('power', 'n/a'):9} {_us(layer.get('kprof_us'))} "
                      f"{_us(layer.get('eager_us'))} {_us(layer.get('graph_us'))} {_pct(layer.get('err_eager'), 7)} "
                      f"{_pct(layer.get('err_graph'), 7)} {share:>12} {_pct(layer.get('eager_vs_graph'))}"
                      + ("  ERR " + ",".join(p["errors"]) if p.get("errors") else ""))
@@ -785,6 +828,10 @@ def _pack_ledger(db: str, out_dir: str) -> str | None:
     return path
 
 
+def _row_name(row: dict) -> str:
+    return f"{row['table']} {json.dumps(row['spec'], sort_keys=True)} ({row.get('power')})"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -799,6 +846,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from kprof.measure.gpu_timer import cupti_available
+    from kprof.runners.catalog import parse_timing, timing_power
 
     why = cupti_available()
     if why:
@@ -810,7 +858,7 @@ def main(argv=None) -> int:
     env = _environment()
     started = time.perf_counter()
     phases: list[dict] = []
-    rows: dict[str, dict] = {}
+    rows: dict[RowKey, dict] = {}
     failures: list[str] = []
     from _decoder import Model
 
@@ -838,21 +886,26 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         if not mine:
             continue
-        _log(f"{cfg.name}: kprof rows ({plan.row_method} method) into {db}")
-        got = fill_rows(wanted_specs(cfg, [PHASES[p["phase"]] for p in mine]), "torch", db,
+        _log(f"{cfg.name}: kprof rows ({plan.row_method} method; prefill {plan.prefill_power}, decode sustained) "
+             f"into {db}")
+        got = fill_rows(wanted_specs(cfg, [PHASES[p["phase"]] for p in mine], plan.prefill_power), "torch", db,
                         plan.row_method, _log)
         rows.update(got)
         for p in mine:
-            attach_rows(p, layer_ops(cfg, PHASES[p["phase"]]), got)
+            ph = PHASES[p["phase"]]
+            attach_rows(p, layer_ops(cfg, ph), got, plan.power(ph))
             for line in phase_lines(p):
                 _log(line)
         phases += mine
 
     for p in phases:
         failures += [f"{p['config']} {p['phase']} {k}: {v}" for k, v in p.get("errors", {}).items()]
-    failures += [f"row {k}: {r['status']} {r.get('error') or ''}" for k, r in rows.items() if r["status"] != "ok"]
+    failures += [f"row {_row_name(r)}: {r['status']} {r.get('error') or ''}" for r in rows.values()
+                 if r["status"] != "ok"]
+    failures += [f"row {_row_name(r)}: timed {r['timing']}, not in the {r['power']} power state"
+                 for r in rows.values() if r.get("timing") and timing_power(r["timing"]) != r["power"]]
     timings = sorted({r["timing"] for r in rows.values() if r.get("timing")})
-    if plan.row_method == "default" and any(t != "cupti;l2=cold;eager" for t in timings):
+    if plan.row_method == "default" and any(parse_timing(t) != ("cupti", "cold", False) for t in timings):
         _log(f"note: rows were timed {timings}, not kprof's default cupti;l2=cold;eager (KPROF_TIMER, KPROF_L2 or "
              f"KPROF_CUDA_GRAPH is set in this environment)")
     doc = {"benchmark": "model_step", "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -860,7 +913,8 @@ def main(argv=None) -> int:
            "environment": env, "plan": {"configs": [c._asdict() for c in plan.configs],
                                         "phases": [p._asdict() for p in plan.phases], "layers": plan.layers,
                                         "iters": plan.iters, "warmup": plan.warmup, "quick": plan.quick,
-                                        "row_method": plan.row_method, "skip_first_layer": plan.skip_first_layer},
+                                        "row_method": plan.row_method, "prefill_power": plan.prefill_power,
+                                        "skip_first_layer": plan.skip_first_layer},
            "row_timings": timings, "targets": TARGETS, "notes": NOTES, "phases": phases,
            "rows": list(rows.values()), "verdicts": verdicts(phases), "failures": failures,
            "wall_s": time.perf_counter() - started}

@@ -34,6 +34,7 @@ TINY_DENSE = dec.Config("tiny-dense", hidden=64, intermediate=96, heads=4, kv_he
 TINY_MOE = dec.Config("tiny-moe", hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16, experts=4, topk=2)
 DECODE = dec.Phase("decode_b3", "decode", 3, 32)
 PREFILL = dec.Phase("prefill_24", "prefill", 1, 24)
+DECODE_24 = dec.Phase("decode_b24", "decode", 24, 32)  # 24 tokens, as PREFILL: the same GEMM and norm specs
 
 
 # ----- (a) the layers and their kprof specs -------------------------------------------------------------
@@ -258,43 +259,127 @@ def test_eager_vs_graph_agreement():
 
 @pytest.fixture(scope="module")
 def cpu_rows(tmp_path_factory):
+    """Rows of the CPU backend, which has one power state: prefill reads sustained rows, as decode does."""
     db = str(tmp_path_factory.mktemp("rows") / "p.db")
-    wanted = ms.wanted_specs(TINY_MOE, [DECODE, PREFILL])
+    wanted = ms.wanted_specs(TINY_MOE, [DECODE, PREFILL], "sustained")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KPROF_TIME_BUDGET_S", "0.05")  # a short stopping budget: these figures are not judged
+        mp.setenv("KPROF_POWER", "loaded")  # never read: fill_rows names the power state of every row
         return ms.fill_rows(wanted, "torch-cpu", db), wanted, db
 
 
 def test_rows_from_the_cpu_backend_compose_a_layer(cpu_rows):
     rows, wanted, db = cpu_rows
+    assert {power for _table, power in wanted} == {"sustained"}
     assert sum(map(len, wanted.values())) == len(rows)
     assert all(r["status"] == "ok" and r["time_us"] > 0 and r["citation"] for r in rows.values()), rows
-    assert all(r["timing"] == "cpu-wall;l2=warm;eager" for r in rows.values())
+    assert all(r["timing"] == "cpu-wall;l2=warm;eager" and r["power"] == "sustained" for r in rows.values())
     ops = dec.layer_ops(TINY_MOE, DECODE)
     samples = {o.name: [1.0, 2.0, 3.0] for o in ops}
     phase = {"config": TINY_MOE.name, "phase": DECODE.name, "samples_us": {"eager": samples, "graph": samples}}
-    ms.attach_rows(phase, ops, rows)
+    ms.attach_rows(phase, ops, rows, "sustained")
+    assert phase["power"] == "sustained"
     covered = [o for o in ops if o.table]
-    want = sum(rows[ms.spec_key(o.table, o.spec)]["time_us"] for o in covered)  # rms_norm's row counted twice
+    want = sum(rows[ms.row_key(o.table, o.spec, "sustained")]["time_us"] for o in covered)  # rms_norm's counted twice
     assert phase["layer"]["kprof_us"] == pytest.approx(want)
     assert phase["layer"]["eager_us"] == 2.0 * len(covered)
     assert phase["uncovered"]["share_eager"] == pytest.approx((len(ops) - len(covered)) / len(ops))
-    norm = rows[ms.spec_key("rms_norm", covered[0].spec)]["time_us"]
+    norm = rows[ms.row_key("rms_norm", covered[0].spec, "sustained")]["time_us"]
     assert phase["ops"]["attn_norm"]["kprof_us"] == phase["ops"]["ffn_norm"]["kprof_us"] == norm
     assert phase["ops"]["attn_norm"]["row"]["status"] == "ok"
+    assert phase["ops"]["attn_norm"]["row"]["power"] == "sustained"
     lines = ms.phase_lines(phase)
-    assert any(line.lstrip().startswith("moe_down") for line in lines)
+    assert "rows sustained" in lines[0] and any(line.lstrip().startswith("moe_down") for line in lines)
 
 
 def test_fill_rows_reports_a_table_that_cannot_run(tmp_path):
-    rows = ms.fill_rows({"single_gemm": [{"m": 1, "n": 2, "k": 3, "dtype": "fp8_e4m3"}]}, "torch-cpu",
-                        str(tmp_path / "p.db"))
+    rows = ms.fill_rows({("single_gemm", "sustained"): [{"m": 1, "n": 2, "k": 3, "dtype": "fp8_e4m3"}]},
+                        "torch-cpu", str(tmp_path / "p.db"))
     (row,) = rows.values()
     assert row["status"] != "ok" and row["time_us"] is None
 
 
+def test_fill_rows_asks_kprof_for_the_power_state_it_names(tmp_path):
+    """The power state reaches kprof: the CPU backend has no loaded state and refuses it, row by row."""
+    spec = {"tokens": 4, "hidden": 64, "dtype": "bf16"}
+    rows = ms.fill_rows({("rms_norm", "loaded"): [spec]}, "torch-cpu", str(tmp_path / "p.db"))
+    assert list(rows) == [ms.row_key("rms_norm", spec, "loaded")]
+    (row,) = rows.values()
+    assert row["status"] == "error" and row["power"] == "loaded"
+    assert "--power loaded applies to CUDA backends" in row["error"]
+    assert not (tmp_path / "p.db").exists()
+
+
+def test_a_spec_in_a_decode_and_a_prefill_phase_has_one_row_per_power_state():
+    wanted = ms.wanted_specs(TINY_DENSE, [DECODE_24, PREFILL])  # default: prefill loaded
+    shared = {o.name: o.spec for o in dec.layer_ops(TINY_DENSE, DECODE_24) if o.table == "single_gemm"}
+    assert shared == {o.name: o.spec for o in dec.layer_ops(TINY_DENSE, PREFILL) if o.table == "single_gemm"}
+    assert wanted[("single_gemm", "sustained")] == wanted[("single_gemm", "loaded")] == list(shared.values())
+    assert ("attention_decode", "sustained") in wanted and ("attention_prefill", "loaded") in wanted
+    assert ("attention_decode", "loaded") not in wanted and ("attention_prefill", "sustained") not in wanted
+    both_sustained = ms.wanted_specs(TINY_DENSE, [DECODE_24, PREFILL], "sustained")
+    assert {power for _t, power in both_sustained} == {"sustained"}
+    assert both_sustained[("single_gemm", "sustained")] == list(shared.values())  # one row serves both phases
+    assert ms.phase_power(DECODE_24, "loaded") == "sustained" and ms.phase_power(PREFILL, "loaded") == "loaded"
+    assert ms.phase_power(PREFILL, "sustained") == "sustained"
+
+
+def test_fill_rows_fills_each_power_state_and_keys_rows_by_it(monkeypatch, tmp_path):
+    """api.run is asked once per (table, power state) with that power named, and each row lands under
+    (table, spec, power): the decode and the prefill row of one spec stay apart."""
+    from kprof import api
+    from kprof.runners.catalog import timing_string
+
+    calls = []
+
+    def fake_run(table, backend, specs, *, mode, db, progress=None, cuda_graph=None, power=None):
+        calls.append((table, power, cuda_graph, len(specs)))
+        ms_per = {"sustained": 0.002, "loaded": 0.003}[power]  # loaded: the same kernel slower, power-capped
+        timing = timing_string("cupti", "cold", bool(cuda_graph), power)
+        return api.QueryResult(table, backend, "gpu", db, mode, len(specs), 0, "", [
+            {"status": "ok", "citation": f"c-{power}", "event": None, "metrics": {"time_ms": ms_per},
+             "provenance": {"timing": timing}, "stats": None} for _spec in specs])
+
+    monkeypatch.setattr(api, "run", fake_run)
+    wanted = ms.wanted_specs(TINY_DENSE, [DECODE_24, PREFILL])
+    rows = ms.fill_rows(wanted, "torch", str(tmp_path / "p.db"), "graph")
+    assert sorted(calls) == sorted((table, power, True, len(specs)) for (table, power), specs in wanted.items())
+    gemm = next(o.spec for o in dec.layer_ops(TINY_DENSE, PREFILL) if o.name == "qkv")
+    decode_row, prefill_row = (rows[ms.row_key("single_gemm", gemm, p)] for p in ("sustained", "loaded"))
+    assert (decode_row["time_us"], decode_row["timing"]) == (2.0, "cupti;l2=cold;graph")
+    assert (prefill_row["time_us"], prefill_row["timing"]) == (3.0, "cupti;l2=cold;graph;power=loaded")
+    assert prefill_row["power"] == "loaded" and prefill_row["citation"] == "c-loaded"
+
+
+def test_composition_reads_each_phase_its_own_power_states_rows():
+    """decode_b24 and prefill_24 share their GEMM and norm specs: decode composes the sustained rows, prefill
+    the loaded ones; under --prefill-power sustained, prefill shares decode's rows and an op with no row of
+    its state is missing rather than borrowing the other state's."""
+    rows = {}
+    for ph, power, us in ((DECODE_24, "sustained", 2.0), (PREFILL, "loaded", 3.0)):
+        for o in dec.layer_ops(TINY_DENSE, ph):
+            if o.table:
+                rows[ms.row_key(o.table, o.spec, power)] = {"status": "ok", "time_us": us, "power": power,
+                                                            "timing": f"t;{power}"}
+    for ph, power, us in ((DECODE_24, "sustained", 2.0), (PREFILL, "loaded", 3.0)):
+        ops = dec.layer_ops(TINY_DENSE, ph)
+        samples = {o.name: [1.0] for o in ops}
+        phase = {"config": TINY_DENSE.name, "phase": ph.name, "samples_us": {"eager": samples, "graph": samples}}
+        ms.attach_rows(phase, ops, rows, ms.phase_power(ph))
+        covered = [o.name for o in ops if o.table]
+        assert phase["power"] == power
+        assert {phase["ops"][n]["kprof_us"] for n in covered} == {us}
+        assert {phase["ops"][n]["row"]["power"] for n in covered} == {power}
+        assert phase["layer"]["kprof_us"] == us * len(covered)
+    phase = {"config": TINY_DENSE.name, "phase": PREFILL.name, "samples_us": {}}
+    ms.attach_rows(phase, dec.layer_ops(TINY_DENSE, PREFILL), rows, "sustained")  # --prefill-power sustained
+    assert phase["ops"]["qkv"]["kprof_us"] == 2.0 and phase["ops"]["qkv"]["row"]["power"] == "sustained"
+    assert phase["ops"]["attention"]["kprof_us"] is None and phase["ops"]["attention"]["row"]["status"] == "missing"
+    assert phase["layer"]["kprof_missing"] == ["attention"] and phase["layer"]["kprof_us"] is None
+
+
 def test_row_method_graph_passes_cuda_graph_or_the_environment():
-    def with_arg(table, backend, specs, *, cuda_graph=None):
+    def with_arg(table, backend, specs, *, cuda_graph=None, power=None):
         pass
 
     def without(table, backend, specs):
@@ -303,6 +388,10 @@ def test_row_method_graph_passes_cuda_graph_or_the_environment():
     assert ms._method_kwargs("default", with_arg) == ({}, {})
     assert ms._method_kwargs("graph", with_arg) == ({"cuda_graph": True}, {})
     assert ms._method_kwargs("graph", without) == ({}, {"KPROF_CUDA_GRAPH": "1"})
+    assert ms._method_kwargs("default", with_arg, "loaded") == ({"power": "loaded"}, {})
+    assert ms._method_kwargs("graph", with_arg, "sustained") == ({"cuda_graph": True, "power": "sustained"}, {})
+    with pytest.raises(TypeError, match="takes no power state"):
+        ms._method_kwargs("default", without, "sustained")
 
 
 # ----- (e) the per-phase pipeline on an emulated device -------------------------------------------------
@@ -403,35 +492,41 @@ def emulated(monkeypatch):
     return make
 
 
-def _plan(layers=3, iters=2):
-    return ms.Plan([TINY_MOE], [DECODE], layers, iters, 1, "unused", None, "default", True)
+def _plan(layers=3, iters=2, prefill_power="loaded"):
+    return ms.Plan([TINY_MOE], [DECODE], layers, iters, 1, "unused", None, "default", True, prefill_power)
 
 
+@pytest.mark.parametrize("ph, power", [(DECODE, "sustained"), (PREFILL, "loaded")], ids=lambda x: getattr(x, "name", x))
 @pytest.mark.parametrize("cfg", [TINY_DENSE, TINY_MOE], ids=lambda c: c.name)
-def test_run_phase_on_an_emulated_device(emulated, cfg):
+def test_run_phase_on_an_emulated_device(emulated, cfg, ph, power):
     device = emulated()
     model = dec.Model(cfg, 3, "cpu")
     with device.mode:
-        p = ms.run_phase(model, DECODE, _plan())
-    assert p["errors"] == {} and p["retries"] == {}
-    names = [o.name for o in dec.layer_ops(cfg, DECODE)]
+        p = ms.run_phase(model, ph, _plan())
+    assert p["errors"] == {} and p["retries"] == {} and p["power"] == power
+    names = [o.name for o in dec.layer_ops(cfg, ph)]
     for mode in ms.MODES:
         assert list(p["samples_us"][mode]) == names
         assert all(len(v) == 2 * 2 for v in p["samples_us"][mode].values())  # 2 iterations x layers 1, 2
         assert p["kernels"][mode]["qkv"] and p["layer_span_us"][mode] > 0
     assert p["kernels"]["graph"] == p["kernels"]["eager"]
-    assert p["layouts"]["attention"]["k_contiguous"]
-    rows = {ms.spec_key(o.table, o.spec): {"status": "ok", "time_us": 5.0}
-            for o in dec.layer_ops(cfg, DECODE) if o.table}
-    ms.attach_rows(p, dec.layer_ops(cfg, DECODE), rows)
-    covered = [o for o in dec.layer_ops(cfg, DECODE) if o.table]
-    assert p["layer"]["kprof_us"] == 5.0 * len(covered)  # both rms_norm ops read the one row
+    if ph.kind == "decode":
+        assert p["layouts"]["attention"]["k_contiguous"]
+    ops = dec.layer_ops(cfg, ph)
+    other = {"sustained": "loaded", "loaded": "sustained"}[power]
+    rows = {ms.row_key(o.table, o.spec, pw): {"status": "ok", "time_us": us, "power": pw}
+            for o in ops if o.table for pw, us in ((power, 5.0), (other, 50.0))}
+    ms.attach_rows(p, ops, rows, p["power"])
+    covered = [o for o in ops if o.table]
+    assert p["layer"]["kprof_us"] == 5.0 * len(covered)  # both rms_norm ops read the one row of the phase's state
     assert p["layer"]["err_eager"] is not None and p["uncovered"]["share_graph"] > 0
     doc = {"gpu": "emulated", "torch": torch.__version__, "plan": {"layers": 3, "iters": 2},
            "row_timings": ["cupti;l2=cold;eager"], "phases": [p], "verdicts": ms.verdicts([p])}
     text = "\n".join(ms.summary_lines(doc))
     assert "layer sum within 3%" in text and "max <= 8%" in text and cfg.name in text
     lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("per layer, covered ops"))
+    assert lines[header].split()[4] == "power" and lines[header + 1].split()[2] == power
     assert [line.split(":")[0] for line in lines if line.startswith("  vs ")] == ["  vs eager", "  vs graph"]
     assert lines[-1].startswith("in-model eager vs graph: layers within")
 
@@ -453,9 +548,9 @@ def test_run_phase_retries_a_mismatched_pass_once_then_fails_it(emulated, monkey
     assert "discovery found" in p["retries"]["eager"] and len(p["samples_us"]["eager"]["qkv"]) == 4
     assert "eager" not in p["errors"] and "KernelMismatch" in p["errors"]["graph"] and "graph" not in p["samples_us"]
     assert len(calls) == 4
-    rows = {ms.spec_key(o.table, o.spec): {"status": "ok", "time_us": 1.0} for o in dec.layer_ops(TINY_DENSE, DECODE)
-            if o.table}
-    ms.attach_rows(p, dec.layer_ops(TINY_DENSE, DECODE), rows)
+    rows = {ms.row_key(o.table, o.spec, "sustained"): {"status": "ok", "time_us": 1.0}
+            for o in dec.layer_ops(TINY_DENSE, DECODE) if o.table}
+    ms.attach_rows(p, dec.layer_ops(TINY_DENSE, DECODE), rows, p["power"])
     assert p["layer"]["err_eager"] is not None and p["layer"]["err_graph"] is None
     assert "tiny-dense decode_b3 layer" in ms.verdicts([p])["graph"]["missing"]
 
@@ -468,6 +563,12 @@ def test_plan_quick_and_full_and_bad_names():
     assert [c.name for c in quick.configs] == ["qwen2.5-7b", "mixtral-8x7b"] and quick.skip_first_layer
     full = ms.make_plan(ms.parse_args(["--out", "x", "--configs", "mixtral-8x7b", "--layers", "8"]))
     assert full.layers == 8 and full.iters == 10 and len(full.phases) == 4 and full.configs[0].experts == 8
+    assert quick.prefill_power == full.prefill_power == "loaded"
+    assert [full.power(ph) for ph in full.phases] == ["sustained"] * 3 + ["loaded"]
+    sustained = ms.make_plan(ms.parse_args(["--prefill-power", "sustained"]))
+    assert {sustained.power(ph) for ph in sustained.phases} == {"sustained"}
+    with pytest.raises(SystemExit):
+        ms.parse_args(["--prefill-power", "hot"])
     with pytest.raises(ValueError, match="unknown phase"):
         ms.make_plan(ms.parse_args(["--phases", "decode_b2"]))
     with pytest.raises(ValueError, match="at least 1"):

@@ -1,5 +1,5 @@
-"""The timing method of CUDA rows comes from --timer / --l2 / --cuda-graph, else KPROF_TIMER / KPROF_L2 /
-KPROF_CUDA_GRAPH, and is part of the key; reading the rows of a GPU needs no GPU (only --gpu-name)."""
+"""The timing method of CUDA rows comes from --timer / --l2 / --cuda-graph / --power, else KPROF_TIMER / KPROF_L2 /
+KPROF_CUDA_GRAPH / KPROF_POWER, and is part of the key; reading the rows of a GPU needs no GPU (only --gpu-name)."""
 
 import json
 
@@ -16,7 +16,7 @@ H200 = "NVIDIA H200"
 @pytest.fixture(autouse=True)
 def _no_method_in_the_environment(monkeypatch):
     """Each test sets the variables it means: an inherited KPROF_TIMER would pick another key."""
-    for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH"):
+    for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH", "KPROF_POWER"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -25,6 +25,8 @@ def _no_method_in_the_environment(monkeypatch):
     ({"KPROF_TIMER": "events"}, "events;l2=cold;eager"),
     ({"KPROF_CUDA_GRAPH": "1"}, "cupti;l2=cold;graph"),
     ({"KPROF_L2": "warm", "KPROF_TIMER": "EVENTS"}, "events;l2=warm;eager"),
+    ({"KPROF_POWER": "sustained"}, "cupti;l2=cold;eager"),
+    ({"KPROF_POWER": " Loaded", "KPROF_CUDA_GRAPH": "1"}, "cupti;l2=cold;graph;power=loaded"),
 ])
 def test_cuda_timing_method_from_the_environment(monkeypatch, env, timing):
     for name, value in env.items():
@@ -77,7 +79,8 @@ def test_a_device_that_cannot_measure_is_refused_before_the_ledger_is_created(h,
 
 NORM = {"tokens": 4, "hidden": 64, "dtype": "bf16"}
 SELECTORS = {"cupti;l2=cold;eager": [], "events;l2=cold;eager": ["--timer", "events"],
-             "cupti;l2=warm;eager": ["--l2", "warm"], "cupti;l2=cold;graph": ["--cuda-graph"]}
+             "cupti;l2=warm;eager": ["--l2", "warm"], "cupti;l2=cold;graph": ["--cuda-graph"],
+             "cupti;l2=cold;eager;power=loaded": ["--power", "loaded"]}
 
 
 def _event_under(spec, gpu, table="rms_norm", backend="torch", time_ms=0.5, **method):
@@ -87,7 +90,7 @@ def _event_under(spec, gpu, table="rms_norm", backend="torch", time_ms=0.5, **me
     from kprof.ledger.events import Method, Stats
     from kprof.runners.catalog import parse_timing
 
-    entry = effective_entry(lookup(table, backend), **method)
+    entry = effective_entry(lookup(table, backend), **method)  # the power state is in the key (the contract)
     prov = KeyMaker(table, backend, gpu, entry.contract, ShapeCodec(entry.args)).provenance(spec)
     timer, l2, graph = parse_timing(entry.contract.timing)
     stats = Stats(n=5, median=time_ms, p10=time_ms, p90=time_ms, mean=time_ms, stdev=0.0, cv=0.0, min=time_ms,
@@ -120,8 +123,10 @@ def test_explicit_arguments_beat_the_environment_one_setting_at_a_time(monkeypat
 
 @pytest.mark.parametrize("written", list(SELECTORS))
 def test_a_row_written_under_one_method_is_missing_under_every_other(h, capsys, written):
-    timer, l2, mode = written.split(";")
-    h.append("p.db", _event_under(NORM, H200, timer=timer, l2=l2.removeprefix("l2="), cuda_graph=mode == "graph"))
+    from kprof.runners.catalog import parse_timing, timing_power
+
+    timer, l2, graph = parse_timing(written)
+    h.append("p.db", _event_under(NORM, H200, timer=timer, l2=l2, cuda_graph=graph, power=timing_power(written)))
     for timing, flags in SELECTORS.items():
         missing = _read(capsys, h, "count-missing", *flags)["missing_count"]
         doc = _read(capsys, h, "query", *flags)
@@ -135,6 +140,47 @@ def test_a_row_written_under_one_method_is_missing_under_every_other(h, capsys, 
 def test_query_keys_differ_by_method(h, capsys):
     keys = {timing: _read(capsys, h, "query", *flags)["results"][0]["key"] for timing, flags in SELECTORS.items()}
     assert len(set(keys.values())) == len(SELECTORS)
+
+
+@pytest.mark.parametrize("written", ["sustained", "loaded"])
+def test_a_row_of_one_power_state_is_missing_under_the_other(h, capsys, monkeypatch, written):
+    """A row timed after heavy GEMMs (loaded, as in a prefill) is not the row of the kernel back to back
+    (sustained, the default, as in decode), and the reverse; --power beats $KPROF_POWER either way."""
+    h.append("p.db", _event_under(NORM, H200, power=written))
+    other = {"sustained": "loaded", "loaded": "sustained"}[written]
+    default = [] if written == "sustained" else ["--power", "loaded"]  # what reads the row with no variable set
+    assert _read(capsys, h, "count-missing", *default)["missing_count"] == 0
+    for flags in (["--power", written], ["--power", written.upper()]):
+        row = _read(capsys, h, "query", *flags)["results"][0]
+        assert (row["status"], row["provenance"]["timing"]) == ("ok", _TIMING[written])
+    assert _read(capsys, h, "count-missing", "--power", other)["missing_count"] == 1
+    assert _read(capsys, h, "query", "--power", other)["results"][0]["status"] in ("missing", "stale")
+    monkeypatch.setenv("KPROF_POWER", other)  # the variable picks the other state ...
+    assert _read(capsys, h, "count-missing")["missing_count"] == 1
+    assert _read(capsys, h, "count-missing", "--power", written)["missing_count"] == 0  # ... the flag beats it
+    monkeypatch.setenv("KPROF_POWER", written)
+    assert _read(capsys, h, "count-missing")["missing_count"] == 0
+    assert _read(capsys, h, "count-missing", "--power", other)["missing_count"] == 1
+
+
+_TIMING = {"sustained": "cupti;l2=cold;eager", "loaded": "cupti;l2=cold;eager;power=loaded"}
+
+
+@pytest.mark.parametrize("kwargs, timing", [  # the environment alone: cupti;l2=cold;eager;power=loaded
+    ({}, "cupti;l2=cold;eager;power=loaded"),
+    ({"power": "sustained"}, "cupti;l2=cold;eager"),
+    ({"power": " SUSTAINED "}, "cupti;l2=cold;eager"),
+    ({"power": "loaded", "timer": "events"}, "events;l2=cold;eager;power=loaded"),
+])
+def test_the_power_argument_beats_the_environment(monkeypatch, kwargs, timing):
+    monkeypatch.setenv("KPROF_POWER", "loaded")
+    assert effective_entry(lookup("rms_norm", "torch"), **kwargs).contract.timing == timing
+    monkeypatch.setenv("KPROF_POWER", "idle")  # an explicit power state never reads the variable
+    if "power" in kwargs:
+        assert effective_entry(lookup("rms_norm", "torch"), **kwargs).contract.timing == timing
+    else:
+        with pytest.raises(UsageError, match="KPROF_POWER='idle' is not one of sustained, loaded"):
+            effective_entry(lookup("rms_norm", "torch"), **kwargs)
 
 
 def test_a_flag_beats_the_environment(h, capsys, monkeypatch):
@@ -164,10 +210,17 @@ def test_the_api_passes_the_method_through(h):
     assert row["status"] == "ok" and row["provenance"]["timing"] == "events;l2=cold;eager"
     with pytest.raises(UsageError, match="--cuda-graph '0' is not a bool"):
         api.query("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", cuda_graph="0")
+    h.append("p.db", _event_under(NORM, H200, power="loaded"))
+    assert api.count_missing("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", power="loaded").missing_count == 0
+    row = api.query("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", power="loaded").results[0]
+    assert row["status"] == "ok" and row["provenance"]["timing"] == "cupti;l2=cold;eager;power=loaded"
+    with pytest.raises(UsageError, match="--power 'prefill' is not one of sustained, loaded"):
+        api.count_missing("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", power="prefill")
 
 
 BAD = [(["--timer", "nsys"], "--timer 'nsys' is not one of cupti, events; e.g. --timer cupti"),
-       (["--l2", "hot"], "--l2 'hot' is not one of cold, warm; e.g. --l2 cold")]
+       (["--l2", "hot"], "--l2 'hot' is not one of cold, warm; e.g. --l2 cold"),
+       (["--power", "prefill"], "--power 'prefill' is not one of sustained, loaded; e.g. --power sustained")]
 
 
 @pytest.mark.parametrize("flags, message", BAD)
@@ -194,6 +247,7 @@ def test_a_bad_flag_value_refuses_remeasure(h, capsys, flags, message):
 @pytest.mark.parametrize("flags, shown", [
     (["--timer", "events"], "--timer events"), (["--timer", "cupti"], "--timer cupti"),
     (["--l2", "cold"], "--l2 cold"), (["--cuda-graph"], "--cuda-graph"),
+    (["--power", "loaded"], "--power loaded"), (["--power", "LOADED", "--l2", "warm"], "--power loaded"),
 ])
 @pytest.mark.parametrize("verb", ["run", "query", "count-missing", "calibrate"])
 def test_a_cpu_backend_refuses_a_cuda_method(h, capsys, tmp_path, verb, flags, shown):
@@ -207,13 +261,16 @@ def test_a_cpu_backend_refuses_a_cuda_method(h, capsys, tmp_path, verb, flags, s
 def test_a_cpu_backend_accepts_its_own_method_and_ignores_the_environment(h, capsys, monkeypatch, local_gpu):
     h.append("p.db", h.make_event(h.gemm(), local_gpu))
     monkeypatch.setenv("KPROF_TIMER", "nsys")  # not read for a CPU entry
-    for flags in ([], ["--l2", "warm"], ["--no-cuda-graph"], ["--l2", "WARM", "--no-cuda-graph"]):
+    monkeypatch.setenv("KPROF_POWER", "loaded")  # nor this: a CPU row has one power state
+    for flags in ([], ["--l2", "warm"], ["--no-cuda-graph"], ["--l2", "WARM", "--no-cuda-graph"],
+                  ["--power", "sustained"], ["--power", "Sustained", "--l2", "warm"]):
         doc = h.read_json(capsys, "query", "p.db", h.gemm(), extra=flags)
         assert doc["missing_count"] == 0, flags
 
 
 @pytest.mark.parametrize("flags, named", [(["--timer", "events"], "--timer"), (["--l2", "warm"], "--l2"),
-                                          (["--cuda-graph"], "--cuda-graph"), (["--no-cuda-graph"], "--no-cuda-graph")])
+                                          (["--cuda-graph"], "--cuda-graph"), (["--no-cuda-graph"], "--no-cuda-graph"),
+                                          (["--power", "loaded"], "--power"), (["--power", "sustained"], "--power")])
 def test_audit_refuses_a_method_flag_without_remeasure(h, capsys, flags, named):
     h.append("p.db", _event_under(NORM, H200))
     assert main(["audit", "--db", "p.db", "--json", *flags]) == 2
@@ -289,3 +346,59 @@ def test_run_stores_its_rows_under_the_method_given(h, capsys, monkeypatch):
     assert seen == ["events;l2=warm;eager"]
     assert _read(capsys, h, "count-missing", "--timer", "events", "--l2", "warm")["missing_count"] == 0
     assert _read(capsys, h, "count-missing", "--timer", "events")["missing_count"] == 1
+
+
+def _fake_worker(monkeypatch, seen: list):
+    """A CUDA device and a worker that store each spec's row under the timing of the entry handed to them."""
+    import kprof.runners.worker as worker
+    from kprof.runners.catalog import parse_timing, timing_power
+    from kprof.runners.worker import Outcome
+
+    def fake_measure(entry, specs, gpu_key, **kw):
+        seen.append((entry.table, entry.contract.timing))
+        timer, l2, graph = parse_timing(entry.contract.timing)
+        method = dict(timer=timer, l2=l2, cuda_graph=graph, power=timing_power(entry.contract.timing))
+        for i, spec in enumerate(specs):
+            yield Outcome(i, _event_under(spec, gpu_key, table=entry.table, **method), 0.0, 0.0)
+
+    monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [H200])
+    monkeypatch.setattr(worker, "prepare_device", lambda entry, gpu_key, environment=None: None)
+    monkeypatch.setattr(worker, "measure_specs", fake_measure)
+
+
+def test_run_and_calibrate_store_their_rows_under_the_power_state_given(h, capsys, monkeypatch):
+    """`run --power loaded` hands the worker a loaded entry (it runs heavy GEMMs before each sweep) and its row
+    lands under the loaded key, beside, not over, the sustained row of the same spec; calibrate likewise."""
+    seen: list = []
+    _fake_worker(monkeypatch, seen)
+    monkeypatch.setenv("KPROF_POWER", "sustained")  # the flag beats it
+    doc = _read(capsys, h, "run", "--power", "loaded")
+    assert (doc["missing_count"], doc["results"][0]["provenance"]["timing"]) == (0, _TIMING["loaded"])
+    assert seen == [("rms_norm", _TIMING["loaded"])]
+    assert _read(capsys, h, "count-missing")["missing_count"] == 1  # the sustained row is still to be measured
+    assert _read(capsys, h, "run")["results"][0]["provenance"]["timing"] == _TIMING["sustained"]
+    assert seen[-1] == ("rms_norm", _TIMING["sustained"])
+    keys = {p: _read(capsys, h, "query", "--power", p)["results"][0]["key"] for p in ("loaded", "sustained")}
+    assert keys["loaded"] != keys["sustained"]
+
+    seen.clear()
+    rc = main(["calibrate", "--backend", "torch", "--db", "c.db", "--power", "loaded", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and seen and {timing for _table, timing in seen} == {_TIMING["loaded"]}
+    assert {c["metric"] for c in out["ceilings"]} == {"tflops", "memory_bandwidth_gbps"}
+    assert {r["provenance"]["timing"] for r in out["rows"]} == {_TIMING["loaded"]}
+
+
+def test_remeasure_measures_the_rows_of_the_power_state_given(h, capsys, monkeypatch, local_gpu):
+    """`audit --remeasure --power loaded` re-measures only loaded rows, and loaded: the worker heats the GPU."""
+    seen: list = []
+    _fake_worker(monkeypatch, seen)
+    h.append("p.db", h.make_event(h.gemm(), local_gpu), _event_under(NORM, H200),
+             _event_under(NORM, H200, power="loaded"), _event_under(NORM, H200, timer="events", power="loaded"))
+    assert main(["audit", "--remeasure", "5", "--db", "p.db", "--json", "--power", "loaded"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["candidates"], doc["checked"], doc["drifted"], doc["gpu_keys"]) == (1, 1, 0, [H200])
+    assert seen == [("rms_norm", _TIMING["loaded"])]
+    monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [])
+    assert main(["audit", "--remeasure", "1", "--db", "p.db", "--power", "loaded"]) == 2
+    assert "--power loaded re-measures CUDA rows and no CUDA GPU is visible" in capsys.readouterr().err

@@ -20,7 +20,7 @@ def _event(db, result):
 @pytest.fixture
 def db(tmp_path, monkeypatch):
     monkeypatch.setenv("KPROF_ENERGY_S", "0.3")
-    for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH"):
+    for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH", "KPROF_POWER"):
         monkeypatch.delenv(name, raising=False)
     return str(tmp_path / "gpu.db")
 
