@@ -8,11 +8,15 @@ is lower) names a moment, not the kernel. The protocol, for every CUDA row:
 1. **Start**: a GPU hotter than `max_start_c` is left idle until it cools to it (at most `cool_s`), so no
    row starts from a die heated by its neighbours beyond the stated limit.
 2. **Settle**: the callable runs back to back, as the samples will, in chunks of ~`chunk_s` of GPU work,
-   with the SM clock read while each chunk runs, until the last `window` readings lie within `tol` of their
-   median (after at least `min_s`, at most `max_s`). Their median is the settled clock.
+   with the SM clock and power read while each chunk runs, until the last `window` readings lie within
+   `tol` of their median at no more than the power limit (after at least `min_s`, at most `max_s`). Their
+   median is the settled clock. A kernel that reaches the power cap settles for `capped_settle_s` instead
+   and is sampled for at least `capped_sample_s`: under the cap the clock swings by 10-20 % over tens of
+   milliseconds, and a short median would catch one swing (rows of such GEMMs spread by 5-9 % that way).
 3. **Hold**: each timed batch gets a reading taken while it runs. A batch whose SM clock is off the settled
-   clock by more than `tol`, or that shows a thermal or hardware slowdown, was measured out of state: its
-   samples are discarded and the stopping rule asks for more, as nvbench drops throttled samples. Past
+   clock by more than `tol` (not for a capped kernel, whose clock swings by nature), or that shows a thermal
+   or hardware slowdown, was measured out of state: its samples are discarded and the stopping rule asks
+   for more, as nvbench drops throttled samples. Past
    `max_discards` discarded batches the state is re-anchored on the latest reading (the GPU found a new
    steady state; the row says so) rather than looping forever on a drifting GPU.
 
@@ -70,8 +74,12 @@ class StateProtocol:
     def __init__(self, probe: Callable[[], StateReading], *, max_start_c: float = 80.0, cool_s: float = 30.0,
                  tol: float = 0.02, window: int = 3, chunk_s: float = 0.02, min_s: float = 0.12,
                  max_s: float = 1.5, max_discards: int = 8, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.perf_counter, regime: str = "sustained"):
-        self.regime = regime
+                 clock: Callable[[], float] = time.perf_counter, regime: str = "sustained",
+                 power_limit_w: float | None = None, capped_settle_s: float = 0.3, capped_sample_s: float = 0.5):
+        self.regime, self.power_limit_w = regime, power_limit_w
+        self.capped_settle_s, self.capped_sample_s = capped_settle_s, capped_sample_s
+        self.capped = False
+        self.min_sample_s = 0.0  # timed work the samples must span (set by settle: capped kernels)
         self.probe, self.max_start_c, self.cool_s, self.tol = probe, max_start_c, cool_s, tol
         self.window, self.chunk_s, self.min_s, self.max_s = window, chunk_s, min_s, max_s
         self.max_discards, self._sleep, self._clock = max_discards, sleep, clock
@@ -96,36 +104,71 @@ class StateProtocol:
             self.notes["cooldown_to_c"] = _fmt(temp)
 
     def settle(self, run_chunk: Callable[[float], None]) -> Settled:
-        """Run `run_chunk(chunk_s)` (about chunk_s of GPU work, enqueued and left running) and read the clock
-        while it runs, until the clock holds steady; sets the reference clock."""
+        """Run `run_chunk(chunk_s)` (about chunk_s of GPU work, enqueued and left running) and read the GPU
+        while it runs, until it holds steady; sets the reference clock.
+
+        Steady: the last `window` clocks within `tol` of their median, and their power not above the limit
+        (a GPU drawing more than its limit is about to be capped: the clock has not fallen yet). A kernel
+        that reaches the power cap never holds one clock: the cap's controller moves it by 10-20 % over
+        tens of milliseconds. Such a kernel settles for `capped_settle_s` and is then sampled for at least
+        `capped_sample_s` (see `min_sample_s`), so its median spans the controller's swings rather than
+        catching one of them."""
         t0 = self._clock()
-        clocks: list[float] = []
+        readings: list[StateReading] = []
+        capped_at: int | None = None
         chunks = 0
         steady = False
         while True:
             run_chunk(self.chunk_s)
             reading = self.probe()
+            readings.append(reading)
             chunks += 1
-            if reading.sm_mhz is not None:
-                clocks.append(reading.sm_mhz)
             elapsed = self._clock() - t0
-            if elapsed >= self.min_s and _steady(clocks[-self.window:], self.window, self.tol):
+            if capped_at is None and self._capped(reading):
+                capped_at = len(readings) - 1
+            if capped_at is not None:
+                if elapsed >= max(self.min_s, self.capped_settle_s):
+                    steady = True
+                    break
+            elif elapsed >= self.min_s and self._steady(readings[-self.window:]):
                 steady = True
                 break
             if elapsed >= self.max_s:
                 break
-        ref = statistics.median(clocks[-self.window:]) if clocks else None
+        clocks = [r.sm_mhz for r in readings[capped_at or 0:] if r.sm_mhz is not None]
+        recent = clocks if capped_at is not None else clocks[-self.window:]
+        ref = statistics.median(recent) if recent else None
         self.reference = ref
+        self.capped = capped_at is not None
+        self.min_sample_s = self.capped_sample_s if self.capped else 0.0
         result = Settled(ref, self._clock() - t0, chunks, steady)
         self.notes.update(settle_s=f"{result.seconds:.3f}", settle_chunks=str(chunks),
-                          settled_sm_mhz=_fmt(ref), settled="yes" if steady else "no (max_s reached)")
+                          settled_sm_mhz=_fmt(ref), settled="yes" if steady else "no (max_s reached)",
+                          power_capped="yes" if self.capped else "no")
+        if self.capped:
+            self.notes["capped_sample_s"] = f"{self.capped_sample_s:.2f}"
         return result
+
+    def _capped(self, r: StateReading) -> bool:
+        return "power_cap" in decode_reasons(r.reasons or 0) or (
+            self.power_limit_w is not None and r.power_w is not None and r.power_w >= 0.97 * self.power_limit_w)
+
+    def _steady(self, recent: Sequence[StateReading]) -> bool:
+        clocks = [r.sm_mhz for r in recent if r.sm_mhz is not None]
+        if len(clocks) < self.window:
+            return False
+        mid = statistics.median(clocks)
+        if not (mid > 0 and all(abs(c / mid - 1) <= self.tol for c in clocks)):
+            return False
+        powers = [r.power_w for r in recent if r.power_w is not None]
+        return self.power_limit_w is None or all(p <= 1.02 * self.power_limit_w for p in powers)
 
     def hold(self, reading: StateReading) -> bool:
         """Whether a batch read as `reading` ran in the settled state (keep its samples). Counts discards and
-        re-anchors past max_discards."""
+        re-anchors past max_discards. A power-capped kernel is held only against thermal and hardware
+        slowdowns: its clock swings with the cap's controller, and that swing is its steady state."""
         reasons = set(decode_reasons(reading.reasons or 0))
-        off_clock = (self.reference is not None and reading.sm_mhz is not None
+        off_clock = (not self.capped and self.reference is not None and reading.sm_mhz is not None
                      and abs(reading.sm_mhz / self.reference - 1) > self.tol)
         if not off_clock and not reasons & OUT_OF_STATE_REASONS:
             self.kept.append(reading)
@@ -161,13 +204,6 @@ class StateProtocol:
             mask |= r.reasons or 0
         out["timed_reasons"] = ",".join(decode_reasons(mask)) or "none"
         return out
-
-
-def _steady(clocks: Sequence[float], window: int, tol: float) -> bool:
-    if len(clocks) < window:
-        return False
-    mid = statistics.median(clocks)
-    return mid > 0 and all(abs(c / mid - 1) <= tol for c in clocks)
 
 
 def _fmt(value: float | None) -> str:

@@ -46,7 +46,7 @@ _MAX_BATCH = 100
 _SETTLE_S = 0.05  # back-to-back running before the first sample, for calls long enough to heat the GPU
 _SETTLE_MIN_CALL_S = 1e-3  # warm-up wall per call (launch + sync included) from which a call settles
 _SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts SM clock cycles; about the boost clock of current GPUs
-_HEAT_RATIO = 2.0  # loaded state: heavy work per sample, in multiples of the call's own time
+_HEAT_RATIO = 4.0  # loaded state: heavy work per sample, in multiples of the call's own time
 _HEAT_MAX_UNITS = 32
 _GRAPH_WARMUP_ROUNDS = 3  # eager rounds on a side stream before capture, as torch.cuda.graphs asks
 
@@ -99,7 +99,7 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         a sample is a replay's time over the copies; L2 stays cold only if the copies' bytes exceed 2x the L2
         (`rotation_copies`). No sweep then; fn is not called.
     device: the CUDA device (index, "cuda:N" or torch.device); the current one when None.
-    warm: with cold_l2 (eager), called after each flush, outside the timed region: reads back the inputs a
+    warm: with cold_l2, called after each flush, outside the timed region: puts back in L2 the inputs a
         model's previous kernel would have just written (the activations), so only the rest (weights, KV
         caches) is cold, as inside a model.
     heat: the loaded power state: one unit of heavy work (a large GEMM) enqueued before every sweep, as many
@@ -137,7 +137,7 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
                     sweep()
                     warm()
 
-                notes["l2_warm_inputs"] = "activations read back after the sweep"
+                notes["l2_warm_inputs"] = "activations rewritten after the sweep (dirty in L2, as produced)"
         else:
             notes.update(l2="warm", l2_flush_bytes="0")
 
@@ -428,6 +428,9 @@ def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_ca
         per_call_s = (time.perf_counter() - b0) / k
         biggest, batches = max(biggest, k), batches + 1
         reason = rule.check(samples, time.perf_counter() - t0)
+        if reason in ("converged", "resolution") and state is not None and \
+                time.perf_counter() - t0 < state.min_sample_s:
+            reason = None  # a power-capped kernel: span the cap controller's swings before stopping
         if reason:
             notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
             return samples, reason

@@ -3,8 +3,8 @@
 A Case's timed closure is `fn() == call(*inputs)`: `inputs` are the tensors the kernel reads, and any it
 writes in place (memcpy's destination); `call` is the production callable on them, with every non-tensor
 argument (shapes, flags, host-side group sizes) bound inside it. `warm` names which inputs are activations:
-what a model's previous kernel has just written, so the cold-L2 timing reads them back into L2 after its
-sweep, while weights and KV caches stay cold. A caller may also call `call` on clones of the inputs (a
+what a model's previous kernel has just written, so the cold-L2 timing rewrites them into L2 after its
+sweep (dirty, as their producer leaves them), while weights and KV caches stay cold. A caller may also call `call` on clones of the inputs (a
 clone keeps a tensor's strides, so a column-major operand stays column-major).
 """
 
@@ -41,7 +41,7 @@ class Case(NamedTuple):
     call: Callable | None = None  # fn() == call(*inputs); the timer may call it on clones of the inputs
     # Positions in `inputs` of the activations: what the previous kernel of a model has just written, so in
     # L2 when this one starts (weights and KV caches are not). Cold-L2 timing evicts everything by a read
-    # sweep, then reads these back in, outside the timed region.
+    # sweep, then rewrites these in place, outside the timed region.
     warm: tuple[int, ...] = ()
 
 

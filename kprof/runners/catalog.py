@@ -81,6 +81,12 @@ _SDPA_NUMERICS = {
 _GEMM_LAYOUT = "a[m,k] row-major, b[k,n] row-major, c[m,n] row-major"
 _PREFILL_LAYOUT = "q/k/v [batch,heads,seq,head_dim] contiguous"
 _DECODE_LAYOUT = "q [batch,heads,1,head_dim], k/v [batch,kv_heads,kv_len,head_dim] contiguous"
+# CUDA rows time attention on the layout a model's QKV projection leaves (kprof.runners.attention).
+_PACKED = "[batch,tokens,(heads+2*kv_heads)*head_dim]"
+_PREFILL_LAYOUT_CUDA = (f"q/k/v [batch,heads,seq,head_dim] head views of one packed {_PACKED} projection output "
+                        f"(head_dim contiguous)")
+_DECODE_LAYOUT_CUDA = (f"q [batch,heads,1,head_dim] a head view of a packed {_PACKED} projection output; "
+                       f"k/v [batch,kv_heads,kv_len,head_dim] contiguous")
 _MOE_LAYOUT = ("x[tokens*topk,hidden] row-major, rows grouped by expert; w[experts,intermediate,hidden] "
                "contiguous, passed transposed; out[tokens*topk,intermediate]")
 _MEMCPY_LAYOUT = "src, dst uint8[bytes] contiguous, separate allocations on one device"
@@ -107,7 +113,8 @@ _CUDA_NUMERICS = {
     "attention_prefill": _SDPA_NUMERICS[None],
     "attention_decode": _SDPA_NUMERICS[None],
 }
-_CUDA_LAYOUT = {"single_gemm": f"{_GEMM_LAYOUT}; fp8_e4m3: b[k,n] column-major (as torch._scaled_mm requires)"}
+_CUDA_LAYOUT = {"single_gemm": f"{_GEMM_LAYOUT}; fp8_e4m3: b[k,n] column-major (as torch._scaled_mm requires)",
+                "attention_prefill": _PREFILL_LAYOUT_CUDA, "attention_decode": _DECODE_LAYOUT_CUDA}
 _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 
 
@@ -136,8 +143,8 @@ for table, args, kind, runner, algorithm, layout, description in _FAMILIES:
 # Attention with one SDPA backend forced on CUDA.
 for forced in ("flash", "efficient", "cudnn", "math"):
     for table, args, runner, layout in (
-            ("attention_prefill", AttentionPrefillArgs, "AttentionPrefill", _PREFILL_LAYOUT),
-            ("attention_decode", AttentionDecodeArgs, "AttentionDecode", _DECODE_LAYOUT)):
+            ("attention_prefill", AttentionPrefillArgs, "AttentionPrefill", _PREFILL_LAYOUT_CUDA),
+            ("attention_decode", AttentionDecodeArgs, "AttentionDecode", _DECODE_LAYOUT_CUDA)):
         _register(table, args, "attention", f"kprof.runners.attention:{runner}{forced.capitalize()}",
                   f"torch-{forced}", "cuda", f"torch sdpa ({forced} backend forced)", layout,
                   _SDPA_NUMERICS[forced], GPU_TIMING, f"attention through SDPA's {forced} backend only")

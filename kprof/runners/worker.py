@@ -126,6 +126,9 @@ def _algorithm(case) -> dict[str, str]:
 # Seconds of steady back-to-back calls behind each row's energy_j: two to three steps of NVML's ~98 ms
 # counter, fitted once the clock has settled (the settle, not the window, brings the GPU to its steady power).
 ENERGY_S = 0.2
+# Eager rows rotate over this many allocations of their weights at most, within this many bytes of copies.
+MAX_COPIES = 4
+COPY_BYTES = 2 << 30
 # The timing's settle right after an energy window, which has brought the GPU to this kernel's steady clock.
 SETTLED_MIN_S = 0.04
 
@@ -210,8 +213,9 @@ class _CudaDevice:
             energy, notes = self._energy(case, state) if self.energy_s > 0 else (None, {})
             # Timing follows the energy window: the GPU is already in the steady state of this kernel, and
             # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
+            fn, copies = self._spread(case)
             timing, retried = twice_if_unstable(lambda: time_gpu(
-                case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
+                fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
                 kernel_filter=case.kernel_filter, state=self._state(start=False, settled=energy is not None),
                 warm=self._warm(case), heat=self._heat()))
         env = with_telemetry(self.env, telemetry)
@@ -227,7 +231,8 @@ class _CudaDevice:
                         notes={"target_rel_ci": str(rule.target), "timer_wall_s": f"{timing.wall_s:.4f}",
                                **({"first_attempt": retried} if retried else {}),
                                "gpu_s": f"{timing.gpu_s:.6f}", **self.start_notes, **timing.notes,
-                               **({"kernels": kernels[:1000]} if kernels else {}), **notes, **_algorithm(case),
+                               **({"kernels": kernels[:1000]} if kernels else {}), "input_copies": str(copies),
+                               **notes, **_algorithm(case),
                                **case.notes})
         return stats, method, energy, env, timing.gpu_s
 
@@ -244,7 +249,8 @@ class _CudaDevice:
         except Exception as e:  # noqa: BLE001 - no NVML: time without the protocol, and record why
             self.state_errors["state"] = f"{type(e).__name__}: {e}"
             return None
-        state = StateProtocol(probe, regime=self.power, **({"min_s": SETTLED_MIN_S} if settled else {}))
+        state = StateProtocol(probe, regime=self.power, power_limit_w=self.env.power_limit_w,
+                              **({"min_s": SETTLED_MIN_S} if settled else {}))
         if start:
             state.start()
             self.start_notes = dict(state.notes)
@@ -253,6 +259,7 @@ class _CudaDevice:
     def _energy(self, case, state) -> tuple[float, dict[str, str]]:
         """Energy per call over a window of steady back-to-back calls (L2 warm): the calls first run until the
         SM clock holds steady (the protocol's settle), then NVML's counter is fitted over the window."""
+        from ..measure._burst import burst
         from ..measure.nvml import measure_energy
 
         torch = self.torch
@@ -276,10 +283,16 @@ class _CudaDevice:
             settled = state.settle(run_chunk)
             torch.cuda.synchronize()
             warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
-        result = measure_energy(case.fn, seconds=self.energy_s, sync=torch.cuda.synchronize,
+        t = time.perf_counter()
+        for _ in range(3):
+            case.fn()
+        torch.cuda.synchronize()
+        calls_fn, per_replay, how = burst(case.fn, (time.perf_counter() - t) / 3, call_bytes=case.bytes)
+        result = measure_energy(calls_fn, seconds=self.energy_s, sync=torch.cuda.synchronize,
                                 warmup_s=0.0 if state is not None else min(0.1, self.energy_s))
-        return result.j_per_call, {
-            "energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls),
+        return result.j_per_call / per_replay, {
+            "energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls * per_replay),
+            "energy_launch": how,
             "energy_rel_uncertainty": f"{result.rel_uncertainty:.4f}", "energy_method": result.method,
             "energy_power_w": f"{result.power_w:.1f}", "energy_regime": "back-to-back calls, L2 warm, settled",
             **warm}
@@ -297,17 +310,38 @@ class _CudaDevice:
             self._heater = lambda: torch.matmul(a, b, out=out)
         return self._heater
 
+    def _spread(self, case):
+        """(timed closure, copies): eager calls rotate over up to MAX_COPIES copies of the case's cold inputs
+        (its weights), each its own allocation, sharing the activations. A memory-bound kernel's time depends
+        a few per cent on where its weights lie in device memory (a decode GEMM read 35.8 µs on one
+        allocation and 38.0 µs on three others); a model's layers each have their own, and a row's median
+        over several allocations is the one they share. At most COPY_BYTES of copies."""
+        if self.graph or case.call is None or not case.inputs:
+            return case.fn, 1
+        cold = [i for i in range(len(case.inputs)) if i not in case.warm]
+        size = sum(case.inputs[i].numel() * case.inputs[i].element_size() for i in cold)
+        n = min(MAX_COPIES, 1 + int(COPY_BYTES // size)) if size else 1
+        if n == 1:
+            return case.fn, 1
+        import functools
+        import itertools
+
+        sets = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
+                                for _ in range(n - 1)]
+        turn = itertools.cycle([functools.partial(case.call, *inputs) for inputs in sets])
+        return (lambda: next(turn)()), n
+
     def _warm(self, case):
-        """Cold L2: after each sweep, read the case's activations back into L2 (see Case.warm); before an eager
-        call and a graph replay alike."""
+        """Cold L2: after each sweep, rewrite the case's activations in place (see Case.warm), so they lie in
+        L2 as dirty lines, as the kernel that produced them leaves them inside a model (the timed kernel pays
+        their write-back when it evicts them, as there); before an eager call and a graph replay alike."""
         if not self.cold or not case.warm:
             return None
         import torch
 
-        # fp8 has no reduction kernels: its bytes are read as uint8, which reads the same lines.
-        tensors = [t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
-                   for t in (case.inputs[i] for i in case.warm)]
-        return lambda: [t.sum() for t in tensors]
+        # OR with 0 rewrites every byte unchanged; floats are rewritten through a uint8 view of their bytes.
+        tensors = [t.view(torch.uint8) if t.is_floating_point() else t for t in (case.inputs[i] for i in case.warm)]
+        return lambda: [t.bitwise_or_(0) for t in tensors]
 
     def recover(self) -> None:
         """After a failure (an OOM above all), give the cached blocks back so the next spec starts clean."""

@@ -512,12 +512,24 @@ def _held_state(schedule):
 def test_time_gpu_discards_batches_out_of_the_settled_state(sim):
     """The settle reads 1980 MHz three times; then the first batch runs at 1700 MHz with a thermal reason: its
     (slower) samples are dropped, and only the in-state samples of the next batch are kept."""
-    normal, hot = (1980, 650.0, 60.0, 0x4), (1700, 700.0, 88.0, 0x20)
+    normal, hot = (1980, 450.0, 60.0, 0), (1700, 500.0, 88.0, 0x20)
     state, ns = _held_state([normal] * 3 + [hot] + [normal] * 20)
     t = time_gpu(lambda: sim.launch("gemm", ns()), StopRule(max_samples=30), state=state)
     assert t.samples_ms == [pytest.approx(0.0025)] * 30
     assert t.notes["batches_discarded"] == "1" and t.notes["settled_sm_mhz"] == "1980.0"
-    assert t.notes["state"] == "sustained, power-capped" and t.notes["timed_reasons"] == "power_cap"
+    assert t.notes["state"] == "sustained, boost" and t.notes["timed_reasons"] == "none"
+    assert t.notes["power_capped"] == "no"
+
+
+def test_time_gpu_samples_a_power_capped_kernel_across_the_cap_controllers_swings(sim):
+    """Under the power cap the clock swings: the settle stops on the cap (not on a steady clock), no batch is
+    discarded for its clock, and sampling spans at least capped_sample_s even when the CI converged."""
+    swings = [(1500 + 150 * (i % 3), 700.0, 60.0, 0x4) for i in range(10_000)]
+    state, _ns = _held_state(swings)
+    state.capped_settle_s, state.capped_sample_s = 0.02, 0.05
+    t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10**6), state=state)
+    assert t.notes["power_capped"] == "yes" and t.notes["batches_discarded"] == "0"
+    assert float(t.notes["sample_s"]) >= 0.05 and t.notes["state"] == "sustained, power-capped"
 
 
 def test_time_gpu_without_a_state_keeps_throttled_samples(sim):

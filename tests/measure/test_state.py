@@ -54,40 +54,64 @@ def test_a_cool_gpu_starts_at_once():
 
 
 def test_settle_runs_until_the_clock_holds_steady_and_takes_its_median():
-    # A power-capped GEMM: boost, then the clock falls over a few chunks and holds at ~1500 MHz.
-    ramp = [(1980, 400, 50, 0), (1830, 690, 51, 4), (1650, 700, 52, 4), (1520, 700, 53, 4),
-            (1500, 700, 53, 4), (1515, 700, 53, 4), (1500, 700, 53, 4)]
+    # A kernel under the power limit: the clock climbs from the warm-up's idle gaps and holds near boost.
+    ramp = [(1410, 300, 50, 0), (1755, 380, 51, 0), (1980, 420, 52, 0), (1965, 430, 53, 0),
+            (1980, 430, 53, 0), (1980, 430, 53, 0), (1980, 430, 53, 0)]
     s = Script(ramp)
-    p = protocol(s, chunk_s=0.02, min_s=0.04, window=3, tol=0.02)
+    p = protocol(s, chunk_s=0.02, min_s=0.04, window=3, tol=0.02, power_limit_w=700.0)
     settled = p.settle(s.chunk)
-    assert settled.steady and settled.sm_mhz in (1500, 1515)
-    assert settled.chunks == 6 and p.reference == settled.sm_mhz and p.notes["settled"] == "yes"
+    assert settled.steady and settled.sm_mhz == 1980 and settled.chunks == 5
+    assert p.reference == 1980 and p.notes["settled"] == "yes" and p.notes["power_capped"] == "no"
+    assert p.min_sample_s == 0.0
+
+
+def test_a_power_capped_kernel_settles_for_capped_settle_s_and_must_be_sampled_longer():
+    # Boost at first, then the cap engages and the clock swings between ~1500 and ~1750 MHz.
+    swing = [(1980, 760, 50, 0)] + [(1500 + 125 * (i % 3), 700, 55, 0x4) for i in range(100)]
+    s = Script(swing)
+    p = protocol(s, chunk_s=0.02, min_s=0.04, window=3, tol=0.02, capped_settle_s=0.3, capped_sample_s=0.5,
+                 power_limit_w=700.0)
+    settled = p.settle(s.chunk)
+    assert settled.steady and p.capped and p.min_sample_s == 0.5 and settled.chunks in (15, 16)
+    assert settled.sm_mhz == 1625  # the median of the swings since the cap engaged, not the boost reading
+    assert p.hold(StateReading(1500, 700, 56, 0x4)) and p.hold(StateReading(1750, 700, 56, 0x4))
+    assert not p.hold(StateReading(1500, 700, 90, 0x4 | 0x20))  # a thermal slowdown is still out of state
+    assert p.summary()["power_capped"] == "yes"
+
+
+def test_power_above_the_limit_is_not_steady_even_on_a_steady_clock():
+    """The cap's controller has not acted yet: the clock still reads boost while the power is over the limit.
+    That counts as capped (the clock is about to fall), never as a steady boost state."""
+    s = Script([(1980, 776, 50, 0)] * 100)
+    p = protocol(s, chunk_s=0.02, min_s=0.04, window=3, tol=0.02, capped_settle_s=0.3, power_limit_w=700.0)
+    settled = p.settle(s.chunk)
+    assert p.capped and settled.seconds >= 0.3
 
 
 def test_settle_stops_at_max_s_on_a_clock_that_never_holds():
-    s = Script([(1980 - 60 * i, 700, 60, 4) for i in range(100)])
+    s = Script([(1980 - 60 * i, 500, 60, 0) for i in range(100)])  # falling, uncapped (a thermal drift)
     p = protocol(s, chunk_s=0.1, min_s=0.0, max_s=1.0, window=3, tol=0.02)
     settled = p.settle(s.chunk)
     assert not settled.steady and settled.chunks in (10, 11) and p.notes["settled"] == "no (max_s reached)"
 
 
 def test_hold_keeps_in_state_batches_and_discards_off_clock_or_throttled_ones():
-    s = Script([(1500, 700, 60, 4)] * 3)
+    s = Script([(1980, 450, 60, 0)] * 3)
     p = protocol(s, min_s=0.0, tol=0.02)
     p.settle(s.chunk)
-    assert p.hold(StateReading(1515, 700, 60, 4))  # within 2 %
-    assert not p.hold(StateReading(1600, 600, 60, 0))  # off the settled clock: the power state moved
-    assert not p.hold(StateReading(1500, 700, 90, 0x20))  # on the clock but thermally slowed
+    assert p.hold(StateReading(1965, 450, 60, 0))  # within 2 %
+    assert not p.hold(StateReading(1800, 600, 60, 0))  # off the settled clock: the power state moved
+    assert not p.hold(StateReading(1980, 450, 90, 0x20))  # on the clock but thermally slowed
     summary = p.summary()
-    assert summary["batches_discarded"] == "2" and summary["state"] == "sustained, power-capped"
-    assert summary["timed_sm_mhz_median"] == "1515.0" and summary["timed_reasons"] == "power_cap"
+    assert summary["batches_discarded"] == "2" and summary["state"] == "sustained, boost"
+    assert summary["timed_sm_mhz_median"] == "1965.0" and summary["timed_reasons"] == "none"
 
 
 def test_hold_reanchors_on_a_gpu_that_found_a_new_steady_state():
-    s = Script([(1500, 700, 60, 4)] * 3)
+    s = Script([(1980, 450, 60, 0)] * 3)
     p = protocol(s, min_s=0.0, tol=0.02, max_discards=2)
     p.settle(s.chunk)
-    drifted = StateReading(1400, 700, 70, 4)
+    drifted = StateReading(1400, 450, 70, 0)
     assert [p.hold(drifted) for _ in range(4)] == [False, False, True, True]
     summary = p.summary()
     assert p.reference == 1400 and summary["state_reanchored"] == "1" and summary["batches_discarded"] == "2"

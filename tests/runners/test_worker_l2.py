@@ -37,10 +37,41 @@ def test_every_runner_names_its_activations(table):
     assert build(table).warm == ACTIVATIONS[table]
 
 
-def test_eager_cold_reads_the_activations_back_after_the_sweep():
+def test_eager_cold_rewrites_the_activations_after_the_sweep():
     case = build("single_gemm")
     warm = device(graph=False)._warm(case)
     assert warm is not None and len(warm()) == 1  # one read of a, none of b
     assert device(graph=False, cold=False)._warm(case) is None  # warm L2: nothing to read back
     assert len(device(graph=True)._warm(case)()) == 1  # before each graph replay too
     assert device(graph=False)._warm(build("single_gemm")._replace(warm=())) is None
+
+
+def test_eager_rows_rotate_over_copies_of_the_weights_and_share_the_activations():
+    case = build("single_gemm")
+    calls = []
+    case = case._replace(call=lambda a, b: calls.append((a, b)))
+    fn, copies = device(graph=False)._spread(case)
+    assert copies == 4
+    for _ in range(8):
+        fn()
+    assert all(a is case.inputs[0] for a, _b in calls)  # one activation tensor for every copy
+    assert len({id(b) for _a, b in calls}) == 4 and calls[0][1] is calls[4][1]  # four weight copies, in turn
+
+
+def test_no_copies_under_a_graph_past_the_byte_budget_or_of_activations_alone(monkeypatch):
+    import kprof.runners.worker as worker
+
+    case = build("single_gemm")
+    assert device(graph=True)._spread(case) == (case.fn, 1)
+    assert device(graph=False)._spread(build("silu_mul"))[1] == 1  # its one input is an activation
+    monkeypatch.setattr(worker, "COPY_BYTES", 1)
+    assert device(graph=False)._spread(case) == (case.fn, 1)
+
+
+def test_the_rewrite_leaves_every_activation_value_as_it_was():
+    import torch
+
+    case = build("attention_prefill")
+    before = [t.clone() for t in case.inputs]
+    device(graph=False)._warm(case)()
+    assert all(torch.equal(a, b) for a, b in zip(before, case.inputs))
