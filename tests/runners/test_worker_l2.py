@@ -75,3 +75,13 @@ def test_the_rewrite_leaves_every_activation_value_as_it_was():
     before = [t.clone() for t in case.inputs]
     device(graph=False)._warm(case)()
     assert all(torch.equal(a, b) for a, b in zip(before, case.inputs))
+
+
+def test_a_zero_dim_scale_is_rewritten_too():
+    import torch
+
+    case = build("single_gemm")
+    scale = torch.tensor(0.5)
+    case = case._replace(inputs=(*case.inputs, scale), warm=(0, 2))
+    device(graph=False)._warm(case)()
+    assert scale.item() == 0.5
