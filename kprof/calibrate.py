@@ -55,9 +55,10 @@ def _copies(*sizes: int) -> tuple:
     return tuple(("memcpy", {"bytes": b}) for b in sizes)
 
 
-# Per device kind. Arithmetic: GEMMs square-ish and large enough to fill every SM many times over, from 4096^3
-# (~0.2 ms, runs near boost clock) to 8192^3 (~1.6 ms, power-capped), so the best of them bounds the
-# prefill-sized GEMMs of real models. Bandwidth: copies of 1-4 GiB, far past the L2 (60 MiB on an H200), and
+# Per device kind. Arithmetic: GEMMs large enough to fill every SM many times over, from 2048x4096x4096 (~0.09
+# ms) to 8192^3 (~1.6 ms, power-capped), square-ish and long in k (the down projections of 7-8B models, k =
+# 14336, ran at 100.2-103.3 % of a square-only set on an H200), so the best of them bounds the prefill-sized
+# GEMMs of real models. Bandwidth: copies of 1-4 GiB, far past the L2 (60 MiB on an H200), and
 # two decode GEMMs (m = 1) whose weights (235 and 537 MB) stream from HBM once per call. A copy reads and writes
 # in equal parts; a decode GEMM only reads, and on an H200 the 1x28672x4096 one already streams within 1 % of
 # the copy rate: without it in the set, decode rows would sit at or above "100 %" of a copy-only ceiling.
@@ -66,7 +67,8 @@ def _copies(*sizes: int) -> tuple:
 # cache's.
 CEILING_SETS = {
     "cuda": [
-        CeilingSet("tflops", _gemms("bf16", (4096, 4096, 4096), (4096, 8192, 4096), (8192, 8192, 4096),
+        CeilingSet("tflops", _gemms("bf16", (2048, 4096, 4096), (2048, 4096, 14336), (4096, 4096, 4096),
+                                    (4096, 4096, 14336), (4096, 8192, 4096), (8192, 8192, 4096),
                                     (4096, 8192, 8192), (6144, 6144, 6144), (8192, 8192, 8192)),
                    "bf16 GEMMs"),
         CeilingSet("memory_bandwidth_gbps", _copies(1 << 30, 2 << 30, 4 << 30)

@@ -17,7 +17,7 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
         "Measure the ceilings again even when they are in the ledger."))] = False,
               gpu_name: GpuName = None, db: Db = None, timer: Timer = None, l2: L2 = None,
               cuda_graph: CudaGraph = None, power: Power = None, json: Json = False) -> int:
-    """Measure the ceilings of the device BACKEND runs on: each the best of a stated shape set (on a GPU, six
+    """Measure the ceilings of the device BACKEND runs on: each the best of a stated shape set (on a GPU, nine
     large bf16 GEMMs for TFLOP/s; 1-4 GiB copies and two decode GEMMs for bandwidth)."""
     from . import invocation
 

@@ -250,8 +250,10 @@ class _CudaDevice:
         except Exception as e:  # noqa: BLE001 - no NVML: time without the protocol, and record why
             self.state_errors["state"] = f"{type(e).__name__}: {e}"
             return None
-        state = StateProtocol(probe, regime=self.power, power_limit_w=self.env.power_limit_w,
-                              **({"min_s": SETTLED_MIN_S} if settled else {}))
+        # Right after the energy window the GPU is in this kernel's state already, capped or not: the settle
+        # only confirms it in the samples' pattern.
+        after = {"min_s": SETTLED_MIN_S, "capped_settle_s": SETTLED_MIN_S} if settled else {}
+        state = StateProtocol(probe, regime=self.power, power_limit_w=self.env.power_limit_w, **after)
         if start:
             state.start()
             self.start_notes = dict(state.notes)

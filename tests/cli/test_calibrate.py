@@ -61,13 +61,15 @@ def test_the_sets_are_stated_distinct_and_valid():
             assert len({json.dumps(m, sort_keys=True) for m in s.members}) == len(s.members)
             for table, spec in s.members:
                 msgspec.convert(spec, lookup(table, backend).args)  # raises on a spec the table refuses
-    # the GPU's arithmetic set: bf16 only, 4-6 large square-ish GEMMs from 4096^3 to 8192^3
+    # the GPU's arithmetic set: bf16 only, prefill-sized GEMMs (every dimension >= 2048, at least 2^34 flops)
+    # from square ones to long-k down projections
     assert {t for t, _x in GPU_FLOPS.members} == {"single_gemm"}
     assert {x["dtype"] for _t, x in GPU_FLOPS.members} == {"bf16"}
-    assert 4 <= len(GPU_FLOPS.members) <= 6
+    assert 4 <= len(GPU_FLOPS.members) <= 10
     shapes = {(x["m"], x["n"], x["k"]) for _t, x in GPU_FLOPS.members}
     assert {(4096, 4096, 4096), (8192, 8192, 8192)} <= shapes
-    assert all(min(s) >= 4096 and max(s) <= 2 * min(s) for s in shapes)
+    assert all(min(s) >= 2048 and 2 * s[0] * s[1] * s[2] >= 2 ** 36 for s in shapes)
+    assert any(k > 2 * max(m, n) for m, n, k in shapes)  # a long-k one
     # its bandwidth set: copies of 1, 2 and 4 GiB, and decode GEMMs whose weights are past twice a 60 MiB L2
     assert [x["bytes"] for t, x in GPU_BYTES.members if t == "memcpy"] == [1 << 30, 2 << 30, 4 << 30]
     decode = [x for t, x in GPU_BYTES.members if t == "single_gemm"]
