@@ -207,10 +207,8 @@ def _reasons_reader(nv, h, errors: dict[str, str]) -> Callable[[], int | None]:
 
 # --- NVML readers for the sampler and the energy counter ------------------------------------------------
 
-def _nvml_reading(index: int, errors: dict[str, str]) -> Callable[[], Reading]:
-    nv = _nvml()
-    h = device_handle(index)
-    reasons = _reasons_reader(nv, h, errors)
+def _asker(nv, errors: dict[str, str]) -> Callable:
+    """ask(key, fn, *args): fn(*args), or None with NVML's refusal kept in errors[key] (first one only)."""
 
     def ask(key: str, fn, *args):
         try:
@@ -218,6 +216,15 @@ def _nvml_reading(index: int, errors: dict[str, str]) -> Callable[[], Reading]:
         except nv.NVMLError as e:
             errors.setdefault(key, f"{fn.__name__}: {e}")
             return None
+
+    return ask
+
+
+def _nvml_reading(index: int, errors: dict[str, str]) -> Callable[[], Reading]:
+    nv = _nvml()
+    h = device_handle(index)
+    reasons = _reasons_reader(nv, h, errors)
+    ask = _asker(nv, errors)
 
     def read() -> Reading:
         util = ask("util_pct", nv.nvmlDeviceGetUtilizationRates, h)
@@ -240,13 +247,7 @@ def state_probe(index: int, errors: dict[str, str]) -> Callable[[], "StateReadin
     nv = _nvml()
     h = device_handle(index)
     reasons = _reasons_reader(nv, h, errors)
-
-    def ask(key: str, fn, *args):
-        try:
-            return fn(*args)
-        except nv.NVMLError as e:
-            errors.setdefault(key, f"{fn.__name__}: {e}")
-            return None
+    ask = _asker(nv, errors)
 
     def read() -> StateReading:
         return StateReading(ask("sm_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
