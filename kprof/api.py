@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 import msgspec
 
 from .errors import UsageError
-from .ledger import Ledger, default_path
+from .ledger import Ledger, ledger_path
 from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
 from .ledger.events import Measured, Origin, summary_of
@@ -174,11 +174,15 @@ def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = 
 def _prepare(table, backend, specs, gpu_name, db, method: dict):
     entry = effective_entry(lookup(table, backend), **method)
     canonical = validate(entry.args, list(specs))
-    return entry, canonical, resolve_gpu_key(entry, gpu_name), os.fspath(db or default_path())
+    return entry, canonical, resolve_gpu_key(entry, gpu_name), ledger_path(db)
 
 
-def _open_for_read(db: str) -> Ledger | None:
-    return Ledger.open(db, readonly=True) if os.path.exists(db) else None
+def _open_for_read(db: str, missing_ok: bool = False) -> Ledger | None:
+    """The ledger at db, read-only. No file there is a usage error naming the path (a mistyped --db must not read
+    as "every row missing"); only `run --fresh`, which needs no ledger, passes missing_ok and gets None."""
+    if missing_ok and not os.path.exists(db):
+        return None
+    return Ledger.open(db, readonly=True)
 
 
 def count_missing(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
@@ -188,12 +192,8 @@ def count_missing(table: str, backend: str, specs: list[Any], *, gpu_name: str |
     `effective_entry`)."""
     entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
                                              dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
-    ledger = _open_for_read(db)
-    if ledger is None:
-        missing = canonical
-    else:
-        with ledger:
-            missing = ledger.view(table, backend, gpu_key, entry.contract, entry.args).missing(canonical)
+    with _open_for_read(db) as ledger:
+        missing = ledger.view(table, backend, gpu_key, entry.contract, entry.args).missing(canonical)
     return CountResult(table, backend, gpu_key, db, len(canonical), len(missing), missing)
 
 
@@ -289,7 +289,7 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
 
     device = prepare_device(entry, gpu_key)  # a device that cannot measure is refused before any file is touched
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
-    ledger = _open_for_read(db) if mode == "fresh" else Ledger.open(db)  # --fresh never creates or writes
+    ledger = _open_for_read(db, missing_ok=True) if mode == "fresh" else Ledger.open(db)  # --fresh: never written
     try:
         if ledger is not None:
             origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
@@ -350,3 +350,24 @@ def _fresh_result(entry, canonical, gpu_key, db, events, before_root) -> QueryRe
     for doc in result.results:
         doc["citation"] = None
     return result
+
+
+class Scope(msgspec.Struct, frozen=True):
+    """One (table, backend, GPU key) a ledger holds. `gpu_name` is the key that `query(gpu_name=...)`,
+    `perf_api.get_<table>(gpu_key=...)` and `Ledger.view` take; `rows` counts its current rows of any status (ok,
+    failed, or of another profiler revision or timing method, which read as stale)."""
+
+    table: str
+    backend: str
+    gpu_name: str
+    rows: int
+
+
+def scopes(db: str | None = None) -> list[Scope]:
+    """Every scope of the ledger at db ($KPROF_DB, else ./profile.db), sorted by table, backend and GPU key: what
+    it holds and under which GPU keys to read it. A file that does not exist is a LedgerError (exit 2)."""
+    with Ledger.open(ledger_path(db), readonly=True) as ledger:
+        return [Scope(*s) for s in sorted(ledger.scopes())]
+
+
+__all__ += ["scopes", "Scope"]

@@ -1,5 +1,6 @@
 """`run --output-dir DIR`: request.json, results.json, curve.json, job.meta.json (and curve.png), each
-written once and made read-only. A directory that already holds a snapshot is refused before any work."""
+written once and made read-only. A directory the snapshot could not be written to (one that already holds a
+snapshot, a file, a path through a file, one that cannot be created or written) is refused before any work."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import stat
 
 import msgspec
 
-from .errors import UsageError
+from .errors import SnapshotError, UsageError
 
 __all__ = ["SNAPSHOT", "check_output_dir", "write_snapshot", "curve"]
 
@@ -16,13 +17,32 @@ SNAPSHOT = ("request.json", "results.json", "curve.json", "job.meta.json")
 _json = msgspec.json.Encoder(order="deterministic")
 
 
+_FIX = "pass a new directory (it is created if absent)"
+
+
 def check_output_dir(path: str) -> None:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"--output-dir {path} is a file; pass a directory (it is created if absent)")
-    held = [name for name in SNAPSHOT if os.path.exists(os.path.join(path, name))]
-    if held:
-        raise UsageError(f"--output-dir {path} already holds a snapshot ({', '.join(held)}); snapshots are "
-                         f"immutable: pass a new directory")
+    """Refuses a directory the snapshot could not be written to. Creates nothing: a run refused after this (a bad
+    spec, an unknown backend) leaves nothing behind; `write_snapshot` creates the directory."""
+    if not path.strip():
+        raise UsageError(f"--output-dir {path!r} is empty; {_FIX}, or omit --output-dir")
+    if os.path.isdir(path):
+        held = [name for name in (*SNAPSHOT, "curve.png") if os.path.lexists(os.path.join(path, name))]
+        if held:
+            raise UsageError(f"--output-dir {path} already holds a snapshot ({', '.join(held)}); snapshots are "
+                             f"immutable: {_FIX}")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"--output-dir {path} is not writable for this user; {_FIX}, or fix its permissions")
+        return
+    if os.path.lexists(path):
+        kind = "a file" if os.path.exists(path) else "a broken link"
+        raise UsageError(f"--output-dir {path} is {kind}, not a directory; {_FIX}")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(ancestor):  # the nearest existing directory it would be created in
+        if os.path.lexists(ancestor):
+            raise UsageError(f"--output-dir {path} passes through {ancestor}, which is not a directory; {_FIX}")
+        ancestor = os.path.dirname(ancestor)
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"--output-dir {path} cannot be created: {ancestor} is not writable for this user; {_FIX}")
 
 
 def _write_once(path: str, data: bytes) -> None:
@@ -58,8 +78,22 @@ def _metric_names(result: dict) -> list[str]:
 
 
 def write_snapshot(path: str, request: dict, result: dict, meta: dict, args_order: list[str]) -> list[str]:
-    os.makedirs(path, exist_ok=True)
+    """Writes the snapshot into `path` (checked by `check_output_dir` before the run). Called once the run's rows
+    are stored: a write that fails even so (the directory changed since, a full disk) says so, and how to get the
+    snapshot without measuring again."""
     check_output_dir(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        return _write(path, request, result, meta, args_order)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise SnapshotError(f"cannot write the snapshot in --output-dir {path}: {exc.strerror or exc}{where}; the "
+                            f"run finished and its rows are in the ledger (unless --fresh): for the snapshot, run the "
+                            f"command again with a new --output-dir and without --force (stored rows are read, not "
+                            f"measured again)") from None
+
+
+def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[str]) -> list[str]:
     docs = {"request.json": request, "results.json": result, "curve.json": curve(result, args_order),
             "job.meta.json": meta}
     written = []

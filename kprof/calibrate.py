@@ -159,13 +159,13 @@ def ceilings(backend: str, gpu_key: str, *, db: str | None = None, ledger=None,
     none of whose set is in the ledger is absent."""
     import os
 
-    from .ledger import Ledger, default_path
+    from .ledger import Ledger, ledger_path
 
     device = lookup_any(backend).device
     base = BASE_BACKEND[device]
     own = ledger is None
     if own:
-        path = os.fspath(db or default_path())
+        path = ledger_path(db)
         if not os.path.exists(path):
             return []
         ledger = Ledger.open(path, readonly=True)

@@ -6,9 +6,11 @@ __all__ = [
     "KprofError",
     "UsageError",
     "SpecError",
+    "UnknownGpuKeyError",
     "LedgerError",
     "LedgerVersionError",
     "IntegrityError",
+    "SnapshotError",
     "exit_code",
 ]
 
@@ -36,8 +38,28 @@ class SpecError(UsageError):
         super().__init__(where + message)
 
 
-class LedgerError(KprofError):
-    """The ledger file cannot be opened or used as asked (missing, locked, not a ledger)."""
+class UnknownGpuKeyError(UsageError):
+    """A lookup of one row under a GPU key for which the ledger has never held a row of that table/backend
+    (almost always a mistyped key, or another machine's). `known` holds (gpu_key, rows) of the GPU keys it does
+    hold for the table/backend."""
+
+    def __init__(self, table: str, backend: str, gpu_key: str, db: str, known: list[tuple[str, int]]):
+        self.table, self.backend, self.gpu_key, self.db, self.known = table, backend, gpu_key, db, known
+        what = f"{table}/{backend}"
+        if known:
+            held = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)
+            fix = (f"it holds {what} rows for GPU key{'s' if len(known) != 1 else ''} {held}; pass one of those as "
+                   f"the GPU key, or measure this one with `kprof run {table} --backend {backend}` on that GPU")
+        else:
+            fix = (f"it holds no {what} rows for any GPU key; measure them with `kprof run {table} --backend "
+                   f"{backend} --db {db}`")
+        super().__init__(f"ledger {db} has no {what} rows for GPU key {gpu_key!r}: {fix} "
+                         f"(`kprof scopes --db {db}` lists every table, backend and GPU key it holds)")
+
+
+class LedgerError(UsageError):
+    """The ledger file cannot be opened or used as asked (missing, locked, not a ledger). A usage error: the
+    path or the call is what is wrong, and nothing was written."""
 
     exit_code = 2
 
@@ -57,6 +79,11 @@ class IntegrityError(KprofError):
     """The ledger's contents are inconsistent or damaged (exit 3)."""
 
     exit_code = 3
+
+
+class SnapshotError(KprofError):
+    """`run --output-dir` could not write its snapshot after the run's rows were stored (the directory was
+    checked before any work, so only a change since, or a full disk, gets here)."""
 
 
 def exit_code(error: BaseException) -> int:

@@ -4,9 +4,11 @@
     row = perf_api.get_single_gemm(backend="torch", gpu_key="NVIDIA H200", m=1, n=8192, k=1024, dtype="bf16")
     n = perf_api.count_single_gemm([{...}, ...], backend="torch", gpu_key="NVIDIA H200")
 
-`get_<table>` returns the ok Row or None; `count_<table>` counts the specs without an ok row. Ledgers and
-views are opened once per (db, table, backend, gpu_key) and reused: a lookup costs one key hash and one
-B-tree read. Nothing here imports torch, cupti or pynvml.
+`get_<table>` returns the ok Row, or None for a spec that is missing, stale or failed; a GPU key for which the
+ledger has never held a row of that table/backend raises UnknownGpuKeyError (exit 2), naming the GPU keys it holds
+(`kprof.api.scopes()` and `kprof scopes` list them all). `count_<table>` counts the specs without an ok row
+(every spec, under a GPU key not yet measured). Ledgers and views are opened once per (db, table, backend,
+gpu_key) and reused: a lookup costs one key hash and one B-tree read. Nothing here imports torch, cupti or pynvml.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from .ledger import Ledger, default_path
+from .ledger import Ledger, ledger_path
 from .ledger.view import Row, View
 from .runners.registry import entries, lookup
 
@@ -33,7 +35,7 @@ def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | Non
     entry = effective_entry(lookup(table, backend))
     if gpu_key is None:
         gpu_key = resolve_gpu_key(entry, None)
-    path = os.path.realpath(db or default_path())
+    path = os.path.realpath(ledger_path(db))
     with _lock:
         view = _views.get((path, table, backend, gpu_key))
         if view is None:
@@ -62,7 +64,9 @@ def _make(table: str) -> tuple[Callable, Callable]:
 
     get.__name__ = get.__qualname__ = f"get_{table}"
     count.__name__ = count.__qualname__ = f"count_{table}"
-    get.__doc__ = f"The ok row of one {table} spec (keyword arguments: its KernelArgs), or None."
+    get.__doc__ = (f"The ok row of one {table} spec (keyword arguments: its KernelArgs), or None (missing, stale "
+                   f"or failed); UnknownGpuKeyError, naming the GPU keys held, where the ledger has no {table} rows "
+                   f"of this backend and GPU key.")
     count.__doc__ = f"How many of the {table} specs have no ok row (missing, stale or failed)."
     return get, count
 

@@ -1,4 +1,4 @@
-"""The read path (list, query, count-missing, show, audit, the Python read API) never imports torch, cupti or
+"""The read path (list, scopes, query, count-missing, show, audit, the Python read API) never imports torch, cupti or
 pynvml: checked in a fresh interpreter, where nothing else could have imported them first."""
 
 import json
@@ -37,15 +37,18 @@ codes = {
     "count-missing-nodb": main(["count-missing", "rms_norm", "--backend", "torch-cpu", "--spec",
                                 '{"tokens": 1, "hidden": 8, "dtype": "fp32"}', "--db", db + ".absent"]),
     "audit": main(["audit", "--db", db, "--json"]),
+    "scopes": main(["scopes", "--db", db, "--json"]),
+    "scopes-human": main(["scopes", "--db", db]),
 }
 row = kprof.perf_api.get_single_gemm(backend="torch-cpu", gpu_key=gpu, db=db, **specs[0])
 missing = kprof.perf_api.count_single_gemm(specs, backend="torch-cpu", gpu_key=gpu, db=db)
 q = kprof.api.query("single_gemm", "torch-cpu", specs, db=db)
+scopes = [[s.table, s.backend, s.gpu_name, s.rows] for s in kprof.api.scopes(db)]
 codes["show"] = main(["show", q.results[0]["citation"], "--db", db, "--json"])
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "cupti", "pynvml"))
 with open(report, "w") as f:
     json.dump({"codes": codes, "heavy": heavy, "row_ok": row is not None, "missing": missing,
-               "statuses": [r["status"] for r in q.results]}, f)
+               "statuses": [r["status"] for r in q.results], "scopes": scopes}, f)
 """
 
 
@@ -74,7 +77,9 @@ def test_read_path_imports_no_measurement_library(tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(report.read_text())
     assert doc["codes"] == {"list": 0, "list-human": 0, "query": 0, "query-human": 0, "query-local-gpu": 0,
-                            "query-auto-gpu": 0, "count-missing": 0, "count-missing-nodb": 0, "audit": 0, "show": 0}
+                            "query-auto-gpu": 0, "count-missing": 0, "count-missing-nodb": 2, "audit": 0, "show": 0,
+                            "scopes": 0, "scopes-human": 0}
+    assert doc["scopes"] == [["single_gemm", "torch-cpu", gpu, 3]]
     assert doc["statuses"] == ["ok", "failed", "stale"]
     assert doc["row_ok"] is True and doc["missing"] == 2
     assert doc["heavy"] == [], f"the read path imported {doc['heavy']}"

@@ -1,7 +1,9 @@
 """The README is part of the product: it opens with the two commands CI runs, and names every verb."""
 
+import json
 import pathlib
 import re
+import shutil
 
 from kprof.cli import VERBS
 
@@ -19,3 +21,36 @@ def test_readme_opens_with_exactly_two_commands():
 def test_every_verb_appears_in_the_readme():
     missing = [name for name, _target, _help in VERBS if f"kprof {name}" not in README]
     assert not missing, f"verbs not shown in README.md: {missing}"
+
+
+def _python_read_api_block() -> str:
+    section = README[README.index("### The Python read API"):]
+    section = section[:section.index("\n## ")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "the Python read API section holds one Python block"
+    return blocks[0]
+
+
+def test_readme_python_read_api_runs_after_the_first_command(tmp_path, monkeypatch, capsys):
+    """The block runs as written where the README's first command left profile.db: torch-cpu rows of the demo
+    specs, here under a GPU key no real machine has, so a key written into the README cannot pass."""
+    from kprof import api, perf_api
+
+    demo = pathlib.Path(__file__).parent.parent / "fixtures" / "specs" / "cpu_gemm_demo.json"
+    (tmp_path / "fixtures" / "specs").mkdir(parents=True)
+    shutil.copy(demo, tmp_path / "fixtures" / "specs" / demo.name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    monkeypatch.delenv("KPROF_DB", raising=False)
+    monkeypatch.setattr("kprof.measure.env.cpu_model", lambda: "README test CPU")
+    specs = json.loads(demo.read_text())["specs"]
+    assert api.run("single_gemm", "torch-cpu", specs, db="profile.db").exit_code == 0
+    capsys.readouterr()
+    try:
+        exec(compile(_python_read_api_block(), "README.md (The Python read API)", "exec"), {})
+    finally:
+        perf_api.close_all()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "single_gemm torch-cpu README test CPU 8"
+    assert lines[1].endswith(" README test CPU") and " kprof." in lines[1]
+    assert lines[-1] == "0"

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from kprof.cli import main
+from kprof.ledger import Ledger
 
 GEMM = ["single_gemm", "--backend", "torch-cpu"]
 A = {"m": 32, "n": 48, "k": 64, "dtype": "fp32"}
@@ -27,6 +28,14 @@ def db(tmp_path):
     return str(tmp_path / "out" / "profile.db")
 
 
+@pytest.fixture
+def empty_db(tmp_path):
+    """An empty ledger: the read verbs need one (a --db that names no file is a usage error)."""
+    path = str(tmp_path / "ledger.db")
+    Ledger.open(path).close()
+    return path
+
+
 def _spec(s) -> list[str]:
     return ["--spec", s if isinstance(s, str) else json.dumps(s)]
 
@@ -44,50 +53,41 @@ def _write(tmp_path, name, text) -> str:
 
 # ---- accepted forms --------------------------------------------------------------------------------------
 
-def test_repeated_spec(capsys, db):
-    doc = _count(capsys, [*_spec(A), *_spec(B), *_spec(C), "--db", db])
+def test_repeated_spec(capsys, empty_db):
+    doc = _count(capsys, [*_spec(A), *_spec(B), *_spec(C), "--db", empty_db])
     assert doc["count"] == 3 and doc["missing"] == [A, B, C]
 
 
-def test_specs_json_object(tmp_path, capsys, db):
-    doc = _count(capsys, ["--specs", _write(tmp_path, "one.json", json.dumps(A)), "--db", db])
+def test_specs_json_object(tmp_path, capsys, empty_db):
+    doc = _count(capsys, ["--specs", _write(tmp_path, "one.json", json.dumps(A)), "--db", empty_db])
     assert doc["count"] == 1 and doc["missing"] == [A]
 
 
-def test_specs_json_list(tmp_path, capsys, db):
-    doc = _count(capsys, ["--specs", _write(tmp_path, "list.json", json.dumps([A, B, C], indent=2)), "--db", db])
+def test_specs_json_list(tmp_path, capsys, empty_db):
+    doc = _count(capsys, ["--specs", _write(tmp_path, "list.json", json.dumps([A, B, C], indent=2)), "--db", empty_db])
     assert doc["count"] == 3 and doc["missing"] == [A, B, C]
 
 
-def test_specs_wrapped_list(tmp_path, capsys, db):
+def test_specs_wrapped_list(tmp_path, capsys, empty_db):
     path = _write(tmp_path, "wrapped.json", json.dumps({"specs": [A, B]}))
-    doc = _count(capsys, ["--specs", path, "--db", db])
+    doc = _count(capsys, ["--specs", path, "--db", empty_db])
     assert doc["count"] == 2 and doc["missing"] == [A, B]
 
 
-def test_specs_jsonl(tmp_path, capsys, db):
+def test_specs_jsonl(tmp_path, capsys, empty_db):
     path = _write(tmp_path, "specs.jsonl", "\n".join(json.dumps(s) for s in (A, B, C)) + "\n\n")
-    doc = _count(capsys, ["--specs", path, "--db", db])
+    doc = _count(capsys, ["--specs", path, "--db", empty_db])
     assert doc["count"] == 3 and doc["missing"] == [A, B, C]
 
 
-def test_field_order_of_input_does_not_matter(capsys, db):
+def test_field_order_of_input_does_not_matter(capsys, empty_db):
     shuffled = json.dumps({"dtype": "fp32", "k": 64, "m": 32, "n": 48})
-    doc = _count(capsys, [*_spec(shuffled), "--db", db])
+    doc = _count(capsys, [*_spec(shuffled), "--db", empty_db])
     assert doc["missing"] == [A] and list(doc["missing"][0]) == ["m", "n", "k", "dtype"]
 
 
-def test_integral_float_is_accepted_and_keyed_as_int(capsys, db):
-    assert main(["query", *GEMM, "--json", "--db", db, *_spec({**A, "m": 64.0}), *_spec({**A, "m": 64})]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    as_float, as_int = doc["results"]
-    assert as_float["key"] == as_int["key"]
-    assert as_float["spec"] == as_int["spec"] == {**A, "m": 64}
-    assert type(as_float["spec"]["m"]) is int
-
-
-def test_attention_gqa_valid_spec_is_accepted(capsys, db):
-    assert main(["count-missing", "attention_prefill", "--backend", "torch-cpu", "--json", "--db", db,
+def test_attention_gqa_valid_spec_is_accepted(capsys, empty_db):
+    assert main(["count-missing", "attention_prefill", "--backend", "torch-cpu", "--json", "--db", empty_db,
                  *_spec(PREFILL)]) == 0
     assert json.loads(capsys.readouterr().out)["missing"] == [PREFILL]
 
@@ -98,8 +98,13 @@ ERRORS = {
     "unknown field": ([A, {**A, "foo": 1}], ["spec 1", '"foo"', "use only {m, n, k, dtype}"]),
     "backend field": ([A, {**A, "backend": "torch-cpu"}], ["spec 1", '"backend"', "pass --backend instead"]),
     "wrong type": ([A, {**A, "m": "32"}], ["spec 1", '"m"', "Expected `int`", "use an integer greater than 0"]),
-    "bool for int": ([A, {**A, "k": True}], ["spec 1", '"k"', "use an integer greater than 0"]),
-    "non-integral float": ([A, {**A, "n": 32.5}], ["spec 1", '"n"', "use an integer greater than 0"]),
+    "bool for int": ([A, {**A, "k": True}], ["spec 1", 'field "k" = true is a bool; use an integer greater than 0']),
+    "non-integral float": ([A, {**A, "n": 32.5}], ["spec 1", 'field "n" = 32.5 is a float; use an integer greater '
+                                                   'than 0']),
+    "integral float": ([A, {**A, "m": 64.0}], ["spec 1", 'field "m" = 64.0 is a float; use an integer greater than 0',
+                                               'e.g. "m": 64']),
+    "zero as a float": ([A, {**A, "k": 0.0}], ["spec 1", 'field "k" = 0.0 is a float; use an integer greater than 0 '
+                                               "and at most"]),
     "negative size": ([A, {**A, "m": -4}], ["spec 1", '"m"', "-4", "use an integer greater than 0"]),
     "zero size": ([{**A, "k": 0}, A], ["spec 0", '"k"', "use an integer greater than 0"]),
     "unknown dtype": ([A, B, {**A, "dtype": "fp64"}], ["spec 2", '"dtype"', "fp64",
@@ -207,3 +212,108 @@ def test_specs_of_another_table_are_refused(capsys, db):
     err = capsys.readouterr().err
     assert "spec 0" in err and '"tokens"' in err and "{m, n, k, dtype}" in err
     _no_db(db)
+
+
+# ---- JSON that no spec can be: refused at reading, naming where; nothing written ------------------------------
+
+DEEP = "[" * 1000 + "]" * 1000  # past Python's recursion limit: once a RecursionError traceback
+TEXT_ERRORS = {  # the second spec's text, and what the error says
+    "exponent for an int": ('{"m": 1e3, "n": 48, "k": 64, "dtype": "fp32"}',
+                            ['spec 1', 'field "m" = 1000.0 is a float', 'e.g. "m": 1000']),
+    "float for an int": ('{"m": 1.0, "n": 48, "k": 64, "dtype": "fp32"}',
+                         ['spec 1', 'field "m" = 1.0 is a float; use an integer greater than 0', 'e.g. "m": 1']),
+    "duplicate key": ('{"m": 32, "n": 48, "k": 64, "dtype": "fp32", "m": 64}',
+                      ['spec 1', 'gives field "m" twice in one object; give each field once']),
+    "duplicate key, same value": ('{"m": 32, "n": 48, "n": 48, "k": 64, "dtype": "fp32"}',
+                                  ['spec 1', 'gives field "n" twice']),
+    "duplicate key in a nested object": ('{"m": {"a": 1, "a": 2}, "n": 48, "k": 64, "dtype": "fp32"}',
+                                         ['spec 1', 'gives field "a" twice']),
+    "deep value": ('{"m": ' + "[" * 40 + "]" * 40 + ', "n": 48, "k": 64, "dtype": "fp32"}',
+                   ["nests arrays and objects deeper than 32 levels", "a spec is one flat JSON object"]),
+    "deep past the recursion limit": (DEEP, ["nests arrays and objects deeper than 32 levels", "flat"]),
+}
+
+
+@pytest.mark.parametrize("verb", ["run", "query", "count-missing"])
+@pytest.mark.parametrize("case", list(TEXT_ERRORS), ids=str)
+def test_json_no_spec_can_be_via_spec(verb, case, capsys, db):
+    text, needles = TEXT_ERRORS[case]
+    assert main([verb, *GEMM, *_spec(A), *_spec(text), "--db", db, "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "Traceback" not in out.err
+    for needle in needles:
+        assert needle in out.err, (needle, out.err)
+    _no_db(db)
+
+
+@pytest.mark.parametrize("form", ["list", "wrapped", "jsonl"])
+@pytest.mark.parametrize("case", list(TEXT_ERRORS), ids=str)
+def test_json_no_spec_can_be_via_specs_file(form, case, tmp_path, capsys, db):
+    text, needles = TEXT_ERRORS[case]
+    body = {"list": f"[{json.dumps(A)}, {text}]", "wrapped": f'{{"specs": [{json.dumps(A)}, {text}]}}',
+            "jsonl": f"{json.dumps(A)}\n{text}\n"}[form]
+    path = _write(tmp_path, "specs.json", body)
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    if "float" not in needles[1]:  # refused at reading: the file is named (JSONL: its line too)
+        assert f"--specs {path}{' line 2' if form == 'jsonl' else ''} " in err, err
+    _no_db(db)
+    assert os.listdir(tmp_path) == ["specs.json"]
+
+
+def test_a_key_given_twice_in_the_wrapper_is_named(tmp_path, capsys, db):
+    path = _write(tmp_path, "specs.json", f'{{"specs": [{json.dumps(A)}], "specs": [{json.dumps(B)}]}}')
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    assert f'--specs {path} gives field "specs" twice' in capsys.readouterr().err
+    _no_db(db)
+
+
+@pytest.mark.parametrize("levels", [32, 33])
+def test_nesting_is_read_up_to_32_levels(levels, tmp_path, capsys, db):
+    """32 levels is JSON the reader takes (the spec is then refused for its type, like any other); 33 is not."""
+    deep = "[" * (levels - 3) + "1" + "]" * (levels - 3)  # under {"specs": [{"m": ...}]}
+    path = _write(tmp_path, "specs.json", f'{{"specs": [{{"m": {deep}, "n": 1, "k": 1, "dtype": "fp32"}}]}}')
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    if levels == 32:
+        assert "deeper" not in err and 'spec 0: field "m"' in err and "Expected `int`, got `array`" in err
+    else:
+        assert f"--specs {path} nests arrays and objects deeper than 32 levels" in err
+    _no_db(db)
+
+
+def test_colons_in_strings_are_not_taken_for_keys(capsys, empty_db):
+    """Keys are counted by their colons; a colon inside a string (or escaped) must not read as a repeated key."""
+    odd = '{"m": 32, "n": 48, "k": 64, "dtype": "fp32:x\\u003a"}'
+    assert main(["count-missing", *GEMM, *_spec(odd), "--db", empty_db]) == 2
+    err = capsys.readouterr().err
+    assert 'field "dtype"' in err and "twice" not in err
+
+
+@pytest.mark.parametrize("value, needle", [(64.0, 'field "m" = 64.0 is a float'), (1e3, '"m" = 1000.0 is a float'),
+                                           (True, 'field "m" = true is a bool')])
+def test_the_python_api_refuses_a_float_or_bool_for_an_int(value, needle, empty_db):
+    from kprof import api
+    from kprof.errors import SpecError
+
+    for read in (api.query, api.count_missing):
+        with pytest.raises(SpecError, match=needle) as info:
+            read("single_gemm", "torch-cpu", [A, {**A, "m": value}], db=empty_db)
+        assert (info.value.index, info.value.field, info.value.value) == (1, "m", value)
+
+
+def test_strict_reading_keeps_the_canonical_keys_of_valid_specs():
+    """Spec input refuses 64.0 where the key codec takes it as 64: a valid spec's key is the same either way."""
+    from kprof.ledger import KeyMaker, ShapeCodec
+    from kprof.runners.registry import lookup
+    from kprof.specs import validate
+
+    entry = lookup("single_gemm", "torch-cpu")
+    strict, loose = (KeyMaker(entry.table, entry.backend, "gpu", entry.contract, ShapeCodec(entry.args, strict=s))
+                     for s in (True, False))
+    for spec in (A, B, C, dict(reversed(A.items()))):
+        assert strict.key(spec) == loose.key(spec) == loose.key({**spec, "m": float(spec["m"])})
+        assert validate(entry.args, [spec]) == [{f: spec[f] for f in ("m", "n", "k", "dtype")}]

@@ -6,7 +6,17 @@ from typing import Annotated
 
 from cyclopts import Parameter
 
-Db = Annotated[str | None, Parameter(name="--db", help="Ledger file. Default: $KPROF_DB, else ./profile.db.")]
+
+def _db_given(type_, value) -> None:
+    """`--db ""` is refused by every verb (kprof.ledger.ledger_path says why), before the verb runs."""
+    if value is not None:
+        from ..ledger.store import ledger_path  # here: `kprof list` does not import the ledger
+
+        ledger_path(value)
+
+
+Db = Annotated[str | None, Parameter(name="--db", validator=_db_given,
+                                     help="Ledger file. Default: $KPROF_DB, else ./profile.db.")]
 Json = Annotated[bool, Parameter(name="--json", negative="", help="Print one JSON document on stdout.")]
 GpuName = Annotated[str | None, Parameter(name="--gpu-name", help="GPU key of the rows (a DB key and filter, "
                                           "never a device selector). Default: the local device's name.")]

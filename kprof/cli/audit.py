@@ -7,7 +7,7 @@ from typing import Annotated, get_args
 from cyclopts import Parameter
 
 from ..errors import UsageError
-from ..ledger import default_path
+from ..ledger import ledger_path
 from ..ledger.audit import audit as run_audit
 from ._options import L2, CudaGraph, Db, Json, Power, Timer
 from ._render import console, emit_json
@@ -31,9 +31,9 @@ def audit(*, db: Db = None, json: Json = False,
     The timing-method flags pick which CUDA rows --remeasure re-measures, and how."""
     method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
     if remeasure is not None:
-        return _remeasure(db or default_path(), remeasure, tolerance, json, method)
+        return _remeasure(ledger_path(db), remeasure, tolerance, json, method)
     _no_method_without_remeasure(method)
-    report = run_audit(db or default_path())
+    report = run_audit(ledger_path(db))
     if json:
         emit_json(report.to_json())
     else:

@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 from cyclopts import Parameter
 
-from ..ledger import Ledger, default_path
+from ..ledger import Ledger, ledger_path
 from ..ledger.view import citation
 from ._options import Db, Json
 from ._render import console, emit_json
@@ -40,7 +40,7 @@ def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event 
                                         "prefix of at least 8 hex digits.")], *,
          db: Db = None, json: Json = False) -> int:
     """Show a row's provenance, metrics and full history."""
-    ledger = Ledger.open(db or default_path(), readonly=True)
+    ledger = Ledger.open(ledger_path(db), readonly=True)
     try:
         found = ledger.resolve(ref)
     finally:

@@ -2,7 +2,9 @@
 
 A shape is canonical when its fields are sorted by name and each value has the type its KernelArgs
 field declares (an integral float given for an int field becomes that int). Two specs that differ
-only in field order or in `128` vs `128.0` for an int field therefore get the same key.
+only in field order or in `128` vs `128.0` for an int field therefore get the same key. Spec input
+(`kprof.specs.validate`, behind every verb and the Python API) is stricter: it refuses `128.0` for an
+int field (`ShapeCodec(..., strict=True)`), so a typo such as `1e3` is caught rather than keyed.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class ShapeCodec:
     """Validates specs against one KernelArgs Struct and encodes them canonically.
 
     A twin Struct with the same fields in sorted order does validation, normalization and canonical
-    field order in one msgspec call; its encoding is byte-identical to the sorted shape dict's.
+    field order in one msgspec call; its encoding is byte-identical to the sorted shape dict's. `strict`:
+    an int field takes an int only; a float (even 64.0) or a bool is a SpecError naming the field.
     """
 
-    def __init__(self, args_type: type[msgspec.Struct] | None):
+    def __init__(self, args_type: type[msgspec.Struct] | None, *, strict: bool = False):
         self.args_type = args_type
+        self.strict = strict
         if args_type is None:
             self._twin = None
             return
@@ -102,6 +106,8 @@ class ShapeCodec:
         fixed = dict(spec)
         for name in self._int_fields & fixed.keys():
             value = fixed[name]
+            if self.strict and type(value) in (float, bool):
+                raise self._not_an_int(name, value, index)
             if isinstance(value, float) and math.isfinite(value) and value.is_integer():
                 fixed[name] = int(value)
         try:
@@ -111,6 +117,27 @@ class ShapeCodec:
 
     def _table_fields(self) -> str:
         return "{" + ", ".join(self.field_names) + "}"
+
+    def _int_fix(self, name: str) -> str:
+        ftype = self._types.get(name)
+        if isinstance(ftype, msgspec.inspect.IntType) and ftype.gt is not None:
+            return f"use an integer greater than {ftype.gt}" + (f" and at most {ftype.le}" if ftype.le else "")
+        return "use an integer"
+
+    def _in_bounds(self, name: str, value: int) -> bool:
+        t = self._types[name]
+        return ((t.gt is None or value > t.gt) and (t.ge is None or value >= t.ge) and (t.lt is None or value < t.lt)
+                and (t.le is None or value <= t.le))
+
+    def _not_an_int(self, name: str, value, index) -> SpecError:
+        """A float or bool given for an int field (strict): named as JSON wrote it, with the int meant."""
+        kind = "bool" if type(value) is bool else "float"
+        example = ""
+        if kind == "float" and math.isfinite(value) and value.is_integer() and self._in_bounds(name, int(value)):
+            example = f', e.g. "{name}": {int(value)}'
+        shown = msgspec.json.encode(value).decode() if math.isfinite(value) else repr(value)
+        return SpecError(f'field "{name}" = {shown} is a {kind}; {self._int_fix(name)}{example}', index=index,
+                         field=name, value=value)
 
     def _explain(self, exc: msgspec.ValidationError, spec: dict, index) -> SpecError:
         text = str(exc)
@@ -134,7 +161,7 @@ class ShapeCodec:
         if isinstance(ftype, msgspec.inspect.LiteralType):
             fix = "use one of " + ", ".join(map(str, ftype.values))
         elif isinstance(ftype, msgspec.inspect.IntType) and ftype.gt is not None:
-            fix = f"use an integer greater than {ftype.gt}" + (f" and at most {ftype.le}" if ftype.le else "")
+            fix = self._int_fix(name)
         return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; {fix}', index=index,
                          field=name, value=value)
 

@@ -10,6 +10,8 @@ sees all of a batch or none of it. LMDB serializes writers across processes with
 from __future__ import annotations
 
 import os
+import stat
+import sys
 import threading
 import time
 import uuid
@@ -28,7 +30,7 @@ from ._reducer import (NewRows, Reducer, history_from_v1, history_seqs, new_rows
                        unpack_seq)
 from .events import Failed, Measured, Retracted
 
-__all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path"]
+__all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path", "ledger_path"]
 
 DBS = ("events", "log", "current", "scope_index", "history", "failures", "retracted", "scopes", "meta")
 VIEW_DBS = ("current", "scope_index", "history", "failures", "retracted", "scopes")
@@ -51,6 +53,13 @@ _FORK_FIX = "open the ledger in a spawned process (multiprocessing 'spawn' or 'f
 _reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}
 GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
 CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
+
+
+# LMDB's magic number (lmdb.h MDB_MAGIC), the first field of the meta page that opens every LMDB file, after the
+# 16-byte page header; native byte order. Only this is read of LMDB's format: enough to tell a file LMDB wrote from
+# a text, SQLite or random file before LMDB opens it (an LMDB open creates `<path>-lock` beside any file it is given).
+_LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, sys.byteorder)
+_MAGIC_AT = 16
 
 
 def _header_written(path: str, deadline: float) -> bool:
@@ -136,6 +145,64 @@ def _release(real: str, env: lmdb.Environment) -> None:
 
 def default_path() -> str:
     return os.environ.get("KPROF_DB") or "profile.db"
+
+
+def ledger_path(db: str | os.PathLike | None = None) -> str:
+    """The ledger file to use: `db` when given, else $KPROF_DB, else ./profile.db. An empty `db` is refused rather
+    than taken for the default: `--db ""` (often an unset shell variable) must not silently name ./profile.db."""
+    if db is None:
+        return default_path()
+    path = os.fspath(db)
+    if not path.strip():
+        raise UsageError(f"--db {path!r} is empty; pass the ledger file (e.g. --db profile.db), or omit --db to use "
+                         f"$KPROF_DB, else ./profile.db")
+    return path
+
+
+def _not_a_ledger(path: str, what: str, damaged: str = "") -> LedgerError:
+    fix = f"; if it held a ledger, {damaged}: restore it from a copy" if damaged else ""
+    return LedgerError(f"{path} is not a kprof ledger ({what}); check that --db (or $KPROF_DB) names the ledger "
+                       f"file{fix}")
+
+
+def _recognize(path: str, deadline: float) -> None:
+    """Refuses an existing path that cannot be a ledger before LMDB is given it: a directory, a device or pipe, an
+    empty file, a file without LMDB's magic number. Nothing is created (LMDB would leave `<path>-lock` beside it).
+    A file of LMDB's whose contents are damaged passes, for the open to name the damage (exit 3)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise LedgerError(f"cannot open ledger {path}: {exc.strerror}; check the path and its permissions") from None
+    if stat.S_ISDIR(mode):
+        raise LedgerError(f"ledger path {path} is a directory, not a kprof ledger; pass the ledger file, e.g. "
+                          f"{os.path.join(path, 'profile.db')}")
+    if not stat.S_ISREG(mode):
+        raise _not_a_ledger(path, "not a regular file: a device, pipe or socket")
+    if not _header_written(path, deadline):
+        raise _not_a_ledger(path, "an empty file, 0 bytes", "the file was truncated")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_MAGIC_AT + len(_LMDB_MAGIC))
+    except OSError as exc:
+        raise LedgerError(f"cannot read ledger {path}: {exc.strerror}; check its permissions") from None
+    if head[_MAGIC_AT:] != _LMDB_MAGIC:
+        kind = "an SQLite database" if head.startswith(b"SQLite format 3") else "not an LMDB file"
+        raise _not_a_ledger(path, kind, "its header is damaged")
+
+
+def _without_lock(path: str) -> bool:
+    """Whether a read-only open must do without LMDB's lock file: there is none, and this user cannot create it
+    (a ledger in a read-only directory, or a copy on a share).
+
+    The lock file holds LMDB's reader table: a reader registered there keeps writers from reusing the pages of
+    the snapshot it reads. A reader without it is safe only while no writer commits, so it is used only here:
+    every process that opens the file keeps its lock file, so none has it open now, and a writer would have to
+    create the lock file in a directory that this user cannot write (another user's writer, starting during the
+    read; the read rows' digests are checked, so even then a reused page is an integrity error, not a wrong
+    row). Where a lock file exists that this user cannot open, its owner may be writing: the open is refused,
+    as LMDB itself does (it drops the lock only on a read-only filesystem, where no writer can exist)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    return not os.path.lexists(path + "-lock") and not os.access(directory, os.W_OK)
 
 
 class AppendResult(NamedTuple):
@@ -258,7 +325,7 @@ class Ledger:
              map_size: int = DEFAULT_MAP_SIZE, readahead: bool = False) -> "Ledger":
         """Opens (or, unless readonly, creates) the ledger file. `readahead` suits whole-file scans; point
         lookups are faster without it."""
-        path = os.fspath(path if path is not None else default_path())
+        path = ledger_path(path)
         deadline = time.monotonic() + CREATE_WAIT_S
         while True:
             try:
@@ -268,13 +335,11 @@ class Ledger:
 
     @classmethod
     def _open(cls, path: str, readonly: bool, map_size: int, readahead: bool, deadline: float) -> "Ledger":
-        if os.path.isdir(path):
-            raise LedgerError(f"ledger path {path} is a directory; pass the ledger file, e.g. {path}/profile.db")
         exists = os.path.exists(path)
         if readonly and not exists:
-            raise LedgerError(f"no ledger at {path}; create one with `kprof run ... --db {path}` or pass --db")
-        if exists and not _header_written(path, deadline):
-            raise IntegrityError(f"ledger {path} is empty (0 bytes): the file was truncated; restore it from a copy")
+            raise LedgerError(f"no ledger at {path}; pass --db or set KPROF_DB, or `kprof run` to create one")
+        if exists:
+            _recognize(path, deadline)
         real = os.path.realpath(path)
         if real in _inherited:
             raise LedgerError(f"ledger {path} was open in the parent when this process was forked, and LMDB "
@@ -296,13 +361,14 @@ class Ledger:
             return ledger
         # The environment is opened writable whenever the file allows it, so that a reader and a writer
         # in one process can share it; `readonly` is enforced by the Ledger itself.
-        env_readonly = readonly and exists and not os.access(path, os.W_OK)
+        lock = not (readonly and _without_lock(path))
+        env_readonly = readonly and (not lock or not os.access(path, os.W_OK))
         try:
             env = lmdb.open(path, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
-                            lock=True, sync=True, metasync=True, readahead=readahead, max_readers=510)
+                            lock=lock, sync=True, metasync=True, readahead=readahead, max_readers=510)
         except lmdb.InvalidError:
-            raise IntegrityError(f"{path} is not a kprof ledger (not an LMDB file, or its header is damaged); "
-                                 f"check the path, or restore the file from a copy") from None
+            raise IntegrityError(f"ledger {path} is damaged: LMDB finds its header invalid; restore the file from "
+                                 f"a copy") from None
         except lmdb.Error as exc:
             raise LedgerError(f"cannot open ledger {path}: {exc}; check the path and its permissions") from None
         try:

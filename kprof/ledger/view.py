@@ -2,7 +2,7 @@
 
     ledger = Ledger.open("profile.db", readonly=True)
     view = ledger.view("single_gemm", "torch", "NVIDIA H200")
-    row = view.get(m=1, n=8192, k=1024, dtype="bf16")   # an ok Row, or None
+    row = view.get(m=1, n=8192, k=1024, dtype="bf16")   # an ok Row, or None (a GPU key it never held raises)
     rows = view.get_many(specs)                          # one Row per spec, any status
     todo = view.missing(specs)                           # the specs without an ok row
 
@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import msgspec
 
+from ..errors import UnknownGpuKeyError
 from . import _codec, _index, _lookup, _parallel
 from ._reducer import MEASURED, contract_id, root_of
 from .events import Contract, Provenance, Stats, Summary
@@ -139,8 +140,16 @@ class View:
 
     # ---- lookups -----------------------------------------------------------------------------
     def get(self, **spec) -> Row | None:
-        """The ok row for one spec, or None when it is missing, stale or failed."""
-        row = self.get_many([spec])[0]
+        """The ok row for one spec, or None when it is missing, stale or failed. Raises UnknownGpuKeyError,
+        naming the GPU keys the ledger holds for this table/backend, when it has never held a row of this scope:
+        a wrong GPU key would otherwise read as a missing row for every spec. (`get_many`, `missing` and
+        `count_missing` answer "missing" as usual: a JIT caller asks them before anything is measured.)"""
+        with self.ledger.read() as txn:
+            row = self._rows(txn, [spec])[0]
+            unknown = row.status == "missing" and txn.get(self.scope, db=self.ledger.dbs["scopes"]) is None
+        if unknown:
+            known = sorted((g, rows) for t, b, g, rows in self.ledger.scopes() if (t, b) == (self.table, self.backend))
+            raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, known)
         return row if row.status == "ok" else None
 
     def get_many(self, specs: Iterable[Mapping[str, Any]]) -> list[Row]:

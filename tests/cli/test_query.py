@@ -10,7 +10,20 @@ def _query(capsys, h, db, *specs, extra=(), table="single_gemm") -> dict:
     return h.read_json(capsys, "query", db, *specs, extra=extra, table=table)
 
 
-def test_query_on_nonexistent_db_is_all_missing_and_creates_nothing(tmp_path, ledger_path, capsys, h, local_gpu):
+def test_query_on_nonexistent_db_is_a_usage_error_and_creates_nothing(tmp_path, ledger_path, capsys, h):
+    """A --db that names no file is a mistyped path, not a ledger with every row missing."""
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
+                 "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"no ledger at {ledger_path}; pass --db or set KPROF_DB, or `kprof run` to create one" in captured.err
+    assert os.listdir(tmp_path) == []  # no profile.db, no profile.db-lock
+
+
+def test_query_on_empty_db_is_all_missing(ledger_path, capsys, h, local_gpu):
+    from kprof.ledger import Ledger
+
+    Ledger.open(ledger_path).close()
     specs = [h.gemm(), h.gemm(m=64), h.gemm(dtype="bf16")]
     doc = _query(capsys, h, ledger_path, *specs)
     assert set(doc) == h.QUERY_FIELDS
@@ -25,21 +38,12 @@ def test_query_on_nonexistent_db_is_all_missing_and_creates_nothing(tmp_path, le
         assert len(r["key"]) == 64  # the key the row would have
         assert r["event"] is r["citation"] is r["metrics"] is r["stats"] is r["provenance"] is None
         assert r["measured_at"] is None
-    assert os.listdir(tmp_path) == []  # no profile.db, no profile.db-lock
-
-
-def test_query_on_empty_db_is_all_missing(ledger_path, capsys, h):
-    from kprof.ledger import Ledger
-
-    absent = _query(capsys, h, ledger_path, h.gemm())
-    Ledger.open(ledger_path).close()
-    doc = _query(capsys, h, ledger_path, h.gemm())
-    assert doc["missing_count"] == 1 and doc["results"][0]["status"] == "missing"
-    # an absent ledger and an empty one name the same (empty) state, with the same keys
-    assert doc["view_root"] == absent["view_root"] and doc["results"][0]["key"] == absent["results"][0]["key"]
 
 
 def test_missing_keys_match_the_keys_of_measured_rows(ledger_path, capsys, h, local_gpu):
+    from kprof.ledger import Ledger
+
+    Ledger.open(ledger_path).close()
     before = _query(capsys, h, ledger_path, h.gemm())
     h.append(ledger_path, h.make_event(h.gemm(), local_gpu))
     after = _query(capsys, h, ledger_path, h.gemm())
@@ -177,9 +181,8 @@ def test_missing_backend_option_is_a_usage_error(capsys, h):
 
 
 def test_default_db_is_kprof_db_then_cwd(tmp_path, monkeypatch, capsys, h, local_gpu):
-    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["db"] == "profile.db" and doc["missing_count"] == 1
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--json"]) == 2
+    assert "no ledger at profile.db" in capsys.readouterr().err  # the default, ./profile.db, does not exist yet
     env_db = str(tmp_path / "env.db")
     h.append(env_db, h.make_event(h.gemm(), local_gpu))
     monkeypatch.setenv("KPROF_DB", env_db)

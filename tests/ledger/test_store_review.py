@@ -339,7 +339,7 @@ def _create_in_child(path: str, stage: str | None) -> int:
 
 def test_a_read_only_open_while_a_writer_creates_the_file_is_never_an_integrity_error(tmp_path):
     """Staged creations first (a reader polling the file catches each pause), then unstaged races; a
-    file that is empty and stays so is still reported truncated, after the short wait."""
+    file that is empty and stays so is still refused (not a ledger), after the short wait."""
     outcomes, want = [], []
     for trial, stage in enumerate(["empty", "no-dbs"] * 2 + [None] * 10):
         path = str(tmp_path / f"race{trial}.db")
@@ -365,7 +365,7 @@ def test_a_read_only_open_while_a_writer_creates_the_file_is_never_an_integrity_
 
     empty = tmp_path / "empty.db"
     empty.touch()
-    for readonly in (True, False):
-        with pytest.raises(IntegrityError, match="empty"):
+    for readonly in (True, False):  # empty for good: nothing of a ledger in it (a usage error, exit 2)
+        with pytest.raises(LedgerError, match="is not a kprof ledger \\(an empty file"):
             Ledger.open(str(empty), readonly=readonly)
     assert empty.stat().st_size == 0

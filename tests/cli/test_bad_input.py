@@ -1,0 +1,257 @@
+"""Every bad path is refused before anything is written: exit 2, a message naming the value and the fix, and no
+ledger, lock file, row or snapshot left behind. A damaged real ledger is still an integrity error (exit 3)."""
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from kprof import api
+from kprof.cli import main
+from kprof.errors import LedgerError, UsageError
+from kprof.ledger import Ledger
+
+SPEC = {"m": 32, "n": 32, "k": 32, "dtype": "fp32"}
+READ_VERBS = ["query", "count-missing"]
+
+
+def _files(path) -> dict:
+    """Every file under path with its bytes: what a refused command must leave as it was."""
+    out = {}
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = f.read()
+    return out
+
+
+def _verb(verb: str, h, db: str | None, *extra: str) -> list[str]:
+    """argv of `verb` on one spec (show: on a citation), with --db when given."""
+    args = ["show", "kprof.0123456789abcdef"] if verb == "show" else [verb, h.GEMM, "--backend", h.CPU,
+                                                                          *h.spec_args(SPEC)]
+    return [*args, *(["--db", db] if db is not None else []), *extra]
+
+
+def _refused(capsys, argv, *needles) -> str:
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, (code, captured.err)
+    assert captured.out == "" and "Traceback" not in captured.err
+    for needle in needles:
+        assert needle in captured.err, (needle, captured.err)
+    return captured.err
+
+
+# ---- --db naming no file --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("verb", [*READ_VERBS, "show"])
+def test_a_db_that_does_not_exist_is_a_usage_error_for_the_read_verbs(verb, tmp_path, capsys, h):
+    _refused(capsys, _verb(verb, h, "profle.db", "--json"),
+             "no ledger at profle.db; pass --db or set KPROF_DB, or `kprof run` to create one")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("read", [api.query, api.count_missing])
+def test_the_python_api_raises_the_same_usage_error(read, tmp_path):
+    with pytest.raises(UsageError, match="no ledger at .*profle.db; pass --db or set KPROF_DB"):
+        read("single_gemm", "torch-cpu", [SPEC], db=str(tmp_path / "profle.db"))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(UsageError, match="--db '' is empty"):
+        read("single_gemm", "torch-cpu", [SPEC], db="")
+    assert os.listdir(tmp_path) == []
+
+
+def test_run_fresh_still_needs_no_ledger(tmp_path, capsys, h):
+    """--fresh measures and writes nothing: no ledger is not an error there."""
+    assert main(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(SPEC), "--db", "none.db", "--fresh",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "ok"
+    assert os.listdir(tmp_path) == []
+
+
+# ---- --db "" ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("verb", [*READ_VERBS, "show", "run", "audit", "calibrate"])
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_db_is_refused_everywhere(verb, empty, tmp_path, capsys, h):
+    h.append("profile.db")  # ./profile.db exists: an empty --db must not silently mean it
+    before = _files(tmp_path)
+    if verb in ("audit", "calibrate"):
+        argv = [verb, "--db", empty]
+    else:
+        argv = _verb(verb, h, empty)
+    _refused(capsys, argv, f"--db {empty!r} is empty", "omit --db to use $KPROF_DB, else ./profile.db")
+    assert _files(tmp_path) == before
+
+
+# ---- --db naming a file that is not a ledger -------------------------------------------------------------------
+
+def _text(path):
+    path.write_text("not a ledger\n")
+
+
+def _sqlite(path):
+    con = sqlite3.connect(path)
+    con.execute("create table t (x)")
+    con.commit()
+    con.close()
+
+
+def _empty(path):
+    path.touch()
+
+
+def _noise(path):
+    path.write_bytes(bytes(range(256)) * 64)
+
+
+NOT_LEDGERS = {"text": (_text, "(not an LMDB file)"), "sqlite": (_sqlite, "(an SQLite database)"),
+               "empty": (_empty, "(an empty file, 0 bytes)"), "noise": (_noise, "(not an LMDB file)")}
+
+
+@pytest.mark.parametrize("verb", [*READ_VERBS, "show", "run", "audit"])
+@pytest.mark.parametrize("kind", list(NOT_LEDGERS))
+def test_a_file_that_is_not_a_ledger_is_refused_and_left_alone(verb, kind, tmp_path, capsys, h):
+    make, what = NOT_LEDGERS[kind]
+    path = tmp_path / "some.db"
+    make(path)
+    before = _files(tmp_path)
+    argv = ["audit", "--db", str(path)] if verb == "audit" else _verb(verb, h, str(path), "--json")
+    _refused(capsys, argv, f"{path} is not a kprof ledger {what}", "check that --db (or $KPROF_DB) names the ledger")
+    assert _files(tmp_path) == before  # the file untouched, no some.db-lock beside it, no rows
+
+
+@pytest.mark.parametrize("verb", [*READ_VERBS, "run"])
+def test_a_device_or_a_directory_is_refused(verb, tmp_path, capsys, h):
+    _refused(capsys, _verb(verb, h, os.devnull), f"{os.devnull} is not a kprof ledger (not a regular file")
+    _refused(capsys, _verb(verb, h, str(tmp_path)), f"ledger path {tmp_path} is a directory, not a kprof ledger")
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_library_refuses_before_lmdb_opens_the_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    _text(path)
+    for readonly in (True, False):
+        with pytest.raises(LedgerError, match="is not a kprof ledger"):
+            Ledger.open(str(path), readonly=readonly)
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_a_damaged_real_ledger_is_still_an_integrity_error(tmp_path, capsys, h, local_gpu):
+    path = str(tmp_path / "p.db")
+    h.append(path, *[h.make_event(h.gemm(m=8 * i), local_gpu) for i in range(1, 200)])
+    with open(path, "r+b") as f:  # an LMDB file whose pages past the header are gone
+        f.truncate(os.path.getsize(path) // 2)
+    code = main(_verb("query", h, path))
+    err = capsys.readouterr().err
+    assert code == 3 and "truncated" in err, err
+
+
+# ---- a ledger in a read-only directory -------------------------------------------------------------------------
+
+_NO_OVERRIDE = "-dac_override,-dac_read_search,-fowner"
+
+
+def _as_this_user(args: list[str], cwd) -> subprocess.CompletedProcess:
+    """`python -m kprof ARGS` under file permissions: run as root, without the capabilities that let root write
+    into a read-only directory (setpriv), so the test means the same for every user."""
+    prefix = []
+    if os.geteuid() == 0:
+        prefix = ["setpriv", "--bounding-set", _NO_OVERRIDE, "--inh-caps", _NO_OVERRIDE, "--"]
+        if shutil.which("setpriv") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode:
+            pytest.skip("running as root, and setpriv cannot drop the capability to write read-only directories")
+    return subprocess.run([*prefix, sys.executable, "-m", "kprof", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def read_only_ledger(tmp_path, h, local_gpu):
+    """A ledger of one row in a directory this user cannot write, with no lock file beside it (a copy)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    h.append(str(shared / "p.db"), h.make_event(SPEC, local_gpu))
+    os.remove(shared / "p.db-lock")
+    os.chmod(shared, 0o555)
+    yield shared
+    os.chmod(shared, 0o755)
+
+
+@pytest.mark.parametrize("verb", READ_VERBS)
+def test_a_ledger_in_a_read_only_directory_is_readable(verb, read_only_ledger, tmp_path, h):
+    before = _files(read_only_ledger)
+    proc = _as_this_user(_verb(verb, h, str(read_only_ledger / "p.db"), "--json"), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["missing_count"] == 0 and doc["count"] == 1
+    assert _files(read_only_ledger) == before  # no lock file could be made, and none was
+
+
+# ---- --output-dir ----------------------------------------------------------------------------------------------
+
+def _run_into(out_dir: str, h, db: str) -> list[str]:
+    return ["run", h.GEMM, "--backend", h.CPU, *h.spec_args(SPEC), "--db", db, "--output-dir", out_dir, "--json"]
+
+
+def test_an_empty_output_dir_is_refused_before_any_work(tmp_path, capsys, h):
+    _refused(capsys, _run_into("", h, "p.db"), "--output-dir '' is empty", "omit --output-dir")
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_output_dir_through_a_file_is_refused_before_any_work(tmp_path, capsys, h):
+    (tmp_path / "notes").write_text("x")
+    _refused(capsys, _run_into("notes/run1", h, "p.db"),
+             f"--output-dir notes/run1 passes through {tmp_path / 'notes'}, which is not a directory",
+             "pass a new directory")
+    _refused(capsys, _run_into("notes/a/b", h, "p.db"), "passes through")
+    assert os.listdir(tmp_path) == ["notes"]
+
+
+def test_an_output_dir_that_is_a_broken_link_is_refused(tmp_path, capsys, h):
+    os.symlink(tmp_path / "gone", tmp_path / "snap")
+    _refused(capsys, _run_into("snap", h, "p.db"), "--output-dir snap is a broken link, not a directory")
+    assert os.listdir(tmp_path) == ["snap"]
+
+
+def test_an_output_dir_holding_a_plot_of_a_snapshot_is_refused(tmp_path, capsys, h):
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "curve.png").write_bytes(b"png")
+    _refused(capsys, _run_into("snap", h, "p.db"), "already holds a snapshot (curve.png)")
+    assert sorted(os.listdir(tmp_path)) == ["snap"]
+
+
+def test_an_output_dir_under_a_read_only_directory_is_refused_before_any_work(tmp_path, h):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o555)
+    try:
+        proc = _as_this_user(_run_into(str(locked / "run1"), h, "p.db"), tmp_path)
+        existing = _as_this_user(_run_into(str(locked), h, "p.db"), tmp_path)
+    finally:
+        os.chmod(locked, 0o755)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--output-dir {locked / 'run1'} cannot be created: {locked} is not writable" in proc.stderr
+    assert existing.returncode == 2 and f"--output-dir {locked} is not writable" in existing.stderr
+    assert sorted(os.listdir(tmp_path)) == ["locked"] and os.listdir(locked) == []  # no ledger, no snapshot
+
+
+def test_a_snapshot_that_cannot_be_written_after_the_run_says_so(tmp_path, capsys, h, monkeypatch):
+    """Checked before the run, the directory can still fail after it (a full disk): a clear error, no traceback,
+    and the way to the snapshot without measuring again."""
+    from kprof import artifacts
+
+    def full_disk(path, *_args):
+        raise OSError(28, "No space left on device", os.path.join(path, "request.json"))
+
+    monkeypatch.setattr(artifacts, "_write", full_disk)
+    code = main(_run_into("snap", h, "p.db"))
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "cannot write the snapshot in --output-dir snap: No space left on device (snap/request.json)" in err
+    assert "run the command again with a new --output-dir" in err
+    with Ledger.open("p.db", readonly=True) as ledger:
+        assert ledger.last_seq == 1  # the run's row is stored

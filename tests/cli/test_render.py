@@ -1,0 +1,64 @@
+"""Tables of query/run results: a large result prints its first rows and a line counting the rest, fast."""
+
+import json
+
+from kprof.api import QueryResult
+from kprof.cli import main
+from kprof.cli._render import TABLE_ROWS, results_table
+
+
+def _result(statuses: list[str], errors: int = 0) -> QueryResult:
+    rows = [{"spec": {"m": i + 1, "n": 8, "k": 8, "dtype": "fp32"}, "status": s,
+             "metrics": {"time_ms": 0.5, "tflops": 1.0} if s == "ok" else None,
+             "citation": "kprof.0123456789abcdef" if s == "ok" else None} for i, s in enumerate(statuses)]
+    for r in rows[:errors]:
+        r["status"], r["error"] = "error", {"kind": "oom", "message": "out of memory"}
+    missing = sum(r["status"] != "ok" for r in rows)
+    return QueryResult("single_gemm", "torch-cpu", "Some CPU", "p.db", "query", len(rows), missing, "ab" * 32, rows)
+
+
+def _table_rows(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("│")]
+
+
+def test_a_20000_spec_query_prints_the_first_rows_and_counts_the_rest(ledger_path, tmp_path, capsys, h, local_gpu):
+    specs = [h.gemm(m=i + 1) for i in range(20000)]
+    h.append(ledger_path, h.make_event(specs[0], local_gpu), h.make_event(specs[-1], local_gpu),
+             h.make_event(specs[60], local_gpu, kind="failed"))
+    (tmp_path / "specs.json").write_text(json.dumps(specs))
+    assert main(["query", "single_gemm", "--backend", "torch-cpu", "--specs", str(tmp_path / "specs.json"),
+                 "--db", ledger_path]) == 0
+    out = capsys.readouterr().out
+    rows = _table_rows(out)
+    assert TABLE_ROWS == 50 and len(rows) == 50
+    assert rows[0].split("│")[1].strip() == "1" and rows[-1].split("│")[1].strip() == "50"
+    tail = out.splitlines()[-3:]
+    assert tail[0] == "... and 19950 more rows (1 ok, 19948 missing, 1 failed); use --json for all"
+    assert tail[1].startswith(f"2 of 20000 ok, 19998 missing; db {ledger_path}; view root ")
+    assert tail[2] == "error for {'m': 61, 'n': 32, 'k': 32, 'dtype': 'fp32'}: crash: segfault in the kernel"
+
+
+def test_a_table_of_the_limit_is_whole_and_one_more_row_is_counted(capsys):
+    results_table(_result(["ok"] * 50))
+    whole = capsys.readouterr().out
+    assert len(_table_rows(whole)) == 50 and "more row" not in whole
+    results_table(_result(["ok"] * 50 + ["missing"]))
+    out = capsys.readouterr().out
+    assert len(_table_rows(out)) == 50
+    assert "\n... and 1 more row (1 missing); use --json for all\n50 of 51 ok, 1 missing; db p.db" in out
+
+
+def test_the_columns_and_limit_follow_the_rows_shown(capsys):
+    results_table(_result(["missing"] * 3 + ["ok"] * 2), limit=3)
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "status" in line)
+    assert "time_ms" not in header  # the ok rows' metrics are not among the rows shown
+    assert len(_table_rows(out)) == 3 and "... and 2 more rows (2 ok); use --json for all" in out
+
+
+def test_error_lines_are_capped_too(capsys):
+    results_table(_result(["missing"] * 80, errors=60))
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("error for {") for line in lines) == 50
+    assert lines[-1] == "... and 10 more errors; use --json for all"
+    assert "... and 30 more rows (20 missing, 10 error); use --json for all" in lines

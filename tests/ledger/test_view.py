@@ -1,0 +1,55 @@
+"""View.get under a GPU key the ledger has never held rows of: an error naming the keys it holds, not None."""
+
+import pytest
+
+from kprof.errors import UnknownGpuKeyError, UsageError
+from kprof.ledger import _codec, synth
+from kprof.ledger.build import retraction
+
+
+def test_get_under_an_unknown_gpu_key_names_the_keys_held(ledger):
+    ledger.append(list(synth.events(0, 3)) + [synth.event(5, gpu="Other GPU")])
+    view = synth.view(ledger, gpu="No Such GPU")
+    with pytest.raises(UnknownGpuKeyError) as err:
+        view.get(**synth.spec(0))
+    e = err.value
+    assert isinstance(e, UsageError) and e.exit_code == 2
+    assert (e.table, e.backend, e.gpu_key, e.db) == (synth.TABLE, synth.BACKEND, "No Such GPU", ledger.path)
+    assert e.known == [("Other GPU", 1), (synth.GPU, 3)]
+    assert str(e) == (f"ledger {ledger.path} has no single_gemm/synthetic rows for GPU key 'No Such GPU': it holds "
+                      f"single_gemm/synthetic rows for GPU keys 'Other GPU' (1 row), 'Synthetic GPU' (3 rows); pass "
+                      f"one of those as the GPU key, or measure this one with `kprof run single_gemm --backend "
+                      f"synthetic` on that GPU (`kprof scopes --db {ledger.path}` lists every table, backend and "
+                      f"GPU key it holds)")
+
+
+def test_get_with_no_rows_of_the_table_and_backend_says_so(ledger):
+    ledger.append(list(synth.events(0, 2)))
+    other = ledger.view(synth.TABLE, "other-backend", synth.GPU, contract=synth.CONTRACT, args_type=synth.SynthArgs)
+    with pytest.raises(UnknownGpuKeyError, match="it holds no single_gemm/other-backend rows for any GPU key; "
+                                                 "measure them with `kprof run single_gemm --backend other-backend"):
+        other.get(**synth.spec(0))
+
+
+def test_bulk_reads_under_an_unknown_gpu_key_answer_missing(ledger):
+    ledger.append(list(synth.events(0, 2)))
+    view = synth.view(ledger, gpu="No Such GPU")
+    specs = [synth.spec(0), synth.spec(1)]
+    assert [r.status for r in view.get_many(specs)] == ["missing", "missing"]
+    assert view.missing(specs) == specs and view.count_missing(specs) == 2
+
+
+def test_get_under_a_known_gpu_key_is_none_for_a_missing_stale_or_failed_spec(ledger):
+    ledger.append(list(synth.events(0, 2)) + [synth.event(2, revision=0)])
+    view = synth.view(ledger)
+    assert view.get(**synth.spec(0)) is not None
+    assert view.get(**synth.spec(2)) is None  # stale: only a row of an older revision
+    assert view.get(**synth.spec(9)) is None  # missing
+
+
+def test_a_scope_whose_rows_were_all_retracted_is_known(ledger):
+    ev = synth.event(0)
+    ledger.append([ev])
+    ledger.append([retraction(_codec.event_id(_codec.encode(ev)), ev.key, "bad clocks")])
+    assert ledger.scopes() == [(synth.TABLE, synth.BACKEND, synth.GPU, 0)]
+    assert synth.view(ledger).get(**synth.spec(0)) is None
