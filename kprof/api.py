@@ -31,6 +31,7 @@ from .ledger.events import Measured, Origin, summary_of
 from .ledger.keys import KeyMaker, ShapeCodec
 from .ledger.view import Row
 from .runners.registry import METRICS, Entry, lookup
+from .method import effective_entry, resolve_gpu_key
 from .specs import validate
 
 __all__ = ["resolve_gpu_key", "effective_entry", "count_missing", "query", "run", "CountResult", "QueryResult", "Mode"]
@@ -69,106 +70,6 @@ class QueryResult(msgspec.Struct):
         for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured"):
             doc.pop(extra)
         return doc
-
-
-def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
-    """The GPU key: --gpu-name when given, else the name of the device the entry measures on."""
-    if gpu_name is not None:
-        if not gpu_name.strip():
-            raise UsageError("--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200', or omit it")
-        return gpu_name
-    if entry.device == "cuda":
-        from .measure.device_name import local_gpu_name
-
-        name = local_gpu_name()
-        if name is None:
-            raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and none is visible here; pass "
-                             f"--gpu-name (e.g. --gpu-name 'NVIDIA H200') to read the rows of another machine")
-        return name
-    from .measure.env import cpu_model
-
-    return cpu_model()
-
-
-# The CUDA timing method's settings: (flag, environment variable, allowed values, default).
-_TIMER = ("--timer", "KPROF_TIMER", ("cupti", "events"), "cupti")
-_L2 = ("--l2", "KPROF_L2", ("cold", "warm"), "cold")
-_GRAPH = ("--cuda-graph", "KPROF_CUDA_GRAPH", ("0", "1"), "0")
-_POWER = ("--power", "KPROF_POWER", ("sustained", "loaded"), "sustained")  # kprof.runners.catalog.POWER_STATES
-
-
-def _from_env(name: str, allowed: tuple[str, ...], default: str) -> str:
-    value = os.environ.get(name, default).strip().lower() or default
-    if value not in allowed:
-        raise UsageError(f"{name}={value!r} is not one of {', '.join(allowed)}; e.g. {name}={default}")
-    return value
-
-
-def _choice(setting: tuple, given: str | None) -> str:
-    """An explicit value wins over the environment variable, which wins over the default."""
-    flag, env, allowed, default = setting
-    if given is None:
-        return _from_env(env, allowed, default)
-    value = given.strip().lower() if isinstance(given, str) else given
-    if value not in allowed:
-        raise UsageError(f"{flag} {given!r} is not one of {', '.join(allowed)}; e.g. {flag} {default}, or omit "
-                         f"it to use ${env} (default {default})")
-    return value
-
-
-def _graph(given: bool | None) -> bool:
-    if given is None:
-        return _choice(_GRAPH, None) == "1"
-    if not isinstance(given, bool):  # a truthy string such as "0" must not silently select graphs
-        raise UsageError(f"--cuda-graph {given!r} is not a bool; pass --cuda-graph or --no-cuda-graph "
-                         f"(cuda_graph=True/False), or omit it to use $KPROF_CUDA_GRAPH (default 0)")
-    return given
-
-
-def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: bool | None,
-                   power: str | None) -> None:
-    """The CPU timer has one method (wall clock, warm caches, eager calls back to back): an explicit flag asking
-    for any other is refused rather than ignored, so nobody reads CPU rows believing they were timed some other
-    way. Only the explicit values are looked at: the environment variables never apply to a CPU entry."""
-    from .runners.catalog import parse_timing
-
-    cpu_timer, cpu_l2, cpu_graph = parse_timing(entry.contract.timing)
-    asked = []
-    if timer is not None:  # no CUDA timer is the CPU's
-        asked.append(f"--timer {_choice(_TIMER, timer)}")
-    if l2 is not None and _choice(_L2, l2) != cpu_l2:
-        asked.append(f"--l2 {_choice(_L2, l2)}")
-    if cuda_graph is not None and _graph(cuda_graph) != cpu_graph:
-        asked.append("--cuda-graph")
-    if power is not None and _choice(_POWER, power) != _POWER[3]:  # no heavy GEMMs heat a CPU before its calls
-        asked.append(f"--power {_choice(_POWER, power)}")
-    if asked:
-        flag = asked[0]
-        raise UsageError(f"{flag} applies to CUDA backends; {entry.backend} is timed by wall clock ({cpu_timer}, "
-                         f"L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls back to back); omit "
-                         f"{flag.split()[0]}, or pass a CUDA backend (see `kprof list`)")
-
-
-def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = None,
-                    cuda_graph: bool | None = None, power: str | None = None) -> Entry:
-    """The entry with the timing method this process measures and reads with. On a CUDA backend each setting
-    is the explicit argument (the verbs' --timer, --l2, --cuda-graph/--no-cuda-graph, --power) when given, else
-    its environment variable, else the default: timer cupti|events ($KPROF_TIMER, default cupti), l2 cold|warm
-    ($KPROF_L2, default cold: flushed before each call, or rotated input copies under a graph), cuda_graph
-    ($KPROF_CUDA_GRAPH=0|1, default 0: eager launches), power sustained|loaded ($KPROF_POWER, default sustained:
-    the kernel back to back, as in decode; loaded: each call after heavy GEMMs that hold the GPU at its power
-    limit, as inside a prefill). The method is part of the key, so rows timed one way never mix with rows timed
-    another, and a query reads the rows of the method it names. A CPU entry keeps its one method: the
-    environment variables do not apply to it and an explicit other method is refused."""
-    if entry.device != "cuda":
-        _refuse_on_cpu(entry, timer, l2, cuda_graph, power)
-        return entry
-    from .runners.catalog import timing_string
-
-    timing = timing_string(_choice(_TIMER, timer), _choice(_L2, l2), _graph(cuda_graph), _choice(_POWER, power))
-    if timing == entry.contract.timing:
-        return entry
-    return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract, timing=timing))
 
 
 def _prepare(table, backend, specs, gpu_name, db, method: dict):
@@ -243,7 +144,7 @@ def _query(entry, canonical, gpu_key, db, ledger, mode) -> QueryResult:
 def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> None:
     """Each ok row's fraction of the device's ceilings, as `ceiling` (only once `kprof calibrate` has
     measured them for this GPU key: before that the rows are exactly the contract's)."""
-    from .calibrate import annotate, ceilings
+    from .ceilings import annotate, ceilings
 
     annotate(results, ceilings(entry.backend, gpu_key, ledger=ledger, timing=entry.contract.timing))
 

@@ -121,7 +121,7 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
         raise UsageError(f"unknown energy method {method!r}; use 'fit' or 'two_read'")
     if not seconds > 0:
         raise UsageError(f"the energy window must be positive, got {seconds} s")
-    from .nvml import NvmlError, _energy_counter
+    from ._nvml_access import NvmlError, _energy_counter
 
     if sync is None:
         import torch

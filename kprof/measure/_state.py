@@ -31,7 +31,7 @@ import statistics
 import time
 from typing import Callable, NamedTuple, Sequence
 
-from ._nvml_telemetry import decode_reasons
+from ._reasons import decode_reasons
 
 __all__ = ["StateReading", "StateProtocol", "Settled", "state_label", "OUT_OF_STATE_REASONS"]
 

@@ -19,9 +19,9 @@ from .gemm import SingleGemmArgs
 from .memcpy import MemcpyArgs
 from .moe import MoeGroupedGemmArgs
 from .norm import RmsNormArgs
-from .registry import Entry, register
+from ._entry import Entry
 
-__all__ = ["CPU_TIMING", "GPU_TIMING", "POWER_STATES", "TIMERS", "parse_timing", "timing_power", "timing_string"]
+__all__ = ["ENTRIES", "CPU_TIMING", "GPU_TIMING", "POWER_STATES", "TIMERS", "parse_timing", "timing_power", "timing_string"]
 
 TIMERS = ("cupti", "events", "cpu-wall")
 
@@ -126,12 +126,15 @@ GPU_REVISION = 2
 CPU_REVISION = 1
 
 
+ENTRIES: list[Entry] = []  # every entry, in declaration order; kprof.runners.registry indexes them
+
+
 def _register(table, args, kind, runner, backend, device, algorithm, layout, numerics, timing, description):
     revision = GPU_REVISION if device == "cuda" else CPU_REVISION
-    register(Entry(table=table, backend=backend, args=args, kernel_kind=kind, metric_family="compute",
-                   contract=Contract(algorithm=algorithm, layout=layout, numerics=numerics, timing=timing,
-                                     profiler_revision=revision),
-                   runner=runner, device=device, description=description))
+    ENTRIES.append(Entry(table=table, backend=backend, args=args, kernel_kind=kind, metric_family="compute",
+                         contract=Contract(algorithm=algorithm, layout=layout, numerics=numerics, timing=timing,
+                                           profiler_revision=revision),
+                         runner=runner, device=device, description=description))
 
 
 for table, args, kind, runner, algorithm, layout, description in _FAMILIES:

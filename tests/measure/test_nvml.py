@@ -15,7 +15,7 @@ import pytest
 
 from kprof.errors import UsageError
 from kprof.ledger.events import Environment
-from kprof.measure import nvml
+from kprof.measure import _nvml_access, nvml
 from kprof.measure.nvml import (
     REASON_BITS,
     EnergyResult,
@@ -36,7 +36,8 @@ from kprof.measure.nvml import (
     with_telemetry,
 )
 
-NVML_SOURCES = [Path(nvml.__file__).with_name(n) for n in ("nvml.py", "_nvml_telemetry.py", "_nvml_energy.py")]
+NVML_SOURCES = [Path(nvml.__file__).with_name(n)
+                for n in ("nvml.py", "_nvml_access.py", "_nvml_telemetry.py", "_nvml_energy.py", "_reasons.py")]
 
 
 # --- clock-event reasons --------------------------------------------------------------------------------
@@ -398,7 +399,7 @@ def fake_nvml(monkeypatch):
     def install(**kw):
         m = _fake_pynvml(**kw)
         monkeypatch.setitem(sys.modules, "pynvml", m)
-        monkeypatch.setattr(nvml, "_init_pid", None)
+        monkeypatch.setattr(_nvml_access, "_init_pid", None)
         return m
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -1,0 +1,261 @@
+"""The device's ceilings: the best arithmetic rate and the best memory bandwidth measured over a stated set
+of shapes, stored in the ledger as ordinary rows, and each compute row's fraction of them.
+
+    kprof calibrate --backend torch          # GPU: 9 large bf16 GEMMs; copies of 1-4 GiB and 2 decode GEMMs
+    kprof calibrate --backend torch-cpu      # CPU: 3 fp32 GEMMs; copies of 64-256 MiB and a matrix-vector product
+
+Why a set. One shape is not the device's best: on an H200 the 8192^3 bf16 GEMM runs at the 700 W power
+cap (~690 TFLOP/s) while 4096^3 runs nearer boost clock (~775 TFLOP/s), so a ceiling taken from 8192^3 alone
+put a 4096^3 row at 110 %. Nor is a copy the best a memory stream does: it reads and writes in equal parts,
+while a decode GEMM only reads its weights. The ceiling of a metric is the maximum of that metric over its
+set (`CEILING_SETS`), every row measured the same way: the timing method of this process (or the one
+named), one row per shape, found again by its table and spec. A `Ceiling` names the row holding the maximum
+(its citation), the whole set and which of it is in the ledger, and how the set was measured: the rows'
+timing string and, read from the rows' own events, the SM clock range, power, temperature and throttle
+reasons seen (`method`; `method["summary"]` is the same in one line).
+
+The arithmetic ceiling is a bf16 ceiling on the GPU (fp32 on the CPU): it says what this device reaches in
+the dtype models mostly run, not a dtype-agnostic peak. Rows of a faster dtype (fp8_e4m3 runs about twice
+as fast) are still given fractions of it, and they come out above 1 and flagged, as below.
+
+What `query --json` adds to each ok compute row once the ceilings exist (`annotate`):
+
+    ceiling: {fraction: {tflops: row / ceiling, memory_bandwidth_gbps: ...},
+              citations: {metric: citation of the row holding the ceiling},
+              method: {metric: how the ceiling was measured, in one line},
+              above_ceiling: true}
+
+`above_ceiling` is present (and true) only when a fraction exceeds 1: the row beat every row of the
+calibration set (a shape outside the set that runs faster, a faster dtype, or a calibration taken in another
+thermal state). Such a fraction is reported as it is, never capped, and never silently. Reading ceilings
+imports no measurement library. This module reads them; `kprof.calibrate` measures them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .runners.registry import lookup
+
+__all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "ceilings", "fractions",
+           "annotate", "lookup_any"]
+
+
+class CeilingSet(NamedTuple):
+    metric: str  # "tflops" or "memory_bandwidth_gbps"
+    members: tuple  # ((table, spec), ...): the stated shapes; the ceiling is the metric's maximum over their rows
+    about: str  # what the set is, for people
+
+
+def _gemms(dtype: str, *mnk: tuple[int, int, int]) -> tuple:
+    return tuple(("single_gemm", {"m": m, "n": n, "k": k, "dtype": dtype}) for m, n, k in mnk)
+
+
+def _copies(*sizes: int) -> tuple:
+    return tuple(("memcpy", {"bytes": b}) for b in sizes)
+
+
+# Per device kind. Arithmetic: GEMMs large enough to fill every SM many times over, from 2048x4096x4096 (~0.09
+# ms) to 8192^3 (~1.6 ms, power-capped), square-ish and long in k (the down projections of 7-8B models, k =
+# 14336, ran at 100.2-103.3 % of a square-only set on an H200), so the best of them bounds the prefill-sized
+# GEMMs of real models. Bandwidth: copies of 1-4 GiB, far past the L2 (60 MiB on an H200), and
+# two decode GEMMs (m = 1) whose weights (235 and 537 MB) stream from HBM once per call. A copy reads and writes
+# in equal parts; a decode GEMM only reads, and on an H200 the 1x28672x4096 one already streams within 1 % of
+# the copy rate: without it in the set, decode rows would sit at or above "100 %" of a copy-only ceiling.
+# On the CPU, copies of 64 MiB and more (source and destination together twice that) and a 64 MiB
+# matrix-vector product are past most last-level caches, so the best of them is a memory bandwidth, not a
+# cache's.
+CEILING_SETS = {
+    "cuda": [
+        CeilingSet("tflops", _gemms("bf16", (2048, 4096, 4096), (2048, 4096, 14336), (4096, 4096, 4096),
+                                    (4096, 4096, 14336), (4096, 8192, 4096), (8192, 8192, 4096),
+                                    (4096, 8192, 8192), (6144, 6144, 6144), (8192, 8192, 8192)),
+                   "bf16 GEMMs"),
+        CeilingSet("memory_bandwidth_gbps", _copies(1 << 30, 2 << 30, 4 << 30)
+                   + _gemms("bf16", (1, 28672, 4096), (1, 16384, 16384)),
+                   "device-to-device copies and weight-streaming bf16 decode GEMMs"),
+    ],
+    "cpu": [
+        CeilingSet("tflops", _gemms("fp32", (512, 512, 512), (768, 768, 768), (1024, 1024, 1024)), "fp32 GEMMs"),
+        CeilingSet("memory_bandwidth_gbps", _copies(64 << 20, 128 << 20, 256 << 20) + _gemms("fp32", (1, 4096, 4096)),
+                   "host memory copies and an fp32 matrix-vector product"),
+    ],
+}
+# (table, spec, metric) of every calibration row, flat.
+CEILING_SPECS = {device: [(table, spec, s.metric) for s in sets for table, spec in s.members]
+                 for device, sets in CEILING_SETS.items()}
+BASE_BACKEND = {"cuda": "torch", "cpu": "torch-cpu"}
+
+
+def _by_table(members) -> dict[str, list[dict]]:
+    """The members' specs grouped by table, in order of first appearance, each spec once."""
+    out: dict[str, list[dict]] = {}
+    for table, spec in members:
+        if spec not in out.setdefault(table, []):
+            out[table].append(spec)
+    return out
+
+
+class Ceiling(NamedTuple):
+    metric: str  # "tflops" or "memory_bandwidth_gbps"
+    value: float  # the maximum over the set's rows in the ledger
+    table: str  # the table of the row holding the maximum
+    spec: dict  # its spec
+    citation: str  # its citation
+    shapes: tuple = ()  # {table, spec} of every member of the stated set, measured or not
+    rows: tuple = ()  # {table, spec, value, citation} of each member found, in set order
+    method: dict = {}  # how the rows were measured (timing, clocks, power, throttle) and how many were found
+
+
+def lookup_any(backend: str):
+    """Any registry entry of `backend` (they all measure on one device kind)."""
+    from .errors import UsageError
+    from .runners.registry import entries
+
+    for entry in entries():
+        if entry.backend == backend:
+            return entry
+    known = sorted({e.backend for e in entries()})
+    raise UsageError(f"unknown backend {backend!r}; known backends: {', '.join(known)} (see `kprof list`)")
+
+
+def _entry(table: str, backend: str, timing: str | None):
+    """The registry entry with the timing method rows are read under: `timing` when given (CUDA only: the
+    CPU has one method), else this process's (`kprof.api.effective_entry`)."""
+    import msgspec
+
+    from .method import effective_entry
+
+    entry = lookup(table, backend)
+    if timing and entry.device == "cuda":  # named: no KPROF_* variable is read (an explicit method beats them)
+        return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract, timing=timing))
+    return effective_entry(entry)
+
+
+def ceilings(backend: str, gpu_key: str, *, db: str | None = None, ledger=None,
+             timing: str | None = None) -> list[Ceiling]:
+    """The ceilings of the device of `backend` under `gpu_key`, from the calibration rows measured with
+    `timing` (a contract timing string such as "cupti;l2=cold;eager"; None: this process's method). A metric
+    none of whose set is in the ledger is absent."""
+    import os
+
+    from .ledger import Ledger, ledger_path
+
+    device = lookup_any(backend).device
+    base = BASE_BACKEND[device]
+    own = ledger is None
+    if own:
+        path = ledger_path(db)
+        if not os.path.exists(path):
+            return []
+        ledger = Ledger.open(path, readonly=True)
+    try:
+        out = []
+        for s in CEILING_SETS[device]:
+            found, timings = [], set()  # (table, row) of each member with an ok row
+            for table, specs in _by_table(s.members).items():
+                entry = _entry(table, base, timing)
+                timings.add(entry.contract.timing)
+                view = ledger.view(table, base, gpu_key, entry.contract, entry.args)
+                found += [(table, row) for row in view.get_many(specs)
+                          if row.status == "ok" and row.metrics and (row.metrics.get(s.metric) or 0) > 0]
+            if not found:
+                continue
+            best_table, best = max(found, key=lambda x: x[1].metrics[s.metric])
+            rows = tuple({"table": t, "spec": dict(row.spec), "value": row.metrics[s.metric], "citation": row.citation}
+                         for t, row in found)
+            events = [e for e in (ledger.event(row.event_id) for _t, row in found) if e is not None]
+            method = _method(s, ";".join(sorted(timings)), found, events, (best_table, best))
+            out.append(Ceiling(s.metric, best.metrics[s.metric], best_table, dict(best.spec), best.citation,
+                               tuple({"table": t, "spec": dict(x)} for t, x in s.members), rows, method))
+        return out
+    finally:
+        if own:
+            ledger.close()
+
+
+def _label(table: str, spec: dict) -> str:
+    if "bytes" in spec:
+        b = spec["bytes"]
+        size = f"{b / (1 << 30):g} GiB" if b >= 1 << 30 else f"{b / (1 << 20):g} MiB"
+        return f"{table} {size}"
+    return f"{table} " + "x".join(str(spec[a]) for a in ("m", "n", "k"))
+
+
+def _span(values: list[float]) -> list[float] | None:
+    return [min(values), max(values)] if values else None
+
+
+def _method(s: CeilingSet, timing: str, found: list, events: list, best: tuple) -> dict:
+    """How a ceiling's rows were measured, from their events: timing, the range over the rows of each clock
+    and power reading their environments hold, every throttle reason seen, the stop reasons."""
+    clocks: dict[str, list[float]] = {}
+    throttle, stops, limits, timers = set(), set(), set(), set()
+    for e in events:
+        env = getattr(e, "environment", None)
+        if env is not None:
+            for k, v in env.clocks.items():
+                clocks.setdefault(k, []).append(v)
+            throttle.update(env.throttle)
+            if env.power_limit_w is not None:
+                limits.add(env.power_limit_w)
+        m = getattr(e, "method", None)
+        if m is not None:
+            stops.add(m.stop_reason)
+            timers.add(f"{m.timer};l2={m.l2};{'graph' if m.graph else 'eager'}")
+    measured = [(t, dict(row.spec)) for t, row in found]
+    out = {"set": f"max of {s.metric} over {s.about}: {', '.join(_label(t, x) for t, x in s.members)}",
+           "measured": len(found), "of": len(s.members),
+           "missing": [{"table": t, "spec": dict(x)} for t, x in s.members if (t, x) not in measured],
+           "at": _label(best[0], best[1].spec), "timing": timing, "timers_seen": sorted(timers),
+           "clocks": {k: _span(v) for k, v in sorted(clocks.items())}, "throttle": sorted(throttle),
+           "power_limit_w": sorted(limits), "stop_reasons": sorted(stops)}
+    out["summary"] = _summary(out)
+    return out
+
+
+def _summary(m: dict) -> str:
+    """The method in one line, e.g. "max over 6/6 shapes (at single_gemm 4096x4096x4096); cupti;l2=cold;eager;
+    SM 1530-1980 MHz; 640-700 W; throttle power_cap"."""
+    parts = [f"max over {m['measured']}/{m['of']} shapes (at {m['at']})", m["timing"]]
+    c = m["clocks"]
+    sm = [v for k, i in (("sm_mhz_min", 0), ("sm_mhz_max", 1)) if c.get(k) for v in [c[k][i]]]
+    if sm:
+        parts.append(f"SM {min(sm):.0f}-{max(sm):.0f} MHz")
+    if c.get("power_w_mean"):
+        lo, hi = c["power_w_mean"]
+        parts.append(f"{lo:.0f}-{hi:.0f} W")
+    if m["throttle"]:
+        parts.append("throttle " + ",".join(m["throttle"]))
+    return "; ".join(parts)
+
+
+def fractions(metrics: dict | None, found: list[Ceiling]) -> dict[str, float] | None:
+    """A compute row's fraction of each ceiling (None when the row has no metrics or no ceiling exists).
+    A fraction above 1 is returned as it is: the row beat the calibration set."""
+    if not metrics or not found:
+        return None
+    out = {}
+    for c in found:
+        value = metrics.get(c.metric)
+        if value is not None:
+            out[c.metric] = value / c.value
+    return out or None
+
+
+def annotate(results: list[dict], found: list[Ceiling]) -> None:
+    """Adds `ceiling` to each ok row (a query result document) that has a metric with a ceiling: fractions,
+    the citation of each ceiling, how each was measured, and `above_ceiling: true` when a fraction exceeds 1.
+    Rows are left exactly as they were when no ceiling exists (see the module docstring)."""
+    if not found:
+        return
+    cited = {c.metric: c.citation for c in found}
+    how = {c.metric: (c.method or {}).get("summary", "") for c in found}
+    for doc in results:
+        share = fractions(doc.get("metrics"), found) if doc.get("status") == "ok" else None
+        if share is None:
+            continue
+        ceiling = {"fraction": share, "citations": {m: cited[m] for m in share}, "method": {m: how[m] for m in share}}
+        if any(v > 1.0 for v in share.values()):
+            ceiling["above_ceiling"] = True
+        doc["ceiling"] = ceiling

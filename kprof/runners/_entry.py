@@ -1,0 +1,64 @@
+"""A registry entry: one (table, backend) kprof can measure, with its contract. Imports no measurement library."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Literal
+
+import msgspec
+
+from ..ledger.events import Contract
+
+__all__ = ["Entry", "METRICS"]
+
+# The metrics of each family, in the order the contract lists them.
+METRICS = {"compute": ("time_ms", "tflops", "memory_bandwidth_gbps", "energy_j"),
+           "comm": ("time_ms", "algbw_gbps", "busbw_gbps", "message_size_bytes", "energy_j")}
+
+
+class Entry(msgspec.Struct, frozen=True):
+    table: str
+    backend: str
+    args: type  # the KernelArgs Struct of the table
+    kernel_kind: str  # e.g. "gemm", "norm", "activation", "attention"
+    metric_family: Literal["compute", "comm"]
+    contract: Contract
+    runner: str  # "module:Class", imported lazily
+    device: Literal["cpu", "cuda"] = "cpu"
+    subprocess_env: str = "default_env"
+    gpus: int = 1  # devices one spec needs
+    description: str = ""
+
+    @property
+    def get_fn(self) -> str:
+        return f"kprof.perf_api.get_{self.table}"
+
+    @property
+    def count_fn(self) -> str:
+        return f"kprof.perf_api.count_{self.table}"
+
+    def load_runner(self):
+        module, _, name = self.runner.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def describe(self) -> dict:
+        """Everything `kprof list` shows, with field names."""
+        fields = msgspec.inspect.type_info(self.args).fields
+        return {
+            "table": self.table, "backend": self.backend, "kernel_kind": self.kernel_kind,
+            "args": [f.name for f in fields],
+            "arg_types": {f.name: _type_name(f.type) for f in fields},
+            "metric_family": self.metric_family, "subprocess_env": self.subprocess_env,
+            "get_fn": self.get_fn, "count_fn": self.count_fn, "device": self.device, "gpus": self.gpus,
+            "contract": msgspec.structs.asdict(self.contract), "runner": self.runner,
+            "description": self.description,
+        }
+
+
+def _type_name(t) -> str:
+    inspect = msgspec.inspect
+    if isinstance(t, inspect.LiteralType):
+        return "one of " + ", ".join(map(repr, t.values))
+    if isinstance(t, inspect.IntType):
+        return "int > 0" if t.gt == 0 else "int"
+    return {inspect.BoolType: "bool", inspect.StrType: "str", inspect.FloatType: "float"}.get(type(t), str(t))
