@@ -7,7 +7,7 @@ import platform
 import socket
 
 from .. import __version__
-from ..ledger.events import Environment
+from .records import DeviceEnvironment
 
 __all__ = ["cpu_model", "cpu_environment"]
 
@@ -24,11 +24,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def cpu_environment() -> Environment:
+def cpu_environment() -> DeviceEnvironment:
     import torch
 
     errors = {"energy": "no energy counter on the CPU backend; energy_j is null"}
-    return Environment(gpu_name=cpu_model(), gpu_uuid="", driver="", cuda="", torch=str(torch.__version__), cupti="",
+    return DeviceEnvironment(gpu_name=cpu_model(), gpu_uuid="", driver="", cuda="", torch=str(torch.__version__), cupti="",
                        python=platform.python_version(), kprof=__version__, host=socket.gethostname(),
                        clocks={"threads": float(torch.get_num_threads()), "cpus": float(os.cpu_count() or 0)},
                        errors=errors)

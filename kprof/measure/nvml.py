@@ -19,7 +19,7 @@ import socket
 import msgspec
 
 from .. import __version__
-from ..ledger.events import Environment
+from .records import DeviceEnvironment
 from ._nvml_access import NvmlError, _div, _energy_counter, _nvml, _reasons_reader, _visible, device_handle, state_probe
 from .device_name import parse_visible_devices, resolve_visible
 from ._nvml_energy import EnergyResult, TickPoint, fit_power, measure_energy, steady_points, tick_points
@@ -67,7 +67,7 @@ def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"  # NVML encodes 13.0 as 13000
 
 
-def gpu_environment(index: int = 0) -> Environment:
+def gpu_environment(index: int = 0) -> DeviceEnvironment:
     """The environment of CUDA device `index`. Whatever cannot be collected is named in `errors`, never raised.
 
     `cuda` is the CUDA runtime torch was built with, followed by the CUDA version the driver supports:
@@ -126,10 +126,10 @@ def gpu_environment(index: int = 0) -> Environment:
         }
         clocks = {k: float(v) for k, v in snapshot.items() if v is not None}
     fields["cuda"] = " ".join(filter(None, [runtime, f"(driver {driver_cuda})" if driver_cuda else ""]))
-    return Environment(clocks=clocks, errors=errors, **fields)
+    return DeviceEnvironment(clocks=clocks, errors=errors, **fields)
 
 
-def with_telemetry(env: Environment, telemetry: Telemetry) -> Environment:
+def with_telemetry(env: DeviceEnvironment, telemetry: Telemetry) -> DeviceEnvironment:
     """`env` with the clocks and throttle reasons seen during the work (the measured regime, not a snapshot)."""
     s = telemetry.summary()
     seen = {k: s[k] for k in ("sm_mhz_min", "sm_mhz_median", "sm_mhz_max", "mem_mhz_median", "power_w_mean",

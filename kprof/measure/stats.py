@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..ledger.events import Stats
+from .records import SampleStats
 
 __all__ = ["summarize", "median_halfwidth", "StopRule"]
 
@@ -33,7 +33,7 @@ def median_halfwidth(xs_sorted: list[float]) -> float:
     return (xs_sorted[hi] - xs_sorted[lo]) / 2 / med if med > 0 else math.inf
 
 
-def summarize(samples_ms: list[float], keep: int = 512) -> Stats:
+def summarize(samples_ms: list[float], keep: int = 512) -> SampleStats:
     """Summary of the samples (ms). Raw samples are kept up to `keep`, evenly thinned beyond it."""
     xs = sorted(samples_ms)
     n = len(xs)
@@ -41,7 +41,7 @@ def summarize(samples_ms: list[float], keep: int = 512) -> Stats:
     stdev = statistics.stdev(xs) if n > 1 else 0.0
     med = _quantile(xs, 0.5)
     kept = samples_ms if n <= keep else [samples_ms[round(i * (n - 1) / (keep - 1))] for i in range(keep)]
-    return Stats(n=n, median=med, p10=_quantile(xs, 0.1), p90=_quantile(xs, 0.9), mean=mean, stdev=stdev,
+    return SampleStats(n=n, median=med, p10=_quantile(xs, 0.1), p90=_quantile(xs, 0.9), mean=mean, stdev=stdev,
                  cv=stdev / mean if mean > 0 else 0.0, min=xs[0], max=xs[-1], samples=list(kept))
 
 

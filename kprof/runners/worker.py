@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator
 import msgspec
 
 from ..ledger.build import failed, measured
-from ..ledger.events import Environment, Event, Method, Origin, Provenance
+from ..ledger.events import Environment, Event, Method, Origin, Provenance, Stats
 from ..ledger.keys import KeyMaker, ShapeCodec
 from ..measure.stats import StopRule, summarize
 from ._case import Unsupported, WrongResult
@@ -51,6 +51,12 @@ def _metrics(case, time_ms: float, energy_j: float | None) -> dict:
             "memory_bandwidth_gbps": case.bytes / seconds / 1e9 if case.bytes else None, "energy_j": energy_j}
 
 
+def _record(kind: type, value):
+    """`value` (measure's SampleStats or DeviceEnvironment, or the ledger record already) as the ledger record
+    `kind`: the same fields, converted here so that measure never imports the ledger."""
+    return value if type(value) is kind else kind(**msgspec.structs.asdict(value))
+
+
 def prepare_device(entry: Entry, gpu_key: str, environment: Callable[[], Environment] | None = None):
     """The device the entry measures on, checked and fingerprinted: raises UsageError (no GPU, another GPU
     than the key names, no CUPTI for the cupti timer) before anything is opened or written."""
@@ -85,12 +91,13 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             stats, method, energy, env, timed = device.measure(case, rule)
             method = msgspec.structs.replace(method, notes={**method.notes, "build_s": f"{t_check - t_build:.4f}",
                                                             "check_s": f"{t_measure - t_check:.4f}"})
-            event = measured(prov, _metrics(case, stats.median, energy), stats, method, environment=env,
-                             origin=origin, parent=parent)
+            event = measured(prov, _metrics(case, stats.median, energy), _record(Stats, stats), method,
+                             environment=_record(Environment, env), origin=origin, parent=parent)
         except Exception as exc:  # any failure of one spec is recorded, and the others go on
             kind = classify(exc)
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            event = failed(prov, kind, detail[:2000], environment=env, origin=origin, parent=parent)
+            event = failed(prov, kind, detail[:2000], environment=_record(Environment, env), origin=origin,
+                           parent=parent)
             device.recover()
         case = None
         yield Outcome(index, event, time.perf_counter() - started, timed)

@@ -85,3 +85,21 @@ def test_a_zero_dim_scale_is_rewritten_too():
     case = case._replace(inputs=(*case.inputs, scale), warm=(0, 2))
     device(graph=False)._warm(case)()
     assert scale.item() == 0.5
+
+
+def test_measure_records_carry_the_ledger_records_fields_in_order():
+    """measure hands back its own records; the worker converts them field by field, so the two must agree."""
+    import msgspec
+
+    from kprof.ledger.events import Environment, Stats
+    from kprof.measure.records import DeviceEnvironment, SampleStats
+    from kprof.measure.stats import summarize
+    from kprof.runners.worker import _record
+
+    for ours, theirs in ((SampleStats, Stats), (DeviceEnvironment, Environment)):
+        assert ours.__struct_fields__ == theirs.__struct_fields__
+    stats = _record(Stats, summarize([1.0, 2.0, 3.0]))
+    assert type(stats) is Stats and stats.median == 2.0 and stats.samples == [1.0, 2.0, 3.0]
+    env = Environment(gpu_name="x")
+    assert _record(Environment, env) is env  # a ledger record passes through
+    assert msgspec.structs.asdict(_record(Environment, DeviceEnvironment(gpu_name="x"))) == msgspec.structs.asdict(env)
