@@ -11,7 +11,7 @@ import msgspec
 
 from .errors import SnapshotError, UsageError
 
-__all__ = ["SNAPSHOT", "check_output_dir", "write_snapshot", "curve"]
+__all__ = ["SNAPSHOT", "check_output_dir", "snapshot", "write_snapshot", "curve"]
 
 SNAPSHOT = ("request.json", "results.json", "curve.json", "job.meta.json")
 _json = msgspec.json.Encoder(order="deterministic")
@@ -141,3 +141,30 @@ def _plot(c: dict, path: str) -> bool:
     plt.close(fig)
     os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
     return True
+
+
+def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command: str = "") -> list[str]:
+    """Write the snapshot of a finished `kprof.api.run` (its QueryResult `res`, asked for `specs` as given):
+    request.json, results.json, curve.json, job.meta.json (and curve.png with matplotlib), read-only, once.
+    `started_at` is the run's start (an aware datetime), `seconds` its wall time. Returns the files written."""
+    import platform
+
+    from . import __version__
+    from .runners.registry import lookup
+
+    entry = lookup(res.table, res.backend)
+    versions = {"kprof": __version__, "python": platform.python_version()}
+    try:
+        import torch
+
+        versions["torch"] = str(torch.__version__)
+    except ImportError:
+        pass
+    request = {"table": res.table, "backend": res.backend, "mode": res.mode, "gpu_name": res.gpu_name,
+               "db": res.db, "specs": specs}
+    meta = {"command": command, "versions": versions, "host": platform.node(), "device": res.gpu_name,
+            "mode": res.mode, "count": res.count, "missing_count": res.missing_count, "measured": res.measured,
+            "exit_code": res.exit_code, "started_at": started_at.isoformat(timespec="seconds"),
+            "duration_s": round(seconds, 3), "timed_s": round(res.timed_seconds, 3),
+            "view_root_before": res.view_root_before, "view_root_after": res.view_root, "cwd": os.getcwd()}
+    return write_snapshot(path, request, res.to_json(), meta, list(entry.args.__struct_fields__))

@@ -4,8 +4,6 @@ write nothing). Exit 1 when rows remain missing or errored."""
 from __future__ import annotations
 
 import datetime as _dt
-import os
-import platform
 import shlex
 import sys
 import time
@@ -13,8 +11,7 @@ from typing import Annotated
 
 from cyclopts import Group, Parameter, validators
 
-from .. import __version__, api
-from ..runners.registry import lookup
+from .. import api
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Power, Spec, Specs, Table, Timer
 from ._render import console, emit_json, results_table
@@ -65,7 +62,9 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         res = api.run(table, backend, raw, **options)
     doc = res.to_json()
     if output_dir is not None:
-        _snapshot(output_dir, table, backend, raw, mode, doc, res, started_at, time.perf_counter() - t0, command)
+        from ..artifacts import snapshot
+
+        snapshot(output_dir, res, raw, started_at=started_at, seconds=time.perf_counter() - t0, command=command)
     if json:
         emit_json(doc)
     else:
@@ -73,25 +72,3 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         console().print(f"measured {res.measured} spec(s) in {res.seconds:.1f} s ({res.timed_seconds:.1f} s timed)",
                         markup=False)
     return res.exit_code
-
-
-def _snapshot(path, table, backend, raw, mode, doc, res, started_at, seconds, command) -> None:
-    from ..artifacts import write_snapshot
-
-    entry = lookup(table, backend)
-    versions = {"kprof": __version__, "python": platform.python_version()}
-    try:
-        import torch
-
-        versions["torch"] = str(torch.__version__)
-    except ImportError:
-        pass
-    request = {"table": table, "backend": backend, "mode": mode, "gpu_name": res.gpu_name, "db": res.db,
-               "specs": raw}
-    meta = {"command": command, "versions": versions, "host": platform.node(), "device": res.gpu_name,
-            "mode": mode, "count": res.count, "missing_count": res.missing_count, "measured": res.measured,
-            "exit_code": res.exit_code, "started_at": started_at.isoformat(timespec="seconds"),
-            "duration_s": round(seconds, 3), "timed_s": round(res.timed_seconds, 3),
-            "view_root_before": res.view_root_before, "view_root_after": res.view_root,
-            "cwd": os.getcwd()}
-    write_snapshot(path, request, doc, meta, list(entry.args.__struct_fields__))
