@@ -41,12 +41,8 @@ invocation: list[str] = []  # the arguments of the verb now running, for the rec
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
-    from .. import _process
-
     argv = sys.argv[1:] if argv is None else list(argv)
     invocation[:] = argv
-    one_shot = _process.one_shot
-    _process.one_shot = True  # a verb looks up once: no lookup helper (kprof.ledger._parallel) is started
     try:
         result = app(argv)
     except CycloptsError:
@@ -56,6 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
         error(str(exc))
         return exc.exit_code
-    finally:
-        _process.one_shot = one_shot
     return result if isinstance(result, int) else 0

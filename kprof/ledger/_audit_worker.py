@@ -28,10 +28,9 @@ from typing import NamedTuple
 import lmdb
 import msgspec
 
-from . import _codec, _pages
-from ._index import REBUILT
+from . import _codec
 from ._lookup import KEY_BYTES, key_order, sorted_keys
-from ._reducer import (FAILED, MOD, ProvenanceIds, current_row, history_from_v1, history_seqs, index_key,
+from ._reducer import (FAILED, MOD, REBUILT, ProvenanceIds, current_row, history_from_v1, history_seqs, index_key,
                        row_terms, status_of, unpack_seq)
 from .events import KIND, EventAudit, EventHead, Provenance, Retracted, Scalar, summary_of_decoded
 from .replay import MemoryStore, replay_into
@@ -242,12 +241,6 @@ class Shard:
     def structure(self, txn) -> None:
         """Walks this shard's share of the sub-databases not walked where they are read (see the module's
         docstring): the scope index, meta, retracted, scopes."""
-        if self.shard == 0:  # the shard that finished first without it
-            try:
-                for text in _pages.check(self.ledger.real_path, txn.id()):
-                    self.found.add("structure", text)
-            except Exception as exc:  # damage the checks did not foresee still names the check
-                self.found.add("structure", f"pages: the page accounting failed: {type(exc).__name__}: {exc}")
         rest = [(name, db) for name, db in sorted(self.ledger.dbs.items()) if name not in WALKED_WHERE_READ]
         for i, (name, db) in enumerate(rest):
             if i % self.shards != self.shard:

@@ -14,23 +14,22 @@ from itertools import compress, repeat
 from operator import itemgetter, not_, xor
 from typing import TYPE_CHECKING
 
-from .. import _process
 from ._reducer import MEASURED
 
 if TYPE_CHECKING:
     import lmdb
 
 NUMPY_FROM = 4096  # below this, numpy's per-call overhead costs more than sorted() does
-# Importing numpy takes 0.08-0.15 s on the 2-core VM, and it saves ~0.6 µs a key: a one-shot process (a CLI
-# verb) that has not imported it yet does so only for lists this long. A long-lived one imports it once.
-ONE_SHOT_NUMPY_FROM = 250_000
+# Importing numpy takes 0.08-0.15 s on the 2-core VM, and it saves ~0.6 µs a key: a process that has not imported
+# it yet (a CLI verb, say) does so only for lists this long.
+IMPORT_NUMPY_FROM = 250_000
 KEY_BYTES = 32
 
 
 def _sorted(keys: list[bytes]):
     """(keys in sorted order, the permutation as a numpy array) or None for short lists or other key sizes."""
     n = len(keys)
-    if n < NUMPY_FROM or (_process.one_shot and n < ONE_SHOT_NUMPY_FROM and "numpy" not in sys.modules):
+    if n < NUMPY_FROM or (n < IMPORT_NUMPY_FROM and "numpy" not in sys.modules):
         return None
     blob = b"".join(keys)
     if len(blob) != KEY_BYTES * len(keys):

@@ -34,6 +34,7 @@ from .events import KIND, summary_of, summary_of_decoded
 
 MEASURED, FAILED, RETRACTED = b"m", b"f", b"r"
 NO_ROW = b"-"  # a history's status when the key has no current row (its every attempt retracted)
+REBUILT = b"views_rebuilt"  # meta: how many times rebuild_views has rewritten the views (absent: never)
 MOD = 1 << 256
 _seq = struct.Struct(">Q")
 pack_seq = _seq.pack

@@ -5,8 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from . import _codec
-from ._index import REBUILT
-from ._reducer import Reducer, Store
+from ._reducer import REBUILT, Reducer, Store
 from .store import VIEW_DBS, Ledger, _TxnStore
 
 __all__ = ["rebuild_views", "MemoryStore", "replay_into"]
@@ -56,8 +55,8 @@ def rebuild_views(ledger: Ledger) -> int:
         decode = _codec.event_decoder.decode
         events = [(seq, eid, decode(data)) for seq, eid, data in ledger.iter_log(txn)]
         replay_into(_TxnStore(txn, ledger.dbs), events)
-        # Counted, so a reader's key index (see _index), which follows the log's tail, knows the views changed
-        # without an event.
+        # Counted, so a reader's memo of earlier answers (see _memo) knows the views were rewritten without an
+        # event (a repair can change rows the view root, read from `scopes`, does not name).
         meta = ledger.dbs["meta"]
         try:
             count = msgspec.msgpack.decode(txn.get(REBUILT, db=meta) or b"\x00")

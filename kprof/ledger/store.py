@@ -23,9 +23,8 @@ import lmdb
 import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
-from . import _codec, _parallel
-from ._index import Indexer
-from ._mapped import CHECK_EVERY, Mapped
+from . import _codec
+from ._memo import Memo
 from ._reducer import (NewRows, Reducer, history_from_v1, history_seqs, new_rows, pack_seq, scope_value, status_of,
                        unpack_seq)
 from .events import Failed, Measured, Retracted
@@ -139,7 +138,6 @@ def _release(real: str, env: lmdb.Environment) -> None:
         if shared[1] > 0:
             return
         del _envs[real]
-    _parallel.stop(real)  # the lookup helper of this file, if a large lookup started one
     env.close()
 
 
@@ -315,8 +313,7 @@ class Ledger:
         self._forked = False
         self._closed = False
         self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
-        self.indexer = Indexer(self)  # an in-memory key index, for a process that looks up many keys
-        self.mapped = Mapped(self)  # keeps what this process maps of the file to the trees lookups read
+        self.memo = Memo()  # the answers of recent bulk lookups, each valid while its view root stands
         _live.add(self)
 
     # ---- opening ---------------------------------------------------------------------------
@@ -470,8 +467,6 @@ class Ledger:
         _reads[id(txn)] = (self.env, txn, threading.get_ident())
         try:
             yield txn
-            if self.mapped.pending >= CHECK_EVERY:
-                self.mapped.check(txn)
         finally:
             if os.getpid() == self._pid:  # a forked child keeps its copy (see _keep_forever), never aborts it
                 _reads.pop(id(txn), None)
@@ -506,41 +501,11 @@ class Ledger:
         return self._write_batch(self._prepare(events))
 
     def append_batches(self, batches: Iterable[Iterable]) -> list[AppendResult]:
-        """Appends each batch in its own transaction, in order: `append` per batch, pipelined. While one
-        batch is written and synced to disk (LMDB syncs with the GIL released), the next one is encoded,
-        hashed and checked in this thread, so a bulk import spends its CPU time inside the disk's.
-
-        A refused batch (a wrong key, say) raises once every batch before it has committed; nothing of it
-        or of the batches after it is written. Returns one AppendResult per batch.
-        """
-        from concurrent.futures import ThreadPoolExecutor  # here: a CLI verb's start-up does not pay for it
-
+        """Appends each batch in its own transaction, in order: `append` per batch. A refused batch (a wrong
+        key, say) raises once every batch before it has committed; nothing of it or of the batches after it is
+        written. Returns one AppendResult per batch."""
         self._guard()
-        results: list[AppendResult] = []
-        with ThreadPoolExecutor(1, thread_name_prefix="kprof-ledger-writer") as writer:
-            pending, inserted = None, threading.Event()
-            try:
-                for events in batches:
-                    if pending is not None:
-                        # The next batch is prepared while this one commits (its pages written and synced with
-                        # the GIL released), not while its inserts run: they hold the GIL, and a thread
-                        # preparing beside them made them ~2x slower.
-                        inserted.wait()
-                    prepared = self._prepare(events)
-                    if pending is not None:
-                        results.append(pending.result())
-                    inserted = threading.Event()
-                    pending = writer.submit(self._write_batch, prepared, inserted)
-                    pending.add_done_callback(lambda _done, event=inserted: event.set())  # failed: wait no more
-            except BaseException as exc:
-                # The batch being written finishes first; if it failed too, that is what the caller must see.
-                failed = pending.exception() if pending is not None else None
-                if failed is not None and failed is not exc:
-                    raise failed from exc
-                raise
-            if pending is not None:
-                results.append(pending.result())
-        return results
+        return [self.append(events) for events in batches]
 
     def _prepare(self, events: Iterable) -> tuple[list[tuple], NewRows | None]:
         """(event, canonical bytes, event id) per event, every key verified against its provenance, and the
@@ -560,25 +525,14 @@ class Ledger:
                                      f"provenance hashes to another key; build events with kprof.ledger.build")
         return prepared, new_rows(prepared)
 
-    def _write_batch(self, batch: tuple[list[tuple], NewRows | None],
-                     inserted: threading.Event | None = None) -> AppendResult:
-        """Writes a prepared batch; `inserted` is set once its inserts are done and its commit begins."""
+    def _write_batch(self, batch: tuple[list[tuple], NewRows | None]) -> AppendResult:
         prepared, rows = batch
-
-        def then_commit(append, *args):
-            def fn(txn):
-                result = append(txn, *args)
-                if inserted is not None:
-                    inserted.set()
-                return result
-            return fn
-
         if rows is not None:
             try:  # the common batch: new events of new keys; found out at the inserts, not by reading first
-                return self.write(then_commit(self._append_new, rows))
+                return self.write(lambda txn: self._append_new(txn, rows))
             except _NotNew:
                 pass  # the transaction was aborted: nothing of it was written
-        return self.write(then_commit(self._append_txn, prepared))
+        return self.write(lambda txn: self._append_txn(txn, prepared))
 
     def _append_new(self, txn, rows: NewRows) -> AppendResult:
         """Writes a batch taken to be all-new: its rows were computed before the transaction, so the write

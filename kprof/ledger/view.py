@@ -6,22 +6,25 @@
     rows = view.get_many(specs)                          # one Row per spec, any status
     todo = view.missing(specs)                           # the specs without an ok row
 
+Bulk lookups of the same specs again (a simulator's loop) are answered from the ledger's memo while the view
+root they were read under stands (see _memo).
+
 Nothing here imports torch, cupti or pynvml.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-from functools import partial
 from itertools import compress, repeat
 from operator import getitem, not_
 from typing import Any, Iterable, Iterator, Mapping
 
 import msgspec
+from blake3 import blake3
 
 from ..errors import UnknownGpuKeyError
-from . import _codec, _index, _lookup, _parallel
-from ._reducer import MEASURED, contract_id, root_of
+from . import _codec, _lookup
+from ._reducer import MEASURED, REBUILT, contract_id, root_of
 from .events import Contract, Provenance, Stats, Summary
 from .keys import KeyMaker, ShapeCodec
 
@@ -32,23 +35,14 @@ STATUSES = ("ok", "missing", "stale", "failed", "error")
 
 _summary_decoder = msgspec.msgpack.Decoder(Summary)
 _summaries_decoder = msgspec.msgpack.Decoder(list[Summary])
-_tail_decoder = msgspec.msgpack.Decoder(tuple[list[bytes], list[bytes | None], list[Summary]])
-
-
-class _NotCanonical(Exception):
-    """Specs that are not all canonical dicts: their rows carry converted spec dicts, which only the
-    serial path builds."""
-
-
-def _summary_array(values: Iterable[bytes | None]) -> bytes:
-    """The Summaries of the found current values (kind + event id + Summary) as one msgpack array."""
-    parts = list(map(getitem, filter(None, values), repeat(slice(33, None))))
-    return b"\xdd" + len(parts).to_bytes(4, "big") + b"".join(parts)
+_MISSING = ("missing", None, None, None)  # (status, event id, summary, base) of a spec without a row
 
 
 def _summaries(values: list[bytes | None]) -> list[Summary]:
-    """The Summaries of the found values, decoded in one call (not one call and one slice per row)."""
-    return _summaries_decoder.decode(_summary_array(values))
+    """The Summaries of the found current values (kind + event id + Summary), decoded in one call (not one call
+    and one slice per row)."""
+    parts = list(map(getitem, filter(None, values), repeat(slice(33, None))))
+    return _summaries_decoder.decode(b"\xdd" + len(parts).to_bytes(4, "big") + b"".join(parts))
 
 
 def citation(eid: bytes) -> str:
@@ -137,6 +131,7 @@ class View:
         d = ledger.dbs
         self._current, self._events, self._index = d["current"], d["events"], d["scope_index"]
         self._failures, self._history = d["failures"], d["history"]
+        self._memo_id = _codec.encode(self.keys.base)  # names this view's answers in the ledger's memo
 
     # ---- lookups -----------------------------------------------------------------------------
     def get(self, **spec) -> Row | None:
@@ -145,7 +140,8 @@ class View:
         a wrong GPU key would otherwise read as a missing row for every spec. (`get_many`, `missing` and
         `count_missing` answer "missing" as usual: a JIT caller asks them before anything is measured.)"""
         with self.ledger.read() as txn:
-            row = self._rows(txn, [spec])[0]
+            shapes, exact = self.shapes.to_shapes([spec])
+            row = self._rows_of(self._spec_dicts([spec], shapes, exact), self._columns(txn, shapes))[0]
             unknown = row.status == "missing" and txn.get(self.scope, db=self.ledger.dbs["scopes"]) is None
         if unknown:
             known = sorted((g, rows) for t, b, g, rows in self.ledger.scopes() if (t, b) == (self.table, self.backend))
@@ -155,138 +151,91 @@ class View:
     def get_many(self, specs: Iterable[Mapping[str, Any]]) -> list[Row]:
         """One Row per spec, in order, with status ok / missing / stale / failed."""
         with self.ledger.read() as txn:
-            return self._rows(txn, specs)
+            return self._rows(txn, self._root(txn), specs)
 
     def query(self, specs: Iterable[Mapping[str, Any]]) -> tuple[bytes, list[Row]]:
         """(view root, rows) read from one snapshot, so the root names exactly the state the rows came from."""
         with self.ledger.read() as txn:
-            return self._root(txn), self._rows(txn, specs)
+            root = self._root(txn)
+            return root, self._rows(txn, root, specs)
 
     def missing(self, specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
         specs = specs if isinstance(specs, list) else list(specs)
         with self.ledger.read() as txn:
-            halves = self._split(txn, "flags", specs, partial(self._ok_flags, txn))
-            # Answered here alone, or redone whole when the helper did not answer: an invalid spec is then
-            # named by its index in the whole list.
-            ok = self._ok_flags(txn, specs) if halves is None else halves[0] + halves[1]
+            shapes, _exact = self.shapes.to_shapes(specs)
+            ok = self._remembered(txn, self._root(txn), "flags", shapes, self._shape_flags)
         return list(compress(specs, map(not_, ok)))
 
     def count_missing(self, specs) -> int:
         return len(self.missing(specs))
 
-    def _ok_flags(self, txn, specs: list) -> bytes:
-        """One byte per spec: 1 where its current row is measured (ok), else 0."""
-        return self._shape_flags(txn, self.shapes.to_shapes(specs)[0])
+    def _remembered(self, txn, root: bytes, op: str, shapes: list, answer):
+        """answer(txn, shapes), or the answer the ledger's memo holds for these shapes under this snapshot's
+        view root (see _memo): exact, since the root changes with every change of the scope's rows."""
+        try:
+            digest = blake3(_codec.encode(shapes)).digest()
+        except OverflowError:  # an int no key can hold: answer() names it
+            return answer(txn, shapes)
+        stamp = root + (txn.get(REBUILT, db=self.ledger.dbs["meta"]) or b"")
+        memo = self.ledger.memo
+        found = memo.get(self._memo_id, stamp, op, digest)
+        if found is None:
+            found = answer(txn, shapes)
+            memo.put(self._memo_id, stamp, op, digest, len(shapes), found)
+        return found
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
+        """One byte per canonical shape: 1 where its current row is measured (ok), else 0."""
         keys = self.keys.keys_of(shapes)
         if self.ledger.format_version < 2:  # opened read-only: its history has no status byte (if a writer has
             # upgraded it since, `current` and `failures` still give the same answer)
             return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures), keys)
-        return self._look_up(txn, keys, self._history, _index.status_flags, _lookup.status_flags)
+        return _lookup.status_flags(txn.cursor(self._history), keys)
 
-    def _values(self, txn, specs: list) -> tuple[list, bool, list[bytes], list]:
-        """(shapes, exact, keys, current value or None), one of each per spec."""
-        shapes, exact = self.shapes.to_shapes(specs)
-        return (shapes, exact, *self._shape_values(txn, shapes))
-
-    def _shape_values(self, txn, shapes: list) -> tuple[list[bytes], list]:
-        """(keys, current value or None) of canonical shapes."""
-        keys = self.keys.keys_of(shapes)
-        return keys, self._look_up(txn, keys, self._current, _index.values, _lookup.values)
-
-    def _look_up(self, txn, keys: list[bytes], db, by_index, through_lmdb):
-        """by_index(index, keys, touched keys, cursor) from the key index where this process holds a usable one
-        (None from it: a key not 32 bytes), else through_lmdb(cursor, keys); counted for the index's rent and
-        the mapping's trims."""
-        cursor = txn.cursor(db)
-        self.ledger.mapped.read_keys(len(keys))
-        usable = self.ledger.indexer.usable(txn, len(keys))
-        found = None if usable is None else by_index(usable[0], keys, usable[1], cursor)
-        return through_lmdb(cursor, keys) if found is None else found
-
-    def _split(self, txn, op: str, specs: list, head):
-        """(head(first part of the specs), the lookup helper's answer for the rest), or None: answer them all
-        here (see _parallel.split). Only a view whose args type the helper can import by name is split."""
-        args = self.shapes.args_type
-        if not _parallel.worth_it(len(specs)) or args is None or "<locals>" in args.__qualname__:
-            return None
-        # The snapshot, named so the helper can tell it sees the very same one: this file (its ledger id, a
-        # file put in its place has another), at this transaction, holding this many events.
-        meta = self.ledger.dbs["meta"]
-        snapshot = [txn.get(b"ledger_id", db=meta), txn.id(), txn.get(b"last_seq", db=meta)]
-        indexer = self.ledger.indexer
-        request = [op, snapshot, self.table, self.backend, self.gpu_key, _codec.encode(self.contract),
-                   args.__module__, args.__qualname__, indexer.index is not None]
-        return _parallel.split(self.ledger.real_path, specs, head, request, indexer.charge)
-
-    def _head_rows(self, txn, specs: list) -> list[Row]:
-        """This process's share of a split get_many, built into rows while the helper answers the rest. The
-        specs are dicts (see _split_rows); raises _NotCanonical where one holds a value to convert."""
-        _shapes, exact, keys, values = self._values(txn, specs)
-        if not exact:
-            raise _NotCanonical
-        return self._build(txn, specs, keys, values, _summaries(values))
-
-    def _tail(self, txn, shapes: list) -> bytes:
-        """The lookup helper's share of a get_many (canonical shapes) as it sends it: keys, each value's head
-        (kind + event id; None stays None) and the found summaries spliced in as they are stored, so the
-        requester decodes all in one call."""
-        keys, values = self._shape_values(txn, shapes)
-        return _codec.encode((keys, [v and v[:33] for v in values], msgspec.Raw(_summary_array(values))))
-
-    def _split_rows(self, txn, specs: list) -> list[Row] | None:
-        """The rows, the tail's looked up by the lookup helper while this process builds the head's; None
-        where the serial path must answer (not split, specs not all canonical dicts, or no answer)."""
-        if not _parallel.worth_it(len(specs)) or set(map(type, specs)) != {dict}:
-            return None  # rows of specs that are not dicts carry converted dicts, which only the serial path builds
-        try:
-            halves = self._split(txn, "tail", specs, partial(self._head_rows, txn))
-        except _NotCanonical:
-            return None
-        if halves is None:
-            return None
-        rows, tail = halves
-        keys, heads, summaries = _tail_decoder.decode(tail)
-        return rows + self._build(txn, specs[len(rows):], keys, heads, summaries)
-
-    def _rows(self, txn, specs) -> list[Row]:
+    def _rows(self, txn, root: bytes, specs) -> list[Row]:
         specs = specs if isinstance(specs, list) else list(specs)
-        rows = self._split_rows(txn, specs)
-        if rows is not None:
-            return rows
-        shapes, exact, keys, values = self._values(txn, specs)
-        if exact and all(type(s) is dict for s in specs):
-            spec_dicts = specs  # already canonical values; no copies
-        else:
-            asdict = msgspec.structs.asdict
-            spec_dicts = [s if type(s) is dict else asdict(s) for s in shapes]
-        return self._build(txn, spec_dicts, keys, values, _summaries(values))
+        shapes, exact = self.shapes.to_shapes(specs)
+        return self._rows_of(self._spec_dicts(specs, shapes, exact),
+                             self._remembered(txn, root, "rows", shapes, self._columns))
 
-    def _build(self, txn, spec_dicts: list, keys: list[bytes], values: list, summaries: list[Summary]) -> list[Row]:
-        """Rows from current values (or their first 33 bytes: kind + event id) and the found ones' summaries."""
-        base, maybe_stale = self.keys.base, self._other_contracts(txn)
-        summary = iter(summaries).__next__  # the found values' summaries, in the same order
-        rows: list = []
-        append = rows.append
-        for spec, key, v in zip(spec_dicts, keys, values):
-            if v is not None:
-                append(Row(spec, "ok" if v[:1] == MEASURED else "failed", key, v[1:33], summary(), base))
-            elif maybe_stale:
-                append(self._stale_or_missing(txn, spec, key))
-            else:
-                append(Row(spec, "missing", key))
-        return rows
+    @staticmethod
+    def _spec_dicts(specs: list, shapes: list, exact: bool) -> list[dict]:
+        """The spec of each row: the caller's dicts where they hold canonical values already (no copies), else
+        the canonical shapes as dicts."""
+        if exact and all(type(s) is dict for s in specs):
+            return specs
+        asdict = msgspec.structs.asdict
+        return [s if type(s) is dict else asdict(s) for s in shapes]
+
+    @staticmethod
+    def _rows_of(spec_dicts: list, columns: tuple) -> list[Row]:
+        return list(map(Row, spec_dicts, *columns))
+
+    def _columns(self, txn, shapes: list) -> tuple[list, list, list, list, list]:
+        """(status, key, event id, summary, base) of each canonical shape's row: the Row fields after `spec`."""
+        keys = self.keys.keys_of(shapes)
+        values = _lookup.values(txn.cursor(self._current), keys)
+        summary = iter(_summaries(values)).__next__  # the found values' summaries, in the same order
+        base = self.keys.base
+        statuses = ["missing" if v is None else "ok" if v[:1] == MEASURED else "failed" for v in values]
+        eids = [None if v is None else v[1:33] for v in values]
+        summaries = [None if v is None else summary() for v in values]
+        bases = [None if v is None else base for v in values]
+        if self._other_contracts(txn):  # a spec without a row of this contract may have another's: stale
+            for i in [i for i, v in enumerate(values) if v is None]:
+                statuses[i], eids[i], summaries[i], bases[i] = self._stale_or_missing(txn, shapes[i])
+        return statuses, keys, eids, summaries, bases
 
     def _other_contracts(self, txn) -> bool:
         """Whether this scope ever held rows of another contract (else no spec can be stale)."""
         raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
         return raw is not None and msgspec.msgpack.decode(raw)[5] != [self._contract_id]
 
-    def _stale_or_missing(self, txn, spec, key) -> Row:
-        """A spec with no current row under this contract: stale if another contract's ok row exists."""
-        prefix = self.scope + _codec.shape_id(self.keys.shape_bytes(spec))
+    def _stale_or_missing(self, txn, shape) -> tuple:
+        """(status, event id, summary, base) of a shape with no current row under this contract: stale if another
+        contract's ok row exists."""
+        prefix = self.scope + _codec.shape_id(_codec.encode(shape))
         cursor = txn.cursor(self._index)
         best = None
         if cursor.set_range(prefix):
@@ -299,9 +248,9 @@ class View:
                     if best is None or summary.measured_at > best[1].measured_at:
                         best = (v[1:33], summary)
         if best is None:
-            return Row(spec, "missing", key)
+            return _MISSING
         event = _codec.event_decoder.decode(txn.get(best[0], db=self._events))
-        return Row(spec, "stale", key, best[0], best[1], event.provenance)
+        return "stale", best[0], best[1], event.provenance
 
     # ---- whole view --------------------------------------------------------------------------
     def rows(self) -> Iterator[Row]:

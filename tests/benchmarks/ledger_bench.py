@@ -9,8 +9,7 @@ Phases (each printed as it finishes; the summary table comes last):
 1. The N synthetic events (`kprof.ledger.synth`) and their canonical bytes are generated once, untimed,
    in a 2-process pool. Both stores get the very same events, bytes and keys.
 2. kprof ingest: `Ledger.append_batches` over the batches (each batch is one LMDB write txn holding its events,
-   the log and every view; the next batch is encoded, hashed and its rows computed while the previous one
-   syncs). Events are decoded untimed, ten batches at a time, and the pipeline restarts with each ten.
+   the log and every view). Events are decoded untimed, ten batches at a time.
 3. SQLite ingest of the same events, done as well as we know how: WAL, synchronous=NORMAL, 8 KiB pages,
    wal_autocheckpoint=10000, 1 GiB page cache, BLOB primary keys WITHOUT ROWID, one transaction and
    one `executemany` per table per batch, rows sorted by primary key. Per event it computes what a real ingest must: the canonical bytes, the
@@ -24,9 +23,10 @@ Phases (each printed as it finishes; the summary table comes last):
    the SQLite equivalents (same key hashing, keys sorted, `WHERE key IN (...)` in chunks of the best
    size found, mmap reads, summaries decoded with msgspec for found rows; `missing` without decoding).
    Each timed repetition asks for a fresh spec set (the same sets for both stores), so no answer comes
-   from a memo of an earlier call. kprof's steady state includes its key index (`kprof.ledger._index`),
-   which the first full-size lookups earn; a third child times kprof with KPROF_KEY_INDEX=0 beside it.
-   Before each child its store's file is read through once, untimed, so each starts with it in the page cache.
+   from a memo of an earlier call. Then the repeated lookups of a simulator's loop: the first set asked
+   again, best of --repeat (kprof answers them from its memo, `kprof.ledger._memo`; SQLite looks them up
+   again). Before each child its store's file is read through once, untimed, so each starts with it in the
+   page cache.
 5. `audit(path)` on the N-event ledger.
 6. Bytes on disk per event (LMDB file / N; SQLite db + wal / N).
 
@@ -47,7 +47,6 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 GEN_CHUNK = 5_000
@@ -82,8 +81,7 @@ GROUP = 10  # batches decoded at a time, untimed (decoded events take ~3 KB each
 
 def _groups(blobs: list[bytes], batch: int):
     """Lists of GROUP (bytes, decoded events) batches. Decoding is the caller's business: it happens here,
-    between the timed parts. The pipelined kprof ingest restarts at each group, so its first batch of
-    every group is prepared while nothing syncs: a cost a streamed import would not pay."""
+    between the timed parts."""
     from kprof.ledger import _codec
 
     decode = _codec.event_decoder.decode
@@ -255,67 +253,13 @@ def _peak_rss_mib(pid: int | None = None) -> float:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-class RssSampler(threading.Thread):
-    """Samples, every `every` seconds, this process's RSS plus the lookup helper's own memory (its RssAnon: the
-    file pages it maps are the same page-cache pages this process maps), and keeps the peak of the sum, MiB.
-    This process's own peak (VmHWM, kept by the kernel) is reported beside it: the larger of the two is the
-    lookup phase's peak."""
-
-    def __init__(self, path: str, every: float = 0.01):
-        super().__init__(daemon=True)
-        self.path, self.every, self.peak = os.path.realpath(path), every, 0.0
-        self.helper_anon_peak = self.helper_file_peak = 0.0
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        from kprof.ledger import _parallel
-
-        while not self._stop_event.wait(self.every):
-            total = _status_mib("self", "VmRSS") or 0.0
-            helper = _parallel._helpers.get(self.path)
-            if helper is not None and helper.proc.poll() is None:
-                try:
-                    anon, file = _status_mib(helper.proc.pid, "RssAnon"), _status_mib(helper.proc.pid, "RssFile")
-                except OSError:
-                    anon = file = None
-                total += anon or 0.0
-                self.helper_anon_peak = max(self.helper_anon_peak, anon or 0.0)
-                self.helper_file_peak = max(self.helper_file_peak, file or 0.0)
-            self.peak = max(self.peak, total)
-
-    def stop(self) -> float:
-        self._stop_event.set()
-        self.join()
-        return self.peak
-
-
 def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
-    from kprof.ledger import Ledger, _parallel, synth
+    from kprof.ledger import Ledger, synth
 
     specs, present = lookup_specs(n, q, seed)
     ledger = Ledger.open(path, readonly=True)
-    sampler = RssSampler(path)
-    sampler.start()
     try:
         view = synth.view(ledger)
-        # The first full-size lookups of the process: they start the lookup helper and answer alone. Then
-        # the steady state of a long-lived reader (a simulator) is timed: its helper is up, both processes
-        # have the map's pages mapped. The first calls' times are reported beside it.
-        first_g, _t, _rows = _best(lambda: view.get_many(specs), 1)
-        first_m, _t, _todo = _best(lambda: view.missing(specs), 1)
-        del _rows, _todo
-        helper_ready = _parallel.helper_for(path, wait=60) is not None and _parallel.worth_it(q)
-        # Warm-up to the steady state: the lookups that earn the key index (it is read in the call that earns
-        # it, and in the helper at the next call), then one more pair, all timed and reported.
-        warm, built_at = [], None
-        for i in range(16):
-            t = time.perf_counter()
-            (view.get_many if i % 2 == 0 else view.missing)(specs)
-            warm.append(time.perf_counter() - t)
-            if built_at is None and ledger.indexer.builds:
-                built_at = i
-            if i % 2 and (not ledger.indexer.enabled or built_at is not None and i >= built_at + 2):
-                break
 
         def rows_ok(specs, rows, present):
             ok = sum(1 for r in rows if r.status == "ok")
@@ -326,11 +270,22 @@ def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
             if len(todo) != len(specs) - present:
                 raise SystemExit(f"kprof missing returned {len(todo)} specs, expected {q - present}")
 
+        # The first full-size lookups of the process, then fresh spec sets (no answer from the memo), then the
+        # first set asked again, as a simulator's loop does (answered from the memo).
+        first_g, _t, rows = _best(lambda: view.get_many(specs), 1)
+        rows_ok(specs, rows, present)
+        first_m, _t, todo = _best(lambda: view.missing(specs), 1)
+        todo_ok(specs, todo, present)
+        del rows, todo
         best_g, times_g = _best_fresh(view.get_many, n, q, seed, repeat, rows_ok)
         best_m, times_m = _best_fresh(view.missing, n, q, seed, repeat, todo_ok)
-        index = ledger.indexer.index
-        # The lookups' peak, taken before the raw py-lmdb loops below (benchmark code, which maps pages too)
-        sampled_peak, lookup_hwm = sampler.stop(), _peak_rss_mib()
+        best_rg, times_rg, rows = _best(lambda: view.get_many(specs), repeat)
+        rows_ok(specs, rows, present)
+        best_rm, times_rm, todo = _best(lambda: view.missing(specs), repeat)
+        todo_ok(specs, todo, present)
+        del rows, todo
+        memo_specs = ledger.memo.specs
+        lookup_hwm = _peak_rss_mib()  # the lookups' peak, before the raw py-lmdb loops below (which map pages too)
 
         keys = [view.keys.key(s, i) for i, s in enumerate(specs)]
         with ledger.read() as txn:
@@ -360,21 +315,14 @@ def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
             if found != present:
                 raise SystemExit(f"py-lmdb sorted ceiling found {found}, expected {present}")
     finally:
-        if sampler.is_alive():
-            sampler.stop()
         ledger.close()
     return {
         "get_many_per_s": q / best_g, "get_many_times": times_g,
         "missing_per_s": q / best_m, "missing_times": times_m,
-        "first_get_many_per_s": q / first_g, "first_missing_per_s": q / first_m, "helper": helper_ready,
-        "key_index": ledger.indexer.enabled, "key_index_builds": ledger.indexer.builds, "warm_up_times": warm,
-        "key_index_mib": index.nbytes / 2**20 if index is not None else 0.0,
-        # the lookup phase's peak: the larger of this process's VmHWM and the sampled peak of this process's
-        # RSS plus the helper's own memory
-        "lookup_peak_rss_mib": max(lookup_hwm, sampled_peak), "lookup_hwm_mib": lookup_hwm,
-        "sampled_peak_rss_mib": sampled_peak,
-        "helper_peak_anon_mib": sampler.helper_anon_peak, "helper_peak_file_mib": sampler.helper_file_peak,
-        "mapping_trims": ledger.mapped.trims,
+        "first_get_many_per_s": q / first_g, "first_missing_per_s": q / first_m,
+        "repeated_get_many_per_s": q / best_rg, "repeated_get_many_times": times_rg,
+        "repeated_missing_per_s": q / best_rm, "repeated_missing_times": times_rm, "memo_specs": memo_specs,
+        "lookup_peak_rss_mib": lookup_hwm,
         "ceiling_per_s": q / best_c, "ceiling_times": times_c,
         "sorted_ceiling_per_s": q / best_s, "sorted_ceiling_times": times_s,
         "peak_rss_mib": _peak_rss_mib(),
@@ -435,6 +383,7 @@ def lookup_sqlite(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
         _sqlite_get_many(con, keyof, decode, sample, chunk)
         sweep[chunk] = len(sample) / _best(lambda: _sqlite_get_many(con, keyof, decode, sample, chunk), 2)[0]
     chunk = max(sweep, key=sweep.get)
+    first = specs
     _sqlite_get_many(con, keyof, decode, specs, chunk)  # full-size warm-up, as kprof's
     _sqlite_missing(con, keyof, specs, chunk)
 
@@ -452,11 +401,17 @@ def lookup_sqlite(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
                                   repeat, rows_ok)
     best_m, times_m = _best_fresh(lambda specs: _sqlite_missing(con, keyof, specs, chunk), n, q, seed, repeat,
                                   todo_ok)
+    best_rg, times_rg, rows = _best(lambda: _sqlite_get_many(con, keyof, decode, first, chunk), repeat)
+    rows_ok(first, rows, present)
+    best_rm, times_rm, todo = _best(lambda: _sqlite_missing(con, keyof, first, chunk), repeat)
+    todo_ok(first, todo, present)
     con.close()
     return {
         "chunk": chunk, "chunk_sweep_per_s": sweep,
         "get_many_per_s": q / best_g, "get_many_times": times_g,
         "missing_per_s": q / best_m, "missing_times": times_m,
+        "repeated_get_many_per_s": q / best_rg, "repeated_get_many_times": times_rg,
+        "repeated_missing_per_s": q / best_rm, "repeated_missing_times": times_rm,
         "peak_rss_mib": _peak_rss_mib(),
         "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -484,8 +439,7 @@ def run_lookup_child(which: str, path: str, args) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--lookup-only", which, "--db", path,
                "--events", str(args.events), "--queries", str(args.queries), "--seed", str(args.seed),
                "--repeat", str(args.repeat), "--result", result]
-        env = dict(os.environ, KPROF_KEY_INDEX="0" if which == "kprof-noindex" else "1")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{which} lookup child failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
         with open(result) as f:
@@ -565,17 +519,15 @@ def build_table(fig: dict) -> list[tuple[str, str, str, str, str, str]]:
     r = ratio(k["missing_per_s"], s["missing_per_s"])
     rows.append(("missing specs/s", _fmt(k["missing_per_s"], "rate"), _fmt(s["missing_per_s"], "rate"),
                  f"{r:.2f}x", "≥ 500,000/s", verdict(k["missing_per_s"] >= 500_000)))
-    if "first_get_many_per_s" in k:
-        rows.append(("first get_many of a process", _fmt(k["first_get_many_per_s"], "rate"), "—", "—",
-                     "(reference)", "—"))
-        rows.append(("first missing of a process", _fmt(k["first_missing_per_s"], "rate"), "—", "—",
-                     "(reference)", "—"))
-    k0 = fig.get("kprof_noindex")
-    if k0:
-        for op in ("get_many", "missing"):
-            r = ratio(k[f"{op}_per_s"], k0[f"{op}_per_s"])
-            rows.append((f"{op} without the key index", _fmt(k0[f"{op}_per_s"], "rate"), "—",
-                         f"index {r:.2f}x", "(reference)", "—"))
+    for op in ("get_many", "missing"):
+        r = ratio(k[f"repeated_{op}_per_s"], s[f"repeated_{op}_per_s"])
+        rows.append((f"repeated {op} specs/s", _fmt(k[f"repeated_{op}_per_s"], "rate"),
+                     _fmt(s[f"repeated_{op}_per_s"], "rate"), f"{r:.2f}x", "≥ 1,000,000/s",
+                     verdict(k[f"repeated_{op}_per_s"] >= 1_000_000)))
+    rows.append(("first get_many of a process", _fmt(k["first_get_many_per_s"], "rate"), "—", "—",
+                 "(reference)", "—"))
+    rows.append(("first missing of a process", _fmt(k["first_missing_per_s"], "rate"), "—", "—",
+                 "(reference)", "—"))
     r = ratio(k["get_many_per_s"], k["ceiling_per_s"])
     rows.append(("py-lmdb ceiling gets/s", _fmt(k["ceiling_per_s"], "rate"), "—",
                  f"get_many at {r:.0%}", "(reference)", "—"))
@@ -587,9 +539,9 @@ def build_table(fig: dict) -> list[tuple[str, str, str, str, str, str]]:
     r = ratio(k["bytes_per_event"], s["bytes_per_event"])
     rows.append(("bytes on disk / event", _fmt(k["bytes_per_event"], "B"), _fmt(s["bytes_per_event"], "B"),
                  f"{r:.2f}x", "(lower is better)", "—"))
-    rss = k["lookup_peak_rss_mib"]  # with the helper's own memory (see RssSampler)
+    rss = k["lookup_peak_rss_mib"]
     r = ratio(rss, s["lookup_peak_rss_mib"])
-    rows.append(("lookup peak RSS (+ helper)", _fmt(rss, "MiB"), _fmt(s["lookup_peak_rss_mib"], "MiB"),
+    rows.append(("lookup peak RSS", _fmt(rss, "MiB"), _fmt(s["lookup_peak_rss_mib"], "MiB"),
                  f"{r:.2f}x", "≤ 1024 MiB", verdict(rss <= 1024)))
     return rows
 
@@ -619,7 +571,7 @@ def parse_args(argv=None):
     p.add_argument("--procs", type=int, default=2, help="processes generating events (default 2)")
     p.add_argument("--repeat", type=int, default=3, help="lookup timings take the best of this many (default 3)")
     p.add_argument("--seed", type=int, default=20240611, help="seed of the lookup set")
-    p.add_argument("--lookup-only", choices=("kprof", "kprof-noindex", "sqlite"), help=argparse.SUPPRESS)
+    p.add_argument("--lookup-only", choices=("kprof", "sqlite"), help=argparse.SUPPRESS)
     p.add_argument("--db", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -693,16 +645,14 @@ def main(argv=None) -> int:
         fig["kprof"].update(k)
         _say(f"kprof  lookups: get_many {k['get_many_per_s']:,.0f}/s, missing {k['missing_per_s']:,.0f}/s, "
              f"py-lmdb ceiling {k['ceiling_per_s']:,.0f}/s (sorted cursor {k['sorted_ceiling_per_s']:,.0f}/s), "
-             f"lookup peak RSS {k['lookup_peak_rss_mib']:.0f} MiB (with the helper's own memory)")
-        k0 = run_lookup_child("kprof-noindex", lmdb_path, args)
-        fig["kprof_noindex"] = k0
-        _say(f"kprof  lookups without the key index: get_many {k0['get_many_per_s']:,.0f}/s, "
-             f"missing {k0['missing_per_s']:,.0f}/s")
+             f"repeated get_many {k['repeated_get_many_per_s']:,.0f}/s, missing {k['repeated_missing_per_s']:,.0f}/s, "
+             f"lookup peak RSS {k['lookup_peak_rss_mib']:.0f} MiB")
         s = run_lookup_child("sqlite", sqlite_path, args)
         fig["sqlite"].update(s)
         fig["sqlite"]["lookup_peak_rss_mib"] = s["peak_rss_mib"]
         _say(f"sqlite lookups (chunk {s['chunk']}): get_many {s['get_many_per_s']:,.0f}/s, "
-             f"missing {s['missing_per_s']:,.0f}/s, peak RSS {s['peak_rss_mib']:.0f} MiB")
+             f"missing {s['missing_per_s']:,.0f}/s, repeated get_many {s['repeated_get_many_per_s']:,.0f}/s, "
+             f"missing {s['repeated_missing_per_s']:,.0f}/s, peak RSS {s['peak_rss_mib']:.0f} MiB")
 
         if not args.skip_audit:
             from kprof.ledger.audit import audit

@@ -31,6 +31,7 @@ def store(tmp_path):
 def test_bulk_lookups_answer_as_one_get_per_key(store, monkeypatch, numpy_from):
     env, stored, current, failures = store
     monkeypatch.setattr(_lookup, "NUMPY_FROM", numpy_from)
+    monkeypatch.setattr(_lookup, "IMPORT_NUMPY_FROM", numpy_from)
     rng = random.Random(11)
     present = list(stored)
     keys = rng.sample(present, 3000) + [os.urandom(32) for _ in range(3000)] + rng.sample(present, 500)  # repeats
@@ -51,6 +52,7 @@ def test_bulk_lookups_answer_as_one_get_per_key(store, monkeypatch, numpy_from):
 def test_keys_of_other_sizes_take_sorted(store, monkeypatch):
     env, stored, current, failures = store
     monkeypatch.setattr(_lookup, "NUMPY_FROM", 1)
+    monkeypatch.setattr(_lookup, "IMPORT_NUMPY_FROM", 1)
     keys = list(stored)[:100] + [b"short"]
     with env.begin() as txn:
         assert _lookup.values(txn.cursor(current), keys) == [stored.get(k) for k in keys]

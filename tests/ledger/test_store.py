@@ -58,7 +58,7 @@ def _mixed_event(i: int, s: int, kind: int):
 def test_batches_of_new_repeated_and_remeasured_events(tmp_path_factory, batches):
     """Batches that mix new events, events already stored, new events of stored keys, failures and repeats
     within the batch (each batch is first tried as all-new, and appended again reading first when it is
-    not), appended one call per batch and pipelined: the ledger ends as if every event had been appended
+    not), appended one call per batch and through append_batches: the ledger ends as if every event had been appended
     alone through the reducer, and audits clean."""
     d = tmp_path_factory.mktemp("l")
     events = [[_mixed_event(*t) for t in batch] for batch in batches]
@@ -114,12 +114,12 @@ def test_missing_agrees_with_the_statuses_through_failures_successes_and_retract
     specs = [synth.spec(i) for i in range(11)] * 2
     view = synth.view(ledger)
     want = [spec for spec, row in zip(specs, view.get_many(specs)) if row.status != "ok"]
-    saved = _lookup.NUMPY_FROM
-    _lookup.NUMPY_FROM = 1 if through_numpy else 10**9
+    saved = _lookup.NUMPY_FROM, _lookup.IMPORT_NUMPY_FROM
+    _lookup.NUMPY_FROM = _lookup.IMPORT_NUMPY_FROM = 1 if through_numpy else 10**9
     try:
         assert view.missing(specs) == want
     finally:
-        _lookup.NUMPY_FROM = saved
+        _lookup.NUMPY_FROM, _lookup.IMPORT_NUMPY_FROM = saved
     ledger.close()
 
 
@@ -142,7 +142,7 @@ def test_a_new_batch_is_appended_without_reading_first_and_a_repeat_reads(ledger
     assert tries == ["read"] and ledger.last_seq == 9
 
 
-def test_pipelined_batches_commit_in_order_and_a_refused_batch_stops_the_rest(ledger):
+def test_batches_commit_in_order_and_a_refused_batch_stops_the_rest(ledger):
     bad = msgspec.structs.replace(synth.event(100), key=b"\0" * 32)
     batches = [list(synth.events(0, 10)), list(synth.events(10, 20)), [synth.event(30), bad], list(synth.events(40, 50))]
     with pytest.raises(IntegrityError, match="provenance hashes to another key"):
@@ -156,34 +156,8 @@ def test_pipelined_batches_commit_in_order_and_a_refused_batch_stops_the_rest(le
     assert audit(ledger.path).ok
 
 
-def test_the_next_batch_is_prepared_during_the_commit_not_during_the_inserts(ledger, monkeypatch):
-    """The inserts hold the GIL; a batch prepared beside them slowed them ~2x. The next batch is prepared once
-    this one's inserts are done (while its pages are written and synced, with the GIL released)."""
-    import time
-
-    log = []
-    prepare, insert = Ledger._prepare, Ledger._append_new
-
-    def logged_prepare(self, events):
-        log.append("prepare")
-        return prepare(self, events)
-
-    def slow_insert(self, txn, rows):
-        log.append("insert")
-        time.sleep(0.05)  # a thread preparing the next batch now would log in between
-        result = insert(self, txn, rows)
-        log.append("inserted")
-        return result
-
-    monkeypatch.setattr(Ledger, "_prepare", logged_prepare)
-    monkeypatch.setattr(Ledger, "_append_new", slow_insert)
-    results = ledger.append_batches([list(synth.events(10 * i, 10 * i + 10)) for i in range(4)])
-    assert [r.last_seq for r in results] == [10, 20, 30, 40]
-    assert log == ["prepare", "insert", "inserted"] + ["prepare", "insert", "inserted"] * 3
-
-
-def test_a_failing_write_in_the_pipeline_is_what_the_caller_sees(ledger, monkeypatch):
-    def boom(self, batch, inserted=None):
+def test_a_failing_write_of_a_batch_is_what_the_caller_sees(ledger, monkeypatch):
+    def boom(self, batch):
         raise OSError("disk gone")
 
     monkeypatch.setattr(Ledger, "_write_batch", boom)
