@@ -34,7 +34,8 @@ from .runners.registry import METRICS, Entry, lookup
 from .method import effective_entry, resolve_gpu_key
 from .specs import validate
 
-__all__ = ["resolve_gpu_key", "effective_entry", "count_missing", "query", "run", "CountResult", "QueryResult", "Mode"]
+__all__ = ["resolve_gpu_key", "effective_entry", "view", "count_missing", "query", "run", "CountResult", "QueryResult",
+           "Mode"]
 
 Mode = Literal["query", "jit", "force", "fresh"]
 
@@ -76,6 +77,14 @@ def _prepare(table, backend, specs, gpu_name, db, method: dict):
     entry = effective_entry(lookup(table, backend), **method)
     canonical = validate(entry.args, list(specs))
     return entry, canonical, resolve_gpu_key(entry, gpu_name), ledger_path(db)
+
+
+def view(ledger: Ledger, table: str, backend: str, gpu_key: str, *, timer: str | None = None, l2: str | None = None,
+         cuda_graph: bool | None = None, power: str | None = None):
+    """The read View of (table, backend, gpu_key) in an open ledger, under the registry entry's contract and
+    KernelArgs type, timed by `timer`/`l2`/`cuda_graph`/`power` (see `effective_entry`)."""
+    entry = effective_entry(lookup(table, backend), timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
+    return ledger.view(table, backend, gpu_key, entry.contract, entry.args)
 
 
 def _open_for_read(db: str, missing_ok: bool = False) -> Ledger | None:

@@ -106,3 +106,10 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_import_circles_inside_kprof():
     assert cycles(import_graph()) == []
+
+
+def test_the_ledger_imports_nothing_from_measure_runners_or_cli():
+    graph = import_graph()
+    upward = {(module, dep) for module, deps in graph.items() if module.startswith("kprof.ledger")
+              for dep in deps if dep.startswith(("kprof.runners", "kprof.measure", "kprof.cli"))}
+    assert upward == set()

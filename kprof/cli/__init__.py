@@ -39,10 +39,19 @@ for _name, _target, _help in VERBS:
 invocation: list[str] = []  # the arguments of the verb now running, for the records it writes
 
 
+def _ledger_failure(exc: Exception) -> bool:
+    """Whether exc is an LMDB error (a damaged file the verified reads did not wrap): reported as exit 3."""
+    lmdb = sys.modules.get("lmdb")
+    return lmdb is not None and isinstance(exc, lmdb.Error)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
     argv = sys.argv[1:] if argv is None else list(argv)
     invocation[:] = argv
+    from ._sigbus import install
+
+    restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)
     try:
         result = app(argv)
     except CycloptsError:
@@ -52,4 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 
         error(str(exc))
         return exc.exit_code
+    except Exception as exc:
+        if not _ledger_failure(exc):
+            raise
+        from ._render import error
+
+        error(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full report")
+        return 3
+    finally:
+        restore()
     return result if isinstance(result, int) else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..errors import UsageError
-from . import _codec
+from . import _verify
 
 
 class Resolved(NamedTuple):
@@ -35,28 +35,53 @@ def _by_prefix(txn, db, prefix_hex: str, width: int = 32) -> list[bytes]:
 
 
 def resolve(ledger, ref: str) -> Resolved:
+    """The event or key `ref` names, its history and its current event, every event re-hashed (see _verify): a
+    damaged one is an IntegrityError (exit 3), never shown."""
     text = ref.strip().lower()
     if text.startswith("kprof."):
         text = text[len("kprof."):]
     if len(text) < 8 or any(c not in "0123456789abcdef" for c in text):
         raise UsageError(f"{ref!r} is not a citation, event id or key; pass `kprof.<hex>` or at least 8 hex digits")
-    dbs = ledger.dbs
-    with ledger.read() as txn:
-        events = _by_prefix(txn, dbs["events"], text)
-        keys = _by_prefix(txn, dbs["history"], text)  # every key ever written, current or all retracted
+    dbs, path = ledger.dbs, ledger.path
+    with _verify.reading(path, "the file"), ledger.read() as txn:
+        with _verify.reading(path, "events"):
+            events = _by_prefix(txn, dbs["events"], text)
+        with _verify.reading(path, "history"):
+            keys = _by_prefix(txn, dbs["history"], text)  # every key ever written, current or all retracted
         found = [("event", e) for e in events] + [("key", k) for k in keys]
         if not found:
-            raise UsageError(f"nothing in {ledger.path} matches {ref!r}; check the --db and the reference")
+            with _verify.reading(path, "events"):
+                _check_neighbours(txn, dbs["events"], path, text)
+            raise UsageError(f"nothing in {path} matches {ref!r}; check the --db and the reference")
         if len(found) > 1:
-            raise UsageError(f"{ref!r} is ambiguous in {ledger.path}; give more hex digits")
+            raise UsageError(f"{ref!r} is ambiguous in {path}; give more hex digits")
         kind, raw = found[0]
-        if kind == "event":
-            event = _codec.stored_event(txn.get(raw, db=dbs["events"]), raw)
-            key, eid = event.key, raw
-        else:
-            key, eid = raw, None
-        history = [(seq, hid, _codec.stored_event(txn.get(hid, db=dbs["events"]), hid))
-                   for seq, hid in ledger.history_of(txn, key)]
-        cur = txn.get(key, db=dbs["current"])
-        current = cur[1:33] if cur is not None else None
+        with _verify.reading(path, "events"):
+            if kind == "event":
+                event = _verify.event(path, raw, txn.get(raw, db=dbs["events"]))
+                key, eid = event.key, raw
+            else:
+                key, eid = raw, None
+            with _verify.reading(path, "history"):
+                seqs = ledger.history_of(txn, key)
+            history = [(seq, hid, _verify.event(path, hid, txn.get(hid, db=dbs["events"]), key))
+                       for seq, hid in seqs]
+        row = _verify.rows(txn, dbs, path, [key], ledger.format_in(txn) >= 2)[0]
+        current = row[1] if row is not None else None
         return Resolved(kind, key, eid if eid is not None else current, history, current)
+
+
+def _check_neighbours(txn, db, path: str, prefix_hex: str) -> None:
+    """Where no event id starts with the prefix, the stored ids either side of where it would lie must hash from
+    their bytes: an id damaged in place would otherwise read as "no such event"."""
+    even = prefix_hex[: len(prefix_hex) // 2 * 2]
+    cursor = txn.cursor(db)
+    items = []
+    if cursor.set_range(bytes.fromhex(even)):
+        items.append(cursor.item())
+        if cursor.prev():
+            items.append(cursor.item())
+    elif cursor.last():
+        items.append(cursor.item())
+    for eid, data in items:
+        _verify.event(path, eid, data)

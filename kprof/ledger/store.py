@@ -25,6 +25,7 @@ import msgspec
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
 from . import _codec
 from ._memo import Memo
+from ._verify import event as verified_event, reading
 from ._reducer import (NewRows, Reducer, history_from_v1, history_seqs, new_rows, pack_seq, scope_value, status_of,
                        unpack_seq)
 from .events import Failed, Measured, Retracted
@@ -380,7 +381,8 @@ class Ledger:
             if time.monotonic() < deadline:
                 raise _Creating from None
             raise IntegrityError(f"{path} is an LMDB file without kprof's sub-databases: not a kprof ledger; check "
-                                 f"the path") from None
+                                 f"the path (a damaged ledger reads so too: run `kprof audit` for the full "
+                                 f"report)") from None
         except lmdb.ReadonlyError:
             _release(real, env)
             raise _read_only_file(path) from None
@@ -400,7 +402,7 @@ class Ledger:
         have = os.path.getsize(path)
         if have < need:
             raise IntegrityError(f"ledger {path} is truncated: {have} bytes on disk, its header says {need}; "
-                                 f"restore the file from a copy")
+                                 f"run `kprof audit` for the full report, and restore the file from a copy")
 
     @staticmethod
     def _initialize(path: str, env: lmdb.Environment) -> None:
@@ -440,7 +442,7 @@ class Ledger:
             found = None
         if type(found) is not int or found < 1:
             raise IntegrityError(f"{self.path}: its format version is damaged ({raw.hex()[:32]} is not a version "
-                                 f"number); restore the file from a copy")
+                                 f"number); run `kprof audit` for the full report, and restore the file from a copy")
         if found > _codec.FORMAT_VERSION:
             raise LedgerVersionError(self.path, found, _codec.FORMAT_VERSION)
         self.format_version = found
@@ -478,11 +480,13 @@ class Ledger:
 
     @property
     def ledger_id(self) -> str:
-        return msgspec.msgpack.decode(self._get("meta", b"ledger_id"))
+        with reading(self.path, "meta"):
+            return msgspec.msgpack.decode(self._get("meta", b"ledger_id"), type=str)
 
     @property
     def last_seq(self) -> int:
-        return msgspec.msgpack.decode(self._get("meta", b"last_seq"))
+        with reading(self.path, "meta"):
+            return msgspec.msgpack.decode(self._get("meta", b"last_seq"), type=int)
 
     def write(self, fn):
         """Runs fn(txn) in one write transaction; grows the map and retries when it is full."""
@@ -600,8 +604,10 @@ class Ledger:
 
     # ---- reading ---------------------------------------------------------------------------
     def event(self, eid: bytes):
-        raw = self._get("events", eid)
-        return None if raw is None else _codec.stored_event(raw, eid)
+        """The stored event `eid`, its bytes re-hashed (IntegrityError where they do not hash to it), or None."""
+        with reading(self.path, "events"):
+            raw = self._get("events", eid)
+        return None if raw is None else verified_event(self.path, eid, raw)
 
     def format_in(self, txn) -> int:
         """The format version of the snapshot `txn` reads (a writer in another process may have upgraded the
@@ -640,8 +646,14 @@ class Ledger:
             return [tuple(msgspec.msgpack.decode(v)[:4]) for _k, v in txn.cursor(self.dbs["scopes"])]
 
     def view(self, table: str, backend: str, gpu_key: str, contract=None, args_type=None):
+        """The View of one scope under `contract`, its specs of KernelArgs type `args_type` (the ledger knows no
+        registry: `kprof.api.view(ledger, table, backend, gpu_key)` takes both from the registry entry)."""
         from .view import View
 
+        if contract is None or args_type is None:
+            raise UsageError(f"Ledger.view({table!r}, {backend!r}, ...) needs the contract and the KernelArgs type; "
+                             f"call kprof.api.view(ledger, {table!r}, {backend!r}, gpu_key), which takes them from "
+                             f"the registry")
         return View(self, table, backend, gpu_key, contract=contract, args_type=args_type)
 
     def resolve(self, ref: str):

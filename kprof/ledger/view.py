@@ -6,8 +6,10 @@
     rows = view.get_many(specs)                          # one Row per spec, any status
     todo = view.missing(specs)                           # the specs without an ok row
 
-Bulk lookups of the same specs again (a simulator's loop) are answered from the ledger's memo while the view
-root they were read under stands (see _memo).
+Every row a lookup returns is verified against the event it names, re-hashed (see _verify): a damaged ledger
+gives an IntegrityError (exit 3), never a wrong answer. Bulk lookups of the same specs again (a simulator's loop)
+are answered from the ledger's memo, which holds only verified answers, while the view root they were read under
+stands (see _memo).
 
 Nothing here imports torch, cupti or pynvml.
 """
@@ -15,15 +17,16 @@ Nothing here imports torch, cupti or pynvml.
 from __future__ import annotations
 
 import datetime as _dt
-from itertools import compress, repeat
-from operator import getitem, not_
+from contextlib import contextmanager
+from itertools import compress
+from operator import not_
 from typing import Any, Iterable, Iterator, Mapping
 
 import msgspec
 from blake3 import blake3
 
 from ..errors import UnknownGpuKeyError
-from . import _codec, _lookup
+from . import _codec, _verify
 from ._reducer import MEASURED, REBUILT, contract_id, root_of
 from .events import Contract, Provenance, Stats, Summary
 from .keys import KeyMaker, ShapeCodec
@@ -33,16 +36,7 @@ __all__ = ["View", "Row", "STATUSES", "citation"]
 STATUSES = ("ok", "missing", "stale", "failed", "error")
 
 
-_summary_decoder = msgspec.msgpack.Decoder(Summary)
-_summaries_decoder = msgspec.msgpack.Decoder(list[Summary])
 _MISSING = ("missing", None, None, None)  # (status, event id, summary, base) of a spec without a row
-
-
-def _summaries(values: list[bytes | None]) -> list[Summary]:
-    """The Summaries of the found current values (kind + event id + Summary), decoded in one call (not one call
-    and one slice per row)."""
-    parts = list(map(getitem, filter(None, values), repeat(slice(33, None))))
-    return _summaries_decoder.decode(b"\xdd" + len(parts).to_bytes(4, "big") + b"".join(parts))
 
 
 def citation(eid: bytes) -> str:
@@ -110,18 +104,12 @@ class Row(msgspec.Struct, frozen=True, gc=False):
 class View:
     """The current rows of one (table, backend, gpu_key) under one provenance contract.
 
-    Without an explicit contract and args type, both come from the registry entry for (table, backend).
-    Each call reads one consistent snapshot; `query` returns the view root read in that same snapshot.
+    The caller supplies the contract and the KernelArgs type (the registry entry's, in `kprof.api` and
+    `kprof.perf_api`): the ledger knows nothing of the runners. Each call reads one consistent snapshot; `query`
+    returns the view root read in that same snapshot.
     """
 
-    def __init__(self, ledger, table: str, backend: str, gpu_key: str, contract: Contract | None = None,
-                 args_type: type | None = None):
-        if contract is None or args_type is None:
-            from ..runners.registry import lookup  # the registry imports no measurement library
-
-            entry = lookup(table, backend)
-            contract = contract or entry.contract
-            args_type = args_type or entry.args
+    def __init__(self, ledger, table: str, backend: str, gpu_key: str, contract: Contract, args_type: type):
         self.ledger, self.table, self.backend, self.gpu_key = ledger, table, backend, gpu_key
         self.contract = contract
         self.shapes = ShapeCodec(args_type)
@@ -139,31 +127,38 @@ class View:
         naming the GPU keys the ledger holds for this table/backend, when it has never held a row of this scope:
         a wrong GPU key would otherwise read as a missing row for every spec. (`get_many`, `missing` and
         `count_missing` answer "missing" as usual: a JIT caller asks them before anything is measured.)"""
-        with self.ledger.read() as txn:
-            shapes, exact = self.shapes.to_shapes([spec])
+        shapes, exact = self.shapes.to_shapes([spec])
+        with self._read() as txn:
             row = self._rows_of(self._spec_dicts([spec], shapes, exact), self._columns(txn, shapes))[0]
-            unknown = row.status == "missing" and txn.get(self.scope, db=self.ledger.dbs["scopes"]) is None
+            with _verify.reading(self.ledger.path, "scopes"):
+                unknown = row.status == "missing" and txn.get(self.scope, db=self.ledger.dbs["scopes"]) is None
         if unknown:
-            known = sorted((g, rows) for t, b, g, rows in self.ledger.scopes() if (t, b) == (self.table, self.backend))
+            with _verify.reading(self.ledger.path, "scopes"):
+                known = sorted((g, rows) for t, b, g, rows in self.ledger.scopes()
+                               if (t, b) == (self.table, self.backend))
             raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, known)
         return row if row.status == "ok" else None
 
     def get_many(self, specs: Iterable[Mapping[str, Any]]) -> list[Row]:
         """One Row per spec, in order, with status ok / missing / stale / failed."""
-        with self.ledger.read() as txn:
-            return self._rows(txn, self._root(txn), specs)
+        specs = specs if isinstance(specs, list) else list(specs)
+        shapes, exact = self.shapes.to_shapes(specs)
+        with self._read() as txn:
+            return self._rows(txn, self._root(txn), specs, shapes, exact)
 
     def query(self, specs: Iterable[Mapping[str, Any]]) -> tuple[bytes, list[Row]]:
         """(view root, rows) read from one snapshot, so the root names exactly the state the rows came from."""
-        with self.ledger.read() as txn:
+        specs = specs if isinstance(specs, list) else list(specs)
+        shapes, exact = self.shapes.to_shapes(specs)
+        with self._read() as txn:
             root = self._root(txn)
-            return root, self._rows(txn, root, specs)
+            return root, self._rows(txn, root, specs, shapes, exact)
 
     def missing(self, specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
         specs = specs if isinstance(specs, list) else list(specs)
-        with self.ledger.read() as txn:
-            shapes, _exact = self.shapes.to_shapes(specs)
+        shapes, _exact = self.shapes.to_shapes(specs)
+        with self._read() as txn:
             ok = self._remembered(txn, self._root(txn), "flags", shapes, self._shape_flags)
         return list(compress(specs, map(not_, ok)))
 
@@ -177,7 +172,8 @@ class View:
             digest = blake3(_codec.encode(shapes)).digest()
         except OverflowError:  # an int no key can hold: answer() names it
             return answer(txn, shapes)
-        stamp = root + (txn.get(REBUILT, db=self.ledger.dbs["meta"]) or b"")
+        with _verify.reading(self.ledger.path, "meta"):
+            stamp = root + (txn.get(REBUILT, db=self.ledger.dbs["meta"]) or b"")
         memo = self.ledger.memo
         found = memo.get(self._memo_id, stamp, op, digest)
         if found is None:
@@ -186,16 +182,22 @@ class View:
         return found
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
-        """One byte per canonical shape: 1 where its current row is measured (ok), else 0."""
-        keys = self.keys.keys_of(shapes)
-        if self.ledger.format_version < 2:  # opened read-only: its history has no status byte (if a writer has
-            # upgraded it since, `current` and `failures` still give the same answer)
-            return _lookup.measured_flags(txn.cursor(self._current), txn.cursor(self._failures), keys)
-        return _lookup.status_flags(txn.cursor(self._history), keys)
+        """One byte per canonical shape: 1 where its current row is measured (ok), else 0. The rows are read
+        from `current` and verified (see _verify), not taken from `history`'s status byte, which no hash covers."""
+        rows = self._verified(txn, self.keys.keys_of(shapes), summaries=False)
+        return bytes(row is not None and row[0] == MEASURED for row in rows)
 
-    def _rows(self, txn, root: bytes, specs) -> list[Row]:
-        specs = specs if isinstance(specs, list) else list(specs)
-        shapes, exact = self.shapes.to_shapes(specs)
+    def _verified(self, txn, keys: list[bytes], summaries: bool = True) -> list:
+        """_verify.rows of the keys (a format-1 file opened read-only keeps no status in its history)."""
+        return _verify.rows(txn, self.ledger.dbs, self.ledger.path, keys, self.ledger.format_version >= 2, summaries)
+
+    @contextmanager
+    def _read(self):
+        """A read snapshot whose LMDB and decoding errors become IntegrityErrors (see _verify)."""
+        with _verify.reading(self.ledger.path, "the file"), self.ledger.read() as txn:
+            yield txn
+
+    def _rows(self, txn, root: bytes, specs: list, shapes: list, exact: bool) -> list[Row]:
         return self._rows_of(self._spec_dicts(specs, shapes, exact),
                              self._remembered(txn, root, "rows", shapes, self._columns))
 
@@ -215,12 +217,11 @@ class View:
     def _columns(self, txn, shapes: list) -> tuple[list, list, list, list, list]:
         """(status, key, event id, summary, base) of each canonical shape's row: the Row fields after `spec`."""
         keys = self.keys.keys_of(shapes)
-        values = _lookup.values(txn.cursor(self._current), keys)
-        summary = iter(_summaries(values)).__next__  # the found values' summaries, in the same order
+        values = self._verified(txn, keys)
         base = self.keys.base
-        statuses = ["missing" if v is None else "ok" if v[:1] == MEASURED else "failed" for v in values]
-        eids = [None if v is None else v[1:33] for v in values]
-        summaries = [None if v is None else summary() for v in values]
+        statuses = ["missing" if v is None else "ok" if v[0] == MEASURED else "failed" for v in values]
+        eids = [None if v is None else v[1] for v in values]
+        summaries = [None if v is None else v[2] for v in values]
         bases = [None if v is None else base for v in values]
         if self._other_contracts(txn):  # a spec without a row of this contract may have another's: stale
             for i in [i for i, v in enumerate(values) if v is None]:
@@ -229,66 +230,71 @@ class View:
 
     def _other_contracts(self, txn) -> bool:
         """Whether this scope ever held rows of another contract (else no spec can be stale)."""
-        raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
-        return raw is not None and msgspec.msgpack.decode(raw)[5] != [self._contract_id]
+        with _verify.reading(self.ledger.path, "scopes"):
+            raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
+            return raw is not None and msgspec.msgpack.decode(raw)[5] != [self._contract_id]
 
     def _stale_or_missing(self, txn, shape) -> tuple:
         """(status, event id, summary, base) of a shape with no current row under this contract: stale if another
         contract's ok row exists."""
         prefix = self.scope + _codec.shape_id(_codec.encode(shape))
-        cursor = txn.cursor(self._index)
+        with _verify.reading(self.ledger.path, "scope_index"):
+            cursor = txn.cursor(self._index)
+            candidates = []
+            if cursor.set_range(prefix):
+                for k in cursor.iternext(values=False):
+                    if not k.startswith(prefix):
+                        break
+                    candidates.append(k[32:])
         best = None
-        if cursor.set_range(prefix):
-            for k in cursor.iternext(values=False):
-                if not k.startswith(prefix):
-                    break
-                v = txn.get(k[32:], db=self._current)
-                if v is not None and v[:1] == MEASURED:
-                    summary = _summary_decoder.decode(v[33:])
-                    if best is None or summary.measured_at > best[1].measured_at:
-                        best = (v[1:33], summary)
+        for row in self._verified(txn, candidates):
+            if row is not None and row[0] == MEASURED and (best is None or row[2].measured_at > best[1].measured_at):
+                best = (row[1], row[2])
         if best is None:
             return _MISSING
-        event = _codec.event_decoder.decode(txn.get(best[0], db=self._events))
+        with _verify.reading(self.ledger.path, "events"):
+            event = _verify.event(self.ledger.path, best[0], txn.get(best[0], db=self._events))
         return "stale", best[0], best[1], event.provenance
 
     # ---- whole view --------------------------------------------------------------------------
     def rows(self) -> Iterator[Row]:
         """Every current row of the scope: this contract's (ok or failed), and other contracts' measured rows
         as `stale`. As in `get_many`, another contract's failed attempt is no row of this view."""
-        with self.ledger.read() as txn:
-            cursor = txn.cursor(self._index)
-            if not cursor.set_range(self.scope):
-                return
-            seen = set()
-            for k, _ in cursor:
-                if not k.startswith(self.scope):
-                    break
-                key = k[32:]
-                if key in seen:
+        path = self.ledger.path
+        with self._read() as txn:
+            with _verify.reading(path, "scope_index"):
+                cursor = txn.cursor(self._index)
+                keys = []
+                if cursor.set_range(self.scope):
+                    for k in cursor.iternext(values=False):
+                        if not k.startswith(self.scope):
+                            break
+                        keys.append(k[32:])
+            keys = list(dict.fromkeys(keys))
+            for key, row in zip(keys, self._verified(txn, keys)):
+                if row is None:
                     continue
-                seen.add(key)
-                v = txn.get(key, db=self._current)
-                if v is None:
-                    continue
-                prov = _codec.event_decoder.decode(txn.get(v[1:33], db=self._events)).provenance
+                kind, eid, summary = row
+                with _verify.reading(path, "events"):
+                    prov = _verify.event(path, eid, txn.get(eid, db=self._events), key).provenance
                 if prov.contract == self.contract:
-                    status = "ok" if v[:1] == MEASURED else "failed"
-                elif v[:1] == MEASURED:
+                    status = "ok" if kind == MEASURED else "failed"
+                elif kind == MEASURED:
                     status = "stale"
                 else:
                     continue
-                yield Row(dict(prov.shape), status, key, v[1:33], _summary_decoder.decode(v[33:]), prov)
+                yield Row(dict(prov.shape), status, key, eid, summary, prov)
 
     def _root(self, txn) -> bytes:
-        raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
-        if raw is None:
-            return root_of(self.scope, 0, 0)
-        _t, _b, _g, rows, acc, _c = msgspec.msgpack.decode(raw)
-        return root_of(self.scope, rows, int.from_bytes(acc, "big"))
+        with _verify.reading(self.ledger.path, "scopes"):
+            raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
+            if raw is None:
+                return root_of(self.scope, 0, 0)
+            _t, _b, _g, rows, acc, _c = msgspec.msgpack.decode(raw)
+            return root_of(self.scope, rows, int.from_bytes(acc, "big"))
 
     @property
     def root(self) -> str:
         """Hex hash naming this scope's current rows (O(1); independent of the order they arrived in)."""
-        with self.ledger.read() as txn:
+        with self._read() as txn:
             return self._root(txn).hex()

@@ -1,0 +1,52 @@
+"""One line and exit 3, not a bare `Bus error` (exit 135), where a read of the ledger's mapping faults.
+
+LMDB reads its file through a memory map: a page the file no longer holds (truncated behind a reader's back, a
+failing disk) faults with SIGBUS inside LMDB's C code. A handler installed with `signal.signal` cannot help
+there: CPython's C-level handler only sets a flag for the interpreter and returns, the faulting load runs again
+and faults again, and the process hangs. So the handler is installed at the C level (libc `signal`, through
+ctypes): it runs inside the fault, writes one line to stderr and calls `_exit(3)`.
+
+What is guaranteed: a SIGBUS in the main thread of a `kprof` process, while a verb runs, prints the line and exits
+3; nothing after the fault runs (no cleanup: LMDB readers need none, and an interrupted write transaction is never
+committed). The handler calls back into Python (ctypes takes the GIL the faulting thread holds), which is not
+async-signal-safe in general: a fault inside the allocator could deadlock instead. Where ctypes or libc's `signal`
+is unavailable, nothing is installed and the default action (exit 135) stays.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+LINE = b"kprof: the ledger file is damaged (SIGBUS while reading it); run `kprof audit`\n"
+
+_installed: list = []  # the C callback, kept alive while installed
+
+
+def _on_sigbus(signum: int) -> None:
+    os.write(2, LINE)
+    os._exit(3)
+
+
+def install():
+    """Installs the handler; returns a function that puts back the handler it replaced (a no-op where none was
+    installed)."""
+    if not hasattr(signal, "SIGBUS"):
+        return lambda: None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        callback = ctypes.CFUNCTYPE(None, ctypes.c_int)(_on_sigbus)
+        previous = libc.signal(signal.SIGBUS, ctypes.cast(callback, ctypes.c_void_p))
+    except (ImportError, OSError, AttributeError):
+        return lambda: None
+    _installed.append(callback)
+
+    def restore() -> None:
+        libc.signal(signal.SIGBUS, previous)
+        _installed.remove(callback)
+
+    return restore

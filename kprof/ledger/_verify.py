@@ -1,0 +1,128 @@
+"""Verified reads: every row a read returns is checked against the event it names, whose bytes are re-hashed.
+
+A `current` value (kind + event id + Summary) is trusted only once the event it names is read from `events`, its
+bytes hash to that id (so they are the bytes appended), its key is the key looked up and its kind is the row's
+kind; the row's Summary is then derived from that event (the stored one is what the audit compares). A key
+`current` does not hold is taken as missing only where `history` agrees (no entry, or the status of a key whose
+every attempt is retracted): one damaged byte in either tree cannot turn a row into a missing one. Any LMDB error,
+decode error or failed check becomes an IntegrityError naming the key or the sub-database (exit 3), never a
+traceback or a wrong answer.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from itertools import repeat
+from operator import attrgetter, getitem
+from typing import Iterator, Union
+
+import lmdb
+import msgspec
+from blake3 import blake3
+
+from ..errors import IntegrityError
+from . import _codec, _lookup
+from ._reducer import FAILED, MEASURED, NO_ROW
+from .events import FailedHead, MeasuredHead, summary_of_decoded
+
+__all__ = ["AUDIT", "reading", "damaged", "rows", "event"]
+
+AUDIT = "run `kprof audit` for the full report"
+_head_decoder = msgspec.msgpack.Decoder(list[Union[MeasuredHead, FailedHead]])
+# Decoding errors of bytes a damaged file holds: msgspec's, and what unpacking a value of the wrong shape raises.
+_DAMAGE = (lmdb.Error, msgspec.MsgspecError, ValueError, TypeError, IndexError, KeyError, AttributeError)
+
+
+def damaged(path: str, what: str) -> IntegrityError:
+    return IntegrityError(f"ledger {path} is damaged: {what}; {AUDIT}")
+
+
+@contextmanager
+def reading(path: str, db: str) -> Iterator[None]:
+    """Turns an LMDB or decoding error raised while reading sub-database `db` into an IntegrityError naming it."""
+    try:
+        yield
+    except IntegrityError:
+        raise
+    except _DAMAGE as exc:
+        raise damaged(path, f"reading sub-database `{db}` failed ({type(exc).__name__}: {exc})") from None
+
+
+def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
+    """The stored event `eid` (its bytes `data`), decoded once its bytes hash to `eid` (and its key, where given,
+    is `key`)."""
+    if data is None:
+        raise damaged(path, f"event {eid.hex()} is not stored")
+    if _codec.event_id(data) != eid:
+        raise damaged(path, f"the bytes of event {eid.hex()} do not hash to its id")
+    ev = _codec.stored_event(data, eid)
+    if key is not None and ev.key != key:
+        raise damaged(path, f"event {eid.hex()} belongs to key {ev.key.hex()}, not key {key.hex()}")
+    return ev
+
+
+def rows(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summaries: bool = True) -> list:
+    """Per key, None (no current row) or (kind, event id, Summary) of its current row, verified as the module says;
+    the Summary is derived from the verified event (the stored one, which no hash covers, is not read: the same
+    bytes where undamaged, as the audit checks, and cheaper than decoding and comparing it).
+    `check_absent`: ask `history` about the keys `current` does not hold (False only for a format-1 file, whose
+    history keeps no status). `summaries=False` (a count of missing rows) checks each event's id, key and kind
+    but neither decodes nor compares the summary, and gives None in its place.
+
+    The checks run over whole columns in C-level maps and compares (no Python frame per row); a column that
+    differs is then walked to name the first damaged row."""
+    with reading(path, "current"):
+        values = _lookup.values(txn.cursor(dbs["current"]), keys)
+    found = [i for i, v in enumerate(values) if v is not None]
+    cur = [values[i] for i in found]
+    fkeys = [keys[i] for i in found]
+    eids = list(map(getitem, cur, repeat(_EID)))
+    with reading(path, "events"):
+        datas = _lookup.values(txn.cursor(dbs["events"]), eids)
+    if None in datas:
+        i = datas.index(None)
+        raise damaged(path, f"the current row of key {fkeys[i].hex()} names event {eids[i].hex()}, which is not "
+                            f"stored")
+    if list(map(blake3.digest, map(blake3, map(_codec.EVENT_TAG.__add__, datas)))) != eids:
+        i = next(i for i, data in enumerate(datas) if _codec.event_id(data) != eids[i])
+        raise damaged(path, f"the current row of key {fkeys[i].hex()} names event {eids[i].hex()}, whose bytes do "
+                            f"not hash to its id")
+    try:
+        heads = (_head_decoder if summaries else _key_decoder).decode(_array(datas))
+    except msgspec.MsgspecError as exc:
+        raise damaged(path, f"an event of sub-database `events` that a current row names cannot be decoded "
+                            f"({exc})") from None
+    kinds = list(map(_KINDS.__getitem__, map(type, heads)))
+    derived = list(map(summary_of_decoded, heads)) if summaries else [None] * len(heads)
+    if list(map(attrgetter("key"), heads)) != fkeys or list(map(getitem, cur, repeat(_KIND))) != kinds:
+        i = next(i for i, (v, h) in enumerate(zip(cur, heads)) if h.key != fkeys[i] or v[:1] != kinds[i])
+        raise damaged(path, f"the current row of key {fkeys[i].hex()} does not match its event {eids[i].hex()}")
+    out: list = [None] * len(keys)
+    for i, row in zip(found, zip(kinds, eids, derived)):
+        out[i] = row
+    if check_absent and len(found) < len(keys):
+        absent = [keys[i] for i, v in enumerate(values) if v is None]
+        with reading(path, "history"):
+            statuses = _lookup.values(txn.cursor(dbs["history"]), absent)
+        for key, status in zip(absent, statuses):
+            if status is not None and status[:1] != NO_ROW:
+                raise damaged(path, f"key {key.hex()} has no current row, but its history says it has one")
+    return out
+
+
+def _array(parts: list[bytes]) -> bytes:
+    """A msgpack array of the already-encoded items (decoded in one call, not one call per item)."""
+    return b"\xdd" + len(parts).to_bytes(4, "big") + b"".join(parts)
+
+
+class _MeasuredKey(msgspec.Struct, frozen=True, gc=False, tag="measured"):
+    key: bytes
+
+
+class _FailedKey(msgspec.Struct, frozen=True, gc=False, tag="failed"):
+    key: bytes
+
+
+_EID, _KIND = slice(1, 33), slice(0, 1)
+_key_decoder = msgspec.msgpack.Decoder(list[Union[_MeasuredKey, _FailedKey]])  # skips every other field
+_KINDS = {MeasuredHead: MEASURED, FailedHead: FAILED, _MeasuredKey: MEASURED, _FailedKey: FAILED}

@@ -1,0 +1,100 @@
+"""A damaged ledger is refused by every reader (exit 3, one line naming the key and `kprof audit`), never read
+as another answer: `query`, `count-missing`, `show` and `run` (which reads the rows it needs the same way, so
+never writes into such a file). The sweep over every page is tests/ledger/test_corruption_sweep.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kprof.cli import _sigbus, main
+from kprof.errors import UsageError
+from kprof.ledger import Ledger
+
+
+@pytest.fixture
+def rows(h, local_gpu, tmp_path):
+    """A ledger of two ok rows of this machine; returns (db, specs, event ids)."""
+    db = str(tmp_path / "profile.db")
+    specs = [h.gemm(m=32), h.gemm(m=64)]
+    eids = h.append(db, *[h.make_event(s, local_gpu) for s in specs])
+    return db, specs, eids
+
+
+def _tamper(db: str, fn) -> None:
+    with Ledger.open(db) as ledger:
+        ledger.write(lambda txn: fn(txn, ledger.dbs))
+
+
+def _verbs(h, db, specs, citation):
+    args = [*h.spec_args(*specs), "--db", db, "--json"]
+    return {"query": ["query", h.GEMM, "--backend", h.CPU, *args],
+            "count-missing": ["count-missing", h.GEMM, "--backend", h.CPU, *args],
+            "show": ["show", citation, "--db", db]}
+
+
+def test_a_tampered_event_is_refused_by_every_reader_and_run_writes_nothing(h, rows, capsys):
+    db, specs, (eid, _other) = rows
+
+    def flip(txn, dbs):  # one byte of the event's bytes, in place: the view rows still name it
+        data = bytearray(txn.get(eid, db=dbs["events"]))
+        data[-3] ^= 1
+        txn.put(eid, bytes(data), db=dbs["events"])
+
+    _tamper(db, flip)
+    for verb, argv in _verbs(h, db, specs, "kprof." + eid.hex()[:16]).items():
+        assert main(argv) == 3, verb
+        out, err = capsys.readouterr()
+        assert out == "" and eid.hex() in err and "kprof audit" in err, (verb, err)
+    before = h.digest(db)
+    assert main(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(*specs), "--db", db, "--json"]) == 3
+    assert h.digest(db) == before and eid.hex() in capsys.readouterr().err
+
+
+def test_a_lost_current_row_is_refused_not_read_as_missing(h, rows, capsys):
+    db, specs, _eids = rows
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        key = next(iter(txn.cursor(ledger.dbs["current"])))[0]
+    _tamper(db, lambda txn, dbs: txn.delete(key, db=dbs["current"]))
+    for verb in ("query", "count-missing"):
+        assert main(_verbs(h, db, specs, "")[verb]) == 3
+        assert key.hex() in capsys.readouterr().err
+
+
+def test_a_flipped_status_byte_does_not_change_the_count(h, rows, capsys):
+    db, specs, _eids = rows
+    want = h.read_json(capsys, "count-missing", db, *specs)
+
+    def flip(txn, dbs):
+        for k, v in list(txn.cursor(dbs["history"])):
+            txn.put(k, b"f" + v[1:], db=dbs["history"])
+
+    _tamper(db, flip)
+    assert h.read_json(capsys, "count-missing", db, *specs) == want
+
+
+def test_a_ledger_view_needs_the_contract_from_its_caller(rows):
+    with Ledger.open(rows[0], readonly=True) as ledger, pytest.raises(UsageError, match="kprof.api.view"):
+        ledger.view("single_gemm", "torch-cpu", "any")
+
+
+@pytest.mark.skipif(not hasattr(_sigbus.signal, "SIGBUS"), reason="no SIGBUS here")
+def test_a_sigbus_while_reading_a_mapping_prints_one_line_and_exits_3(tmp_path):
+    """A load from a page the file no longer holds faults in C (as LMDB's reads do); the handler ends the
+    process with one line and exit 3, instead of a bare `Bus error` (135) or a hang."""
+    path = tmp_path / "mapped"
+    code = f"""
+import ctypes, mmap, os
+from kprof.cli import _sigbus
+f = open({str(path)!r}, "wb+"); f.write(b"x" * 8192); f.flush()
+m = mmap.mmap(f.fileno(), 8192)
+os.truncate({str(path)!r}, 0)
+_sigbus.install()
+buf = (ctypes.c_char * 8192).from_buffer(m)
+ctypes.string_at(ctypes.addressof(buf) + 4096, 4)
+print("not reached")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, b"", _sigbus.LINE)
