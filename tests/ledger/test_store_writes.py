@@ -1,4 +1,4 @@
-"""Regression tests for the write path's review fixes: appends store events as they decode (schema checked,
+"""The write path's contracts: appends store events as they decode (schema checked,
 ints in float fields canonical), a retraction of a retraction is refused, a closed ledger says so, a forked
 child never ends its parent's read transactions, a map changes size only once this process's other reads
 end, a second open for writing adopts a map another process grew, and an open waits briefly for a writer

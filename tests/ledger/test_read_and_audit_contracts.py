@@ -1,4 +1,4 @@
-"""Regression tests for the review's read-path and audit fixes: an int msgpack cannot carry named by its index,
+"""Read-path and audit contracts: an int msgpack cannot carry named by its index,
 `show` of retracted keys and of default fields, `rows()` and other contracts' failed
 rows; the audit's retraction targets, meta values, damaged format versions, short scope-index keys and a format 1
 written into a format-2 file."""
