@@ -29,7 +29,7 @@ from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
 from .ledger.events import Measured, Origin, summary_of
 from .ledger.keys import KeyMaker, ShapeCodec
-from .ledger.view import Row
+from .ledger.view import Row, citation
 from .runners.registry import METRICS, Entry, lookup
 from .method import effective_entry, resolve_gpu_key
 from .specs import validate
@@ -281,3 +281,39 @@ def scopes(db: str | None = None) -> list[Scope]:
 
 
 __all__ += ["scopes", "Scope"]
+
+
+def _builtins(obj):
+    """An event as JSON values, every field present: msgspec.to_builtins leaves out fields at their default
+    (the event Structs omit them when encoded), and writes bytes (ids) as base64 where they read as hex
+    everywhere else."""
+    if isinstance(obj, msgspec.Struct):
+        config = obj.__struct_config__
+        doc = {} if config.tag is None else {config.tag_field: config.tag}
+        doc.update((name, _builtins(getattr(obj, name))) for name in obj.__struct_fields__)
+        return doc
+    if isinstance(obj, dict):
+        return {k: _builtins(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_builtins(v) for v in obj]
+    return obj.hex() if isinstance(obj, bytes) else obj
+
+
+def _event_json(seq, eid, event, current) -> dict:
+    doc = {"seq": seq, "event": eid.hex(), "citation": citation(eid), "current": eid == current}
+    doc.update(_builtins(event))
+    return doc
+
+
+def show(ref: str, *, db: str | None = None) -> dict:
+    """What `kprof show` prints: the row a citation, event id or key (or a unique hex prefix of 8+) names, as
+    {ref, resolved_as, key, current, event, history}; every event in it re-hashed to its id on the way."""
+    ledger = Ledger.open(ledger_path(db), readonly=True)
+    try:
+        found = ledger.resolve(ref)
+    finally:
+        ledger.close()
+    history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]
+    chosen = next((h for h in history if h["event"] == (found.event_id or b"").hex()), None)
+    return {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
+            "current": found.current.hex() if found.current else None, "event": chosen, "history": history}

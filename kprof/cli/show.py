@@ -5,50 +5,19 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Annotated
 
-import msgspec
 from cyclopts import Parameter
 
-from ..ledger import Ledger, ledger_path
-from ..ledger.view import citation
+from .. import api
 from ._options import Db, Json
 from ._render import console, emit_json
-
-
-def _builtins(obj):
-    """An event as JSON values, every field present: msgspec.to_builtins leaves out fields at their default
-    (the event Structs omit them when encoded), and writes bytes (ids) as base64 where they read as hex
-    everywhere else."""
-    if isinstance(obj, msgspec.Struct):
-        config = obj.__struct_config__
-        doc = {} if config.tag is None else {config.tag_field: config.tag}
-        doc.update((name, _builtins(getattr(obj, name))) for name in obj.__struct_fields__)
-        return doc
-    if isinstance(obj, dict):
-        return {k: _builtins(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_builtins(v) for v in obj]
-    return obj.hex() if isinstance(obj, bytes) else obj
-
-
-def _event_json(seq, eid, event, current) -> dict:
-    doc = {"seq": seq, "event": eid.hex(), "citation": citation(eid), "current": eid == current}
-    doc.update(_builtins(event))
-    return doc
 
 
 def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event id or a key, or a unique "
                                         "prefix of at least 8 hex digits.")], *,
          db: Db = None, json: Json = False) -> int:
     """Show a row's provenance, metrics and full history."""
-    ledger = Ledger.open(ledger_path(db), readonly=True)
-    try:
-        found = ledger.resolve(ref)
-    finally:
-        ledger.close()
-    history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]
-    chosen = next((h for h in history if h["event"] == (found.event_id or b"").hex()), None)
-    doc = {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
-           "current": found.current.hex() if found.current else None, "event": chosen, "history": history}
+    doc = api.show(ref, db=db)
+    chosen, history = doc["event"], doc["history"]
     if json:
         emit_json(doc)
         return 0
