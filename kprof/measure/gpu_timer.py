@@ -24,9 +24,7 @@ L2 before every timed launch and adaptive stopping by `StopRule`. torch and cupt
 
 from __future__ import annotations
 
-import math
 import re
-import statistics
 import time
 from typing import Callable, NamedTuple
 
@@ -35,19 +33,12 @@ from . import _cupti, _l2
 from ._state import StateProtocol
 from ._attribution import (TimerError, by_correlation, by_window, check_same_kernels, kernel_time_ms,
                            one_invocation)
+from ._events_timer import _run_events
+from ._sampling import _WARMUP_MAX, _WARMUP_S, _batch, _heated, _sample, _settle  # noqa: F401  (_batch: tests)
 from .stats import StopRule
 
 __all__ = ["GpuTiming", "TimerError", "time_gpu", "cupti_available", "rotation_copies"]
 
-_WARMUP_S = 0.01  # warm-up wall time (at least 2 invocations)
-_WARMUP_MAX = 200  # warm-up invocations at most: each keeps its kernel records until attribution
-_BATCH_S = 0.02  # GPU work per batch between two host synchronizations
-_MAX_BATCH = 100
-_SETTLE_S = 0.05  # back-to-back running before the first sample, for calls long enough to heat the GPU
-_SETTLE_MIN_CALL_S = 1e-3  # warm-up wall per call (launch + sync included) from which a call settles
-_SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts SM clock cycles; about the boost clock of current GPUs
-_HEAT_RATIO = 4.0  # loaded state: heavy work per sample, in multiples of the call's own time
-_HEAT_MAX_UNITS = 32
 _GRAPH_WARMUP_ROUNDS = 3  # eager rounds on a side stream before capture, as torch.cuda.graphs asks
 
 
@@ -208,18 +199,6 @@ def _prime(torch, fn, copies):
     return g.replay, len(copies), _GRAPH_WARMUP_ROUNDS * len(copies)  # g.replay keeps the graph alive
 
 
-def _batch(per_call_s: float, n: int, elapsed_s: float, rule: StopRule) -> int:
-    """Calls in the next batch: ~_BATCH_S of work, no more than the budget left, a multiple of 5 (StopRule
-    checks convergence at multiples of 5) and never past max_samples."""
-    per_call_s = max(per_call_s, 1e-7)
-    k = _BATCH_S / per_call_s
-    left = rule.budget_s - elapsed_s
-    if left > 0:
-        k = min(k, left / per_call_s)
-    k = min(_MAX_BATCH, max(5, 5 * math.ceil(round(k) / 5)))
-    return max(1, min(k, rule.max_samples - n))
-
-
 def _scoped(session, external_id: int, call) -> None:
     session.push(external_id)
     try:
@@ -285,71 +264,6 @@ def _warm_cupti(torch, session, call, flush):
     return win, "timestamp_window", why, per_call_s
 
 
-def _settle(torch, call, flush, per_call_s: float, notes: dict, state: StateProtocol | None = None) -> None:
-    """Run back to back, as the samples will, before the first sample. A long kernel draws the GPU towards
-    its power cap within milliseconds; without this its first samples would catch the boost clock the
-    warm-up's synchronized calls leave, and the median would mix two regimes. With `state`, until the SM
-    clock holds steady (any call length); without, for _SETTLE_S, calls of 1 ms or more only."""
-    if state is not None:
-        _settle_to_state(torch, call, flush, per_call_s, state)
-        return
-    if per_call_s < _SETTLE_MIN_CALL_S:
-        return
-    t, n = time.perf_counter(), 0
-    while time.perf_counter() - t < _SETTLE_S:
-        for _ in range(max(1, int(0.01 / per_call_s))):
-            if flush is not None:
-                flush()
-            call()
-            n += 1
-        torch.cuda.synchronize()
-    notes["settle"] = f"{n} calls in {time.perf_counter() - t:.3f} s"
-
-
-def _settle_to_state(torch, call, flush, per_call_s: float, state: StateProtocol) -> None:
-    """state.settle over chunks of (flush, call) pairs with two chunks in flight at most: the clock is read
-    while a chunk runs, and the host never runs far ahead of the GPU."""
-    pending = []
-
-    def run_chunk(chunk_s: float) -> None:
-        for _ in range(max(1, int(chunk_s / max(per_call_s, 1e-7)))):
-            if flush is not None:
-                flush()
-            call()
-        done = torch.cuda.Event()
-        done.record()
-        pending.append(done)
-        if len(pending) > 1:
-            pending.pop(0).synchronize()
-
-    state.settle(run_chunk)
-    torch.cuda.synchronize()
-
-
-def _heated(torch, flush, heat, per_call_s: float, notes: dict):
-    """`flush` preceded by enough units of `heat` to take about _HEAT_RATIO times the call (at least one, at
-    most _HEAT_MAX_UNITS), or `flush` itself without heat."""
-    if heat is None:
-        return flush
-    heat()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(5):
-        heat()
-    torch.cuda.synchronize()
-    unit_s = (time.perf_counter() - t) / 5
-    units = max(1, min(_HEAT_MAX_UNITS, math.ceil(_HEAT_RATIO * per_call_s / unit_s)))
-    notes.update(power="loaded", heat_units=str(units), heat_unit_us=f"{unit_s * 1e6:.1f}")
-
-    def heated() -> None:
-        for _ in range(units):
-            heat()
-        if flush is not None:
-            flush()
-
-    return heated
-
-
 def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes, state=None, heat=None):
     started = time.perf_counter()
     groups, attribution, why, per_call_s = _warm_cupti(torch, session, call, flush)
@@ -402,108 +316,3 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes, stat
     return samples, reason, warm, ref
 
 
-def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_call_s: float, rule: StopRule,
-            started: float, notes: dict, state: StateProtocol | None = None) -> tuple[list[float], str]:
-    """The sampling loop both timers share: batches sized by `_batch` from the last batch's wall time per
-    call, `batch(k, samples so far, during)` returning k samples, until `rule` stops. `during()` is called
-    while the batch runs on the GPU; with `state`, it reads the GPU there, and a batch that ran out of the
-    settled state (`state.hold`) has its samples discarded."""
-    samples: list[float] = []
-    biggest, batches = 0, 0
-    t0 = time.perf_counter()
-    notes["warmup_s"] = f"{t0 - started:.4f}"  # warm-up and settling, before the first sample
-    reading = []
-
-    def during() -> None:
-        if state is not None:
-            reading.append(state.probe())
-
-    while True:
-        k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
-        b0 = time.perf_counter()
-        reading.clear()
-        got = batch(k, len(samples), during)
-        if not reading or state.hold(reading[-1]):
-            samples += got
-        per_call_s = (time.perf_counter() - b0) / k
-        biggest, batches = max(biggest, k), batches + 1
-        reason = rule.check(samples, time.perf_counter() - t0)
-        if reason in ("converged", "resolution") and state is not None and \
-                time.perf_counter() - t0 < state.min_sample_s:
-            reason = None  # a power-capped kernel: span the cap controller's swings before stopping
-        if reason:
-            notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
-            return samples, reason
-
-
-_ZERO_SLEEP_US = 10.0  # length of the reference kernel that measures an event pair's overhead
-
-
-def _events_zero_ms(torch, flush, clock_mhz: float | None, n: int = 25) -> tuple[float, str]:
-    """What an event pair adds to the kernel it brackets, in the samples' own pattern (a flush first, the
-    GPU held back while the host enqueues), subtracted from every events sample.
-
-    With the SM clock known (the settled clock of the state protocol), the pair brackets a reference kernel
-    of known length: torch.cuda._sleep spins for a count of SM clock cycles, so it lasts cycles / clock. The
-    reading less that length is the pair's cost plus a kernel's launch and completion latency, which every
-    kernel pays alike (~2-3 µs on an H200: +10 % to +20 % on a 20 µs kernel). Without a clock, an empty pair
-    is the zero: its own cost only, so the launch latency stays in the samples. Returns (ms, method)."""
-    cycles = round(_ZERO_SLEEP_US * clock_mhz) if clock_mhz else 0  # µs x MHz = cycles
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    torch.cuda._sleep(int(0.002 * _SLEEP_CYCLES_PER_S))
-    for start, end in zip(starts, ends):
-        if flush is not None:
-            flush()
-        start.record()
-        if cycles:
-            torch.cuda._sleep(cycles)
-        end.record()
-    torch.cuda.synchronize()
-    reading = statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
-    if not cycles:
-        return reading, "empty event pair"
-    known_ms = cycles / (clock_mhz * 1e6) * 1e3
-    return max(reading - known_ms, 0.0), f"{cycles}-cycle sleep kernel at {clock_mhz:.0f} MHz"
-
-
-def _run_events(torch, call, flush, per_call, rule, notes, state=None, heat=None):
-    started = time.perf_counter()
-    warm = 0
-    while warm < 2 or (time.perf_counter() - started < _WARMUP_S and warm < _WARMUP_MAX):
-        if flush is not None:
-            flush()
-        call()
-        torch.cuda.synchronize()
-        warm += 1
-    per_call_s = (time.perf_counter() - started) / warm
-    flush = _heated(torch, flush, heat, per_call_s, notes)
-    _settle(torch, call, flush, per_call_s, notes, state)
-    notes.update(attribution="events", launch="batched")
-    enqueue_s = 50e-6  # host time to enqueue one (flush, event, call, event): measured per batch after the first
-    clock_mhz = state.reference if state is not None else None
-    zero_ms, how = _events_zero_ms(torch, flush, clock_mhz)
-    notes.update(events_zero_us=f"{zero_ms * 1e3:.3f}", events_zero_method=how)
-
-    def batch(k: int, _done: int, during: Callable[[], None]) -> list[float]:
-        nonlocal enqueue_s
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(k)]
-        # Hold the GPU back while the host enqueues the batch: a start event the GPU reaches before the
-        # host has launched the call would time the host's launch latency (a short kernel reads several
-        # times slow). The sleep runs before the first start event, untimed.
-        torch.cuda._sleep(int(min(enqueue_s * k * 1.5, 0.05) * _SLEEP_CYCLES_PER_S))
-        e0 = time.perf_counter()
-        for start, end in zip(starts, ends):
-            if flush is not None:
-                flush()  # before the start event: not timed
-            start.record()
-            call()
-            end.record()
-        enqueue_s = (time.perf_counter() - e0) / k
-        during()
-        torch.cuda.synchronize()
-        return [max(start.elapsed_time(end) - zero_ms, 0.0) / per_call for start, end in zip(starts, ends)]
-
-    samples, reason = _sample(batch, per_call_s, rule, started, notes, state)
-    return samples, reason, warm

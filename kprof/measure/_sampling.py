@@ -1,0 +1,132 @@
+"""The sampling loop both GPU timers share: batch sizing, settling the GPU into its state (and the loaded
+state's heat), and the loop that collects samples until the stopping rule says so, holding each batch to the
+state protocol. Used by kprof.measure.gpu_timer (CUPTI) and kprof.measure._events_timer (CUDA events)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+from ._state import StateProtocol
+from .stats import StopRule
+
+_WARMUP_S = 0.01  # warm-up wall time (at least 2 invocations)
+_WARMUP_MAX = 200  # warm-up invocations at most: each keeps its kernel records until attribution
+_BATCH_S = 0.02  # GPU work per batch between two host synchronizations
+_MAX_BATCH = 100
+_SETTLE_S = 0.05  # back-to-back running before the first sample, for calls long enough to heat the GPU
+_SETTLE_MIN_CALL_S = 1e-3  # warm-up wall per call (launch + sync included) from which a call settles
+_HEAT_RATIO = 4.0  # loaded state: heavy work per sample, in multiples of the call's own time
+_HEAT_MAX_UNITS = 32
+
+
+def _batch(per_call_s: float, n: int, elapsed_s: float, rule: StopRule) -> int:
+    """Calls in the next batch: ~_BATCH_S of work, no more than the budget left, a multiple of 5 (StopRule
+    checks convergence at multiples of 5) and never past max_samples."""
+    per_call_s = max(per_call_s, 1e-7)
+    k = _BATCH_S / per_call_s
+    left = rule.budget_s - elapsed_s
+    if left > 0:
+        k = min(k, left / per_call_s)
+    k = min(_MAX_BATCH, max(5, 5 * math.ceil(round(k) / 5)))
+    return max(1, min(k, rule.max_samples - n))
+
+
+def _settle(torch, call, flush, per_call_s: float, notes: dict, state: StateProtocol | None = None) -> None:
+    """Run back to back, as the samples will, before the first sample. A long kernel draws the GPU towards
+    its power cap within milliseconds; without this its first samples would catch the boost clock the
+    warm-up's synchronized calls leave, and the median would mix two regimes. With `state`, until the SM
+    clock holds steady (any call length); without, for _SETTLE_S, calls of 1 ms or more only."""
+    if state is not None:
+        _settle_to_state(torch, call, flush, per_call_s, state)
+        return
+    if per_call_s < _SETTLE_MIN_CALL_S:
+        return
+    t, n = time.perf_counter(), 0
+    while time.perf_counter() - t < _SETTLE_S:
+        for _ in range(max(1, int(0.01 / per_call_s))):
+            if flush is not None:
+                flush()
+            call()
+            n += 1
+        torch.cuda.synchronize()
+    notes["settle"] = f"{n} calls in {time.perf_counter() - t:.3f} s"
+
+
+def _settle_to_state(torch, call, flush, per_call_s: float, state: StateProtocol) -> None:
+    """state.settle over chunks of (flush, call) pairs with two chunks in flight at most: the clock is read
+    while a chunk runs, and the host never runs far ahead of the GPU."""
+    pending = []
+
+    def run_chunk(chunk_s: float) -> None:
+        for _ in range(max(1, int(chunk_s / max(per_call_s, 1e-7)))):
+            if flush is not None:
+                flush()
+            call()
+        done = torch.cuda.Event()
+        done.record()
+        pending.append(done)
+        if len(pending) > 1:
+            pending.pop(0).synchronize()
+
+    state.settle(run_chunk)
+    torch.cuda.synchronize()
+
+
+def _heated(torch, flush, heat, per_call_s: float, notes: dict):
+    """`flush` preceded by enough units of `heat` to take about _HEAT_RATIO times the call (at least one, at
+    most _HEAT_MAX_UNITS), or `flush` itself without heat."""
+    if heat is None:
+        return flush
+    heat()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        heat()
+    torch.cuda.synchronize()
+    unit_s = (time.perf_counter() - t) / 5
+    units = max(1, min(_HEAT_MAX_UNITS, math.ceil(_HEAT_RATIO * per_call_s / unit_s)))
+    notes.update(power="loaded", heat_units=str(units), heat_unit_us=f"{unit_s * 1e6:.1f}")
+
+    def heated() -> None:
+        for _ in range(units):
+            heat()
+        if flush is not None:
+            flush()
+
+    return heated
+
+
+def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_call_s: float, rule: StopRule,
+            started: float, notes: dict, state: StateProtocol | None = None) -> tuple[list[float], str]:
+    """The sampling loop both timers share: batches sized by `_batch` from the last batch's wall time per
+    call, `batch(k, samples so far, during)` returning k samples, until `rule` stops. `during()` is called
+    while the batch runs on the GPU; with `state`, it reads the GPU there, and a batch that ran out of the
+    settled state (`state.hold`) has its samples discarded."""
+    samples: list[float] = []
+    biggest, batches = 0, 0
+    t0 = time.perf_counter()
+    notes["warmup_s"] = f"{t0 - started:.4f}"  # warm-up and settling, before the first sample
+    reading = []
+
+    def during() -> None:
+        if state is not None:
+            reading.append(state.probe())
+
+    while True:
+        k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
+        b0 = time.perf_counter()
+        reading.clear()
+        got = batch(k, len(samples), during)
+        if not reading or state.hold(reading[-1]):
+            samples += got
+        per_call_s = (time.perf_counter() - b0) / k
+        biggest, batches = max(biggest, k), batches + 1
+        reason = rule.check(samples, time.perf_counter() - t0)
+        if reason in ("converged", "resolution") and state is not None and \
+                time.perf_counter() - t0 < state.min_sample_s:
+            reason = None  # a power-capped kernel: span the cap controller's swings before stopping
+        if reason:
+            notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
+            return samples, reason
