@@ -54,24 +54,35 @@ def _settle(torch, call, flush, per_call_s: float, notes: dict, state: StateProt
     notes["settle"] = f"{n} calls in {time.perf_counter() - t:.3f} s"
 
 
-def _settle_to_state(torch, call, flush, per_call_s: float, state: StateProtocol) -> None:
-    """state.settle over chunks of (flush, call) pairs with two chunks in flight at most: the clock is read
-    while a chunk runs, and the host never runs far ahead of the GPU."""
+def settle_back_to_back(torch, step: Callable[[], object], per_call_s: float, state: StateProtocol):
+    """state.settle over chunks of `step` (one call, with whatever goes before it) run back to back, two chunks
+    in flight at most: the GPU is read while a chunk runs, and the host never runs far ahead of it. Returns
+    state.settle's result, the device synchronized."""
     pending = []
 
     def run_chunk(chunk_s: float) -> None:
         for _ in range(max(1, int(chunk_s / max(per_call_s, 1e-7)))):
-            if flush is not None:
-                flush()
-            call()
+            step()
         done = torch.cuda.Event()
         done.record()
         pending.append(done)
         if len(pending) > 1:
             pending.pop(0).synchronize()
 
-    state.settle(run_chunk)
+    settled = state.settle(run_chunk)
     torch.cuda.synchronize()
+    return settled
+
+
+def _settle_to_state(torch, call, flush, per_call_s: float, state: StateProtocol) -> None:
+    """state.settle over (flush, call) pairs, as the samples will run."""
+
+    def step() -> None:
+        if flush is not None:
+            flush()
+        call()
+
+    settle_back_to_back(torch, step, per_call_s, state)
 
 
 def _heated(torch, flush, heat, per_call_s: float, notes: dict):

@@ -210,6 +210,7 @@ class _CudaDevice:
         self._wake()
         self.state_errors: dict[str, str] = {}
         self.start_notes: dict[str, str] = {}
+        self._probe = None  # NVML's reader of the state protocol, made once per device
 
     def measure(self, case, rule: StopRule):
         from ..measure.gpu_timer import time_gpu
@@ -252,11 +253,13 @@ class _CudaDevice:
         from ..measure._state import StateProtocol
         from ..measure.nvml import state_probe
 
-        try:
-            probe = state_probe(0, self.state_errors)
-        except Exception as e:  # noqa: BLE001 - no NVML: time without the protocol, and record why
-            self.state_errors["state"] = f"{type(e).__name__}: {e}"
-            return None
+        if self._probe is None:
+            try:
+                self._probe = state_probe(0, self.state_errors)
+            except Exception as e:  # noqa: BLE001 - no NVML: time without the protocol, and record why
+                self.state_errors["state"] = f"{type(e).__name__}: {e}"
+                return None
+        probe = self._probe
         # Right after the energy window the GPU is in this kernel's state already, capped or not: the settle
         # only confirms it in the samples' pattern.
         after = {"min_s": SETTLED_MIN_S, "capped_settle_s": SETTLED_MIN_S} if settled else {}
@@ -270,34 +273,20 @@ class _CudaDevice:
         """Energy per call over a window of steady back-to-back calls (L2 warm): the calls first run until the
         SM clock holds steady (the protocol's settle), then NVML's counter is fitted over the window."""
         from ..measure._burst import burst
+        from ..measure._sampling import settle_back_to_back
         from ..measure.nvml import measure_energy
 
         torch = self.torch
-        warm = {}
-        if state is not None:
-            t = time.perf_counter()
-            case.fn()
-            torch.cuda.synchronize()
-            per_call = max(time.perf_counter() - t, 1e-6)
-            pending = []
-
-            def run_chunk(chunk_s: float) -> None:
-                for _ in range(max(1, int(chunk_s / per_call))):
-                    case.fn()
-                done = torch.cuda.Event()
-                done.record()
-                pending.append(done)
-                if len(pending) > 1:
-                    pending.pop(0).synchronize()
-
-            settled = state.settle(run_chunk)
-            torch.cuda.synchronize()
-            warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
         t = time.perf_counter()
         for _ in range(3):
             case.fn()
         torch.cuda.synchronize()
-        calls_fn, per_replay, how = burst(case.fn, (time.perf_counter() - t) / 3, call_bytes=case.bytes)
+        per_call = max((time.perf_counter() - t) / 3, 1e-6)
+        warm = {}
+        if state is not None:
+            settled = settle_back_to_back(torch, case.fn, per_call, state)
+            warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
+        calls_fn, per_replay, how = burst(case.fn, per_call, call_bytes=case.bytes)
         result = measure_energy(calls_fn, seconds=self.energy_s, sync=torch.cuda.synchronize,
                                 warmup_s=0.0 if state is not None else min(0.1, self.energy_s))
         return result.j_per_call / per_replay, {
