@@ -130,7 +130,7 @@ def _plot(c: dict, path: str) -> bool:
     if numeric and max(p[c["x"]] for p in ok) > 16 * max(1, min(p[c["x"]] for p in ok)):
         ax.set_xscale("log", base=2)
     ax.set_xlabel(c["x"])
-    ax.set_ylabel("time_ms (median)")
+    ax.set_ylabel("time_ms")
     fixed = ", ".join(f"{k}={v}" for k, v in c["fixedArgs"].items())
     ax.set_title(f"{c['table']} / {c['backend']} on {c['gpu_name']}\n{fixed}", fontsize=9)
     if len(series) > 1:

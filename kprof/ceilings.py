@@ -14,6 +14,11 @@ named), one row per shape, found again by its table and spec. A `Ceiling` names 
 timing string and, read from the rows' own events, the SM clock range, power, temperature and throttle
 reasons seen (`method`; `method["summary"]` is the same in one line).
 
+The arithmetic ceiling is taken at the max SM clock: each GEMM row's TFLOP/s times the device's max SM clock
+over the clock it was timed at, where its event says both (`_clock_scale`; `method["clock_scaled"]`). The set's
+GEMMs run power-capped at clocks that differ from pass to pass, so their best as measured did not bound rows
+timed a moment nearer boost; per clock, it does. Bandwidth ceilings are not scaled (HBM has its own clock).
+
 The arithmetic ceiling is a bf16 ceiling on the GPU (fp32 on the CPU): it says what this device reaches in
 the dtype models mostly run, not a dtype-agnostic peak. Rows of a faster dtype (fp8_e4m3 runs about twice
 as fast) are still given fractions of it, and they come out above 1 and flagged, as below.
@@ -161,12 +166,17 @@ def ceilings(backend: str, gpu_key: str, *, db: str | None = None, ledger=None,
                           if row.status == "ok" and row.metrics and (row.metrics.get(s.metric) or 0) > 0]
             if not found:
                 continue
-            best_table, best = max(found, key=lambda x: x[1].metrics[s.metric])
-            rows = tuple({"table": t, "spec": dict(row.spec), "value": row.metrics[s.metric], "citation": row.citation}
-                         for t, row in found)
-            events = [e for e in (ledger.event(row.event_id) for _t, row in found) if e is not None]
-            method = _method(s, ";".join(sorted(timings)), found, events, (best_table, best))
-            out.append(Ceiling(s.metric, best.metrics[s.metric], best_table, dict(best.spec), best.citation,
+            events = [ledger.event(row.event_id) for _t, row in found]
+            scales = [_clock_scale(e) if s.metric == "tflops" else None for e in events]
+            values = [row.metrics[s.metric] * (k or 1.0) for (_t, row), k in zip(found, scales)]
+            i = max(range(len(found)), key=values.__getitem__)
+            best_table, best = found[i]
+            rows = tuple({"table": t, "spec": dict(row.spec), "value": row.metrics[s.metric], "citation": row.citation,
+                          **({"at_max_clock": v} if k else {})}
+                         for (t, row), k, v in zip(found, scales, values))
+            method = _method(s, ";".join(sorted(timings)), found, [e for e in events if e is not None],
+                             (best_table, best), scaled=[k for k in scales if k])
+            out.append(Ceiling(s.metric, values[i], best_table, dict(best.spec), best.citation,
                                tuple({"table": t, "spec": dict(x)} for t, x in s.members), rows, method))
         return out
     finally:
@@ -186,7 +196,33 @@ def _span(values: list[float]) -> list[float] | None:
     return [min(values), max(values)] if values else None
 
 
-def _method(s: CeilingSet, timing: str, found: list, events: list, best: tuple) -> dict:
+def _clock_scale(event) -> float | None:
+    """The device's max SM clock over the SM clock the row was timed at (>= 1), or None where the row does not
+    say both (the CPU; rows timed without the state protocol's readings and without telemetry).
+
+    Why the arithmetic ceiling is scaled to the max clock: the large GEMMs of the set run at the power cap,
+    whose clock swings from row to row and pass to pass (1395-1980 MHz on an H200), so a maximum taken at the
+    clocks they happened to get is not a bound: a long-k GEMM measured a moment nearer boost read 103 % of it.
+    Throughput per clock is the shape's own; times the max clock it is what no row of that efficiency can
+    pass, whatever its clock."""
+    env = getattr(event, "environment", None)
+    if env is None:
+        return None
+    top = env.clocks.get("sm_max_mhz")
+    timed = None
+    method = getattr(event, "method", None)
+    if method is not None:
+        try:
+            timed = float(method.notes.get("timed_sm_mhz_median", ""))
+        except ValueError:
+            timed = None
+    timed = timed or env.clocks.get("sm_mhz_median")
+    if not top or not timed or timed <= 0:
+        return None
+    return max(1.0, top / timed)
+
+
+def _method(s: CeilingSet, timing: str, found: list, events: list, best: tuple, scaled: list | None = None) -> dict:
     """How a ceiling's rows were measured, from their events: timing, the range over the rows of each clock
     and power reading their environments hold, every throttle reason seen, the stop reasons."""
     clocks: dict[str, list[float]] = {}
@@ -210,6 +246,11 @@ def _method(s: CeilingSet, timing: str, found: list, events: list, best: tuple) 
            "at": _label(best[0], best[1].spec), "timing": timing, "timers_seen": sorted(timers),
            "clocks": {k: _span(v) for k, v in sorted(clocks.items())}, "throttle": sorted(throttle),
            "power_limit_w": sorted(limits), "stop_reasons": sorted(stops)}
+    if scaled:
+        top = sorted(clocks.get("sm_max_mhz", []))
+        out["clock_scaled"] = (f"{len(scaled)} of {len(found)} rows' {s.metric} x the max SM clock"
+                               f"{f' ({top[-1]:.0f} MHz)' if top else ''} / the SM clock each was timed at "
+                               f"(x{min(scaled):.3f}-{max(scaled):.3f})")
     out["summary"] = _summary(out)
     return out
 
@@ -218,6 +259,8 @@ def _summary(m: dict) -> str:
     """The method in one line, e.g. "max over 6/6 shapes (at single_gemm 4096x4096x4096); cupti;l2=cold;eager;
     SM 1530-1980 MHz; 640-700 W; throttle power_cap"."""
     parts = [f"max over {m['measured']}/{m['of']} shapes (at {m['at']})", m["timing"]]
+    if m.get("clock_scaled"):
+        parts[0] += ", scaled to the max SM clock"
     c = m["clocks"]
     sm = [v for k, i in (("sm_mhz_min", 0), ("sm_mhz_max", 1)) if c.get(k) for v in [c[k][i]]]
     if sm:

@@ -13,6 +13,9 @@ is lower) names a moment, not the kernel. The protocol, for every CUDA row:
    median is the settled clock. A kernel that reaches the power cap settles for `capped_settle_s` instead
    and is sampled for at least `capped_sample_s`: under the cap the clock swings by 10-20 % over tens of
    milliseconds, and a short median would catch one swing (rows of such GEMMs spread by 5-9 % that way).
+   Such a row's time is the mean of its samples (`estimator`): per-call times under a swinging clock are not
+   one-peaked, and their median jumps between the peaks from run to run (4.3 % between passes on an H200,
+   with 0.5 s of samples), while the mean is the time the kernel spends on average, which a sum of rows needs.
 3. **Hold**: each timed batch gets a reading taken while it runs. A batch whose SM clock is off the settled
    clock by more than `tol` (not for a capped kernel, whose clock swings by nature), or that shows a thermal
    or hardware slowdown, was measured out of state: its samples are discarded and the stopping rule asks
@@ -75,11 +78,12 @@ class StateProtocol:
                  tol: float = 0.02, window: int = 3, chunk_s: float = 0.02, min_s: float = 0.12,
                  max_s: float = 1.5, max_discards: int = 8, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.perf_counter, regime: str = "sustained",
-                 power_limit_w: float | None = None, capped_settle_s: float = 0.3, capped_sample_s: float = 0.5):
+                 power_limit_w: float | None = None, capped_settle_s: float = 0.3, capped_sample_s: float = 1.0):
         self.regime, self.power_limit_w = regime, power_limit_w
         self.capped_settle_s, self.capped_sample_s = capped_settle_s, capped_sample_s
         self.capped = False
         self.min_sample_s = 0.0  # timed work the samples must span (set by settle: capped kernels)
+        self.estimator = "median"  # the row's time from its samples: "mean" for a capped kernel (set by settle)
         self.probe, self.max_start_c, self.cool_s, self.tol = probe, max_start_c, cool_s, tol
         self.window, self.chunk_s, self.min_s, self.max_s = window, chunk_s, min_s, max_s
         self.max_discards, self._sleep, self._clock = max_discards, sleep, clock
@@ -111,8 +115,8 @@ class StateProtocol:
         (a GPU drawing more than its limit is about to be capped: the clock has not fallen yet). A kernel
         that reaches the power cap never holds one clock: the cap's controller moves it by 10-20 % over
         tens of milliseconds. Such a kernel settles for `capped_settle_s` and is then sampled for at least
-        `capped_sample_s` (see `min_sample_s`), so its median spans the controller's swings rather than
-        catching one of them."""
+        `capped_sample_s` (see `min_sample_s`), so its samples span the controller's swings rather than
+        catching one of them, and its time is their mean (`estimator`)."""
         t0 = self._clock()
         readings: list[StateReading] = []
         capped_at: int | None = None
@@ -141,10 +145,12 @@ class StateProtocol:
         self.reference = ref
         self.capped = capped_at is not None
         self.min_sample_s = self.capped_sample_s if self.capped else 0.0
+        self.estimator = "mean" if self.capped else "median"
         result = Settled(ref, self._clock() - t0, chunks, steady)
         self.notes.update(settle_s=f"{result.seconds:.3f}", settle_chunks=str(chunks),
                           settled_sm_mhz=_fmt(ref), settled="yes" if steady else "no (max_s reached)",
                           power_capped="yes" if self.capped else "no")
+        self.notes["estimator"] = self.estimator
         if self.capped:
             self.notes["capped_sample_s"] = f"{self.capped_sample_s:.2f}"
         return result

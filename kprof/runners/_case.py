@@ -43,6 +43,10 @@ class Case(NamedTuple):
     # L2 when this one starts (weights and KV caches are not). Cold-L2 timing evicts everything by a read
     # sweep, then rewrites these in place, outside the timed region.
     warm: tuple[int, ...] = ()
+    # Loads the case's next input draw into its warm inputs, in place (an MoE layer's routing: which rows go to
+    # which expert). Cold-L2 timing calls it after each sweep, instead of rewriting those inputs, so the row is
+    # the mean over the draws, as a model's layers each route differently. None: one draw.
+    refresh: Callable[[], object] | None = None
 
 
 def bind(call: Callable, inputs: tuple) -> Callable[[], object]:

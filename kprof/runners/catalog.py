@@ -122,7 +122,10 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # write flush before it made the timed kernel pay dirty write-backs: decode GEMMs read +12 % to +27 % over
 # the same kernels in a model), and every row is timed under the thermal and power protocol
 # (kprof.measure._state). Rows of revision 1 read as stale. CPU rows keep revision 1: their timer is unchanged.
-GPU_REVISION = 2
+# 3 (2026-12-01): a power-capped row's time is the mean of samples spanning at least 1 s (the median of 0.5 s
+# moved up to 4.3 % between passes: the cap's controller swings the clock, and the per-call times are not
+# one-peaked); the torch MoE grouped GEMM rotates over draws of its routing (kprof.runners.moe).
+GPU_REVISION = 3
 CPU_REVISION = 1
 
 

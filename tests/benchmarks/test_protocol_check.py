@@ -132,6 +132,18 @@ def test_ratio_summary_splits_at_20_us():
     assert r["all"]["n"] == 4 and r["all"]["max_dev"] == pytest.approx(0.30)
     none = pc.ratio_summary([(None, None)])
     assert none["large"]["max_dev"] is None and none["all"]["max_dev"] is None
+    assert "multi" not in r  # no kernel counts: no split-K group
+
+
+def test_ratio_summary_keeps_split_k_calls_apart():
+    """A two-kernel call's events span the launch gap between its kernels: its own group, shown, not held to
+    the one-kernel target; the small calls stay small whatever their kernel count."""
+    pairs = [(0.0357, 0.0384), (0.050, 0.051), (0.010, 0.0103), (0.0302, 0.0307)]
+    r = pc.ratio_summary(pairs, kernels=[2, 1, 2, None])
+    assert (r["large"]["n"], r["multi"]["n"], r["small"]["n"]) == (2, 1, 1)
+    assert r["multi"]["max_dev"] == pytest.approx(0.0384 / 0.0357 - 1) and r["multi"]["worst"] == 0
+    assert r["large"]["max_dev"] == pytest.approx(0.02) and r["large"]["worst"] == 1
+    assert r["all"]["n"] == 4
 
 
 GOOD = {"a": {"spread": {"p95": 0.012, "max": 0.031}},
@@ -144,8 +156,8 @@ GOOD = {"a": {"spread": {"p95": 0.012, "max": 0.031}},
 
 def test_verdicts_meet_every_target_when_the_figures_do():
     rows = pc.verdicts(GOOD, wall_s=300.0)
-    assert [r.case for r in rows] == ["a", "a", "b", "b", "c", "d", "d", "e", "f", "f", "all"]
-    assert [r.met for r in rows] == ["yes", "yes", "yes", "-", "yes", "yes", "-", "yes", "yes", "yes", "yes"]
+    assert [r.case for r in rows] == ["a", "a", "b", "b", "b", "c", "d", "d", "e", "f", "f", "all"]
+    assert [r.met for r in rows] == ["yes", "yes", "yes", "-", "-", "yes", "yes", "-", "yes", "yes", "yes", "yes"]
     by = {(r.case, r.target): r.result for r in rows}
     assert by[("a", "p95 spread over 4 passes <= 2 %")] == "1.20 %"
     assert by[("d", "fill wall per spec <= 0.35 s")] == "0.310 s"
@@ -172,7 +184,7 @@ def test_verdicts_fail_a_missed_target_a_missing_figure_and_an_error():
 
 def test_verdicts_list_only_the_cases_run():
     rows = pc.verdicts({"b": GOOD["b"], "e": GOOD["e"]})
-    assert [r.case for r in rows] == ["b", "b", "e"]
+    assert [r.case for r in rows] == ["b", "b", "b", "e"]
 
 
 def test_the_table_is_aligned_and_ends_with_the_last_verdict():
@@ -180,7 +192,7 @@ def test_the_table_is_aligned_and_ends_with_the_last_verdict():
     lines = text.splitlines()
     assert lines[0].split() == ["case", "target", "result", "met"]
     assert set(lines[1].replace(" ", "")) == {"-"}
-    assert len(lines) == 2 + 11
+    assert len(lines) == 2 + 12
     col = lines[0].index("result")
     assert all(line[col - 2:col] == "  " for line in lines[2:])  # one column start for every row
     assert lines[-1].startswith("all") and lines[-1].endswith("yes")

@@ -217,3 +217,31 @@ def test_calibrate_unknown_backend_is_a_usage_error(h, capsys, tmp_path):
     assert main(["calibrate", "--backend", "torch-tpu", "--db", "p.db"]) == 2
     assert "unknown backend 'torch-tpu'" in capsys.readouterr().err
     assert not (tmp_path / "p.db").exists()
+
+
+def test_the_arithmetic_ceiling_is_taken_at_the_max_sm_clock(h):
+    """Power-capped GEMMs are timed at clocks that differ from pass to pass: the ceiling is each row's rate per
+    clock times the max clock, so a row timed nearer boost cannot pass it; bandwidth is not scaled."""
+    specs = [spec for _t, spec in GPU_FLOPS.members]
+    timed = {0: 1500.0, 1: 1980.0}  # the rest: no timed clock in the method, the telemetry median instead
+    events = []
+    for i, spec in enumerate(specs[:3]):
+        env = Environment(clocks={"sm_max_mhz": 1980.0, **({"sm_mhz_median": 1800.0} if i == 2 else {})})
+        prov = KeyMaker("single_gemm", "torch", GPU, lookup("single_gemm", "torch").contract,
+                        ShapeCodec(lookup("single_gemm", "torch").args)).provenance(spec)
+        stats = Stats(n=3, median=1.0, p10=1.0, p90=1.0, mean=1.0, stdev=0.0, cv=0.0, min=1.0, max=1.0)
+        notes = {"timed_sm_mhz_median": str(timed[i])} if i in timed else {}
+        events.append(measured(prov, {"time_ms": 1.0, "tflops": 600.0, "memory_bandwidth_gbps": 100.0,
+                                      "energy_j": None}, stats, Method(timer="cupti", notes=notes), environment=env))
+    h.append("p.db", *events)
+    (c,) = ceilings("torch", GPU, db="p.db")
+    assert c.metric == "tflops" and c.value == pytest.approx(600.0 * 1980 / 1500) and c.spec == specs[0]
+    assert [r["value"] for r in c.rows] == [600.0] * 3
+    assert [r["at_max_clock"] for r in c.rows] == pytest.approx([792.0, 600.0, 660.0])
+    assert c.method["clock_scaled"].startswith("3 of 3 rows' tflops x the max SM clock (1980 MHz)")
+    assert ", scaled to the max SM clock" in c.method["summary"]
+    # a row of the same rate per clock, timed at boost: at its ceiling, not above it
+    docs = [{"status": "ok", "metrics": {"tflops": 792.0}}, {"status": "ok", "metrics": {"tflops": 800.0}}]
+    annotate(docs, [c])
+    assert docs[0]["ceiling"]["fraction"]["tflops"] == pytest.approx(1.0) and "above_ceiling" not in docs[0]["ceiling"]
+    assert docs[1]["ceiling"]["above_ceiling"] is True

@@ -63,6 +63,7 @@ def test_settle_runs_until_the_clock_holds_steady_and_takes_its_median():
     assert settled.steady and settled.sm_mhz == 1980 and settled.chunks == 5
     assert p.reference == 1980 and p.notes["settled"] == "yes" and p.notes["power_capped"] == "no"
     assert p.min_sample_s == 0.0
+    assert p.estimator == "median" and p.notes["estimator"] == "median"
 
 
 def test_a_power_capped_kernel_settles_for_capped_settle_s_and_must_be_sampled_longer():
@@ -77,6 +78,7 @@ def test_a_power_capped_kernel_settles_for_capped_settle_s_and_must_be_sampled_l
     assert p.hold(StateReading(1500, 700, 56, 0x4)) and p.hold(StateReading(1750, 700, 56, 0x4))
     assert not p.hold(StateReading(1500, 700, 90, 0x4 | 0x20))  # a thermal slowdown is still out of state
     assert p.summary()["power_capped"] == "yes"
+    assert p.estimator == "mean" and p.summary()["estimator"] == "mean"  # the row's time: the samples' mean
 
 
 def test_power_above_the_limit_is_not_steady_even_on_a_steady_clock():

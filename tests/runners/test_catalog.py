@@ -312,6 +312,37 @@ def test_moe_grouped_and_loop_agree_and_offsets_are_cumulative_ends(grouped_on_c
     assert torch.equal(grouped.fn(), loop.fn())
 
 
+def test_grouped_rows_rotate_over_routings_and_the_oracle_checks_the_first(grouped_on_cpu):
+    """The torch (grouped) row rotates over draws of the routing: each refresh copies the next draw's routed rows
+    and group ends into the live inputs in place (the addresses a CUDA graph captured stay valid); the check
+    runs on the first draw, the one the loop backends keep."""
+    spec = _moe_spec()
+    case, loop = moe.MoeGroupedMm().build(spec, "cpu"), moe.MoeExpertLoop().build(spec, "cpu")
+    n = moe.draws_for(spec)
+    assert n == moe.MAX_DRAWS and case.notes["routings"] == str(n) and loop.notes["routings"] == "1"
+    x, _w, offs = case.inputs
+    ptrs, first = (x.data_ptr(), offs.data_ptr()), offs.clone()
+    case.check()
+    assert torch.equal(case.fn(), loop.fn())  # draw 0: the loop backend's routing
+    seen = set()
+    for _ in range(n):
+        case.refresh()
+        assert (x.data_ptr(), offs.data_ptr()) == ptrs and int(offs[-1]) == x.shape[0]
+        seen.add(tuple(offs.tolist()))
+    assert torch.equal(offs, first) and len(seen) > n // 2  # back to draw 0 after n; the draws differ
+    lo, hi = map(int, case.notes["active_experts_range"].split("-"))
+    assert lo <= float(case.notes["active_experts_mean"]) <= hi <= spec.experts
+    rebuilt = moe.MoeGroupedMm().build(spec, "cpu")  # deterministic per spec
+    rebuilt.refresh()
+    case.refresh()
+    assert torch.equal(rebuilt.inputs[2], case.inputs[2]) and torch.equal(rebuilt.inputs[0], case.inputs[0])
+
+
+def test_large_batches_draw_fewer_routings_within_the_byte_budget():
+    assert moe.draws_for(_moe_spec(tokens=2048, topk=2, hidden=14336)) == max(1, (1 << 30) // (4096 * 14336 * 2))
+    assert moe.draws_for(_moe_spec(tokens=1 << 16, experts=8, topk=8, hidden=8192)) == 1
+
+
 def test_moe_oracle_catches_rows_shifted_within_a_group(monkeypatch):
     case = moe.MoeExpertLoop().build(_moe_spec(), "cpu")
     case.check()

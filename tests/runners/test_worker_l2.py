@@ -46,6 +46,17 @@ def test_eager_cold_rewrites_the_activations_after_the_sweep():
     assert device(graph=False)._warm(build("single_gemm")._replace(warm=())) is None
 
 
+def test_a_case_with_draws_loads_the_next_one_instead_of_rewriting():
+    """An MoE row's refresh (the next routing copied in) writes its activations itself: it replaces the
+    rewrite, after every sweep, eager or graph; without cold L2 nothing runs between calls."""
+    calls = []
+    case = build("moe_grouped_gemm")._replace(refresh=lambda: calls.append(1))
+    for graph in (False, True):
+        device(graph=graph)._warm(case)()
+    assert calls == [1, 1]
+    assert device(graph=False, cold=False)._warm(case) is None
+
+
 def test_eager_rows_rotate_over_copies_of_the_weights_and_share_the_activations():
     case = build("single_gemm")
     calls = []
