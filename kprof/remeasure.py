@@ -1,7 +1,10 @@
 """`kprof audit --remeasure N`: measure N random current rows of this machine's device again and report
 each row's drift. Nothing is written: an audit checks the ledger, it does not change it.
 
-A row drifts when |new median / stored median - 1| exceeds the tolerance. Rows are drawn from every
+A row drifts when |new time / stored time - 1| exceeds the tolerance on two measurements: a row over it is
+measured once more, after the others, and drifts only if that one is over it too (`first_drift` keeps the
+first). One re-measurement in 20 of a 10 µs decode GEMM read +4.7 % on an H200, right after a power-capped
+GEMM, where four passes of it had agreed within 1 %: a transient does not repeat, a wrong row does. Rows are drawn from every
 scope whose GPU key is the local device's (the CUDA GPU's name for CUDA backends, the CPU model for
 torch-cpu), under the contract this process measures with (timer included), so each row is re-measured
 exactly the way it was measured. An explicit CUDA timing method (`timer`, `l2`, `cuda_graph`, `power`, the
@@ -31,6 +34,7 @@ class Drift(NamedTuple):
     drift: float | None  # new / stored - 1
     ok: bool
     error: str | None = None
+    first_drift: float | None = None  # the first measurement's drift, where it was over the tolerance
 
 
 class RemeasureReport(NamedTuple):
@@ -82,7 +86,6 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     from .api import effective_entry
     from .ledger import Ledger
     from .runners.registry import entries
-    from .runners.worker import measure_specs
 
     if n < 1:
         raise UsageError(f"--remeasure {n}: give the number of rows to re-measure, at least 1")
@@ -115,6 +118,21 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     by_entry: dict[tuple, list] = {}
     for entry, gpu_key, row in chosen:
         by_entry.setdefault((entry.table, entry.backend, gpu_key), []).append((entry, row))
+    out = _measure(by_entry, tolerance)
+    again = {k: [(e, r) for e, r in items if any(d.citation == r.citation and d.drift is not None and not d.ok
+                                                for d in out)] for k, items in by_entry.items()}
+    confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance)}
+    out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
+    return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
+                           time.perf_counter() - started)
+
+
+
+def _measure(by_entry: dict[tuple, list], tolerance: float) -> list[Drift]:
+    """Each (entry, stored row) measured again, grouped by scope, as a Drift."""
+    from .runners.worker import measure_specs
+
+    out: list[Drift] = []
     for (_t, _b, gpu_key), items in by_entry.items():
         entry = items[0][0]
         specs = [row.spec for _e, row in items]
@@ -130,6 +148,4 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
             else:
                 out.append(Drift(entry.table, entry.backend, row.spec, row.citation, old, None, None, False,
                                  f"{event.error_kind}: {event.message}"))
-    return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
-                           time.perf_counter() - started)
-
+    return out
