@@ -8,7 +8,8 @@ KV cache; prefill of 1x2,048 causal tokens), with CUPTI kernel records (kprof.me
 
   discovery  one layer op by op, each op alone between synchronized timestamps: how many kernels each op
              launches and their names (eagerly; and for graph mode with each op captured as its own graph)
-  eager      the whole model back to back, no sync inside, `--iters` forwards after warm-up
+  eager      the whole model back to back, no sync inside, `--iters` forwards after warm-up and `--busy-s`
+             of forwards back to back (a GPU woken from idle runs its first kernels slower)
   graph      the whole model captured once as one CUDA graph (warmed up on a side stream, captured inside the
              CUPTI session) and replayed `--iters` times
 
@@ -59,6 +60,10 @@ MODES = ("eager", "graph")
 POWER_STATES = ("loaded", "sustained")  # --prefill-power's choices (kprof.runners.catalog.POWER_STATES)
 TARGETS = {"layer": 0.03, "kernel_median": 0.03, "kernel_max": 0.08}
 GRAPH_WARMUP = 3  # forwards on a side stream before any capture, as torch.cuda.graphs asks
+# Seconds of back-to-back forwards right before each timed window: a serving engine runs its steps without
+# idle between them, and a GPU woken from idle runs its first milliseconds of kernels slower (kprof's first
+# row of a process read 5 % slow on an H200 before its wake-up), which the timed window must not include.
+BUSY_S = 0.5
 QUICK = {"layers": 4, "iters": 3, "warmup": 2, "phases": ("decode_b1", "prefill_2048")}
 LEDGER_TAR_MAX = 256 << 20  # a larger ledger stays as it is, beside the JSON
 NOTES = [
@@ -314,6 +319,7 @@ class Plan(NamedTuple):
     row_method: str
     quick: bool
     prefill_power: str = "loaded"
+    busy_s: float = BUSY_S
 
     @property
     def skip_first_layer(self) -> bool:
@@ -357,6 +363,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="power state of the prefill phases' rows: loaded (default: each call after heavy GEMMs "
                         "that hold the GPU at its power limit, as inside a prefill) or sustained (the kernel back "
                         "to back, as in decode); decode phases always read sustained rows")
+    p.add_argument("--busy-s", type=float, default=None, help=f"seconds of back-to-back forwards right before "
+                   f"each timed window (default {BUSY_S}; --quick 0.05; 0: none)")
     p.add_argument("--db", default=None, help="ledger to fill and read (default: OUT/model_step.db, then packed "
                    "into model_step_ledger.tar.gz); an existing ledger's ok rows are reused")
     return p.parse_args(argv)
@@ -368,10 +376,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     iters = args.iters if args.iters is not None else (QUICK["iters"] if args.quick else 10)
     if layers < 1 or iters < 1:
         raise ValueError(f"--layers ({layers}) and --iters ({iters}) must be at least 1")
+    if args.busy_s is not None and not args.busy_s >= 0:
+        raise ValueError(f"--busy-s ({args.busy_s}) must be a number of seconds >= 0, e.g. --busy-s 0.5")
     phases = _names(args.phases, PHASES, "phase", QUICK["phases"] if args.quick else list(PHASES))
     return Plan(_names(args.configs, CONFIGS, "config", list(CONFIGS)), phases, layers, iters,
                 QUICK["warmup"] if args.quick else 3, args.out, args.db, args.row_method, args.quick,
-                args.prefill_power)
+                args.prefill_power, args.busy_s if args.busy_s is not None else (0.05 if args.quick else BUSY_S))
 
 
 RowKey = tuple  # (table, spec as sorted JSON, power state): one kprof row
@@ -600,8 +610,9 @@ def _discover_graph(model, ph, buf, session, counts: dict[str, int]) -> dict[str
 
 
 def _timed(run_once, session, plan: Plan):
-    """`plan.warmup` untimed calls, then `plan.iters` back to back inside one synchronized window: the
-    kernels inside it, the last output, and the NVML telemetry of the window."""
+    """`plan.warmup` untimed calls and then forwards back to back for `plan.busy_s`, then `plan.iters` back to
+    back inside one synchronized window: the kernels inside it, the last output, and the NVML telemetry of the
+    window."""
     import torch
 
     torch.cuda.synchronize()
@@ -609,6 +620,12 @@ def _timed(run_once, session, plan: Plan):
     for _ in range(plan.warmup):
         run_once()
     torch.cuda.synchronize()
+    t = time.perf_counter()
+    while time.perf_counter() - t < plan.busy_s:
+        for _ in range(4):
+            run_once()
+        torch.cuda.synchronize()
+        session.collect()  # the busy forwards' records are dropped: only the timed window is kept
     with _Sampler() as sampler:
         t0 = session.timestamp()
         for _ in range(plan.iters):
@@ -631,7 +648,7 @@ def run_phase(model, ph: Phase, plan: Plan) -> dict:
     names = [o.name for o in ops]
     result = {"config": cfg.name, "phase": ph.name, "kind": ph.kind, "batch": ph.batch, "tokens": ph.tokens,
               "length": ph.length, "power": plan.power(ph), "layers": plan.layers, "iterations": plan.iters,
-              "warmup": plan.warmup,
+              "warmup": plan.warmup, "busy_s": plan.busy_s,
               "layers_used": f"{1 if plan.skip_first_layer else 0}..{plan.layers - 1}",
               "kernels": {}, "isolated_us": {}, "samples_us": {}, "telemetry": {}, "overlapping_kernels": {},
               "layer_span_us": {}, "errors": {}, "retries": {}, "mismatch": {}}
@@ -912,7 +929,7 @@ def main(argv=None) -> int:
            "gpu": env.get("gpu_name") or torch.cuda.get_device_name(0), "torch": torch.__version__,
            "environment": env, "plan": {"configs": [c._asdict() for c in plan.configs],
                                         "phases": [p._asdict() for p in plan.phases], "layers": plan.layers,
-                                        "iters": plan.iters, "warmup": plan.warmup, "quick": plan.quick,
+                                        "iters": plan.iters, "warmup": plan.warmup, "busy_s": plan.busy_s, "quick": plan.quick,
                                         "row_method": plan.row_method, "prefill_power": plan.prefill_power,
                                         "skip_first_layer": plan.skip_first_layer},
            "row_timings": timings, "targets": TARGETS, "notes": NOTES, "phases": phases,
