@@ -8,8 +8,8 @@ KV cache; prefill of 1x2,048 causal tokens), with CUPTI kernel records (kprof.me
 
   discovery  one layer op by op, each op alone between synchronized timestamps: how many kernels each op
              launches and their names (eagerly; and for graph mode with each op captured as its own graph)
-  eager      the whole model back to back, no sync inside, `--iters` forwards after warm-up and `--busy-s`
-             of forwards back to back (a GPU woken from idle runs its first kernels slower)
+  eager      the whole model back to back, no sync inside, `--iters` forwards after warm-up (and after
+             `--busy-s` seconds of forwards back to back, where given)
   graph      the whole model captured once as one CUDA graph (warmed up on a side stream, captured inside the
              CUPTI session) and replayed `--iters` times
 
@@ -60,10 +60,11 @@ MODES = ("eager", "graph")
 POWER_STATES = ("loaded", "sustained")  # --prefill-power's choices (kprof.runners.catalog.POWER_STATES)
 TARGETS = {"layer": 0.03, "kernel_median": 0.03, "kernel_max": 0.08}
 GRAPH_WARMUP = 3  # forwards on a side stream before any capture, as torch.cuda.graphs asks
-# Seconds of back-to-back forwards right before each timed window: a serving engine runs its steps without
-# idle between them, and a GPU woken from idle runs its first milliseconds of kernels slower (kprof's first
-# row of a process read 5 % slow on an H200 before its wake-up), which the timed window must not include.
-BUSY_S = 0.5
+# Seconds of back-to-back forwards right before each timed window (--busy-s), for asking whether a GPU woken
+# from idle runs the timed forwards slower. On an H200 (2026-12-01, run 9) 0.5 s changed no decode layer by
+# more than 0.4 points, and made prefill layers 2-5 % slower in-model (the GPU hotter, deeper into its power
+# cap): a state between a cold start and continuous prefill, which the default (none) leaves to that flag.
+BUSY_S = 0.0
 QUICK = {"layers": 4, "iters": 3, "warmup": 2, "phases": ("decode_b1", "prefill_2048")}
 LEDGER_TAR_MAX = 256 << 20  # a larger ledger stays as it is, beside the JSON
 NOTES = [
@@ -364,7 +365,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "that hold the GPU at its power limit, as inside a prefill) or sustained (the kernel back "
                         "to back, as in decode); decode phases always read sustained rows")
     p.add_argument("--busy-s", type=float, default=None, help=f"seconds of back-to-back forwards right before "
-                   f"each timed window (default {BUSY_S}; --quick 0.05; 0: none)")
+                   f"each timed window (default {BUSY_S:g}: none)")
     p.add_argument("--db", default=None, help="ledger to fill and read (default: OUT/model_step.db, then packed "
                    "into model_step_ledger.tar.gz); an existing ledger's ok rows are reused")
     return p.parse_args(argv)
@@ -381,7 +382,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     phases = _names(args.phases, PHASES, "phase", QUICK["phases"] if args.quick else list(PHASES))
     return Plan(_names(args.configs, CONFIGS, "config", list(CONFIGS)), phases, layers, iters,
                 QUICK["warmup"] if args.quick else 3, args.out, args.db, args.row_method, args.quick,
-                args.prefill_power, args.busy_s if args.busy_s is not None else (0.05 if args.quick else BUSY_S))
+                args.prefill_power, args.busy_s if args.busy_s is not None else BUSY_S)
 
 
 RowKey = tuple  # (table, spec as sorted JSON, power state): one kprof row

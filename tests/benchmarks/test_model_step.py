@@ -573,8 +573,8 @@ def test_plan_quick_and_full_and_bad_names():
         ms.make_plan(ms.parse_args(["--phases", "decode_b2"]))
     with pytest.raises(ValueError, match="at least 1"):
         ms.make_plan(ms.parse_args(["--layers", "0"]))
-    assert (quick.busy_s, full.busy_s) == (0.05, ms.BUSY_S)
-    assert ms.make_plan(ms.parse_args(["--busy-s", "0"])).busy_s == 0.0
+    assert quick.busy_s == full.busy_s == ms.BUSY_S == 0.0
+    assert ms.make_plan(ms.parse_args(["--busy-s", "0.5"])).busy_s == 0.5
     with pytest.raises(ValueError, match="--busy-s"):
         ms.make_plan(ms.parse_args(["--busy-s", "-1"]))
 
