@@ -1,0 +1,31 @@
+"""between_check.py on CPU: its specs are valid for their tables, every op has a smaller twin, and without a
+GPU it refuses with exit 2."""
+
+import importlib.util
+import pathlib
+
+import msgspec
+import pytest
+import torch
+
+from kprof.runners.registry import lookup
+
+_spec = importlib.util.spec_from_file_location("between_check", pathlib.Path(__file__).with_name("between_check.py"))
+bc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bc)
+
+
+@pytest.mark.parametrize("op", sorted(bc.OPS))
+def test_every_op_is_a_valid_spec_with_a_smaller_twin(op):
+    table, spec, tiny = bc.OPS[op]
+    args = lookup(table, "torch").args
+    model, small = msgspec.convert(spec, args), msgspec.convert(tiny, args)
+    size = [v for k, v in msgspec.structs.asdict(model).items() if isinstance(v, int)]
+    tiny_size = [v for k, v in msgspec.structs.asdict(small).items() if isinstance(v, int)]
+    assert all(t <= m for t, m in zip(tiny_size, size)) and tiny_size != size
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_main_without_a_gpu_exits_2(tmp_path, capsys):
+    assert bc.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
