@@ -54,21 +54,17 @@ GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snaps
 CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
 
 
-def _keep_forever(objects: list) -> None:
-    """One reference more to each object, never given back: not even the interpreter's shutdown frees them.
-    For a forked child's copies of the parent's transactions and environments, whose freeing would abort
-    the parent's read transactions (clearing its reader slots in the shared lock file)."""
-    if objects:
-        import ctypes
-
-        for obj in objects:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+# A forked child's copies of the parent's environments and read transactions, held so that the child never
+# uses or closes them itself. Freeing them is harmless since py-lmdb 1.7 (its handles check the process id
+# before they abort a transaction or close an environment; LMDB 0.9.23 and later keep a forked child's close
+# off the parent's reader slots): a child that exits normally leaves the parent's snapshots protected.
+_inherited_handles: list = []
 
 
 def _forget_after_fork() -> None:
     for ledger in list(_live):
         ledger._forked = True
-    _keep_forever([env for env, _users in _envs.values()] + [txn for _env, txn, _thread in _reads.values()])
+    _inherited_handles.extend([env for env, _users in _envs.values()] + [txn for _env, txn, _t in _reads.values()])
     _inherited.update(_envs)
     _envs.clear()
     _reads.clear()
@@ -390,7 +386,7 @@ class Ledger:
         try:
             yield txn
         finally:
-            if os.getpid() == self._pid:  # a forked child keeps its copy (see _keep_forever), never aborts it
+            if os.getpid() == self._pid:  # a forked child never aborts its copy (see _inherited_handles)
                 _reads.pop(id(txn), None)
                 txn.abort()
 

@@ -182,6 +182,35 @@ def fork(args) -> int:
     return 0
 
 
+def fork_exit(args) -> int:
+    """Holds a read snapshot, forks a child that drops everything and exits normally (interpreter
+    finalization frees its copies of the environment and the transaction), then reports the parent's
+    reader slots before and after, and that its snapshot still reads."""
+    import gc
+
+    from kprof.ledger import Ledger
+
+    ledger = Ledger.open(args.path)
+
+    def slots():
+        return [line.split() for line in ledger.env.readers().strip().splitlines()[1:]
+                if line.split() and line.split()[0] == str(os.getpid())]
+
+    with ledger.read() as txn:
+        before = slots()
+        pid = os.fork()
+        if pid == 0:
+            del txn
+            gc.collect()
+            sys.exit(0)  # a normal exit, finalizers and all: no os._exit
+        _pid, status = os.waitpid(pid, 0)
+        after = slots()
+        still = ledger.last_seq
+    ledger.close()
+    _emit({"child_exit": os.waitstatus_to_exitcode(status), "before": before, "after": after, "last_seq": still})
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -206,8 +235,10 @@ def main(argv=None) -> int:
     o.add_argument("path")
     f = sub.add_parser("fork")
     f.add_argument("path")
+    fe = sub.add_parser("fork-exit")
+    fe.add_argument("path")
     args = parser.parse_args(argv)
-    return {"write": write, "read": read, "open": open_readonly, "fork": fork}[args.mode](args)
+    return {"write": write, "read": read, "open": open_readonly, "fork": fork, "fork-exit": fork_exit}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -410,6 +410,16 @@ def test_a_ledger_used_after_fork_raises_ledger_error_in_the_child(tmp_path):
     assert audit(str(path)).ok
 
 
+def test_a_forked_child_exiting_normally_leaves_the_parents_snapshot_protected(tmp_path):
+    """The child frees its copies of the environment and the read transaction as it exits (no os._exit):
+    the parent's reader slot, which keeps writers off the pages its snapshot reads, is still there."""
+    path = _new_ledger(tmp_path / "fork.db", 10)
+    result = _run_helper("fork-exit", path, cwd=tmp_path)
+    assert result["child_exit"] == 0, result
+    assert result["before"] and result["after"] == result["before"], result
+    assert result["last_seq"] == 10
+
+
 def test_a_forked_child_is_told_to_use_a_spawned_process(tmp_path):
     """Reopening in a forked child would need closing the inherited environment, which frees the
     parent's reader slots: it is refused with the fix, and the parent keeps working."""
