@@ -11,7 +11,7 @@ Views (all rebuildable from the log):
                writes no more pages than the format-1 layout did
   failures     key -> event id of the key's latest (non-retracted) failure
   retracted    target event id -> retraction event id
-  scopes       scope id -> msgpack [table, backend, gpu_key, rows, accumulator, contract ids seen]
+  scopes       scope id -> ScopeEntry (table, backend, GPU key, rows, accumulator, contract ids seen)
 
 Current row of a key: its latest non-retracted attempt, measured or failed (the row's status is
 `failed` when the last attempt failed, as the contract defines; the earlier good row stays in history and
@@ -96,9 +96,29 @@ def history_seqs(value: bytes, start: int = 1) -> list[bytes]:
     return [value[i:i + 8] for i in range(start, len(value), 8)]
 
 
+# A `current` value's layout: kind letter, event id (32), Summary bytes. These slices and the three functions
+# below are the only places that know it.
+ROW_KIND, ROW_EVENT_ID, ROW_SUMMARY = slice(0, 1), slice(1, 33), slice(33, None)
+
+
+def row_kind(row: bytes) -> bytes:
+    """A `current` value's kind letter (b"m" or b"f")."""
+    return row[ROW_KIND]
+
+
+def row_event_id(row: bytes) -> bytes:
+    """A `current` value's event id."""
+    return row[ROW_EVENT_ID]
+
+
+def row_summary(row: bytes) -> bytes:
+    """A `current` value's Summary bytes."""
+    return row[ROW_SUMMARY]
+
+
 def status_of(row: bytes | None) -> bytes:
     """A history's status for a key whose current row is `row` (None: no row)."""
-    return NO_ROW if row is None else row[:1]
+    return NO_ROW if row is None else row_kind(row)
 
 
 def history_from_v1(keys: Iterable[bytes], status: Callable[[bytes], bytes]) -> dict[bytes, bytes]:
@@ -114,6 +134,54 @@ def history_from_v1(keys: Iterable[bytes], status: Callable[[bytes], bytes]) -> 
         value = out.get(key)
         out[key] = status(key) + k[32:] if value is None else value + k[32:]
     return out
+
+
+class ScopeEntry(msgspec.Struct, array_like=True):
+    """A `scopes` value (a msgpack array on disk): the scope's names, how many current rows it has, its root
+    accumulator (32 bytes, big-endian, reduced mod 2^256) and the ids of the contracts its events carried."""
+
+    table: str
+    backend: str
+    gpu_key: str
+    rows: int
+    acc: bytes
+    contracts: list[bytes]
+
+    @property
+    def root_acc(self) -> int:
+        return int.from_bytes(self.acc, "big")
+
+
+scope_decoder = msgspec.msgpack.Decoder(ScopeEntry)
+
+
+class ScopeTotals(msgspec.Struct):
+    """A scope's entry as the reducer keeps it while it applies a batch: the accumulator as an integer (terms
+    are added without the modulo until `entry`), the contract ids as a set."""
+
+    table: str
+    backend: str
+    gpu_key: str
+    rows: int = 0
+    acc: int = 0
+    contracts: set = set()
+
+    @classmethod
+    def of(cls, prov) -> "ScopeTotals":
+        return cls(prov.table, prov.backend, prov.gpu_key, contracts=set())
+
+    @classmethod
+    def stored(cls, entry: ScopeEntry) -> "ScopeTotals":
+        return cls(entry.table, entry.backend, entry.gpu_key, entry.rows, entry.root_acc, set(entry.contracts))
+
+    def entry(self) -> ScopeEntry:
+        return ScopeEntry(self.table, self.backend, self.gpu_key, self.rows, (self.acc % MOD).to_bytes(32, "big"),
+                          sorted(self.contracts))
+
+    def add(self, other: "ScopeTotals") -> None:
+        self.rows += other.rows
+        self.acc += other.acc
+        self.contracts |= other.contracts
 
 
 def root_of(scope: bytes, rows: int, acc: int) -> bytes:
@@ -141,19 +209,15 @@ class Reducer:
     def __init__(self, store: Store):
         self.store = store
         self._put, self._get = store.put, store.get
-        self._scopes: dict[bytes, list] = {}  # scope -> [table, backend, gpu_key, rows, acc, contracts]
+        self._scopes: dict[bytes, ScopeTotals] = {}
         self._ids = ProvenanceIds()
 
-    def _scope(self, prov) -> tuple[bytes, list]:
+    def _scope(self, prov) -> tuple[bytes, ScopeTotals]:
         sid = self._ids.scope(prov)
         entry = self._scopes.get(sid)
         if entry is None:
             raw = self.store.get("scopes", sid)
-            if raw is None:
-                entry = [prov.table, prov.backend, prov.gpu_key, 0, 0, []]
-            else:
-                t, b, g, rows, acc, contracts = msgspec.msgpack.decode(raw)
-                entry = [t, b, g, rows, int.from_bytes(acc, "big"), contracts]
+            entry = ScopeTotals.of(prov) if raw is None else ScopeTotals.stored(decode_scope(raw, sid))
             self._scopes[sid] = entry
         return sid, entry
 
@@ -169,33 +233,31 @@ class Reducer:
         prov = event.provenance
         sid, entry = self._scope(prov)
         put("scope_index", index_key(sid, encode(prov.shape), key), b"")
-        cid = self._ids.contract(prov)
-        if cid not in entry[5]:
-            entry[5] = sorted(entry[5] + [cid])
+        entry.contracts.add(self._ids.contract(prov))
         if kind == FAILED:
             put("failures", key, eid)
         new = current_row(kind, eid, event)
         old = self._get("current", key)
         if old is None:  # a new row: the common case, inline
-            entry[4] += row_term(key, eid)
-            entry[3] += 1
+            entry.acc += row_term(key, eid)
+            entry.rows += 1
             put("current", key, new)
             put("history", key, kind + history[1:])
         else:
             put("history", key, history)
             self._set_current(entry, key, old, new)
 
-    def _set_current(self, entry, key: bytes, old: bytes | None, new: bytes | None) -> None:
+    def _set_current(self, entry: ScopeTotals, key: bytes, old: bytes | None, new: bytes | None) -> None:
         """Makes `new` (or none) the key's current row, and its kind the status of the key's history."""
         if old == new:
             return
         store = self.store
         if old is not None:
-            entry[4] = (entry[4] - row_term(key, old[1:33])) % MOD
-            entry[3] -= 1
+            entry.acc = (entry.acc - row_term(key, row_event_id(old))) % MOD
+            entry.rows -= 1
         if new is not None:
-            entry[4] = (entry[4] + row_term(key, new[1:33])) % MOD
-            entry[3] += 1
+            entry.acc = (entry.acc + row_term(key, row_event_id(new))) % MOD
+            entry.rows += 1
             store.put("current", key, new)
         else:
             store.delete("current", key)
@@ -235,14 +297,23 @@ class Reducer:
             s.put("failures", key, latest_failed)
 
     def flush(self) -> None:
-        for sid, (t, b, g, rows, acc, contracts) in self._scopes.items():
-            self.store.put("scopes", sid, scope_value(t, b, g, rows, acc, contracts))
+        for sid, entry in self._scopes.items():
+            self.store.put("scopes", sid, _codec.encode(entry.entry()))
         self._scopes.clear()
 
+    @property
+    def scopes(self) -> dict[bytes, ScopeTotals]:
+        """The scope entries of the events applied since the last flush."""
+        return self._scopes
 
-def scope_value(table: str, backend: str, gpu_key: str, rows: int, acc: int, contracts: list) -> bytes:
-    """A `scopes` entry; `acc` may be unreduced (new rows add their terms without the modulo)."""
-    return _codec.encode([table, backend, gpu_key, rows, (acc % MOD).to_bytes(32, "big"), contracts])
+
+def decode_scope(raw: bytes, sid: bytes) -> ScopeEntry:
+    """A stored `scopes` value; IntegrityError naming the scope where its bytes do not fit ScopeEntry."""
+    try:
+        return scope_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise IntegrityError(f"scopes: entry {sid.hex()} cannot be decoded ({exc}); run `kprof audit` for the full "
+                             f"report, and restore the file from a copy") from None
 
 
 class NewRows(NamedTuple):
@@ -260,7 +331,7 @@ class NewRows(NamedTuple):
     history: list[tuple[bytes, int, bytes]]  # (key, position in the batch from 1, status byte), by key
     scope_index: list[tuple[bytes, bytes]]  # sorted
     failures: list[tuple[bytes, bytes]]  # sorted
-    scopes: dict[bytes, list]  # scope id -> [table, backend, gpu_key, rows added, terms added, contract ids]
+    scopes: dict[bytes, ScopeTotals]  # scope id -> the rows, terms and contract ids the batch adds
 
 
 def new_rows(prepared: list[tuple]) -> NewRows | None:
@@ -272,7 +343,7 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
     if len(set(keys)) != len(keys) or len(set(eids)) != len(eids):
         return None
     current, scope_index, failures, kinds = [], [], [], []
-    scopes: dict[bytes, list] = {}
+    scopes: dict[bytes, ScopeTotals] = {}
     ids = ProvenanceIds()
     for event, _data, eid in prepared:
         kind = KIND[type(event)]
@@ -283,10 +354,10 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
         sid = ids.scope(prov)
         entry = scopes.get(sid)
         if entry is None:
-            entry = scopes[sid] = [prov.table, prov.backend, prov.gpu_key, 0, 0, set()]
-        entry[5].add(ids.contract(prov))
-        entry[3] += 1
-        entry[4] += row_term(key, eid)
+            entry = scopes[sid] = ScopeTotals.of(prov)
+        entry.contracts.add(ids.contract(prov))
+        entry.rows += 1
+        entry.acc += row_term(key, eid)
         scope_index.append((index_key(sid, encode(prov.shape), key), b""))
         if kind == FAILED:
             failures.append((key, eid))

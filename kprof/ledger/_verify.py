@@ -22,7 +22,7 @@ from blake3 import blake3
 
 from ..errors import IntegrityError
 from . import _codec, _lookup
-from ._reducer import FAILED, MEASURED, NO_ROW
+from ._reducer import FAILED, MEASURED, NO_ROW, ROW_EVENT_ID, ROW_KIND
 from .events import FailedHead, MeasuredHead, summary_of_decoded
 
 __all__ = ["AUDIT", "reading", "damaged", "rows", "event"]
@@ -95,7 +95,7 @@ def rows(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summ
     kinds = list(map(_KINDS.__getitem__, map(type, heads)))
     derived = list(map(summary_of_decoded, heads)) if summaries else [None] * len(heads)
     if list(map(attrgetter("key"), heads)) != fkeys or list(map(getitem, cur, repeat(_KIND))) != kinds:
-        i = next(i for i, (v, h) in enumerate(zip(cur, heads)) if h.key != fkeys[i] or v[:1] != kinds[i])
+        i = next(i for i, (v, h) in enumerate(zip(cur, heads)) if h.key != fkeys[i] or v[ROW_KIND] != kinds[i])
         raise damaged(path, f"the current row of key {fkeys[i].hex()} does not match its event {eids[i].hex()}")
     out: list = [None] * len(keys)
     for i, row in zip(found, zip(kinds, eids, derived)):
@@ -123,6 +123,6 @@ class _FailedKey(msgspec.Struct, frozen=True, gc=False, tag="failed"):
     key: bytes
 
 
-_EID, _KIND = slice(1, 33), slice(0, 1)
+_EID, _KIND = ROW_EVENT_ID, ROW_KIND
 _key_decoder = msgspec.msgpack.Decoder(list[Union[_MeasuredKey, _FailedKey]])  # skips every other field
 _KINDS = {MeasuredHead: MEASURED, FailedHead: FAILED, _MeasuredKey: MEASURED, _FailedKey: FAILED}

@@ -25,8 +25,8 @@ from . import _codec
 from ._memo import Memo
 from ._path import _recognize, _without_lock, default_path, ledger_path
 from ._verify import event as verified_event, reading
-from ._reducer import (NewRows, Reducer, history_from_v1, history_seqs, new_rows, pack_seq, scope_value, status_of,
-                       unpack_seq)
+from ._reducer import (NewRows, Reducer, ScopeTotals, decode_scope, history_from_v1, history_seqs, new_rows, pack_seq,
+                       status_of, unpack_seq)
 from .events import Failed, Measured, Retracted
 
 __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path", "ledger_path"]
@@ -473,14 +473,11 @@ class Ledger:
         if rows.failures:
             cursor(dbs["failures"]).putmulti(rows.failures)
         scopes = dbs["scopes"]
-        for sid, (table, backend, gpu_key, added, terms, cids) in rows.scopes.items():
+        for sid, added in rows.scopes.items():
             raw = txn.get(sid, db=scopes)
-            rows_, acc, contracts = 0, 0, []
-            if raw is not None:
-                _t, _b, _g, rows_, acc_bytes, contracts = msgspec.msgpack.decode(raw)
-                acc = int.from_bytes(acc_bytes, "big")
-            txn.put(sid, scope_value(table, backend, gpu_key, rows_ + added, acc + terms,
-                                     sorted(cids.union(contracts))), db=scopes)
+            total = ScopeTotals.of(added) if raw is None else ScopeTotals.stored(decode_scope(raw, sid))
+            total.add(added)
+            txn.put(sid, _codec.encode(total.entry()), db=scopes)
         txn.put(b"last_seq", _codec.encode(seq + n), db=meta)
         return AppendResult(list(rows.eids), [], seq + n)
 
@@ -559,7 +556,8 @@ class Ledger:
     def scopes(self) -> list[tuple[str, str, str, int]]:
         """(table, backend, gpu_key, rows) of every scope in the ledger."""
         with self.read() as txn:
-            return [tuple(msgspec.msgpack.decode(v)[:4]) for _k, v in txn.cursor(self.dbs["scopes"])]
+            entries = [decode_scope(v, k) for k, v in txn.cursor(self.dbs["scopes"])]
+        return [(e.table, e.backend, e.gpu_key, e.rows) for e in entries]
 
     def view(self, table: str, backend: str, gpu_key: str, contract=None, args_type=None):
         """The View of one scope under `contract`, its specs of KernelArgs type `args_type` (the ledger knows no

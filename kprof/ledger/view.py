@@ -27,7 +27,7 @@ from blake3 import blake3
 
 from ..errors import UnknownGpuKeyError
 from . import _codec, _verify
-from ._reducer import MEASURED, REBUILT, contract_id, root_of
+from ._reducer import MEASURED, REBUILT, contract_id, decode_scope, root_of
 from .events import Contract, Provenance, Stats, Summary
 from .keys import KeyMaker, ShapeCodec
 
@@ -232,7 +232,7 @@ class View:
         """Whether this scope ever held rows of another contract (else no spec can be stale)."""
         with _verify.reading(self.ledger.path, "scopes"):
             raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
-            return raw is not None and msgspec.msgpack.decode(raw)[5] != [self._contract_id]
+            return raw is not None and decode_scope(raw, self.scope).contracts != [self._contract_id]
 
     def _stale_or_missing(self, txn, shape) -> tuple:
         """(status, event id, summary, base) of a shape with no current row under this contract: stale if another
@@ -290,8 +290,8 @@ class View:
             raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
             if raw is None:
                 return root_of(self.scope, 0, 0)
-            _t, _b, _g, rows, acc, _c = msgspec.msgpack.decode(raw)
-            return root_of(self.scope, rows, int.from_bytes(acc, "big"))
+            entry = decode_scope(raw, self.scope)
+            return root_of(self.scope, entry.rows, entry.root_acc)
 
     @property
     def root(self) -> str:
