@@ -40,40 +40,13 @@ def _sorted(keys: list[bytes]):
     return itemgetter(*order.tolist())(keys), order
 
 
-def key_order(blob: bytes, width: int, exact: bool = False):
+def key_order(blob: bytes, width: int):
     """The permutation (numpy array) ordering the `width`-byte keys packed in `blob` (width a multiple of 8) by
-    their first 8 bytes, argsorted as native integers (~2x faster than as `width`-byte strings). `exact`: in full
-    byte order; the keys are then sorted by all their bytes, but only where two share their first 8 (a duplicate,
-    or for blake3 keys a ~1-in-10^7 coincidence among 1M)."""
+    their first 8 bytes, argsorted as native integers (~2x faster than as `width`-byte strings)."""
     import numpy as np
 
     head = np.frombuffer(blob, ">u8")[:: width // 8].astype(np.uint64)
-    order = np.argsort(head)
-    if exact:
-        ordered = head[order]
-        if (ordered[1:] == ordered[:-1]).any():
-            order = np.argsort(np.frombuffer(blob, f"S{width}"), kind="stable")
-    return order
-
-
-def _unpack(packed: bytes, width: int) -> list[bytes]:
-    """The `width`-byte items of a packed run, as bytes objects."""
-    return list(map(packed.__getitem__, map(slice, range(0, len(packed), width),
-                                            range(width, len(packed) + width, width))))
-
-
-def sorted_keys(keys: list[bytes]) -> list[bytes]:
-    """The keys in byte order (all of them, not by a prefix). Keys of one length are sorted by numpy as
-    fixed-width strings (byte order: trailing NULs, which numpy strips, sort first either way), in C; sorting
-    Python bytes compares them one pair at a time, through objects that may lie scattered over a heap of
-    gigabytes, as an audit shard's do (~7x slower on 500k keys)."""
-    width = len(keys[0]) if keys else 0
-    blob = b"".join(keys)
-    if not width or len(blob) != width * len(keys):
-        return sorted(keys)
-    import numpy as np
-
-    return _unpack(np.sort(np.frombuffer(blob, f"S{width}")).tobytes(), width)
+    return np.argsort(head)
 
 
 def status_flags(history: "lmdb.Cursor", keys: list[bytes]) -> bytes:

@@ -23,7 +23,7 @@ from blake3 import blake3
 from ..errors import IntegrityError
 from . import _codec, _lookup
 from ._reducer import FAILED, MEASURED, NO_ROW, ROW_EVENT_ID, ROW_KIND
-from .events import FailedHead, MeasuredHead, summary_of_decoded
+from .events import FailedHead, FailedKey, MeasuredHead, MeasuredKey, summary_of_decoded
 
 __all__ = ["AUDIT", "reading", "damaged", "rows", "event"]
 
@@ -115,14 +115,6 @@ def _array(parts: list[bytes]) -> bytes:
     return b"\xdd" + len(parts).to_bytes(4, "big") + b"".join(parts)
 
 
-class _MeasuredKey(msgspec.Struct, frozen=True, gc=False, tag="measured"):
-    key: bytes
-
-
-class _FailedKey(msgspec.Struct, frozen=True, gc=False, tag="failed"):
-    key: bytes
-
-
 _EID, _KIND = ROW_EVENT_ID, ROW_KIND
-_key_decoder = msgspec.msgpack.Decoder(list[Union[_MeasuredKey, _FailedKey]])  # skips every other field
-_KINDS = {MeasuredHead: MEASURED, FailedHead: FAILED, _MeasuredKey: MEASURED, _FailedKey: FAILED}
+_key_decoder = msgspec.msgpack.Decoder(list[Union[MeasuredKey, FailedKey]])  # skips every other field
+_KINDS = {MeasuredHead: MEASURED, FailedHead: FAILED, MeasuredKey: MEASURED, FailedKey: FAILED}

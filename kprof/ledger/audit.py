@@ -1,9 +1,9 @@
 """`kprof audit`: proves every row can be replayed from the log, or lists what cannot.
 
-The work is sharded by key and event id over child processes, one per core (see _audit_worker): each
-walks its share of the sub-databases (the parent adds up the counts of the views walked by key range),
-recomputes its events' ids and keys, replays the log for its keys and compares its part of every view;
-the parent sums their scope accumulators (the view root is an additive hash) and compares the scopes view.
+The work is sharded by row key over child processes, one per core (see _audit_worker): each walks its share of
+the sub-databases (the parent adds up the counts of the views walked by key range), recomputes its events' ids
+and keys, replays its events through the Reducer and compares its part of every view; the parent sums their
+scope accumulators (the view root is an additive hash) and compares the scopes view.
 A child killed by a signal (a damaged page faults the reader) is itself a finding: the file's structure is
 damaged.
 """
@@ -23,6 +23,7 @@ import lmdb
 from ..errors import IntegrityError, LedgerError
 from . import _codec
 from ._audit_worker import MAX_LISTED, RANGED
+from ._reducer import ScopeTotals
 from .store import Ledger
 
 __all__ = ["audit", "AuditReport"]
@@ -44,21 +45,14 @@ class AuditReport(NamedTuple):
 SHARDS = 2  # one child per core of the machines kprof is sized for; each walks and replays half the keys
 
 
-def _child(shard: int, path: str, detailed: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kprof.ledger._audit_worker", str(shard), str(SHARDS), path,
-                             *(["detailed"] if detailed else [])],
+def _child(shard: int, path: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kprof.ledger._audit_worker", str(shard), str(SHARDS), path],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _shards(path: str, detailed: bool) -> list[dict]:
-    procs = [_child(shard, path, detailed) for shard in range(SHARDS)]
+def _shards(path: str) -> list[dict]:
+    procs = [_child(shard, path) for shard in range(SHARDS)]
     return [_result(shard, proc) for shard, proc in enumerate(procs)]
-
-
-def _counts_agree(results: list[dict]) -> bool:
-    """Whether each view holds exactly the entries the shards' replays derive (no stored extra)."""
-    entries = results[0]["view_entries"]
-    return all(sum(res["rebuilt"][name] for res in results) == entries[name] for name in entries)
 
 
 def _result(shard: int, proc: subprocess.Popen) -> dict:
@@ -75,22 +69,22 @@ def _result(shard: int, proc: subprocess.Popen) -> dict:
 
 
 def _scopes(results: list[dict], add) -> None:
-    """Sums the shards' partial scope accumulators and compares them with the stored scopes view."""
-    combined: dict[bytes, list] = {}
+    """Sums the shards' partial scope entries and compares them with the stored scopes view."""
+    combined: dict[bytes, ScopeTotals] = {}
     for res in results:
-        for sid, (t, b, g, rows, acc, contracts) in res["scopes"].items():
-            entry = combined.setdefault(bytes.fromhex(sid), [t, b, g, 0, 0, set()])
-            entry[3] += rows
-            entry[4] = (entry[4] + int(acc, 16)) % (1 << 256)
-            entry[5].update(bytes.fromhex(c) for c in contracts)
+        for sid, part in res["scopes"].items():
+            totals = ScopeTotals(part["table"], part["backend"], part["gpu_key"], part["rows"], int(part["acc"], 16),
+                                 {bytes.fromhex(c) for c in part["contracts"]})
+            entry = combined.setdefault(bytes.fromhex(sid), ScopeTotals.of(totals))
+            entry.add(totals)
     stored = {bytes.fromhex(k): bytes.fromhex(v) for k, v in results[0]["stored_scopes"].items()}
-    for sid, (t, b, g, rows, acc, contracts) in combined.items():
-        want = _codec.encode([t, b, g, rows, acc.to_bytes(32, "big"), sorted(contracts)])
+    for sid, entry in combined.items():
         have = stored.pop(sid, None)
         if have is None:
             add("views", f"scopes: entry {sid.hex()} of the log's replay is not stored")
-        elif have != want:
-            add("views", f"scopes: entry {sid.hex()} ({t}/{b}/{g}) differs from the log's replay")
+        elif have != _codec.encode(entry.entry()):
+            add("views", f"scopes: entry {sid.hex()} ({entry.table}/{entry.backend}/{entry.gpu_key}) differs from "
+                         f"the log's replay")
     for sid in stored:
         add("views", f"scopes: stored entry {sid.hex()} is not derivable from the log")
 
@@ -122,10 +116,7 @@ def audit(path: str) -> AuditReport:
         Ledger.open(path, readonly=True).close()
     except IntegrityError as exc:  # a file damaged past opening (truncated, header or format version damaged)
         return AuditReport(path, False, 0, 0, [f"structure: {exc}"], {"structure": 1}, time.perf_counter() - started)
-    results = _shards(path, detailed=False)
-    if not any(res.get("fatal") for res in results) and not (all(res["subset_ok"] for res in results)
-                                                              and _counts_agree(results)):
-        results = _shards(path, detailed=True)  # a view differs from the replay: walk it all, list each entry
+    results = _shards(path)
     findings: list[str] = []
     counts: dict[str, int] = {}
 
@@ -144,7 +135,7 @@ def audit(path: str) -> AuditReport:
             add("structure", f"events: header counts {results[0]['header_events']} entries, walk found {n_events}")
         entries = results[0]["view_entries"]
         for name in RANGED:  # each shard walked its key range of these views as it compared them
-            walked = sum(res["walked"][name] for res in results)
+            walked = sum(res["walked"].get(name, 0) for res in results)
             if walked != entries[name]:
                 add("structure", f"{name}: header counts {entries[name]} entries, walk found {walked}")
         _scopes(results, add)

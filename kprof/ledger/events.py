@@ -24,6 +24,7 @@ __all__ = [
     "Failed",
     "Retracted",
     "Event",
+    "EventKey",
     "ERROR_KINDS",
     "Summary",
     "summary_of",
@@ -236,6 +237,23 @@ class FailedAudit(msgspec.Struct, frozen=True, gc=False, tag="failed"):
 
 
 EventAudit = Union[MeasuredAudit, FailedAudit, Retracted]
+
+
+class MeasuredKey(msgspec.Struct, frozen=True, gc=False, tag="measured"):
+    """The key of a measured event, and nothing else: decoding skips every other field."""
+
+    key: bytes
+
+
+class FailedKey(msgspec.Struct, frozen=True, gc=False, tag="failed"):
+    key: bytes
+
+
+class RetractedKey(msgspec.Struct, frozen=True, gc=False, tag="retracted"):
+    key: bytes
+
+
+EventKey = Union[MeasuredKey, FailedKey, RetractedKey]
 # The kind letter of every event type the reducer accepts (the views store it beside each row).
 KIND = {Measured: b"m", MeasuredHead: b"m", MeasuredAudit: b"m", Failed: b"f", FailedHead: b"f",
         FailedAudit: b"f", Retracted: b"r"}

@@ -90,25 +90,7 @@ def test_meta_last_seq_disagrees_with_the_log(ledger_path):
     assert report.findings == ["log: meta says last_seq 7, log ends at 4"], report.findings
 
 
-def test_sorted_keys_is_byte_order():
-    """The audit sorts a shard's scope-index entries with numpy as fixed-width strings: NUL bytes, which numpy
-    strips at the end of a string, still sort as bytes do."""
-    import os
-    import random
-
-    from kprof.ledger._audit_worker import sorted_keys
-
-    rng = random.Random(2)
-    keys = [os.urandom(64) for _ in range(2000)]
-    keys += [b"\0" * 64, b"\0" * 63 + b"\1", b"\1" + b"\0" * 63, b"a" + b"\0" * 63, b"a" * 64]
-    keys += [k[:40] + b"\0" * 24 for k in keys[:50]] + [k[:40] + b"\0" * 23 + b"\1" for k in keys[:50]]
-    rng.shuffle(keys)
-    assert sorted_keys(keys) == sorted(keys)
-    assert sorted_keys([b"ab", b"a", b"b"]) == [b"a", b"ab", b"b"]  # mixed lengths: sorted() itself
-    assert sorted_keys([]) == []
-
-
-def test_event_bytes_that_do_not_begin_with_a_type_and_a_key(ledger_path):
+def test_event_bytes_that_do_not_decode_as_an_event(ledger_path):
     """Stored bytes whose id recomputes but which are not an event's map (short, or fields in another order)
     are named, whichever shard reads them."""
     with Ledger.open(ledger_path) as led:
@@ -119,7 +101,7 @@ def test_event_bytes_that_do_not_begin_with_a_type_and_a_key(ledger_path):
         swapped = _swap_event(led, 4, reordered)
     report = audit(ledger_path)
     for eid in (short, swapped):
-        assert f"events: event {eid.hex()[:16]}: its bytes do not begin with a type and a key" in report.findings
+        assert any(f.startswith(f"events: event {eid.hex()[:16]}: cannot be decoded") for f in report.findings)
     assert not report.ok
 
 
@@ -153,10 +135,9 @@ def test_logged_ids_that_share_their_first_eight_bytes_are_matched_exactly(ledge
 
         led.write(work)
     with Ledger.open(ledger_path, readonly=True) as led, led.read() as txn:
-        index, _last = Shard(led, 0, 2, Findings()).log(txn)
-        logged = {eid: seq for seq, eid in txn.cursor(led.dbs["log"])}
-    assert index.eids == b"".join(sorted(logged))
-    assert index.seqs == b"".join(logged[eid] for eid in sorted(logged))
+        seqs, last, walked = Shard(led, 0, 2, Findings()).log(txn)
+        logged = {eid: int.from_bytes(seq, "big") for seq, eid in txn.cursor(led.dbs["log"])}
+    assert seqs == logged and last == walked == 30 + len(forged)
     report = audit(ledger_path)
     assert sorted(report.findings) == sorted(f"events: event {eid.hex()[:16]}: stored bytes hash to another id "
                                              "(altered or damaged)" for eid in forged)

@@ -331,36 +331,28 @@ def test_resolve_by_citation_key_and_prefix(ledger):
 
 @settings(max_examples=20, deadline=None)
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=80), st.lists(st.integers(0, 30), max_size=10))
-def test_audit_fast_replay_builds_what_the_reducer_builds(idx, fails):
-    """The audit's retraction-free replay, of events decoded as an audit shard decodes them, equals the
-    generic Reducer's of the events as built in memory (some with int numbers), views and scope entries alike."""
+def test_events_as_the_audit_decodes_them_derive_the_views_append_derives(idx, fails):
+    """The audit replays events decoded as its shards decode them (provenance kept as bytes, then decoded) through
+    the Reducer; they must derive exactly what the events as built in memory (some with int numbers) derive."""
     from kprof.ledger import build
-    from kprof.ledger._audit_worker import PlainReplay, Provenances, audit_decoder
-    from kprof.ledger._reducer import pack_seq
+    from kprof.ledger._audit_worker import audit_decoder, provenance_decoder
+    from kprof.ledger.replay import MemoryStore, replay_into
+    from kprof.ledger.store import DBS
 
-    def replay_plain(replay):
-        plain, provenances = PlainReplay(), Provenances()
-        for seq, eid, event in replay:
-            decoded = audit_decoder.decode(_codec.encode(event))
-            info, shape, _canonical = provenances.read(bytes(decoded.provenance))
-            plain.add(pack_seq(seq), eid, decoded, info, shape)
-        return plain.result()
+    def as_audited(ev):
+        decoded = audit_decoder.decode(_codec.encode(ev))
+        return msgspec.structs.replace(decoded, provenance=provenance_decoder.decode(decoded.provenance))
 
     def with_ints(ev):  # numbers given as ints: the stored summary holds them as floats either way
         return build.measured(ev.provenance, {"time_ms": 1, "tflops": 2, "energy_j": None},
                               msgspec.structs.replace(ev.stats, median=2, p10=1, max=3), ev.method, measured_at=5)
-
-    from kprof.ledger.replay import MemoryStore, replay_into
-    from kprof.ledger.store import DBS
 
     events = [synth.event(i, seed=n, revision=1 + n % 2, gpu="NVIDIA H100" if i % 4 == 1 else synth.GPU)
               for n, i in enumerate(idx)]  # two scopes, two contracts
     events = [with_ints(ev) if n % 3 == 0 else ev for n, ev in enumerate(events)]
     events += [failed(synth.event(i).provenance, "oom", f"out of memory {i}") for i in fails]
     replay = [(seq, _codec.event_id(_codec.encode(ev)), ev) for seq, ev in enumerate(events, 1)]
-    memory = MemoryStore(None, {name: None for name in DBS})
-    replay_into(memory, replay)
-    data, scopes = replay_plain(random.Random(len(idx)).sample(replay, len(replay)))  # any order
-    for name in ("current", "history", "failures", "scope_index", "retracted"):
-        assert data[name] == memory.data[name], name
-    assert {sid: _codec.encode(v) for sid, v in scopes.items()} == memory.data["scopes"]
+    built, audited = (MemoryStore(None, {name: None for name in DBS}) for _ in range(2))
+    replay_into(built, replay)
+    replay_into(audited, [(seq, eid, as_audited(ev)) for seq, eid, ev in replay])
+    assert audited.data == built.data
