@@ -243,7 +243,7 @@ class Shard:
         dbs, get = self.ledger.dbs, txn.get
         kept.sort(key=lambda item: item[0])
         memory = MemoryStore(txn, dbs)
-        replay_into(memory, kept)
+        replay_into(memory, kept, self.ledger.format_version)
         rebuilt = memory.data
         owned = {
             "current": lambda: self._range(txn.cursor(dbs["current"]), "current"),

@@ -12,12 +12,14 @@ from blake3 import blake3
 from ..errors import IntegrityError
 from .events import Event, Provenance
 
-FORMAT_VERSION = 2  # the ledger file's layout and event encoding (2: one history entry per key, with a status)
+FORMAT_VERSION = 3  # the ledger file's layout and event encoding (2: one history entry per key, with a status;
+# 3: each current row ends with a digest of itself and its key, which every read checks)
 KEY_TAG = b"kprof/key/v1\x00"
 EVENT_TAG = b"kprof/event/v1\x00"
 SCOPE_TAG = b"kprof/scope/v1\x00"
 SHAPE_TAG = b"kprof/shape/v1\x00"
 ROOT_TAG = b"kprof/root/v1\x00"
+ROW_TAG = b"kprof/row/v1\x00"
 
 encoder = msgspec.msgpack.Encoder(order="deterministic")
 encode = encoder.encode

@@ -1,7 +1,8 @@
 """The one place that says how an event changes the views. Used by append, replay and audit alike.
 
 Views (all rebuildable from the log):
-  current      key -> kind byte (b"m" measured, b"f" failed) + event id (32) + Summary: the row a reader sees
+  current      key -> kind byte (b"m" measured, b"f" failed) + event id (32) + Summary + digest (16; format 3):
+               the row a reader sees; the digest, blake3 of ROW_TAG + key + the rest, is what a read checks
   scope_index  scope id (16) + shape id (16) + key -> b"": every key ever seen in a scope, by shape
   history      key -> status byte + seq (8, big-endian) of every event of the key, in log order (format 2;
                format 1 kept key + seq -> event id). The event ids are the log's entries at those seqs. The
@@ -80,10 +81,21 @@ def row_terms(pairs: Iterable[bytes]) -> int:
     return sum(map(int.from_bytes, map(blake3.digest, map(blake3, tagged)), repeat("big")))
 
 
-def current_row(kind: bytes, eid: bytes, event, summarize=summary_of) -> bytes:
-    """A `current` value: kind letter, event id, the event's Summary (what append, replay and audit store
-    or expect). The audit passes `summary_of_decoded` for the events it decoded."""
-    return kind + eid + _codec.encode(summarize(event))
+DIGEST_FROM = 3  # the format from which current rows carry their digest
+
+
+def row_digest(key: bytes, body: bytes) -> bytes:
+    """The digest that ends a current row of format 3: blake3(ROW_TAG + key + kind + event id + Summary), 16 bytes.
+    It binds the row to its key: a row damaged, or moved under another key, fails it."""
+    return blake3(_codec.ROW_TAG + key + body).digest(16)
+
+
+def current_row(kind: bytes, eid: bytes, event, key: bytes, summarize=summary_of, digest: bool = True) -> bytes:
+    """A `current` value: kind letter, event id, the event's Summary and (`digest`: format 3) the row's digest;
+    what append, replay and audit store or expect. The audit passes `summary_of_decoded` for the events it
+    decoded."""
+    body = kind + eid + _codec.encode(summarize(event))
+    return body + row_digest(key, body) if digest else body
 
 
 def index_key(sid: bytes, shape: bytes, key: bytes) -> bytes:
@@ -98,7 +110,8 @@ def history_seqs(value: bytes, start: int = 1) -> list[bytes]:
 
 # A `current` value's layout: kind letter, event id (32), Summary bytes. These slices and the three functions
 # below are the only places that know it.
-ROW_KIND, ROW_EVENT_ID, ROW_SUMMARY = slice(0, 1), slice(1, 33), slice(33, None)
+ROW_KIND, ROW_EVENT_ID, ROW_SUMMARY, ROW_BODY, ROW_DIGEST = (slice(0, 1), slice(1, 33), slice(33, -16),
+                                                             slice(0, -16), slice(-16, None))
 
 
 def row_kind(row: bytes) -> bytes:
@@ -206,8 +219,9 @@ class Reducer:
     the views need only the key, provenance, summary fields and retraction target.
     """
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, file_format: int = _codec.FORMAT_VERSION):
         self.store = store
+        self._digest = file_format >= DIGEST_FROM  # rows as the file's format keeps them (the audit of an old file)
         self._put, self._get = store.put, store.get
         self._scopes: dict[bytes, ScopeTotals] = {}
         self._ids = ProvenanceIds()
@@ -236,7 +250,7 @@ class Reducer:
         entry.contracts.add(self._ids.contract(prov))
         if kind == FAILED:
             put("failures", key, eid)
-        new = current_row(kind, eid, event)
+        new = current_row(kind, eid, event, key, digest=self._digest)
         old = self._get("current", key)
         if old is None:  # a new row: the common case, inline
             entry.acc += row_term(key, eid)
@@ -289,7 +303,7 @@ class Reducer:
             if kind == FAILED:
                 latest_failed = hid
                 break
-        new = None if latest is None else current_row(*latest)
+        new = None if latest is None else current_row(*latest, key, digest=self._digest)
         self._set_current(entry, key, s.get("current", key), new)
         if latest_failed is None:
             s.delete("failures", key)
@@ -362,7 +376,7 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
         if kind == FAILED:
             failures.append((key, eid))
         # appended events are as they decode (see store._canonical): their float fields hold floats already
-        current.append((key, current_row(kind, eid, event, summary_of_decoded)))
+        current.append((key, current_row(kind, eid, event, key, summary_of_decoded)))
     by_key = sorted(range(len(keys)), key=keys.__getitem__)
     return NewRows(eids, sorted(zip(eids, [data for _e, data, _eid in prepared])), sorted(current),
                    [(keys[i], i + 1, kinds[i]) for i in by_key], sorted(scope_index), sorted(failures), scopes)

@@ -1,6 +1,8 @@
-"""Verified reads: every row a read returns is checked against the event it names, whose bytes are re-hashed.
+"""Verified reads: every row a read returns is checked, by its digest (format 3) or against the event it names.
 
-A `current` value (kind + event id + Summary) is trusted only once the event it names is read from `events`, its
+From format 3 on, a `current` value (kind + event id + Summary + digest) is trusted once its digest, recomputed over
+the key looked up and the value's bytes, matches. In older files (opened read-only; a writer upgrades them), a
+`current` value (kind + event id + Summary) is trusted only once the event it names is read from `events`, its
 bytes hash to that id (so they are the bytes appended), its key is the key looked up and its kind is the row's
 kind; the row's Summary is then derived from that event (the stored one is what the audit compares). A key
 `current` does not hold is taken as missing only where `history` agrees (no entry, or the status of a key whose
@@ -22,8 +24,9 @@ from blake3 import blake3
 
 from ..errors import IntegrityError
 from . import _codec, _lookup
-from ._reducer import FAILED, MEASURED, NO_ROW, ROW_EVENT_ID, ROW_KIND
-from .events import FailedHead, FailedKey, MeasuredHead, MeasuredKey, summary_of_decoded
+from ._reducer import (DIGEST_FROM, FAILED, MEASURED, NO_ROW, ROW_BODY, ROW_DIGEST, ROW_EVENT_ID, ROW_KIND, ROW_SUMMARY,
+                       row_digest)
+from .events import FailedHead, FailedKey, MeasuredHead, MeasuredKey, Summary, summary_of_decoded
 
 __all__ = ["AUDIT", "reading", "damaged", "rows", "event"]
 
@@ -61,7 +64,56 @@ def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
     return ev
 
 
-def rows(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summaries: bool = True) -> list:
+def rows(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summaries: bool = True,
+         file_format: int = _codec.FORMAT_VERSION) -> list:
+    """Per key, None (no current row) or (kind, event id, Summary or None) of its current row, verified: by each
+    row's digest from format 3 on (`_digested`), by the event each row names in older files (`_by_event`).
+    `check_absent`: ask `history` about the keys `current` does not hold (False only for a format-1 file, whose
+    history keeps no status). `summaries=False` (a count of missing rows) gives None for each Summary."""
+    verify = _digested if file_format >= DIGEST_FROM else _by_event
+    return verify(txn, dbs, path, keys, check_absent, summaries)
+
+
+def _digested(txn, dbs, path: str, keys: list[bytes], check_absent: bool, summaries: bool) -> list:
+    """rows() of a format-3 file: each row's digest recomputed over the key looked up and the row's bytes (so a
+    damaged row, or a row under another key, fails), its kind checked, its Summary decoded from the row."""
+    with reading(path, "current"):
+        values = _lookup.values(txn.cursor(dbs["current"]), keys)
+    found = [i for i, v in enumerate(values) if v is not None]
+    cur = [values[i] for i in found]
+    fkeys = [keys[i] for i in found]
+    if list(map(row_digest, fkeys, map(getitem, cur, repeat(ROW_BODY)))) != list(map(getitem, cur, repeat(ROW_DIGEST))):
+        i = next(i for i, v in enumerate(cur) if len(v) < 49 or row_digest(fkeys[i], v[ROW_BODY]) != v[ROW_DIGEST])
+        raise damaged(path, f"the current row of key {fkeys[i].hex()} fails its digest")
+    kinds = list(map(getitem, cur, repeat(_KIND)))
+    if not set(kinds) <= _ROW_KINDS:
+        i = next(i for i, k in enumerate(kinds) if k not in _ROW_KINDS)
+        raise damaged(path, f"the current row of key {fkeys[i].hex()} has kind {kinds[i]!r}")
+    if summaries:
+        try:
+            decoded = _summaries_decoder.decode(_array(list(map(getitem, cur, repeat(ROW_SUMMARY)))))
+        except msgspec.MsgspecError as exc:
+            raise damaged(path, f"a current row's summary cannot be decoded ({exc})") from None
+    else:
+        decoded = [None] * len(cur)
+    out: list = [None] * len(keys)
+    for i, row in zip(found, zip(kinds, map(getitem, cur, repeat(_EID)), decoded)):
+        out[i] = row
+    if check_absent and len(found) < len(keys):
+        _absent_agree(txn, dbs, path, [keys[i] for i, v in enumerate(values) if v is None])
+    return out
+
+
+def _absent_agree(txn, dbs, path: str, absent: list[bytes]) -> None:
+    """Keys `current` does not hold are missing only where `history` agrees (no entry, or no row)."""
+    with reading(path, "history"):
+        statuses = _lookup.values(txn.cursor(dbs["history"]), absent)
+    for key, status in zip(absent, statuses):
+        if status is not None and status[:1] != NO_ROW:
+            raise damaged(path, f"key {key.hex()} has no current row, but its history says it has one")
+
+
+def _by_event(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summaries: bool = True) -> list:
     """Per key, None (no current row) or (kind, event id, Summary) of its current row, verified as the module says;
     the Summary is derived from the verified event (the stored one, which no hash covers, is not read: the same
     bytes where undamaged, as the audit checks, and cheaper than decoding and comparing it).
@@ -101,12 +153,7 @@ def rows(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summ
     for i, row in zip(found, zip(kinds, eids, derived)):
         out[i] = row
     if check_absent and len(found) < len(keys):
-        absent = [keys[i] for i, v in enumerate(values) if v is None]
-        with reading(path, "history"):
-            statuses = _lookup.values(txn.cursor(dbs["history"]), absent)
-        for key, status in zip(absent, statuses):
-            if status is not None and status[:1] != NO_ROW:
-                raise damaged(path, f"key {key.hex()} has no current row, but its history says it has one")
+        _absent_agree(txn, dbs, path, [keys[i] for i, v in enumerate(values) if v is None])
     return out
 
 
@@ -118,3 +165,5 @@ def _array(parts: list[bytes]) -> bytes:
 _EID, _KIND = ROW_EVENT_ID, ROW_KIND
 _key_decoder = msgspec.msgpack.Decoder(list[Union[MeasuredKey, FailedKey]])  # skips every other field
 _KINDS = {MeasuredHead: MEASURED, FailedHead: FAILED, MeasuredKey: MEASURED, FailedKey: FAILED}
+_ROW_KINDS = {MEASURED, FAILED}
+_summaries_decoder = msgspec.msgpack.Decoder(list[Summary])

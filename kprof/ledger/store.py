@@ -25,8 +25,8 @@ from . import _codec
 from ._memo import Memo
 from ._path import _recognize, _without_lock, default_path, ledger_path
 from ._verify import event as verified_event, reading
-from ._reducer import (NewRows, Reducer, ScopeTotals, decode_scope, history_from_v1, history_seqs, new_rows, pack_seq,
-                       status_of, unpack_seq)
+from ._reducer import (REBUILT, NewRows, Reducer, ScopeTotals, decode_scope, history_seqs, new_rows, pack_seq,
+                       unpack_seq)
 from .events import Failed, Measured, Retracted
 
 __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path", "ledger_path"]
@@ -209,15 +209,22 @@ def _canonical(event, index: int):
     return (event, data) if again == data else (stored, again)
 
 
-def _upgrade_history(txn: lmdb.Transaction, env: lmdb.Environment) -> None:
-    """Rewrites a format-1 `history` (key + seq -> event id) as format 2's (key -> status + seqs; see
-    `_reducer`), in the upgrading transaction: the status is the kind of the key's current row. The audit
-    checks the result against the log's replay like any view."""
-    history, current = env.open_db(b"history", txn=txn), env.open_db(b"current", txn=txn)
-    entries = history_from_v1(txn.cursor(history).iternext(values=False),
-                              lambda key: status_of(txn.get(key, db=current)))
-    txn.drop(history, delete=False)
-    txn.cursor(history).putmulti(entries.items(), append=True)
+def _upgrade_views(txn: lmdb.Transaction, env: lmdb.Environment) -> None:
+    """Rebuilds every view of a file of an older format from its log, in the upgrading transaction, in the
+    current format (format 3 added each current row's digest; format 2 the history's status). The views are
+    derived data: the log and the event bodies are kept as they are. The rebuild is counted (REBUILT), so a
+    reader's memo of earlier answers does not outlive it."""
+    dbs = {name: env.open_db(name.encode(), txn=txn) for name in DBS}
+    for name in VIEW_DBS:
+        txn.drop(dbs[name], delete=False)
+    reducer, events = Reducer(_TxnStore(txn, dbs)), dbs["events"]
+    for k, eid in txn.cursor(dbs["log"]):
+        reducer.apply(_codec.stored_event(txn.get(eid, db=events) or b"", eid), eid, unpack_seq(k)[0])
+    reducer.flush()
+    reducer.store.flush()
+    raw = txn.get(REBUILT, db=dbs["meta"])
+    count = msgspec.msgpack.decode(raw) if raw is not None else 0
+    txn.put(REBUILT, _codec.encode((count if type(count) is int and count > 0 else 0) + 1), db=dbs["meta"])
 
 
 class Ledger:
@@ -342,8 +349,8 @@ class Ledger:
                 txn.put(b"ledger_id", _codec.encode(uuid.uuid4().hex), db=meta)
                 txn.put(b"created_at", _codec.encode(time.time()), db=meta)
                 txn.put(b"last_seq", _codec.encode(0), db=meta)
-            elif found < 2:
-                _upgrade_history(txn, env)
+            else:
+                _upgrade_views(txn, env)
             txn.put(b"format_version", _codec.encode(_codec.FORMAT_VERSION), db=meta)
 
         _write_txn(env, path, work)

@@ -6,8 +6,8 @@
     rows = view.get_many(specs)                          # one Row per spec, any status
     todo = view.missing(specs)                           # the specs without an ok row
 
-Every row a lookup returns is verified against the event it names, re-hashed (see _verify): a damaged ledger
-gives an IntegrityError (exit 3), never a wrong answer. Bulk lookups of the same specs again (a simulator's loop)
+Every row a lookup returns is verified, by its digest (format 3) or against the event it names in an older file
+(see _verify): a damaged ledger gives an IntegrityError (exit 3), never a wrong answer. Bulk lookups of the same specs again (a simulator's loop)
 are answered from the ledger's memo, which holds only verified answers, while the view root they were read under
 stands (see _memo).
 
@@ -183,13 +183,14 @@ class View:
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
         """One byte per canonical shape: 1 where its current row is measured (ok), else 0. The rows are read
-        from `current` and verified (see _verify), not taken from `history`'s status byte, which no hash covers."""
+        from `current` and verified (see _verify), not taken from `history`'s status byte, which no digest covers."""
         rows = self._verified(txn, self.keys.keys_of(shapes), summaries=False)
         return bytes(row is not None and row[0] == MEASURED for row in rows)
 
     def _verified(self, txn, keys: list[bytes], summaries: bool = True) -> list:
         """_verify.rows of the keys (a format-1 file opened read-only keeps no status in its history)."""
-        return _verify.rows(txn, self.ledger.dbs, self.ledger.path, keys, self.ledger.format_version >= 2, summaries)
+        return _verify.rows(txn, self.ledger.dbs, self.ledger.path, keys, self.ledger.format_version >= 2, summaries,
+                            self.ledger.format_version)
 
     @contextmanager
     def _read(self):

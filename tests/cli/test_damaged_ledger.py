@@ -4,6 +4,7 @@ never writes into such a file). The sweep over every page is tests/ledger/test_c
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -35,8 +36,19 @@ def _verbs(h, db, specs, citation):
             "show": ["show", citation, "--db", db]}
 
 
-def test_a_tampered_event_is_refused_by_every_reader_and_run_writes_nothing(h, rows, capsys):
+def _answers(h, db, specs, capsys) -> dict:
+    out = {}
+    for verb in ("query", "count-missing"):
+        assert main(_verbs(h, db, specs, "")[verb]) == 0, verb
+        out[verb] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_a_tampered_event_is_refused_where_it_is_read_and_answers_stay_as_before(h, rows, capsys):
+    """query and count-missing answer from the current rows, each verified by its digest: a damaged event
+    body leaves their answers exactly as before; `show`, which prints the event, re-hashes it and refuses."""
     db, specs, (eid, _other) = rows
+    before = _answers(h, db, specs, capsys)
 
     def flip(txn, dbs):  # one byte of the event's bytes, in place: the view rows still name it
         data = bytearray(txn.get(eid, db=dbs["events"]))
@@ -44,13 +56,34 @@ def test_a_tampered_event_is_refused_by_every_reader_and_run_writes_nothing(h, r
         txn.put(eid, bytes(data), db=dbs["events"])
 
     _tamper(db, flip)
-    for verb, argv in _verbs(h, db, specs, "kprof." + eid.hex()[:16]).items():
-        assert main(argv) == 3, verb
+    assert _answers(h, db, specs, capsys) == before
+    assert main(_verbs(h, db, specs, "kprof." + eid.hex()[:16])["show"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and eid.hex() in err and "kprof audit" in err, err
+    assert main(["audit", "--db", db, "--json"]) == 3
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("where", ["summary", "event id", "digest", "kind"])
+def test_a_tampered_current_row_is_refused_by_every_reader_and_run_writes_nothing(h, rows, capsys, where):
+    db, specs, _eids = rows
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        key, value = next(iter(txn.cursor(ledger.dbs["current"])))
+    at = {"summary": 40, "event id": 5, "digest": len(value) - 2, "kind": 0}[where]
+
+    def flip(txn, dbs):
+        data = bytearray(value)
+        data[at] ^= 1 if where != "kind" else ord("m") ^ ord("f")  # a kind letter to the other valid one
+        txn.put(key, bytes(data), db=dbs["current"])
+
+    _tamper(db, flip)
+    for verb in ("query", "count-missing"):
+        assert main(_verbs(h, db, specs, "")[verb]) == 3, verb
         out, err = capsys.readouterr()
-        assert out == "" and eid.hex() in err and "kprof audit" in err, (verb, err)
+        assert out == "" and key.hex() in err and "kprof audit" in err, (verb, err)
     before = h.digest(db)
     assert main(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(*specs), "--db", db, "--json"]) == 3
-    assert h.digest(db) == before and eid.hex() in capsys.readouterr().err
+    assert h.digest(db) == before and key.hex() in capsys.readouterr().err
 
 
 def test_a_lost_current_row_is_refused_not_read_as_missing(h, rows, capsys):

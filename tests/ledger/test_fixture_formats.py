@@ -73,7 +73,7 @@ def test_a_writer_upgrades_a_format_1_file_to_the_same_answers(tmp_path):
     assert audit(path).ok
 
     writer = Ledger.open(path)  # shares the reader's environment: the upgrade runs all the same
-    assert writer.format_version == _codec.FORMAT_VERSION == 2
+    assert writer.format_version == _codec.FORMAT_VERSION == 3
     with writer.read() as txn:
         history = dict(txn.cursor(writer.dbs["history"]))
         current = dict(txn.cursor(writer.dbs["current"]))
@@ -88,7 +88,7 @@ def test_a_writer_upgrades_a_format_1_file_to_the_same_answers(tmp_path):
     reader.close()
 
     again = Ledger.open(path, readonly=True)
-    assert again.format_version == 2
+    assert again.format_version == 3
     assert _answers(again) == old
     again.close()
     report = audit(path)

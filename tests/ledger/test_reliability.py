@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kprof.ledger import Ledger, synth
+from kprof.ledger import Ledger, _codec, synth
 from kprof.ledger.audit import audit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,7 +253,7 @@ def test_two_writers_opening_a_format_1_file_at_once_upgrade_it_once_and_lose_no
         assert proc.returncode == 0 and "Traceback" not in err, f"writer {w} exited {proc.returncode}:\n{err}"
         assert sum(c["added"] for c in _commits(out)) == per
     with Ledger.open(str(path), readonly=True) as ledger:
-        assert ledger.format_version == 2 and ledger.last_seq == 49 + 2 * per
+        assert ledger.format_version == _codec.FORMAT_VERSION and ledger.last_seq == 49 + 2 * per
         view = synth.view(ledger)
         specs = [synth.spec(i) for i in range(1000, 1000 + 2 * per)]
         assert view.missing(specs) == [] and all(row.ok for row in view.get_many(specs))
