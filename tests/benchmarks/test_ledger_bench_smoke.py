@@ -28,10 +28,11 @@ def test_ledger_bench_runs_and_prints_its_table(tmp_path):
     lines = proc.stdout.strip().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("figure"))
     table = lines[header:]
-    assert len(table) == 2 + 12, proc.stdout  # header, rule, twelve figures: the table is the last thing printed
+    assert len(table) == 2 + 14, proc.stdout  # header, rule, 14 figures: the table is the last thing printed
     for figure in ("ingest events/s", "get_many specs/s", "missing specs/s", "repeated get_many specs/s",
                    "repeated missing specs/s", "first get_many", "first missing", "py-lmdb ceiling",
-                   "py-lmdb sorted cursor", "audit seconds", "bytes on disk / event", "lookup peak RSS"):
+                   "py-lmdb sorted cursor", "audit seconds", "bytes on disk / event", "lookup peak RSS",
+                   "lookup anonymous memory", "lookup file pages"):
         assert any(line.startswith(figure) for line in table), figure
     assert all(("PASS" in line or "FAIL" in line or "—" in line) for line in table[2:])
 
