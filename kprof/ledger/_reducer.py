@@ -84,10 +84,20 @@ def row_terms(pairs: Iterable[bytes]) -> int:
 DIGEST_FROM = 3  # the format from which current rows carry their digest
 
 
+_ROW_HASHER = blake3(_codec.ROW_TAG)  # copied per row, never updated
+
+
 def row_digest(key: bytes, body: bytes) -> bytes:
     """The digest that ends a current row of format 3: blake3(ROW_TAG + key + kind + event id + Summary), 16 bytes.
     It binds the row to its key: a row damaged, or moved under another key, fails it."""
-    return blake3(_codec.ROW_TAG + key + body).digest(16)
+    return _ROW_HASHER.copy().update(key).update(body).digest(16)
+
+
+def row_digests(keys: list[bytes], bodies) -> list[bytes]:
+    """row_digest of each (key, body), in bulk: chained maps over C methods, no Python frame per row."""
+    n = len(keys)
+    copies = map(blake3.copy, repeat(_ROW_HASHER, n))
+    return list(map(blake3.digest, map(blake3.update, map(blake3.update, copies, keys), bodies), repeat(16, n)))
 
 
 def current_row(kind: bytes, eid: bytes, event, key: bytes, summarize=summary_of, digest: bool = True) -> bytes:

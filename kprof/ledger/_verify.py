@@ -25,7 +25,7 @@ from blake3 import blake3
 from ..errors import IntegrityError
 from . import _codec, _lookup
 from ._reducer import (DIGEST_FROM, FAILED, MEASURED, NO_ROW, ROW_BODY, ROW_DIGEST, ROW_EVENT_ID, ROW_KIND, ROW_SUMMARY,
-                       row_digest)
+                       row_digest, row_digests)
 from .events import FailedHead, FailedKey, MeasuredHead, MeasuredKey, Summary, summary_of_decoded
 
 __all__ = ["AUDIT", "reading", "damaged", "rows", "event"]
@@ -82,7 +82,7 @@ def _digested(txn, dbs, path: str, keys: list[bytes], check_absent: bool, summar
     found = [i for i, v in enumerate(values) if v is not None]
     cur = [values[i] for i in found]
     fkeys = [keys[i] for i in found]
-    if list(map(row_digest, fkeys, map(getitem, cur, repeat(ROW_BODY)))) != list(map(getitem, cur, repeat(ROW_DIGEST))):
+    if row_digests(fkeys, map(getitem, cur, repeat(ROW_BODY))) != list(map(getitem, cur, repeat(ROW_DIGEST))):
         i = next(i for i, v in enumerate(cur) if len(v) < 49 or row_digest(fkeys[i], v[ROW_BODY]) != v[ROW_DIGEST])
         raise damaged(path, f"the current row of key {fkeys[i].hex()} fails its digest")
     kinds = list(map(getitem, cur, repeat(_KIND)))
