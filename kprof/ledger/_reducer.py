@@ -385,7 +385,7 @@ def new_rows(prepared: list[tuple]) -> NewRows | None:
         scope_index.append((index_key(sid, encode(prov.shape), key), b""))
         if kind == FAILED:
             failures.append((key, eid))
-        # appended events are as they decode (see store._canonical): their float fields hold floats already
+        # appended events are as they decode (see _write.canonical): their float fields hold floats already
         current.append((key, current_row(kind, eid, event, key, summary_of_decoded)))
     by_key = sorted(range(len(keys)), key=keys.__getitem__)
     return NewRows(eids, sorted(zip(eids, [data for _e, data, _eid in prepared])), sorted(current),

@@ -6,7 +6,8 @@ import msgspec
 
 from . import _codec
 from ._reducer import REBUILT, Reducer, Store
-from .store import VIEW_DBS, Ledger, _TxnStore
+from ._write import TxnStore
+from .store import VIEW_DBS, Ledger
 
 __all__ = ["rebuild_views", "MemoryStore", "replay_into"]
 
@@ -54,7 +55,7 @@ def rebuild_views(ledger: Ledger) -> int:
             txn.drop(ledger.dbs[name], delete=False)
         decode = _codec.event_decoder.decode
         events = [(seq, eid, decode(data)) for seq, eid, data in ledger.iter_log(txn)]
-        replay_into(_TxnStore(txn, ledger.dbs), events)
+        replay_into(TxnStore(txn, ledger.dbs), events)
         # Counted, so a reader's memo of earlier answers (see _memo) knows the views were rewritten without an
         # event (a repair can change rows the view root, read from `scopes`, does not name).
         meta = ledger.dbs["meta"]

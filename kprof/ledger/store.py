@@ -13,20 +13,21 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from contextlib import contextmanager
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator
 
 import lmdb
 import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
 from . import _codec
+from ._env import (CREATE_WAIT_S, _FORK_FIX, _change_map, _envs, _inherited, _live, _read_only_file, _reads, _release,
+                   _write_txn)
 from ._memo import Memo
+from ._write import AppendResult, NotNew, append_events, append_new, canonical, upgrade_views
 from ._path import _recognize, _without_lock, default_path, ledger_path
 from ._verify import event as verified_event, reading
-from ._reducer import (REBUILT, NewRows, Reducer, ScopeTotals, decode_scope, history_seqs, new_rows, pack_seq,
-                       unpack_seq)
+from ._reducer import NewRows, decode_scope, history_seqs, new_rows, unpack_seq
 from .events import Failed, Measured, Retracted
 
 __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path", "ledger_path"]
@@ -34,197 +35,10 @@ __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path", "ledger
 DBS = ("events", "log", "current", "scope_index", "history", "failures", "retracted", "scopes", "meta")
 VIEW_DBS = ("current", "scope_index", "history", "failures", "retracted", "scopes")
 DEFAULT_MAP_SIZE = 1 << 34  # 16 GiB of address space; the file only grows as pages are used
-_live: "weakref.WeakSet[Ledger]" = weakref.WeakSet()
-# LMDB allows one environment per file per process: every Ledger on a file shares it, counted.
-_envs: dict[str, list] = {}  # realpath -> [env, users]
-
-
-# Files whose environment a forked child inherited. The child can neither use nor close it: closing
-# aborts the inherited transactions, and that frees the parent's reader slots in the shared lock file
-# (the parent's snapshot would lose its protection from writers). The lmdb package allows one
-# environment per file per process, so the child cannot open the file again either.
-_inherited: set[str] = set()
-_FORK_FIX = "open the ledger in a spawned process (multiprocessing 'spawn' or 'forkserver', or a subprocess)"
-
-
-# The read transactions open in this process: id -> (environment, transaction, thread id). A forked child
-# keeps its copies alive for good, and a map is grown only when no other snapshot of this process reads it.
-_reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}
-GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
-CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
-
-
-# A forked child's copies of the parent's environments and read transactions, held so that the child never
-# uses or closes them itself. Freeing them is harmless since py-lmdb 1.7 (its handles check the process id
-# before they abort a transaction or close an environment; LMDB 0.9.23 and later keep a forked child's close
-# off the parent's reader slots): a child that exits normally leaves the parent's snapshots protected.
-_inherited_handles: list = []
-
-
-def _forget_after_fork() -> None:
-    for ledger in list(_live):
-        ledger._forked = True
-    _inherited_handles.extend([env for env, _users in _envs.values()] + [txn for _env, txn, _t in _reads.values()])
-    _inherited.update(_envs)
-    _envs.clear()
-    _reads.clear()
-
-
-def _open_reads(env: lmdb.Environment) -> tuple[int, bool]:
-    """(how many read transactions this process has open on env, whether one is this thread's own: waiting
-    would not end that one)."""
-    threads = [thread for e, _txn, thread in list(_reads.values()) if e is env]
-    return len(threads), threading.get_ident() in threads
-
-
-def _change_map(env: lmdb.Environment, path: str, size: int) -> None:
-    """env.set_mapsize(size), which ends every transaction this process has open on the file: first waits for
-    other threads' reads to end, and refuses with a clear error where they do not (or one is this thread's)."""
-    deadline = time.monotonic() + GROW_WAIT_S
-    while (reads := _open_reads(env))[0]:
-        if reads[1] or time.monotonic() > deadline:
-            raise LedgerError(f"ledger {path}'s memory map must change size (the file grew past it), and this "
-                              f"process holds {reads[0]} read(s) open on it; end them (finish iterating "
-                              f"view.rows() or iter_log()), or open the ledger with a larger map_size")
-        time.sleep(0.01)
-    env.set_mapsize(size)
-
-
-def _write_txn(env: lmdb.Environment, path: str, fn):
-    """fn(txn) in one write transaction; the map grown and fn retried when it is full, or another process's
-    size adopted when it moved."""
-    while True:
-        try:
-            with env.begin(write=True) as txn:
-                return fn(txn)
-        except lmdb.MapFullError:
-            _change_map(env, path, env.info()["map_size"] * 2)
-        except lmdb.MapResizedError:
-            _change_map(env, path, 0)
-
-
-def _read_only_file(path: str) -> LedgerError:
-    return LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its permissions")
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _release(real: str, env: lmdb.Environment) -> None:
-    shared = _envs.get(real)
-    if shared is not None and shared[0] is env:
-        shared[1] -= 1
-        if shared[1] > 0:
-            return
-        del _envs[real]
-    env.close()
-
-
-class AppendResult(NamedTuple):
-    added: list[bytes]  # event ids newly written, in log order
-    existing: list[bytes]  # event ids that were already in the ledger (no-op)
-    last_seq: int
-
-
-_DELETED = object()
 
 
 class _Creating(Exception):
     """The file holds no kprof sub-databases yet: a writer creating it may not have committed them."""
-
-
-class _NotNew(Exception):
-    """A batch written as all-new holds an event or a key already in the ledger (see Ledger._append_new)."""
-
-
-class _TxnStore:
-    """The reducer's Store over one LMDB write transaction, with the batch's writes buffered and then
-    written per sub-database in key order (`putmulti`): sorted inserts touch each B-tree page once."""
-
-    def __init__(self, txn: lmdb.Transaction, dbs: dict):
-        self.txn, self.dbs = txn, dbs
-        self.pending: dict[str, dict] = {name: {} for name in dbs}
-        self.deleting: set[str] = set()  # the dbs with a deletion pending
-        self.known: dict[str, tuple[set, dict]] = {}  # db -> (keys read ahead, the values found among them)
-
-    def read_ahead(self, db: str, keys) -> None:
-        """Reads `keys` of `db` in one sorted pass (sorted keys share B-tree pages: far fewer page visits
-        than one random get each); later gets of these keys are answered from memory."""
-        wanted = sorted(set(keys))
-        self.known[db] = (set(wanted), dict(self.txn.cursor(self.dbs[db]).getmulti(wanted)))
-
-    def get(self, db, k):
-        v = self.pending[db].get(k)
-        if v is not None:
-            return None if v is _DELETED else v
-        known = self.known.get(db)
-        if known is not None and k in known[0]:
-            return known[1].get(k)
-        return self.txn.get(k, db=self.dbs[db])
-
-    def put(self, db, k, v):
-        self.pending[db][k] = v
-
-    def delete(self, db, k):
-        self.pending[db][k] = _DELETED
-        self.deleting.add(db)
-
-    def flush(self) -> None:
-        txn = self.txn
-        for db, buf in self.pending.items():
-            if not buf:
-                continue
-            handle = self.dbs[db]
-            puts = sorted(buf.items())  # keys are unique: values are never compared
-            if db in self.deleting:
-                for k in [k for k, v in puts if v is _DELETED]:
-                    txn.delete(k, db=handle)
-                puts = [item for item in puts if item[1] is not _DELETED]
-            if puts:
-                txn.cursor(handle).putmulti(puts, append=db == "log")
-            buf.clear()
-        self.deleting.clear()
-        self.known.clear()  # what was read ahead may have been written since: read the transaction again
-
-    def logged(self, seq):
-        return self.get("log", seq)
-
-    def event(self, eid):
-        data = self.get("events", eid)
-        return None if data is None else _codec.event_decoder.decode(data)
-
-
-def _canonical(event, index: int):
-    """(the event as the ledger reads it back, its canonical bytes). An event is stored as it decodes: checked
-    against the schema (msgspec Structs do not validate when built), and with each value of the type its field
-    declares (an int given for a float field is stored as that float), so appending the event that `ledger.event`
-    returns is a no-op, and no event is stored that the ledger could not read back."""
-    data = _codec.event_bytes(event)
-    try:
-        stored = _codec.event_decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        raise UsageError(f"event {index} of the batch does not fit the event schema: {exc}; build events with "
-                         f"kprof.ledger.build") from None
-    again = _codec.event_bytes(stored)
-    return (event, data) if again == data else (stored, again)
-
-
-def _upgrade_views(txn: lmdb.Transaction, env: lmdb.Environment) -> None:
-    """Rebuilds every view of a file of an older format from its log, in the upgrading transaction, in the
-    current format (format 3 added each current row's digest; format 2 the history's status). The views are
-    derived data: the log and the event bodies are kept as they are. The rebuild is counted (REBUILT), so a
-    reader's memo of earlier answers does not outlive it."""
-    dbs = {name: env.open_db(name.encode(), txn=txn) for name in DBS}
-    for name in VIEW_DBS:
-        txn.drop(dbs[name], delete=False)
-    reducer, events = Reducer(_TxnStore(txn, dbs)), dbs["events"]
-    for k, eid in txn.cursor(dbs["log"]):
-        reducer.apply(_codec.stored_event(txn.get(eid, db=events) or b"", eid), eid, unpack_seq(k)[0])
-    reducer.flush()
-    reducer.store.flush()
-    raw = txn.get(REBUILT, db=dbs["meta"])
-    count = msgspec.msgpack.decode(raw) if raw is not None else 0
-    txn.put(REBUILT, _codec.encode((count if type(count) is int and count > 0 else 0) + 1), db=dbs["meta"])
 
 
 class Ledger:
@@ -350,7 +164,7 @@ class Ledger:
                 txn.put(b"created_at", _codec.encode(time.time()), db=meta)
                 txn.put(b"last_seq", _codec.encode(0), db=meta)
             else:
-                _upgrade_views(txn, env)
+                upgrade_views(txn, env, DBS, VIEW_DBS)
             txn.put(b"format_version", _codec.encode(_codec.FORMAT_VERSION), db=meta)
 
         _write_txn(env, path, work)
@@ -393,7 +207,7 @@ class Ledger:
         try:
             yield txn
         finally:
-            if os.getpid() == self._pid:  # a forked child never aborts its copy (see _inherited_handles)
+            if os.getpid() == self._pid:  # a forked child never aborts its copy (see _env._inherited_handles)
                 _reads.pop(id(txn), None)
                 txn.abort()
 
@@ -442,7 +256,7 @@ class Ledger:
             if type(given) not in (Measured, Failed, Retracted):
                 raise UsageError(f"event {i} of the batch is a {type(given).__name__}; append Measured, Failed or "
                                  f"Retracted events (kprof.ledger.build makes them)")
-            event, data = _canonical(given, i)
+            event, data = canonical(given, i)
             prepared.append((event, data, _codec.event_id(data)))
         for event, _data, eid in prepared:
             if type(event) is Retracted:
@@ -456,71 +270,10 @@ class Ledger:
         prepared, rows = batch
         if rows is not None:
             try:  # the common batch: new events of new keys; found out at the inserts, not by reading first
-                return self.write(lambda txn: self._append_new(txn, rows))
-            except _NotNew:
+                return self.write(lambda txn: append_new(txn, self.dbs, rows))
+            except NotNew:
                 pass  # the transaction was aborted: nothing of it was written
-        return self.write(lambda txn: self._append_txn(txn, prepared))
-
-    def _append_new(self, txn, rows: NewRows) -> AppendResult:
-        """Writes a batch taken to be all-new: its rows were computed before the transaction, so the write
-        lock is held for the inserts alone. The `events` and `current` inserts refuse to overwrite; any event
-        or key found there raises _NotNew, which aborts the transaction (the caller appends again, reading
-        first)."""
-        dbs, cursor = self.dbs, txn.cursor
-        n = len(rows.eids)
-        meta = dbs["meta"]
-        seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
-        # a key without a current row may have a history (its attempts all retracted): not a new key then
-        history = [(key, kind + pack_seq(seq + i)) for key, i, kind in rows.history]
-        for db, items in (("events", rows.events), ("current", rows.current), ("history", history)):
-            if cursor(dbs[db]).putmulti(items, overwrite=False)[1] != n:
-                raise _NotNew(db)
-        cursor(dbs["log"]).putmulti([(pack_seq(seq + i), eid) for i, eid in enumerate(rows.eids, 1)], append=True)
-        cursor(dbs["scope_index"]).putmulti(rows.scope_index)
-        if rows.failures:
-            cursor(dbs["failures"]).putmulti(rows.failures)
-        scopes = dbs["scopes"]
-        for sid, added in rows.scopes.items():
-            raw = txn.get(sid, db=scopes)
-            total = ScopeTotals.of(added) if raw is None else ScopeTotals.stored(decode_scope(raw, sid))
-            total.add(added)
-            txn.put(sid, _codec.encode(total.entry()), db=scopes)
-        txn.put(b"last_seq", _codec.encode(seq + n), db=meta)
-        return AppendResult(list(rows.eids), [], seq + n)
-
-    def _append_txn(self, txn, prepared) -> AppendResult:
-        """Appends through `Reducer.apply`, reading the batch's event ids and keys first: any batch (repeats,
-        re-measurements, retractions)."""
-        dbs = self.dbs
-        meta = dbs["meta"]
-        seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
-        store = _TxnStore(txn, dbs)
-        reducer = Reducer(store)
-        added, existing = [], []
-        # The batch's event ids and keys are read in two sorted passes, not one random get each.
-        store.read_ahead("events", [eid for _e, _d, eid in prepared])
-        store.read_ahead("current", [event.key for event, _d, _eid in prepared])
-        for event, data, eid in prepared:
-            if store.get("events", eid) is not None:
-                existing.append(eid)
-                continue
-            if type(event) is Retracted:
-                target = store.event(event.target)
-                if target is None or target.key != event.key:
-                    raise UsageError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, which "
-                                     f"is not in this ledger under key {event.key.hex()[:16]}; append the target first")
-                if type(target) is Retracted:
-                    raise UsageError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, itself a "
-                                     f"retraction; retract a measured or failed event")
-            store.put("events", eid, data)
-            seq += 1
-            store.put("log", pack_seq(seq), eid)
-            reducer.apply(event, eid, seq)
-            added.append(eid)
-        reducer.flush()
-        store.flush()
-        txn.put(b"last_seq", _codec.encode(seq), db=meta)
-        return AppendResult(added, existing, seq)
+        return self.write(lambda txn: append_events(txn, self.dbs, prepared))
 
     # ---- reading ---------------------------------------------------------------------------
     def event(self, eid: bytes):

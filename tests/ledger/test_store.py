@@ -124,10 +124,12 @@ def test_missing_agrees_with_the_statuses_through_failures_successes_and_retract
 
 
 def test_a_new_batch_is_appended_without_reading_first_and_a_repeat_reads(ledger, monkeypatch):
+    from kprof.ledger import store
+
     tries = []
-    new, read_first = Ledger._append_new, Ledger._append_txn
-    monkeypatch.setattr(Ledger, "_append_new", lambda self, txn, rows: (tries.append("new"), new(self, txn, rows))[1])
-    monkeypatch.setattr(Ledger, "_append_txn", lambda self, txn, p: (tries.append("read"), read_first(self, txn, p))[1])
+    new, read_first = store.append_new, store.append_events
+    monkeypatch.setattr(store, "append_new", lambda txn, dbs, rows: (tries.append("new"), new(txn, dbs, rows))[1])
+    monkeypatch.setattr(store, "append_events", lambda txn, dbs, p: (tries.append("read"), read_first(txn, dbs, p))[1])
     ledger.append(list(synth.events(0, 5)))
     assert tries == ["new"]
     tries.clear()
