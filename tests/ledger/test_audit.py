@@ -1,0 +1,305 @@
+"""What `audit` reports for each kind of damage to the log, the event store, the meta and the views, and what it
+accepts: retraction targets, meta values, damaged format versions, short scope-index keys, a format 1 written into
+a format-2 file."""
+
+import json
+
+import msgspec
+import pytest
+
+from kprof.cli import main
+from kprof.errors import IntegrityError
+from kprof.ledger import Ledger, _codec, build, synth
+from kprof.ledger._audit_worker import Findings, Shard
+from kprof.ledger._reducer import pack_seq
+from kprof.ledger.audit import audit
+from kprof.ledger.build import failed, measured, retraction
+
+
+def _eid(event) -> bytes:
+    return _codec.event_id(_codec.encode(event))
+
+
+def _swap_event(led: Ledger, seq: int, data: bytes) -> bytes:
+    """Stores `data` as the event logged at `seq` (new id, old event removed), bypassing append's checks."""
+    new = _codec.event_id(data)
+
+    def work(txn):
+        old = txn.get(pack_seq(seq), db=led.dbs["log"])
+        txn.delete(old, db=led.dbs["events"])
+        txn.put(new, data, db=led.dbs["events"])
+        txn.put(pack_seq(seq), new, db=led.dbs["log"])
+
+    led.write(work)
+    return new
+
+
+def test_int_metrics_and_stats_audit_clean(ledger_path):
+    """A row built in memory with int numbers stores the same summary that replaying its decoded event derives."""
+    e = synth.event(1)
+    stats = msgspec.structs.replace(e.stats, median=2, p10=1, max=3)
+    with Ledger.open(ledger_path) as led:
+        led.append([build.measured(e.provenance, {"time_ms": 1, "tflops": 2, "energy_j": None}, stats, e.method,
+                                   measured_at=5)])
+    report = audit(ledger_path)
+    assert report.ok, report.findings
+
+
+def test_event_whose_key_does_not_match_its_provenance(ledger_path):
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 6)))
+        event = synth.event(2)
+        forged = msgspec.structs.replace(event, provenance=synth.event(99).provenance)  # key of event 2 kept
+        eid = _swap_event(led, 3, _codec.encode(forged))
+    report = audit(ledger_path)
+    assert not report.ok
+    assert f"keys: event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance" in report.findings
+
+
+def test_event_whose_provenance_is_not_canonical(ledger_path):
+    """Bytes kprof's encoder did not write (shape fields out of order) are named, though the key recomputes."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 6)))
+        event = synth.event(2)
+        shuffled = dict(reversed(list(event.provenance.shape.items())))
+        loose = msgspec.structs.replace(event, provenance=msgspec.structs.replace(event.provenance, shape=shuffled))
+        data = msgspec.msgpack.Encoder().encode(loose)  # insertion order, not the canonical sorted order
+        assert data != _codec.encode(event)
+        eid = _swap_event(led, 3, data)
+    report = audit(ledger_path)
+    assert f"events: event {eid.hex()[:16]}: its provenance is not in canonical form" in report.findings
+    assert not any(f.startswith("keys:") for f in report.findings)
+
+
+def test_a_gap_in_the_log(ledger_path):
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 8)))
+        eid = led.write(lambda txn: txn.pop(pack_seq(5), db=led.dbs["log"]))
+    report = audit(ledger_path)
+    assert "log: sequence 5 expected, found 6" in report.findings
+    assert f"log: event {eid.hex()[:16]} is stored but not in the log" in report.findings
+
+
+def test_an_event_logged_twice(ledger_path):
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 8)))
+
+        def work(txn):
+            txn.put(pack_seq(9), txn.get(pack_seq(3), db=led.dbs["log"]), db=led.dbs["log"])
+            txn.put(b"last_seq", _codec.encode(9), db=led.dbs["meta"])
+
+        led.write(work)
+    eid = _codec.event_id(_codec.encode(synth.event(2)))
+    report = audit(ledger_path)
+    assert report.findings == [f"log: seq 9: event {eid.hex()[:16]} logged twice"], report.findings
+
+
+def test_meta_last_seq_disagrees_with_the_log(ledger_path):
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 4)))
+        led.write(lambda txn: txn.put(b"last_seq", _codec.encode(7), db=led.dbs["meta"]))
+    report = audit(ledger_path)
+    assert report.findings == ["log: meta says last_seq 7, log ends at 4"], report.findings
+
+
+def test_event_bytes_that_do_not_decode_as_an_event(ledger_path):
+    """Stored bytes whose id recomputes but which are not an event's map (short, or fields in another order)
+    are named, whichever shard reads them."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 6)))
+        event = synth.event(2)
+        reordered = msgspec.msgpack.encode({"key": event.key, "type": "measured"})  # key first, not type
+        short = _swap_event(led, 3, b"\x81\xa1a\x01")
+        swapped = _swap_event(led, 4, reordered)
+    report = audit(ledger_path)
+    for eid in (short, swapped):
+        assert any(f.startswith(f"events: event {eid.hex()[:16]}: cannot be decoded") for f in report.findings)
+    assert not report.ok
+
+
+def test_an_event_stored_but_never_logged_is_named_alone(ledger_path):
+    """The log itself is intact, so the events pass merges the store with the log by position; the unlogged
+    events put the two out of step, and every other event is still matched with its seq (nothing else named)."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 40)))
+        extra = [_codec.encode(synth.event(100 + i)) for i in range(6)]  # ids spread over the store's order
+        led.write(lambda txn: [txn.put(_codec.event_id(data), data, db=led.dbs["events"]) for data in extra])
+    report = audit(ledger_path)
+    assert sorted(report.findings) == sorted(f"log: event {_codec.event_id(data).hex()[:16]} is stored but not in the log"
+                                             for data in extra)
+
+
+def test_logged_ids_that_share_their_first_eight_bytes_are_matched_exactly(ledger_path):
+    """The log's ids are ordered by their first 8 bytes unless two share them; ids that do (forged here, stored
+    under ids their bytes do not hash to) are ordered by all 32, so each stored event still finds its seq: only
+    the forgery is named, never a logged event as unlogged."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 30)))
+        data = _codec.encode(synth.event(200))
+        forged = [bytes([0x10 + i]) * 8 + bytes([0xFF - j]) * 24 for i in range(3) for j in range(3)]  # logged in
+        # descending order within each shared head
+
+        def work(txn):
+            for seq, eid in enumerate(forged, 31):
+                txn.put(eid, data, db=led.dbs["events"])
+                txn.put(pack_seq(seq), eid, db=led.dbs["log"])
+            txn.put(b"last_seq", _codec.encode(30 + len(forged)), db=led.dbs["meta"])
+
+        led.write(work)
+    with Ledger.open(ledger_path, readonly=True) as led, led.read() as txn:
+        seqs, last, walked = Shard(led, 0, 2, Findings()).log(txn)
+        logged = {eid: int.from_bytes(seq, "big") for seq, eid in txn.cursor(led.dbs["log"])}
+    assert seqs == logged and last == walked == 30 + len(forged)
+    report = audit(ledger_path)
+    assert sorted(report.findings) == sorted(f"events: event {eid.hex()[:16]}: stored bytes hash to another id "
+                                             "(altered or damaged)" for eid in forged)
+
+
+@pytest.mark.parametrize("case", ["absent", "other key", "a retraction"])
+def test_a_logged_retraction_of_a_target_append_refuses_is_named(ledger_path, capsys, case):
+    """A retraction logged (not appended) whose target is not stored, is another key's event, or is itself a
+    retraction: the audit names it as an events finding (exit 3), and the other shard's finding is still listed."""
+    _base(ledger_path, retract=case == "a retraction")
+    key, seq = synth.event(0).key, 47
+    if case == "absent":
+        target = b"\x77" * 32
+    elif case == "other key":
+        target = _eid(synth.event(5))
+    else:
+        e = synth.event(1, seed=1)
+        key, seq = e.key, 48
+        target = _eid(retraction(_eid(e), e.key, "bad", at=1.9e9))
+    forged = retraction(target, key, "forged", at=2e9)
+    data = _codec.encode(forged)
+    rid = _codec.event_id(data)
+
+    def log_it(txn, dbs):
+        txn.put(rid, data, db=dbs["events"])
+        txn.put(pack_seq(seq), rid, db=dbs["log"])
+        txn.put(b"last_seq", _codec.encode(seq), db=dbs["meta"])
+
+    _tamper(ledger_path, log_it)
+    other = _other_shard_key(key)
+    _tamper(ledger_path, _flip_current(other))
+    problem = {"absent": "which is not stored", "other key": "of another key", "a retraction": "itself a retraction"}
+    rc, doc = _json_audit(ledger_path, capsys)
+    assert rc == 3 and doc["ok"] is False
+    findings = doc["findings"]
+    assert f"events: retraction {rid.hex()[:16]} names event {target.hex()[:16]}, {problem[case]}" in findings
+    assert f"views: current: entry {other.hex()[:24]} differs from the log's replay" in findings
+    assert not [f for f in findings if f.startswith("structure:")], findings
+
+
+@pytest.mark.parametrize("name,value,finding", [
+    ("last_seq", 46.0, "meta: last_seq is 46.0, not a count"),
+    ("last_seq", "46", "meta: last_seq is '46', not a count"),
+    ("ledger_id", None, "meta: ledger_id is missing"),
+    ("ledger_id", 7, "meta: ledger_id is 7, not 32 hex digits"),
+    ("ledger_id", "abc", "meta: ledger_id is 'abc', not 32 hex digits"),
+    ("ledger_id", "z" * 32, f"meta: ledger_id is {'z' * 32!r}, not 32 hex digits"),
+    ("views_rebuilt", 0, "meta: views_rebuilt is 0, not a count of rebuilds"),
+    ("views_rebuilt", 1.0, "meta: views_rebuilt is 1.0, not a count of rebuilds"),
+])
+def test_damaged_meta_values_are_meta_findings(ledger_path, capsys, name, value, finding):
+    _base(ledger_path)
+    key = name.encode()
+
+    def damage(txn, dbs):
+        if value is None:
+            txn.delete(key, db=dbs["meta"])
+        else:
+            txn.put(key, _codec.encode(value), db=dbs["meta"])
+
+    _tamper(ledger_path, damage)
+    rc, doc = _json_audit(ledger_path, capsys)
+    assert rc == 3 and doc["ok"] is False
+    assert finding in doc["findings"], doc["findings"]
+
+
+@pytest.mark.parametrize("raw", [_codec.encode("2"), b"\xc1"], ids=["a string", "undecodable"])
+def test_a_damaged_format_version_is_a_structure_finding(ledger_path, capsys, raw):
+    _base(ledger_path)
+    _tamper(ledger_path, lambda txn, dbs: txn.put(b"format_version", raw, db=dbs["meta"]))
+    rc, doc = _json_audit(ledger_path, capsys)
+    assert rc == 3 and doc["ok"] is False
+    assert [f for f in doc["findings"] if f.startswith("structure:") and "format version is damaged" in f], doc
+    with pytest.raises(IntegrityError, match="format version is damaged"):
+        Ledger.open(ledger_path, readonly=True)
+    report = audit(ledger_path)
+    assert not report.ok and report.counts == {"structure": 1}
+
+
+@pytest.mark.parametrize("length", [10, 32])
+def test_a_scope_index_entry_with_a_short_key_is_named_with_other_damage(ledger_path, length):
+    """A scope_index entry of `length` bytes (no room for a row key after the scope and shape ids) does not crash
+    the shards: it is named, and a damaged current entry in the same file is still listed."""
+    _base(ledger_path)
+    short = []
+
+    def add_short(txn, dbs):
+        k, _v = list(txn.cursor(dbs["scope_index"]))[5]
+        short.append(k[:length])
+        txn.put(k[:length], b"", db=dbs["scope_index"])
+
+    _tamper(ledger_path, add_short)
+    key = synth.event(0).key
+    _tamper(ledger_path, _flip_current(key))
+    report = audit(ledger_path)
+    assert not report.ok
+    assert not [f for f in report.findings if f.startswith("structure:")], report.findings
+    assert f"views: scope_index: stored entry {short[0].hex()[:24]} is not derivable from the log" in report.findings
+    assert f"views: current: entry {key.hex()[:24]} differs from the log's replay" in report.findings
+
+
+def test_format_1_written_into_a_format_2_file_names_the_history_entries(ledger_path):
+    """Format 2 keeps 32-byte history keys; a file that says format 1 has them where format 1 keeps key + seq
+    (40 bytes): the audit names them instead of its shards crashing."""
+    _base(ledger_path)
+    _tamper(ledger_path, lambda txn, dbs: txn.put(b"format_version", _codec.encode(1), db=dbs["meta"]))
+    with Ledger.open(ledger_path, readonly=True) as led, led.read() as txn:
+        keys = [k for k, _v in txn.cursor(led.dbs["history"])]
+    assert keys and all(len(k) == 32 for k in keys)
+    report = audit(ledger_path)
+    assert not report.ok
+    assert not [f for f in report.findings if f.startswith("structure:")], report.findings
+    named = [f for f in report.findings if f.startswith("views: history: entry ")]
+    assert named and all("has 32 bytes where the file's format 1 keeps key + seq (40)" in f for f in named)
+    assert f"views: history: entry {keys[0].hex()[:24]} has 32 bytes where the file's format 1 keeps key + seq (40)" \
+        in report.findings
+
+
+def _base(path: str, retract: bool = False) -> None:
+    """40 keys, 6 of them re-measured; with `retract`, key 1's latest event retracted (seq 47)."""
+    with Ledger.open(path) as led:
+        led.append(list(synth.events(0, 40)))
+        led.append(list(synth.events(0, 6, seed=1)))
+        if retract:
+            e = synth.event(1, seed=1)
+            led.append([retraction(_eid(e), e.key, "bad", at=1.9e9)])
+
+
+def _tamper(path: str, fn) -> None:
+    """Writes to the file as a damage would, bypassing append's checks (py-lmdb under the ledger)."""
+    with Ledger.open(path) as led:
+        led.write(lambda txn: fn(txn, led.dbs))
+
+
+def _json_audit(path: str, capsys) -> tuple[int, dict]:
+    rc = main(["audit", "--db", path, "--json"])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return rc, json.loads(captured.out)
+
+
+def _other_shard_key(*keys: bytes) -> bytes:
+    """A synth key (of 6..39) in the other audit shard than the given keys (SHARDS = 2: by the first byte's half)."""
+    halves = {k[0] >= 128 for k in keys}
+    assert len(halves) == 1
+    return next(synth.event(i).key for i in range(6, 40) if (synth.event(i).key[0] >= 128) not in halves)
+
+
+def _flip_current(key: bytes):
+    def go(txn, dbs):
+        v = txn.get(key, db=dbs["current"])
+        txn.put(key, v[:-1] + bytes([v[-1] ^ 1]), db=dbs["current"])
+    return go

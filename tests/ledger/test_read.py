@@ -1,0 +1,101 @@
+"""Read contracts: an int msgpack cannot carry named by its index, `show` of retracted keys and of default fields,
+`rows()` and other contracts' failed rows."""
+
+import json
+
+import msgspec
+import pytest
+
+from kprof.cli import main
+from kprof.errors import IntegrityError, SpecError
+from kprof.ledger import Ledger, _codec, synth
+from kprof.ledger._reducer import pack_seq
+from kprof.ledger.audit import audit
+from kprof.ledger.build import failed, measured, retraction
+
+
+def _eid(event) -> bytes:
+    return _codec.event_id(_codec.encode(event))
+
+
+# ---- read path: an int no key can hold ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [2**64, -(2**63) - 1])
+def test_an_int_msgpack_cannot_carry_is_named_by_its_index(ledger, bad):
+    """SynthArgs does not bound its ints: a spec holding one past 64 bits is named by its index, by the lookups
+    and by the memo's digest of the request alike (no OverflowError), and later lookups answer as before."""
+    ledger.append(list(synth.events(0, 10)))
+    view = synth.view(ledger)
+    specs = [synth.spec(i) for i in range(100)]
+    at = 80
+    specs[at] = dict(specs[at], m=bad)
+    for lookup in (view.missing, view.get_many):
+        with pytest.raises(SpecError, match="past the 64-bit integers") as err:
+            lookup(specs)
+        assert err.value.index == at
+    assert view.missing(specs[:at]) == specs[10:at]
+
+
+# ---- read path: show and rows() -----------------------------------------------------------------------------
+
+
+A_SPEC, B_SPEC, SHARED_PREFIX = 11603, 50987, "0ad2e6cd"  # two synth keys that share their first 8 hex digits
+
+
+@pytest.mark.parametrize("retracted", ["both", "one"])
+def test_show_of_a_prefix_two_keys_share_is_ambiguous_even_when_retracted(ledger_path, capsys, retracted):
+    a, b = synth.event(A_SPEC), synth.event(B_SPEC)
+    assert a.key.hex()[:8] == b.key.hex()[:8] == SHARED_PREFIX and a.key != b.key
+    with Ledger.open(ledger_path) as led:
+        led.append([a, b])
+        gone = [a, b] if retracted == "both" else [b]
+        led.append([retraction(_eid(e), e.key, "withdrawn", at=1.9e9) for e in gone])
+        assert led.resolve(a.key.hex()).key == a.key and led.resolve(b.key.hex()).key == b.key
+    assert main(["show", SHARED_PREFIX, "--db", ledger_path]) == 2
+    assert "ambiguous" in capsys.readouterr().err
+    assert main(["show", SHARED_PREFIX, "--db", ledger_path, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "ambiguous" in captured.err and captured.out == ""
+
+
+def test_show_json_lists_every_field_and_ids_as_hex(ledger_path, capsys):
+    """msgspec leaves fields at their default out of builtins (the records omit them when encoded): show --json
+    still lists them all, profiler_revision 1 and measured_at 0.0 among them, and every id as hex."""
+    first = synth.event(0)
+    assert first.provenance.profiler_revision == 1
+    again = synth.event(0, seed=3)
+    second = measured(again.provenance, again.metrics, again.stats, again.method, measured_at=0.0,
+                      parent=_eid(first))
+    with Ledger.open(ledger_path) as led:
+        led.append([first])
+        led.append([second])
+    cite = f"kprof.{_eid(second).hex()[:16]}"
+    assert main(["show", cite, "--db", ledger_path, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    event = doc["event"]
+    assert set(event["provenance"]) == {f.name for f in msgspec.structs.fields(type(first.provenance))}
+    assert event["provenance"]["profiler_revision"] == 1
+    assert event["provenance"]["algorithm"] == synth.CONTRACT.algorithm
+    assert event["measured_at"] == 0.0 and event["parent"] == _eid(first).hex()
+    assert event["key"] == first.key.hex() and event["event"] == _eid(second).hex()
+    assert {f.name for f in msgspec.structs.fields(type(second))} <= set(event)
+    older = doc["history"][0]
+    assert older["event"] == _eid(first).hex() and older["parent"] is None
+    assert older["provenance"]["profiler_revision"] == 1 and older["key"] == first.key.hex()
+
+
+def test_rows_leave_out_another_contracts_failed_row_as_get_many_does(ledger):
+    ledger.append([synth.event(0)])  # ok under this contract (revision 1)
+    ledger.append([synth.event(2, revision=0)])  # measured under revision 0 only: stale
+    ledger.append([failed(synth.event(1, revision=0).provenance, "crash", "boom", measured_at=1.9e9)])  # failed, rev 0
+    view = synth.view(ledger)
+    specs = [synth.spec(i) for i in range(3)]
+    assert [r.status for r in view.get_many(specs)] == ["ok", "missing", "stale"]
+    rows = {r.spec["m"]: r.status for r in view.rows()}
+    assert rows == {synth.spec(0)["m"]: "ok", synth.spec(2)["m"]: "stale"}
+
+
+# ---- audit -------------------------------------------------------------------------------------------------
+
+
