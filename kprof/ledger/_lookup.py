@@ -10,11 +10,8 @@ harmless, since the order only serves locality), and the answers are put back in
 from __future__ import annotations
 
 import sys
-from itertools import compress, repeat
-from operator import itemgetter, not_, xor
+from operator import itemgetter
 from typing import TYPE_CHECKING
-
-from ._reducer import MEASURED
 
 if TYPE_CHECKING:
     import lmdb
@@ -47,53 +44,6 @@ def key_order(blob: bytes, width: int):
 
     head = np.frombuffer(blob, ">u8")[:: width // 8].astype(np.uint64)
     return np.argsort(head)
-
-
-def status_flags(history: "lmdb.Cursor", keys: list[bytes]) -> bytes:
-    """One byte per key: 1 where its current row is measured, read from the status byte of its format-2
-    `history` value (see `_reducer`): a tree of ~50 bytes a key, where `current` holds ~330."""
-    return _flags(keys, lambda ordered: bytes(map(bytes.startswith, map(history.get, ordered, repeat(b"")),
-                                                  repeat(MEASURED))))
-
-
-def measured_flags(current: "lmdb.Cursor", failures: "lmdb.Cursor", keys: list[bytes]) -> bytes:
-    """status_flags for a file of format 1 (opened read-only), whose history has no status: 1 where the key's
-    current row is measured, else 0 (absent, or failed).
-
-    A key's current row can be failed only while the key has an entry in `failures` (its latest failure not
-    retracted: the reducer keeps both views so, and the audit checks them). So the current rows are only
-    tested for presence (no value copied), and the kind is read for the few present keys that have a failure
-    on record."""
-    return _flags(keys, lambda ordered: _present_measured(current, failures, ordered))
-
-
-def _flags(keys: list[bytes], sorted_flags) -> bytes:
-    """sorted_flags(keys in sorted order) -> one byte per key, given back in input order."""
-    by_key = _sorted(keys)
-    if by_key is None:
-        ordered = sorted(keys)
-        yes = set(compress(ordered, sorted_flags(ordered)))
-        return bytes(map(yes.__contains__, keys))
-    import numpy as np
-
-    ordered, order = by_key
-    flags = np.empty(len(keys), np.uint8)
-    flags[order] = np.frombuffer(sorted_flags(ordered), np.uint8)
-    return flags.tobytes()
-
-
-def _present_measured(current: "lmdb.Cursor", failures: "lmdb.Cursor", ordered: list[bytes]) -> bytes:
-    """measured_flags of keys in sorted order (the B-tree walks then share their upper pages)."""
-    found = bytes(map(current.set_key, ordered))
-    present = list(compress(ordered, found))
-    suspects = list(compress(present, map(failures.set_key, present)))
-    if not suspects:
-        return found
-    failed = set(compress(suspects, map(not_, map(bytes.startswith, map(current.get, suspects, repeat(b"")),
-                                                       repeat(MEASURED)))))
-    if not failed:
-        return found
-    return bytes(map(xor, found, map(failed.__contains__, ordered)))  # failed keys are present: 1 ^ 1 = 0
 
 
 def values(cursor: "lmdb.Cursor", keys: list[bytes]) -> list:

@@ -12,8 +12,7 @@ from kprof.ledger import _lookup
 
 @pytest.fixture
 def store(tmp_path):
-    """A current view (kind byte + anything) and its failures view: every key whose row is failed, and some
-    whose row is measured (a failure, then a success), as the reducer keeps them."""
+    """A current view (kind byte + anything) and a failures view beside it."""
     env = lmdb.open(str(tmp_path / "t.lmdb"), subdir=False, map_size=1 << 28, max_dbs=2)
     current, failures = env.open_db(b"current"), env.open_db(b"failures")
     rng = random.Random(3)
@@ -39,14 +38,9 @@ def test_bulk_lookups_answer_as_one_get_per_key(store, monkeypatch, numpy_from):
     keys.append(b"\0" * 32)  # ties in the first 8 bytes, and the smallest key there is
     keys.append(b"\0" * 31 + b"\1")
     with env.begin() as txn:
-        cur, fail = txn.cursor(current), txn.cursor(failures)
+        cur = txn.cursor(current)
         assert _lookup.values(cur, keys) == [stored.get(k) for k in keys]
-        want = bytes(stored.get(k, b"").startswith(b"m") for k in keys)
-        assert 0 < sum(want) < len(keys)
-        assert _lookup.measured_flags(cur, fail, keys) == want
-        measured = [k for k in keys if stored.get(k, b"").startswith(b"m")]  # no failed row among them
-        assert _lookup.measured_flags(cur, fail, measured) == b"\1" * len(measured)
-        assert _lookup.values(cur, []) == [] and _lookup.measured_flags(cur, fail, []) == b""
+        assert _lookup.values(cur, []) == []
 
 
 def test_keys_of_other_sizes_take_sorted(store, monkeypatch):
@@ -56,8 +50,6 @@ def test_keys_of_other_sizes_take_sorted(store, monkeypatch):
     keys = list(stored)[:100] + [b"short"]
     with env.begin() as txn:
         assert _lookup.values(txn.cursor(current), keys) == [stored.get(k) for k in keys]
-        want = bytes(stored.get(k, b"").startswith(b"m") for k in keys)
-        assert _lookup.measured_flags(txn.cursor(current), txn.cursor(failures), keys) == want
 
 
 def test_a_cli_verb_does_not_import_numpy_for_a_lookup_it_would_not_repay(tmp_path):
