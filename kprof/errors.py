@@ -11,6 +11,7 @@ __all__ = [
     "LedgerVersionError",
     "IntegrityError",
     "SnapshotError",
+    "MergeConflict",
     "exit_code",
 ]
 
@@ -79,6 +80,17 @@ class IntegrityError(KprofError):
     """The ledger's contents are inconsistent or damaged (exit 3)."""
 
     exit_code = 3
+
+
+class MergeConflict(KprofError):
+    """A merge found incoming events whose key holds another current row that is not their parent: nothing
+    was merged, and the conflicts are reported (exit 3)."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
 
 
 class SnapshotError(KprofError):

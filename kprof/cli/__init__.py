@@ -31,6 +31,9 @@ VERBS = [
     ("calibrate", "kprof.cli.calibrate:calibrate",
      "Measure the device's ceilings (large GEMM, large copy) into the ledger; query reports fractions of them."),
     ("show", "kprof.cli.show:show", "Show one row's provenance, metrics and full history by citation, key or event id."),
+    ("export", "kprof.cli.merge:export", "Write the ledger's events (of a table, backend or GPU key) to a segment file."),
+    ("merge", "kprof.cli.merge:merge",
+     "Merge segment files into the ledger: every event checked, conflicts refused (exit 3), all or nothing."),
 ]
 for _name, _target, _help in VERBS:
     app.command(_target, name=_name, help=_help)

@@ -1,0 +1,51 @@
+"""`kprof export` and `kprof merge`: ledger events to a segment, and segments into a ledger."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from cyclopts import Parameter
+
+from ._options import Db, GpuName, Json
+from ._render import console, emit_json
+
+
+def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help="The new segment file.")],
+           table: Annotated[str | None, Parameter(name="--table", help="Only this table's events.")] = None,
+           backend: Annotated[str | None, Parameter(name="--backend", help="Only this backend's events.")] = None,
+           gpu_name: GpuName = None,
+           since: Annotated[int, Parameter(name="--since", help="Only events after this sequence number.")] = 0,
+           db: Db = None, json: Json = False) -> int:
+    """Write the ledger's events (of one table, backend or GPU key where given) to a new segment file."""
+    from ..ledger import ledger_path
+    from ..merge.merge import export as run_export
+
+    header = run_export(db, output, table=table, backend=backend, gpu_name=gpu_name, since=since)
+    doc = {"db": ledger_path(db), "segment": output, "ledger_id": header.ledger_id, "events": header.events}
+    if json:
+        emit_json(doc)
+    else:
+        console().print(f"wrote {header.events} event(s) of {doc['db']} to {output}", markup=False)
+    return 0
+
+
+def merge(segments: Annotated[list[str], Parameter(help="Segment files to merge, in order.")], *,
+          output_dir: Annotated[str | None, Parameter(name="--output-dir", help=(
+              "Where merge-report.json goes when a conflict stops the merge. Default: the current directory."))] = None,
+          db: Db = None, json: Json = False) -> int:
+    """Merge segments into the ledger: every event checked, conflicts refused, all or nothing."""
+    from ..errors import MergeConflict
+    from ..merge.merge import merge as run_merge
+
+    try:
+        result = run_merge(segments, db=db, output_dir=output_dir)
+    except MergeConflict as exc:
+        if json:
+            emit_json({"ok": False, "error": str(exc), "report": exc.report})
+        raise
+    if json:
+        emit_json({"ok": True, **result.to_json()})
+    else:
+        console().print(f"merged {result.added} new event(s) into {result.db} ({result.existing} already there) from "
+                        f"{len(result.segments)} segment(s)", markup=False)
+    return 0

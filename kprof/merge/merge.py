@@ -1,0 +1,208 @@
+"""Export a ledger's events to a segment, and merge segments into a ledger, conflict-checked and all-or-nothing.
+
+    kprof export --table single_gemm --backend torch --gpu-name "NVIDIA H200" -o h200.kseg
+    kprof merge h200.kseg other.kseg --db profile.db --output-dir merge-out
+
+Merging runs in two streamed passes over the segments (neither is ever held whole):
+
+1. Check. Every event decodes, is in canonical form, and its id and key are recomputed from its bytes; the
+   segment's structure and digest are checked (kprof.merge.segment). Then, in order, each measured or failed
+   event new to the ledger is held against the current row of its key: no row, the event's parent (a
+   fast-forward), or a row an earlier event of the same segment made current (the segment's own history, in its
+   log order) are fine; a row of this ledger or of another segment is a conflict. A retraction in a segment
+   leaves its key unchecked from there on (which row it brings back depends on events the check does not replay).
+2. Write, only where the check found nothing: every event appended in one write transaction, through the ledger's
+   own append (the Reducer), so the merge is all or nothing, and the segments are read again, digest and all (a
+   file changed between the passes aborts the transaction).
+
+A conflict merges nothing: `merge-report.json` (each conflicting key: both events, their metrics, the relative
+difference of time_ms) is written to the output directory, and MergeConflict is raised (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Iterable, Iterator, NamedTuple
+
+import msgspec
+
+from ..errors import MergeConflict, UsageError
+from ..ledger import Ledger, _codec
+from ..ledger._reducer import row_event_id
+from ..ledger.events import Retracted
+from . import segment
+from .segment import SegmentError
+
+__all__ = ["export", "merge", "MergeResult", "BATCH"]
+
+BATCH = 10_000  # events per append batch and per bulk lookup
+
+
+class MergeResult(NamedTuple):
+    db: str
+    segments: list[dict]  # per segment: path, source ledger id, events
+    added: int  # events newly written
+    existing: int  # events the ledger held already
+    seconds: float
+
+    def to_json(self) -> dict:
+        return self._asdict()
+
+
+def export(db: str | None, output: str, *, table: str | None = None, backend: str | None = None,
+           gpu_name: str | None = None, since: int = 0) -> segment.SegmentHeader:
+    """Writes the ledger's events of sequence > `since` (of one table, backend and GPU key where given) to a new
+    segment, in log order, from one snapshot. A retraction goes with the events of its key."""
+    if since < 0:
+        raise UsageError(f"--since {since}: give a sequence number >= 0 (0: from the first event)")
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        events_db = ledger.dbs["events"]
+        keys: set[bytes] = set()
+        chosen: list[bytes] = []
+        for seq, eid, data in ledger.iter_log(txn):
+            if seq <= since:
+                continue
+            event = _codec.stored_event(data, eid)
+            if type(event) is Retracted:
+                if event.key in keys:
+                    chosen.append(eid)
+                continue
+            prov = event.provenance
+            if not ((table is None or prov.table == table) and (backend is None or prov.backend == backend)
+                    and (gpu_name is None or prov.gpu_key == gpu_name)):
+                continue
+            keys.add(event.key)
+            chosen.append(eid)
+        return segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id, len(chosen))
+
+
+def _events(paths: list[str]) -> Iterator[tuple[int, str, int, bytes, object, bytes]]:
+    """(segment index, path, event index, event id, event, bytes) of every event of the segments, each checked:
+    canonical bytes, and a key its provenance hashes to."""
+    for s, path in enumerate(paths):
+        for i, data in enumerate(segment.read(path)):
+            try:
+                event = _codec.event_decoder.decode(data)
+            except Exception as exc:  # noqa: BLE001 - any decoding failure names the event
+                raise SegmentError(f"{path}: event {i} does not decode ({exc})") from None
+            if _codec.encode(event) != data:
+                raise SegmentError(f"{path}: event {i} is not in canonical form (not written by kprof)")
+            eid = _codec.event_id(data)
+            if type(event) is not Retracted and _codec.provenance_key(event.provenance) != event.key:
+                raise SegmentError(f"{path}: event {i} ({eid.hex()[:16]}) carries a key its provenance does not hash "
+                                   f"to (forged)")
+            yield s, path, i, eid, event, data
+
+
+def _batches(items: Iterable, n: int = BATCH) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class _Check:
+    """Pass 1: the current event of every key the segments touch, as the merge would leave it, and the
+    conflicts found on the way."""
+
+    def __init__(self, ledger: Ledger, txn):
+        self.ledger, self.txn = ledger, txn
+        self.current: dict[bytes, bytes | None] = {}  # key -> current event id (None: no row)
+        self.origin: dict[bytes, int] = {}  # key -> the segment whose event made it current (absent: the ledger)
+        self.unchecked: set[bytes] = set()  # keys a segment's retraction touched
+        self.seen: set[bytes] = set()  # event ids of the segments so far
+        self.conflicts: list[dict] = []
+        self.events = 0
+
+    def batch(self, items: list) -> None:
+        from ..ledger import _lookup
+
+        txn, dbs = self.txn, self.ledger.dbs
+        new_keys = list({event.key for *_rest, event, _data in items} - self.current.keys())
+        for key, value in zip(new_keys, _lookup.values(txn.cursor(dbs["current"]), new_keys)):
+            self.current[key] = None if value is None else row_event_id(value)
+        eids = [item[3] for item in items]
+        stored = {e for e, v in zip(eids, _lookup.values(txn.cursor(dbs["events"]), eids)) if v is not None}
+        for s, path, i, eid, event, _data in items:
+            self.events += 1
+            if eid in stored or eid in self.seen:
+                continue
+            self.seen.add(eid)
+            key = event.key
+            if type(event) is Retracted:
+                self.unchecked.add(key)
+                continue
+            if key in self.unchecked:
+                continue
+            here, origin = self.current[key], self.origin.get(key)
+            if origin == s or here is None or here == eid or here == event.parent:
+                self.current[key], self.origin[key] = eid, s
+            else:
+                self.conflicts.append({"segment": path, "index": i, "key": key, "incoming": eid, "current": here,
+                                       "incoming_event": event})
+
+
+def _report(ledger: Ledger, conflicts: list[dict]) -> dict:
+    """The merge report: per conflicting key, both events, their metrics and the relative difference of time_ms."""
+    rows = []
+    for c in conflicts:
+        here = ledger.event(c["current"])
+        theirs = c["incoming_event"]
+        mine_m, theirs_m = getattr(here, "metrics", None), getattr(theirs, "metrics", None)
+        diff = None
+        if mine_m and theirs_m and mine_m.get("time_ms") and theirs_m.get("time_ms") is not None:
+            diff = theirs_m["time_ms"] / mine_m["time_ms"] - 1
+        rows.append({"key": c["key"].hex(), "segment": c["segment"], "index": c["index"],
+                     "provenance": msgspec.to_builtins(theirs.provenance),
+                     "current": {"event": c["current"].hex(), "kind": type(here).__name__.lower(), "metrics": mine_m},
+                     "incoming": {"event": c["incoming"].hex(), "kind": type(theirs).__name__.lower(),
+                                  "parent": theirs.parent.hex() if theirs.parent else None, "metrics": theirs_m},
+                     "time_ms_relative_difference": diff})
+    return {"ledger": ledger.path, "conflicts": len(rows), "keys": rows}
+
+
+def merge(paths: list[str], db: str | None = None, output_dir: str | None = None) -> MergeResult:
+    """Merges the segments at `paths` into the ledger, all or nothing (see the module docstring)."""
+    started = time.perf_counter()
+    if not paths:
+        raise UsageError("give at least one segment to merge")
+    headers = [segment.header_of(p) for p in paths]
+    out = output_dir or "."
+    with Ledger.open(db) as ledger:
+        with ledger.read() as txn:
+            check = _Check(ledger, txn)
+            for items in _batches(_events(paths)):
+                check.batch(items)
+        if check.conflicts:
+            report = _report(ledger, check.conflicts)
+            os.makedirs(out, exist_ok=True)
+            where = os.path.join(out, "merge-report.json")
+            with open(where, "w") as f:
+                json.dump(report, f, indent=1)
+                f.write("\n")
+            first = report["keys"][0]
+            raise MergeConflict(f"{len(check.conflicts)} incoming event(s) conflict with the ledger's current rows "
+                                f"(first: key {first['key'][:16]}, current {first['current']['event'][:16]}, incoming "
+                                f"{first['incoming']['event'][:16]}); nothing was merged; the conflicts are in "
+                                f"{where}", report)
+        counts = {"added": 0, "existing": 0}
+
+        def work(txn):
+            from ..ledger._write import append_events
+
+            for items in _batches(_events(paths)):
+                prepared, _rows = ledger._prepare([event for *_rest, event, _data in items])
+                result = append_events(txn, ledger.dbs, prepared)
+                counts["added"] += len(result.added)
+                counts["existing"] += len(result.existing)
+
+        ledger.write(work)
+        db_path = ledger.path
+    segments = [{"path": p, "ledger_id": h.ledger_id, "events": h.events} for p, h in zip(paths, headers)]
+    return MergeResult(db_path, segments, counts["added"], counts["existing"], time.perf_counter() - started)

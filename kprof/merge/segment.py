@@ -1,0 +1,143 @@
+"""Segments: a self-verifying file of ledger events, the unit remote and pool workers ship back, and the way a
+team shares rows without sharing LMDB files.
+
+    magic  b"KPROFSEG"
+    header u32 length (big-endian) + msgpack SegmentHeader (format, source ledger id, created at, events)
+    events per event: u32 length + the event's canonical bytes (as the ledger stores them), in log order
+    footer b"KPROFEND" + blake3 (32 bytes) of every byte before the footer
+
+A segment is written and read as a stream: never held whole in memory. `read` checks the structure and the
+footer's digest as it goes, and yields each event's bytes; whoever consumes them recomputes ids and keys (see
+kprof.merge.merge). Any damage (a flipped byte, a cut, events reordered, trailing bytes) raises SegmentError
+naming what failed and at which byte: where the structure breaks, or at the end, where the digest is compared.
+A consumer that writes nothing before the stream is exhausted writes nothing from a damaged file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import BinaryIO, Iterable, Iterator
+
+import msgspec
+from blake3 import blake3
+
+from ..errors import UsageError
+
+__all__ = ["SegmentHeader", "SegmentError", "FORMAT", "write", "read", "header_of"]
+
+MAGIC, FOOTER = b"KPROFSEG", b"KPROFEND"
+FORMAT = 1
+_LEN = 4
+_MAX_EVENT = 1 << 26  # 64 MiB: no event comes near; a damaged length past it is named, not allocated
+
+
+class SegmentHeader(msgspec.Struct, frozen=True):
+    format: int
+    ledger_id: str  # the ledger the events were exported from ("" for a worker's fresh segment)
+    created_at: float
+    events: int
+
+
+class SegmentError(UsageError):
+    """The segment is not a whole, unaltered segment: rejected whole (exit 2), nothing written."""
+
+
+def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | None = None) -> SegmentHeader:
+    """Writes the canonical event bytes to a new segment at `path` (refused if it exists), streamed. `count`,
+    when known, goes in the header; otherwise the events are counted in a first pass over a list."""
+    if os.path.exists(path):
+        raise UsageError(f"segment {path} exists; give a new path (segments are never overwritten)")
+    if count is None:
+        events = list(events)
+        count = len(events)
+    header = SegmentHeader(FORMAT, ledger_id, time.time(), count)
+    digest = blake3()
+    tmp = f"{path}.part"
+    written = 0
+    with open(tmp, "wb") as f:
+        def put(data: bytes) -> None:
+            f.write(data)
+            digest.update(data)
+
+        head = msgspec.msgpack.encode(header)
+        put(MAGIC)
+        put(len(head).to_bytes(_LEN, "big") + head)
+        for data in events:
+            put(len(data).to_bytes(_LEN, "big"))
+            put(data)
+            written += 1
+        if written != count:
+            os.unlink(tmp)
+            raise ValueError(f"segment header says {count} events, {written} were given")
+        f.write(FOOTER + digest.digest())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return header
+
+
+def _exact(f: BinaryIO, n: int, what: str, at: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise SegmentError(f"truncated at byte {at + len(data)}: {what} needs {n} bytes, {len(data)} remain")
+    return data
+
+
+def header_of(path: str) -> SegmentHeader:
+    """The segment's header, read and decoded (its events and footer are not checked: `read` does that)."""
+    with _opened(path) as f:
+        return _header(f)[0]
+
+
+def _opened(path: str) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise UsageError(f"cannot read segment {path}: {exc.strerror}; check the path") from None
+
+
+def _header(f: BinaryIO) -> tuple[SegmentHeader, bytes]:
+    magic = f.read(len(MAGIC))
+    if magic != MAGIC:
+        raise SegmentError("not a kprof segment: it does not begin with KPROFSEG")
+    size = int.from_bytes(_exact(f, _LEN, "the header's length", len(MAGIC)), "big")
+    if size > 4096:
+        raise SegmentError(f"the header's length ({size} bytes) is damaged")
+    raw = _exact(f, size, "the header", len(MAGIC) + _LEN)
+    try:
+        header = msgspec.msgpack.decode(raw, type=SegmentHeader)
+    except msgspec.DecodeError as exc:
+        raise SegmentError(f"the header does not decode ({exc})") from None
+    if header.format != FORMAT:
+        raise SegmentError(f"segment format {header.format}; this kprof reads format {FORMAT}: upgrade kprof")
+    return header, MAGIC + size.to_bytes(_LEN, "big") + raw
+
+
+def read(path: str) -> Iterator[bytes]:
+    """Each event's bytes, in order. The footer's digest is checked at the end: the generator raises
+    SegmentError there (or wherever the structure breaks) for a damaged segment, so a consumer must not commit
+    anything before it is exhausted."""
+    with _opened(path) as f:
+        header, head = _header(f)
+        digest = blake3(head)
+        at = len(head)
+        for i in range(header.events):
+            raw = _exact(f, _LEN, f"the length of event {i}", at)
+            n = int.from_bytes(raw, "big")
+            if n == 0 or n > _MAX_EVENT:
+                raise SegmentError(f"event {i} at byte {at}: a length of {n} bytes is damaged")
+            data = _exact(f, n, f"event {i}", at + _LEN)
+            digest.update(raw)
+            digest.update(data)
+            at += _LEN + n
+            yield data
+        footer = _exact(f, len(FOOTER) + 32, "the footer", at)
+        if footer[:len(FOOTER)] != FOOTER:
+            raise SegmentError(f"no footer at byte {at}: the header says {header.events} events, and the bytes "
+                               f"there are not the footer (events added, removed or damaged)")
+        if footer[len(FOOTER):] != digest.digest():
+            raise SegmentError("the footer's digest does not match the bytes before it: the segment was altered "
+                               "or damaged")
+        if f.read(1):
+            raise SegmentError(f"bytes follow the footer at byte {at + len(footer)}")

@@ -1,0 +1,206 @@
+"""Segments (kprof.merge.segment) and merges (kprof.merge.merge): a round trip gives the same rows and view root;
+every damaged, reordered or forged segment is rejected whole with nothing written; conflicts merge nothing and
+leave a report; a fast-forward merges; re-merging is a no-op; disjoint ledgers merged both ways agree."""
+
+import hashlib
+import json
+import os
+
+import msgspec
+import pytest
+
+from kprof.cli import main
+from kprof.errors import MergeConflict, UsageError
+from kprof.ledger import Ledger, _codec, synth
+from kprof.ledger.audit import audit
+from kprof.ledger.build import retraction
+from kprof.merge import segment
+from kprof.merge.merge import export, merge
+from kprof.merge.segment import SegmentError
+
+SPECS = [synth.spec(i) for i in range(60)]
+
+
+def _ledger(path, events) -> str:
+    with Ledger.open(str(path)) as led:
+        led.append(list(events))
+    return str(path)
+
+
+def _answers(path) -> tuple:
+    with Ledger.open(path, readonly=True) as led:
+        view = synth.view(led)
+        rows = view.get_many(SPECS)
+        return view.root, [(r.status, r.citation, r.metrics) for r in rows]
+
+
+def _digest(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write(path, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return str(path)
+
+
+def _eid(event) -> bytes:
+    return _codec.event_id(_codec.encode(event))
+
+
+@pytest.fixture
+def source(tmp_path):
+    """A ledger of 40 rows, a re-measurement with its parent, a failure and a retraction; its segment."""
+    again = msgspec.structs.replace(synth.event(3, seed=9), parent=_eid(synth.event(3)))
+    gone = synth.event(5, seed=4)
+    path = _ledger(tmp_path / "src.db", [*synth.events(0, 40), again, gone])
+    with Ledger.open(path) as led:
+        led.append([retraction(_eid(gone), gone.key, "a bad clock", at=1.8e9)])
+    seg = str(tmp_path / "src.kseg")
+    export(path, seg)
+    return path, seg
+
+
+def test_export_then_merge_into_an_empty_ledger_reads_the_same(tmp_path, source):
+    path, seg = source
+    header = segment.header_of(seg)
+    with Ledger.open(path, readonly=True) as led:
+        assert header.events == led.last_seq and header.ledger_id == led.ledger_id
+    target = str(tmp_path / "copy.db")
+    result = merge([seg], target)
+    assert (result.added, result.existing) == (header.events, 0)
+    assert _answers(target) == _answers(path)
+    assert audit(target).ok
+    again = merge([seg], target)  # re-merging is a no-op
+    assert (again.added, again.existing) == (0, header.events) and _answers(target) == _answers(path)
+    with Ledger.open(target, readonly=True) as led:
+        assert led.last_seq == header.events
+    assert audit(target).ok
+
+
+def test_export_filters_and_since(tmp_path, source):
+    path, _ = source
+    other = str(tmp_path / "other.kseg")
+    assert export(path, other, gpu_name="no such GPU").events == 0
+    later = str(tmp_path / "later.kseg")
+    assert export(path, later, since=40).events == 3  # the re-measurement, the failure... after seq 40
+    with pytest.raises(UsageError, match="exists"):
+        export(path, later)
+
+
+def _damaged_copies(seg: str, tmp_path):
+    data = _read(seg)
+    step = max(1, len(data) // 150)
+    for at in list(range(0, len(data), step)) + [len(data) - 1]:
+        flipped = bytearray(data)
+        flipped[at] ^= 0x10
+        yield f"flip@{at}", bytes(flipped)
+    for cut in (len(data) - 1, len(data) - 33, len(data) // 2, 12, 0):
+        yield f"cut@{cut}", data[:cut]
+    yield "trailing", data + b"\0"
+
+
+def test_every_damaged_segment_is_rejected_whole_and_nothing_is_written(tmp_path, source):
+    _path, seg = source
+    target = _ledger(tmp_path / "t.db", synth.events(100, 110))
+    before = _digest(target)
+    for name, data in _damaged_copies(seg, tmp_path):
+        bad = _write(tmp_path / f"{name}.kseg", data)
+        with pytest.raises(SegmentError) as err:
+            merge([bad], target)
+        assert str(err.value), name
+        assert _digest(target) == before, name
+
+
+def test_reordered_and_forged_segments_are_rejected(tmp_path, source):
+    _path, seg = source
+    events = list(segment.read(seg))
+    target = _ledger(tmp_path / "t.db", synth.events(100, 101))
+    before = _digest(target)
+    # two events swapped, the footer kept: its digest no longer matches
+    data = _read(seg)
+    a, b = events[0], events[1]
+    swapped = data.replace(len(a).to_bytes(4, "big") + a + len(b).to_bytes(4, "big") + b,
+                           len(b).to_bytes(4, "big") + b + len(a).to_bytes(4, "big") + a)
+    assert swapped != data
+    bad = _write(tmp_path / "swapped.kseg", swapped)
+    with pytest.raises(SegmentError, match="digest"):
+        merge([bad], target)
+    # a well-formed segment whose event carries another key than its provenance hashes to
+    forged = msgspec.structs.replace(synth.event(7), key=synth.event(8).key)
+    fake = str(tmp_path / "forged.kseg")
+    segment.write(fake, [_codec.encode(synth.event(6)), _codec.encode(forged)])
+    with pytest.raises(SegmentError, match="forged"):
+        merge([fake], target)
+    assert _digest(target) == before
+
+
+def test_a_conflict_merges_nothing_and_reports_both_events(tmp_path):
+    ours = _ledger(tmp_path / "ours.db", synth.events(0, 10))
+    theirs_db = _ledger(tmp_path / "theirs.db", [*synth.events(20, 25), synth.event(4, seed=3)])  # key 4 again
+    seg = str(tmp_path / "theirs.kseg")
+    export(theirs_db, seg)
+    before = _digest(ours)
+    out = tmp_path / "out"
+    with pytest.raises(MergeConflict) as err:
+        merge([seg], ours, output_dir=str(out))
+    assert _digest(ours) == before  # nothing merged, not even the five new keys
+    report = json.loads((out / "merge-report.json").read_text())
+    assert report == err.value.report and report["conflicts"] == 1
+    (row,) = report["keys"]
+    assert row["key"] == synth.event(4).key.hex()
+    assert row["current"]["event"] == _eid(synth.event(4)).hex()
+    assert row["incoming"]["event"] == _eid(synth.event(4, seed=3)).hex()
+    mine, their = synth.event(4).metrics["time_ms"], synth.event(4, seed=3).metrics["time_ms"]
+    assert row["time_ms_relative_difference"] == pytest.approx(their / mine - 1)
+
+
+def test_a_fast_forward_merges(tmp_path):
+    ours = _ledger(tmp_path / "ours.db", synth.events(0, 10))
+    newer = msgspec.structs.replace(synth.event(4, seed=3), parent=_eid(synth.event(4)))
+    theirs_db = _ledger(tmp_path / "theirs.db", [*synth.events(0, 10), newer])
+    seg = str(tmp_path / "theirs.kseg")
+    export(theirs_db, seg)
+    result = merge([seg], ours)
+    assert (result.added, result.existing) == (1, 10)
+    assert _answers(ours) == _answers(theirs_db) and audit(ours).ok
+
+
+def test_disjoint_ledgers_merged_both_ways_agree(tmp_path):
+    a = _ledger(tmp_path / "a.db", synth.events(0, 30))
+    b = _ledger(tmp_path / "b.db", synth.events(30, 60))
+    sa, sb = str(tmp_path / "a.kseg"), str(tmp_path / "b.kseg")
+    export(a, sa)
+    export(b, sb)
+    merge([sb], a)
+    merge([sa], b)
+    assert _answers(a) == _answers(b) and audit(a).ok and audit(b).ok
+
+
+def test_cli_export_and_merge(tmp_path, capsys):
+    src = _ledger(tmp_path / "src.db", synth.events(0, 12))
+    seg = str(tmp_path / "s.kseg")
+    assert main(["export", "-o", seg, "--db", src, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["events"] == 12
+    dst = str(tmp_path / "dst.db")
+    assert main(["merge", seg, "--db", dst, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["added"] == 12 and doc["segments"][0]["events"] == 12
+    conflicting = _ledger(tmp_path / "c.db", [synth.event(3, seed=1)])
+    seg2 = str(tmp_path / "c.kseg")
+    assert main(["export", "-o", seg2, "--db", conflicting]) == 0
+    capsys.readouterr()
+    out = tmp_path / "report"
+    assert main(["merge", seg2, "--db", dst, "--output-dir", str(out), "--json"]) == 3
+    assert (out / "merge-report.json").exists()
+    assert "conflict" in capsys.readouterr().err
+    bad = _write(tmp_path / "bad.kseg", _read(seg)[:-5])
+    assert main(["merge", bad, "--db", dst]) == 2
+    assert "truncated" in capsys.readouterr().err
+    assert main(["merge", str(tmp_path / "none.kseg"), "--db", dst]) == 2
