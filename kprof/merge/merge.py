@@ -78,18 +78,24 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
         return segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id, len(chosen))
 
 
-def _events(paths: list[str]) -> Iterator[tuple[int, str, int, bytes, object, bytes]]:
+def _events(paths: list[str], digests: list, checked: list | None = None
+            ) -> Iterator[tuple[int, str, int, bytes, object, bytes]]:
     """(segment index, path, event index, event id, event, bytes) of every event of the segments, each checked:
-    canonical bytes, and a key its provenance hashes to."""
+    canonical bytes, and a key its provenance hashes to; each segment's digest is appended to `digests`.
+    `checked`: the digests of a first pass that checked these events; the segments must still hold exactly those
+    bytes (a file changed since is refused), and the per-event checks are not repeated."""
     for s, path in enumerate(paths):
-        for i, data in enumerate(segment.read(path)):
+        for i, data in enumerate(segment.read(path, digests)):
             try:
                 event = _codec.event_decoder.decode(data)
             except Exception as exc:  # noqa: BLE001 - any decoding failure names the event
                 raise SegmentError(f"{path}: event {i} does not decode ({exc})") from None
+            eid = _codec.event_id(data)
+            if checked is not None:
+                yield s, path, i, eid, event, data
+                continue
             if _codec.encode(event) != data:
                 raise SegmentError(f"{path}: event {i} is not in canonical form (not written by kprof)")
-            eid = _codec.event_id(data)
             if type(event) is not Retracted and _codec.provenance_key(event.provenance) != event.key:
                 raise SegmentError(f"{path}: event {i} ({eid.hex()[:16]}) carries a key its provenance does not hash "
                                    f"to (forged)")
@@ -177,7 +183,8 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
     with Ledger.open(db) as ledger:
         with ledger.read() as txn:
             check = _Check(ledger, txn)
-            for items in _batches(_events(paths)):
+            digests: list[bytes] = []
+            for items in _batches(_events(paths, digests)):
                 check.batch(items)
         if check.conflicts:
             report = _report(ledger, check.conflicts)
@@ -194,13 +201,17 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
         counts = {"added": 0, "existing": 0}
 
         def work(txn):
-            from ..ledger._write import append_events
+            from ..ledger._write import append_prepared
 
-            for items in _batches(_events(paths)):
-                prepared, _rows = ledger._prepare([event for *_rest, event, _data in items])
-                result = append_events(txn, ledger.dbs, prepared)
+            again: list[bytes] = []
+            for items in _batches(_events(paths, again, checked=digests)):
+                prepared = [(event, data, eid) for _s, _p, _i, eid, event, data in items]
+                result = append_prepared(ledger.env, txn, ledger.dbs, prepared)
                 counts["added"] += len(result.added)
                 counts["existing"] += len(result.existing)
+            if again != digests:  # a file replaced between the passes: the transaction is aborted
+                changed = next(p for p, x, y in zip(paths, digests, again) if x != y)
+                raise SegmentError(f"{changed} changed while it was merged; nothing was merged, merge it again")
 
         ledger.write(work)
         db_path = ledger.path

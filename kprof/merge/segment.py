@@ -114,10 +114,11 @@ def _header(f: BinaryIO) -> tuple[SegmentHeader, bytes]:
     return header, MAGIC + size.to_bytes(_LEN, "big") + raw
 
 
-def read(path: str) -> Iterator[bytes]:
+def read(path: str, digests: list | None = None) -> Iterator[bytes]:
     """Each event's bytes, in order. The footer's digest is checked at the end: the generator raises
     SegmentError there (or wherever the structure breaks) for a damaged segment, so a consumer must not commit
-    anything before it is exhausted."""
+    anything before it is exhausted. `digests`: the checked digest is appended to it (a second read of the file
+    can then be held to the first)."""
     with _opened(path) as f:
         header, head = _header(f)
         digest = blake3(head)
@@ -141,3 +142,5 @@ def read(path: str) -> Iterator[bytes]:
                                "or damaged")
         if f.read(1):
             raise SegmentError(f"bytes follow the footer at byte {at + len(footer)}")
+        if digests is not None:
+            digests.append(footer[len(FOOTER):])

@@ -204,3 +204,25 @@ def test_cli_export_and_merge(tmp_path, capsys):
     assert main(["merge", bad, "--db", dst]) == 2
     assert "truncated" in capsys.readouterr().err
     assert main(["merge", str(tmp_path / "none.kseg"), "--db", dst]) == 2
+
+
+def test_a_segment_replaced_between_the_two_passes_merges_nothing(tmp_path, monkeypatch):
+    """The write pass holds each segment to the digest the check pass read: another (valid) file in its place
+    aborts the transaction."""
+    import kprof.merge.merge as m
+
+    target = _ledger(tmp_path / "t.db", synth.events(100, 105))
+    seg_a, seg_b = str(tmp_path / "a.kseg"), str(tmp_path / "b.kseg")
+    export(_ledger(tmp_path / "a.db", synth.events(0, 5)), seg_a)
+    export(_ledger(tmp_path / "b.db", synth.events(0, 6)), seg_b)
+    real, calls = segment.read, []
+
+    def swapped(path, digests=None):
+        calls.append(path)
+        return real(seg_b if len(calls) > 1 else path, digests)  # the second pass reads another file
+
+    monkeypatch.setattr(m.segment, "read", swapped)
+    before = _digest(target)
+    with pytest.raises(SegmentError, match="changed while it was merged"):
+        merge([seg_a], target)
+    assert len(calls) == 2 and _digest(target) == before
