@@ -12,7 +12,7 @@ import msgspec
 
 from ..errors import UsageError
 from . import _codec
-from ._reducer import REBUILT, NewRows, Reducer, ScopeTotals, decode_scope, new_rows, pack_seq, unpack_seq
+from ._reducer import REBUILT, NewRows, Reducer, ScopeTotals, decode_scope, pack_seq, unpack_seq
 from .events import Retracted
 
 class AppendResult(NamedTuple):
@@ -178,22 +178,3 @@ def append_events(txn, dbs: dict, prepared) -> AppendResult:
     txn.put(b"last_seq", _codec.encode(seq), db=meta)
     return AppendResult(added, existing, seq)
 
-
-def append_prepared(env: lmdb.Environment, txn, dbs: dict, prepared: list) -> AppendResult:
-    """Appends (event, canonical bytes, event id) triples inside the write transaction `txn`, as
-    Ledger.append does: an all-new batch by its inserts alone (in a nested transaction, aborted alone if an event
-    or a key is found stored), any other through the Reducer."""
-    rows = new_rows(prepared)
-    if rows is not None:
-        child = env.begin(write=True, parent=txn)
-        try:
-            result = append_new(child, dbs, rows)
-        except NotNew:
-            child.abort()
-        except BaseException:
-            child.abort()
-            raise
-        else:
-            child.commit()
-            return result
-    return append_events(txn, dbs, prepared)

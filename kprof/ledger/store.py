@@ -266,6 +266,11 @@ class Ledger:
                                      f"provenance hashes to another key; build events with kprof.ledger.build")
         return prepared, new_rows(prepared)
 
+    def append_checked(self, prepared: list[tuple]) -> AppendResult:
+        """`append` of (event, canonical bytes, event id) triples whose bytes, ids and keys the caller has checked
+        already (a merge's verified segment): one transaction, as `append`."""
+        return self._write_batch((prepared, new_rows(prepared)))
+
     def _write_batch(self, batch: tuple[list[tuple], NewRows | None]) -> AppendResult:
         prepared, rows = batch
         if rows is not None:

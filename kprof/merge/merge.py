@@ -11,11 +11,13 @@ Merging runs in two streamed passes over the segments (neither is ever held whol
    fast-forward), or a row an earlier event of the same segment made current (the segment's own history, in its
    log order) are fine; a row of this ledger or of another segment is a conflict. A retraction in a segment
    leaves its key unchecked from there on (which row it brings back depends on events the check does not replay).
-2. Write, only where the check found nothing: every event appended in one write transaction, through the ledger's
-   own append (the Reducer), so the merge is all or nothing, and the segments are read again, digest and all (a
-   file changed between the passes aborts the transaction).
+2. Write, only where the check found nothing: the segments are read again and appended a batch of BATCH events
+   per transaction, through the ledger's own append. Each batch must be the batch the check verified (a digest of
+   its event ids): a file changed since stops the merge before that batch. A merge stopped half way (a kill, a
+   full disk, a changed file) has written a verified prefix of a conflict-free merge; merging again completes it.
+   One transaction for a whole segment would hold every dirty page of it in memory (2.4 GiB at 300,000 events).
 
-A conflict merges nothing: `merge-report.json` (each conflicting key: both events, their metrics, the relative
+A conflict, or any damage, merges nothing: `merge-report.json` (each conflicting key: both events, their metrics, the relative
 difference of time_ms) is written to the output directory, and MergeConflict is raised (exit 3).
 """
 
@@ -27,6 +29,7 @@ import time
 from typing import Iterable, Iterator, NamedTuple
 
 import msgspec
+from blake3 import blake3
 
 from ..errors import MergeConflict, UsageError
 from ..ledger import Ledger, _codec
@@ -102,8 +105,13 @@ def _events(paths: list[str], digests: list, checked: list | None = None
             yield s, path, i, eid, event, data
 
 
-def _batches(items: Iterable, n: int = BATCH) -> Iterator[list]:
-    batch = []
+def _batch_digest(items: list) -> bytes:
+    """A batch's events, as one digest of their ids (each the hash of the event's bytes)."""
+    return blake3(b"".join(item[3] for item in items)).digest()
+
+
+def _batches(items: Iterable) -> Iterator[list]:
+    batch, n = [], BATCH
     for item in items:
         batch.append(item)
         if len(batch) == n:
@@ -125,10 +133,12 @@ class _Check:
         self.seen: set[bytes] = set()  # event ids of the segments so far
         self.conflicts: list[dict] = []
         self.events = 0
+        self.batch_digests: list[bytes] = []  # per batch of BATCH events, what the write pass must find again
 
     def batch(self, items: list) -> None:
         from ..ledger import _lookup
 
+        self.batch_digests.append(_batch_digest(items))
         txn, dbs = self.txn, self.ledger.dbs
         new_keys = list({event.key for *_rest, event, _data in items} - self.current.keys())
         for key, value in zip(new_keys, _lookup.values(txn.cursor(dbs["current"]), new_keys)):
@@ -198,22 +208,14 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
                                 f"(first: key {first['key'][:16]}, current {first['current']['event'][:16]}, incoming "
                                 f"{first['incoming']['event'][:16]}); nothing was merged; the conflicts are in "
                                 f"{where}", report)
-        counts = {"added": 0, "existing": 0}
-
-        def work(txn):
-            from ..ledger._write import append_prepared
-
-            again: list[bytes] = []
-            for items in _batches(_events(paths, again, checked=digests)):
-                prepared = [(event, data, eid) for _s, _p, _i, eid, event, data in items]
-                result = append_prepared(ledger.env, txn, ledger.dbs, prepared)
-                counts["added"] += len(result.added)
-                counts["existing"] += len(result.existing)
-            if again != digests:  # a file replaced between the passes: the transaction is aborted
-                changed = next(p for p, x, y in zip(paths, digests, again) if x != y)
-                raise SegmentError(f"{changed} changed while it was merged; nothing was merged, merge it again")
-
-        ledger.write(work)
+        added = existing = 0
+        again: list[bytes] = []
+        for n, items in enumerate(_batches(_events(paths, again, checked=digests))):
+            if _batch_digest(items) != check.batch_digests[n]:  # a file changed since the check: stop before it
+                raise SegmentError(f"{items[0][1]} changed while it was merged ({added + existing} event(s) before "
+                                   f"the change were merged); merge it again")
+            result = ledger.append_checked([(event, data, eid) for _s, _p, _i, eid, event, data in items])
+            added, existing = added + len(result.added), existing + len(result.existing)
         db_path = ledger.path
     segments = [{"path": p, "ledger_id": h.ledger_id, "events": h.events} for p, h in zip(paths, headers)]
-    return MergeResult(db_path, segments, counts["added"], counts["existing"], time.perf_counter() - started)
+    return MergeResult(db_path, segments, added, existing, time.perf_counter() - started)

@@ -39,8 +39,25 @@ def _build(path: str, start: int, n: int) -> float:
 
 def _phase(argv: list[str]) -> dict:
     """Runs one phase in a fresh child process; returns its JSON (seconds and peak RSS)."""
-    out = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{argv[1]} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _memory() -> dict:
+    """At the end of the phase: the process's own (anonymous) memory and the ledger file's pages it has mapped
+    (page cache, shared with every reader), MiB, from /proc where the OS has it."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("RssAnon", "RssFile"):
+                    out[name.lower() + "_mib"] = int(rest.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
 
 
 def _child(args) -> int:
@@ -53,7 +70,8 @@ def _child(args) -> int:
     else:
         result = merge([args.segment], args.db)
         doc = {"added": result.added, "existing": result.existing}
-    doc.update(seconds=time.perf_counter() - t, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    doc.update(seconds=time.perf_counter() - t, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               **_memory())
     print(json.dumps(doc))
     return 0
 
@@ -121,10 +139,11 @@ def main(argv=None) -> int:
         json.dump(doc, f, indent=1)
     ok = mg["added"] == n and total == 2 * n
     rows = [("export events/s", f"{doc['export_per_s']:,.0f}", "(reference)", "—"),
-            ("merge events/s (checked, one transaction)", f"{doc['merge_per_s']:,.0f}", "≥ 100,000",
+            ("merge events/s (checked, then written)", f"{doc['merge_per_s']:,.0f}", "≥ 100,000",
              "PASS" if doc["merge_per_s"] >= 100_000 else "FAIL"),
-            ("merge peak RSS", f"{mg['peak_rss_mib']:,.0f} MiB", "≤ 1,536 MiB",
+            ("merge peak RSS (the ledger's mapped pages too)", f"{mg['peak_rss_mib']:,.0f} MiB", "≤ 1,536 MiB",
              "PASS" if mg["peak_rss_mib"] <= 1536 else "FAIL"),
+            ("merge anonymous memory at the end", f"{mg.get('rssanon_mib', 0):,.0f} MiB", "(reference)", "—"),
             ("sqlite3 import of the same bytes, events/s", f"{doc['sqlite_per_s']:,.0f}", "(baseline)", "—"),
             ("merge / sqlite3", f"{doc['merge_per_s'] / doc['sqlite_per_s']:.2f}x", "(reference)", "—"),
             ("segment bytes per event", f"{size / n:,.0f} B", "(reference)", "—"),

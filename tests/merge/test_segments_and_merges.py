@@ -207,8 +207,8 @@ def test_cli_export_and_merge(tmp_path, capsys):
 
 
 def test_a_segment_replaced_between_the_two_passes_merges_nothing(tmp_path, monkeypatch):
-    """The write pass holds each segment to the digest the check pass read: another (valid) file in its place
-    aborts the transaction."""
+    """The write pass holds each batch to the digest the check pass took of it: another (valid) file in the
+    segment's place stops the merge before its first batch is written."""
     import kprof.merge.merge as m
 
     target = _ledger(tmp_path / "t.db", synth.events(100, 105))
@@ -222,7 +222,34 @@ def test_a_segment_replaced_between_the_two_passes_merges_nothing(tmp_path, monk
         return real(seg_b if len(calls) > 1 else path, digests)  # the second pass reads another file
 
     monkeypatch.setattr(m.segment, "read", swapped)
-    before = _digest(target)
+    before = _answers(target)
     with pytest.raises(SegmentError, match="changed while it was merged"):
         merge([seg_a], target)
-    assert len(calls) == 2 and _digest(target) == before
+    assert len(calls) == 2 and _answers(target) == before
+
+
+def test_a_merge_stopped_half_way_leaves_a_verified_prefix_and_merging_again_completes_it(tmp_path, monkeypatch):
+    import kprof.merge.merge as m
+
+    monkeypatch.setattr(m, "BATCH", 4)
+    src = _ledger(tmp_path / "src.db", synth.events(0, 10))
+    seg = str(tmp_path / "s.kseg")
+    export(src, seg)
+    target = str(tmp_path / "t.db")
+    real, calls = Ledger.append_checked, []
+
+    def dies_on_the_second_batch(self, prepared):
+        calls.append(len(prepared))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a kill, as far as the merge can tell
+        return real(self, prepared)
+
+    monkeypatch.setattr(Ledger, "append_checked", dies_on_the_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        merge([seg], target)
+    with Ledger.open(target, readonly=True) as led:
+        assert led.last_seq == 4  # the first batch, whole
+    assert audit(target).ok
+    monkeypatch.setattr(Ledger, "append_checked", real)
+    result = merge([seg], target)
+    assert (result.added, result.existing) == (6, 4) and _answers(target) == _answers(src)
