@@ -182,6 +182,16 @@ class Ledger:
                                  f"number); run `kprof audit` for the full report, and restore the file from a copy")
         if found > _codec.FORMAT_VERSION:
             raise LedgerVersionError(self.path, found, _codec.FORMAT_VERSION)
+        # The version decides how every view is read: held to the history's layout (format 1 keys its entries by
+        # key + seq, 40 bytes; later formats by key, 32), one damaged bit of it cannot turn into a misread.
+        with reading(self.path, "history"), self.read() as txn:
+            cursor = txn.cursor(self.dbs["history"])
+            width = len(cursor.key()) if cursor.first() else None
+        if width is not None and width != (40 if found < 2 else 32):
+            raise IntegrityError(f"{self.path}: its format version says {found}, but its history keeps keys of "
+                                 f"{width} bytes, as format {1 if width == 40 else '2 or later'} does: the format "
+                                 f"version is damaged; run `kprof audit` for the full report, and restore the file "
+                                 f"from a copy")
         self.format_version = found
 
     # ---- transactions ----------------------------------------------------------------------
