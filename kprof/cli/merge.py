@@ -10,7 +10,8 @@ from ._options import Db, GpuName, Json
 from ._render import console, emit_json
 
 
-def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help="The new segment file.")],
+def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help=(
+               "The new segment file; an existing directory: a file there named by its content."))],
            table: Annotated[str | None, Parameter(name="--table", help="Only this table's events.")] = None,
            backend: Annotated[str | None, Parameter(name="--backend", help="Only this backend's events.")] = None,
            gpu_name: GpuName = None,
@@ -20,12 +21,12 @@ def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help="Th
     from ..ledger import ledger_path
     from ..merge.merge import export as run_export
 
-    header = run_export(db, output, table=table, backend=backend, gpu_name=gpu_name, since=since)
-    doc = {"db": ledger_path(db), "segment": output, "ledger_id": header.ledger_id, "events": header.events}
+    done = run_export(db, output, table=table, backend=backend, gpu_name=gpu_name, since=since)
+    doc = {"db": ledger_path(db), "segment": done.path, "ledger_id": done.ledger_id, "events": done.events}
     if json:
         emit_json(doc)
     else:
-        console().print(f"wrote {header.events} event(s) of {doc['db']} to {output}", markup=False)
+        console().print(f"wrote {done.events} event(s) of {doc['db']} to {done.path}", markup=False)
     return 0
 
 

@@ -38,9 +38,15 @@ from ..ledger.events import Retracted
 from . import segment
 from .segment import SegmentError
 
-__all__ = ["export", "merge", "MergeResult", "BATCH"]
+__all__ = ["export", "merge", "Exported", "MergeResult", "BATCH"]
 
 BATCH = 10_000  # events per append batch and per bulk lookup
+
+
+class Exported(NamedTuple):
+    path: str  # the segment written (named by its content when the output was a directory)
+    ledger_id: str
+    events: int
 
 
 class MergeResult(NamedTuple):
@@ -55,9 +61,10 @@ class MergeResult(NamedTuple):
 
 
 def export(db: str | None, output: str, *, table: str | None = None, backend: str | None = None,
-           gpu_name: str | None = None, since: int = 0) -> segment.SegmentHeader:
+           gpu_name: str | None = None, since: int = 0) -> Exported:
     """Writes the ledger's events of sequence > `since` (of one table, backend and GPU key where given) to a new
-    segment, in log order, from one snapshot. A retraction goes with the events of its key."""
+    segment, in log order, from one snapshot. A retraction goes with the events of its key. `output` an existing
+    directory: the segment is named by its content there (see kprof.merge.segment.write)."""
     if since < 0:
         raise UsageError(f"--since {since}: give a sequence number >= 0 (0: from the first event)")
     with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
@@ -78,7 +85,8 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
                 continue
             keys.add(event.key)
             chosen.append(eid)
-        return segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id, len(chosen))
+        written = segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id, len(chosen))
+        return Exported(written, ledger.ledger_id, len(chosen))
 
 
 def _events(paths: list[str], digests: list, checked: list | None = None

@@ -43,9 +43,16 @@ class SegmentError(UsageError):
     """The segment is not a whole, unaltered segment: rejected whole (exit 2), nothing written."""
 
 
-def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | None = None) -> SegmentHeader:
-    """Writes the canonical event bytes to a new segment at `path` (refused if it exists), streamed. `count`,
-    when known, goes in the header; otherwise the events are counted in a first pass over a list."""
+def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | None = None) -> str:
+    """Writes the canonical event bytes to a new segment at `path` (refused if it exists), streamed; returns the
+    path written. `count`, when known, goes in the header; otherwise the events are counted in a first pass over
+    a list.
+
+    `path` an existing directory: the segment is named by its content there, `<first 32 hex digits of its
+    digest>.kseg`, so a directory of segments can be committed to git and shared: a name never changes its bytes,
+    and a file already there under that name is kept as it is."""
+    if os.path.isdir(path):
+        return _write_named(path, events, ledger_id, count)
     if os.path.exists(path):
         raise UsageError(f"segment {path} exists; give a new path (segments are never overwritten)")
     if count is None:
@@ -74,7 +81,31 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return header
+    return path
+
+
+def _write_named(directory: str, events: Iterable[bytes], ledger_id: str, count: int | None) -> str:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".export-", suffix=".kseg")
+    os.close(fd)
+    os.unlink(tmp)
+    try:
+        write(tmp, events, ledger_id, count)
+        named = os.path.join(directory, digest_of(tmp).hex()[:32] + ".kseg")
+        if not os.path.exists(named):  # that content is there already: kept as it is
+            os.replace(tmp, named)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return named
+
+
+def digest_of(path: str) -> bytes:
+    """The digest a segment's footer holds (its content's name); the footer is not checked here (`read` does)."""
+    with _opened(path) as f:
+        f.seek(-32, os.SEEK_END)
+        return f.read(32)
 
 
 def _exact(f: BinaryIO, n: int, what: str, at: int) -> bytes:

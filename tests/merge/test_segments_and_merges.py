@@ -253,3 +253,22 @@ def test_a_merge_stopped_half_way_leaves_a_verified_prefix_and_merging_again_com
     monkeypatch.setattr(Ledger, "append_checked", real)
     result = merge([seg], target)
     assert (result.added, result.existing) == (6, 4) and _answers(target) == _answers(src)
+
+
+def test_a_directory_of_content_named_segments_is_shared_by_merging_all_of_it(tmp_path):
+    """Export into a directory names each segment by its digest; merging every segment of the directory into any
+    ledger gives the rows of all the ledgers that exported there (the way a team shares rows through git)."""
+    shared = tmp_path / "rows"
+    shared.mkdir()
+    a = _ledger(tmp_path / "a.db", synth.events(0, 20))
+    b = _ledger(tmp_path / "b.db", synth.events(20, 40))
+    first, second = export(a, str(shared)), export(b, str(shared))
+    names = sorted(p.name for p in shared.iterdir())
+    assert names == sorted(os.path.basename(x.path) for x in (first, second)) and len(names) == 2
+    for x in (first, second):
+        assert os.path.basename(x.path) == segment.digest_of(x.path).hex()[:32] + ".kseg"
+    team = str(tmp_path / "team.db")
+    result = merge(sorted(str(p) for p in shared.iterdir()), team)
+    assert result.added == 40 and audit(team).ok
+    both = _ledger(tmp_path / "both.db", synth.events(0, 40))
+    assert _answers(team)[0] == _answers(both)[0]  # the same view root
