@@ -34,13 +34,14 @@ from blake3 import blake3
 from ..errors import MergeConflict, UsageError
 from ..ledger import Ledger, _codec
 from ..ledger._reducer import row_event_id
-from ..ledger.events import Retracted
+from ..ledger.events import EventHead, Retracted
 from . import segment
 from .segment import SegmentError
 
 __all__ = ["export", "merge", "Exported", "MergeResult", "BATCH"]
 
 BATCH = 10_000  # events per append batch and per bulk lookup
+_head_decoder = msgspec.msgpack.Decoder(EventHead)  # what the views need of an event; samples etc. skipped
 
 
 class Exported(NamedTuple):
@@ -94,11 +95,13 @@ def _events(paths: list[str], digests: list, checked: list | None = None
     """(segment index, path, event index, event id, event, bytes) of every event of the segments, each checked:
     canonical bytes, and a key its provenance hashes to; each segment's digest is appended to `digests`.
     `checked`: the digests of a first pass that checked these events; the segments must still hold exactly those
-    bytes (a file changed since is refused), and the per-event checks are not repeated."""
+    bytes (a file changed since is refused), the per-event checks are not repeated, and each event is decoded as
+    far as the views need (its bytes are stored as they are)."""
+    decoder = _codec.event_decoder if checked is None else _head_decoder  # checked: the views' fields suffice
     for s, path in enumerate(paths):
         for i, data in enumerate(segment.read(path, digests)):
             try:
-                event = _codec.event_decoder.decode(data)
+                event = decoder.decode(data)
             except Exception as exc:  # noqa: BLE001 - any decoding failure names the event
                 raise SegmentError(f"{path}: event {i} does not decode ({exc})") from None
             eid = _codec.event_id(data)
