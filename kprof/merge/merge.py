@@ -33,7 +33,6 @@ from blake3 import blake3
 
 from ..errors import MergeConflict, UsageError
 from ..ledger import Ledger, _codec
-from ..ledger._reducer import row_event_id
 from ..ledger.events import EventHead, Retracted
 from . import segment
 from .segment import SegmentError
@@ -64,28 +63,29 @@ class MergeResult(NamedTuple):
 def export(db: str | None, output: str, *, table: str | None = None, backend: str | None = None,
            gpu_name: str | None = None, since: int = 0) -> Exported:
     """Writes the ledger's events of sequence > `since` (of one table, backend and GPU key where given) to a new
-    segment, in log order, from one snapshot. A retraction goes with the events of its key. `output` an existing
+    segment, in log order, from one snapshot. A retraction goes where the event it retracts would. `output` an existing
     directory: the segment is named by its content there (see kprof.merge.segment.write)."""
     if since < 0:
         raise UsageError(f"--since {since}: give a sequence number >= 0 (0: from the first event)")
     with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
         events_db = ledger.dbs["events"]
-        keys: set[bytes] = set()
         chosen: list[bytes] = []
+
+        def wanted(prov) -> bool:
+            return ((table is None or prov.table == table) and (backend is None or prov.backend == backend)
+                    and (gpu_name is None or prov.gpu_key == gpu_name))
+
         for seq, eid, data in ledger.iter_log(txn):
             if seq <= since:
                 continue
             event = _codec.stored_event(data, eid)
-            if type(event) is Retracted:
-                if event.key in keys:
-                    chosen.append(eid)
-                continue
-            prov = event.provenance
-            if not ((table is None or prov.table == table) and (backend is None or prov.backend == backend)
-                    and (gpu_name is None or prov.gpu_key == gpu_name)):
-                continue
-            keys.add(event.key)
-            chosen.append(eid)
+            if type(event) is Retracted:  # in the scope of the event it retracts
+                target = txn.get(event.target, db=events_db)
+                event = None if target is None else _codec.stored_event(target, event.target)
+                if event is None or type(event) is Retracted:
+                    continue
+            if wanted(event.provenance):
+                chosen.append(eid)
         written = segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id, len(chosen))
         return Exported(written, ledger.ledger_id, len(chosen))
 
@@ -147,13 +147,14 @@ class _Check:
         self.batch_digests: list[bytes] = []  # per batch of BATCH events, what the write pass must find again
 
     def batch(self, items: list) -> None:
-        from ..ledger import _lookup
+        from ..ledger import _lookup, _verify
 
         self.batch_digests.append(_batch_digest(items))
-        txn, dbs = self.txn, self.ledger.dbs
+        txn, dbs, led = self.txn, self.ledger.dbs, self.ledger
         new_keys = list({event.key for *_rest, event, _data in items} - self.current.keys())
-        for key, value in zip(new_keys, _lookup.values(txn.cursor(dbs["current"]), new_keys)):
-            self.current[key] = None if value is None else row_event_id(value)
+        rows = _verify.rows(txn, dbs, led.path, new_keys, led.format_version >= 2, False, led.format_version)
+        for key, row in zip(new_keys, rows):  # the rows here, verified as every read is
+            self.current[key] = None if row is None else row[1]
         eids = [item[3] for item in items]
         stored = {e for e, v in zip(eids, _lookup.values(txn.cursor(dbs["events"]), eids)) if v is not None}
         for s, path, i, eid, event, _data in items:
@@ -163,6 +164,10 @@ class _Check:
             self.seen.add(eid)
             key = event.key
             if type(event) is Retracted:
+                if event.target not in self.seen and txn.get(event.target, db=dbs["events"]) is None:
+                    raise UsageError(f"{path}: event {i} retracts event {event.target.hex()[:16]}, which neither this "
+                                     f"ledger nor the segments before it hold; merge the segment that holds it first "
+                                     f"(nothing was merged)")
                 self.unchecked.add(key)
                 continue
             if key in self.unchecked:

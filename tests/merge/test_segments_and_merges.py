@@ -272,3 +272,18 @@ def test_a_directory_of_content_named_segments_is_shared_by_merging_all_of_it(tm
     assert result.added == 40 and audit(team).ok
     both = _ledger(tmp_path / "both.db", synth.events(0, 40))
     assert _answers(team)[0] == _answers(both)[0]  # the same view root
+
+
+def test_a_retraction_whose_target_is_nowhere_merges_nothing(tmp_path, source):
+    """A segment exported --since after a retracted event's own seq carries the retraction without its target:
+    merged into a ledger that never held the target, it is refused before anything is written."""
+    path, _ = source
+    tail = str(tmp_path / "tail.kseg")
+    with Ledger.open(path, readonly=True) as led:
+        last = led.last_seq
+    export(path, tail, since=last - 1)  # the retraction alone
+    target = _ledger(tmp_path / "t.db", synth.events(100, 103))
+    before = _answers(target)
+    with pytest.raises(UsageError, match="retracts event"):
+        merge([tail], target)
+    assert _answers(target) == before
