@@ -17,8 +17,9 @@ Merging runs in two streamed passes over the segments (neither is ever held whol
    full disk, a changed file) has written a verified prefix of a conflict-free merge; merging again completes it.
    One transaction for a whole segment would hold every dirty page of it in memory (2.4 GiB at 300,000 events).
 
-A conflict, or any damage, merges nothing: `merge-report.json` (each conflicting key: both events, their metrics, the relative
-difference of time_ms) is written to the output directory, and MergeConflict is raised (exit 3).
+A conflict or any damage merges nothing. A conflict writes `merge-report.json` to the output directory (each
+conflicting key: both events, their metrics, the relative difference of time_ms) and raises MergeConflict (exit
+3); a damaged, forged or incomplete segment raises SegmentError or UsageError (exit 2), naming what and where.
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
         added = existing = 0
         again: list[bytes] = []
         for n, items in enumerate(_batches(_events(paths, again, checked=digests))):
-            if _batch_digest(items) != check.batch_digests[n]:  # a file changed since the check: stop before it
+            verified = check.batch_digests[n] if n < len(check.batch_digests) else None
+            if _batch_digest(items) != verified:  # a file changed since the check: stop before this batch
                 raise SegmentError(f"{items[0][1]} changed while it was merged ({added + existing} event(s) before "
                                    f"the change were merged); merge it again")
             result = ledger.append_checked([(event, data, eid) for _s, _p, _i, eid, event, data in items])
