@@ -67,25 +67,33 @@ def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
 def rows(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summaries: bool = True,
          file_format: int = _codec.FORMAT_VERSION) -> list:
     """Per key, None (no current row) or (kind, event id, Summary or None) of its current row, verified: by each
-    row's digest from format 3 on (`_digested`), by the event each row names in older files (`_by_event`).
+    row's digest from format 3 on (`_by_digest`), by the event each row names in older files (`_by_event`).
     `check_absent`: ask `history` about the keys `current` does not hold (False only for a format-1 file, whose
-    history keeps no status). `summaries=False` (a count of missing rows) gives None for each Summary."""
-    verify = _digested if file_format >= DIGEST_FROM else _by_event
-    return verify(txn, dbs, path, keys, check_absent, summaries)
+    history keeps no status). `summaries=False` (a count of missing rows) gives None for each Summary.
 
-
-def _digested(txn, dbs, path: str, keys: list[bytes], check_absent: bool, summaries: bool) -> list:
-    """rows() of a format-3 file: each row's digest recomputed over the key looked up and the row's bytes (so a
-    damaged row, or a row under another key, fails), its kind checked, its Summary decoded from the row."""
+    The checks run over whole columns in C-level maps and compares (no Python frame per row); a column that
+    differs is then walked to name the first damaged row."""
     with reading(path, "current"):
         values = _lookup.values(txn.cursor(dbs["current"]), keys)
     found = [i for i, v in enumerate(values) if v is not None]
-    cur = [values[i] for i in found]
-    fkeys = [keys[i] for i in found]
+    verify = _by_digest if file_format >= DIGEST_FROM else _by_event
+    checked = verify(txn, dbs, path, [keys[i] for i in found], [values[i] for i in found], summaries)
+    out: list = [None] * len(keys)
+    for i, row in zip(found, checked):
+        out[i] = row
+    if check_absent and len(found) < len(keys):
+        _absent_agree(txn, dbs, path, [keys[i] for i, v in enumerate(values) if v is None])
+    return out
+
+
+def _by_digest(txn, dbs, path: str, fkeys: list[bytes], cur: list[bytes], summaries: bool) -> list:
+    """(kind, event id, Summary or None) of format-3 rows: each row's digest recomputed over the key looked up and
+    the row's bytes (so a damaged row, or a row under another key, fails), its kind checked, its Summary decoded
+    from the row."""
     if row_digests(fkeys, map(getitem, cur, repeat(ROW_BODY))) != list(map(getitem, cur, repeat(ROW_DIGEST))):
         i = next(i for i, v in enumerate(cur) if len(v) < 49 or row_digest(fkeys[i], v[ROW_BODY]) != v[ROW_DIGEST])
         raise damaged(path, f"the current row of key {fkeys[i].hex()} fails its digest")
-    kinds = list(map(getitem, cur, repeat(_KIND)))
+    kinds = list(map(getitem, cur, repeat(ROW_KIND)))
     if not set(kinds) <= _ROW_KINDS:
         i = next(i for i, k in enumerate(kinds) if k not in _ROW_KINDS)
         raise damaged(path, f"the current row of key {fkeys[i].hex()} has kind {kinds[i]!r}")
@@ -96,12 +104,7 @@ def _digested(txn, dbs, path: str, keys: list[bytes], check_absent: bool, summar
             raise damaged(path, f"a current row's summary cannot be decoded ({exc})") from None
     else:
         decoded = [None] * len(cur)
-    out: list = [None] * len(keys)
-    for i, row in zip(found, zip(kinds, map(getitem, cur, repeat(_EID)), decoded)):
-        out[i] = row
-    if check_absent and len(found) < len(keys):
-        _absent_agree(txn, dbs, path, [keys[i] for i, v in enumerate(values) if v is None])
-    return out
+    return list(zip(kinds, map(getitem, cur, repeat(ROW_EVENT_ID)), decoded))
 
 
 def _absent_agree(txn, dbs, path: str, absent: list[bytes]) -> None:
@@ -113,22 +116,12 @@ def _absent_agree(txn, dbs, path: str, absent: list[bytes]) -> None:
             raise damaged(path, f"key {key.hex()} has no current row, but its history says it has one")
 
 
-def _by_event(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summaries: bool = True) -> list:
-    """Per key, None (no current row) or (kind, event id, Summary) of its current row, verified as the module says;
-    the Summary is derived from the verified event (the stored one, which no hash covers, is not read: the same
-    bytes where undamaged, as the audit checks, and cheaper than decoding and comparing it).
-    `check_absent`: ask `history` about the keys `current` does not hold (False only for a format-1 file, whose
-    history keeps no status). `summaries=False` (a count of missing rows) checks each event's id, key and kind
-    but neither decodes nor compares the summary, and gives None in its place.
-
-    The checks run over whole columns in C-level maps and compares (no Python frame per row); a column that
-    differs is then walked to name the first damaged row."""
-    with reading(path, "current"):
-        values = _lookup.values(txn.cursor(dbs["current"]), keys)
-    found = [i for i, v in enumerate(values) if v is not None]
-    cur = [values[i] for i in found]
-    fkeys = [keys[i] for i in found]
-    eids = list(map(getitem, cur, repeat(_EID)))
+def _by_event(txn, dbs, path: str, fkeys: list[bytes], cur: list[bytes], summaries: bool) -> list:
+    """(kind, event id, Summary or None) of rows of an older file, each verified against the event it names (see
+    the module docstring); the Summary is derived from the verified event (the stored one, which no hash covers,
+    is not read: the same bytes where undamaged, as the audit checks, and cheaper than decoding and comparing
+    it). `summaries=False` checks each event's id, key and kind but does not decode the summary."""
+    eids = list(map(getitem, cur, repeat(ROW_EVENT_ID)))
     with reading(path, "events"):
         datas = _lookup.values(txn.cursor(dbs["events"]), eids)
     if None in datas:
@@ -146,15 +139,10 @@ def _by_event(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True,
                             f"({exc})") from None
     kinds = list(map(_KINDS.__getitem__, map(type, heads)))
     derived = list(map(summary_of_decoded, heads)) if summaries else [None] * len(heads)
-    if list(map(attrgetter("key"), heads)) != fkeys or list(map(getitem, cur, repeat(_KIND))) != kinds:
+    if list(map(attrgetter("key"), heads)) != fkeys or list(map(getitem, cur, repeat(ROW_KIND))) != kinds:
         i = next(i for i, (v, h) in enumerate(zip(cur, heads)) if h.key != fkeys[i] or v[ROW_KIND] != kinds[i])
         raise damaged(path, f"the current row of key {fkeys[i].hex()} does not match its event {eids[i].hex()}")
-    out: list = [None] * len(keys)
-    for i, row in zip(found, zip(kinds, eids, derived)):
-        out[i] = row
-    if check_absent and len(found) < len(keys):
-        _absent_agree(txn, dbs, path, [keys[i] for i, v in enumerate(values) if v is None])
-    return out
+    return list(zip(kinds, eids, derived))
 
 
 def _array(parts: list[bytes]) -> bytes:
@@ -162,7 +150,6 @@ def _array(parts: list[bytes]) -> bytes:
     return b"\xdd" + len(parts).to_bytes(4, "big") + b"".join(parts)
 
 
-_EID, _KIND = ROW_EVENT_ID, ROW_KIND
 _key_decoder = msgspec.msgpack.Decoder(list[Union[MeasuredKey, FailedKey]])  # skips every other field
 _KINDS = {MeasuredHead: MEASURED, FailedHead: FAILED, MeasuredKey: MEASURED, FailedKey: FAILED}
 _ROW_KINDS = {MEASURED, FAILED}
