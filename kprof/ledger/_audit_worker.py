@@ -25,7 +25,7 @@ import lmdb
 import msgspec
 
 from . import _codec
-from ._reducer import REBUILT, history_from_v1, scope_decoder, status_of, unpack_seq
+from ._reducer import REBUILT, decode_scope, history_from_v1, status_of, unpack_seq
 from .events import EventAudit, EventKey, Provenance, Retracted
 from .replay import MemoryStore, replay_into
 
@@ -266,7 +266,7 @@ class Shard:
                 continue
             if stored is not None:
                 self._compare(name, stored, rebuilt[name])
-        return {sid.hex(): _scope_json(scope_decoder.decode(v)) for sid, v in rebuilt["scopes"].items()}
+        return {sid.hex(): _scope_json(decode_scope(v, sid)) for sid, v in rebuilt["scopes"].items()}
 
     def _history_v1(self, txn, entries) -> dict[bytes, bytes] | None:
         """A format-1 file's history (key + seq -> event id), read as it is, in format 2's layout: each event id
@@ -336,7 +336,8 @@ def main(shard: int, shards: int, path: str) -> dict:
         stored_scopes = work.stored_scopes(txn) if shard == 0 else {}
     return {"stored_scopes": stored_scopes, "findings": found.items, "counts": found.counts, "events": n_events,
             "header_events": header_events, "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
-            "walked": work.walked, "view_entries": view_entries, "scopes": scopes}
+            "walked": work.walked, "view_entries": view_entries, "scopes": scopes,
+            "format_version": ledger.format_version}
 
 
 if __name__ == "__main__":

@@ -118,8 +118,8 @@ def history_seqs(value: bytes, start: int = 1) -> list[bytes]:
     return [value[i:i + 8] for i in range(start, len(value), 8)]
 
 
-# A `current` value's layout: kind letter, event id (32), Summary bytes. These slices and the three functions
-# below are the only places that know it.
+# A `current` value's layout: kind letter, event id (32), Summary bytes, digest (16; format 3). Readers slice
+# with these; the reducer's two accessors below use them too.
 ROW_KIND, ROW_EVENT_ID, ROW_SUMMARY, ROW_BODY, ROW_DIGEST = (slice(0, 1), slice(1, 33), slice(33, -16),
                                                              slice(0, -16), slice(-16, None))
 
@@ -132,11 +132,6 @@ def row_kind(row: bytes) -> bytes:
 def row_event_id(row: bytes) -> bytes:
     """A `current` value's event id."""
     return row[ROW_EVENT_ID]
-
-
-def row_summary(row: bytes) -> bytes:
-    """A `current` value's Summary bytes."""
-    return row[ROW_SUMMARY]
 
 
 def status_of(row: bytes | None) -> bytes:
@@ -161,7 +156,10 @@ def history_from_v1(keys: Iterable[bytes], status: Callable[[bytes], bytes]) -> 
 
 class ScopeEntry(msgspec.Struct, array_like=True):
     """A `scopes` value (a msgpack array on disk): the scope's names, how many current rows it has, its root
-    accumulator (32 bytes, big-endian, reduced mod 2^256) and the ids of the contracts its events carried."""
+    accumulator (32 bytes, big-endian, reduced mod 2^256) and the ids of the contracts its events carried. From
+    format 3 on the array has a seventh item, a digest of the scope id and these six, which every read checks
+    (`decode_scope`): the view root a reader reports comes from this entry, and one damaged bit of it must not read
+    as another root."""
 
     table: str
     backend: str
@@ -175,7 +173,14 @@ class ScopeEntry(msgspec.Struct, array_like=True):
         return int.from_bytes(self.acc, "big")
 
 
-scope_decoder = msgspec.msgpack.Decoder(ScopeEntry)
+def _scope_digest(sid: bytes, fields: list) -> bytes:
+    return blake3(_codec.ROW_TAG + sid + _codec.encode(fields)).digest(16)
+
+
+def encode_scope(sid: bytes, entry: ScopeEntry, digest: bool = True) -> bytes:
+    """The stored bytes of scope `sid`'s entry, with its digest unless the file's format keeps none."""
+    fields = [entry.table, entry.backend, entry.gpu_key, entry.rows, entry.acc, entry.contracts]
+    return _codec.encode(fields + [_scope_digest(sid, fields)] if digest else fields)
 
 
 class ScopeTotals(msgspec.Struct):
@@ -322,22 +327,28 @@ class Reducer:
 
     def flush(self) -> None:
         for sid, entry in self._scopes.items():
-            self.store.put("scopes", sid, _codec.encode(entry.entry()))
+            self.store.put("scopes", sid, encode_scope(sid, entry.entry(), self._digest))
         self._scopes.clear()
-
-    @property
-    def scopes(self) -> dict[bytes, ScopeTotals]:
-        """The scope entries of the events applied since the last flush."""
-        return self._scopes
 
 
 def decode_scope(raw: bytes, sid: bytes) -> ScopeEntry:
-    """A stored `scopes` value; IntegrityError naming the scope where its bytes do not fit ScopeEntry."""
+    """A stored `scopes` value, its digest checked where it has one (format 3); IntegrityError naming the scope
+    where its bytes do not fit ScopeEntry or fail the digest."""
+    why = None
     try:
-        return scope_decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise IntegrityError(f"scopes: entry {sid.hex()} cannot be decoded ({exc}); run `kprof audit` for the full "
-                             f"report, and restore the file from a copy") from None
+        fields = msgspec.msgpack.decode(raw)
+        if type(fields) is not list or len(fields) not in (6, 7):
+            why = "it is not an entry of six or seven items"
+        else:
+            entry = msgspec.convert(fields[:6], ScopeEntry)
+            if len(fields) == 7 and fields[6] != _scope_digest(sid, fields[:6]):
+                why = "it fails its digest"
+    except msgspec.MsgspecError as exc:
+        why = f"it cannot be decoded ({exc})"
+    if why:
+        raise IntegrityError(f"scopes: entry {sid.hex()} is damaged: {why}; run `kprof audit` for the full report, "
+                             f"and restore the file from a copy")
+    return entry
 
 
 class NewRows(NamedTuple):

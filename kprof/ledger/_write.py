@@ -12,7 +12,7 @@ import msgspec
 
 from ..errors import UsageError
 from . import _codec
-from ._reducer import REBUILT, NewRows, Reducer, ScopeTotals, decode_scope, pack_seq, unpack_seq
+from ._reducer import REBUILT, NewRows, Reducer, ScopeTotals, decode_scope, encode_scope, pack_seq, unpack_seq
 from .events import Retracted
 
 class AppendResult(NamedTuple):
@@ -100,22 +100,26 @@ def canonical(event, index: int):
     return (event, data) if again == data else (stored, again)
 
 
-def upgrade_views(txn: lmdb.Transaction, env: lmdb.Environment, names: tuple, views: tuple) -> None:
-    """Rebuilds every view of a file of an older format from its log, in the upgrading transaction, in the
-    current format (format 3 added each current row's digest; format 2 the history's status). The views are
-    derived data: the log and the event bodies are kept as they are. The rebuild is counted (REBUILT), so a
-    reader's memo of earlier answers does not outlive it."""
-    dbs = {name: env.open_db(name.encode(), txn=txn) for name in names}
+def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
+    """Drops the `views` sub-databases and rebuilds them from the log through the Reducer, streamed, in `txn`, in
+    the current format; returns the events replayed. The rebuild is counted (REBUILT), so a reader's memo of
+    earlier answers does not outlive it (a repair can change rows the view root, read from `scopes`, does not
+    name). Used by a writer upgrading an older file (format 3 added each current row's digest; format 2 the
+    history's status) and by `kprof.ledger.replay.rebuild_views`, a repair."""
     for name in views:
         txn.drop(dbs[name], delete=False)
-    reducer, events = Reducer(TxnStore(txn, dbs)), dbs["events"]
+    reducer, events, n = Reducer(TxnStore(txn, dbs)), dbs["events"], 0
     for k, eid in txn.cursor(dbs["log"]):
         reducer.apply(_codec.stored_event(txn.get(eid, db=events) or b"", eid), eid, unpack_seq(k)[0])
+        n += 1
     reducer.flush()
     reducer.store.flush()
-    raw = txn.get(REBUILT, db=dbs["meta"])
-    count = msgspec.msgpack.decode(raw) if raw is not None else 0
+    try:
+        count = msgspec.msgpack.decode(txn.get(REBUILT, db=dbs["meta"]) or b"\x00")
+    except msgspec.DecodeError:
+        count = 0
     txn.put(REBUILT, _codec.encode((count if type(count) is int and count > 0 else 0) + 1), db=dbs["meta"])
+    return n
 
 
 def append_new(txn, dbs: dict, rows: NewRows) -> AppendResult:
@@ -141,9 +145,10 @@ def append_new(txn, dbs: dict, rows: NewRows) -> AppendResult:
         raw = txn.get(sid, db=scopes)
         total = ScopeTotals.of(added) if raw is None else ScopeTotals.stored(decode_scope(raw, sid))
         total.add(added)
-        txn.put(sid, _codec.encode(total.entry()), db=scopes)
+        txn.put(sid, encode_scope(sid, total.entry()), db=scopes)
     txn.put(b"last_seq", _codec.encode(seq + n), db=meta)
     return AppendResult(list(rows.eids), [], seq + n)
+
 
 def append_events(txn, dbs: dict, prepared) -> AppendResult:
     """Appends through `Reducer.apply`, reading the batch's event ids and keys first: any batch (repeats,

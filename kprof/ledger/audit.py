@@ -23,7 +23,7 @@ import lmdb
 from ..errors import IntegrityError, LedgerError
 from . import _codec
 from ._audit_worker import MAX_LISTED, RANGED
-from ._reducer import ScopeTotals
+from ._reducer import DIGEST_FROM, ScopeTotals, encode_scope
 from .store import Ledger
 
 __all__ = ["audit", "AuditReport"]
@@ -82,7 +82,7 @@ def _scopes(results: list[dict], add) -> None:
         have = stored.pop(sid, None)
         if have is None:
             add("views", f"scopes: entry {sid.hex()} of the log's replay is not stored")
-        elif have != _codec.encode(entry.entry()):
+        elif have != encode_scope(sid, entry.entry(), results[0]["format_version"] >= DIGEST_FROM):
             add("views", f"scopes: entry {sid.hex()} ({entry.table}/{entry.backend}/{entry.gpu_key}) differs from "
                          f"the log's replay")
     for sid in stored:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import msgspec
-
-from . import _codec
-from ._reducer import REBUILT, Reducer, Store
-from ._write import TxnStore
+from . import _codec, _write
+from ._reducer import Reducer, Store
 from .store import VIEW_DBS, Ledger
 
 __all__ = ["rebuild_views", "MemoryStore", "replay_into"]
@@ -49,22 +46,4 @@ def replay_into(store: Store, events, file_format: int = _codec.FORMAT_VERSION) 
 
 def rebuild_views(ledger: Ledger) -> int:
     """Drops every view and rebuilds it from the log in one write transaction. Returns events replayed."""
-
-    def work(txn):
-        for name in VIEW_DBS:
-            txn.drop(ledger.dbs[name], delete=False)
-        decode = _codec.event_decoder.decode
-        events = [(seq, eid, decode(data)) for seq, eid, data in ledger.iter_log(txn)]
-        replay_into(TxnStore(txn, ledger.dbs), events)
-        # Counted, so a reader's memo of earlier answers (see _memo) knows the views were rewritten without an
-        # event (a repair can change rows the view root, read from `scopes`, does not name).
-        meta = ledger.dbs["meta"]
-        try:
-            count = msgspec.msgpack.decode(txn.get(REBUILT, db=meta) or b"\x00")
-        except msgspec.DecodeError:
-            count = 0
-        txn.put(REBUILT, _codec.encode((count if type(count) is int and count > 0 else 0) + 1), db=meta)
-        return len(events)
-
-    return ledger.write(work)
-
+    return ledger.write(lambda txn: _write.rebuild_views(txn, ledger.dbs, VIEW_DBS))

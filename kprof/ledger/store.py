@@ -24,7 +24,7 @@ from . import _codec
 from ._env import (CREATE_WAIT_S, _FORK_FIX, _change_map, _envs, _inherited, _live, _read_only_file, _reads, _release,
                    _write_txn)
 from ._memo import Memo
-from ._write import AppendResult, NotNew, append_events, append_new, canonical, upgrade_views
+from ._write import AppendResult, NotNew, append_events, append_new, canonical, rebuild_views
 from ._path import _recognize, _without_lock, default_path, ledger_path
 from ._verify import event as verified_event, reading
 from ._reducer import NewRows, decode_scope, history_seqs, new_rows, unpack_seq
@@ -164,7 +164,7 @@ class Ledger:
                 txn.put(b"created_at", _codec.encode(time.time()), db=meta)
                 txn.put(b"last_seq", _codec.encode(0), db=meta)
             else:
-                upgrade_views(txn, env, DBS, VIEW_DBS)
+                rebuild_views(txn, {name: env.open_db(name.encode(), txn=txn) for name in DBS}, VIEW_DBS)
             txn.put(b"format_version", _codec.encode(_codec.FORMAT_VERSION), db=meta)
 
         _write_txn(env, path, work)

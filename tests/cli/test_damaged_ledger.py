@@ -131,3 +131,21 @@ print("not reached")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, b"", _sigbus.LINE)
+
+
+def test_a_damaged_scope_entry_is_refused_not_read_as_another_view_root(h, rows, capsys):
+    """query reports the scope's view root from its `scopes` entry: a bit flipped in its accumulator fails the
+    entry's digest (exit 3), never a different root."""
+    db, specs, _eids = rows
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        sid, value = next(iter(txn.cursor(ledger.dbs["scopes"])))
+
+    def flip(txn, dbs):
+        data = bytearray(value)
+        data[len(data) // 2] ^= 1
+        txn.put(sid, bytes(data), db=dbs["scopes"])
+
+    _tamper(db, flip)
+    assert main(_verbs(h, db, specs, "")["query"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and sid.hex() in err and "kprof audit" in err, err
