@@ -119,8 +119,8 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     for entry, gpu_key, row in chosen:
         by_entry.setdefault((entry.table, entry.backend, gpu_key), []).append((entry, row))
     out = _measure(by_entry, tolerance)
-    again = {k: [(e, r) for e, r in items if any(d.citation == r.citation and d.drift is not None and not d.ok
-                                                for d in out)] for k, items in by_entry.items()}
+    drifted = {d.citation for d in out if d.drift is not None and not d.ok}
+    again = {k: [(e, r) for e, r in items if r.citation in drifted] for k, items in by_entry.items()}
     confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance)}
     out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
