@@ -38,7 +38,7 @@ from ..ledger.events import EventHead, Retracted
 from . import segment
 from .segment import SegmentError
 
-__all__ = ["export", "merge", "Exported", "MergeResult", "BATCH"]
+__all__ = ["export", "merge", "merge_into", "Exported", "MergeResult", "BATCH"]
 
 BATCH = 10_000  # events per append batch and per bulk lookup
 _head_decoder = msgspec.msgpack.Decoder(EventHead)  # what the views need of an event; samples etc. skipped
@@ -206,34 +206,42 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
     if not paths:
         raise UsageError("give at least one segment to merge")
     headers = [segment.header_of(p) for p in paths]
-    out = output_dir or "."
     with Ledger.open(db) as ledger:
-        with ledger.read() as txn:
-            check = _Check(ledger, txn)
-            digests: list[bytes] = []
-            for items in _batches(_events(paths, digests)):
-                check.batch(items)
-        if check.conflicts:
-            report = _report(ledger, check.conflicts)
-            os.makedirs(out, exist_ok=True)
-            where = os.path.join(out, "merge-report.json")
-            with open(where, "w") as f:
-                json.dump(report, f, indent=1)
-                f.write("\n")
-            first = report["keys"][0]
-            raise MergeConflict(f"{len(check.conflicts)} incoming event(s) conflict with the ledger's current rows "
-                                f"(first: key {first['key'][:16]}, current {first['current']['event'][:16]}, incoming "
-                                f"{first['incoming']['event'][:16]}); nothing was merged; the conflicts are in "
-                                f"{where}", report)
-        added = existing = 0
-        again: list[bytes] = []
-        for n, items in enumerate(_batches(_events(paths, again, checked=digests))):
-            verified = check.batch_digests[n] if n < len(check.batch_digests) else None
-            if _batch_digest(items) != verified:  # a file changed since the check: stop before this batch
-                raise SegmentError(f"{items[0][1]} changed while it was merged ({added + existing} event(s) before "
-                                   f"the change were merged); merge it again")
-            result = ledger.append_checked([(event, data, eid) for _s, _p, _i, eid, event, data in items])
-            added, existing = added + len(result.added), existing + len(result.existing)
+        added, existing = merge_into(ledger, paths, output_dir)
         db_path = ledger.path
     segments = [{"path": p, "ledger_id": h.ledger_id, "events": h.events} for p, h in zip(paths, headers)]
     return MergeResult(db_path, segments, added, existing, time.perf_counter() - started)
+
+
+def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) -> tuple[int, int]:
+    """Merges the segments at `paths` into the open (writable) ledger, all or nothing: (events added, events the
+    ledger held already). A conflict writes `merge-report.json` to `output_dir` (default: the working directory)
+    and raises MergeConflict. The pool merges each worker's segments through it as they arrive."""
+    out = output_dir or "."
+    with ledger.read() as txn:
+        check = _Check(ledger, txn)
+        digests: list[bytes] = []
+        for items in _batches(_events(paths, digests)):
+            check.batch(items)
+    if check.conflicts:
+        report = _report(ledger, check.conflicts)
+        os.makedirs(out, exist_ok=True)
+        where = os.path.join(out, "merge-report.json")
+        with open(where, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+        first = report["keys"][0]
+        raise MergeConflict(f"{len(check.conflicts)} incoming event(s) conflict with the ledger's current rows "
+                            f"(first: key {first['key'][:16]}, current {first['current']['event'][:16]}, incoming "
+                            f"{first['incoming']['event'][:16]}); nothing was merged; the conflicts are in "
+                            f"{where}", report)
+    added = existing = 0
+    again: list[bytes] = []
+    for n, items in enumerate(_batches(_events(paths, again, checked=digests))):
+        verified = check.batch_digests[n] if n < len(check.batch_digests) else None
+        if _batch_digest(items) != verified:  # a file changed since the check: stop before this batch
+            raise SegmentError(f"{items[0][1]} changed while it was merged ({added + existing} event(s) before "
+                               f"the change were merged); merge it again")
+        result = ledger.append_checked([(event, data, eid) for _s, _p, _i, eid, event, data in items])
+        added, existing = added + len(result.added), existing + len(result.existing)
+    return added, existing
