@@ -1,0 +1,58 @@
+"""`kprof run ... --remote NAME [--remote-set KEY=VALUE ...]`: the run on a remote of remote.yaml (see
+kprof.runners.remote). `kprof.cli.run` binds the flags and calls `run_remote_cli`; this renders as `run` does."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+
+from ..errors import UsageError
+from ._render import console, emit_json, error, results_table
+
+__all__ = ["run_remote_cli"]
+
+
+def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, remote_set: list[str] | tuple = (),
+                   output_dir: str | None, mode: str = "jit", gpu_name: str | None = None, db: str | None = None,
+                   timer: str | None = None, l2: str | None = None, cuda_graph: bool | None = None,
+                   power: str | None = None, json: bool = False, command: str = "") -> int:
+    """Runs the specs on the remote `remote`, merges its segments into $KPROF_DB (else ./profile.db), writes the run's
+    snapshot, remote-run.json and segments/ to `output_dir`, renders the rows; the exit code (0 ok, 1 rows missing,
+    2 usage, 3 a merge conflict). --db is refused (the remote merges into the default ledger) and --output-dir is
+    required: both before anything is written."""
+    if db is not None:
+        raise UsageError(f"--db {db} cannot be used with --remote: a remote run merges into the default ledger "
+                         f"($KPROF_DB, else ./profile.db); set KPROF_DB={db} instead, or drop --remote")
+    if output_dir is None:
+        raise UsageError("--remote needs --output-dir DIR (the segments, remote-run.json and any merge-report.json "
+                         "go there); pass a new directory")
+    from ..artifacts import snapshot
+    from ..runners.remote import run_remote
+
+    started_at = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.perf_counter()
+    progress = None
+    if not json:
+        def progress(done, total, chunk):
+            console(stderr=True).print(f"chunk {done}/{total}: {chunk['specs']} spec(s), {chunk['status']}",
+                                       markup=False)
+
+    res = run_remote(table, backend, raw_specs, remote=remote, remote_set=list(remote_set), output_dir=output_dir,
+                     mode=mode, gpu_name=gpu_name, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power,
+                     command=command, progress=progress)
+    snapshot(output_dir, res, raw_specs, started_at=started_at, seconds=time.perf_counter() - t0, command=command)
+    for line in res.failures:
+        error(line)
+    if res.merge_report:
+        error(f"{res.record['conflicts']} incoming event(s) conflict with the ledger's current rows; those segments "
+              f"merged nothing; the conflicts are in {res.merge_report} (do not force it: compare the rows)")
+    if json:
+        emit_json(res.to_json())
+    else:
+        results_table(res)
+        engine = res.record.get("engine", {})
+        where = engine.get("address") or engine.get("cluster") or ""
+        console().print(f"measured {res.measured} spec(s) on remote {remote} ({engine.get('engine')} {where}) in "
+                        f"{res.seconds:.1f} s; {res.record['merged']['added']} event(s) merged; record "
+                        f"{res.record_path}", markup=False)
+    return res.exit_code

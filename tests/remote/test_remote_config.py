@@ -1,0 +1,139 @@
+"""remote.yaml and --remote-set: every bad file, remote, field or override is a UsageError (exit 2) naming it and
+the fix, raised before anything is written; --db is refused with --remote and --output-dir is required."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kprof.cli._remote import run_remote_cli
+from kprof.errors import UsageError, exit_code
+from kprof.runners.remote import FIELDS, load_remote
+
+GOOD = """
+remotes:
+  ray1:
+    kind: ray
+    launch:
+      ray: {address: local, num_cpus: 2}
+  slurm1:
+    kind: slurm
+    launch:
+      slurm: {partition: gpu, time: 60, gpus_per_node: 1}
+"""
+
+
+def _cli(**kw):
+    args = dict(remote="r", remote_set=[], output_dir="out", mode="jit", gpu_name=None, db=None, timer=None,
+                l2=None, cuda_graph=None, power=None, json=True, command="kprof run")
+    args.update(kw)
+    return run_remote_cli("single_gemm", "torch-cpu", [{"m": 1, "n": 64, "k": 64, "dtype": "fp32"}], **args)
+
+
+def _refused(ledger, **kw) -> str:
+    """Runs the CLI function, which must refuse with exit 2 and write nothing; the message."""
+    with pytest.raises(UsageError) as info:
+        _cli(**kw)
+    assert exit_code(info.value) == 2
+    assert not os.path.exists("out") and not os.path.exists(ledger)
+    return str(info.value)
+
+
+def test_the_example_file_is_valid_and_lists_every_field():
+    here = os.path.dirname(__file__)
+    example = os.path.join(here, "..", "..", "remote.example.yaml")
+    with open(example) as f:
+        text = f.read()
+    for field in FIELDS:
+        assert field.rsplit(".", 1)[-1] + ":" in text and field in text, field
+    for name in ("h200-ray", "local-ray", "h200-slurm"):
+        assert load_remote(name, example).name == name
+
+
+def test_overrides_apply_for_one_call(remote_yaml):
+    path = remote_yaml(GOOD)
+    r = load_remote("slurm1", path, ["launch.slurm.time=30", "workers=4", "launch.slurm.account=proj"])
+    assert (r.slurm.time, r.workers, r.slurm.account, r.slurm.partition) == (30, 4, "proj", "gpu")
+    assert r.overrides == ["launch.slurm.time=30", "workers=4", "launch.slurm.account=proj"]
+    assert load_remote("slurm1", path).slurm.time == 60  # the file is unchanged
+    r = load_remote("ray1", path, ["launch.ray.runtime_env={env_vars: {A: b}}", "launch.ray.address=local"])
+    assert r.ray.runtime_env == {"env_vars": {"A": "b"}}
+    # a complete section of the other kind: the kind can be switched for one call
+    both = GOOD + "  both:\n    kind: ray\n    launch:\n      ray: {address: auto}\n      slurm: {partition: p, time: 5}\n"
+    assert load_remote("both", remote_yaml(both), ["kind=slurm"]).kind == "slurm"
+
+
+@pytest.mark.parametrize("text, overrides, expected", [
+    (None, [], ["remote.yaml not found", "copy remote.example.yaml"]),
+    ("remotes: [1, 2\n", [], ["remote.yaml is not valid YAML at line", "fix the file"]),
+    ("- a\n", [], ["remote.yaml is not a mapping with a `remotes:` section"]),
+    ("version: 2\nremotes: {r: {kind: ray}}\n", [], ["version 2", "set version: 1"]),
+    ("remote: {}\n", [], ["top-level field remote is not known"]),
+    ("remotes: {}\n", [], ["`remotes:` is missing or empty"]),
+    ("remotes: {other: {kind: ray}}\n", [], ["has no remote 'r'", "'other'", "pass one of those to --remote"]),
+    ("remotes: {r: 3}\n", [], ["remote 'r' is 3, not a mapping"]),
+    ("remotes: {r: {launch: {ray: {address: auto}}}}\n", [], ["remote 'r': field kind is missing", "kind: ray"]),
+    ("remotes: {r: {kind: k8s}}\n", [], ["field kind is 'k8s', not one of ray, slurm"]),
+    ("remotes: {r: {kind: ray}}\n", [], ["field launch.ray.address is missing", '"local", "auto"']),
+    ("remotes: {r: {kind: ray, launch: {ray: {adress: auto}}}}\n", [],
+     ["field launch.ray.adress is not a remote field", "address, gpus_per_worker, num_cpus, runtime_env"]),
+    ("remotes: {r: {kind: ray, lanch: {}}}\n", [], ["field lanch is not a remote field", "kind, launch, workers"]),
+    ("remotes: {r: {kind: ray, launch: 5}}\n", [], ["field launch is 5, not a mapping"]),
+    ("remotes: {r: {kind: ray, launch: {ray: {address: 7}}}}\n", [],
+     ["field launch.ray.address is 7, not a non-empty string"]),
+    ("remotes: {r: {kind: ray, launch: {ray: {address: local, num_cpus: two}}}}\n", [],
+     ["field launch.ray.num_cpus is 'two', not a whole number"]),
+    ("remotes: {r: {kind: ray, launch: {ray: {address: auto, num_cpus: 2}}}}\n", [],
+     ["field launch.ray.num_cpus applies only to address \"local\"", "remove num_cpus"]),
+    ("remotes: {r: {kind: ray, launch: {ray: {address: auto, gpus_per_worker: -1}}}}\n", [],
+     ["field launch.ray.gpus_per_worker is -1; give a number >= 0"]),
+    ("remotes: {r: {kind: ray, launch: {ray: {address: auto, runtime_env: [a]}}}}\n", [],
+     ["field launch.ray.runtime_env is ['a'], not a mapping"]),
+    ("remotes: {r: {kind: ray, workers: 0, launch: {ray: {address: auto}}}}\n", [],
+     ["field workers is 0; give a number >= 1"]),
+    ("remotes: {r: {kind: slurm, launch: {slurm: {partition: gpu}}}}\n", [],
+     ["field launch.slurm.time is missing", "time: 60"]),
+    ("remotes: {r: {kind: slurm, launch: {slurm: {partition: gpu, time: 1h}}}}\n", [],
+     ["field launch.slurm.time is '1h', not a whole number"]),
+    ("remotes: {r: {kind: slurm, launch: {slurm: {time: 5}}}}\n", [],
+     ["field launch.slurm.partition is missing", "launch.slurm.cluster: local"]),
+    ("remotes: {r: {kind: slurm, launch: {slurm: {time: 5, cluster: k8s}}}}\n", [],
+     ["field launch.slurm.cluster is 'k8s', not one of slurm, local, debug"]),
+    (GOOD.replace("ray1", "r"), ["launch.ray.address"], ["--remote-set 'launch.ray.address' is not KEY=VALUE"]),
+    (GOOD.replace("ray1", "r"), ["launch.ray.adress=auto"],
+     ["--remote-set launch.ray.adress: not a field of a remote", "launch.slurm.time"]),
+    (GOOD.replace("ray1", "r"), ["launch.slurm.time=soon"],
+     ["--remote-set launch.slurm.time is 'soon', not a whole"]),
+    (GOOD.replace("ray1", "r"), ["kind=k8s"], ["--remote-set kind is 'k8s', not one of ray, slurm"]),
+    (GOOD.replace("ray1", "r"), ["kind=slurm"], ["field launch.slurm.time is missing"]),
+])
+def test_a_bad_remote_is_refused_naming_the_field_and_the_fix(remote_yaml, db, text, overrides, expected):
+    if text is not None:
+        remote_yaml(text)
+    message = _refused(db, remote_set=overrides)
+    for fragment in expected:
+        assert fragment in message, message
+    if text is not None and "remotes:" in text and not overrides:
+        assert message.startswith(os.path.abspath("remote.yaml")) or message.startswith("remote.yaml")
+
+
+def test_db_is_refused_with_remote(remote_yaml, db):
+    remote_yaml(GOOD.replace("ray1", "r"))
+    message = _refused(db, db="other.db")
+    assert "--db other.db cannot be used with --remote" in message and "KPROF_DB=other.db" in message
+    assert not os.path.exists("other.db")
+
+
+def test_output_dir_is_required(remote_yaml, db):
+    remote_yaml(GOOD.replace("ray1", "r"))
+    assert "--remote needs --output-dir" in _refused(db, output_dir=None)
+
+
+def test_a_bad_spec_is_refused_before_anything_is_written(remote_yaml, db):
+    remote_yaml(GOOD.replace("ray1", "r"))
+    with pytest.raises(UsageError) as info:
+        run_remote_cli("single_gemm", "torch-cpu", [{"m": 1, "n": 64, "dtype": "fp32"}], remote="r",
+                       output_dir="out", json=True)
+    assert exit_code(info.value) == 2 and "spec 0" in str(info.value)
+    assert not os.path.exists("out") and not os.path.exists(db)
