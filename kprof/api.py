@@ -65,10 +65,11 @@ class QueryResult(msgspec.Struct):
     seconds: float = 0.0
     timed_seconds: float = 0.0
     measured: int = 0
+    pool: dict | None = None  # where `run` measured: devices, whether forced, what the idle guard skipped
 
     def to_json(self) -> dict:
         doc = msgspec.to_builtins(self)
-        for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured"):
+        for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured", "pool"):
             doc.pop(extra)
         return doc
 
@@ -180,6 +181,7 @@ def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = 
 
 def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_name: str | None = None,
         db: str | None = None, progress: Callable[[int, int, dict], None] | None = None,
+        watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None,
         command: str = "", timer: str | None = None, l2: str | None = None,
         cuda_graph: bool | None = None, power: str | None = None) -> QueryResult:
     """JIT fill (mode "jit": measure what is missing), refresh ("force": measure all), or look without
@@ -195,68 +197,44 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
         if local != gpu_name:
             raise UsageError(f"--gpu-name {gpu_name!r} differs from the device this run would measure on "
                              f"({local!r}); omit --gpu-name, or run on a machine with that device")
-    from .runners.worker import measure_specs, prepare_device
+    from .runners.fill import fill
 
-    device = prepare_device(entry, gpu_key)  # a device that cannot measure is refused before any file is touched
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
-    ledger = _open_for_read(db, missing_ok=True) if mode == "fresh" else Ledger.open(db)  # --fresh: never written
+    keys = _keys(entry, gpu_key)
+    spec_keys = [keys.key(s) for s in canonical]
+    filled = fill(entry, canonical, gpu_key, db, mode, origin, progress=progress, watch=watch,
+                  conflict_dir=conflict_dir)
+    ledger = _open_for_read(db, missing_ok=True)  # None: nothing was written (a fresh run, or nothing measurable)
     try:
-        if ledger is not None:
-            origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
-            before_root, before_rows = ledger.view(table, backend, gpu_key, entry.contract,
-                                                   entry.args).query(canonical)
-        else:
-            before_root, before_rows = None, [None] * len(canonical)
-        keys = _keys(entry, gpu_key)
-        spec_keys = [keys.key(s) for s in canonical]
-        # One measurement per key: a spec repeated in the request (or given as 64.0 and 64) is measured once.
-        todo, seen = [], set()
-        for i, k in enumerate(spec_keys):
-            if k in seen or (mode == "jit" and before_rows[i].status == "ok"):
-                continue
-            seen.add(k)
-            todo.append(i)
-        parents = {r.key: r.event_id for r in before_rows if r is not None and r.event_id is not None}
-        errored: dict[bytes, dict] = {}
-        fresh: dict[bytes, Any] = {}
-        timed = 0.0
-        for n, outcome in enumerate(measure_specs(entry, [canonical[i] for i in todo], gpu_key, origin=origin,
-                                                  parents=parents, device=device)):
-            i = todo[outcome.index]
-            timed += outcome.timed_seconds
-            if type(outcome.event) is not Measured:
-                errored[spec_keys[i]] = {"kind": outcome.event.error_kind, "message": outcome.event.message}
-            if mode == "fresh":
-                fresh[spec_keys[i]] = outcome.event
-            else:
-                ledger.append([outcome.event])  # one commit per spec: a crash keeps what was finished
-            if progress:
-                progress(n + 1, len(todo), canonical[i])
         if mode == "fresh":
-            result = _fresh_result(entry, canonical, gpu_key, db, [fresh[k] for k in spec_keys], before_root)
+            root = filled.root_before or _empty_root(entry, gpu_key)
+            result = _fresh_result(entry, canonical, gpu_key, db, [filled.fresh.get(k) for k in spec_keys], keys, root)
         else:
             result = _query(entry, canonical, gpu_key, db, ledger, mode)
-            for doc, k in zip(result.results, spec_keys):
-                if k in errored:
-                    doc["status"] = "error"
-                    doc["error"] = errored[k]
-            result.missing_count = sum(r["status"] != "ok" for r in result.results)
-        result.view_root_before = before_root.hex() if before_root is not None else None
+        for doc, k in zip(result.results, spec_keys):
+            if k in filled.errored:
+                doc["status"] = "error"
+                doc["error"] = filled.errored[k]
+        result.missing_count = sum(r["status"] != "ok" for r in result.results)
+        result.view_root_before = filled.root_before.hex() if filled.root_before is not None else None
         result.exit_code = 1 if result.missing_count else 0
         result.seconds = time.perf_counter() - started
-        result.timed_seconds = timed
-        result.measured = len(todo)
+        result.timed_seconds = filled.timed_seconds
+        result.measured = filled.measured
+        result.pool = filled.pool
         return result
     finally:
         if ledger is not None:
             ledger.close()
 
 
-def _fresh_result(entry, canonical, gpu_key, db, events, before_root) -> QueryResult:
-    """Rows straight from this run's measurements; nothing was written, so no row is citable."""
-    rows = [Row(spec, "ok" if type(ev) is Measured else "error", ev.key, event_id(encode(ev)), summary_of(ev),
+def _fresh_result(entry, canonical, gpu_key, db, events, keys: KeyMaker, root: bytes) -> QueryResult:
+    """Rows straight from this run's measurements (None: not measured); nothing was written, so no row is
+    citable."""
+    rows = [Row(spec, "missing", keys.key(spec)) if ev is None else
+            Row(spec, "ok" if type(ev) is Measured else "error", ev.key, event_id(encode(ev)), summary_of(ev),
                 ev.provenance) for spec, ev in zip(canonical, events)]
-    result = _result(entry, gpu_key, db, "fresh", before_root or _empty_root(entry, gpu_key), rows, canonical)
+    result = _result(entry, gpu_key, db, "fresh", root, rows, canonical)
     for doc in result.results:
         doc["citation"] = None
     return result

@@ -20,18 +20,43 @@ modes = Group("Mode", validator=validators.MutuallyExclusive())
 
 
 def _progress():
+    """A rich progress display (only on a terminal): the run's total, and one line per worker with its spec."""
     if not sys.stderr.isatty():
-        return None, None
+        return None, None, None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=console(stderr=True), transient=True)
-    task = bar.add_task("measuring", total=None)
+    total = bar.add_task("measuring", total=None)
+    lines: dict[str, int] = {}
 
-    def update(done, total, spec):
-        bar.update(task, completed=done, total=total, description=f"measuring {spec}")
+    def update(done, count, spec):
+        bar.update(total, completed=done, total=count, description="measuring")
 
-    return bar, update
+    def watch(worker, spec):
+        if worker not in lines:
+            lines[worker] = bar.add_task("", total=None)
+        bar.update(lines[worker], description=f"  {worker}: {spec if spec is not None else 'idle'}")
+
+    return bar, update, watch
+
+
+def _devices_line(pool: dict | None) -> str | None:
+    """Where the run measured, as one line: the devices, and whether a variable forced them past the idle guard."""
+    if not pool or not pool.get("devices"):
+        return None
+    line = f"devices: {', '.join(pool['devices'])}"
+    if pool.get("in_process"):
+        line += " (in this process)"
+    if pool.get("forced_by"):
+        line += f", forced by {pool['forced_by']} (the idle guard was bypassed)"
+    for s in pool.get("skipped", []):
+        line += f"; {s['gpu']} skipped: {s['why']}"
+    for d in pool.get("dropped", []):
+        line += f"; {d['device']} given up: {d['why']}"
+    if pool.get("waited_for"):
+        line += f"; {pool['waited_for']} spec(s) another run was measuring were waited for"
+    return line
 
 
 def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = None,
@@ -51,15 +76,16 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
     from . import invocation
 
     command = "kprof " + shlex.join(invocation)
-    bar, update = _progress()
+    bar, update, watch = _progress()
     t0 = time.perf_counter()
     options = dict(mode=mode, gpu_name=gpu_name, db=db, command=command, timer=timer, l2=l2, cuda_graph=cuda_graph,
-                   power=power)
+                   power=power, conflict_dir=output_dir)
     if bar:
         with bar:
-            res = api.run(table, backend, raw, progress=update, **options)
+            res = api.run(table, backend, raw, progress=update, watch=watch, **options)
     else:
         res = api.run(table, backend, raw, **options)
+    devices = _devices_line(res.pool)
     doc = res.to_json()
     if output_dir is not None:
         from ..artifacts import snapshot
@@ -67,8 +93,12 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         snapshot(output_dir, res, raw, started_at=started_at, seconds=time.perf_counter() - t0, command=command)
     if json:
         emit_json(doc)
+        if devices:
+            console(stderr=True).print(devices, markup=False)
     else:
         results_table(res)
         console().print(f"measured {res.measured} spec(s) in {res.seconds:.1f} s ({res.timed_seconds:.1f} s timed)",
                         markup=False)
+        if devices:
+            console().print(devices, markup=False)
     return res.exit_code

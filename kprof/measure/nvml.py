@@ -33,6 +33,8 @@ __all__ = [
     "gpu_names",
     "gpu_environment",
     "idle_gpus",
+    "gpu_inventory",
+    "GpuState",
     "REASON_BITS",
     "decode_reasons",
     "TelemetrySample",
@@ -142,35 +144,74 @@ def with_telemetry(env: DeviceEnvironment, telemetry: Telemetry) -> DeviceEnviro
 
 # --- idle GPUs ------------------------------------------------------------------------------------------
 
+# The idle guard's thresholds: a GPU is idle with no compute process, at most this much memory in use (the
+# driver's reserved memory excluded where it reports it; a bare H200 shows ~0.5 GiB used) and at most this
+# utilization (NVML's last sample period, ~1 s). Processes in other containers may be invisible to NVML: the
+# memory and utilization limits are what catch them.
+IDLE_MAX_MEM_USED_MIB = 1024.0
+IDLE_MAX_UTIL_PCT = 10.0
+
+
+class GpuState(msgspec.Struct, frozen=True):
+    """One visible GPU as the pool sees it: its CUDA ordinal, NVML identity, load, and why it is not idle."""
+
+    ordinal: int
+    uuid: str
+    name: str
+    processes: int
+    used_mib: float
+    util_pct: float
+    busy: str = ""  # why the idle guard refuses it ("" when idle)
+
+    @property
+    def idle(self) -> bool:
+        return not self.busy
+
+
 def _is_idle(processes: int, used_mib: float, util_pct: float, max_mem_used_mib: float, max_util: float) -> bool:
     return processes == 0 and used_mib <= max_mem_used_mib and util_pct <= max_util
 
 
-def idle_gpus(max_mem_used_mib: float = 1024.0, max_util: float = 10.0) -> list[int]:
-    """CUDA ordinals of the visible GPUs with no compute process, at most `max_mem_used_mib` of memory in
-    use (driver-reserved memory excluded where the driver reports it) and at most `max_util` % utilization.
-    [] without NVML. A GPU that cannot be queried is not idle. Processes in other containers may be
-    invisible to NVML: the memory and utilization limits are what catch them."""
-    try:
-        nv = _nvml()
-    except NvmlError:
-        return []
+def gpu_inventory(max_mem_used_mib: float = IDLE_MAX_MEM_USED_MIB, max_util: float = IDLE_MAX_UTIL_PCT
+                  ) -> list[GpuState]:
+    """Every visible GPU (CUDA ordinals, after CUDA_VISIBLE_DEVICES) with its load and the idle guard's verdict.
+    Raises NvmlError without NVML. A GPU that cannot be queried is listed as busy, with the NVML error."""
+    nv = _nvml()
     try:
         visible = _visible(nv)
-    except nv.NVMLError:
-        return []
+    except nv.NVMLError as e:
+        raise NvmlError(f"NVML could not list the GPUs: {e}") from e
     out = []
     for ordinal, nvml_index in enumerate(visible):
+        uuid = name = ""
         try:
             h = nv.nvmlDeviceGetHandleByIndex(nvml_index)
+            uuid, name = nv.nvmlDeviceGetUUID(h), nv.nvmlDeviceGetName(h)
+            uuid, name = (x.decode() if isinstance(x, bytes) else x for x in (uuid, name))
             processes = len(nv.nvmlDeviceGetComputeRunningProcesses(h))
             try:
                 used = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2).used
             except nv.NVMLError:  # older drivers: v1 counts reserved memory as used
                 used = nv.nvmlDeviceGetMemoryInfo(h).used
             util = nv.nvmlDeviceGetUtilizationRates(h).gpu
-        except nv.NVMLError:
+        except nv.NVMLError as e:
+            out.append(GpuState(ordinal, uuid, name, 0, 0.0, 0.0, f"NVML could not query it ({e})"))
             continue
-        if _is_idle(processes, used / 2**20, util, max_mem_used_mib, max_util):
-            out.append(ordinal)
+        used_mib = used / 2**20
+        why = []
+        if processes:
+            why.append(f"{processes} compute process(es)")
+        if used_mib > max_mem_used_mib:
+            why.append(f"{used_mib:.0f} MiB in use > {max_mem_used_mib:.0f}")
+        if util > max_util:
+            why.append(f"{util} % utilization > {max_util:.0f}")
+        out.append(GpuState(ordinal, uuid, name, processes, used_mib, float(util), ", ".join(why)))
     return out
+
+
+def idle_gpus(max_mem_used_mib: float = IDLE_MAX_MEM_USED_MIB, max_util: float = IDLE_MAX_UTIL_PCT) -> list[int]:
+    """CUDA ordinals of the visible GPUs the idle guard accepts (see gpu_inventory); [] without NVML."""
+    try:
+        return [g.ordinal for g in gpu_inventory(max_mem_used_mib, max_util) if g.idle]
+    except NvmlError:
+        return []

@@ -28,6 +28,22 @@ def _load() -> None:
 
         for entry in ENTRIES:
             register(entry)
+        _load_plugins()
+
+
+def _load_plugins() -> None:
+    """Imports each module named in KPROF_RUNNERS (comma-separated): a module of runners of one's own, which
+    calls `register(Entry(...))` when imported. Pool workers inherit the variable, so they know the same
+    entries."""
+    import importlib
+    import os
+
+    for name in filter(None, (n.strip() for n in os.environ.get("KPROF_RUNNERS", "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise UsageError(f"KPROF_RUNNERS names module {name!r}, which does not import ({e}); fix the name or "
+                             f"put the module on PYTHONPATH") from None
 
 
 def entries() -> list[Entry]:

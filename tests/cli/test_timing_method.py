@@ -19,6 +19,7 @@ def _no_method_in_the_environment(monkeypatch):
     """Each test sets the variables it means: an inherited KPROF_TIMER would pick another key."""
     for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH", "KPROF_POWER"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KPROF_POOL", "off")  # the worker is replaced in this process (tests/runners/test_pool.py: the pool)
 
 
 @pytest.mark.parametrize("env, timing", [

@@ -1,0 +1,97 @@
+"""Claims: concurrent `run`s on one ledger never measure the same key twice.
+
+A run claims the keys it is about to measure before measuring them. Its claims live in a file of its own,
+`<ledger>-claims/<run id>.claim` (the keys, hex, one per line), which it holds under an exclusive `flock` for
+as long as it runs. The kernel releases that lock when the process ends however it ends (a kill included), so
+a claim is alive exactly while its holder is: another run that can take the lock has found a dead holder, and
+removes the file. Claiming is atomic across runs: it happens under `<ledger>-claims/lock`.
+
+    with Claims(db_path, run_id) as claims:
+        mine, held = claims.take(keys)   # mine: now claimed by this run; held: key -> the run that holds it
+        ...                              # measure mine; wait for held (take them again later)
+
+A run measures its own claims, then takes the held keys again until none is held: a key whose holder finished
+is read from the ledger (measured by the other run), one whose holder died without measuring it is measured
+here. Claims never enter the ledger file: they say who is measuring, not what was measured.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+
+__all__ = ["Claims"]
+
+
+class Claims:
+    def __init__(self, db_path: str, run_id: str):
+        self.dir = f"{db_path}-claims"
+        self.run_id = run_id
+        self.path = os.path.join(self.dir, f"{run_id}.claim")
+        self._own = None
+        self.claimed: set[bytes] = set()
+
+    def __enter__(self) -> "Claims":
+        os.makedirs(self.dir, exist_ok=True)
+        self._own = open(self.path, "a+")
+        fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own new file: never contended
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Ends every claim of this run (the file goes, then the lock with it)."""
+        if self._own is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._own.close()
+        self._own = None
+
+    def _lock(self):
+        f = open(os.path.join(self.dir, "lock"), "a")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        return f
+
+    def _held_by_others(self) -> dict[bytes, str]:
+        """key -> run id, over the claim files of live runs; the files of dead runs are removed."""
+        held: dict[bytes, str] = {}
+        for name in os.listdir(self.dir):
+            if not name.endswith(".claim") or name == os.path.basename(self.path):
+                continue
+            path = os.path.join(self.dir, name)
+            try:
+                f = open(path)
+            except FileNotFoundError:
+                continue
+            with f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise
+                    run = name[: -len(".claim")]
+                    for line in f:
+                        line = line.strip()
+                        if line:
+                            held[bytes.fromhex(line)] = run
+                    continue
+                os.unlink(path)  # we got the lock: its holder is gone, and so are its claims
+        return held
+
+    def take(self, keys) -> tuple[list[bytes], dict[bytes, str]]:
+        """Claims every key of `keys` no live run holds: (the keys claimed now, in order, including those this run
+        held already; {key: holder run id} for the others)."""
+        with self._lock():
+            held = self._held_by_others()
+            mine = [k for k in keys if k not in held]
+            new = [k for k in dict.fromkeys(mine) if k not in self.claimed]
+            if new:
+                self._own.write("".join(k.hex() + "\n" for k in new))
+                self._own.flush()
+                self.claimed.update(new)
+        return mine, {k: held[k] for k in keys if k in held}

@@ -1,0 +1,418 @@
+"""The local pool: every usable device of this host measures its share of a run, one spawned worker each.
+
+Which devices (`usable_devices`):
+- A CUDA backend uses every GPU the idle guard accepts (`kprof.measure.nvml.gpu_inventory`: no compute process,
+  at most IDLE_MAX_MEM_USED_MIB in use, at most IDLE_MAX_UTIL_PCT utilization) whose name is the run's GPU key.
+  `KPROF_PROFILE_GPUS=0,1` (alias `VIBESIM_PROFILE_GPUS`) forces the set, as CUDA ordinals of this process,
+  and bypasses the guard: it will measure on top of another job, so use it for GPUs that are yours.
+- A CPU backend has KPROF_CPU_WORKERS worker slots (default 1: timings on a CPU share its cores, so parallel
+  workers slow each other; more slots are for tests and for hosts with cores to spare).
+
+How (`Pool`): each worker is a process started with the spawn method (never forked from a process holding CUDA
+or LMDB state) that sees only its device (CUDA_VISIBLE_DEVICES set to the GPU's UUID before torch is imported),
+prepares it once, then measures the specs it is handed one at a time, writing each event as a one-event
+segment and sending its path back. The parent merges each segment as it arrives (a kill keeps everything
+finished), and hands the worker its next spec. A worker that dies fails only its in-flight spec (error kind
+`crash`, with its exit code) and a fresh worker takes the device over; one that runs a spec past
+KPROF_SPEC_TIMEOUT_S (default 900 s) is killed and that spec fails as `timeout`. A device whose workers die
+MAX_RESTARTS times in a row is given up; the specs left when no device remains fail as `crash`.
+
+`KPROF_POOL=off` measures in this process instead, on CUDA device 0 (or the CPU): debugging a runner, or a
+plain run to compare the pool's rows with. `KPROF_POOL=on` uses spawned workers even for one CPU slot.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from multiprocessing.connection import wait
+from typing import Callable, Iterator, NamedTuple
+
+import msgspec
+
+from ..errors import UsageError
+from ..ledger.events import Environment, Event, Origin
+from .chunk import Chunk
+from .registry import Entry
+
+__all__ = ["Device", "Devices", "usable_devices", "Pool", "Result", "need_of", "pool_mode"]
+
+MAX_RESTARTS = 3
+SPEC_TIMEOUT_S = 900.0
+START_TIMEOUT_S = 600.0  # a worker's import of torch, CUDA context and first-use wake
+
+
+class Device(NamedTuple):
+    label: str  # "gpu0" (the CUDA ordinal in this process) or "cpu0"
+    visible: str | None  # the worker's CUDA_VISIBLE_DEVICES (a GPU UUID or ordinal); None for a CPU slot
+
+
+class Devices(NamedTuple):
+    devices: list[Device]
+    forced: str | None  # the environment variable that forced the set, or None (the idle guard chose)
+    skipped: list[dict]  # GPUs the guard refused: {gpu, uuid, name, why}
+    guarded: bool = False  # the idle guard chose them
+
+    def describe(self) -> dict:
+        return {"devices": [d.label for d in self.devices], "forced_by": self.forced, "idle_guard": self.guarded,
+                "skipped": self.skipped}
+
+    def sentence(self) -> str:
+        used = ", ".join(d.label for d in self.devices) or "none"
+        if self.forced:
+            return (f"devices: {used}, forced by {self.forced}={os.environ.get(self.forced)!r} (the idle guard was "
+                    f"bypassed)")
+        skipped = "; ".join(f"{s['gpu']} skipped: {s['why']}" for s in self.skipped)
+        return f"devices: {used}" + (f" ({skipped})" if skipped else "")
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"{name}={raw!r} is not a number of seconds > 0; e.g. {name}={default:g}")
+    return value
+
+
+def pool_mode() -> str:
+    raw = os.environ.get("KPROF_POOL", "auto") or "auto"
+    if raw not in ("auto", "on", "off"):
+        raise UsageError(f"KPROF_POOL={raw!r} is not one of auto, on, off (off: measure in this process)")
+    return raw
+
+
+def need_of(entry: Entry, spec: dict) -> int:
+    """Devices one spec needs: the spec's `gpus_arg` field (a collective's world size) where the entry names one,
+    else the entry's `gpus`. CPU slots are not counted: a CPU spec needs one."""
+    if entry.device != "cuda":
+        return 1
+    arg = getattr(entry, "gpus_arg", "")
+    return int(spec[arg]) if arg else entry.gpus
+
+
+def _forced_var() -> str | None:
+    for name in ("KPROF_PROFILE_GPUS", "VIBESIM_PROFILE_GPUS"):
+        if os.environ.get(name, "").strip():
+            return name
+    return None
+
+
+def _parse_forced(name: str) -> list[int]:
+    raw = os.environ[name]
+    try:
+        ordinals = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        ordinals = []
+    if not ordinals or any(o < 0 for o in ordinals) or len(set(ordinals)) != len(ordinals):
+        raise UsageError(f"{name}={raw!r} is not a list of distinct CUDA ordinals; e.g. {name}=0,1")
+    return ordinals
+
+
+def usable_devices(entry: Entry, gpu_key: str) -> Devices:
+    """The devices a run of `entry` may use on this host (see the module docstring)."""
+    if entry.device != "cuda":
+        raw = os.environ.get("KPROF_CPU_WORKERS", "1") or "1"
+        if not raw.isdigit() or int(raw) < 1:
+            raise UsageError(f"KPROF_CPU_WORKERS={raw!r} is not a whole number >= 1; e.g. KPROF_CPU_WORKERS=2")
+        return Devices([Device(f"cpu{i}", None) for i in range(int(raw))], None, [])
+    from ..measure.nvml import NvmlError, gpu_inventory
+
+    forced = _forced_var()
+    try:
+        inventory = gpu_inventory()
+    except NvmlError as e:
+        if forced is None:
+            raise UsageError(f"the idle guard needs NVML to find idle GPUs ({e}); set KPROF_PROFILE_GPUS=0 to name "
+                             f"the GPUs to use yourself, or KPROF_POOL=off to measure on CUDA device 0") from None
+        inventory = None
+    if forced is not None:
+        ordinals = _parse_forced(forced)
+        if inventory is not None:
+            beyond = [o for o in ordinals if o >= len(inventory)]
+            if beyond:
+                raise UsageError(f"{forced}={os.environ[forced]!r} names GPU {beyond[0]}, but this process sees "
+                                 f"{len(inventory)} GPU(s) (ordinals 0-{len(inventory) - 1})")
+            return Devices([Device(f"gpu{o}", inventory[o].uuid or str(o)) for o in ordinals], forced, [])
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        parts = [p.strip() for p in visible.split(",")] if visible else None
+        return Devices([Device(f"gpu{o}", parts[o] if parts and o < len(parts) else str(o)) for o in ordinals],
+                       forced, [])
+    devices, skipped = [], []
+    for g in inventory:
+        why = g.busy or (f"a {g.name}, not a {gpu_key}" if g.name and g.name != gpu_key else "")
+        if why:
+            skipped.append({"gpu": f"gpu{g.ordinal}", "uuid": g.uuid, "name": g.name, "why": why})
+        else:
+            devices.append(Device(f"gpu{g.ordinal}", g.uuid or str(g.ordinal)))
+    return Devices(devices, None, skipped, True)
+
+
+class Result(NamedTuple):
+    """One finished spec: its event (measured or failed), and the one-event segment holding it (None for an
+    event made here: a worker that died or hung)."""
+
+    index: int
+    event: Event
+    segment: str | None
+    seconds: float
+    timed_seconds: float
+    device: str
+
+
+# --- the worker process -----------------------------------------------------------------------------------
+
+def _worker_main(conn, visible: str | None, table: str, backend: str, contract: bytes, gpu_key: str,
+                 spool: str) -> None:
+    """A spawned worker: sees only its device, prepares it, then measures what it is sent until told to stop."""
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before anything imports torch
+    from ..ledger.events import Contract
+    from ..merge import segment
+    from .chunk import measure_chunk
+    from .worker import _record, prepare_device
+
+    try:
+        from .registry import lookup
+
+        entry = msgspec.structs.replace(lookup(table, backend),
+                                        contract=msgspec.msgpack.decode(contract, type=Contract))
+        device = prepare_device(entry, gpu_key)
+    except Exception as exc:  # noqa: BLE001 - a device that cannot measure says why, and the parent decides
+        conn.send(("refused", type(exc).__name__, str(exc)))
+        return
+    conn.send(("ready", msgspec.msgpack.encode(_record(Environment, device.env))))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        chunk = Chunk.decode(message)
+        for outcome, data in measure_chunk(chunk, device):
+            path = segment.write(spool, [data], chunk.origin.ledger_id, 1)
+            conn.send(("event", outcome.index, path, outcome.seconds, outcome.timed_seconds))
+        conn.send(("idle",))
+
+
+class _Worker:
+    def __init__(self, ctx, device: Device, args: tuple):
+        self.device = device
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, device.visible, *args),
+                                   name=f"kprof-worker-{device.label}", daemon=True)
+        self.process.start()
+        child.close()
+        self.state = "starting"  # starting -> ready -> busy -> ready ... | refused | dead
+        self.env = Environment()
+        self.item: tuple | None = None  # (index, spec, parent) in flight
+        self.since = time.monotonic()
+        self.refusal: tuple[str, str] | None = None
+
+    def send(self, chunk: Chunk, item) -> None:
+        self.item, self.state, self.since = item, "busy", time.monotonic()
+        self.conn.send(chunk.encode())
+
+    def stop(self, kill: bool = False) -> None:
+        if self.process.is_alive():
+            if kill:
+                self.process.kill()
+            else:
+                try:
+                    self.conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+                self.process.join(10)
+                if self.process.is_alive():
+                    self.process.kill()
+        self.process.join(10)
+        self.conn.close()
+
+
+class Pool:
+    """Spawned workers on `devices`, one each, for one (entry, GPU key); a context manager.
+
+    Entering starts them all and waits until each has prepared its device: a device that cannot measure (no GPU,
+    another GPU, an environment that does not match) is dropped, and if none can, its reason is raised as a
+    UsageError before the caller has touched the ledger."""
+
+    def __init__(self, entry: Entry, gpu_key: str, devices: list[Device]):
+        self.entry, self.gpu_key, self.devices = entry, gpu_key, list(devices)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._spool = tempfile.mkdtemp(prefix="kprof-pool-")
+        self._args = (entry.table, entry.backend, msgspec.msgpack.encode(entry.contract), gpu_key, self._spool)
+        self.workers: list[_Worker] = []
+        self.dropped: list[dict] = []  # devices given up: {device, why}
+        self.spec_timeout_s = _env_float("KPROF_SPEC_TIMEOUT_S", SPEC_TIMEOUT_S)
+        self.start_timeout_s = _env_float("KPROF_WORKER_START_S", START_TIMEOUT_S)
+        self._restarts: dict[str, int] = {}
+
+    def __enter__(self) -> "Pool":
+        try:
+            self.workers = [_Worker(self._ctx, d, self._args) for d in self.devices]
+            deadline = time.monotonic() + self.start_timeout_s
+            while any(w.state == "starting" for w in self.workers):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for w in self.workers:
+                        if w.state == "starting":
+                            self._drop(w, f"did not start within {self.start_timeout_s:g} s (KPROF_WORKER_START_S)")
+                    break
+                self._poll(left, on_event=None)
+            if not any(w.state == "ready" for w in self.workers):
+                first = next((w.refusal for w in self.workers if w.refusal), None)
+                reasons = "; ".join(f"{d['device']}: {d['why']}" for d in self.dropped)
+                if first and first[0] == "UsageError" and all(w.refusal == first for w in self.workers):
+                    raise UsageError(first[1])
+                raise UsageError(f"no worker could prepare its device ({reasons})")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop(kill=w.state == "busy")
+        self.workers = []
+        shutil.rmtree(self._spool, ignore_errors=True)
+
+    def _drop(self, w: _Worker, why: str) -> None:
+        w.state = "dead"
+        self.dropped.append({"device": w.device.label, "why": why})
+        w.stop(kill=True)
+
+    def _poll(self, timeout: float, on_event) -> None:
+        """Waits up to `timeout` for messages and deaths, and handles them (events through on_event)."""
+        live = [w for w in self.workers if w.state in ("starting", "ready", "busy")]
+        if not live:
+            return
+        by_conn = {w.conn: w for w in live}
+        by_sentinel = {w.process.sentinel: w for w in live}
+        for ready in wait(list(by_conn) + list(by_sentinel), timeout=max(timeout, 0)):
+            w = by_conn.get(ready)
+            if w is not None:
+                try:
+                    while w.conn.poll():
+                        self._message(w, w.conn.recv(), on_event)
+                except (EOFError, OSError):
+                    pass
+                continue
+            w = by_sentinel[ready]
+            try:
+                while w.conn.poll():  # what it sent before it ended counts
+                    self._message(w, w.conn.recv(), on_event)
+            except (EOFError, OSError):
+                pass
+            if w.state in ("starting", "ready", "busy"):
+                self._died(w, on_event)
+
+    def _message(self, w: _Worker, message: tuple, on_event) -> None:
+        kind = message[0]
+        if kind == "ready":
+            w.state = "ready"
+            w.env = msgspec.msgpack.decode(message[1], type=Environment)
+        elif kind == "refused":
+            w.refusal = (message[1], message[2])
+            self._drop(w, f"{message[1]}: {message[2]}")
+        elif kind == "event":
+            _, index, path, seconds, timed = message
+            on_event(w, index, path, seconds, timed)
+        elif kind == "idle":
+            w.state, w.item = "ready", None
+
+    def _died(self, w: _Worker, on_event) -> None:
+        w.process.join(5)  # its sentinel is ready: it has ended, and join reaps it for its exit code
+        code = w.process.exitcode
+        item = w.item
+        w.state = "dead"
+        w.stop(kill=True)
+        if item is not None:
+            on_event(w, item[0], None, time.monotonic() - w.since, 0.0,
+                     failure=("crash", f"the worker on {w.device.label} died (exit code {code}) while measuring this "
+                                       f"spec; the rest of its share went to a fresh worker"))
+        self._replace(w, f"died (exit code {code})")
+
+    def _replace(self, w: _Worker, why: str) -> None:
+        label = w.device.label
+        self._restarts[label] = self._restarts.get(label, 0) + 1
+        i = self.workers.index(w)
+        if self._restarts[label] > MAX_RESTARTS:
+            self.dropped.append({"device": label, "why": f"its worker {why} {MAX_RESTARTS + 1} times in a row"})
+            return
+        self.workers[i] = _Worker(self._ctx, w.device, self._args)
+
+    def measure(self, items: list[tuple[int, dict, bytes | None]], origin: Origin, failed_event: Callable,
+                watch: Callable[[str, dict | None], None] | None = None) -> Iterator[Result]:
+        """Measures `items` ((index, canonical spec, parent event id)) across the workers, yielding each Result as
+        it arrives. `failed_event(index, kind, message, environment)` makes the event of a spec whose worker died
+        or hung."""
+        queue = list(reversed(items))
+        done: list[Result] = []
+        outstanding = len(items)
+
+        def on_event(w, index, path, seconds, timed, failure=None):
+            nonlocal outstanding
+            if failure is not None:
+                event, path = failed_event(index, failure[0], failure[1], w.env), None
+            else:
+                from ..ledger._codec import stored_event
+                from ..merge import segment
+
+                event = None
+                for data in segment.read(path):
+                    from ..ledger._codec import event_id
+
+                    event = stored_event(data, event_id(data))
+                if event is None:
+                    raise UsageError(f"worker segment {path} holds no event")
+                if w.item is not None and w.item[0] == index:
+                    w.item = None
+                self._restarts[w.device.label] = 0  # a worker that delivers resets its device's count
+            done.append(Result(index, event, path, seconds, timed, w.device.label))
+            outstanding -= 1
+            if watch:
+                watch(w.device.label, None)
+
+        while outstanding:
+            for w in self.workers:
+                if w.state == "ready" and w.item is None and queue:
+                    item = queue.pop()
+                    chunk = Chunk(self.entry.table, self.entry.backend, self.entry.contract, self.gpu_key,
+                                  [item[1]], [item[2]], origin, item[0])
+                    w.send(chunk, item)
+                    if watch:
+                        watch(w.device.label, item[1])
+            if not any(w.state in ("starting", "ready", "busy") for w in self.workers):
+                # every device given up: what is left fails, and what finished is kept
+                reasons = "; ".join(f"{d['device']}: {d['why']}" for d in self.dropped)
+                while queue:
+                    index, _spec, _parent = queue.pop()
+                    done.append(Result(index, failed_event(index, "crash", f"no worker left to measure it ({reasons})",
+                                                           Environment()), None, 0.0, 0.0, ""))
+                    outstanding -= 1
+            else:
+                now = time.monotonic()
+                for w in self.workers:
+                    if w.state == "busy" and now - w.since > self.spec_timeout_s:
+                        item = w.item
+                        w.state = "dead"
+                        w.stop(kill=True)
+                        on_event(w, item[0], None, now - w.since, 0.0,
+                                 failure=("timeout", f"no result within {self.spec_timeout_s:g} s "
+                                                     f"(KPROF_SPEC_TIMEOUT_S); the worker on {w.device.label} was "
+                                                     f"killed"))
+                        self._replace(w, "hung")
+                self._poll(0.5 if self.spec_timeout_s > 0.5 else self.spec_timeout_s / 2, on_event)
+            while done:
+                yield done.pop(0)

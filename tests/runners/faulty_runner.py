@@ -1,0 +1,49 @@
+"""A runner of the pool tests (KPROF_RUNNERS=faulty_runner, with this folder on PYTHONPATH): a spec's `act` says
+how its measurement goes. `ok` times a small CPU loop; `slow` first sleeps (runs overlap); `die` SIGKILLs its own
+worker while it measures; `hang` never returns; `fail` raises (a failed row). Table `faulty`, backend `cpu`, and
+`faulty_gpu` / `cuda2`: an entry whose every spec needs two GPUs."""
+
+import os
+import signal
+import time
+from typing import Literal
+
+from kprof.ledger.events import Contract
+from kprof.runners._args import KernelArgs, Size
+from kprof.runners._case import Case
+from kprof.runners.registry import Entry, register
+
+
+class FaultyArgs(KernelArgs, frozen=True):
+    n: Size
+    act: Literal["ok", "slow", "die", "hang", "fail"] = "ok"
+
+
+class Faulty:
+    def build(self, spec: FaultyArgs, device: str) -> Case:
+        if spec.act == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if spec.act == "hang":
+            time.sleep(3600)
+        if spec.act == "slow":
+            time.sleep(0.5)
+        if spec.act == "fail":
+            raise RuntimeError(f"spec n={spec.n} fails on purpose")
+
+        def fn():
+            return sum(range(spec.n))
+
+        def check():
+            if fn() != spec.n * (spec.n - 1) // 2:
+                raise AssertionError("wrong sum")
+
+        return Case(fn, check, flops=float(spec.n), bytes=0.0, algorithm="python sum")
+
+
+register(Entry("faulty", "cpu", FaultyArgs, "test", "compute",
+               Contract(algorithm="python sum", layout="-", numerics="int", timing="cpu-wall", profiler_revision=1),
+               "faulty_runner:Faulty", device="cpu", description="the pool tests' runner"))
+register(Entry("faulty_gpu", "cuda2", FaultyArgs, "test", "compute",
+               Contract(algorithm="python sum", layout="-", numerics="int", timing="cupti;l2=cold;eager",
+                        profiler_revision=1),
+               "faulty_runner:Faulty", device="cuda", gpus=2, description="needs two GPUs"))

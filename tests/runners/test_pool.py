@@ -1,0 +1,172 @@
+"""The local pool, end to end on the CPU: `kprof run` with two spawned workers (KPROF_CPU_WORKERS=2) measuring the
+pool tests' runner (faulty_runner.py beside this file): a worker killed mid-spec, a hung one, concurrent runs
+on one ledger, and a spec that needs more GPUs than are usable."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kprof.ledger import Ledger
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _env(tmp_path, **extra):
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join([HERE, env.get("PYTHONPATH", "")]), KPROF_RUNNERS="faulty_runner",
+               KPROF_CPU_WORKERS="2", KPROF_TIME_BUDGET_S="0.02", KPROF_DB=str(tmp_path / "p.db"))
+    env.update(extra)
+    return env
+
+
+def _specs(*acts, start=1000):
+    return json.dumps([{"n": start + i, "act": a} for i, a in enumerate(acts)])
+
+
+def _run(tmp_path, specs, *args, wait=True, **env):
+    path = tmp_path / f"specs-{len(list(tmp_path.glob('specs-*')))}.json"
+    path.write_text(specs)
+    cmd = [sys.executable, "-m", "kprof", "run", "faulty", "--backend", "cpu", "--specs", str(path), "--json", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path, **env),
+                         cwd=tmp_path)
+    return _finish(p) if wait else p
+
+
+def _finish(p):
+    out, err = p.communicate(timeout=180)
+    return p.returncode, (json.loads(out) if out.strip() else None), err
+
+
+def _events(tmp_path) -> list:
+    with Ledger.open(str(tmp_path / "p.db"), readonly=True) as led, led.read() as txn:
+        return [eid for _seq, eid, _data in led.iter_log(txn)]
+
+
+def _by_n(doc):
+    return {r["spec"]["n"]: r for r in doc["results"]}
+
+
+@pytest.mark.slow
+def test_two_workers_measure_every_spec_and_say_where(tmp_path):
+    code, doc, err = _run(tmp_path, _specs(*["ok"] * 6))
+    assert code == 0, err
+    assert doc["missing_count"] == 0 and len(_events(tmp_path)) == 6
+    assert "devices: cpu0, cpu1" in err
+    code, doc, err = _run(tmp_path, _specs(*["ok"] * 6))  # all there: nothing measured, no worker started
+    assert code == 0 and len(_events(tmp_path)) == 6 and "devices" not in err
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_spec_fails_only_that_spec(tmp_path):
+    code, doc, err = _run(tmp_path, _specs("ok", "ok", "die", "ok", "ok", "ok", "ok"))
+    assert code == 1, err
+    rows = _by_n(doc)
+    assert rows[1002]["status"] == "error" and rows[1002]["error"]["kind"] == "crash"
+    assert "died (exit code -9)" in rows[1002]["error"]["message"]
+    assert all(rows[n]["status"] == "ok" for n in rows if n != 1002)  # the rest went to a fresh worker
+    assert len(_events(tmp_path)) == 7  # six measured, one failed: nothing finished was lost
+    code, doc, _ = _run(tmp_path, _specs("ok", "ok", "ok", "ok", "ok", "ok", "ok"))
+    assert code == 0 and _by_n(doc)[1002]["status"] == "ok"  # the failed row is measured again, and kept
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_killed_and_its_spec_fails_as_timeout(tmp_path):
+    started = time.monotonic()
+    code, doc, err = _run(tmp_path, _specs("hang", "ok", "ok", "ok"), KPROF_SPEC_TIMEOUT_S="4")
+    assert code == 1, err
+    rows = _by_n(doc)
+    assert rows[1000]["error"]["kind"] == "timeout" and "KPROF_SPEC_TIMEOUT_S" in rows[1000]["error"]["message"]
+    assert all(rows[n]["status"] == "ok" for n in (1001, 1002, 1003))
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_a_worker_that_always_dies_is_given_up_and_the_rest_fail_without_loss(tmp_path):
+    code, doc, err = _run(tmp_path, _specs("die", "die", "die", "die", "ok", "ok"), KPROF_CPU_WORKERS="1",
+                          KPROF_POOL="on")
+    assert code == 1
+    rows = _by_n(doc)
+    assert all(r["status"] == "error" and r["error"]["kind"] == "crash" for r in rows.values())
+    assert "given up" in err and len(_events(tmp_path)) == 6
+
+
+@pytest.mark.slow
+def test_concurrent_runs_on_one_ledger_measure_each_key_once(tmp_path):
+    specs = _specs(*["slow"] * 8)
+    first = _run(tmp_path, specs, wait=False)
+    time.sleep(0.3)
+    second = _run(tmp_path, specs, wait=False)
+    (c1, d1, e1), (c2, d2, e2) = _finish(first), _finish(second)
+    assert (c1, c2) == (0, 0), (e1, e2)
+    assert len(_events(tmp_path)) == 8  # 8 keys, 8 events: no key measured twice
+    assert d1["view_root"] == d2["view_root"]
+    assert d1["missing_count"] == d2["missing_count"] == 0
+
+
+def test_a_dead_runs_claims_expire(tmp_path):
+    from kprof.runners.claims import Claims
+
+    db = str(tmp_path / "p.db")
+    code = ("import sys, os, signal; from kprof.runners.claims import Claims; c = Claims(sys.argv[1], 'dead').__enter__();"
+            "c.take([b'k1', b'k2']); os.kill(os.getpid(), signal.SIGKILL)")
+    subprocess.run([sys.executable, "-c", code, db], check=False)
+    assert os.path.exists(f"{db}-claims/dead.claim")
+    with Claims(db, "live") as live:
+        mine, held = live.take([b"k1", b"k3"])
+        assert (mine, held) == ([b"k1", b"k3"], {})  # the killed holder's claim expired with it
+        assert not os.path.exists(f"{db}-claims/dead.claim")
+        with Claims(db, "other") as other:
+            assert other.take([b"k1", b"k4"]) == ([b"k4"], {b"k1": "live"})
+    with Claims(db, "after") as after:
+        assert after.take([b"k1"]) == ([b"k1"], {})  # released when its run ended
+
+
+def test_a_spec_needing_more_gpus_than_usable_fails_and_nothing_else_is_lost(tmp_path, monkeypatch):
+    import kprof.runners.fill as fill
+    from kprof import api
+    from kprof.runners.pool import Device, Devices
+
+    sys.path.insert(0, HERE)
+    monkeypatch.setenv("KPROF_RUNNERS", "faulty_runner")
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", {})
+    monkeypatch.setattr(fill, "usable_devices", lambda entry, key: Devices([Device("gpu0", "GPU-x")], None, [], True))
+    monkeypatch.setattr("kprof.api.resolve_gpu_key", lambda entry, name: "NVIDIA H200")
+    try:
+        res = api.run("faulty_gpu", "cuda2", [{"n": 5, "act": "ok"}, {"n": 6, "act": "ok"}], db=str(tmp_path / "p.db"))
+    finally:
+        sys.path.remove(HERE)
+    assert res.exit_code == 1 and res.measured == 0
+    assert [r["error"] for r in res.results] == [{"kind": "unavailable", "message": "need 2 idle GPU(s), found 1 (the "
+                                                  "idle guard's verdicts are in the run's devices)"}] * 2
+    assert not os.path.exists(tmp_path / "p.db")  # nothing measured, nothing written
+
+
+def test_forced_gpus_bypass_the_guard_and_bad_values_are_named(monkeypatch):
+    from kprof.errors import UsageError
+    from kprof.measure import nvml
+    from kprof.runners import pool
+    from kprof.runners.registry import lookup
+
+    entry = lookup("single_gemm", "torch")
+    busy = nvml.GpuState(0, "GPU-a", "NVIDIA H200", 2, 9000.0, 99.0, "2 compute process(es)")
+    idle = nvml.GpuState(1, "GPU-b", "NVIDIA H200", 0, 500.0, 0.0)
+    other = nvml.GpuState(2, "GPU-c", "NVIDIA A100", 0, 500.0, 0.0)
+    monkeypatch.setattr(nvml, "gpu_inventory", lambda *a, **k: [busy, idle, other])
+    monkeypatch.delenv("KPROF_PROFILE_GPUS", raising=False)
+    monkeypatch.delenv("VIBESIM_PROFILE_GPUS", raising=False)
+    d = pool.usable_devices(entry, "NVIDIA H200")
+    assert d.devices == [pool.Device("gpu1", "GPU-b")] and d.guarded and d.forced is None
+    assert [s["gpu"] for s in d.skipped] == ["gpu0", "gpu2"] and "compute process" in d.skipped[0]["why"]
+    assert "not a NVIDIA H200" in d.skipped[1]["why"]
+    monkeypatch.setenv("VIBESIM_PROFILE_GPUS", "0,1")
+    d = pool.usable_devices(entry, "NVIDIA H200")
+    assert d.devices == [pool.Device("gpu0", "GPU-a"), pool.Device("gpu1", "GPU-b")]
+    assert d.forced == "VIBESIM_PROFILE_GPUS" and not d.guarded and "bypassed" in d.sentence()
+    for bad in ("x", "0,0", "-1", "7"):
+        monkeypatch.setenv("KPROF_PROFILE_GPUS", bad)
+        with pytest.raises(UsageError, match="KPROF_PROFILE_GPUS"):
+            pool.usable_devices(entry, "NVIDIA H200")
