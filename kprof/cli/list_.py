@@ -1,14 +1,25 @@
-"""`kprof list`: every (table, backend) with its args, kind, metric family, env, contract and read functions."""
+"""`kprof list`: every (table, backend) with its args, kind, metric family, env, contract and read functions;
+`--environments`: each environment a backend names, and whether this machine satisfies it."""
 
 from __future__ import annotations
+
+from typing import Annotated
+
+from cyclopts import Parameter
 
 from ..runners.registry import entries
 from ._options import Json
 from ._render import console, emit_json
 
+Environments = Annotated[bool, Parameter(name="--environments", negative="", help=(
+    "List each environment the backends name (Python, packages, CUDA, image) and whether this machine satisfies "
+    "it, with the differences. Imports torch to read its CUDA version."))]
 
-def list_(*, json: Json = False) -> int:
+
+def list_(*, json: Json = False, environments: Environments = False) -> int:
     """List every table/backend pair kprof can measure."""
+    if environments:
+        return _environments(json)
     docs = [e.describe() for e in entries()]
     if json:
         emit_json({"count": len(docs), "entries": docs})
@@ -21,4 +32,42 @@ def list_(*, json: Json = False) -> int:
         table.add_row(d["table"], d["backend"], d["kernel_kind"], ", ".join(d["args"]), d["metric_family"],
                       d["subprocess_env"], f"{d['get_fn']}\n{d['count_fn']}", str(d["contract"]["profiler_revision"]))
     console().print(table)
+    return 0
+
+
+def _environments(json: bool) -> int:
+    """Each environment with the backends that name it and this machine's differences from it ([]: satisfied)."""
+    import msgspec
+
+    from ..runners import environments as envs
+
+    used: dict[str, list[str]] = {}
+    for e in entries():
+        used.setdefault(e.subprocess_env, []).append(f"{e.table}/{e.backend}")
+    names = list(envs.ENVIRONMENTS) + [n for n in used if n not in envs.ENVIRONMENTS]
+    docs = []
+    for name in names:
+        env = envs.lookup(name)
+        differences = envs.check(name)
+        docs.append({"name": name, "environment": None if env is None else msgspec.to_builtins(env),
+                     "satisfied": not differences, "differences": differences, "entries": used.get(name, [])})
+    if json:
+        emit_json({"count": len(docs), "environments": docs})
+        return 0
+    out = console()
+    for d in docs:
+        env = d["environment"] or {}
+        out.print(f"[bold]{d['name']}[/bold]: {env.get('description', 'not defined')}", highlight=False)
+        packages = ", ".join(p["name"] + p["specifier"] + (f" ({'/'.join(p['timers'])} timer only)" if p["timers"]
+                                                           else "") for p in env.get("packages", []))
+        out.print(f"  python {env.get('python', '?')}; packages: {packages or 'none'}; "
+                  f"cuda: {env.get('cuda') or 'not needed'}; image: {env.get('image') or 'none (host interpreter)'}",
+                  highlight=False, markup=False)
+        out.print(f"  used by {len(d['entries'])} entr{'y' if len(d['entries']) == 1 else 'ies'}", highlight=False)
+        if d["satisfied"]:
+            out.print("  this machine: satisfies it", highlight=False)
+        else:
+            out.print("  this machine: differs", highlight=False)
+            for diff in d["differences"]:
+                out.print(f"    - {diff}", highlight=False, markup=False)
     return 0

@@ -51,8 +51,16 @@ class Entry(msgspec.Struct, frozen=True):
             "metric_family": self.metric_family, "subprocess_env": self.subprocess_env,
             "get_fn": self.get_fn, "count_fn": self.count_fn, "device": self.device, "gpus": self.gpus,
             "contract": msgspec.structs.asdict(self.contract), "runner": self.runner,
-            "description": self.description,
+            "description": self.description, "environment": _environment(self.subprocess_env),
         }
+
+
+def _environment(name: str) -> dict | None:
+    """The environment `name` as `kprof list --json` shows it (None when it is not defined; a worker refuses it)."""
+    from .environments import lookup
+
+    env = lookup(name)
+    return None if env is None else msgspec.to_builtins(env)
 
 
 def _type_name(t) -> str:

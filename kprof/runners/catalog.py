@@ -137,7 +137,8 @@ def _register(table, args, kind, runner, backend, device, algorithm, layout, num
     ENTRIES.append(Entry(table=table, backend=backend, args=args, kernel_kind=kind, metric_family="compute",
                          contract=Contract(algorithm=algorithm, layout=layout, numerics=numerics, timing=timing,
                                            profiler_revision=revision),
-                         runner=runner, device=device, description=description))
+                         runner=runner, device=device, description=description,
+                         subprocess_env="cuda_env" if device == "cuda" else "default_env"))
 
 
 for table, args, kind, runner, algorithm, layout, description in _FAMILIES:

@@ -59,7 +59,11 @@ def _record(kind: type, value):
 
 def prepare_device(entry: Entry, gpu_key: str, environment: Callable[[], Environment] | None = None):
     """The device the entry measures on, checked and fingerprinted: raises UsageError (no GPU, another GPU
-    than the key names, no CUPTI for the cupti timer) before anything is opened or written."""
+    than the key names, no CUPTI for the cupti timer, an environment other than the entry's) before anything is
+    opened or written."""
+    from .environments import require
+
+    require(entry)  # the packages and CUDA of entry.subprocess_env (kprof.runners.environments)
     return _CpuDevice(environment) if entry.device == "cpu" else _CudaDevice(entry, gpu_key, environment)
 
 
