@@ -64,11 +64,27 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         fresh: Annotated[bool, Parameter(group=modes, negative="",
                                          help="Measure every spec and write nothing.")] = False,
         output_dir: OutputDir = None, gpu_name: GpuName = None, db: Db = None, timer: Timer = None, l2: L2 = None,
-        cuda_graph: CudaGraph = None, power: Power = None, json: Json = False) -> int:
+        cuda_graph: CudaGraph = None, power: Power = None, json: Json = False,
+        remote: Annotated[str | None, Parameter(help=(
+            "Run on this remote of ./remote.yaml (Ray or Slurm; remote.example.yaml lists the fields): needs "
+            "--output-dir, refuses --db; the rows merge into $KPROF_DB or ./profile.db."))] = None,
+        remote_set: Annotated[list[str] | None, Parameter(name="--remote-set", help=(
+            "KEY=VALUE changing the remote's settings for this call, e.g. launch.slurm.time=30."))] = None) -> int:
     """Profile the specs that are missing (or all with --force / --fresh), then report every row."""
     started_at = _dt.datetime.now(_dt.timezone.utc)
     raw = read_specs(spec, specs)
     mode = "force" if force else "fresh" if fresh else "jit"
+    if remote is not None:
+        from . import invocation
+        from ._remote import run_remote_cli
+
+        return run_remote_cli(table, backend, raw, remote=remote, remote_set=remote_set or [], output_dir=output_dir,
+                              mode=mode, gpu_name=gpu_name, db=db, timer=timer, l2=l2, cuda_graph=cuda_graph,
+                              power=power, json=json, command="kprof " + shlex.join(invocation))
+    if remote_set:
+        from ..errors import UsageError
+
+        raise UsageError(f"--remote-set {remote_set[0]!r} changes a remote's settings; give --remote NAME with it")
     if output_dir is not None:
         from ..artifacts import check_output_dir
 
