@@ -43,9 +43,9 @@ def _progress():
 
 def _devices_line(pool: dict | None) -> str | None:
     """Where the run measured, as one line: the devices, and whether a variable forced them past the idle guard."""
-    if not pool or not pool.get("devices"):
+    if not pool or not (pool.get("devices") or pool.get("skipped")):
         return None
-    line = f"devices: {', '.join(pool['devices'])}"
+    line = f"devices: {', '.join(pool['devices']) or 'none usable'}"
     if pool.get("in_process"):
         line += " (in this process)"
     if pool.get("forced_by"):

@@ -188,7 +188,7 @@ def gpu_inventory(max_mem_used_mib: float = IDLE_MAX_MEM_USED_MIB, max_util: flo
             h = nv.nvmlDeviceGetHandleByIndex(nvml_index)
             uuid, name = nv.nvmlDeviceGetUUID(h), nv.nvmlDeviceGetName(h)
             uuid, name = (x.decode() if isinstance(x, bytes) else x for x in (uuid, name))
-            processes = len(nv.nvmlDeviceGetComputeRunningProcesses(h))
+            running = nv.nvmlDeviceGetComputeRunningProcesses(h)
             try:
                 used = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2).used
             except nv.NVMLError:  # older drivers: v1 counts reserved memory as used
@@ -197,13 +197,18 @@ def gpu_inventory(max_mem_used_mib: float = IDLE_MAX_MEM_USED_MIB, max_util: flo
         except nv.NVMLError as e:
             out.append(GpuState(ordinal, uuid, name, 0, 0.0, 0.0, f"NVML could not query it ({e})"))
             continue
-        used_mib = used / 2**20
+        # The calling process's own use is not another job's: a Python session that has used this GPU and then
+        # calls run keeps it (its memory is not counted, nor the utilization its own kernels caused).
+        own = [p for p in running if getattr(p, "pid", None) == os.getpid()]
+        processes = len(running) - len(own)
+        used -= sum(getattr(p, "usedGpuMemory", None) or 0 for p in own)
+        used_mib = max(used, 0) / 2**20
         why = []
         if processes:
             why.append(f"{processes} compute process(es)")
         if used_mib > max_mem_used_mib:
             why.append(f"{used_mib:.0f} MiB in use > {max_mem_used_mib:.0f}")
-        if util > max_util:
+        if util > max_util and not own:
             why.append(f"{util} % utilization > {max_util:.0f}")
         out.append(GpuState(ordinal, uuid, name, processes, used_mib, float(util), ", ".join(why)))
     return out

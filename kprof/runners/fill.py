@@ -133,11 +133,11 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
         info.update(devices.describe(), in_process=False)
     usable = len(devices.devices)
     short = [i for i in todo if need_of(entry, canonical[i]) > usable]
+    verdicts = "; ".join(f"{s['gpu']}: {s['why']}" for s in devices.skipped)
     for i in short:
         errored[spec_keys[i]] = {"kind": "unavailable",
                                  "message": f"need {need_of(entry, canonical[i])} idle GPU(s), found {usable}"
-                                            + ("" if devices.forced else " (the idle guard's verdicts are in the "
-                                                                         "run's devices)")}
+                                            + (f" ({verdicts})" if verdicts else "")}
     todo = [i for i in todo if i not in set(short)]
     if not todo:
         return Filled(errored, {}, 0, 0.0, info, root_before)

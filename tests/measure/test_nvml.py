@@ -4,6 +4,7 @@ run exercises the same code), and the real thing on a GPU (marked `gpu`, skipped
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -431,6 +432,19 @@ def test_idle_gpus_limits(fake_nvml):
     assert nvml.idle_gpus() == [1]  # device 0 uses 40 GiB and 100 %
     assert nvml.idle_gpus(max_mem_used_mib=50 * 1024, max_util=100) == [0, 1]
     assert nvml.idle_gpus(max_mem_used_mib=100) == []  # v1 memory of device 1: 512 MiB
+
+
+def test_the_callers_own_use_of_a_gpu_is_not_another_job(fake_nvml):
+    """Device 0 holds 40 GiB at 100 %: as another process's, it is busy; as this process's own (a session that used
+    the GPU before calling run), it is idle, and a second process on it makes it busy again."""
+    m = fake_nvml(procs=(0, 0))
+    mine = types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=40 * 2**30)
+    other = types.SimpleNamespace(pid=os.getpid() + 1, usedGpuMemory=2**20)
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [mine] if h[1] == 0 else []
+    assert nvml.idle_gpus() == [0, 1]
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [mine, other] if h[1] == 0 else []
+    (gpu0, gpu1) = nvml.gpu_inventory()
+    assert (gpu0.idle, gpu1.idle, gpu0.busy) == (False, True, "1 compute process(es)")
 
 
 def test_nvml_initialises_once_per_process(fake_nvml):

@@ -133,15 +133,17 @@ def test_a_spec_needing_more_gpus_than_usable_fails_and_nothing_else_is_lost(tmp
     sys.path.insert(0, HERE)
     monkeypatch.setenv("KPROF_RUNNERS", "faulty_runner")
     monkeypatch.setattr("kprof.runners.registry.REGISTRY", {})
-    monkeypatch.setattr(fill, "usable_devices", lambda entry, key: Devices([Device("gpu0", "GPU-x")], None, [], True))
+    monkeypatch.setattr(fill, "usable_devices", lambda entry, key: Devices(
+        [Device("gpu0", "GPU-x")], None, [{"gpu": "gpu1", "uuid": "GPU-y", "name": "", "why": "1 compute process(es)"}],
+        True))
     monkeypatch.setattr("kprof.api.resolve_gpu_key", lambda entry, name: "NVIDIA H200")
     try:
         res = api.run("faulty_gpu", "cuda2", [{"n": 5, "act": "ok"}, {"n": 6, "act": "ok"}], db=str(tmp_path / "p.db"))
     finally:
         sys.path.remove(HERE)
     assert res.exit_code == 1 and res.measured == 0
-    assert [r["error"] for r in res.results] == [{"kind": "unavailable", "message": "need 2 idle GPU(s), found 1 (the "
-                                                  "idle guard's verdicts are in the run's devices)"}] * 2
+    assert [r["error"] for r in res.results] == [{"kind": "unavailable", "message": "need 2 idle GPU(s), found 1 "
+                                                  "(gpu1: 1 compute process(es))"}] * 2
     assert not os.path.exists(tmp_path / "p.db")  # nothing measured, nothing written
 
 
