@@ -1,0 +1,71 @@
+"""Sharing rows without LMDB files: each teammate exports to one directory (content-named segments, committed to
+git), and anyone merges the directory into any ledger: oldest segment first, so a row's history (a re-measurement
+and its parent, exported at different times) merges in order."""
+
+import json
+import os
+import time
+
+import msgspec
+
+from kprof.cli import main
+from kprof.ledger import Ledger, _codec, synth
+
+SPECS = [synth.spec(i) for i in range(30)]
+
+
+def _eid(event) -> bytes:
+    return _codec.event_id(_codec.encode(event))
+
+
+def _root(path) -> bytes:
+    with Ledger.open(str(path), readonly=True) as led:
+        return synth.view(led).root
+
+
+def _export(db, rows, capsys, *since) -> str:
+    assert main(["export", "--db", str(db), "-o", str(rows), "--json", *since]) == 0
+    return json.loads(capsys.readouterr().out)["segment"]
+
+
+def test_a_directory_of_segments_is_how_a_team_shares_rows(tmp_path, capsys):
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    alice, bob, carol = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "c.db"
+    with Ledger.open(str(alice)) as led:
+        led.append([synth.event(i) for i in range(15)])
+    first = _export(alice, rows, capsys)
+    time.sleep(0.01)
+    with Ledger.open(str(bob)) as led:
+        led.append([synth.event(i) for i in range(15, 30)])
+    _export(bob, rows, capsys)
+    time.sleep(0.01)
+    again = msgspec.structs.replace(synth.event(3, seed=9), parent=_eid(synth.event(3)))  # alice re-measures row 3
+    with Ledger.open(str(alice)) as led:
+        led.append([again])
+    later = _export(alice, rows, capsys, "--since", "15")
+    assert os.path.basename(first) != os.path.basename(later)  # named by content: no file is ever overwritten
+    assert sorted(os.listdir(rows)) == sorted(n for n in os.listdir(rows) if n.endswith(".kseg"))
+    # Named by content, the newest segment may sort first by name: the directory merges oldest first anyway.
+    assert main(["merge", str(rows), "--db", str(carol)]) == 0
+    with Ledger.open(str(carol), readonly=True) as led:
+        view = synth.view(led)
+        got = view.get_many(SPECS)
+        assert all(r.status == "ok" for r in got) and got[3].event_id == _eid(again)
+    root = _root(carol)
+    assert main(["merge", str(rows), "--db", str(carol)]) == 0  # merging again changes nothing
+    assert _root(carol) == root
+    both = tmp_path / "ab.db"  # the same rows as both teammates' ledgers merged
+    with Ledger.open(str(both)) as led:
+        led.append([synth.event(i) for i in range(30)] + [again])
+    assert _root(both) == root
+    # The order matters: the re-measurement first, its parent after it, is a conflict (the parent is no longer
+    # the current row), which the directory's oldest-first order never makes.
+    assert main(["merge", later, first, "--db", str(tmp_path / "d.db"), "--output-dir", str(tmp_path)]) == 3
+
+
+def test_a_directory_without_segments_is_refused(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["merge", str(tmp_path / "empty"), "--db", str(tmp_path / "x.db")]) == 2
+    assert "no .kseg segment" in capsys.readouterr().err
+    assert not (tmp_path / "x.db").exists()
