@@ -27,6 +27,7 @@ class Entry(msgspec.Struct, frozen=True):
     device: Literal["cpu", "cuda"] = "cpu"
     subprocess_env: str = "default_env"
     gpus: int = 1  # devices one spec needs
+    gpus_arg: str = ""  # or the KernelArgs field that says how many (a collective's world_size)
     description: str = ""
 
     @property
@@ -49,7 +50,8 @@ class Entry(msgspec.Struct, frozen=True):
             "args": [f.name for f in fields],
             "arg_types": {f.name: _type_name(f.type) for f in fields},
             "metric_family": self.metric_family, "subprocess_env": self.subprocess_env,
-            "get_fn": self.get_fn, "count_fn": self.count_fn, "device": self.device, "gpus": self.gpus,
+            "get_fn": self.get_fn, "count_fn": self.count_fn, "device": self.device,
+            "gpus": self.gpus_arg or self.gpus,  # a number, or the spec field that gives it
             "contract": msgspec.structs.asdict(self.contract), "runner": self.runner,
             "description": self.description, "environment": _environment(self.subprocess_env),
         }

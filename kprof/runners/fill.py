@@ -15,6 +15,7 @@ measure it (in this process or on the pool), and write each event as it finishes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -22,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import msgspec
 
-from ..errors import MergeConflict
+from ..errors import MergeConflict, UsageError
 from ..ledger import Ledger
 from ..ledger.build import failed
 from ..ledger.events import Environment, Measured, Origin
@@ -93,25 +94,13 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     def rows_of(ledger):
         return query(ledger)[1]
 
-    def wanted(rows, before) -> list[int]:
-        """The first index of each key the mode still leaves to measure, given the rows now."""
-        out = []
-        for k, i in first_of.items():
-            row = rows[i]
-            if mode == "jit" and row is not None and row.status == "ok":
-                continue
-            if mode == "force" and row is not None and before[i] is not None and row.event_id != before[i].event_id:
-                continue  # another run re-measured it since this one began
-            out.append(i)
-        return sorted(out)
-
     # 1. what to measure, read-only
     if os.path.exists(db):
         with Ledger.open(db, readonly=True) as reader:
             root_before, before = query(reader)
     else:
         root_before, before = query(None)
-    todo = list(first_of.values()) if mode in ("force", "fresh") else wanted(before, before)
+    todo = sorted(i for i in first_of.values() if mode != "jit" or _still_wanted(mode, before[i], before[i]))
     errored: dict[bytes, dict] = {}
     info: dict = {"devices": [], "forced_by": None, "idle_guard": False, "skipped": [], "dropped": [],
                   "waited_for": 0}
@@ -141,72 +130,122 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     todo = [i for i in todo if i not in set(short)]
     if not todo:
         return Filled(errored, {}, 0, 0.0, info, root_before)
-    workers = _InProcess(entry, gpu_key) if info.get("in_process") else Pool(entry, gpu_key, devices.devices)
+    levels: dict[int, list[int]] = {}  # devices per spec -> the specs needing that many, each level its own workers
+    for i in todo:
+        levels.setdefault(need_of(entry, canonical[i]), []).append(i)
+
+    def workers_for(n: int):
+        if info.get("in_process"):
+            return _InProcess(entry, gpu_key)
+        return Pool(entry, gpu_key, groups(devices.devices, n))
 
     # 3. and 4.
-    fresh: dict[bytes, Any] = {}
-    measured = 0
-    timed = 0.0
-    with workers:
-        ledger = None if mode == "fresh" else Ledger.open(db)
-        try:
-            if ledger is not None:
-                origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
-            claims = None
-            if ledger is not None:
-                from .claims import Claims
+    state = _State(entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, len(todo))
+    with contextlib.ExitStack() as stack:
+        order = sorted(levels)
+        first = stack.enter_context(workers_for(order[0]))  # a device that cannot measure: refused, nothing written
+        ledger = None if mode == "fresh" else stack.enter_context(Ledger.open(db))
+        if ledger is not None:
+            origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
+            from .claims import Claims
 
-                claims = Claims(ledger.path, origin.run_id).__enter__()
+            state.claims = stack.enter_context(Claims(ledger.path, origin.run_id))
+        state.ledger, state.origin = ledger, origin
+        for n in order:
+            if n == order[0]:
+                workers = first
+            else:
+                try:
+                    workers = stack.enter_context(workers_for(n))
+                except UsageError as exc:  # this level's devices cannot measure: its specs say why
+                    for i in levels[n]:
+                        errored[spec_keys[i]] = {"kind": "unavailable", "message": str(exc)}
+                    continue
+            state.fill(workers, levels[n], errored, rows_of)
+            info["dropped"].extend(workers.dropped)
+    info["waited_for"] = len(state.waited)
+    return Filled(errored, state.fresh, state.measured, state.timed, info, root_before)
+
+
+def groups(devices: list[Device], n: int) -> list[Device]:
+    """The devices as groups of `n` (a spec needing n GPUs runs on one group): one Device per group, its label the
+    members' joined by '+', its CUDA_VISIBLE_DEVICES theirs joined by ','. Devices left over sit the level out."""
+    if n == 1:
+        return list(devices)
+    out = []
+    for g in range(len(devices) // n):
+        members = devices[g * n:(g + 1) * n]
+        out.append(Device("+".join(d.label for d in members), ",".join(d.visible or "" for d in members)))
+    return out
+
+
+class _State:
+    """What the levels of one fill share: the ledger and claims, and what has been measured so far."""
+
+    def __init__(self, entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, total):
+        self.entry, self.canonical, self.keys, self.spec_keys = entry, canonical, keys, spec_keys
+        self.mode, self.before, self.progress, self.watch = mode, before, progress, watch
+        self.conflict_dir, self.total = conflict_dir, total
+        self.ledger = self.claims = self.origin = None
+        self.fresh: dict[bytes, Any] = {}
+        self.measured, self.timed = 0, 0.0
+        self.waited: set[bytes] = set()
+
+    def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
+        canonical, spec_keys, keys = self.canonical, self.spec_keys, self.keys
+        pending = todo
+        while pending:
+            if self.claims is not None:
+                mine, held = self.claims.take([spec_keys[i] for i in pending])
+                rows = rows_of(self.ledger)
+                mine_set = set(mine)
+                batch = [i for i in pending if spec_keys[i] in mine_set and _still_wanted(self.mode, rows[i],
+                                                                                         self.before[i])]
+                waiting = [i for i in pending if spec_keys[i] in held]
+                self.waited.update(held)
+            else:
+                rows, batch, waiting = self.before, pending, []
+            parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
+            items = [(i, canonical[i], parent_of[i]) for i in batch]
+            origin = self.origin
+
+            def failed_event(i, kind, message, environment: Environment):
+                return failed(keys.provenance(canonical[i], i), kind, message[:2000], environment=environment,
+                              origin=origin, parent=parent_of.get(i))
+
+            for res in workers.measure(items, origin, failed_event, self.watch):
+                self._keep(res, errored)
+            pending = waiting
+            if pending:
+                time.sleep(WAIT_S)
+
+    def _keep(self, res: Result, errored: dict) -> None:
+        k = self.spec_keys[res.index]
+        self.timed += res.timed_seconds
+        self.measured += 1
+        if type(res.event) is not Measured:
+            errored[k] = {"kind": res.event.error_kind, "message": res.event.message}
+        if self.mode == "fresh":
+            self.fresh[k] = res.event
+        elif res.segment is not None:
+            from ..merge.merge import merge_into
+
             try:
-                pending = todo
-                waited: set[bytes] = set()
-                while pending:
-                    if claims is not None:
-                        mine, held = claims.take([spec_keys[i] for i in pending])
-                        rows = rows_of(ledger)
-                        mine_set = set(mine)
-                        batch = [i for i in wanted(rows, before) if i in set(pending) and spec_keys[i] in mine_set]
-                        waiting = [i for i in pending if spec_keys[i] in held]
-                        waited.update(held)
-                    else:
-                        rows, batch, waiting = before, pending, []
-                    parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
-                    items = [(i, canonical[i], parent_of[i]) for i in batch]
+                merge_into(self.ledger, [res.segment], self.conflict_dir or tempfile.mkdtemp(prefix="kprof-"))
+            except MergeConflict as exc:
+                errored[k] = {"kind": "conflict", "message": str(exc)}
+            os.unlink(res.segment)
+        else:
+            self.ledger.append([res.event])  # one commit per spec: a crash keeps what was finished
+        if self.progress:
+            self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index])
 
-                    def failed_event(i, kind, message, environment: Environment):
-                        return failed(keys.provenance(canonical[i], i), kind, message[:2000],
-                                      environment=environment, origin=origin, parent=parent_of.get(i))
 
-                    for res in workers.measure(items, origin, failed_event, watch):
-                        k = spec_keys[res.index]
-                        timed += res.timed_seconds
-                        measured += 1
-                        if type(res.event) is not Measured:
-                            errored[k] = {"kind": res.event.error_kind, "message": res.event.message}
-                        if mode == "fresh":
-                            fresh[k] = res.event
-                        elif res.segment is not None:
-                            from ..merge.merge import merge_into
-
-                            try:
-                                merge_into(ledger, [res.segment], conflict_dir or tempfile.mkdtemp(prefix="kprof-"))
-                            except MergeConflict as exc:
-                                errored[k] = {"kind": "conflict", "message": str(exc)}
-                            os.unlink(res.segment)
-                        else:
-                            ledger.append([res.event])  # one commit per spec: a crash keeps what was finished
-                        if progress:
-                            progress(measured, max(len(todo), measured), canonical[res.index])
-                    pending = waiting
-                    if pending:
-                        time.sleep(WAIT_S)
-                info["waited_for"] = len(waited)
-            finally:
-                if claims is not None:
-                    claims.release()
-        finally:
-            if ledger is not None:
-                ledger.close()
-        info["dropped"] = list(workers.dropped)
-    return Filled(errored, fresh, measured, timed, info, root_before)
+def _still_wanted(mode: str, row, before) -> bool:
+    """Whether the mode still leaves a key to measure, given its row now and when the run began."""
+    if mode == "jit":
+        return row is None or row.status != "ok"
+    if mode == "force":  # another run re-measured it since this one began: that is the refresh asked for
+        return not (row is not None and before is not None and row.event_id != before.event_id)
+    return True
 

@@ -94,8 +94,7 @@ def need_of(entry: Entry, spec: dict) -> int:
     else the entry's `gpus`. CPU slots are not counted: a CPU spec needs one."""
     if entry.device != "cuda":
         return 1
-    arg = getattr(entry, "gpus_arg", "")
-    return int(spec[arg]) if arg else entry.gpus
+    return int(spec[entry.gpus_arg]) if entry.gpus_arg else entry.gpus
 
 
 def _forced_var() -> str | None:

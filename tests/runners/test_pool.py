@@ -172,3 +172,21 @@ def test_forced_gpus_bypass_the_guard_and_bad_values_are_named(monkeypatch):
         monkeypatch.setenv("KPROF_PROFILE_GPUS", bad)
         with pytest.raises(UsageError, match="KPROF_PROFILE_GPUS"):
             pool.usable_devices(entry, "NVIDIA H200")
+
+
+def test_a_spec_needing_n_gpus_runs_on_a_group_of_n():
+    from kprof.runners.fill import groups
+    from kprof.runners.pool import Device, need_of
+    from kprof.runners.registry import lookup
+
+    gpus = [Device(f"gpu{i}", f"GPU-{i}") for i in range(5)]
+    assert groups(gpus, 1) == gpus
+    assert groups(gpus, 2) == [Device("gpu0+gpu1", "GPU-0,GPU-1"), Device("gpu2+gpu3", "GPU-2,GPU-3")]
+    assert groups(gpus, 8) == []
+    entry = lookup("single_gemm", "torch")
+    assert need_of(entry, {"m": 1}) == 1
+    import msgspec
+
+    comm = msgspec.structs.replace(entry, gpus_arg="world_size")
+    assert need_of(comm, {"world_size": 4}) == 4
+    assert need_of(msgspec.structs.replace(comm, device="cpu"), {"world_size": 4}) == 1  # CPU slots are not counted
