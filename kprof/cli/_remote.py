@@ -27,7 +27,7 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
         raise UsageError("--remote needs --output-dir DIR (the segments, remote-run.json and any merge-report.json "
                          "go there); pass a new directory")
     from ..artifacts import snapshot
-    from ..runners.remote import run_remote
+    from ..remote import run_remote
 
     started_at = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.perf_counter()

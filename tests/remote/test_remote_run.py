@@ -13,8 +13,8 @@ from kprof import __version__
 from kprof.cli import main
 from kprof.cli._remote import run_remote_cli
 from kprof.measure.env import cpu_model
+from kprof.remote import run_remote
 from kprof.runners import remote as remote_module
-from kprof.runners.remote import run_remote
 
 pytestmark = pytest.mark.slow
 
