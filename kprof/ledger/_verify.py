@@ -65,11 +65,13 @@ def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
 
 
 def rows(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summaries: bool = True,
-         file_format: int = _codec.FORMAT_VERSION) -> list:
+         file_format: int = _codec.FORMAT_VERSION, histories: dict | None = None) -> list:
     """Per key, None (no current row) or (kind, event id, Summary or None) of its current row, verified: by each
     row's digest from format 3 on (`_by_digest`), by the event each row names in older files (`_by_event`).
     `check_absent`: ask `history` about the keys `current` does not hold (False only for a format-1 file, whose
     history keeps no status). `summaries=False` (a count of missing rows) gives None for each Summary.
+    `histories` (with `check_absent`): each key without a current row is put in it, with its history's value (None:
+    the key has no history; a merge asks whether its events can be stored already).
 
     The checks run over whole columns in C-level maps and compares (no Python frame per row); a column that
     differs is then walked to name the first damaged row."""
@@ -82,7 +84,10 @@ def rows(txn, dbs, path: str, keys: list[bytes], check_absent: bool = True, summ
     for i, row in zip(found, checked):
         out[i] = row
     if check_absent and len(found) < len(keys):
-        _absent_agree(txn, dbs, path, [keys[i] for i, v in enumerate(values) if v is None])
+        absent = [keys[i] for i, v in enumerate(values) if v is None]
+        statuses = _absent_agree(txn, dbs, path, absent)
+        if histories is not None:
+            histories.update(zip(absent, statuses))
     return out
 
 
@@ -107,13 +112,15 @@ def _by_digest(txn, dbs, path: str, fkeys: list[bytes], cur: list[bytes], summar
     return list(zip(kinds, map(getitem, cur, repeat(ROW_EVENT_ID)), decoded))
 
 
-def _absent_agree(txn, dbs, path: str, absent: list[bytes]) -> None:
-    """Keys `current` does not hold are missing only where `history` agrees (no entry, or no row)."""
+def _absent_agree(txn, dbs, path: str, absent: list[bytes]) -> list:
+    """Keys `current` does not hold are missing only where `history` agrees (no entry, or no row); their history
+    values."""
     with reading(path, "history"):
         statuses = _lookup.values(txn.cursor(dbs["history"]), absent)
     for key, status in zip(absent, statuses):
         if status is not None and status[:1] != NO_ROW:
             raise damaged(path, f"key {key.hex()} has no current row, but its history says it has one")
+    return statuses
 
 
 def _by_event(txn, dbs, path: str, fkeys: list[bytes], cur: list[bytes], summaries: bool) -> list:

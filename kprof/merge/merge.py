@@ -3,7 +3,8 @@
     kprof export --table single_gemm --backend torch --gpu-name "NVIDIA H200" -o h200.kseg
     kprof merge h200.kseg other.kseg --db profile.db --output-dir merge-out
 
-Merging runs in two streamed passes over the segments (neither is ever held whole):
+Merging runs in two streamed passes over the segments (neither is ever held whole), each reading runs of RUN
+consecutive events at a time (kprof.merge.segment.runs: the file read and hashed a block at a time):
 
 1. Check. Every event decodes, is in canonical form, and its id and key are recomputed from its bytes; the
    segment's structure and digest are checked (kprof.merge.segment). Then, in order, each measured or failed
@@ -11,11 +12,18 @@ Merging runs in two streamed passes over the segments (neither is ever held whol
    fast-forward), or a row an earlier event of the same segment made current (the segment's own history, in its
    log order) are fine; a row of this ledger or of another segment is a conflict. A retraction in a segment
    leaves its key unchecked from there on (which row it brings back depends on events the check does not replay).
+   The rows of a run's keys are read in one sorted pass; the events tree (the ledger's largest) is asked only about
+   events whose key has a history here, since no other can be stored already. The check keeps each batch's event
+   ids and each of its runs' digests; it drops each decoded event as soon as it is checked.
 2. Write, only where the check found nothing: the segments are read again and appended a batch of BATCH events
-   per transaction, through the ledger's own append. Each batch must be the batch the check verified (a digest of
-   its event ids): a file changed since stops the merge before that batch. A merge stopped half way (a kill, a
-   full disk, a changed file) has written a verified prefix of a conflict-free merge; merging again completes it.
-   One transaction for a whole segment would hold every dirty page of it in memory (2.4 GiB at 300,000 events).
+   per transaction, through the ledger's own append. Each run of a batch must hash to the digest the check took of
+   it: a file changed since stops the merge before that batch. The bytes being those the check hashed, their ids
+   are the check's, and they are decoded only as far as the views need. A merge stopped half way (a kill, a full
+   disk, a changed file) has written a verified prefix of a conflict-free merge; merging again completes it.
+   BATCH trades memory for disk writes: events of random ids land on random pages of every tree, and a
+   transaction writes each page it touches once, so fewer, larger transactions write fewer pages (at 300,000
+   events into 300,000: 10,000 a transaction wrote 3.9 pages an event, 50,000 2.3). LMDB holds a transaction's
+   dirty pages in memory (and keeps them for reuse): ~450 MiB at 50,000; it spills past 512 MiB.
 
 A conflict or any damage merges nothing. A conflict writes `merge-report.json` to the output directory (each
 conflicting key: both events, their metrics, the relative difference of time_ms) and raises MergeConflict (exit
@@ -27,10 +35,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import msgspec
-from blake3 import blake3
 
 from ..errors import MergeConflict, UsageError
 from ..ledger import Ledger, _codec
@@ -40,7 +47,8 @@ from .segment import SegmentError
 
 __all__ = ["export", "merge", "merge_into", "Exported", "MergeResult", "BATCH"]
 
-BATCH = 10_000  # events per append batch and per bulk lookup
+BATCH = 50_000  # events per write transaction (see the module docstring)
+RUN = 10_000  # events per run: read, hashed, checked and looked up as one
 _head_decoder = msgspec.msgpack.Decoder(EventHead)  # what the views need of an event; samples etc. skipped
 
 
@@ -91,46 +99,63 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
         return Exported(written, ledger.ledger_id, len(chosen))
 
 
-def _events(paths: list[str], digests: list, checked: list | None = None
-            ) -> Iterator[tuple[int, str, int, bytes, object, bytes]]:
-    """(segment index, path, event index, event id, event, bytes) of every event of the segments, each checked:
-    canonical bytes, and a key its provenance hashes to; each segment's digest is appended to `digests`.
-    `checked`: the digests of a first pass that checked these events; the segments must still hold exactly those
-    bytes (a file changed since is refused), the per-event checks are not repeated, and each event is decoded as
-    far as the views need (its bytes are stored as they are)."""
-    decoder = _codec.event_decoder if checked is None else _head_decoder  # checked: the views' fields suffice
+class _Part(NamedTuple):
+    """A run of consecutive events of one segment, the unit both passes read, decode and hash."""
+
+    segment: int  # its index in the merge's list of segments
+    path: str
+    first: int  # the index in its segment of its first event
+    run: segment.Run
+
+
+def _batches(paths: list[str]) -> Iterator[list[_Part]]:
+    """The segments' events in batches of about BATCH: runs of min(RUN, BATCH) events, read as one, gathered
+    until a batch holds BATCH events (a batch may span segments; a run never does). Both passes cut the same
+    files into the same batches. Each segment's footer is checked once its last run is read."""
+    batch, n = [], 0
     for s, path in enumerate(paths):
-        for i, data in enumerate(segment.read(path, digests)):
-            try:
-                event = decoder.decode(data)
-            except Exception as exc:  # noqa: BLE001 - any decoding failure names the event
-                raise SegmentError(f"{path}: event {i} does not decode ({exc})") from None
-            eid = _codec.event_id(data)
-            if checked is not None:
-                yield s, path, i, eid, event, data
-                continue
-            if _codec.encode(event) != data:
-                raise SegmentError(f"{path}: event {i} is not in canonical form (not written by kprof)")
-            if type(event) is not Retracted and _codec.provenance_key(event.provenance) != event.key:
-                raise SegmentError(f"{path}: event {i} ({eid.hex()[:16]}) carries a key its provenance does not hash "
-                                   f"to (forged)")
-            yield s, path, i, eid, event, data
-
-
-def _batch_digest(items: list) -> bytes:
-    """A batch's events, as one digest of their ids (each the hash of the event's bytes)."""
-    return blake3(b"".join(item[3] for item in items)).digest()
-
-
-def _batches(items: Iterable) -> Iterator[list]:
-    batch, n = [], BATCH
-    for item in items:
-        batch.append(item)
-        if len(batch) == n:
-            yield batch
-            batch = []
+        first = 0
+        for run in segment.runs(path, min(RUN, BATCH)):
+            batch.append(_Part(s, path, first, run))
+            first += len(run.events)
+            n += len(run.events)
+            if n >= BATCH:
+                yield batch
+                batch, n = [], 0
     if batch:
         yield batch
+
+
+class _Seen(NamedTuple):
+    """What the check keeps of an event (the event itself is dropped as soon as it is checked: a run of decoded
+    events held at once costs more in fresh memory than their decoding does)."""
+
+    kind: type  # Measured, Failed or Retracted
+    key: bytes
+    link: bytes | None  # a measured or failed event's parent; a retraction's target
+
+
+def _checked(part: _Part) -> tuple[list[_Seen], list[bytes]]:
+    """(what the check keeps of each event, the event ids) of a run, every event checked: it decodes whole, its
+    bytes are its canonical form, and its key is the hash of its provenance."""
+    decode, encode, provenance_key = _codec.event_decoder.decode, _codec.encode, _codec.provenance_key
+    path, out = part.path, []
+    for i, data in enumerate(part.run.events, part.first):
+        try:
+            event = decode(data)
+        except msgspec.MsgspecError as exc:
+            raise SegmentError(f"{path}: event {i} does not decode ({exc})") from None
+        if encode(event) != data:
+            raise SegmentError(f"{path}: event {i} is not in canonical form (not written by kprof)")
+        kind = type(event)
+        if kind is Retracted:
+            out.append(_Seen(kind, event.key, event.target))
+            continue
+        if provenance_key(event.provenance) != event.key:
+            raise SegmentError(f"{path}: event {i} ({_codec.event_id(data).hex()[:16]}) carries a key its "
+                               f"provenance does not hash to (forged)")
+        out.append(_Seen(kind, event.key, event.parent))
+    return out, list(map(_codec.event_id, part.run.events))
 
 
 class _Check:
@@ -143,30 +168,48 @@ class _Check:
         self.origin: dict[bytes, int] = {}  # key -> the segment whose event made it current (absent: the ledger)
         self.unchecked: set[bytes] = set()  # keys a segment's retraction touched
         self.seen: set[bytes] = set()  # event ids of the segments so far
+        self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
         self.conflicts: list[dict] = []
         self.events = 0
-        self.batch_digests: list[bytes] = []  # per batch of BATCH events, what the write pass must find again
+        # per batch, what the write pass must find again (each run's digest) and the ids the check computed
+        self.batch_digests: list[list[bytes]] = []
+        self.batch_ids: list[list[bytes]] = []
 
-    def batch(self, items: list) -> None:
+    def batch(self, parts: list[_Part]) -> None:
+        self.batch_digests.append([part.run.digest for part in parts])
+        ids: list[bytes] = []
+        for part in parts:
+            events, eids = _checked(part)
+            self._against_ledger(part, events, eids)
+            ids += eids
+        self.batch_ids.append(ids)
+
+    def _against_ledger(self, part: _Part, events: list[_Seen], eids: list[bytes]) -> None:
         from ..ledger import _lookup, _verify
 
-        self.batch_digests.append(_batch_digest(items))
         txn, dbs, led = self.txn, self.ledger.dbs, self.ledger
-        new_keys = list({event.key for *_rest, event, _data in items} - self.current.keys())
-        rows = _verify.rows(txn, dbs, led.path, new_keys, led.format_version >= 2, False, led.format_version)
+        new_keys = list({event.key for event in events} - self.current.keys())
+        histories: dict = {}  # of the keys without a row (a format-1 file's history is not asked: all kept)
+        rows = _verify.rows(txn, dbs, led.path, new_keys, led.format_version >= 2, False, led.format_version,
+                            histories)
         for key, row in zip(new_keys, rows):  # the rows here, verified as every read is
             self.current[key] = None if row is None else row[1]
-        eids = [item[3] for item in items]
-        stored = {e for e, v in zip(eids, _lookup.values(txn.cursor(dbs["events"]), eids)) if v is not None}
-        for s, path, i, eid, event, _data in items:
+            # Every stored event's key has a history: only the events of such keys can be stored already (a merge of
+            # new keys, the common one, does not read the events tree, the ledger's largest, at all).
+            if row is not None or histories.get(key, b"") is not None:
+                self.kept.add(key)
+        maybe = [eid for event, eid in zip(events, eids) if event.key in self.kept]
+        stored = {e for e, v in zip(maybe, _lookup.values(txn.cursor(dbs["events"]), maybe)) if v is not None}
+        path, first = part.path, part.first
+        for i, (event, eid) in enumerate(zip(events, eids), first):
             self.events += 1
             if eid in stored or eid in self.seen:
                 continue
             self.seen.add(eid)
             key = event.key
-            if type(event) is Retracted:
-                if event.target not in self.seen and txn.get(event.target, db=dbs["events"]) is None:
-                    raise UsageError(f"{path}: event {i} retracts event {event.target.hex()[:16]}, which neither this "
+            if event.kind is Retracted:
+                if event.link not in self.seen and txn.get(event.link, db=dbs["events"]) is None:
+                    raise UsageError(f"{path}: event {i} retracts event {event.link.hex()[:16]}, which neither this "
                                      f"ledger nor the segments before it hold; merge the segment that holds it first "
                                      f"(nothing was merged)")
                 self.unchecked.add(key)
@@ -174,11 +217,12 @@ class _Check:
             if key in self.unchecked:
                 continue
             here, origin = self.current[key], self.origin.get(key)
-            if origin == s or here is None or here == eid or here == event.parent:
-                self.current[key], self.origin[key] = eid, s
+            if origin == part.segment or here is None or here == eid or here == event.link:
+                self.current[key], self.origin[key] = eid, part.segment
             else:
+                incoming = _codec.event_decoder.decode(part.run.events[i - first])
                 self.conflicts.append({"segment": path, "index": i, "key": key, "incoming": eid, "current": here,
-                                       "incoming_event": event})
+                                       "incoming_event": incoming})
 
 
 def _report(ledger: Ledger, conflicts: list[dict]) -> dict:
@@ -220,9 +264,8 @@ def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) 
     out = output_dir or "."
     with ledger.read() as txn:
         check = _Check(ledger, txn)
-        digests: list[bytes] = []
-        for items in _batches(_events(paths, digests)):
-            check.batch(items)
+        for parts in _batches(paths):
+            check.batch(parts)
     if check.conflicts:
         report = _report(ledger, check.conflicts)
         os.makedirs(out, exist_ok=True)
@@ -236,12 +279,14 @@ def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) 
                             f"{first['incoming']['event'][:16]}); nothing was merged; the conflicts are in "
                             f"{where}", report)
     added = existing = 0
-    again: list[bytes] = []
-    for n, items in enumerate(_batches(_events(paths, again, checked=digests))):
+    for n, parts in enumerate(_batches(paths)):
         verified = check.batch_digests[n] if n < len(check.batch_digests) else None
-        if _batch_digest(items) != verified:  # a file changed since the check: stop before this batch
-            raise SegmentError(f"{items[0][1]} changed while it was merged ({added + existing} event(s) before "
+        if [part.run.digest for part in parts] != verified:  # a file changed since the check: stop before this batch
+            raise SegmentError(f"{parts[0].path} changed while it was merged ({added + existing} event(s) before "
                                f"the change were merged); merge it again")
-        result = ledger.append_checked([(event, data, eid) for _s, _p, _i, eid, event, data in items])
+        # The bytes are those the check decoded whole and hashed: decoded as far as the views need, with its ids.
+        datas = [data for part in parts for data in part.run.events]
+        heads = list(map(_head_decoder.decode, datas))
+        result = ledger.append_checked(list(zip(heads, datas, check.batch_ids[n])))
         added, existing = added + len(result.added), existing + len(result.existing)
     return added, existing

@@ -2,8 +2,11 @@
 """How fast are segments exported and merged? One process on the CPU, against sqlite3 doing the same import.
 
 Builds a ledger of --events synthetic events (A) and another of --events other events (B), exports B to a
-segment, and merges it into A (every event id and key recomputed, conflicts checked, one write transaction),
-timing the export and the merge, and the merge's peak RSS (a child process per phase). The baseline imports the
+segment, and merges it into A (every event id and key recomputed, conflicts checked, then written a batch of
+kprof.merge.merge.BATCH events per transaction), timing the export and the merge, and the merge's peak RSS, its
+anonymous memory at the end and its CPU seconds (a child process per phase; on a shared machine, CPU seconds vary
+less than wall seconds). Peak RSS counts the ledger file's pages the process mapped in as well: a merge of N events
+of random ids into N others touches nearly every page of the file. The baseline imports the
 same events' bytes into a sqlite3 table keyed by event id (one transaction, `executemany`), in the same run.
 
     python tests/benchmarks/merge_bench.py [--events 1000000] [--workdir DIR] [--out DIR]
@@ -70,8 +73,9 @@ def _child(args) -> int:
     else:
         result = merge([args.segment], args.db)
         doc = {"added": result.added, "existing": result.existing}
-    doc.update(seconds=time.perf_counter() - t, peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               **_memory())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    doc.update(seconds=time.perf_counter() - t, cpu_s=usage.ru_utime + usage.ru_stime,
+               peak_rss_mib=usage.ru_maxrss / 1024, **_memory())
     print(json.dumps(doc))
     return 0
 

@@ -118,6 +118,23 @@ def test_every_damaged_segment_is_rejected_whole_and_nothing_is_written(tmp_path
         assert _digest(target) == before, name
 
 
+@pytest.mark.parametrize("block", [1, 7, 1000])
+def test_a_segment_read_a_few_bytes_at_a_time_reads_the_same_and_rejects_the_same(tmp_path, source, monkeypatch,
+                                                                                  block):
+    """Events and lengths that straddle the reader's blocks: the same events, runs and digests as one block."""
+    _path, seg = source
+    events, runs = list(segment.read(seg)), list(segment.runs(seg, 4))
+    monkeypatch.setattr(segment, "BLOCK", block)
+    digests = []
+    small = list(segment.runs(seg, 4, digests))
+    assert [e for run in small for e in run.events] == events and small == runs
+    assert [len(run.events) for run in small[:-1]] == [4] * (len(small) - 1)
+    assert digests == [segment.digest_of(seg)]
+    for name, data in _damaged_copies(seg, tmp_path):
+        with pytest.raises(SegmentError):
+            list(segment.read(_write(tmp_path / f"{name}.kseg", data)))
+
+
 def test_reordered_and_forged_segments_are_rejected(tmp_path, source):
     _path, seg = source
     events = list(segment.read(seg))
@@ -215,13 +232,13 @@ def test_a_segment_replaced_between_the_two_passes_merges_nothing(tmp_path, monk
     seg_a, seg_b = str(tmp_path / "a.kseg"), str(tmp_path / "b.kseg")
     export(_ledger(tmp_path / "a.db", synth.events(0, 5)), seg_a)
     export(_ledger(tmp_path / "b.db", synth.events(0, 6)), seg_b)
-    real, calls = segment.read, []
+    real, calls = segment.runs, []
 
-    def swapped(path, digests=None):
+    def swapped(path, size, digests=None):
         calls.append(path)
-        return real(seg_b if len(calls) > 1 else path, digests)  # the second pass reads another file
+        return real(seg_b if len(calls) > 1 else path, size, digests)  # the second pass reads another file
 
-    monkeypatch.setattr(m.segment, "read", swapped)
+    monkeypatch.setattr(m.segment, "runs", swapped)
     before = _answers(target)
     with pytest.raises(SegmentError, match="changed while it was merged"):
         merge([seg_a], target)
