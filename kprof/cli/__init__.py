@@ -30,6 +30,9 @@ VERBS = [
      "Verify every event id and key, the log, the views and the file structure (exit 3 on damage)."),
     ("calibrate", "kprof.cli.calibrate:calibrate",
      "Measure the device's ceilings (large GEMM, large copy) into the ledger; query reports fractions of them."),
+    ("measure", "kprof.cli.measure:measure",
+     "Diagnose one spec: a sustained CUPTI window of every launch beside NVML telemetry, with plots. Never writes "
+     "the ledger."),
     ("show", "kprof.cli.show:show", "Show one row's provenance, metrics and full history by citation, key or event id."),
     ("export", "kprof.cli.merge:export", "Write the ledger's events (of a table, backend or GPU key) to a segment file."),
     ("merge", "kprof.cli.merge:merge",

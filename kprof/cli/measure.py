@@ -1,0 +1,270 @@
+"""`kprof measure`: the diagnostic. One kernel spec, one sustained CUPTI window of `--duration-s` with NVML
+telemetry beside it, written to `--output-dir` as runtimes.csv, telemetry.csv, summary.json and two plots, each
+read-only with a `kmeasure.<hex>` citation that `kprof show` resolves.
+
+It is no cache verb: it never writes the ledger and stores no row. The only ledger access is a read-only lookup of
+the spec's own row, to compare the window with it, when a ledger file exists at --db ($KPROF_DB, else
+./profile.db); without one the summary says nothing was compared.
+
+`diagnose(...)` is the verb's work, callable from Python with the same arguments:
+
+    from kprof.cli.measure import diagnose
+    doc = diagnose("single_gemm", "torch", {"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16"}, duration_s=10)
+    doc["summary"]["launch_us"]["median"], doc["files"]["durations.png"]["citation"]
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shlex
+from typing import Annotated, Any
+
+from cyclopts import Parameter
+
+from ..errors import KprofError, UsageError
+from ._options import Backend, GpuName, Json, Spec, Table, _db_given
+from ._render import console, emit_json
+
+__all__ = ["measure", "diagnose"]
+
+MeasureDb = Annotated[str | None, Parameter(name="--db", validator=_db_given, help=(
+    "Ledger whose row of this spec the window is compared with, read-only (never written). Default: $KPROF_DB, "
+    "else ./profile.db; no file there: nothing is compared."))]
+MeasureDir = Annotated[str | None, Parameter(name="--output-dir", help=(
+    "Write runtimes.csv, telemetry.csv, summary.json, durations.png and telemetry.png there, once, read-only. "
+    "Default: ./measure_TABLE_BACKEND."))]
+
+
+def measure(table: Table, *, backend: Backend, spec: Spec = None, output_dir: MeasureDir = None,
+            duration_s: Annotated[float, Parameter(name="--duration-s", help=(
+                "Seconds of the window: every launch in it is recorded."))] = 10.0,
+            telemetry_hz: Annotated[float, Parameter(name="--telemetry-hz", help=(
+                "NVML readings per second (clocks, power, temperature, utilization, throttle reasons, energy), "
+                "on a background thread."))] = 20.0,
+            no_clear_l2: Annotated[bool, Parameter(name="--no-clear-l2", negative="", help=(
+                "Launch back to back with a warm L2 (a continuous window, for sustained power and clock drift). "
+                "Default: a cold L2 before each launch, exactly as rows are timed."))] = False,
+            cuda_graph: Annotated[bool, Parameter(name="--cuda-graph", negative="", help=(
+                "Replay the kernel from a CUDA graph, so slow host dispatch does not leave the GPU idle."))] = False,
+            gpu_name: GpuName = None, db: MeasureDb = None, json: Json = False) -> int:
+    """Measure one spec over a sustained window with NVML telemetry beside it (never writes the ledger)."""
+    from ..specs import parse_spec_texts
+
+    if not spec:
+        raise UsageError("no spec given; pass exactly one --spec JSON (measure takes one spec, not a batch)")
+    if len(spec) > 1:
+        raise UsageError(f"measure takes exactly one spec and {len(spec)} --spec were given; measure them one at a "
+                         f"time, or use `kprof run` for a batch")
+    (raw,) = parse_spec_texts(spec)
+    from . import invocation
+
+    doc = diagnose(table, backend, raw, output_dir=output_dir, duration_s=duration_s, telemetry_hz=telemetry_hz,
+                   clear_l2=not no_clear_l2, cuda_graph=cuda_graph, gpu_name=gpu_name, db=db,
+                   command="kprof " + shlex.join(invocation), allow_telemetry_off=False)
+    if json:
+        emit_json(doc)
+    else:
+        _render(doc)
+    return 0
+
+
+def diagnose(table: str, backend: str, spec: Any, *, output_dir: str | None = None, duration_s: float = 10.0,
+             telemetry_hz: float = 20.0, clear_l2: bool = True, cuda_graph: bool = False,
+             gpu_name: str | None = None, db: str | None = None, command: str = "",
+             allow_telemetry_off: bool = True) -> dict:
+    """The diagnostic of one spec (a dict of the table's KernelArgs): {table, backend, gpu_name, spec, output_dir,
+    files: {name: {path, citation}}, summary_citation, summary}. Every input is checked before the GPU is touched
+    and nothing is written on a refusal (UsageError). telemetry_hz=0 turns the sampler off (the Python API's, to
+    check the sampler's own overhead; the CLI refuses it)."""
+    from ..measure.diagnostic import check_output_dir, check_window_args
+
+    duration_s, telemetry_hz = check_window_args(duration_s, telemetry_hz, allow_off=allow_telemetry_off)
+    entry, canonical = _entry_and_spec(table, backend, spec)
+    out = output_dir if output_dir is not None else f"measure_{table}_{backend}"
+    check_output_dir(out)
+    from ..ledger import ledger_path
+
+    db_path = ledger_path(db)
+    gpu_key = _gpu_key(entry, gpu_name)
+    from ..runners.environments import require
+
+    require(entry)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    window, device = _record(entry, canonical, gpu_key, duration_s, telemetry_hz, clear_l2, cuda_graph)
+    header = {"kind": "kprof measure", "table": table, "backend": backend, "spec": canonical, "gpu_name": gpu_key,
+              "mode": {"l2": "cold" if clear_l2 else "warm", "graph": cuda_graph,
+                       "invocations_per_replay": int(window.notes.get("invocations_per_replay", "1")),
+                       "duration_s": duration_s, "telemetry_hz": telemetry_hz},
+              "device": device, "started_at": started.isoformat(timespec="seconds"), "command": command,
+              "ledger_access": "read-only lookup of this spec's row; never written"}
+    from ..measure.diagnostic import summarize_window, write_outputs
+
+    summary = summarize_window(window, header, _ledger_row(entry, canonical, gpu_key, db_path, clear_l2, cuda_graph))
+    summary = write_outputs(out, window, summary)
+    files = {name: {"path": os.path.join(out, name), "citation": a["citation"]}
+             for name, a in summary["artifacts"].items()}
+    files["summary.json"] = {"path": os.path.join(out, "summary.json"), "citation": summary["summary_citation"]}
+    return {"table": table, "backend": backend, "gpu_name": gpu_key, "spec": canonical, "output_dir": out,
+            "files": files, "summary_citation": summary["summary_citation"], "summary": summary}
+
+
+def _entry_and_spec(table: str, backend: str, spec: Any):
+    """The registry entry (a CUDA compute entry: CUPTI-timed, one GPU) and the one spec, canonical."""
+    from ..runners.registry import lookup
+    from ..specs import validate
+
+    entry = lookup(table, backend)
+    if entry.metric_family == "comm" or entry.gpus > 1:
+        raise UsageError(f"{table}/{backend} is a communication table ({entry.gpus} GPUs); measure times one "
+                         f"kernel on one GPU with CUPTI: pass a compute table (see `kprof list`)")
+    if entry.device != "cuda":
+        raise UsageError(f"{table}/{backend} is timed by wall clock on the CPU, not by CUPTI; measure records CUDA "
+                         f"kernels: pass a CUDA backend such as --backend torch (see `kprof list`)")
+    if isinstance(spec, list):
+        if len(spec) != 1:
+            raise UsageError(f"measure takes exactly one spec and was given a batch of {len(spec)}; measure them one "
+                             f"at a time, or use `kprof run` for a batch")
+        spec = spec[0]
+    if not isinstance(spec, dict) and not hasattr(spec, "__struct_fields__"):
+        raise UsageError(f"the spec must be a JSON object of {table}'s KernelArgs, not {type(spec).__name__}")
+    if hasattr(spec, "__struct_fields__"):
+        import msgspec
+
+        spec = msgspec.structs.asdict(spec)
+    return entry, validate(entry.args, [spec])[0]
+
+
+def _gpu_key(entry, gpu_name: str | None) -> str:
+    """The local GPU's name, which --gpu-name (the key of the ledger row compared) must equal when given."""
+    from ..measure.device_name import local_gpu_name
+
+    local = local_gpu_name()
+    if local is None:
+        raise UsageError(f"measure runs {entry.table}/{entry.backend} on a CUDA GPU and none is visible here (no "
+                         f"NVIDIA driver or device); run it on a GPU machine")
+    if gpu_name is not None:
+        if not gpu_name.strip():
+            raise UsageError("--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200', or omit it")
+        if gpu_name != local:
+            raise UsageError(f"--gpu-name {gpu_name!r} differs from the GPU this would measure on ({local!r}); omit "
+                             f"--gpu-name, or run on a machine with that GPU")
+    return local
+
+
+def _record(entry, canonical: dict, gpu_key: str, duration_s: float, telemetry_hz: float, clear_l2: bool,
+            graph: bool):
+    """(window, device environment) measured on CUDA device 0. UsageError for what this machine lacks (CUDA in
+    torch, CUPTI, NVML); DiagnosticError when the kernel cannot be built or checked."""
+    import msgspec
+    import torch
+
+    from ..measure.diagnostic import DiagnosticError
+    from ..measure.gpu_timer import cupti_available
+    from ..measure.nvml import NvmlError, device_handle, gpu_environment
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"measure needs a CUDA device and torch {torch.__version__} sees none; run it on a GPU "
+                         f"machine with a CUDA build of torch")
+    torch.cuda.set_device(0)
+    actual = torch.cuda.get_device_name(0)
+    if actual != gpu_key:
+        raise UsageError(f"CUDA device 0 is {actual!r}, not {gpu_key!r}; set CUDA_VISIBLE_DEVICES to the GPU to "
+                         f"measure")
+    why = cupti_available()
+    if why:
+        raise UsageError(f"CUPTI is not usable here ({why}); measure records every launch with CUPTI: install "
+                         f"cupti-python with nvidia-cuda-cupti")
+    if telemetry_hz > 0:
+        try:
+            device_handle(0)
+        except NvmlError as e:
+            raise UsageError(f"measure samples NVML telemetry, and NVML is not usable here: {e}") from None
+    device = msgspec.to_builtins(gpu_environment(0))
+    try:
+        case = entry.load_runner()().build(msgspec.convert(canonical, entry.args), "cuda")
+        case.check()
+    except KprofError:
+        raise
+    except Exception as e:  # an OOM, a kernel the device lacks: one line, nothing written
+        raise DiagnosticError(f"{entry.table}/{entry.backend} {canonical} could not be built or checked on "
+                              f"{gpu_key}: {type(e).__name__}: {str(e)[:500]}; nothing was written") from e
+    from ..measure._diagnostic_window import record_window
+
+    return record_window(case, duration_s=duration_s, telemetry_hz=telemetry_hz, clear_l2=clear_l2, graph=graph), device
+
+
+def _ledger_row(entry, canonical: dict, gpu_key: str, db_path: str, clear_l2: bool, graph: bool) -> dict:
+    """The spec's ok row in the ledger at db_path, read-only: the row timed the window's way (CUPTI, this L2 state,
+    graph or eager, sustained power) if there is one, else the default method's row. {"compared": False, "why"}
+    when there is no ledger file or no such row; a ledger that cannot be read is reported, never raised."""
+    if not os.path.isfile(db_path):
+        return {"compared": False, "db": db_path, "why": f"no ledger at {db_path}"}
+    from .. import api
+
+    l2 = "cold" if clear_l2 else "warm"
+    methods = [(l2, graph)] + ([("cold", False)] if (l2, graph) != ("cold", False) else [])
+    for l2_, graph_ in methods:
+        try:
+            res = api.query(entry.table, entry.backend, [canonical], gpu_name=gpu_key, db=db_path, timer="cupti",
+                            l2=l2_, cuda_graph=graph_, power="sustained")
+        except KprofError as e:
+            return {"compared": False, "db": db_path, "error": str(e)}
+        row = res.results[0]
+        if row["status"] == "ok":
+            stats = row.get("stats") or {}
+            return {"compared": True, "db": db_path, "citation": row["citation"],
+                    "method": f"cupti;l2={l2_};{'graph' if graph_ else 'eager'}",
+                    "same_method": (l2_, graph_) == (l2, graph), "time_ms": (row["metrics"] or {}).get("time_ms"),
+                    "row_stats_ms": {k: stats.get(k) for k in ("n", "median", "p10", "p90", "mean")},
+                    "measured_at": row.get("measured_at")}
+    tried = "; ".join(f"l2={a}, {'graph' if b else 'eager'}" for a, b in methods)
+    return {"compared": False, "db": db_path,
+            "why": f"{db_path} has no ok row of this spec on {gpu_key!r} timed with CUPTI ({tried})"}
+
+
+def _fmt(v, spec: str = ".4g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _render(doc: dict) -> None:
+    """Key figures of the window, then each artifact with its citation."""
+    from rich.table import Table
+
+    s = doc["summary"]
+    stats, drift, tel, energy = s["launch_us"], s["drift"], s["telemetry"], s["energy"]
+    out = console()
+    mode = s["mode"]
+    out.print(f"{doc['table']}/{doc['backend']} {doc['spec']} on {doc['gpu_name']}: L2 {mode['l2']}, "
+              f"{'graph' if mode['graph'] else 'eager'}, {s['window']['span_s']:.2f} s, "
+              f"{s['window']['launches']} launches", markup=False)
+    t = Table("figure", "value")
+    t.add_row("kernel time per launch (µs)", f"median {_fmt(stats['median'])}, p10 {_fmt(stats['p10'])}, "
+                                             f"p90 {_fmt(stats['p90'])}, cv {_fmt(stats['cv'], '.3f')}")
+    t.add_row("drift (last vs first 10 %)", f"{_fmt(drift['pct'], '+.2f')} %, slope "
+                                            f"{_fmt(drift['slope_pct_per_s'], '+.3f')} %/s")
+    gpu = s["gpu"]
+    t.add_row("GPU busy", f"{_fmt(gpu['busy_pct'], '.1f')} % (timed kernels {_fmt(gpu['timed_pct'], '.1f')} %)")
+    if not tel.get("off"):
+        sm = tel["sm_mhz"]
+        t.add_row("SM clock (MHz), first / last 10 %", f"{_fmt(sm['first'])} / {_fmt(sm['last'])}")
+        t.add_row("power (W), mean of readings", _fmt(tel["power_w"]["mean"], ".1f"))
+        t.add_row("throttled (% of window)", ", ".join(f"{k} {v['pct']:.1f}" for k, v in s["throttle"].items()) or "-")
+        t.add_row("telemetry", f"{tel['samples']} readings, {_fmt(tel['achieved_hz'], '.1f')} Hz of "
+                               f"{tel['target_hz']:g}, coverage {_fmt(tel['coverage_pct'], '.1f')} %, "
+                               f"{tel['gaps']['count']} gaps")
+    t.add_row("energy per launch (mJ)", _fmt(energy["j_per_launch"] * 1e3 if energy["j_per_launch"] is not None
+                                             else None))
+    row = s["ledger"]
+    if row.get("compared"):
+        t.add_row("ledger row", f"{row['citation']}: {row['time_ms'] * 1e3:.4g} µs ({row['method']}); window median / "
+                                f"row = {_fmt(row.get('window_over_row'), '.4f')}")
+    else:
+        t.add_row("ledger row", row.get("why") or row.get("error") or "-")
+    if "skipped" in s["plots"]:
+        t.add_row("plots", f"skipped: {s['plots']['skipped']}")
+    out.print(t)
+    files = Table("file", "citation", title=f"written to {doc['output_dir']} (read-only)")
+    for name, f in doc["files"].items():
+        files.add_row(f["path"], f["citation"])
+    out.print(files)
