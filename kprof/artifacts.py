@@ -11,7 +11,7 @@ import msgspec
 
 from .errors import SnapshotError, UsageError
 
-__all__ = ["SNAPSHOT", "check_output_dir", "snapshot", "write_snapshot", "curve"]
+__all__ = ["SNAPSHOT", "check_output_dir", "snapshot", "write_snapshot", "curve", "plot_series"]
 
 SNAPSHOT = ("request.json", "results.json", "curve.json", "job.meta.json")
 _json = msgspec.json.Encoder(order="deterministic")
@@ -107,7 +107,7 @@ def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[
 
 
 def _plot(c: dict, path: str) -> bool:
-    """curve.png: time_ms against x, one line per y value (facets folded into the label)."""
+    """curve.png of `plot_series(c)`; False without matplotlib or without a point to plot."""
     try:
         import matplotlib
 
@@ -115,22 +115,20 @@ def _plot(c: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    ok = [p for p in c["points"] if p.get("time_ms") is not None]
-    if not ok or c["x"] is None:
+    x, metric, series = plot_series(c)
+    ok = [p for pts in series.values() for p in pts]
+    if not ok:
         return False
-    series: dict[str, list] = {}
-    for p in ok:
-        label = ", ".join(f"{a}={p[a]}" for a in ([c["y"]] if c["y"] else []) + c["facets"]) or "all"
-        series.setdefault(label, []).append((p[c["x"]], p["time_ms"]))
+    comm = metric == "busbw_gbps"
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    numeric = all(isinstance(p[c["x"]], (int, float)) and not isinstance(p[c["x"]], bool) for p in ok)
-    for label, pts in sorted(series.items()):
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in ok)
+    for label, pts in sorted(series.items(), key=_label_order if comm else None):
         pts.sort(key=lambda t: t[0] if numeric else str(t[0]))
-        ax.plot([str(x) if not numeric else x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
-    if numeric and max(p[c["x"]] for p in ok) > 16 * max(1, min(p[c["x"]] for p in ok)):
+        ax.plot([str(v) if not numeric else v for v, _ in pts], [y for _, y in pts], marker="o", label=label)
+    if numeric and max(v for v, _ in ok) > 16 * max(1, min(v for v, _ in ok)):
         ax.set_xscale("log", base=2)
-    ax.set_xlabel(c["x"])
-    ax.set_ylabel("time_ms")
+    ax.set_xlabel(x)
+    ax.set_ylabel(metric)
     fixed = ", ".join(f"{k}={v}" for k, v in c["fixedArgs"].items())
     ax.set_title(f"{c['table']} / {c['backend']} on {c['gpu_name']}\n{fixed}", fontsize=9)
     if len(series) > 1:
@@ -141,6 +139,34 @@ def _plot(c: dict, path: str) -> bool:
     plt.close(fig)
     os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
     return True
+
+
+def plot_series(c: dict) -> tuple[str | None, str, dict[str, list]]:
+    """(x axis, metric, {label: [(x, value)]}) of a curve.json document: time_ms against x, one series per y value
+    (facets folded into the label); for collectives (rows with busbw_gbps), busbw_gbps against message_size_bytes,
+    one series per world size (other varying axes folded into the label), as nccl-tests' curves are read."""
+    comm = "busbw_gbps" in c["metrics"]
+    x, metric = ("message_size_bytes", "busbw_gbps") if comm else (c["x"], "time_ms")
+    ok = [p for p in c["points"] if p.get(metric) is not None]
+    if not ok or x is None:
+        return x, metric, {}
+    if comm:
+        rest = sorted((a for a in c["axes"] if a != x), key=lambda a: a != "world_size")  # world size first
+        ok = [{**p, x: int(p[x])} for p in ok]  # a point's size is the metric's copy (a float)
+    else:
+        rest = ([c["y"]] if c["y"] else []) + c["facets"]
+    series: dict[str, list] = {}
+    for p in ok:
+        label = ", ".join(f"{a}={p[a]}" for a in rest) or "all"
+        series.setdefault(label, []).append((p[x], p[metric]))
+    return x, metric, series
+
+
+def _label_order(item) -> tuple:
+    """Series in label order, numbers compared as numbers (world_size=8 after world_size=2)."""
+    import re
+
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", item[0]))
 
 
 def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command: str = "") -> list[str]:

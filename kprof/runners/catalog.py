@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..ledger.events import Contract
 from .activation import SiluMulArgs
+from .comm import AllGatherArgs, AllReduceArgs, AllToAllArgs, ReduceScatterArgs
 from .attention import AttentionDecodeArgs, AttentionPrefillArgs
 from .gemm import SingleGemmArgs
 from .memcpy import MemcpyArgs
@@ -173,3 +174,39 @@ _register("memcpy", MemcpyArgs, "memory", "kprof.runners.memcpy:Memcpy", "torch"
 _register("memcpy", MemcpyArgs, "memory", "kprof.runners.memcpy:Memcpy", "torch-cpu", "cpu",
           "Tensor.copy_ (ATen CPU copy)", _MEMCPY_LAYOUT, "bytes copied verbatim (uint8)", CPU_TIMING,
           "host memory copy bandwidth")
+
+# Collectives (kprof.runners.comm): one process per rank, started and timed by kprof.runners._ranks; the row's time
+# is the median over iterations of the slowest rank's time. `nccl` needs world_size GPUs (gpus_arg); `gloo` is its
+# CPU twin. message_size_bytes is nccl-tests' size (see kprof.runners.comm). The family counts its own revisions.
+COMM_REVISION = 1
+_COMM = {
+    # table: (args, runner, layout per rank, reduces, description)
+    "all_reduce": (AllReduceArgs, "AllReduce", "x[size/elt] contiguous, reduced in place", True,
+                   "sum of every rank's buffer, on every rank"),
+    "all_gather": (AllGatherArgs, "AllGather", "in[size/elt/n] -> out[size/elt] contiguous, rank-major", False,
+                   "every rank's part, concatenated on every rank"),
+    "reduce_scatter": (ReduceScatterArgs, "ReduceScatter", "in[size/elt] -> out[size/elt/n] contiguous, rank-major",
+                       True, "sum of every rank's buffer, rank r keeping part r"),
+    "all_to_all": (AllToAllArgs, "AllToAll", "in[size/elt] -> out[size/elt] contiguous, n equal chunks (chunk j to / "
+                   "from rank j)", False, "chunk j of every rank's buffer to rank j"),
+}
+
+
+def _register_comm(table, args, runner, layout, reduces, what):
+    call = {"all_gather": "all_gather_single (all_gather_into_tensor before torch 2.13)",
+            "reduce_scatter": "reduce_scatter_single (reduce_scatter_tensor before torch 2.13)"}.get(table, table)
+    numerics = "dtype=spec; " + ("sum in dtype, as the library reduces" if reduces else "elements moved verbatim")
+    for backend, device, timing, env, by in (
+            ("nccl", "cuda", GPU_TIMING, "cuda_env", "NCCL (its choice of algorithm and protocol), one GPU per rank"),
+            ("gloo", "cpu", CPU_TIMING, "default_env", "gloo, one CPU process per rank")):
+        ENTRIES.append(Entry(
+            table=table, backend=backend, args=args, kernel_kind="collective", metric_family="comm",
+            contract=Contract(algorithm=f"torch.distributed.{call} on {by}",
+                              layout=f"per rank {layout}; size = message_size_bytes (nccl-tests' size)",
+                              numerics=numerics, timing=timing, profiler_revision=COMM_REVISION),
+            runner=f"kprof.runners.comm:{runner}", device=device, subprocess_env=env,
+            gpus_arg="world_size" if device == "cuda" else "", description=f"{what} ({backend})"))
+
+
+for _table, _comm in _COMM.items():
+    _register_comm(_table, *_comm)

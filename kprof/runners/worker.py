@@ -64,6 +64,10 @@ def prepare_device(entry: Entry, gpu_key: str, environment: Callable[[], Environ
     from .environments import require
 
     require(entry)  # the packages and CUDA of entry.subprocess_env (kprof.runners.environments)
+    if entry.metric_family == "comm":  # collectives: timed on a group of rank processes (kprof.runners._ranks)
+        from ._ranks import CommDevice
+
+        return CommDevice(entry, gpu_key, environment)
     return _CpuDevice(environment) if entry.device == "cpu" else _CudaDevice(entry, gpu_key, environment)
 
 
@@ -96,7 +100,8 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             method = msgspec.structs.replace(method, notes={**method.notes, "build_s": f"{t_check - t_build:.4f}",
                                                             "check_s": f"{t_measure - t_check:.4f}"})
             time_ms = stats.mean if method.notes.get("estimator") == "mean" else stats.median
-            event = measured(prov, _metrics(case, time_ms, energy), _record(Stats, stats), method,
+            metrics = case.metrics(time_ms, energy) if entry.metric_family == "comm" else _metrics(case, time_ms, energy)
+            event = measured(prov, metrics, _record(Stats, stats), method,
                              environment=_record(Environment, env), origin=origin, parent=parent)
         except Exception as exc:  # any failure of one spec is recorded, and the others go on
             kind = classify(exc)

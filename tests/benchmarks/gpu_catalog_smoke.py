@@ -99,8 +99,8 @@ def main(argv=None) -> int:
           f"cuDNN {torch.backends.cudnn.version()}")
     rows = []
     for entry in entries():
-        if entry.device != "cuda" or (args.table and entry.table != args.table) or \
-                (args.backend and entry.backend != args.backend):
+        if entry.device != "cuda" or entry.metric_family != "compute" or (args.table and entry.table != args.table) \
+                or (args.backend and entry.backend != args.backend):  # collectives: comm_check.py
             continue
         for raw in SPECS[entry.table]:
             row = smoke(entry, raw)

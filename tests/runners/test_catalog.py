@@ -23,7 +23,10 @@ BACKENDS = {
     "attention_decode": ATTENTION,
     "moe_grouped_gemm": {"torch-cpu", "torch", "torch-loop"},
     "memcpy": {"torch-cpu", "torch"},
+    # collectives (their entries and runs: test_comm.py)
+    **{t: {"nccl", "gloo"} for t in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")},
 }
+COMPUTE = [e for e in entries() if e.metric_family == "compute"]
 SMALL = {
     "single_gemm": {"m": 32, "n": 48, "k": 64, "dtype": "bf16"},
     "rms_norm": {"tokens": 8, "hidden": 64, "dtype": "bf16"},
@@ -60,7 +63,7 @@ def test_every_table_and_backend_is_registered():
     assert got == BACKENDS
 
 
-@pytest.mark.parametrize("entry", entries(), ids=lambda e: f"{e.table}/{e.backend}")
+@pytest.mark.parametrize("entry", COMPUTE, ids=lambda e: f"{e.table}/{e.backend}")
 def test_entry_device_timing_and_runner(entry):
     assert entry.device == ("cpu" if entry.backend == "torch-cpu" else "cuda")
     assert entry.contract.timing == (CPU_TIMING if entry.device == "cpu" else GPU_TIMING)
@@ -167,7 +170,7 @@ def test_case_inputs_and_call_reproduce_fn(name, entry, how, request):
 
 def test_every_runner_class_is_covered_on_cpu():
     covered = {e.runner for _, e, _ in CPU_CASES}
-    gpu_only = {e.runner for e in entries()} - covered
+    gpu_only = {e.runner for e in COMPUTE} - covered
     # what stays: forced SDPA backends that do not run on CPU, tested on a GPU (test_gpu_catalog.py)
     assert gpu_only == {f"kprof.runners.attention:Attention{kind}{b}" for kind in ("Prefill", "Decode")
                         for b in ("Efficient", "Cudnn")}

@@ -1,0 +1,230 @@
+"""Collectives through their CPU twin, gloo: `kprof run <collective> --backend gloo` end to end at world sizes 2, 4
+and 8 (ranks as real processes, results checked by each rank's oracle, bandwidths as nccl-tests defines them), the
+rows queryable, the entries listed, bad specs refused, a rank that dies failing only its spec, and the busbw plot.
+
+The rank group of a world size is kept across specs and runs of one process (kprof.runners._ranks), so the tests
+go by world size: 2 (the dead rank first, then the four tables), 4, then 8. A group of 8 gloo ranks costs 8 torch
+imports: the slowest part of this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+import pytest
+
+from kprof import artifacts
+from kprof.cli import main
+from kprof.runners import _ranks, comm
+from kprof.runners._case import WrongResult
+from kprof.runners.registry import entries, lookup
+
+TABLES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+          "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+SMALL, LARGE = 1024, 4 << 20  # multiples of 8 ranks x 4 bytes
+
+
+def _specs(n: int) -> list[dict]:
+    return [{"message_size_bytes": SMALL, "dtype": "bf16", "world_size": n},
+            {"message_size_bytes": LARGE, "dtype": "fp32", "world_size": n}]
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> str:
+    """One ledger for the module: the snapshot test reads back the rows of every world size."""
+    return str(tmp_path_factory.mktemp("comm") / "profile.db")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_ranks():
+    yield
+    _ranks.shutdown()
+
+
+def _run(capsys, table: str, specs: list[dict], db: str, tmp_path, *extra, rc: int = 0) -> dict:
+    path = tmp_path / f"{table}-specs.json"
+    path.write_text(json.dumps({"specs": specs}))
+    code = main(["run", table, "--backend", "gloo", "--specs", str(path), "--db", db, "--json", *extra])
+    out = capsys.readouterr().out
+    assert code == rc, out
+    return json.loads(out)
+
+
+# ---- the registry ------------------------------------------------------------------------------------------------
+
+def test_kprof_list_shows_the_collectives(capsys):
+    assert main(["list", "--json"]) == 0
+    docs = {(d["table"], d["backend"]): d for d in json.loads(capsys.readouterr().out)["entries"]}
+    for table in TABLES:
+        for backend, device, gpus, env in (("nccl", "cuda", "world_size", "cuda_env"), ("gloo", "cpu", 1, "default_env")):
+            d = docs[(table, backend)]
+            assert (d["metric_family"], d["device"], d["gpus"], d["subprocess_env"]) == ("comm", device, gpus, env)
+            assert d["args"] == ["message_size_bytes", "dtype", "world_size"]
+            assert "nccl-tests" in d["contract"]["layout"] and d["contract"]["profiler_revision"] == 1
+    assert main(["list"]) == 0
+    assert "all_to_all" in capsys.readouterr().out
+    assert {e.table for e in entries() if e.metric_family == "comm"} == set(TABLES)
+
+
+@pytest.mark.parametrize("table, spec, field", [
+    ("all_reduce", {"message_size_bytes": 1023, "dtype": "bf16", "world_size": 2}, "message_size_bytes"),
+    ("all_gather", {"message_size_bytes": 1000, "dtype": "fp32", "world_size": 8}, "message_size_bytes"),
+    ("all_to_all", {"message_size_bytes": 1024, "dtype": "fp32", "world_size": 0}, "world_size"),
+    ("reduce_scatter", {"message_size_bytes": 0, "dtype": "fp32", "world_size": 2}, "message_size_bytes"),
+    ("all_reduce", {"message_size_bytes": 1024, "dtype": "int8", "world_size": 2}, "dtype"),
+    ("all_reduce", {"message_size_bytes": 1024, "dtype": "fp32", "world_size": 2, "ranks": 2}, "ranks"),
+])
+def test_bad_specs_are_refused_naming_the_field(table, spec, field, tmp_path, capsys):
+    db = str(tmp_path / "p.db")
+    code = main(["run", table, "--backend", "gloo", "--spec", json.dumps(spec), "--db", db])
+    err = capsys.readouterr().err
+    assert code == 2 and f'"{field}"' in err and "spec 0" in err, err
+    assert not os.path.exists(db)  # nothing written
+
+
+def test_split_collectives_need_whole_parts_per_rank():
+    ok = {"message_size_bytes": 96, "dtype": "fp16", "world_size": 3}
+    msgspec.convert(ok, comm.AllReduceArgs)
+    msgspec.convert(ok, comm.AllGatherArgs)  # 96 = 3 ranks x 16 fp16 elements
+    with pytest.raises(msgspec.ValidationError, match="3 x 4 = 12 bytes"):
+        msgspec.convert({**ok, "dtype": "fp32", "message_size_bytes": 100}, comm.ReduceScatterArgs)
+    msgspec.convert({**ok, "message_size_bytes": 98}, comm.AllReduceArgs)  # all_reduce does not split
+
+
+# ---- the oracle, without processes -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("table", TABLES)
+def test_each_rank_oracle_accepts_the_collective_and_rejects_a_wrong_one(table, monkeypatch):
+    """Rank 1 of 4, with torch.distributed's call replaced by a stand-in that computes what the other ranks would
+    have sent (correct) or gets the chunk order or the sum wrong."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = 4, 1
+    spec = msgspec.convert({"message_size_bytes": 4 * 4 * 6, "dtype": "fp32", "world_size": n},
+                           comm.COLLECTIVES[table].args)
+    c = 6  # elements per rank's part
+    ranks_in = [torch.tensor([(r + 1) * ((i % 7) + 1) for i in range(4 * c)], dtype=torch.float32) for r in range(n)]
+
+    def right(*args):
+        if table == "all_reduce":
+            args[0].copy_(sum(ranks_in))
+        elif table == "all_gather":
+            out, inp = args
+            out.copy_(torch.cat([ranks_in[r][r * c:(r + 1) * c] for r in range(n)]))
+            assert torch.equal(inp, ranks_in[rank][rank * c:(rank + 1) * c])
+        elif table == "reduce_scatter":
+            args[0].copy_(sum(ranks_in)[rank * c:(rank + 1) * c])
+        else:
+            args[0].copy_(torch.cat([ranks_in[j][rank * c:(rank + 1) * c] for j in range(n)]))
+
+    def wrong(*args):
+        right(*args)
+        if table in ("all_reduce", "reduce_scatter"):
+            args[0].sub_(ranks_in[0][:args[0].numel()])  # rank 0's part missing
+        else:
+            args[0].copy_(args[0].view(n, -1).flip(0).reshape(-1))  # chunks in reverse rank order
+
+    name = next(f for f in comm.COLLECTIVES[table].calls if hasattr(dist, f))
+    monkeypatch.setattr(dist, name, right)
+    comm.rank_buffers(table, spec, rank, torch.device("cpu")).check()
+    monkeypatch.setattr(dist, name, wrong)
+    with pytest.raises(WrongResult, match=f"{table} .*rank 1, element"):
+        comm.rank_buffers(table, spec, rank, torch.device("cpu")).check()
+
+
+# ---- gloo end to end ---------------------------------------------------------------------------------------------
+
+def test_a_rank_that_dies_fails_its_spec_and_the_next_spec_runs(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(_ranks, "EXIT_RANK_FOR_TESTS", 1)  # one-shot: rank 1 exits on receiving the next spec
+    doc = _run(capsys, "all_reduce", _specs(2), str(tmp_path / "p.db"), tmp_path, rc=1)
+    dead, alive = doc["results"]
+    assert dead["status"] == "error" and alive["status"] == "ok"
+    message = dead["error"]["message"]
+    assert "rank 1 of 2" in message and "exited with code 3" in message, message
+    assert _ranks.EXIT_RANK_FOR_TESTS is None
+
+
+def _check_rows(doc: dict, table: str, n: int) -> None:
+    small, large = doc["results"]
+    for r in (small, large):
+        m = r["metrics"]
+        assert r["status"] == "ok", r
+        assert m["message_size_bytes"] == r["spec"]["message_size_bytes"]
+        assert m["time_ms"] > 0 and m["algbw_gbps"] > 0 and m["busbw_gbps"] > 0 and m["energy_j"] is None
+        assert m["algbw_gbps"] == pytest.approx(m["message_size_bytes"] / (m["time_ms"] / 1e3) / 1e9, rel=1e-12)
+        assert m["busbw_gbps"] / m["algbw_gbps"] == pytest.approx(FACTOR[table](n), rel=1e-12)
+        assert r["stats"]["n"] >= 3 and r["stats"]["median"] == m["time_ms"]
+    assert large["metrics"]["time_ms"] > small["metrics"]["time_ms"]  # 4 MiB takes longer than 1 KiB
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_gloo_collectives_end_to_end(n, db, tmp_path, capsys):
+    for table in TABLES:
+        doc = _run(capsys, table, _specs(n), db, tmp_path)
+        _check_rows(doc, table, n)
+        # stored, and read back as they were measured
+        assert main(["query", table, "--backend", "gloo", "--spec", json.dumps(_specs(n)[1]), "--db", db, "--json"]) == 0
+        row = json.loads(capsys.readouterr().out)["results"][0]
+        assert row["status"] == "ok" and row["citation"] == doc["results"][1]["citation"]
+        assert main(["show", row["citation"], "--db", db, "--json"]) == 0
+        notes = json.loads(capsys.readouterr().out)["event"]["method"]["notes"]
+        assert notes["ranks"] == str(n) and notes["algorithm_used"].startswith("torch.distributed.")
+        assert notes["bus_factor"] == comm.COLLECTIVES[table].bus
+
+
+def test_snapshot_plots_busbw_against_size_per_world_size(db, tmp_path, capsys):
+    """The rows of all three world sizes are stored: run (jit) reads them, and its snapshot plots them."""
+    out = tmp_path / "snap"
+    specs = _specs(2) + _specs(4) + _specs(8)
+    doc = _run(capsys, "all_reduce", specs, db, tmp_path, "--output-dir", str(out))
+    assert doc["missing_count"] == 0 and all(r["status"] == "ok" for r in doc["results"])
+    assert sorted(os.listdir(out)) == ["curve.json", "curve.png", "job.meta.json", "request.json", "results.json"]
+    curve = json.loads((out / "curve.json").read_text())
+    assert curve["axes"] == ["message_size_bytes", "dtype", "world_size"]
+    x, metric, series = artifacts.plot_series(curve)
+    assert (x, metric) == ("message_size_bytes", "busbw_gbps")
+    assert sorted(series) == [f"world_size={n}, dtype={d}" for n in (2, 4, 8) for d in ("bf16", "fp32")]
+    by = {(r["spec"]["world_size"], r["spec"]["message_size_bytes"]): r["metrics"]["busbw_gbps"]
+          for r in doc["results"]}
+    assert series["world_size=8, dtype=fp32"] == [(LARGE, by[(8, LARGE)])]
+    assert (out / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- nccl on a GPU host (pytest -m gpu) ----------------------------------------------------------------------------
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() == 0, reason="needs a CUDA GPU")
+def test_nccl_rows_on_the_pool(tmp_path, capsys):
+    """The nccl path through the pool: world_size 2 where two GPUs are usable, else 1 (all_reduce on one rank does no
+    GPU work in NCCL: unsupported there). Rows name the NCCL version, the GPUs and their topology."""
+    n = 2 if _cuda_count() >= 2 else 1
+    db = str(tmp_path / "p.db")
+    for table in TABLES:
+        spec = {"message_size_bytes": 1 << 20, "dtype": "bf16", "world_size": n}
+        doc = _run_nccl(capsys, table, spec, db)
+        r = doc["results"][0]
+        if n == 1 and table == "all_reduce":
+            assert r["status"] == "error" and r["error"]["kind"] == "unsupported", r
+            continue
+        assert r["status"] == "ok", r
+        assert r["metrics"]["busbw_gbps"] == pytest.approx(r["metrics"]["algbw_gbps"] * FACTOR[table](n), rel=1e-12)
+        assert main(["show", r["citation"], "--db", db, "--json"]) == 0
+        event = json.loads(capsys.readouterr().out)["event"]
+        notes = event["method"]["notes"]
+        assert notes["nccl_version"] and notes["gpus"].count("cuda:") == n and "active NVLinks" in notes["topology"]
+        assert event["method"]["timer"] in ("cupti", "events") and len(event["environment"]["gpu_uuid"].split(",")) == n
+
+
+def _run_nccl(capsys, table, spec, db) -> dict:
+    main(["run", table, "--backend", "nccl", "--spec", json.dumps(spec), "--db", db, "--json"])
+    return json.loads(capsys.readouterr().out)
