@@ -10,19 +10,26 @@ from .events import Environment, Failed, Measured, Method, Origin, Provenance, R
 __all__ = ["measured", "failed", "retraction"]
 
 
+def _canonical(event):
+    """The event as its stored bytes decode: an int given for a float field (a clock NVML reports as 1980) becomes
+    1980.0 here, not only after a round trip, so the bytes hashed to its id are the canonical ones that a merge,
+    an audit and a segment reader recompute."""
+    return _codec.event_decoder.decode(_codec.encode(event))
+
+
 def measured(provenance: Provenance, metrics: dict, stats: Stats, method: Method, *,
              environment: Environment = Environment(), origin: Origin = Origin(),
              measured_at: float | None = None, parent: bytes | None = None) -> Measured:
-    return Measured(key=_codec.provenance_key(provenance), provenance=provenance, metrics=metrics, stats=stats,
-                    method=method, environment=environment, origin=origin,
-                    measured_at=time.time() if measured_at is None else measured_at, parent=parent)
+    return _canonical(Measured(key=_codec.provenance_key(provenance), provenance=provenance, metrics=metrics,
+                               stats=stats, method=method, environment=environment, origin=origin,
+                               measured_at=time.time() if measured_at is None else measured_at, parent=parent))
 
 
 def failed(provenance: Provenance, error_kind: str, message: str, *, environment: Environment = Environment(),
            origin: Origin = Origin(), measured_at: float | None = None, parent: bytes | None = None) -> Failed:
-    return Failed(key=_codec.provenance_key(provenance), provenance=provenance, error_kind=error_kind,
-                  message=message, environment=environment, origin=origin,
-                  measured_at=time.time() if measured_at is None else measured_at, parent=parent)
+    return _canonical(Failed(key=_codec.provenance_key(provenance), provenance=provenance, error_kind=error_kind,
+                             message=message, environment=environment, origin=origin,
+                             measured_at=time.time() if measured_at is None else measured_at, parent=parent))
 
 
 def retraction(target_event_id: bytes, key: bytes, reason: str, *, origin: Origin = Origin(),
