@@ -116,7 +116,7 @@ def _entry_and_spec(table: str, backend: str, spec: Any):
 
     entry = lookup(table, backend)
     if entry.metric_family == "comm" or entry.gpus > 1:
-        raise UsageError(f"{table}/{backend} is a communication table ({entry.gpus} GPUs); measure times one "
+        raise UsageError(f"{table}/{backend} is a communication table; measure times one "
                          f"kernel on one GPU with CUPTI: pass a compute table (see `kprof list`)")
     if entry.device != "cuda":
         raise UsageError(f"{table}/{backend} is timed by wall clock on the CPU, not by CUPTI; measure records CUDA "
