@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import shutil
 import socket
 import statistics
@@ -50,6 +49,7 @@ import msgspec
 from ..errors import KprofError, UsageError
 from ..measure.stats import StopRule, summarize
 from ._case import Unsupported, WrongResult
+from ._settings import env_seconds
 
 __all__ = ["CommDevice", "RankGroup", "RankError", "group_for", "shutdown", "EXIT_RANK_FOR_TESTS"]
 
@@ -65,19 +65,6 @@ _TAIL = 1500  # characters of a rank's log quoted in a failure
 
 class RankError(KprofError):
     """A rank failed, died or did not start: the spec fails, and the group is replaced."""
-
-
-def _seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise UsageError(f"{name}={raw!r} is not a number of seconds > 0; e.g. {name}={default:g}")
-    return value
 
 
 # --- the coordinator ------------------------------------------------------------------------------------------
@@ -100,12 +87,12 @@ class RankGroup:
                 with open(self.logs[r], "wb") as log:
                     self.procs.append(subprocess.Popen(
                         [sys.executable, "-m", "kprof.runners._ranks", str(theirs.fileno()), str(r), str(world_size),
-                         backend, os.path.join(self.dir, "store"), str(_seconds("KPROF_RANK_STEP_S", STEP_S))],
+                         backend, os.path.join(self.dir, "store"), str(env_seconds("KPROF_RANK_STEP_S", STEP_S))],
                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                         env=env, close_fds=True))
                 theirs.close()
                 self.conns.append(connection.Connection(mine.detach()))
-            self.info = self._gather(_seconds("KPROF_RANK_START_S", START_S), "start (import torch, init "
+            self.info = self._gather(env_seconds("KPROF_RANK_START_S", START_S), "start (import torch, init "
                                      f"torch.distributed {backend})", "KPROF_RANK_START_S")
         except BaseException:
             self.close(kill=True)
@@ -124,7 +111,7 @@ class RankGroup:
                 c.send(message)
             except OSError:
                 pass  # a dead rank is reported by _gather, with its exit code and log
-        return self._gather(_seconds("KPROF_RANK_STEP_S", STEP_S), what, "KPROF_RANK_STEP_S")
+        return self._gather(env_seconds("KPROF_RANK_STEP_S", STEP_S), what, "KPROF_RANK_STEP_S")
 
     def _gather(self, timeout: float, what: str, knob: str) -> list:
         answers: dict[int, object] = {}

@@ -35,6 +35,7 @@ import msgspec
 
 from ..errors import UsageError
 from ..ledger.events import Environment, Event, Origin
+from ._settings import env_seconds
 from .chunk import Chunk
 from .registry import Entry
 
@@ -67,19 +68,6 @@ class Devices(NamedTuple):
                     f"bypassed)")
         skipped = "; ".join(f"{s['gpu']} skipped: {s['why']}" for s in self.skipped)
         return f"devices: {used}" + (f" ({skipped})" if skipped else "")
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise UsageError(f"{name}={raw!r} is not a number of seconds > 0; e.g. {name}={default:g}")
-    return value
 
 
 def pool_mode() -> str:
@@ -250,8 +238,8 @@ class Pool:
         self._args = (entry.table, entry.backend, msgspec.msgpack.encode(entry.contract), gpu_key, self._spool)
         self.workers: list[_Worker] = []
         self.dropped: list[dict] = []  # devices given up: {device, why}
-        self.spec_timeout_s = _env_float("KPROF_SPEC_TIMEOUT_S", SPEC_TIMEOUT_S)
-        self.start_timeout_s = _env_float("KPROF_WORKER_START_S", START_TIMEOUT_S)
+        self.spec_timeout_s = env_seconds("KPROF_SPEC_TIMEOUT_S", SPEC_TIMEOUT_S)
+        self.start_timeout_s = env_seconds("KPROF_WORKER_START_S", START_TIMEOUT_S)
         self._restarts: dict[str, int] = {}
 
     def __enter__(self) -> "Pool":

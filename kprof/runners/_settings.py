@@ -1,0 +1,23 @@
+"""Settings the runners read from the environment."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import UsageError
+
+__all__ = ["env_seconds"]
+
+
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable `name` (unset or empty: `default`); not a number > 0: a UsageError."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"{name}={raw!r} is not a number of seconds > 0; e.g. {name}={default:g}")
+    return value
