@@ -22,10 +22,11 @@ and hand `kprof.measure.diagnostic` the plain records.
 from __future__ import annotations
 
 import collections
-import threading
+import contextlib
 import time
 
-from .diagnostic import Sample, Window, segment
+from ._nvml_telemetry import Telemetry
+from .diagnostic import Window, segment
 
 __all__ = ["record_window"]
 
@@ -38,50 +39,9 @@ IN_FLIGHT = 3  # batches queued ahead of the GPU at most
 TIME_HOST_S = 0.02  # the host loop is timed over at least this long before the window
 
 
-class _Sampler:
-    """NVML readings of one device at `hz` on a background thread, each with the energy counter and how long the
-    reading took; times are time.perf_counter() values until `samples(zero)` makes them window times."""
-
-    def __init__(self, index: int, hz: float, errors: dict[str, str], energy):
-        from ._nvml_access import _nvml_reading
-
-        self.hz, self.errors, self.energy = hz, errors, energy
-        self.read = _nvml_reading(index, errors)
-        self.rows: list[tuple] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kprof-measure-telemetry", daemon=True)
-
-    def __enter__(self) -> "_Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        period = 1.0 / self.hz
-        due = time.perf_counter()
-        while True:
-            t = time.perf_counter()
-            try:
-                reading = self.read()
-                energy = self.energy() if self.energy is not None else None
-            except Exception as e:  # noqa: BLE001 - the sampler must never break the window
-                self.errors["sampler"] = f"{type(e).__name__}: {e}"
-                return
-            self.rows.append((t, *reading, energy, (time.perf_counter() - t) * 1e3))
-            due += period
-            if due < time.perf_counter():  # fell behind (a slow NVML call): skip ahead, never burst
-                due = time.perf_counter()
-            if self._stop.wait(due - time.perf_counter()):
-                return
-
-    def samples(self, zero: float) -> list[Sample]:
-        return [Sample(t - zero, *rest) for t, *rest in self.rows]
-
-
 def _energy_reader(index: int, errors: dict[str, str]):
+    """NVML's total-energy counter (mJ), read at the window's ends and with each sample; None (why in errors)
+    where the GPU has none."""
     from ._nvml_access import NvmlError, _energy_counter
 
     try:
@@ -221,19 +181,18 @@ def record_window(case, *, duration_s: float, telemetry_hz: float, clear_l2: boo
         notes["batch"] = str(batch)
         torch.cuda.synchronize()
         session.collect()  # the warm-up's and the host timing's records are not the window's
-        sampler = _Sampler(index, telemetry_hz, errors, energy) if telemetry_hz > 0 else None
-        if sampler is not None:
-            sampler.__enter__()
-        try:
+        sampler = Telemetry(index, telemetry_hz, energy=energy) if telemetry_hz > 0 else None
+        with sampler or contextlib.nullcontext():
             e0 = (time.perf_counter(), energy()) if energy is not None else None
             host0, ts0 = time.perf_counter(), session.timestamp()
             iterations = _run(torch, prefix, call, batch, host0, duration_s)
             torch.cuda.synchronize()
             host1 = time.perf_counter()
             e1 = (time.perf_counter(), energy()) if energy is not None else None
-        finally:
-            if sampler is not None:
-                sampler.__exit__(None, None, None)
+        samples = []
+        if sampler is not None:  # its times from the window's zero (host0), not from its own start
+            errors.update(sampler.errors)
+            samples = [s._replace(t=s.t + (sampler.t0 - host0)) for s in sampler.samples]
         kernels, _ = session.collect()
         if sum(1 for k in kernels if k[1] >= ts0) < iterations * (len(pre) + len(names)):
             kernels += session.collect()[0]  # a record may arrive a flush late
@@ -243,7 +202,7 @@ def record_window(case, *, duration_s: float, telemetry_hz: float, clear_l2: boo
         raise TimerError(f"CUPTI recorded {len(launches.duration)} launches of the {iterations * unroll} enqueued; "
                          f"rerun, and report it if it persists")
     return Window(launches=launches, span_s=last_end / 1e9, busy_ns=busy,
-                  samples=sampler.samples(host0) if sampler is not None else [], telemetry_hz=telemetry_hz,
+                  samples=samples, telemetry_hz=telemetry_hz,
                   telemetry_errors=errors,
                   energy=(e0[0] - host0, e0[1], e1[0] - host0, e1[1]) if e0 and e1 else None,
                   kernels=one, prefix=pre if unroll == 1 else (), notes=notes)

@@ -1,5 +1,6 @@
-"""The telemetry sampler: clocks, power, temperature, utilization and clock-event reasons of one GPU, on a
-background thread, while the measured work runs. Public through `kprof.measure.nvml`."""
+"""The telemetry sampler: clocks, power, temperature, utilization and clock-event reasons of one GPU (and, when
+asked, its total-energy counter), on a background thread, while the measured work runs. Public through
+`kprof.measure.nvml`; the measure diagnostic's window samples with it too."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from ._reasons import REASON_BITS, decode_reasons
 __all__ = ["REASON_BITS", "decode_reasons", "TelemetrySample", "Telemetry", "reasons_seen", "summarize"]
 
 class TelemetrySample(NamedTuple):
-    t: float  # seconds since the capture started
+    """One reading; a field NVML could not give is None."""
+
+    t: float  # seconds since the capture started (the measure diagnostic: from its window's zero)
     sm_mhz: float | None
     mem_mhz: float | None
     power_w: float | None
     temp_c: float | None
     util_pct: float | None
     reasons: int | None  # clock-event reasons bitmask
-
-
+    energy_mj: int | None = None  # NVML's total-energy counter, when the sampler was given `energy`
+    read_ms: float | None = None  # how long the reading (and the energy counter's) took
 
 
 class Telemetry:
@@ -35,11 +38,13 @@ class Telemetry:
         tel.summary(), tel.throttle, tel.samples
 
     `read` replaces the NVML reading (tests, other backends): a callable returning
-    (sm_mhz, mem_mhz, power_w, temp_c, util_pct, reasons). A field NVML cannot give is None, and why is in
+    (sm_mhz, mem_mhz, power_w, temp_c, util_pct, reasons). `energy`, when given, is read with each sample (NVML's
+    total-energy counter in mJ: the measure diagnostic's window). A field NVML cannot give is None, and why is in
     `errors`; the work is never interrupted by the sampler.
     """
 
-    def __init__(self, index: int = 0, hz: float = 20.0, *, read: Callable[[], Reading] | None = None):
+    def __init__(self, index: int = 0, hz: float = 20.0, *, read: Callable[[], Reading] | None = None,
+                 energy: Callable[[], int | None] | None = None):
         if not hz > 0:
             raise UsageError(f"telemetry rate must be positive, got {hz} Hz; pass e.g. --telemetry-hz 20")
         self.index, self.hz = index, hz
@@ -47,7 +52,7 @@ class Telemetry:
         self.errors: dict[str, str] = {}
         self.t0 = 0.0  # time.perf_counter() at the start of the capture
         self.started_at = 0.0  # unix seconds at the start of the capture
-        self._read = read
+        self._read, self._energy = read, energy
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,10 +81,11 @@ class Telemetry:
             t = time.perf_counter()
             try:
                 reading = self._read()
+                energy = self._energy() if self._energy is not None else None
             except Exception as e:  # noqa: BLE001 - a sampler failure must not break the measured work
                 self.errors["sampler"] = f"{type(e).__name__}: {e}"
                 return
-            self.samples.append(TelemetrySample(t - self.t0, *reading))
+            self.samples.append(TelemetrySample(t - self.t0, *reading, energy, (time.perf_counter() - t) * 1e3))
             due += period
             if due < time.perf_counter():  # fell behind (slow NVML call): skip ahead, never burst
                 due = time.perf_counter()

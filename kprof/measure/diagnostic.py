@@ -32,9 +32,10 @@ from blake3 import blake3
 
 from ..errors import IntegrityError, KprofError, UsageError
 from ._attribution import TimerError
+from ._nvml_telemetry import TelemetrySample
 from ._reasons import decode_reasons
 
-__all__ = ["FORMAT", "ARTIFACTS", "TOKEN_PREFIX", "DiagnosticError", "Launches", "Sample", "Window", "segment",
+__all__ = ["FORMAT", "ARTIFACTS", "TOKEN_PREFIX", "DiagnosticError", "Launches", "Window", "segment",
            "check_window_args", "check_output_dir", "launch_stats", "drift", "telemetry_summary", "throttle_time",
            "energy_summary", "compare_row", "summarize_window", "runtimes_csv", "telemetry_csv", "token_of",
            "write_outputs", "find_artifact", "default_dirs", "MAX_DURATION_S", "MAX_TELEMETRY_HZ"]
@@ -77,27 +78,13 @@ class Launches(NamedTuple):
     idle_before: array  # GPU idle time since the previous launch's last kernel, its own sweep excluded; 0 first
 
 
-class Sample(NamedTuple):
-    """One telemetry reading; a field NVML could not give is None."""
-
-    t: float  # seconds from the window's zero
-    sm_mhz: float | None
-    mem_mhz: float | None
-    power_w: float | None
-    temp_c: float | None
-    util_pct: float | None
-    reasons: int | None  # clock-event reasons bitmask
-    energy_mj: int | None  # NVML total-energy counter
-    read_ms: float | None = None  # how long the reading took
-
-
 class Window(NamedTuple):
     """What `_diagnostic_window.record_window` recorded."""
 
     launches: Launches
     span_s: float  # first kernel start to last kernel end (all kernels, sweeps included)
     busy_ns: int  # kernel time of every kernel in the window (sweeps and activation rewrites included)
-    samples: list[Sample]  # [] when telemetry was off
+    samples: list[TelemetrySample]  # t from the window's zero, with energy_mj and read_ms; [] when telemetry was off
     telemetry_hz: float  # 0: off
     telemetry_errors: dict[str, str]
     energy: tuple[float, int, float, int] | None  # (t_s, mJ) at the window's two ends, or None without the counter
@@ -281,15 +268,15 @@ def drift(times_s: Sequence[float], values: Sequence[float], bins: int = DRIFT_B
     return out
 
 
-def _inside(samples: Sequence[Sample], span_s: float) -> list[Sample]:
+def _inside(samples: Sequence[TelemetrySample], span_s: float) -> list[TelemetrySample]:
     return [s for s in samples if 0.0 <= s.t <= span_s]
 
 
-def _col(samples: Sequence[Sample], name: str) -> list[float]:
+def _col(samples: Sequence[TelemetrySample], name: str) -> list[float]:
     return [getattr(s, name) for s in samples if getattr(s, name) is not None]
 
 
-def _edges(samples: Sequence[Sample], name: str, span_s: float) -> tuple[float | None, float | None]:
+def _edges(samples: Sequence[TelemetrySample], name: str, span_s: float) -> tuple[float | None, float | None]:
     """Median of the field over the first and the last 10 % of the window (the first / last reading when a slice
     holds none)."""
     have = [s for s in samples if getattr(s, name) is not None]
@@ -300,7 +287,7 @@ def _edges(samples: Sequence[Sample], name: str, span_s: float) -> tuple[float |
     return statistics.median(first), statistics.median(last)
 
 
-def telemetry_summary(samples: Sequence[Sample], span_s: float, hz: float) -> dict:
+def telemetry_summary(samples: Sequence[TelemetrySample], span_s: float, hz: float) -> dict:
     """Sampling coverage (readings inside the window, the rate achieved, gaps longer than two periods and the
     share of the window they leave unsampled, NVML read time) and the clocks, power, temperature and utilization."""
     if hz <= 0:
@@ -346,7 +333,7 @@ def _labels(mask: int | None) -> list[str]:
     return decode_reasons(mask) or ["none"]
 
 
-def throttle_time(samples: Sequence[Sample], span_s: float) -> dict:
+def throttle_time(samples: Sequence[TelemetrySample], span_s: float) -> dict:
     """Seconds and % of the window under each clock-event reason, each reading held until the next one (the first
     reading also covers the window's start): {label: {"s", "pct"}}; "none" is no reason set, "unread" a reading
     NVML refused. A stretch under two reasons counts for both."""
@@ -365,7 +352,7 @@ def throttle_time(samples: Sequence[Sample], span_s: float) -> dict:
     return {k: {"s": v, "pct": 100.0 * v / span_s} for k, v in sorted(totals.items())}
 
 
-def _tick_s(samples: Sequence[Sample]) -> float | None:
+def _tick_s(samples: Sequence[TelemetrySample]) -> float | None:
     """The energy counter's step, as the readings show it: the median time between readings at which it moved
     (an upper bound when the sampler is slower than the counter)."""
     moved = [b.t for a, b in zip(samples, samples[1:]) if a.energy_mj is not None and b.energy_mj is not None
@@ -374,7 +361,7 @@ def _tick_s(samples: Sequence[Sample]) -> float | None:
     return statistics.median(steps) if steps else None
 
 
-def energy_summary(energy: tuple[float, int, float, int] | None, launches: int, samples: Sequence[Sample],
+def energy_summary(energy: tuple[float, int, float, int] | None, launches: int, samples: Sequence[TelemetrySample],
                    error: str | None = None) -> dict:
     """Energy per launch from NVML's total-energy counter read at the window's two ends: the GPU's energy over
     the window over its launches. Each reading is up to one counter step (~0.1 s of power) old, so the relative
@@ -462,7 +449,7 @@ def _cell(v) -> str:
     return str(v)
 
 
-def telemetry_csv(samples: Sequence[Sample]) -> bytes:
+def telemetry_csv(samples: Sequence[TelemetrySample]) -> bytes:
     """telemetry.csv: one row per reading (t_s from the window's zero; readings just before and after it kept);
     an empty cell is a value NVML did not give."""
     rows = ["t_s,sm_mhz,mem_mhz,power_w,temp_c,util_pct,reasons,reason_labels,energy_mj,read_ms\n"]

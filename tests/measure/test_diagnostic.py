@@ -26,9 +26,9 @@ from kprof.cli import main
 from kprof.errors import IntegrityError, UsageError
 from kprof.measure import _diagnostic_window, diagnostic
 from kprof.measure._attribution import TimerError
-from kprof.measure.diagnostic import (Sample, Window, check_window_args, drift, energy_summary,
-                                      find_artifact, launch_stats, segment, summarize_window, telemetry_summary,
-                                      throttle_time, write_outputs)
+from kprof.measure.diagnostic import (Window, check_window_args, drift, energy_summary, find_artifact, launch_stats,
+                                      segment, summarize_window, telemetry_summary, throttle_time, write_outputs)
+from kprof.measure.nvml import TelemetrySample
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SWEEP, WARM, GEMM = "reduce_kernel<int, sum>", "bitwise_or_kernel<uint8>", "nvjet_sm90_tst_256x128_64x4"
@@ -61,7 +61,7 @@ def gemm_kernels(n: int = 300, seed: int = 0) -> list[tuple]:
     return out
 
 
-def telemetry(span: float, hz: float = 20.0, gap: tuple[float, float] | None = None) -> list[Sample]:
+def telemetry(span: float, hz: float = 20.0, gap: tuple[float, float] | None = None) -> list[TelemetrySample]:
     """Readings from just before the window to its end: idle at first, then the power cap; the SM clock falls from
     1980 to 1580 MHz; the energy counter steps 70 J every 0.1 s (700 W). `gap`: no readings in (a, b)."""
     out = []
@@ -73,12 +73,12 @@ def telemetry(span: float, hz: float = 20.0, gap: tuple[float, float] | None = N
         if j and round(t * 1000) % 100 < round(1000 / hz):  # a step each 0.1 s
             energy += 70_000
         reasons = 0x1 if t < 0 else (0x4 if t >= 0.3 * span else 0x0)
-        out.append(Sample(t, 1980 - 400 * max(t, 0) / span, 3201.0, 699.0, 60 + 5 * t / span, 100.0, reasons, energy,
-                          0.4))
+        out.append(TelemetrySample(t, 1980 - 400 * max(t, 0) / span, 3201.0, 699.0, 60 + 5 * t / span, 100.0, reasons,
+                                   energy, 0.4))
     return out
 
 
-def recorded_window(n: int = 300, samples: list[Sample] | None = None, hz: float = 20.0) -> Window:
+def recorded_window(n: int = 300, samples: list[TelemetrySample] | None = None, hz: float = 20.0) -> Window:
     launches, busy, last = segment(gemm_kernels(n), (SWEEP, WARM), (GEMM,), T0)
     span = last / 1e9
     samples = telemetry(span, hz) if samples is None else samples

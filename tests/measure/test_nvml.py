@@ -312,6 +312,26 @@ def test_telemetry_survives_a_failing_reader():
     assert tel.samples == [] and "device fell off the bus" in tel.errors["sampler"]
 
 
+def test_telemetry_reads_the_energy_counter_with_each_sample():
+    counter = iter(range(1_000, 10**9, 70))
+
+    with Telemetry(hz=100, read=lambda: (1500.0, 2619.0, 690.0, 55.0, 100.0, 0x4), energy=lambda: next(counter)) as tel:
+        deadline = time.monotonic() + 30
+        while len(tel.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    energies = [s.energy_mj for s in tel.samples]
+    assert len(energies) >= 3 and energies == list(range(1_000, 1_000 + 70 * len(energies), 70))
+    assert all(s.read_ms is not None and s.read_ms >= 0 for s in tel.samples)
+    assert _sample(0.0).energy_mj is None  # without a counter: None, and the other fields as before
+
+    def broken():
+        raise OSError("energy counter gone")
+
+    with Telemetry(hz=50, read=lambda: (0, 0, 0, 0, 0, 0), energy=broken) as tel:
+        time.sleep(0.05)
+    assert tel.samples == [] and "energy counter gone" in tel.errors["sampler"]
+
+
 def test_telemetry_rejects_a_bad_rate():
     with pytest.raises(UsageError, match="must be positive"):
         Telemetry(hz=0)
