@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from . import _codec
 from .events import Environment, Failed, Measured, Method, Origin, Provenance, Retracted, Stats
 
@@ -14,7 +16,10 @@ def _canonical(event):
     """The event as its stored bytes decode: an int given for a float field (a clock NVML reports as 1980) becomes
     1980.0 here, not only after a round trip, so the bytes hashed to its id are the canonical ones that a merge,
     an audit and a segment reader recompute."""
-    return _codec.event_decoder.decode(_codec.encode(event))
+    try:
+        return _codec.event_decoder.decode(_codec.encode(event))
+    except msgspec.ValidationError:  # a value outside the schema: the ledger's append refuses it, naming it
+        return event
 
 
 def measured(provenance: Provenance, metrics: dict, stats: Stats, method: Method, *,
