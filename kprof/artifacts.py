@@ -9,7 +9,8 @@ import stat
 
 import msgspec
 
-from .errors import SnapshotError, UsageError
+from . import _outdir
+from .errors import SnapshotError
 
 __all__ = ["SNAPSHOT", "check_output_dir", "snapshot", "write_snapshot", "curve", "plot_series"]
 
@@ -17,32 +18,11 @@ SNAPSHOT = ("request.json", "results.json", "curve.json", "job.meta.json")
 _json = msgspec.json.Encoder(order="deterministic")
 
 
-_FIX = "pass a new directory (it is created if absent)"
-
 
 def check_output_dir(path: str) -> None:
     """Refuses a directory the snapshot could not be written to. Creates nothing: a run refused after this (a bad
     spec, an unknown backend) leaves nothing behind; `write_snapshot` creates the directory."""
-    if not path.strip():
-        raise UsageError(f"--output-dir {path!r} is empty; {_FIX}, or omit --output-dir")
-    if os.path.isdir(path):
-        held = [name for name in (*SNAPSHOT, "curve.png") if os.path.lexists(os.path.join(path, name))]
-        if held:
-            raise UsageError(f"--output-dir {path} already holds a snapshot ({', '.join(held)}); snapshots are "
-                             f"immutable: {_FIX}")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UsageError(f"--output-dir {path} is not writable for this user; {_FIX}, or fix its permissions")
-        return
-    if os.path.lexists(path):
-        kind = "a file" if os.path.exists(path) else "a broken link"
-        raise UsageError(f"--output-dir {path} is {kind}, not a directory; {_FIX}")
-    ancestor = os.path.dirname(os.path.abspath(path))
-    while not os.path.isdir(ancestor):  # the nearest existing directory it would be created in
-        if os.path.lexists(ancestor):
-            raise UsageError(f"--output-dir {path} passes through {ancestor}, which is not a directory; {_FIX}")
-        ancestor = os.path.dirname(ancestor)
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UsageError(f"--output-dir {path} cannot be created: {ancestor} is not writable for this user; {_FIX}")
+    _outdir.check_output_dir(path, (*SNAPSHOT, "curve.png"), "a snapshot")
 
 
 def _write_once(path: str, data: bytes) -> None:

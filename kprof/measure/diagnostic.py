@@ -34,6 +34,7 @@ from ..errors import IntegrityError, KprofError, UsageError
 from ._attribution import TimerError
 from ._nvml_telemetry import TelemetrySample
 from ._reasons import decode_reasons
+from .stats import quantile
 
 __all__ = ["FORMAT", "ARTIFACTS", "TOKEN_PREFIX", "DiagnosticError", "Launches", "Window", "segment",
            "check_window_args", "check_output_dir", "launch_stats", "drift", "telemetry_summary", "throttle_time",
@@ -116,31 +117,12 @@ def check_window_args(duration_s, telemetry_hz, *, allow_off: bool = False) -> t
     return d, hz
 
 
-_FIX = "pass a new --output-dir (it is created if absent)"
-
-
 def check_output_dir(path: str) -> None:
     """Refuses a directory the artifacts could not be written to, before any work; creates nothing. A directory
     that already holds a measure output is refused: outputs are immutable, like run snapshots."""
-    if not path.strip():
-        raise UsageError(f"--output-dir {path!r} is empty; {_FIX}, or omit it")
-    if os.path.isdir(path):
-        held = [name for name in ARTIFACTS if os.path.lexists(os.path.join(path, name))]
-        if held:
-            raise UsageError(f"--output-dir {path} already holds a measure output ({', '.join(held)}); outputs are "
-                             f"immutable: {_FIX}")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UsageError(f"--output-dir {path} is not writable for this user; {_FIX}")
-        return
-    if os.path.lexists(path):
-        raise UsageError(f"--output-dir {path} is a file or a broken link, not a directory; {_FIX}")
-    ancestor = os.path.dirname(os.path.abspath(path))
-    while not os.path.isdir(ancestor):
-        if os.path.lexists(ancestor):
-            raise UsageError(f"--output-dir {path} passes through {ancestor}, which is not a directory; {_FIX}")
-        ancestor = os.path.dirname(ancestor)
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UsageError(f"--output-dir {path} cannot be created: {ancestor} is not writable; {_FIX}")
+    from .._outdir import check_output_dir as check
+
+    check(path, ARTIFACTS, "a measure output")
 
 
 # --- kernels -> launches -------------------------------------------------------------------------------------
@@ -201,13 +183,6 @@ def segment(kernels: list, prefix: Sequence[str], call: Sequence[str], t0_ns: in
 
 # --- statistics -------------------------------------------------------------------------------------------------
 
-def _q(xs: Sequence[float], q: float) -> float:
-    pos = q * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def launch_stats(values: Sequence[float]) -> dict:
     """n, median, mean, p1/p10/p90/p99, min, max, stdev and cv of the values (µs); None fields with none."""
     xs = sorted(values)
@@ -217,8 +192,8 @@ def launch_stats(values: Sequence[float]) -> dict:
                 "max": None, "stdev": None, "cv": None}
     mean = math.fsum(xs) / n
     stdev = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
-    return {"n": n, "median": _q(xs, 0.5), "mean": mean, "p1": _q(xs, 0.01), "p10": _q(xs, 0.1),
-            "p90": _q(xs, 0.9), "p99": _q(xs, 0.99), "min": xs[0], "max": xs[-1], "stdev": stdev,
+    return {"n": n, "median": quantile(xs, 0.5), "mean": mean, "p1": quantile(xs, 0.01), "p10": quantile(xs, 0.1),
+            "p90": quantile(xs, 0.9), "p99": quantile(xs, 0.99), "min": xs[0], "max": xs[-1], "stdev": stdev,
             "cv": stdev / mean if mean > 0 else 0.0}
 
 

@@ -7,10 +7,11 @@ import statistics
 
 from .records import SampleStats
 
-__all__ = ["summarize", "median_halfwidth", "StopRule"]
+__all__ = ["summarize", "median_halfwidth", "StopRule", "quantile"]
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of sorted values, interpolated linearly between the two nearest."""
     pos = q * (len(xs) - 1)
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
@@ -29,7 +30,7 @@ def median_halfwidth(xs_sorted: list[float]) -> float:
     half = 0.98 * math.sqrt(n)
     lo = max(0, math.floor(n / 2 - half))
     hi = min(n - 1, math.ceil(n / 2 + half))
-    med = _quantile(xs_sorted, 0.5)
+    med = quantile(xs_sorted, 0.5)
     return (xs_sorted[hi] - xs_sorted[lo]) / 2 / med if med > 0 else math.inf
 
 
@@ -39,9 +40,9 @@ def summarize(samples_ms: list[float], keep: int = 512) -> SampleStats:
     n = len(xs)
     mean = statistics.fmean(xs)
     stdev = statistics.stdev(xs) if n > 1 else 0.0
-    med = _quantile(xs, 0.5)
+    med = quantile(xs, 0.5)
     kept = samples_ms if n <= keep else [samples_ms[round(i * (n - 1) / (keep - 1))] for i in range(keep)]
-    return SampleStats(n=n, median=med, p10=_quantile(xs, 0.1), p90=_quantile(xs, 0.9), mean=mean, stdev=stdev,
+    return SampleStats(n=n, median=med, p10=quantile(xs, 0.1), p90=quantile(xs, 0.9), mean=mean, stdev=stdev,
                  cv=stdev / mean if mean > 0 else 0.0, min=xs[0], max=xs[-1], samples=list(kept))
 
 
@@ -92,6 +93,6 @@ class StopRule:
             half = median_halfwidth(xs)
             if half <= self.target:
                 return "converged"
-            if 2 * half * _quantile(xs, 0.5) <= _resolution(xs) * (1 + 1e-9):
+            if 2 * half * quantile(xs, 0.5) <= _resolution(xs) * (1 + 1e-9):
                 return "resolution"  # the CI spans one tick of the clock: more samples cannot narrow it
         return None
