@@ -200,15 +200,15 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
     from .runners.fill import fill
 
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
-    keys = _keys(entry, gpu_key)
-    spec_keys = [keys.key(s) for s in canonical]
     filled = fill(entry, canonical, gpu_key, db, mode, origin, progress=progress, watch=watch,
                   conflict_dir=conflict_dir)
+    spec_keys = filled.spec_keys
     ledger = _open_for_read(db, missing_ok=True)  # None: nothing was written (a fresh run, or nothing measurable)
     try:
         if mode == "fresh":
             root = filled.root_before or _empty_root(entry, gpu_key)
-            result = _fresh_result(entry, canonical, gpu_key, db, [filled.fresh.get(k) for k in spec_keys], keys, root)
+            result = _fresh_result(entry, canonical, gpu_key, db, [filled.fresh.get(k) for k in spec_keys], spec_keys,
+                                   root)
         else:
             result = _query(entry, canonical, gpu_key, db, ledger, mode)
         for doc, k in zip(result.results, spec_keys):
@@ -228,12 +228,12 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
             ledger.close()
 
 
-def _fresh_result(entry, canonical, gpu_key, db, events, keys: KeyMaker, root: bytes) -> QueryResult:
+def _fresh_result(entry, canonical, gpu_key, db, events, spec_keys: list[bytes], root: bytes) -> QueryResult:
     """Rows straight from this run's measurements (None: not measured); nothing was written, so no row is
     citable."""
-    rows = [Row(spec, "missing", keys.key(spec)) if ev is None else
+    rows = [Row(spec, "missing", k) if ev is None else
             Row(spec, "ok" if type(ev) is Measured else "error", ev.key, event_id(encode(ev)), summary_of(ev),
-                ev.provenance) for spec, ev in zip(canonical, events)]
+                ev.provenance) for spec, ev, k in zip(canonical, events, spec_keys)]
     result = _result(entry, gpu_key, db, "fresh", root, rows, canonical)
     for doc in result.results:
         doc["citation"] = None

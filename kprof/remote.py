@@ -20,14 +20,15 @@ from typing import Any, Callable
 
 import msgspec
 
-from .api import QueryResult, _empty_root, _keys, _prepare, _query, _result
+from .api import QueryResult, _empty_root, _fresh_result, _keys, _prepare, _query
 from .errors import MergeConflict, UsageError
 from .ledger import Ledger
 from .ledger._codec import encode, event_decoder, event_id
-from .ledger.events import Measured, Origin, summary_of
-from .ledger.view import Row
+from .ledger.events import Measured, Origin
 from .runners import remote as _remotes
+from .merge import segment
 from .runners.chunk import Chunk
+from .runners.fill import to_measure
 from .runners.remote import CONFIG, load_remote
 
 __all__ = ["RemoteResult", "run_remote"]
@@ -57,8 +58,8 @@ def _segment_events(path: str) -> list:
 
 
 def _store(directory: str, data: bytes) -> str:
-    """The segment's bytes at DIR/<first 32 hex digits of its digest>.kseg (as kprof.merge.segment names it)."""
-    named = os.path.join(directory, data[-32:].hex()[:32] + ".kseg")
+    """The segment's bytes at the name kprof.merge.segment gives its content in DIR."""
+    named = segment.named(directory, data[-32:])
     if not os.path.exists(named):
         tmp = f"{named}.part"
         with open(tmp, "wb") as f:
@@ -125,12 +126,7 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     else:
         ledger_id, before_root, before_rows = "", _empty_root(entry, gpu_key), [None] * len(canonical)
     spec_keys = [_keys(entry, gpu_key).key(s) for s in canonical]
-    todo, seen = [], set()
-    for i, k in enumerate(spec_keys):  # one measurement per key, as in api.run
-        if k in seen or (mode == "jit" and before_rows[i] is not None and before_rows[i].status == "ok"):
-            continue
-        seen.add(k)
-        todo.append(i)
+    todo = to_measure(spec_keys, before_rows, mode)  # one measurement per key, as in api.run
     parents = {r.key: r.event_id for r in before_rows if r is not None and r.event_id is not None}
 
     executor = _remotes.executor_for(target, entry.device, output_dir) if todo else None
@@ -197,7 +193,10 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
         _write_json(record_path, record)
 
     if mode == "fresh":
-        res = _fresh(entry, canonical, gpu_key, db, [fresh.get(k) for k in spec_keys], spec_keys, before_root)
+        res = _fresh_result(entry, canonical, gpu_key, db, [fresh.get(k) for k in spec_keys], spec_keys, before_root)
+        for doc, k in zip(res.results, spec_keys):
+            if k in errored:
+                doc["error"] = errored[k]
     else:
         with Ledger.open(db, readonly=True) as ledger:
             res = _query(entry, canonical, gpu_key, db, ledger, mode)
@@ -241,18 +240,3 @@ def _merge(db: str, path: str, output_dir: str, chunk_doc: dict, record: dict, r
     record["merged"]["added"] += added
     record["merged"]["existing"] += existing
     return report
-
-
-def _fresh(entry, canonical, gpu_key, db, events, spec_keys, before_root) -> QueryResult:
-    """Rows straight from the returned events (nothing was merged, so none is citable); a spec whose chunk
-    failed is missing."""
-    rows = [Row(spec, "missing", k) if ev is None else
-            Row(spec, "ok" if type(ev) is Measured else "error", ev.key, event_id(encode(ev)), summary_of(ev),
-                ev.provenance) for spec, ev, k in zip(canonical, events, spec_keys)]
-    result = _result(entry, gpu_key, db, "fresh", before_root, rows, canonical)
-    for doc, ev in zip(result.results, events):
-        doc["citation"] = None
-        if ev is not None and type(ev) is not Measured:
-            doc["status"] = "error"
-            doc["error"] = {"kind": ev.error_kind, "message": ev.message}
-    return result

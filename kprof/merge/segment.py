@@ -28,7 +28,8 @@ from blake3 import blake3
 
 from ..errors import UsageError
 
-__all__ = ["SegmentHeader", "SegmentError", "Run", "FORMAT", "write", "read", "runs", "header_of", "digest_of"]
+__all__ = ["SegmentHeader", "SegmentError", "Run", "FORMAT", "write", "read", "runs", "header_of", "digest_of",
+           "named"]
 
 MAGIC, FOOTER = b"KPROFSEG", b"KPROFEND"
 FORMAT = 1
@@ -106,13 +107,19 @@ def _write_named(directory: str, events: Iterable[bytes], ledger_id: str, count:
     os.unlink(tmp)
     try:
         write(tmp, events, ledger_id, count)
-        named = os.path.join(directory, digest_of(tmp).hex()[:32] + ".kseg")
-        if not os.path.exists(named):  # that content is there already: kept as it is
-            os.replace(tmp, named)
+        target = named(directory, digest_of(tmp))
+        if not os.path.exists(target):  # that content is there already: kept as it is
+            os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return named
+    return target
+
+
+def named(directory: str, digest: bytes) -> str:
+    """Where the segment of this digest lies in a directory of content-named segments."""
+    return os.path.join(directory, digest.hex()[:32] + ".kseg")
+
 
 
 def digest_of(path: str) -> bytes:

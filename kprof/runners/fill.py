@@ -31,7 +31,7 @@ from ..ledger.keys import KeyMaker, ShapeCodec
 from .pool import Device, Devices, Pool, Result, need_of, pool_mode, usable_devices
 from .registry import Entry
 
-__all__ = ["fill", "Filled"]
+__all__ = ["fill", "Filled", "to_measure"]
 
 WAIT_S = 0.5  # between looks at keys another run is measuring
 
@@ -43,15 +43,25 @@ class Filled(NamedTuple):
     timed_seconds: float
     pool: dict  # where it ran: devices, forced_by, idle_guard, skipped, dropped, waited_for
     root_before: bytes | None  # the scope's view root before this run (None: no ledger file yet)
+    spec_keys: list[bytes]  # each spec's key, in the request's order
+
+
+def to_measure(spec_keys: list[bytes], rows: list, mode: str) -> list[int]:
+    """The specs the mode leaves to measure, given their rows now (None: no row): the first of each key, every key
+    for force and fresh, only those without an ok row for jit."""
+    first_of: dict[bytes, int] = {}
+    for i, k in enumerate(spec_keys):
+        first_of.setdefault(k, i)
+    return sorted(i for i in first_of.values() if mode != "jit" or _still_wanted(mode, rows[i], rows[i]))
 
 
 class _InProcess:
     """This process as the only worker (KPROF_POOL=off, or one CPU slot)."""
 
-    def __init__(self, entry: Entry, gpu_key: str):
+    def __init__(self, entry: Entry, gpu_key: str, spec_keys: list[bytes]):
         from .worker import prepare_device
 
-        self.entry, self.gpu_key = entry, gpu_key
+        self.entry, self.gpu_key, self.spec_keys = entry, gpu_key, spec_keys
         self.device = prepare_device(entry, gpu_key)
         self.dropped: list[dict] = []
 
@@ -64,17 +74,15 @@ class _InProcess:
     def measure(self, items, origin: Origin, failed_event, watch=None):
         from .worker import measure_specs
 
-        keys = KeyMaker(self.entry.table, self.entry.backend, self.gpu_key, self.entry.contract,
-                        ShapeCodec(self.entry.args))
-        parents = {keys.key(spec): parent for _i, spec, parent in items if parent is not None}
+        parents = {self.spec_keys[i]: parent for i, _spec, parent in items if parent is not None}
         label = getattr(self.device, "name", "cpu")
-        for n, outcome in enumerate(measure_specs(self.entry, [spec for _i, spec, _p in items], self.gpu_key,
-                                                  origin=origin, parents=parents, device=self.device)):
-            if watch:
-                watch(label, None)
+        if watch and items:
+            watch(label, items[0][1])
+        for outcome in measure_specs(self.entry, [spec for _i, spec, _p in items], self.gpu_key, origin=origin,
+                                     parents=parents, device=self.device):
             yield Result(items[outcome.index][0], outcome.event, None, outcome.seconds, outcome.timed_seconds, label)
-            if watch and n + 1 < len(items):
-                watch(label, items[n + 1][1])
+            if watch:
+                watch(label, items[outcome.index + 1][1] if outcome.index + 1 < len(items) else None)
 
 
 def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin: Origin, *,
@@ -82,9 +90,6 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
          watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None) -> Filled:
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
     spec_keys = [keys.key(s) for s in canonical]
-    first_of: dict[bytes, int] = {}
-    for i, k in enumerate(spec_keys):
-        first_of.setdefault(k, i)
 
     def query(ledger):
         if ledger is None:
@@ -100,12 +105,12 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
             root_before, before = query(reader)
     else:
         root_before, before = query(None)
-    todo = sorted(i for i in first_of.values() if mode != "jit" or _still_wanted(mode, before[i], before[i]))
+    todo = to_measure(spec_keys, before, mode)
     errored: dict[bytes, dict] = {}
     info: dict = {"devices": [], "forced_by": None, "idle_guard": False, "skipped": [], "dropped": [],
                   "waited_for": 0}
     if not todo:
-        return Filled(errored, {}, 0, 0.0, info, root_before)
+        return Filled(errored, {}, 0, 0.0, info, root_before, spec_keys)
 
     # 2. the devices
     pmode = pool_mode()
@@ -129,14 +134,14 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
                                             + (f" ({verdicts})" if verdicts else "")}
     todo = [i for i in todo if i not in set(short)]
     if not todo:
-        return Filled(errored, {}, 0, 0.0, info, root_before)
+        return Filled(errored, {}, 0, 0.0, info, root_before, spec_keys)
     levels: dict[int, list[int]] = {}  # devices per spec -> the specs needing that many, each level its own workers
     for i in todo:
         levels.setdefault(need_of(entry, canonical[i]), []).append(i)
 
     def workers_for(n: int):
         if info.get("in_process"):
-            return _InProcess(entry, gpu_key)
+            return _InProcess(entry, gpu_key, spec_keys)
         return Pool(entry, gpu_key, groups(devices.devices, n))
 
     # 3. and 4.
@@ -164,7 +169,7 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
             state.fill(workers, levels[n], errored, rows_of)
             info["dropped"].extend(workers.dropped)
     info["waited_for"] = len(state.waited)
-    return Filled(errored, state.fresh, state.measured, state.timed, info, root_before)
+    return Filled(errored, state.fresh, state.measured, state.timed, info, root_before, spec_keys)
 
 
 def groups(devices: list[Device], n: int) -> list[Device]:

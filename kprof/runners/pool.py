@@ -34,6 +34,7 @@ from typing import Callable, Iterator, NamedTuple
 import msgspec
 
 from ..errors import UsageError
+from ..ledger._codec import event_decoder
 from ..ledger.events import Environment, Event, Origin
 from ._settings import env_seconds
 from .chunk import Chunk
@@ -186,7 +187,7 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
         chunk = Chunk.decode(message)
         for outcome, data in measure_chunk(chunk, device):
             path = segment.write(spool, [data], chunk.origin.ledger_id, 1)
-            conn.send(("event", outcome.index, path, outcome.seconds, outcome.timed_seconds))
+            conn.send(("event", outcome.index, path, data, outcome.seconds, outcome.timed_seconds))
         conn.send(("idle",))
 
 
@@ -313,8 +314,8 @@ class Pool:
             w.refusal = (message[1], message[2])
             self._drop(w, f"{message[1]}: {message[2]}")
         elif kind == "event":
-            _, index, path, seconds, timed = message
-            on_event(w, index, path, seconds, timed)
+            _, index, path, data, seconds, timed = message
+            on_event(w, index, path, seconds, timed, data=data)
         elif kind == "idle":
             w.state, w.item = "ready", None
 
@@ -348,21 +349,12 @@ class Pool:
         done: list[Result] = []
         outstanding = len(items)
 
-        def on_event(w, index, path, seconds, timed, failure=None):
+        def on_event(w, index, path, seconds, timed, failure=None, data=None):
             nonlocal outstanding
             if failure is not None:
                 event, path = failed_event(index, failure[0], failure[1], w.env), None
-            else:
-                from ..ledger._codec import stored_event
-                from ..merge import segment
-
-                event = None
-                for data in segment.read(path):
-                    from ..ledger._codec import event_id
-
-                    event = stored_event(data, event_id(data))
-                if event is None:
-                    raise UsageError(f"worker segment {path} holds no event")
+            else:  # the event as the worker sent it (its segment, which the caller merges, is checked there)
+                event = event_decoder.decode(data)
                 if w.item is not None and w.item[0] == index:
                     w.item = None
                 self._restarts[w.device.label] = 0  # a worker that delivers resets its device's count
