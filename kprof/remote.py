@@ -29,7 +29,7 @@ from .runners import remote as _remotes
 from .merge import segment
 from .runners.chunk import Chunk
 from .runners.fill import to_measure
-from .runners.remote import CONFIG, load_remote
+from .runners.remote_config import CONFIG, load_remote
 
 __all__ = ["RemoteResult", "run_remote"]
 

@@ -98,7 +98,8 @@ def diagnose(table: str, backend: str, spec: Any, *, output_dir: str | None = No
                        "duration_s": duration_s, "telemetry_hz": telemetry_hz},
               "device": device, "started_at": started.isoformat(timespec="seconds"), "command": command,
               "ledger_access": "read-only lookup of this spec's row; never written"}
-    from ..measure.diagnostic import summarize_window, write_outputs
+    from ..measure.diagnostic import summarize_window
+    from ..measure.diagnostic_files import write_outputs
 
     summary = summarize_window(window, header, _ledger_row(entry, canonical, gpu_key, db_path, clear_l2, cuda_graph))
     summary = write_outputs(out, window, summary)

@@ -56,7 +56,7 @@ def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event 
 
 def _show_measure(ref: str, dirs: list[str] | None, json: bool) -> int:
     """A kmeasure.<hex> citation: the artifact's path and what it holds (its bytes hashed again on the way)."""
-    from ..measure.diagnostic import find_artifact
+    from ..measure.diagnostic_files import find_artifact
 
     doc = find_artifact(ref, dirs)
     if json:

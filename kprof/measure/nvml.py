@@ -34,6 +34,7 @@ __all__ = [
     "gpu_environment",
     "idle_gpus",
     "gpu_inventory",
+    "gpu_topology",
     "GpuState",
     "REASON_BITS",
     "decode_reasons",
@@ -220,3 +221,41 @@ def idle_gpus(max_mem_used_mib: float = IDLE_MAX_MEM_USED_MIB, max_util: float =
         return [g.ordinal for g in gpu_inventory(max_mem_used_mib, max_util) if g.idle]
     except NvmlError:
         return []
+
+
+# --- topology --------------------------------------------------------------------------------------------
+
+_PCIE_LEVELS = {0: "same board", 10: "PCIe switch", 20: "PCIe switches", 30: "PCIe host bridge", 40: "CPU (same NUMA node)",
+           50: "CPU interconnect (across NUMA nodes)"}
+
+
+def gpu_topology(n: int) -> tuple[str, str]:
+    """For each pair of the first n CUDA devices: "NVLink" where NVML reports NVLink peer-to-peer, else the PCIe
+    path (NVML's common ancestor); and each GPU's active NVLink count. ("", reason) without NVML."""
+    try:
+        nv = _nvml()
+        handles = [device_handle(i) for i in range(n)]
+        parts, why = [], []
+        for i in range(n):
+            for j in range(i + 1, n):
+                try:
+                    nvlink = nv.nvmlDeviceGetP2PStatus(handles[i], handles[j], nv.NVML_P2P_CAPS_INDEX_NVLINK) == \
+                        nv.NVML_P2P_STATUS_OK
+                    how = "NVLink" if nvlink else _PCIE_LEVELS.get(
+                        int(nv.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])), "PCIe")
+                except nv.NVMLError as e:
+                    how, _ = "?", why.append(f"cuda:{i}-cuda:{j}: {e}")
+                parts.append(f"cuda:{i}-cuda:{j} {how}")
+        links = []
+        for i, h in enumerate(handles):
+            active = 0
+            for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    active += nv.nvmlDeviceGetNvLinkState(h, link) == nv.NVML_FEATURE_ENABLED
+                except nv.NVMLError:
+                    break  # past the device's last link, or no NVLink
+            links.append(f"cuda:{i} {active}")
+        text = "; ".join(parts) + ("; " if parts else "") + "active NVLinks: " + ", ".join(links)
+        return text, "; ".join(why)
+    except Exception as e:  # noqa: BLE001 - best effort: recorded in the row's environment errors
+        return "", f"{type(e).__name__}: {e}"

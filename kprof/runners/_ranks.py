@@ -48,6 +48,7 @@ import msgspec
 from ..errors import KprofError, UsageError
 from ..measure.stats import StopRule, summarize
 from ._case import Unsupported, WrongResult
+from ..measure.nvml import gpu_topology
 from ._settings import env_seconds
 
 __all__ = ["CommDevice", "RankGroup", "RankError", "group_for", "shutdown", "EXIT_RANK_FOR_TESTS"]
@@ -359,7 +360,7 @@ class CommDevice:
         """How the group's GPUs are linked, from NVML (best effort): (text, why it is incomplete)."""
         key = os.environ.get("CUDA_VISIBLE_DEVICES", "") + f"/{n}"
         if key not in self._topology:
-            self._topology[key] = _topology(n)
+            self._topology[key] = gpu_topology(n)
         return self._topology[key]
 
     def recover(self) -> None:
@@ -370,42 +371,3 @@ def _bus(table: str) -> str:
     from .comm import COLLECTIVES
 
     return COLLECTIVES[table].bus
-
-
-_LEVELS = {0: "same board", 10: "PCIe switch", 20: "PCIe switches", 30: "PCIe host bridge", 40: "CPU (same NUMA node)",
-           50: "CPU interconnect (across NUMA nodes)"}
-
-
-def _topology(n: int) -> tuple[str, str]:
-    """For each pair of the first n CUDA devices: "NVLink" where NVML reports NVLink peer-to-peer, else the PCIe
-    path (NVML's common ancestor); and each GPU's active NVLink count. ("", reason) without NVML."""
-    try:
-        from ..measure.nvml import device_handle
-        from ..measure._nvml_access import _nvml
-
-        nv = _nvml()
-        handles = [device_handle(i) for i in range(n)]
-        parts, why = [], []
-        for i in range(n):
-            for j in range(i + 1, n):
-                try:
-                    nvlink = nv.nvmlDeviceGetP2PStatus(handles[i], handles[j], nv.NVML_P2P_CAPS_INDEX_NVLINK) == \
-                        nv.NVML_P2P_STATUS_OK
-                    how = "NVLink" if nvlink else _LEVELS.get(
-                        int(nv.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])), "PCIe")
-                except nv.NVMLError as e:
-                    how, _ = "?", why.append(f"cuda:{i}-cuda:{j}: {e}")
-                parts.append(f"cuda:{i}-cuda:{j} {how}")
-        links = []
-        for i, h in enumerate(handles):
-            active = 0
-            for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
-                try:
-                    active += nv.nvmlDeviceGetNvLinkState(h, link) == nv.NVML_FEATURE_ENABLED
-                except nv.NVMLError:
-                    break  # past the device's last link, or no NVLink
-            links.append(f"cuda:{i} {active}")
-        text = "; ".join(parts) + ("; " if parts else "") + "active NVLinks: " + ", ".join(links)
-        return text, "; ".join(why)
-    except Exception as e:  # noqa: BLE001 - best effort: recorded in the row's environment errors
-        return "", f"{type(e).__name__}: {e}"

@@ -28,7 +28,8 @@ from ..ledger import Ledger
 from ..ledger.build import failed
 from ..ledger.events import Environment, Measured, Origin
 from ..ledger.keys import KeyMaker, ShapeCodec
-from .pool import Device, Devices, Pool, Result, need_of, pool_mode, usable_devices
+from .devices import Device, Devices, groups, need_of, pool_mode, usable_devices
+from .pool import Pool, Result
 from .registry import Entry
 
 __all__ = ["fill", "Filled", "to_measure"]
@@ -170,18 +171,6 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
             info["dropped"].extend(workers.dropped)
     info["waited_for"] = len(state.waited)
     return Filled(errored, state.fresh, state.measured, state.timed, info, root_before, spec_keys)
-
-
-def groups(devices: list[Device], n: int) -> list[Device]:
-    """The devices as groups of `n` (a spec needing n GPUs runs on one group): one Device per group, its label the
-    members' joined by '+', its CUDA_VISIBLE_DEVICES theirs joined by ','. Devices left over sit the level out."""
-    if n == 1:
-        return list(devices)
-    out = []
-    for g in range(len(devices) // n):
-        members = devices[g * n:(g + 1) * n]
-        out.append(Device("+".join(d.label for d in members), ",".join(d.visible or "" for d in members)))
-    return out
 
 
 class _State:

@@ -1,8 +1,8 @@
-"""Remotes: where `run --remote NAME` sends its chunks. `remote.yaml` read and validated, and the executors of an
-existing engine (Ray, or Slurm through submitit) that measure chunks and return segments; the run itself (what to
+"""The executors of `run --remote NAME`: an existing engine (Ray, or Slurm through submitit) measuring chunks and
+returning segments. The remotes are read from `remote.yaml` by kprof.runners.remote_config; the run itself (what to
 measure, the merges, remote-run.json) is kprof.remote.
 
-    remote = load_remote("h200", "remote.yaml", ["launch.slurm.time=30"])  # validated; UsageError names the fix
+    remote = load_remote("h200", "remote.yaml", ["launch.slurm.time=30"])  # kprof.runners.remote_config
     executor = executor_for(remote, "cuda", "runs/r1")
 
 A remote is one entry of the untracked `remote.yaml` (`remote.example.yaml` lists every field). An executor runs
@@ -20,217 +20,13 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Iterator
-
-import msgspec
+from typing import Iterator
 
 from ..errors import UsageError
 from .chunk import Chunk, chunk_entry, chunk_segment
+from .remote_config import EXAMPLE, Remote, where
 
-__all__ = ["Remote", "RaySettings", "SlurmSettings", "load_remote", "executor_for", "RayExecutor", "SlurmExecutor",
-           "run_chunk", "FIELDS", "CONFIG"]
-
-CONFIG = "remote.yaml"
-CONFIG_VERSION = 1
-_EXAMPLE = "remote.example.yaml lists every field"
-
-
-# ---- remote.yaml ------------------------------------------------------------------------------------------------
-
-class RaySettings(msgspec.Struct, frozen=True):
-    address: str  # "local" (start a cluster here), "auto" (the running one), or "ray://host:10001"
-    num_cpus: int | None = None  # only with "local"
-    gpus_per_worker: int | None = None  # None: 1 for CUDA backends, 0 for CPU ones
-    runtime_env: dict = {}
-
-
-class SlurmSettings(msgspec.Struct, frozen=True):
-    time: int  # minutes per job
-    partition: str | None = None  # required with cluster "slurm"
-    gpus_per_node: int | None = None  # GPUs each job asks for; None: 1 for CUDA backends, 0 for CPU ones
-    account: str | None = None
-    folder: str | None = None  # submitit's logs and pickles; default OUTPUT_DIR/submitit
-    cluster: str = "slurm"  # slurm | local (submitit's LocalExecutor) | debug (in this process)
-
-
-class Remote(msgspec.Struct, frozen=True):
-    name: str
-    path: str
-    kind: str  # ray | slurm
-    workers: int | None = None  # chunks; None: every GPU/CPU slot of the Ray cluster, 1 Slurm job
-    ray: RaySettings | None = None
-    slurm: SlurmSettings | None = None
-    overrides: list[str] = []
-
-
-class _Field(msgspec.Struct, frozen=True):
-    type: str  # str | int | mapping
-    doc: str
-    choices: tuple = ()
-    minimum: int | None = None
-
-
-# Every settable field, by its dotted name: the name in remote.yaml (nested) and in --remote-set KEY=VALUE.
-FIELDS: dict[str, _Field] = {
-    "kind": _Field("str", "the engine", choices=("ray", "slurm")),
-    "workers": _Field("int", "how many chunks (Ray actors or Slurm jobs)", minimum=1),
-    "launch.ray.address": _Field("str", 'the cluster: "local", "auto" or "ray://HOST:10001"'),
-    "launch.ray.num_cpus": _Field("int", 'CPUs of a cluster started here (address "local" only)', minimum=1),
-    "launch.ray.gpus_per_worker": _Field("int", "GPUs per actor (0 for CPU backends)", minimum=0),
-    "launch.ray.runtime_env": _Field("mapping", "Ray runtime_env of the actors, e.g. {env_vars: {A: b}}"),
-    "launch.slurm.partition": _Field("str", "the Slurm partition"),
-    "launch.slurm.gpus_per_node": _Field("int", "GPUs each job asks for (0 for CPU backends)", minimum=0),
-    "launch.slurm.time": _Field("int", "each job's time limit in minutes", minimum=1),
-    "launch.slurm.account": _Field("str", "the Slurm account"),
-    "launch.slurm.folder": _Field("str", "submitit's folder for logs and pickles"),
-    "launch.slurm.cluster": _Field("str", "submitit's executor", choices=("slurm", "local", "debug")),
-}
-_SECTIONS = {"launch", "launch.ray", "launch.slurm"}
-
-
-def _where(path: str, name: str, field: str) -> str:
-    return f"{path}: remote {name!r}: field {field}"
-
-
-def _flatten(path: str, name: str, doc: dict, prefix: str = "") -> dict[str, Any]:
-    """The remote's mapping as {dotted field: value}; an unknown field is refused, naming the known ones there."""
-    out: dict[str, Any] = {}
-    for key, value in doc.items():
-        dotted = f"{prefix}{key}"
-        if dotted in _SECTIONS:
-            if not isinstance(value, dict):
-                raise UsageError(f"{_where(path, name, dotted)} is {value!r}, not a mapping; nest its fields under "
-                                 f"it ({_EXAMPLE})")
-            out.update(_flatten(path, name, value, dotted + "."))
-        elif dotted in FIELDS:
-            out[dotted] = value
-        else:
-            here = sorted({f[len(prefix):].split(".")[0] for f in [*FIELDS, *_SECTIONS] if f.startswith(prefix)})
-            raise UsageError(f"{_where(path, name, dotted)} is not a remote field; the fields there are "
-                             f"{', '.join(here)} ({_EXAMPLE})")
-    return out
-
-
-def _checked(where: str, field: _Field, value: Any, raw: bool) -> Any:
-    """The value of one field, checked (and parsed when `raw`: a --remote-set string)."""
-    example = f"e.g. {field.choices[0]}" if field.choices else f"({field.doc})"
-    if field.type == "mapping":
-        if raw:
-            import yaml
-
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError:
-                value = None
-        if not isinstance(value, dict):
-            raise UsageError(f"{where} is {value!r}, not a mapping; give one, e.g. {{env_vars: {{KPROF_TIMER: "
-                             f"cupti}}}} {example}")
-        return value
-    if field.type == "int":
-        if raw:
-            try:
-                value = int(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"{where} is {value!r}, not a whole number; give one {example}")
-        if field.minimum is not None and value < field.minimum:
-            raise UsageError(f"{where} is {value}; give a number >= {field.minimum} {example}")
-        return value
-    if not isinstance(value, str) or not value.strip():
-        raise UsageError(f"{where} is {value!r}, not a non-empty string; give one {example}")
-    if field.choices and value not in field.choices:
-        raise UsageError(f"{where} is {value!r}, not one of {', '.join(field.choices)}; {example}")
-    return value
-
-
-def _override(path: str, name: str, item: str) -> tuple[str, str]:
-    key, eq, value = item.partition("=")
-    key = key.strip()
-    if not eq or not key:
-        raise UsageError(f"--remote-set {item!r} is not KEY=VALUE; e.g. --remote-set launch.slurm.time=30")
-    if key not in FIELDS:
-        raise UsageError(f"--remote-set {key}: not a field of a remote; the fields are {', '.join(FIELDS)} "
-                         f"({_EXAMPLE})")
-    return key, value
-
-
-def _read(path: str) -> dict:
-    import yaml
-
-    try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise UsageError(f"{path} not found: --remote reads its named remotes from it; copy remote.example.yaml "
-                         f"to {path} and fill in your remote") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}; check its permissions") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"{path} is not valid YAML{at} ({getattr(exc, 'problem', None) or exc}); fix the "
-                         f"file ({_EXAMPLE})") from None
-    if not isinstance(doc, dict):
-        raise UsageError(f"{path} is not a mapping with a `remotes:` section; {_EXAMPLE}")
-    unknown = sorted(set(doc) - {"version", "remotes"})
-    if unknown:
-        raise UsageError(f"{path}: top-level field {unknown[0]} is not known; the top level holds version and "
-                         f"remotes ({_EXAMPLE})")
-    version = doc.get("version", CONFIG_VERSION)
-    if version != CONFIG_VERSION:
-        raise UsageError(f"{path}: version {version!r}; this kprof reads version {CONFIG_VERSION}: set version: "
-                         f"{CONFIG_VERSION}, or upgrade kprof")
-    remotes = doc.get("remotes")
-    if not isinstance(remotes, dict) or not remotes:
-        raise UsageError(f"{path}: `remotes:` is missing or empty; add a mapping of named remotes ({_EXAMPLE})")
-    return remotes
-
-
-def load_remote(name: str, path: str = CONFIG, overrides: list[str] | tuple = ()) -> Remote:
-    """The remote `name` of the YAML file at `path`, with `overrides` (`--remote-set KEY=VALUE`, KEY one of FIELDS)
-    applied for this call. Every field is checked: a bad one is a UsageError naming the file, remote, field and
-    fix. Only the section of the remote's kind (launch.ray or launch.slurm) must be complete."""
-    if not name or not name.strip():
-        raise UsageError("--remote is empty; pass the name of a remote of remote.yaml")
-    remotes = _read(path)
-    if name not in remotes:
-        raise UsageError(f"{path} has no remote {name!r}; it has {', '.join(map(repr, remotes))}: pass one of "
-                         f"those to --remote, or add {name!r} to {path}")
-    doc = remotes[name]
-    if not isinstance(doc, dict):
-        raise UsageError(f"{path}: remote {name!r} is {doc!r}, not a mapping of its fields ({_EXAMPLE})")
-    values = {k: _checked(_where(path, name, k), FIELDS[k], v, raw=False)
-              for k, v in _flatten(path, name, doc).items()}
-    for item in overrides:
-        key, value = _override(path, name, item)
-        values[key] = _checked(f"--remote-set {key}", FIELDS[key], value, raw=True)
-    kind = values.get("kind")
-    if kind is None:
-        raise UsageError(f"{_where(path, name, 'kind')} is missing; set kind: ray or kind: slurm")
-
-    def section(engine: str, required: str, fix: str) -> dict | None:
-        """The fields of launch.<engine>; the section of the remote's kind must have `required`. A section of the
-        other kind is kept only when complete (so that --remote-set kind=... can switch to it)."""
-        prefix = f"launch.{engine}."
-        fields = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
-        if required not in fields:
-            if kind == engine:
-                raise UsageError(f"{_where(path, name, prefix + required)} is missing; {fix}")
-            return None
-        return fields
-
-    ray = section("ray", "address", 'set it to "local", "auto" or "ray://HOST:10001"')
-    slurm = section("slurm", "time", "set each job's time limit in minutes, e.g. time: 60")
-    if kind == "slurm" and slurm.get("cluster", "slurm") == "slurm" and "partition" not in slurm:
-        raise UsageError(f"{_where(path, name, 'launch.slurm.partition')} is missing; set the Slurm partition "
-                         f"(or launch.slurm.cluster: local to run the jobs on this machine)")
-    if kind == "ray" and "num_cpus" in ray and ray["address"] != "local":
-        raise UsageError(f"{_where(path, name, 'launch.ray.num_cpus')} applies only to address \"local\" (a cluster "
-                         f"started here); {ray['address']!r} names a running cluster: remove num_cpus")
-    return Remote(name, path, kind, values.get("workers"), RaySettings(**ray) if ray else None,
-                  SlurmSettings(**slurm) if slurm else None, list(overrides))
-
+__all__ = ["executor_for", "RayExecutor", "SlurmExecutor", "run_chunk"]
 
 # ---- the worker side --------------------------------------------------------------------------------------------
 
@@ -282,7 +78,7 @@ class RayExecutor:
         self.remote, self.settings, self._ray = remote, remote.ray, ray
         self.gpus = _gpus(self.settings.gpus_per_worker, device)
         if device == "cuda" and self.gpus == 0:
-            raise UsageError(f"{_where(remote.path, remote.name, 'launch.ray.gpus_per_worker')} is 0 and the backend "
+            raise UsageError(f"{where(remote.path, remote.name, 'launch.ray.gpus_per_worker')} is 0 and the backend "
                              f"measures on a CUDA GPU; set it to 1")
         self.owned = not ray.is_initialized()  # a connection made here is closed here; one made before is reused
         if self.owned:
@@ -355,7 +151,7 @@ class SlurmExecutor:
         s = self.settings
         self.gpus = _gpus(s.gpus_per_node, device)
         if device == "cuda" and self.gpus == 0:
-            raise UsageError(f"{_where(remote.path, remote.name, 'launch.slurm.gpus_per_node')} is 0 and the "
+            raise UsageError(f"{where(remote.path, remote.name, 'launch.slurm.gpus_per_node')} is 0 and the "
                              f"backend measures on a CUDA GPU; set it to 1")
         self.folder = s.folder or os.path.join(output_dir, "submitit")
         self.executor = submitit.AutoExecutor(folder=self.folder, cluster=s.cluster)
@@ -405,8 +201,8 @@ def executor_for(remote: Remote, device: str, output_dir: str):
     """The executor of the remote's kind, connected (a Ray cluster joined or started; submitit configured)."""
     if remote.kind == "ray":
         if remote.ray is None:
-            raise UsageError(f"{_where(remote.path, remote.name, 'launch.ray')} is missing; add it ({_EXAMPLE})")
+            raise UsageError(f"{where(remote.path, remote.name, 'launch.ray')} is missing; add it ({EXAMPLE})")
         return RayExecutor(remote, device)
     if remote.slurm is None:
-        raise UsageError(f"{_where(remote.path, remote.name, 'launch.slurm')} is missing; add it ({_EXAMPLE})")
+        raise UsageError(f"{where(remote.path, remote.name, 'launch.slurm')} is missing; add it ({EXAMPLE})")
     return SlurmExecutor(remote, device, output_dir)

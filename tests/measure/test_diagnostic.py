@@ -26,8 +26,9 @@ from kprof.cli import main
 from kprof.errors import IntegrityError, UsageError
 from kprof.measure import _diagnostic_window, diagnostic
 from kprof.measure._attribution import TimerError
-from kprof.measure.diagnostic import (Window, check_window_args, drift, energy_summary, find_artifact, launch_stats,
-                                      segment, summarize_window, telemetry_summary, throttle_time, write_outputs)
+from kprof.measure.diagnostic import (Window, check_window_args, drift, energy_summary, launch_stats, segment,
+                                      summarize_window, telemetry_summary, throttle_time)
+from kprof.measure.diagnostic_files import find_artifact, write_outputs
 from kprof.measure.nvml import TelemetrySample
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 
 from kprof.cli._remote import run_remote_cli
 from kprof.errors import UsageError, exit_code
-from kprof.runners.remote import FIELDS, load_remote
+from kprof.runners.remote_config import FIELDS, load_remote
 
 GOOD = """
 remotes:

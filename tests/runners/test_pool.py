@@ -128,7 +128,7 @@ def test_a_dead_runs_claims_expire(tmp_path):
 def test_a_spec_needing_more_gpus_than_usable_fails_and_nothing_else_is_lost(tmp_path, monkeypatch):
     import kprof.runners.fill as fill
     from kprof import api
-    from kprof.runners.pool import Device, Devices
+    from kprof.runners.devices import Device, Devices
 
     sys.path.insert(0, HERE)
     monkeypatch.setenv("KPROF_RUNNERS", "faulty_runner")
@@ -150,7 +150,7 @@ def test_a_spec_needing_more_gpus_than_usable_fails_and_nothing_else_is_lost(tmp
 def test_forced_gpus_bypass_the_guard_and_bad_values_are_named(monkeypatch):
     from kprof.errors import UsageError
     from kprof.measure import nvml
-    from kprof.runners import pool
+    from kprof.runners import devices
     from kprof.runners.registry import lookup
 
     entry = lookup("single_gemm", "torch")
@@ -160,23 +160,22 @@ def test_forced_gpus_bypass_the_guard_and_bad_values_are_named(monkeypatch):
     monkeypatch.setattr(nvml, "gpu_inventory", lambda *a, **k: [busy, idle, other])
     monkeypatch.delenv("KPROF_PROFILE_GPUS", raising=False)
     monkeypatch.delenv("VIBESIM_PROFILE_GPUS", raising=False)
-    d = pool.usable_devices(entry, "NVIDIA H200")
-    assert d.devices == [pool.Device("gpu1", "GPU-b")] and d.guarded and d.forced is None
+    d = devices.usable_devices(entry, "NVIDIA H200")
+    assert d.devices == [devices.Device("gpu1", "GPU-b")] and d.guarded and d.forced is None
     assert [s["gpu"] for s in d.skipped] == ["gpu0", "gpu2"] and "compute process" in d.skipped[0]["why"]
     assert "not a NVIDIA H200" in d.skipped[1]["why"]
     monkeypatch.setenv("VIBESIM_PROFILE_GPUS", "0,1")
-    d = pool.usable_devices(entry, "NVIDIA H200")
-    assert d.devices == [pool.Device("gpu0", "GPU-a"), pool.Device("gpu1", "GPU-b")]
+    d = devices.usable_devices(entry, "NVIDIA H200")
+    assert d.devices == [devices.Device("gpu0", "GPU-a"), devices.Device("gpu1", "GPU-b")]
     assert d.forced == "VIBESIM_PROFILE_GPUS" and not d.guarded and "bypassed" in d.sentence()
     for bad in ("x", "0,0", "-1", "7"):
         monkeypatch.setenv("KPROF_PROFILE_GPUS", bad)
         with pytest.raises(UsageError, match="KPROF_PROFILE_GPUS"):
-            pool.usable_devices(entry, "NVIDIA H200")
+            devices.usable_devices(entry, "NVIDIA H200")
 
 
 def test_a_spec_needing_n_gpus_runs_on_a_group_of_n():
-    from kprof.runners.fill import groups
-    from kprof.runners.pool import Device, need_of
+    from kprof.runners.devices import Device, groups, need_of
     from kprof.runners.registry import lookup
 
     gpus = [Device(f"gpu{i}", f"GPU-{i}") for i in range(5)]
