@@ -18,8 +18,10 @@ from typing import Callable, NamedTuple, Sequence
 import msgspec
 
 from ..errors import UsageError
+from ._nvml_access import NvmlError
 
-__all__ = ["EnergyResult", "TickPoint", "tick_points", "steady_points", "fit_power", "measure_energy"]
+__all__ = ["EnergyResult", "TickPoint", "CounterPolls", "tick_points", "steady_points", "fit_power", "measure_energy",
+           "settled_energy"]
 
 
 class EnergyResult(msgspec.Struct, frozen=True):
@@ -101,6 +103,75 @@ def fit_power(points: Sequence[TickPoint]) -> tuple[float, float]:
     return slope / 1000, max(stderr, timing) / slope
 
 
+class CounterPolls:
+    """A thread reading the energy counter every `poll_s` while the caller runs work: `polls` holds (host time just
+    before the read, counter mJ). A failing counter is an NvmlError when the block ends. The interpreter's switch
+    interval is lowered meanwhile: with the default 5 ms a host-bound caller would delay the poller by up to 5 ms,
+    widening the interval each counter step is known to lie in."""
+
+    def __init__(self, counter: Callable[[], int], poll_s: float = 0.002):
+        self.counter, self.poll_s = counter, poll_s
+        self.polls: list[tuple[float, int]] = []
+        self._failure: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="kprof-energy", daemon=True)
+
+    def _poll(self) -> None:
+        try:
+            while True:
+                self.polls.append((time.perf_counter(), self.counter()))
+                if self._stop.wait(self.poll_s):
+                    return
+        except BaseException as e:  # noqa: BLE001 - reported when the block ends
+            self._failure.append(e)
+
+    def read(self) -> int:
+        """The counter read on the calling thread (an NvmlError where it fails)."""
+        try:
+            return self.counter()
+        except Exception as e:
+            raise NvmlError(f"reading the energy counter failed: {e}") from e
+
+    def __enter__(self) -> "CounterPolls":
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, 0.0005))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._switch)
+        if self._failure and exc[0] is None:
+            raise NvmlError(f"reading the energy counter failed: {self._failure[0]}") from self._failure[0]
+
+
+class _Power(NamedTuple):
+    power_w: float
+    rel: float
+    method: str
+    points: list[TickPoint]  # the steady steps the fit used
+    tick_s: float | None
+
+
+def _power(polls: CounterPolls, t0: float, t1: float, c0: int, c1: int, method: str = "fit") -> _Power:
+    """Mean power over [t0, t1] from the counter's steps polled inside it (less a leading ramp), or from the two
+    readings c0, c1 at its ends (method "two_read", or fewer than two steps)."""
+    if c1 <= c0:
+        raise NvmlError(f"the energy counter did not advance over {t1 - t0:.2f} s; it steps about every 0.1 s, "
+                        f"so check that the device is the one the calls run on")
+    points = steady_points(tick_points(polls.polls, t0, t1, max_width=max(0.02, 10 * polls.poll_s)))
+    gaps = [b.t - a.t for a, b in zip(points, points[1:])]
+    tick_s = statistics.median(gaps) if gaps else None
+    if method == "fit" and len(points) >= 2:
+        power, rel = fit_power(points)
+        return _Power(power, rel, "nvml-energy-fit" if len(points) >= 3 else "nvml-energy-ticks", points, tick_s)
+    # Each reading lags the true energy by 0..one step: the difference of two uniforms, sigma = step/sqrt(6).
+    window = t1 - t0
+    return _Power((c1 - c0) / window / 1000, (tick_s or 0.1) / math.sqrt(6) / window, "nvml-energy-2read", [],
+                  tick_s)
+
+
 def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Callable[[], object] | None = None,
                    index: int = 0, warmup_s: float = 0.25, method: str = "fit", poll_s: float = 0.002,
                    chunk_s: float = 0.05, counter: Callable[[], int] | None = None) -> EnergyResult:
@@ -121,41 +192,8 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
         raise UsageError(f"unknown energy method {method!r}; use 'fit' or 'two_read'")
     if not seconds > 0:
         raise UsageError(f"the energy window must be positive, got {seconds} s")
-    from ._nvml_access import NvmlError, _energy_counter
-
-    if sync is None:
-        import torch
-
-        sync = torch.cuda.synchronize
-    if counter is None:
-        counter = _energy_counter(index)
-
-    def read() -> int:  # on the main thread: a failing counter is an NvmlError, a failing fn is itself
-        try:
-            return counter()
-        except Exception as e:
-            raise NvmlError(f"reading the energy counter failed: {e}") from e
-
-    polls: list[tuple[float, int]] = []
-    failure: list[BaseException] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        try:
-            while True:
-                polls.append((time.perf_counter(), counter()))  # time taken just before the read
-                if stop.wait(poll_s):
-                    return
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            failure.append(e)
-
-    # The poller needs the GIL to timestamp a read; with the default 5 ms switch interval a host-bound fn
-    # would delay it by up to 5 ms, widening the interval each step is known to lie in.
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(min(switch, 0.0005))
-    thread = threading.Thread(target=poll, name="kprof-energy", daemon=True)
-    thread.start()
-    try:
+    counter, sync = _counter_and_sync(counter, sync, index)
+    with CounterPolls(counter, poll_s) as polls:
         sync()
         t = time.perf_counter()
         fn()
@@ -169,7 +207,7 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
             done += per_chunk
         if done:  # the first call may have paid one-time setup: size chunks from the warm calls
             per_chunk = max(1, int(chunk_s * done / (time.perf_counter() - t)))
-        c0, t0, calls = read(), time.perf_counter(), 0
+        c0, t0, calls = polls.read(), time.perf_counter(), 0
         while True:
             for _ in range(per_chunk):
                 fn()
@@ -177,29 +215,56 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
             calls += per_chunk
             if time.perf_counter() - t0 >= seconds:
                 break
-        t1, c1 = time.perf_counter(), read()
-    finally:
-        stop.set()
-        thread.join()
-        sys.setswitchinterval(switch)
-    if failure:
-        raise NvmlError(f"reading the energy counter failed: {failure[0]}") from failure[0]
-
+        t1, c1 = time.perf_counter(), polls.read()
     window = t1 - t0
-    if c1 <= c0:
-        raise NvmlError(f"the energy counter did not advance over {window:.2f} s; it steps about every 0.1 s, "
-                        f"so check that the device is the one {fn!r} runs on")
-    points = steady_points(tick_points(polls, t0, t1, max_width=max(0.02, 10 * poll_s)))
-    gaps = [b.t - a.t for a, b in zip(points, points[1:])]
-    tick_s = statistics.median(gaps) if gaps else None
-    two_read_w = (c1 - c0) / window / 1000
-    if method == "fit" and len(points) >= 2:
-        power, rel = fit_power(points)
-        name = "nvml-energy-fit" if len(points) >= 3 else "nvml-energy-ticks"
-    else:
-        # Each reading lags the true energy by 0..one step: the difference of two uniforms, sigma = step/sqrt(6).
-        power, rel = two_read_w, (tick_s or 0.1) / math.sqrt(6) / window
-        name = "nvml-energy-2read"
-    return EnergyResult(j_per_call=power * window / calls, calls=calls, window_s=window, power_w=power,
-                        rel_uncertainty=rel, method=name, ticks=len(points), tick_s=tick_s,
-                        two_read_j_per_call=two_read_w * window / calls)
+    p = _power(polls, t0, t1, c0, c1, method)
+    return EnergyResult(j_per_call=p.power_w * window / calls, calls=calls, window_s=window, power_w=p.power_w,
+                        rel_uncertainty=p.rel, method=p.method, ticks=len(p.points), tick_s=p.tick_s,
+                        two_read_j_per_call=(c1 - c0) / window / 1000 * window / calls)
+
+
+def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], None]], object] | None = None,
+                   index: int = 0, counter: Callable[[], int] | None = None, calls_per_step: int = 1,
+                   chunk_s: float = 0.02, poll_s: float = 0.002, ramp_s: float = 0.03) -> tuple[EnergyResult, object]:
+    """Energy per call over one back-to-back run that first settles the GPU, then goes on until it spans `span_s`:
+    the settle's steady part is part of the energy window, not a separate run before it.
+
+    `run` keeps steps running (see kprof.measure._sampling.BackToBack): `run(chunk_s)` enqueues about chunk_s of
+    steps, `run.drain()` waits for them all, and `run.marks` holds (host time, steps completed) as chunks finish.
+    `settle(run)` (the state protocol's settle over those chunks) returns once the clock holds steady; None runs
+    no settle. The mean power is the fit over the counter's steps polled during the run from `ramp_s` on (the
+    power of the first calls is still rising), less any longer leading ramp (`steady_points`); the time per step is taken from the marks from the first step of the fit on, so both
+    cover the same steady calls (a power-capped kernel's, which run slower as the cap pulls the clock down, too).
+    Energy per call = power x time per step / calls_per_step. Returns (EnergyResult, settle's result)."""
+    if not span_s > 0:
+        raise UsageError(f"the energy span must be positive, got {span_s} s")
+    counter, _sync = _counter_and_sync(counter, lambda: None, index)
+    with CounterPolls(counter, poll_s) as polls:
+        c0, t0, n0 = polls.read(), time.perf_counter(), run.enqueued
+        settled = settle(run) if settle is not None else None
+        while time.perf_counter() - t0 < span_s:
+            run(chunk_s)
+        run.drain()
+        t1, c1 = time.perf_counter(), polls.read()
+    p = _power(polls, t0 + ramp_s, t1, c0, c1)
+    calls = (run.enqueued - n0) * calls_per_step
+    start = p.points[0].t if p.points else t0
+    steady = [(t, n) for t, n in run.marks if start <= t <= t1]
+    if len(steady) < 2 or steady[-1][1] <= steady[0][1]:
+        steady = [(t0, n0), (t1, run.enqueued)]
+    per_step = (steady[-1][0] - steady[0][0]) / (steady[-1][1] - steady[0][1])
+    return EnergyResult(j_per_call=p.power_w * per_step / calls_per_step, calls=calls, window_s=t1 - t0,
+                        power_w=p.power_w, rel_uncertainty=p.rel, method=p.method, ticks=len(p.points),
+                        tick_s=p.tick_s, two_read_j_per_call=(c1 - c0) / 1000 / calls), settled
+
+
+def _counter_and_sync(counter, sync, index: int):
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.synchronize
+    if counter is None:
+        from ._nvml_access import _energy_counter
+
+        counter = _energy_counter(index)
+    return counter, sync

@@ -54,23 +54,49 @@ def _settle(torch, call, flush, per_call_s: float, notes: dict, state: StateProt
     notes["settle"] = f"{n} calls in {time.perf_counter() - t:.3f} s"
 
 
-def settle_back_to_back(torch, step: Callable[[], object], per_call_s: float, state: StateProtocol):
-    """state.settle over chunks of `step` (one call, with whatever goes before it) run back to back, two chunks
-    in flight at most: the GPU is read while a chunk runs, and the host never runs far ahead of it. Returns
-    state.settle's result, the device synchronized."""
-    pending = []
+class BackToBack:
+    """Chunks of `step` kept running on the GPU back to back, two chunks in flight at most: `self(chunk_s)` enqueues
+    about chunk_s of steps, then waits for the chunk before it, so the GPU is never idle and the host never runs far
+    ahead. `marks` holds (host time, steps completed) each time a chunk is seen finished. `event()` makes a
+    recordable event (torch.cuda.Event), `sync()` waits for the device (torch.cuda.synchronize)."""
 
-    def run_chunk(chunk_s: float) -> None:
-        for _ in range(max(1, int(chunk_s / max(per_call_s, 1e-7)))):
-            step()
-        done = torch.cuda.Event()
+    def __init__(self, step: Callable[[], object], per_step_s: float, event: Callable[[], object],
+                 sync: Callable[[], object]):
+        self.step, self.per_step_s, self._event, self._sync = step, max(per_step_s, 1e-7), event, sync
+        self.marks: list[tuple[float, int]] = []
+        self._pending: list[tuple[object, int]] = []
+        self.enqueued = 0  # steps enqueued so far
+
+    def __call__(self, chunk_s: float) -> None:
+        n = max(1, int(chunk_s / self.per_step_s))
+        for _ in range(n):
+            self.step()
+        self.enqueued += n
+        done = self._event()
         done.record()
-        pending.append(done)
-        if len(pending) > 1:
-            pending.pop(0).synchronize()
+        self._pending.append((done, self.enqueued))
+        if len(self._pending) > 1:
+            event, steps = self._pending.pop(0)
+            event.synchronize()
+            self.marks.append((time.perf_counter(), steps))
 
-    settled = state.settle(run_chunk)
-    torch.cuda.synchronize()
+    def drain(self) -> None:
+        """Waits for every step enqueued."""
+        self._sync()
+        self._pending.clear()
+        self.marks.append((time.perf_counter(), self.enqueued))
+
+    @classmethod
+    def on_cuda(cls, torch, step: Callable[[], object], per_step_s: float) -> "BackToBack":
+        return cls(step, per_step_s, torch.cuda.Event, torch.cuda.synchronize)
+
+
+def settle_back_to_back(torch, step: Callable[[], object], per_call_s: float, state: StateProtocol):
+    """state.settle over chunks of `step` (one call, with whatever goes before it) run back to back (`BackToBack`):
+    the GPU is read while a chunk runs. Returns state.settle's result, the device synchronized."""
+    run = BackToBack.on_cuda(torch, step, per_call_s)
+    settled = state.settle(run)
+    run.drain()
     return settled
 
 

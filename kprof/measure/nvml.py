@@ -22,7 +22,8 @@ from .. import __version__
 from .records import DeviceEnvironment
 from ._nvml_access import NvmlError, _div, _energy_counter, _nvml, _reasons_reader, _visible, device_handle, state_probe
 from .device_name import parse_visible_devices, resolve_visible
-from ._nvml_energy import EnergyResult, TickPoint, fit_power, measure_energy, steady_points, tick_points
+from ._nvml_energy import (CounterPolls, EnergyResult, TickPoint, fit_power, measure_energy, settled_energy,
+                           steady_points, tick_points)
 from ._nvml_telemetry import REASON_BITS, Reading, Telemetry, TelemetrySample, decode_reasons, reasons_seen, summarize
 
 __all__ = [
@@ -50,6 +51,8 @@ __all__ = [
     "steady_points",
     "fit_power",
     "measure_energy",
+    "settled_energy",
+    "CounterPolls",
 ]
 
 

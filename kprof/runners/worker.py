@@ -140,9 +140,9 @@ def _algorithm(case) -> dict[str, str]:
     return {"algorithm_used": case.algorithm} if case.algorithm else {}
 
 
-# Seconds of steady back-to-back calls behind each row's energy_j: two to three steps of NVML's ~98 ms
-# counter, fitted once the clock has settled (the settle, not the window, brings the GPU to its steady power).
-ENERGY_S = 0.2
+# Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
+# ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
+ENERGY_S = 0.25
 # Eager rows rotate over this many allocations of their weights at most, within this many bytes of copies.
 MAX_COPIES = 4
 COPY_BYTES = 2 << 30
@@ -280,11 +280,13 @@ class _CudaDevice:
         return state
 
     def _energy(self, case, state) -> tuple[float, dict[str, str]]:
-        """Energy per call over a window of steady back-to-back calls (L2 warm): the calls first run until the
-        SM clock holds steady (the protocol's settle), then NVML's counter is fitted over the window."""
+        """Energy per call over one run of steady back-to-back calls (L2 warm, launched as a CUDA graph of calls):
+        the protocol's settle brings the clock to its steady state, and the same run goes on until it spans
+        energy_s; NVML's counter is fitted over every step of it past the ramp (`settled_energy`), so the settle
+        is part of the window rather than a run before it."""
         from ..measure._burst import burst
-        from ..measure._sampling import settle_back_to_back
-        from ..measure.nvml import measure_energy
+        from ..measure._sampling import BackToBack
+        from ..measure.nvml import settled_energy
 
         torch = self.torch
         t = time.perf_counter()
@@ -292,19 +294,19 @@ class _CudaDevice:
             case.fn()
         torch.cuda.synchronize()
         per_call = max((time.perf_counter() - t) / 3, 1e-6)
-        warm = {}
-        if state is not None:
-            settled = settle_back_to_back(torch, case.fn, per_call, state)
-            warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
         calls_fn, per_replay, how = burst(case.fn, per_call, call_bytes=case.bytes)
-        result = measure_energy(calls_fn, seconds=self.energy_s, sync=torch.cuda.synchronize,
-                                warmup_s=0.0 if state is not None else min(0.1, self.energy_s))
-        return result.j_per_call / per_replay, {
-            "energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls * per_replay),
-            "energy_launch": how,
+        run = BackToBack.on_cuda(torch, calls_fn, per_call * per_replay)
+        result, settled = settled_energy(run, span_s=self.energy_s, settle=state.settle if state else None,
+                                         calls_per_step=per_replay)
+        warm = {}
+        if settled is not None:
+            warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
+        return result.j_per_call, {
+            "energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls),
+            "energy_launch": how, "energy_ticks": str(result.ticks),
             "energy_rel_uncertainty": f"{result.rel_uncertainty:.4f}", "energy_method": result.method,
-            "energy_power_w": f"{result.power_w:.1f}", "energy_regime": "back-to-back calls, L2 warm, settled",
-            **warm}
+            "energy_power_w": f"{result.power_w:.1f}",
+            "energy_regime": "back-to-back calls, L2 warm, settled (the settle is part of the window)", **warm}
 
     def _wake(self, seconds: float = 0.1) -> None:
         """Run device memory sweeps and GEMMs for `seconds` before the first spec. The first row of a fresh

@@ -249,6 +249,96 @@ def test_measure_energy_errors():
         measure_energy(lambda: None, seconds=0, sync=lambda: None, counter=FakeCounter())
 
 
+class _Event:
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _back_to_back(step, per_step_s):
+    from kprof.measure._sampling import BackToBack
+
+    return BackToBack(step, per_step_s, _Event, lambda: None)
+
+
+def test_back_to_back_marks_the_steps_each_finished_chunk_completes():
+    calls = []
+    run = _back_to_back(lambda: calls.append(1), 0.001)
+    run(0.005)
+    assert run.marks == []  # the first chunk is still in flight
+    run(0.005)
+    run(0.003)
+    assert [n for _t, n in run.marks] == [5, 10]
+    run.drain()
+    assert [n for _t, n in run.marks] == [5, 10, 13] and len(calls) == 13
+    assert all(a[0] <= b[0] for a, b in zip(run.marks, run.marks[1:]))
+
+
+class RampCounter(FakeCounter):
+    """FakeCounter whose power is `low_w` for the first `ramp` s after `start()`, then power_w."""
+
+    def __init__(self, low_w=300.0, ramp=0.05, **kw):
+        super().__init__(**kw)
+        self.low_w, self.ramp = low_w, ramp
+
+    def start(self):
+        self.base = time.perf_counter()
+
+    def __call__(self) -> int:
+        t = max(0.0, time.perf_counter() - self.base - self.lag)
+        t_step = math.floor(t / self.tick) * self.tick
+        if t_step <= self.ramp:
+            mj = 1000 * self.low_w * t_step
+        else:
+            mj = 1000 * (self.low_w * self.ramp + self.power_w * (t_step - self.ramp))
+        return int(mj) + 10**9
+
+
+@pytest.mark.parametrize("settle_chunks", [0, 4, 20])
+def test_settled_energy_fits_the_settle_and_the_rest_as_one_window(settle_chunks):
+    from kprof.measure.nvml import settled_energy
+
+    run = _back_to_back(lambda: time.sleep(0.001), 0.001)
+    settles = []
+
+    def settle(run_chunk):
+        for _ in range(settle_chunks):
+            run_chunk(0.02)
+        settles.append(len(run.marks))
+        return "settled"
+
+    counter = RampCounter(ramp=0.05, tick=0.03)
+    counter.start()
+    r, settled = settled_energy(run, span_s=0.4, settle=settle, counter=counter, calls_per_step=4)
+    assert settled == "settled" and settles
+    assert r.method == "nvml-energy-fit" and r.ticks >= 6
+    # the ramp (300 W for 50 ms) is left out of the fit: the steady 700 W remains
+    assert r.power_w == pytest.approx(700.0, rel=0.03)
+    per_step = (run.marks[-1][0] - run.marks[0][0]) / (run.marks[-1][1] - run.marks[0][1])
+    assert r.j_per_call == pytest.approx(700.0 * per_step / 4, rel=0.05)
+    assert r.calls == 4 * run.enqueued
+    assert r.window_s >= 0.4
+    # the plain two readings include the ramp: lower than the fit
+    assert r.two_read_j_per_call < r.j_per_call
+
+
+def test_settled_energy_errors():
+    from kprof.measure.nvml import settled_energy
+
+    with pytest.raises(UsageError, match="must be positive"):
+        settled_energy(_back_to_back(lambda: None, 0.001), span_s=0, counter=FakeCounter())
+    with pytest.raises(NvmlError, match="did not advance"):
+        settled_energy(_back_to_back(lambda: time.sleep(0.001), 0.001), span_s=0.05, counter=lambda: 5)
+
+    def broken():
+        raise RuntimeError("counter gone")
+
+    with pytest.raises(NvmlError, match="counter gone"):
+        settled_energy(_back_to_back(lambda: time.sleep(0.001), 0.001), span_s=0.05, counter=broken)
+
+
 # --- telemetry ------------------------------------------------------------------------------------------
 
 def _sample(t, sm=1500.0, reasons=0x4, power=700.0):
