@@ -6,8 +6,10 @@
   and bypasses the guard: it will measure on top of another job, so use it for GPUs that are yours.
 - A CPU backend has KPROF_CPU_WORKERS worker slots (default 1: timings on a CPU share its cores, so parallel
   workers slow each other; more slots are for tests and for hosts with cores to spare).
-- `KPROF_POOL=off` measures in this process instead, on CUDA device 0 (or the CPU): debugging a runner, or a
-  plain run to compare the pool's rows with. `KPROF_POOL=on` uses spawned workers even for one CPU slot.
+- `KPROF_POOL=auto` (the default) measures in this process when the one usable device is its own (CUDA device 0,
+  or one CPU slot) and no spec needs more: a worker's start costs seconds a call. `KPROF_POOL=off` measures in
+  this process, on CUDA device 0 (or the CPU), without the guard: debugging a runner, or a plain run to compare
+  the pool's rows with. `KPROF_POOL=on` uses spawned workers even for one device.
 """
 
 from __future__ import annotations

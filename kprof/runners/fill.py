@@ -118,14 +118,15 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     devices: Devices | None = None
     if pmode != "off":
         devices = usable_devices(entry, gpu_key)
-        if pmode == "auto" and entry.device != "cuda" and len(devices.devices) == 1:
-            devices = None
     if devices is None:
         label = "cpu" if entry.device != "cuda" else "cuda:0"
         devices = Devices([Device(label, None)], None, [])
         info.update(devices=[label], in_process=True)
     else:
-        info.update(devices.describe(), in_process=False)
+        # One usable device that is this process's own (the CPU, or CUDA device 0) and specs that need no more:
+        # measured in this process, as a spawned worker would measure them there, without its start (a torch
+        # import and a CUDA context, ~6 s a call on an H200 host), which a caller filling in a loop pays each time.
+        info.update(devices.describe(), in_process=pmode == "auto" and _own_device(entry, devices, todo, canonical))
     usable = len(devices.devices)
     short = [i for i in todo if need_of(entry, canonical[i]) > usable]
     verdicts = "; ".join(f"{s['gpu']}: {s['why']}" for s in devices.skipped)
@@ -141,7 +142,7 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
         levels.setdefault(need_of(entry, canonical[i]), []).append(i)
 
     def workers_for(n: int):
-        if info.get("in_process"):
+        if info["in_process"]:
             return _InProcess(entry, gpu_key, spec_keys)
         return Pool(entry, gpu_key, groups(devices.devices, n))
 
@@ -243,3 +244,10 @@ def _still_wanted(mode: str, row, before) -> bool:
         return not (row is not None and before is not None and row.event_id != before.event_id)
     return True
 
+
+def _own_device(entry: Entry, devices: Devices, todo: list[int], canonical: list) -> bool:
+    """Whether the only usable device is this process's own one (a CPU slot, or the GPU that is CUDA device 0
+    here) and no spec to measure needs more than one."""
+    if len(devices.devices) != 1 or any(need_of(entry, canonical[i]) > 1 for i in todo):
+        return False
+    return entry.device != "cuda" or devices.devices[0].label == "gpu0"

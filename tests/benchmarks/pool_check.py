@@ -3,9 +3,9 @@
     python tests/benchmarks/pool_check.py --out DIR [--rounds 2]
 
 1. Same rows: the same specs measured `--fresh` in this process (KPROF_POOL=off, the plain run) and on the pool
-   (a spawned worker on the idle GPU), alternating, `--rounds` times each: the keys must be identical, and the
+   (KPROF_POOL=on: a spawned worker on the idle GPU; the default stays in process on one GPU), alternating, `--rounds` times each: the keys must be identical, and the
    pool/plain time ratio is shown beside the plain/plain spread of the same call (the noise it is judged by).
-2. A jit run on the pool into a ledger, then `query`: every row ok, and the same keys.
+2. A jit run (the default: in process, the one idle GPU being device 0) into a ledger, then `query`: every row ok, and the same keys.
 3. Idle guard: a second process keeps the GPU busy (a GEMM loop holding 4 GiB); `run` must refuse to measure on it
    (`need 1 idle GPU(s), found 0`, exit 1, the verdict named), and KPROF_PROFILE_GPUS=0 must bypass the guard and
    say so.
@@ -78,7 +78,7 @@ def main() -> int:
         runs = {"plain": [], "pool": []}
         for _ in range(a.rounds):
             runs["plain"].append(kprof(base + ["--fresh"], {"KPROF_POOL": "off"}))
-            runs["pool"].append(kprof(base + ["--fresh"]))
+            runs["pool"].append(kprof(base + ["--fresh"], {"KPROF_POOL": "on"}))  # auto stays in process on one GPU
         report["same_rows"][table] = runs
         plain, pool = [rows(r) for r in runs["plain"]], [rows(r) for r in runs["pool"]]
         same_keys = all(set(p) == set(plain[0]) for p in plain + pool) and len(plain[0]) == len(specs)

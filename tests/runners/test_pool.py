@@ -189,3 +189,27 @@ def test_a_spec_needing_n_gpus_runs_on_a_group_of_n():
     comm = msgspec.structs.replace(entry, gpus_arg="world_size")
     assert need_of(comm, {"world_size": 4}) == 4
     assert need_of(msgspec.structs.replace(comm, device="cpu"), {"world_size": 4}) == 1  # CPU slots are not counted
+
+
+def test_one_usable_device_of_this_process_is_measured_in_process():
+    """auto mode spawns no worker for a run whose only usable device is this process's own (CUDA device 0, or one
+    CPU slot) and whose specs need one device; a pool for any other device or for more devices."""
+    import msgspec
+
+    from kprof.runners.devices import Device, Devices
+    from kprof.runners.fill import _own_device
+    from kprof.runners.registry import lookup
+
+    gpu = lookup("single_gemm", "torch")
+    cpu = lookup("single_gemm", "torch-cpu")
+    specs = [{"m": 1}, {"m": 2}]
+    one = Devices([Device("gpu0", "GPU-a")], None, [], True)
+    assert _own_device(gpu, one, [0, 1], specs)
+    assert not _own_device(gpu, Devices([Device("gpu1", "GPU-b")], None, [], True), [0, 1], specs)
+    assert not _own_device(gpu, Devices([Device("gpu0", "GPU-a"), Device("gpu1", "GPU-b")], None, [], True), [0],
+                           specs)
+    assert _own_device(cpu, Devices([Device("cpu0", None)], None, []), [0, 1], specs)
+    assert not _own_device(cpu, Devices([Device("cpu0", None), Device("cpu1", None)], None, []), [0, 1], specs)
+    comm = msgspec.structs.replace(gpu, gpus_arg="world_size")
+    assert _own_device(comm, one, [0], [{"world_size": 1}])
+    assert not _own_device(comm, one, [0], [{"world_size": 2}])
