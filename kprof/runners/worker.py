@@ -297,7 +297,7 @@ class _CudaDevice:
         calls_fn, per_replay, how = burst(case.fn, per_call, call_bytes=case.bytes)
         run = BackToBack.on_cuda(torch, calls_fn, per_call * per_replay)
         result, settled = settled_energy(run, span_s=self.energy_s, settle=state.settle if state else None,
-                                         calls_per_step=per_replay)
+                                         fit_after_settle=lambda _settled: state.capped, calls_per_step=per_replay)
         warm = {}
         if settled is not None:
             warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
