@@ -20,12 +20,14 @@ import gc
 import json
 import os
 import sys
+from typing import Callable, Iterable
 
 import lmdb
 import msgspec
 
+from ..errors import IntegrityError
 from . import _codec
-from ._reducer import REBUILT, decode_scope, history_from_v1, status_of, unpack_seq
+from ._reducer import REBUILT, decode_scope, status_of, unpack_seq
 from .events import EventAudit, EventKey, Provenance, Retracted
 from .replay import MemoryStore, replay_into
 
@@ -36,6 +38,20 @@ key_decoder = msgspec.msgpack.Decoder(EventKey)
 audit_decoder = msgspec.msgpack.Decoder(EventAudit)
 provenance_decoder = msgspec.msgpack.Decoder(Provenance)
 
+
+
+def history_from_v1(keys: Iterable[bytes], status: Callable[[bytes], bytes]) -> dict[bytes, bytes]:
+    """Format 2's history entries, in key order, of a format-1 history's keys (key + seq, in key order): each
+    key's status (`status(key)`), then its seqs. The audit of a format-1 file compares them with its replay."""
+    out: dict[bytes, bytes] = {}
+    for k in keys:
+        if len(k) != 40:
+            raise IntegrityError(f"the file says format 1, but its history holds a key of {len(k)} bytes where "
+                                 f"format 1 keeps key + seq (40); restore the file from a copy")
+        key = k[:32]
+        value = out.get(key)
+        out[key] = status(key) + k[32:] if value is None else value + k[32:]
+    return out
 
 class Findings:
     def __init__(self):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from itertools import repeat
-from typing import Callable, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
 import msgspec
 from blake3 import blake3
@@ -137,21 +137,6 @@ def row_event_id(row: bytes) -> bytes:
 def status_of(row: bytes | None) -> bytes:
     """A history's status for a key whose current row is `row` (None: no row)."""
     return NO_ROW if row is None else row_kind(row)
-
-
-def history_from_v1(keys: Iterable[bytes], status: Callable[[bytes], bytes]) -> dict[bytes, bytes]:
-    """Format 2's history entries, in key order, of a format-1 history's keys (key + seq, in key order): each
-    key's status (`status(key)`), then its seqs. The upgrade writes them; the audit of a format-1 file compares
-    them with its replay."""
-    out: dict[bytes, bytes] = {}
-    for k in keys:
-        if len(k) != 40:
-            raise IntegrityError(f"the file says format 1, but its history holds a key of {len(k)} bytes where "
-                                 f"format 1 keeps key + seq (40); restore the file from a copy")
-        key = k[:32]
-        value = out.get(key)
-        out[key] = status(key) + k[32:] if value is None else value + k[32:]
-    return out
 
 
 class ScopeEntry(msgspec.Struct, array_like=True):

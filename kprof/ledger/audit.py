@@ -21,7 +21,6 @@ from typing import NamedTuple
 import lmdb
 
 from ..errors import IntegrityError, LedgerError
-from . import _codec
 from ._audit_worker import MAX_LISTED, RANGED
 from ._reducer import DIGEST_FROM, ScopeTotals, encode_scope
 from .store import Ledger
