@@ -201,11 +201,19 @@ def _median(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def by_layer(xs: list[float], layers: int) -> list[float]:
+    """The median of each layer's samples, from µs per (iteration, layer) chunk in chunk order (layer i % layers)."""
+    return [statistics.median(xs[i::layers]) for i in range(min(layers, len(xs)))]
+
+
 def compose(ops: list[Op], samples: dict[str, dict[str, list[float]] | None],
-            kprof_us: dict[str, float | None]) -> dict:
+            kprof_us: dict[str, float | None], layers: int | None = None) -> dict:
     """Per op and per layer: kprof's row against the in-model time of each mode in `samples` (op -> µs per
     (iteration, layer); None for a mode that failed). The layer's covered time and its uncovered time are
-    medians of per-(iteration, layer) sums, not sums of medians."""
+    medians of per-(iteration, layer) sums, not sums of medians. With `layers` (layers per iteration in the
+    samples), each op also gets its per-layer medians' fastest, mean and slowest (`{mode}_layers_us`) and the row
+    against the fastest layer (`err_{mode}_fastest_layer`): each layer's weights are their own allocation, and a
+    memory-bound kernel's time moves with where its weights lie."""
     covered = [o.name for o in ops if o.table is not None]
     uncovered = [o.name for o in ops if o.table is None]
     out_ops: dict[str, dict] = {}
@@ -216,6 +224,10 @@ def compose(ops: list[Op], samples: dict[str, dict[str, list[float]] | None],
             s = samples.get(mode)
             e[f"{mode}_us"] = _median(s[o.name]) if s else None
             e[f"err_{mode}"] = rel(e["kprof_us"], e[f"{mode}_us"])
+            if s and layers and s[o.name]:
+                per = by_layer(s[o.name], layers)
+                e[f"{mode}_layers_us"] = {"fastest": min(per), "mean": statistics.fmean(per), "slowest": max(per)}
+                e[f"err_{mode}_fastest_layer"] = rel(e["kprof_us"], min(per))
         e["eager_vs_graph"] = rel(e["eager_us"], e["graph_us"])
         out_ops[o.name] = e
     parts = [kprof_us.get(name) for name in covered]
@@ -498,7 +510,10 @@ def attach_rows(phase: dict, ops: list[Op], rows: dict[RowKey, dict], power: str
         if o.table is not None:
             row = rows.get(row_key(o.table, o.spec, power), {"status": "missing", "time_us": None})
             kprof_us[o.name], by_op[o.name] = row.get("time_us"), row
-    phase.update(compose(ops, phase.get("samples_us", {}), kprof_us))
+    used = phase.get("layers_used")  # "1..15": the layers each iteration's samples hold
+    first, _, last = (used or "").partition("..")
+    layers = int(last) - int(first) + 1 if first.isdigit() and last.isdigit() else None
+    phase.update(compose(ops, phase.get("samples_us", {}), kprof_us, layers))
     for name, row in by_op.items():
         entry = phase["ops"][name]
         entry["layout_in_model"] = phase.get("layouts", {}).get(name)
@@ -750,13 +765,16 @@ def phase_lines(p: dict) -> list[str]:
              f"rows {p.get('power', 'n/a')})"
              + (f"  ERRORS {p['errors']}" if p.get("errors") else "")]
     lines.append(f"  {'op':14} {'table':18} {'kprof':>9} {'eager':>9} {'graph':>9} {'Δeager':>7} {'Δgraph':>7} "
-                 f"{'e/g':>6} kernels")
+                 f"{'e/g':>6} {'eager layers: fastest-slowest, Δfastest':>41} kernels")
     for name, e in p.get("ops", {}).items():
         n = len(p.get("kernels", {}).get("eager", {}).get(name, []))
         same = "" if e.get("same_kernels_as_row", True) else "  (row ran other kernels)"
+        spread = e.get("eager_layers_us")
+        by_layer = (f"{spread['fastest']:.1f}-{spread['slowest']:.1f} µs, {_pct(e.get('err_eager_fastest_layer'), 7)}"
+                    if spread else "")
         lines.append(f"  {name:14} {e['table'] or 'uncovered':18} {_us(e['kprof_us'])} {_us(e['eager_us'])} "
                      f"{_us(e['graph_us'])} {_pct(e['err_eager'], 7)} {_pct(e['err_graph'], 7)} "
-                     f"{_pct(e['eager_vs_graph'])} {n}{same}")
+                     f"{_pct(e['eager_vs_graph'])} {by_layer:>41} {n}{same}")
     layer, unc = p.get("layer", {}), p.get("uncovered", {})
     if layer:
         lines.append(f"  {'layer covered':33} {_us(layer['kprof_us'])} {_us(layer['eager_us'])} "

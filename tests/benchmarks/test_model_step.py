@@ -203,6 +203,19 @@ def test_compose_sums_layers_per_sample_and_reports_uncovered_share():
     assert out["uncovered"]["share_eager"] == pytest.approx(10 / 120)  # median of 10/120, 8/118, 10/116
 
 
+def test_compose_reports_each_ops_spread_over_layers():
+    # two iterations of three layers: layer 1 slow for gemm
+    eager = {"norm": [10.0] * 6, "gemm": [100.0, 110.0, 100.0, 100.0, 112.0, 100.0], "copy": [1.0] * 6,
+             "add": [1.0] * 6}
+    out = ms.compose(OPS, {"eager": eager, "graph": None}, {"norm": 10.0, "gemm": 100.0}, layers=3)
+    g = out["ops"]["gemm"]
+    assert g["eager_layers_us"] == {"fastest": 100.0, "mean": pytest.approx(311 / 3), "slowest": 111.0}
+    assert g["err_eager_fastest_layer"] == 0.0 and g["err_eager"] == 0.0
+    assert "graph_layers_us" not in g
+    assert ms.by_layer([1.0, 2.0, 3.0, 5.0, 2.0, 3.0], 3) == [3.0, 2.0, 3.0]
+    assert "eager_layers_us" not in ms.compose(OPS, {"eager": eager, "graph": None}, {"norm": 10.0})["ops"]["gemm"]
+
+
 def test_compose_with_a_missing_row_or_mode():
     eager = {"norm": [10.0], "gemm": [100.0], "copy": [1.0], "add": [1.0]}
     out = ms.compose(OPS, {"eager": eager, "graph": None}, {"norm": 10.0, "gemm": None})
