@@ -247,7 +247,10 @@ def _still_wanted(mode: str, row, before) -> bool:
 
 def _own_device(entry: Entry, devices: Devices, todo: list[int], canonical: list) -> bool:
     """Whether the only usable device is this process's own one (a CPU slot, or the GPU that is CUDA device 0
-    here) and no spec to measure needs more than one."""
+    here) and no spec to measure needs more than one. A collective on GPUs (an entry with `gpus_arg`) always goes
+    to the pool, whose worker hands its rank processes the group's GPUs."""
     if len(devices.devices) != 1 or any(need_of(entry, canonical[i]) > 1 for i in todo):
+        return False
+    if entry.device == "cuda" and entry.gpus_arg:
         return False
     return entry.device != "cuda" or devices.devices[0].label == "gpu0"

@@ -193,7 +193,8 @@ def test_a_spec_needing_n_gpus_runs_on_a_group_of_n():
 
 def test_one_usable_device_of_this_process_is_measured_in_process():
     """auto mode spawns no worker for a run whose only usable device is this process's own (CUDA device 0, or one
-    CPU slot) and whose specs need one device; a pool for any other device or for more devices."""
+    CPU slot) and whose specs need one device; a pool for any other device, for more devices, and for collectives
+    on GPUs."""
     import msgspec
 
     from kprof.runners.devices import Device, Devices
@@ -210,6 +211,6 @@ def test_one_usable_device_of_this_process_is_measured_in_process():
                            specs)
     assert _own_device(cpu, Devices([Device("cpu0", None)], None, []), [0, 1], specs)
     assert not _own_device(cpu, Devices([Device("cpu0", None), Device("cpu1", None)], None, []), [0, 1], specs)
-    comm = msgspec.structs.replace(gpu, gpus_arg="world_size")
-    assert _own_device(comm, one, [0], [{"world_size": 1}])
+    comm = msgspec.structs.replace(gpu, gpus_arg="world_size")  # an nccl collective: its ranks go to the pool
+    assert not _own_device(comm, one, [0], [{"world_size": 1}])
     assert not _own_device(comm, one, [0], [{"world_size": 2}])
