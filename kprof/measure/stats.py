@@ -7,7 +7,7 @@ import statistics
 
 from .records import SampleStats
 
-__all__ = ["summarize", "median_halfwidth", "StopRule", "quantile"]
+__all__ = ["summarize", "median_halfwidth", "StopRule", "quantile", "copy_medians"]
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -44,6 +44,19 @@ def summarize(samples_ms: list[float], keep: int = 512) -> SampleStats:
     kept = samples_ms if n <= keep else [samples_ms[round(i * (n - 1) / (keep - 1))] for i in range(keep)]
     return SampleStats(n=n, median=med, p10=quantile(xs, 0.1), p90=quantile(xs, 0.9), mean=mean, stdev=stdev,
                  cv=stdev / mean if mean > 0 else 0.0, min=xs[0], max=xs[-1], samples=list(kept))
+
+
+def copy_medians(samples_ms: list[float], copies_used: list[int], copies: int, min_each: int = 3) -> list[float] | None:
+    """The median of each input copy's samples, where sample i was timed on copy copies_used[i]; None when a copy
+    has fewer than `min_each` samples (or the two lists differ in length)."""
+    if len(samples_ms) != len(copies_used) or copies < 1:
+        return None
+    groups: list[list[float]] = [[] for _ in range(copies)]
+    for copy, sample in zip(copies_used, samples_ms):
+        groups[copy].append(sample)
+    if min(len(g) for g in groups) < min_each:
+        return None
+    return [statistics.median(g) for g in groups]
 
 
 def _resolution(xs_sorted: list[float]) -> float:

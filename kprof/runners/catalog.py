@@ -126,7 +126,11 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # 3 (2026-12-01): a power-capped row's time is the mean of samples spanning at least 1 s (the median of 0.5 s
 # moved up to 4.3 % between passes: the cap's controller swings the clock, and the per-call times are not
 # one-peaked); the torch MoE grouped GEMM rotates over draws of its routing (kprof.runners.moe).
-GPU_REVISION = 3
+# 4 (2026-12-01): an eager row rotates over up to 16 allocations of its cold inputs (4 before) and its time is
+# the mean of each allocation's median: a memory-bound kernel's time depends on where its weights lie (a decode
+# GEMM read 5 % slower on some allocations), and the median of all samples named the commonest placement, the
+# fastest layer of a model, where a sum over a model's layers needs their mean.
+GPU_REVISION = 4
 CPU_REVISION = 1
 
 

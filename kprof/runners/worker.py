@@ -6,6 +6,7 @@ stay outside the timed closure; the check runs before any timing, so a wrong ker
 
 from __future__ import annotations
 
+import statistics
 import time
 import traceback
 from typing import Callable, Iterable, Iterator
@@ -15,7 +16,7 @@ import msgspec
 from ..ledger.build import failed, measured
 from ..ledger.events import Environment, Event, Method, Origin, Provenance, Stats
 from ..ledger.keys import KeyMaker, ShapeCodec
-from ..measure.stats import StopRule, summarize
+from ..measure.stats import StopRule, copy_medians, summarize
 from ._case import Unsupported, WrongResult
 from .registry import Entry
 
@@ -99,7 +100,7 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             stats, method, energy, env, timed = device.measure(case, rule)
             method = msgspec.structs.replace(method, notes={**method.notes, "build_s": f"{t_check - t_build:.4f}",
                                                             "check_s": f"{t_measure - t_check:.4f}"})
-            time_ms = stats.mean if method.notes.get("estimator") == "mean" else stats.median
+            time_ms = _time_ms(stats, method.notes)
             metrics = case.metrics(time_ms, energy) if entry.metric_family == "comm" else _metrics(case, time_ms, energy)
             event = measured(prov, metrics, _record(Stats, stats), method,
                              environment=_record(Environment, env), origin=origin, parent=parent)
@@ -140,11 +141,39 @@ def _algorithm(case) -> dict[str, str]:
     return {"algorithm_used": case.algorithm} if case.algorithm else {}
 
 
+def _time_ms(stats, notes: dict[str, str]) -> float:
+    """The row's time from its samples, by the timing's estimator: the median; the mean (a power-capped kernel);
+    or the mean over the input copies of each copy's median ("copy_mean", see _CudaDevice._spread)."""
+    estimator = notes.get("estimator")
+    if estimator == "mean":
+        return stats.mean
+    if estimator == "copy_mean":
+        return float(notes["copy_mean_ms"])
+    return stats.median
+
+
+def placement_notes(samples_ms: list[float], used: list[int], copies: int, discarded: int) -> dict[str, str]:
+    """The estimator notes of a row timed over `copies` input copies (`used`: the copy of every call of the timed
+    closure, in call order, the timed calls last): each copy's median and their mean ("copy_mean"), where every
+    timed call can be matched to its copy (no batch was discarded) and each copy has samples enough; else the
+    median of all samples, and why."""
+    if discarded:
+        return {"copy_estimator": f"median of all samples ({discarded} batch(es) discarded: calls and samples no "
+                                  f"longer line up)"}
+    medians = copy_medians(samples_ms, used[-len(samples_ms):] if samples_ms else [], copies)
+    if medians is None:
+        return {"copy_estimator": "median of all samples (a copy has fewer than 3 samples)"}
+    mean = statistics.fmean(medians)
+    return {"estimator": "copy_mean", "copy_mean_ms": repr(mean),
+            "copy_medians_ms": ",".join(f"{m:.6g}" for m in medians),
+            "placement_spread": f"{max(medians) / min(medians) - 1:.4f}"}
+
+
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
 ENERGY_S = 0.25
 # Eager rows rotate over this many allocations of their weights at most, within this many bytes of copies.
-MAX_COPIES = 4
+MAX_COPIES = 16
 COPY_BYTES = 2 << 30
 # The timing's settle right after an energy window, which has brought the GPU to this kernel's steady clock.
 SETTLED_MIN_S = 0.04
@@ -232,11 +261,15 @@ class _CudaDevice:
             energy, notes = self._energy(case, state) if self.energy_s > 0 else (None, {})
             # Timing follows the energy window: the GPU is already in the steady state of this kernel, and
             # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
-            fn, copies = self._spread(case)
+            fn, copies, used = self._spread(case)
             timing, retried = twice_if_unstable(lambda: time_gpu(
                 fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
                 kernel_filter=case.kernel_filter, state=self._state(start=False, settled=energy is not None),
                 warm=self._warm(case), heat=self._heat()))
+        placement = {}
+        if copies > 1 and timing.notes.get("estimator", "median") == "median":
+            placement = placement_notes(timing.samples_ms, used, copies,
+                                        int(timing.notes.get("batches_discarded", "0")))
         env = with_telemetry(self.env, telemetry)
         if self.state_errors:
             env = msgspec.structs.replace(env, errors={**env.errors, **{f"state.{k}": v
@@ -251,7 +284,7 @@ class _CudaDevice:
                                **({"first_attempt": retried} if retried else {}),
                                "gpu_s": f"{timing.gpu_s:.6f}", **self.start_notes, **timing.notes,
                                **({"kernels": kernels[:1000]} if kernels else {}), "input_copies": str(copies),
-                               **notes, **_algorithm(case),
+                               **placement, **notes, **_algorithm(case),
                                **case.notes})
         return stats, method, energy, env, timing.gpu_s
 
@@ -338,25 +371,34 @@ class _CudaDevice:
         return self._heater
 
     def _spread(self, case):
-        """(timed closure, copies): eager calls rotate over up to MAX_COPIES copies of the case's cold inputs
-        (its weights), each its own allocation, sharing the activations. A memory-bound kernel's time depends
-        a few per cent on where its weights lie in device memory (a decode GEMM read 35.8 µs on one
-        allocation and 38.0 µs on three others); a model's layers each have their own, and a row's median
-        over several allocations is the one they share. At most COPY_BYTES of copies."""
+        """(timed closure, copies, the copy of each call): eager calls rotate over up to MAX_COPIES copies of the
+        case's cold inputs (its weights), each its own allocation, sharing the activations; the closure records
+        which copy each call used. A memory-bound kernel's time depends on where its weights lie in device memory:
+        on an H200, Qwen2.5-7B's decode `down` GEMM (a 136 MB weight, m = 8) read 38.1 µs on most allocations and
+        40.0 µs on 2-7 of 16, however they were made (tests/benchmarks/placement_check.py), and a 16-layer model's
+        layers spread 38.7-42.5 µs with the row at the fastest. A model's layers each have their own allocation and
+        a sum of rows needs their mean, so the row is the mean over the copies of each copy's median
+        (`placement_notes`). At most COPY_BYTES of copies."""
         if self.graph or case.call is None or not case.inputs:
-            return case.fn, 1
+            return case.fn, 1, []
         cold = [i for i in range(len(case.inputs)) if i not in case.warm]
         size = sum(case.inputs[i].numel() * case.inputs[i].element_size() for i in cold)
         n = min(MAX_COPIES, 1 + int(COPY_BYTES // size)) if size else 1
         if n == 1:
-            return case.fn, 1
+            return case.fn, 1, []
         import functools
-        import itertools
 
         sets = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
                                 for _ in range(n - 1)]
-        turn = itertools.cycle([functools.partial(case.call, *inputs) for inputs in sets])
-        return (lambda: next(turn)()), n
+        calls = [functools.partial(case.call, *inputs) for inputs in sets]
+        used: list[int] = []
+
+        def rotate():
+            copy = len(used) % n
+            used.append(copy)
+            return calls[copy]()
+
+        return rotate, n, used
 
     def _warm(self, case):
         """Cold L2: after each sweep, rewrite the case's activations in place (see Case.warm), so they lie in
