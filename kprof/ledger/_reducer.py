@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 from itertools import repeat
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 from blake3 import blake3
@@ -72,13 +72,6 @@ class ProvenanceIds:
 def row_term(key: bytes, eid: bytes) -> int:
     """A current row's term in its scope's root accumulator (the sum of its rows' terms, mod MOD)."""
     return int.from_bytes(blake3(_codec.ROOT_TAG + key + eid).digest(), "big")
-
-
-def row_terms(pairs: Iterable[bytes]) -> int:
-    """The sum (not reduced) of row_term over rows given as key + event id, by C-level maps: no Python frame
-    per row."""
-    tagged = map(_codec.ROOT_TAG.__add__, pairs)
-    return sum(map(int.from_bytes, map(blake3.digest, map(blake3, tagged)), repeat("big")))
 
 
 DIGEST_FROM = 3  # the format from which current rows carry their digest

@@ -67,7 +67,6 @@ class ShapeCodec:
             gc=False,  # scalars only, never in a cycle: untracked, bulk conversions skip the collector
             namespace={"__post_init__": post_init} if post_init else None,
         )
-        self._many = msgspec.msgpack.Decoder(list[self._twin])
 
     def to_shape(self, spec: Mapping[str, Any] | msgspec.Struct, index: int | None = None):
         """Validated canonical shape (a Struct when typed, else a sorted dict). Raises SpecError."""
@@ -91,14 +90,6 @@ class ShapeCodec:
             except msgspec.ValidationError:
                 pass  # find and explain (or normalize) spec by spec
         return [self.to_shape(spec, i) for i, spec in enumerate(specs)], False
-
-    def shapes_from_msgpack(self, data) -> list | None:
-        """The canonical shapes of msgpack bytes of a list of specs, decoded straight into the twin Struct
-        (the same checks as `to_shapes`); None when one spec is not exactly of its declared types."""
-        try:
-            return self._many.decode(data)
-        except msgspec.ValidationError:
-            return None
 
     def _slow_to_shape(self, spec, index):
         if not isinstance(spec, Mapping):
