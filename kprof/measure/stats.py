@@ -7,7 +7,7 @@ import statistics
 
 from .records import SampleStats
 
-__all__ = ["summarize", "median_halfwidth", "StopRule", "quantile", "copy_medians"]
+__all__ = ["summarize", "median_halfwidth", "StopRule", "quantile", "copy_medians", "placement_notes"]
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -57,6 +57,23 @@ def copy_medians(samples_ms: list[float], copies_used: list[int], copies: int, m
     if min(len(g) for g in groups) < min_each:
         return None
     return [statistics.median(g) for g in groups]
+
+
+def placement_notes(samples_ms: list[float], used: list[int], copies: int, discarded: int) -> dict[str, str]:
+    """The estimator notes of a row timed over `copies` input copies (`used`: the copy of every call of the timed
+    closure, in call order, the timed calls last): each copy's median and their mean ("copy_mean"), where every
+    timed call can be matched to its copy (no batch was discarded) and each copy has samples enough; else the
+    median of all samples, and why."""
+    if discarded:
+        return {"copy_estimator": f"median of all samples ({discarded} batch(es) discarded: calls and samples no "
+                                  f"longer line up)"}
+    medians = copy_medians(samples_ms, used[-len(samples_ms):] if samples_ms else [], copies)
+    if medians is None:
+        return {"copy_estimator": "median of all samples (a copy has fewer than 3 samples)"}
+    mean = statistics.fmean(medians)
+    return {"estimator": "copy_mean", "copy_mean_ms": repr(mean),
+            "copy_medians_ms": ",".join(f"{m:.6g}" for m in medians),
+            "placement_spread": f"{max(medians) / min(medians) - 1:.4f}"}
 
 
 def _resolution(xs_sorted: list[float]) -> float:

@@ -18,7 +18,7 @@ import msgspec
 
 from ..errors import KprofError
 
-__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_close", "torch_dtype", "bind"]
+__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_close", "torch_dtype", "bind", "algorithm_notes"]
 
 
 class WrongResult(KprofError):
@@ -82,3 +82,8 @@ def check_close(got, ref, dtype: str, what: str) -> None:
     if err > TOLERANCE[dtype]:
         raise WrongResult(f"{what}: relative error {err:.3g} against the fp64 oracle exceeds {TOLERANCE[dtype]} "
                           f"for {dtype}")
+
+
+def algorithm_notes(case) -> dict[str, str]:
+    """The method note naming the algorithm a case ran, where it names one."""
+    return {"algorithm_used": case.algorithm} if case.algorithm else {}

@@ -155,7 +155,7 @@ def measure_one(table, spec, repeats, raw, flush, rule):
     import triton.testing
 
     from kprof.measure.gpu_timer import time_gpu
-    from kprof.runners.worker import twice_if_unstable
+    from kprof.runners.cuda_device import twice_if_unstable
 
     case = build(table, spec)
     row = {"table": table, "spec": spec}

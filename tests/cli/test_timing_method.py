@@ -64,13 +64,13 @@ def test_gpu_rows_without_a_gpu_need_gpu_name(h, capsys, monkeypatch):
 
 def test_a_device_that_cannot_measure_is_refused_before_the_ledger_is_created(h, capsys, monkeypatch, tmp_path):
     """A CUDA run on a machine whose GPU cannot be used (here: CUPTI missing) exits 2 and writes nothing."""
-    import kprof.runners.worker as worker
+    import kprof.runners.cuda_device as cuda_device
 
     def refuse(entry, gpu_key, environment=None):
         raise UsageError("CUPTI is not usable here (ImportError: no cupti); set KPROF_TIMER=events")
 
     monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [H200])
-    monkeypatch.setattr(worker, "_CudaDevice", refuse)
+    monkeypatch.setattr(cuda_device, "CudaDevice", refuse)
     monkeypatch.setenv("KPROF_SKIP_ENV_CHECK", "1")  # this machine's torch has no CUDA: the device's own refusal
     spec = {"tokens": 4, "hidden": 64, "dtype": "bf16"}
     assert main(["run", "rms_norm", "--backend", "torch", *h.spec_args(spec), "--db", "p.db"]) == 2

@@ -19,7 +19,7 @@ from kprof import artifacts
 from kprof.cli import main
 from kprof.runners import _ranks, comm
 from kprof.runners._case import WrongResult
-from kprof.runners.registry import entries, lookup
+from kprof.runners.registry import entries
 
 TABLES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

@@ -290,7 +290,7 @@ def test_stop_rule_stops_at_the_clock_resolution():
 
 def test_an_unstable_kernel_set_gets_one_more_attempt():
     from kprof.measure._attribution import TimerError
-    from kprof.runners.worker import twice_if_unstable
+    from kprof.runners.cuda_device import twice_if_unstable
 
     calls = []
 

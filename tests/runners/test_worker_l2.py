@@ -5,7 +5,7 @@ import msgspec
 import pytest
 
 from kprof.runners.registry import lookup
-from kprof.runners.worker import _CudaDevice
+from kprof.runners.cuda_device import CudaDevice
 
 SPECS = {
     "single_gemm": {"m": 4, "n": 16, "k": 8, "dtype": "fp32"},
@@ -27,7 +27,7 @@ def build(table):
 
 
 def device(graph, cold=True):
-    d = object.__new__(_CudaDevice)  # the worker's decisions only: no CUDA device behind it
+    d = object.__new__(CudaDevice)  # the worker's decisions only: no CUDA device behind it
     d.graph, d.cold = graph, cold
     return d
 
@@ -71,7 +71,7 @@ def test_eager_rows_rotate_over_copies_of_the_weights_and_share_the_activations(
 
 
 def test_no_copies_under_a_graph_past_the_byte_budget_or_of_activations_alone(monkeypatch):
-    import kprof.runners.worker as worker
+    import kprof.runners.cuda_device as worker
 
     case = build("single_gemm")
     assert device(graph=True)._spread(case) == (case.fn, 1, [])
@@ -83,7 +83,8 @@ def test_no_copies_under_a_graph_past_the_byte_budget_or_of_activations_alone(mo
 def test_a_row_over_copies_is_the_mean_of_each_copys_median():
     """Two of four allocations slow by 5 %: the union's median sits in the fast mode, the row (the mean of the
     copies' medians) between, as a sum over a model's layers, each on its own allocation, does."""
-    from kprof.runners.worker import _time_ms, placement_notes
+    from kprof.measure.stats import placement_notes
+    from kprof.runners.worker import _time_ms
 
     per_copy = [1.0, 1.05, 1.0, 1.0]
     used = [i % 4 for i in range(3 + 40)]  # three untimed calls first (warm-up), then 40 timed ones

@@ -1,0 +1,274 @@
+"""The CUDA device's recipe for one row: the thermal and power protocol, the energy run, the timing (CUPTI or CUDA
+events, cold L2, eager or graph), the weight copies an eager row rotates over, the loaded state's heat. Made by
+`kprof.runners.worker.prepare_device`; torch, CUPTI and NVML are imported when a device is made."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import msgspec
+
+from ..ledger.events import Method
+from ..measure.stats import StopRule, placement_notes, summarize
+from ._case import algorithm_notes
+from .registry import Entry
+
+__all__ = ["CudaDevice", "energy_window_s", "twice_if_unstable", "ENERGY_S", "MAX_COPIES", "COPY_BYTES"]
+
+# Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
+# ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
+ENERGY_S = 0.25
+# Eager rows rotate over this many allocations of their weights at most, within this many bytes of copies.
+MAX_COPIES = 16
+COPY_BYTES = 2 << 30
+# The timing's settle right after an energy window, which has brought the GPU to this kernel's steady clock.
+SETTLED_MIN_S = 0.04
+
+
+def energy_window_s() -> float:
+    """Seconds of back-to-back calls behind each row's energy_j (KPROF_ENERGY_S; 0 turns energy off)."""
+    import os
+
+    raw = os.environ.get("KPROF_ENERGY_S", str(ENERGY_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        from ..errors import UsageError
+
+        raise UsageError(f"KPROF_ENERGY_S={raw!r} is not a number of seconds >= 0; e.g. KPROF_ENERGY_S=0.5")
+    return value
+
+
+def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None]:
+    """(measure(), None), or, when the first attempt saw the callable's kernel set change between calls, a
+    second attempt's result and the first attempt's error. Library kernels can change their launch
+    sequence while they settle (cuBLAS split-K is seen to drop its reduce kernel once); a second attempt that
+    is stable for all its calls is a valid measurement, and the row says a first one was refused. A set
+    that changes again fails the row."""
+    from ..measure._attribution import TimerError
+
+    try:
+        return measure(), None
+    except TimerError as exc:
+        if "unstable kernel set" not in str(exc):
+            raise
+        return measure(), str(exc)[:500]
+
+
+class CudaDevice:
+    """CUDA device 0 of this process (a pool gives each worker its own CUDA_VISIBLE_DEVICES)."""
+
+    name = "cuda"
+
+    def __init__(self, entry: Entry, gpu_key: str, environment):
+        import torch
+
+        from ..errors import UsageError
+        from ..measure.nvml import gpu_environment
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and torch {torch.__version__} sees "
+                             f"none; run on a GPU machine, or use backend torch-cpu")
+        actual = torch.cuda.get_device_name(0)
+        if actual != gpu_key:
+            raise UsageError(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit --gpu-name")
+        torch.cuda.set_device(0)
+        self.torch = torch
+        from .catalog import parse_timing, timing_power
+
+        self.timer, l2, self.graph = parse_timing(entry.contract.timing)
+        self.power = timing_power(entry.contract.timing)
+        self._heater = None
+        self.cold = l2 != "warm"
+        if self.timer == "cupti":
+            from ..measure.gpu_timer import cupti_available
+
+            why = cupti_available()
+            if why:
+                raise UsageError(f"CUPTI is not usable here ({why}); install cupti-python with nvidia-cuda-cupti, "
+                                 f"or set KPROF_TIMER=events to time with CUDA events (rows kept under their "
+                                 f"own timing key)")
+        self.energy_s = energy_window_s()
+        self.env = (environment or gpu_environment)()
+        self._wake()
+        self.state_errors: dict[str, str] = {}
+        self.start_notes: dict[str, str] = {}
+        self._probe = None  # NVML's reader of the state protocol, made once per device
+
+    def measure(self, case, rule: StopRule):
+        from ..measure.gpu_timer import time_gpu
+        from ..measure.nvml import Telemetry, with_telemetry
+
+        with Telemetry(0) as telemetry:
+            self.start_notes = {}
+            state = self._state()
+            energy, notes = self._energy(case, state) if self.energy_s > 0 else (None, {})
+            # Timing follows the energy window: the GPU is already in the steady state of this kernel, and
+            # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
+            fn, copies, used = self._spread(case)
+            timing, retried = twice_if_unstable(lambda: time_gpu(
+                fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
+                kernel_filter=case.kernel_filter, state=self._state(start=False, settled=energy is not None),
+                warm=self._warm(case), heat=self._heat()))
+        placement = {}
+        if copies > 1 and timing.notes.get("estimator", "median") == "median":
+            placement = placement_notes(timing.samples_ms, used, copies,
+                                        int(timing.notes.get("batches_discarded", "0")))
+        env = with_telemetry(self.env, telemetry)
+        if self.state_errors:
+            env = msgspec.structs.replace(env, errors={**env.errors, **{f"state.{k}": v
+                                                                       for k, v in self.state_errors.items()}})
+        if self.energy_s <= 0:
+            env = msgspec.structs.replace(env, errors={**env.errors, "energy": "KPROF_ENERGY_S=0: energy not measured"})
+        stats = summarize(timing.samples_ms)
+        kernels = ",".join(timing.kernels)
+        method = Method(timer=self.timer, l2="cold" if self.cold else "warm", graph=self.graph,
+                        warmup=timing.warmup, budget_s=rule.budget_s, stop_reason=timing.stop_reason,
+                        notes={"target_rel_ci": str(rule.target), "timer_wall_s": f"{timing.wall_s:.4f}",
+                               **({"first_attempt": retried} if retried else {}),
+                               "gpu_s": f"{timing.gpu_s:.6f}", **self.start_notes, **timing.notes,
+                               **({"kernels": kernels[:1000]} if kernels else {}), "input_copies": str(copies),
+                               **placement, **notes, **algorithm_notes(case),
+                               **case.notes})
+        return stats, method, energy, env, timing.gpu_s
+
+    def _state(self, start: bool = True, settled: bool = False):
+        """A fresh thermal and power protocol for device 0 (None where NVML cannot read it: the row says so).
+        `start`: first wait until the GPU is no hotter than the stated start temperature. `settled`: the GPU
+        has just run this kernel back to back to a steady clock (the energy window), so the timing's own
+        settle need only confirm it in the samples' pattern (a shorter minimum)."""
+        from ..measure._state import StateProtocol
+        from ..measure.nvml import state_probe
+
+        if self._probe is None:
+            try:
+                self._probe = state_probe(0, self.state_errors)
+            except Exception as e:  # noqa: BLE001 - no NVML: time without the protocol, and record why
+                self.state_errors["state"] = f"{type(e).__name__}: {e}"
+                return None
+        probe = self._probe
+        # Right after the energy window the GPU is in this kernel's state already, capped or not: the settle
+        # only confirms it in the samples' pattern.
+        after = {"min_s": SETTLED_MIN_S, "capped_settle_s": SETTLED_MIN_S} if settled else {}
+        state = StateProtocol(probe, regime=self.power, power_limit_w=self.env.power_limit_w, **after)
+        if start:
+            state.start()
+            self.start_notes = dict(state.notes)
+        return state
+
+    def _energy(self, case, state) -> tuple[float, dict[str, str]]:
+        """Energy per call over one run of steady back-to-back calls (L2 warm, launched as a CUDA graph of calls):
+        the protocol's settle brings the clock to its steady state, and the same run goes on until it spans
+        energy_s; NVML's counter is fitted over every step of it past the ramp (`settled_energy`), so the settle
+        is part of the window rather than a run before it."""
+        from ..measure._burst import burst
+        from ..measure._sampling import BackToBack
+        from ..measure.nvml import settled_energy
+
+        torch = self.torch
+        t = time.perf_counter()
+        for _ in range(3):
+            case.fn()
+        torch.cuda.synchronize()
+        per_call = max((time.perf_counter() - t) / 3, 1e-6)
+        calls_fn, per_replay, how = burst(case.fn, per_call, call_bytes=case.bytes)
+        run = BackToBack.on_cuda(torch, calls_fn, per_call * per_replay)
+        result, settled = settled_energy(run, span_s=self.energy_s, settle=state.settle if state else None,
+                                         fit_after_settle=lambda _settled: state.capped, calls_per_step=per_replay)
+        warm = {}
+        if settled is not None:
+            warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
+        return result.j_per_call, {
+            "energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls),
+            "energy_launch": how, "energy_ticks": str(result.ticks),
+            "energy_rel_uncertainty": f"{result.rel_uncertainty:.4f}", "energy_method": result.method,
+            "energy_power_w": f"{result.power_w:.1f}",
+            "energy_regime": "back-to-back calls, L2 warm, settled (the settle is part of the window)", **warm}
+
+    def _wake(self, seconds: float = 0.1) -> None:
+        """Run device memory sweeps and GEMMs for `seconds` before the first spec. The first row of a fresh
+        process read 5 % slow on an idle H200 (a decode GEMM: 15.7 µs, then 14.9-15.0 µs in three more runs),
+        whatever the spec; the settle holds the SM clock, not what else wakes with the first work."""
+        from ..measure._l2 import flusher
+
+        torch = self.torch
+        sweep, _nbytes = flusher(0)
+        a = torch.randn(2048, 2048, device="cuda").to(torch.bfloat16)
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            for _ in range(10):
+                sweep()
+                a @ a
+            torch.cuda.synchronize()
+
+    def _heat(self):
+        """The loaded power state's unit of heavy work (see time_gpu's `heat`): a 4096^3 bf16 GEMM, the kind of
+        kernel that holds a GPU at its power limit through a prefill; None in the sustained state."""
+        if self.power != "loaded":
+            return None
+        if self._heater is None:
+            torch = self.torch
+            g = torch.Generator("cuda").manual_seed(0x4EA7)
+            a, b = (torch.randn(4096, 4096, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+            out = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+            self._heater = lambda: torch.matmul(a, b, out=out)
+        return self._heater
+
+    def _spread(self, case):
+        """(timed closure, copies, the copy of each call): eager calls rotate over up to MAX_COPIES copies of the
+        case's cold inputs (its weights), each its own allocation, sharing the activations; the closure records
+        which copy each call used. A memory-bound kernel's time depends on where its weights lie in device memory:
+        on an H200, Qwen2.5-7B's decode `down` GEMM (a 136 MB weight, m = 8) read 38.1 µs on most allocations and
+        40.0 µs on 2-7 of 16, however they were made (tests/benchmarks/placement_check.py), and a 16-layer model's
+        layers spread 38.7-42.5 µs with the row at the fastest. A model's layers each have their own allocation and
+        a sum of rows needs their mean, so the row is the mean over the copies of each copy's median
+        (`placement_notes`). At most COPY_BYTES of copies."""
+        if self.graph or case.call is None or not case.inputs:
+            return case.fn, 1, []
+        cold = [i for i in range(len(case.inputs)) if i not in case.warm]
+        size = sum(case.inputs[i].numel() * case.inputs[i].element_size() for i in cold)
+        n = min(MAX_COPIES, 1 + int(COPY_BYTES // size)) if size else 1
+        if n == 1:
+            return case.fn, 1, []
+        import functools
+
+        sets = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
+                                for _ in range(n - 1)]
+        calls = [functools.partial(case.call, *inputs) for inputs in sets]
+        used: list[int] = []
+
+        def rotate():
+            copy = len(used) % n
+            used.append(copy)
+            return calls[copy]()
+
+        return rotate, n, used
+
+    def _warm(self, case):
+        """Cold L2: after each sweep, rewrite the case's activations in place (see Case.warm), so they lie in
+        L2 as dirty lines, as the kernel that produced them leaves them inside a model (the timed kernel pays
+        their write-back when it evicts them, as there); before an eager call and a graph replay alike."""
+        if not self.cold or not case.warm:
+            return None
+        import torch
+
+        # OR with 0 rewrites every byte unchanged; floats are rewritten through a uint8 view of their bytes (a
+        # 0-d scale as a 1-element view).
+        def as_bytes(t):
+            t = t.unsqueeze(0) if t.dim() == 0 else t
+            return t.view(torch.uint8) if t.is_floating_point() else t
+
+        if case.refresh is not None:
+            return case.refresh  # the next draw copied into the activations: written, so dirty in L2 as well
+        tensors = [as_bytes(case.inputs[i]) for i in case.warm]
+        return lambda: [t.bitwise_or_(0) for t in tensors]
+
+    def recover(self) -> None:
+        """After a failure (an OOM above all), give the cached blocks back so the next spec starts clean."""
+        import gc
+
+        gc.collect()
+        self.torch.cuda.empty_cache()
