@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Sequence
 import msgspec
 
 from ..errors import UsageError
-from ._nvml_access import NvmlError
+from ._nvml_access import NvmlError, _energy_counter
 
 __all__ = ["EnergyResult", "TickPoint", "CounterPolls", "tick_points", "steady_points", "fit_power", "measure_energy",
            "settled_energy"]
@@ -192,8 +192,11 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
         raise UsageError(f"unknown energy method {method!r}; use 'fit' or 'two_read'")
     if not seconds > 0:
         raise UsageError(f"the energy window must be positive, got {seconds} s")
-    counter, sync = _counter_and_sync(counter, sync, index)
-    with CounterPolls(counter, poll_s) as polls:
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.synchronize
+    with CounterPolls(counter or _energy_counter(index), poll_s) as polls:
         sync()
         t = time.perf_counter()
         fn()
@@ -220,7 +223,7 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
     p = _power(polls, t0, t1, c0, c1, method)
     return EnergyResult(j_per_call=p.power_w * window / calls, calls=calls, window_s=window, power_w=p.power_w,
                         rel_uncertainty=p.rel, method=p.method, ticks=len(p.points), tick_s=p.tick_s,
-                        two_read_j_per_call=(c1 - c0) / window / 1000 * window / calls)
+                        two_read_j_per_call=(c1 - c0) / window / 1000 * window / calls)  # 2read's arithmetic: equal to it
 
 
 def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], None]], object] | None = None,
@@ -234,16 +237,15 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
     steps, `run.drain()` waits for them all, and `run.marks` holds (host time, steps completed) as chunks finish.
     `settle(run)` (the state protocol's settle over those chunks) returns once the clock holds steady; None runs
     no settle. The mean power is the fit over the counter's steps polled during the run from `ramp_s` on (the
-    power of the first calls is still rising), less any longer leading ramp (`steady_points`); the time per step is taken from the marks from the first step of the fit on, so both
-    cover the same steady calls (a power-capped kernel's, which run slower as the cap pulls the clock down, too).
+    power of the first calls is still rising), less any longer leading ramp (`steady_points`); the time per step
+    is taken from the marks from the fit's first step on, so both cover the same steady calls.
     Where `fit_after_settle(settle's result)` says so, the fit starts when the settle ends instead, and the run
     goes on for `fit_s` more: a power-capped kernel draws over the limit for a few hundred milliseconds before the
     cap's controller holds it there (a 2048x4096x4096 GEMM on an H200: 756 W over its first 0.3 s, 691 W over 5 s).
     Energy per call = power x time per step / calls_per_step. Returns (EnergyResult, settle's result)."""
     if not span_s > 0:
         raise UsageError(f"the energy span must be positive, got {span_s} s")
-    counter, _sync = _counter_and_sync(counter, lambda: None, index)
-    with CounterPolls(counter, poll_s) as polls:
+    with CounterPolls(counter or _energy_counter(index), poll_s) as polls:
         c0, t0, n0 = polls.read(), time.perf_counter(), run.enqueued
         settled = settle(run) if settle is not None else None
         fit_from = time.perf_counter() if settle is not None and fit_after_settle(settled) else t0 + ramp_s
@@ -261,15 +263,3 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
     return EnergyResult(j_per_call=p.power_w * per_step / calls_per_step, calls=calls, window_s=t1 - t0,
                         power_w=p.power_w, rel_uncertainty=p.rel, method=p.method, ticks=len(p.points),
                         tick_s=p.tick_s, two_read_j_per_call=(c1 - c0) / 1000 / calls), settled
-
-
-def _counter_and_sync(counter, sync, index: int):
-    if sync is None:
-        import torch
-
-        sync = torch.cuda.synchronize
-    if counter is None:
-        from ._nvml_access import _energy_counter
-
-        counter = _energy_counter(index)
-    return counter, sync

@@ -12,6 +12,7 @@ import msgspec
 from ..ledger.events import Method
 from ..measure.stats import StopRule, placement_notes, summarize
 from ._case import algorithm_notes
+from ._settings import env_seconds
 from .registry import Entry
 
 __all__ = ["CudaDevice", "energy_window_s", "twice_if_unstable", "ENERGY_S", "MAX_COPIES", "COPY_BYTES"]
@@ -28,18 +29,7 @@ SETTLED_MIN_S = 0.04
 
 def energy_window_s() -> float:
     """Seconds of back-to-back calls behind each row's energy_j (KPROF_ENERGY_S; 0 turns energy off)."""
-    import os
-
-    raw = os.environ.get("KPROF_ENERGY_S", str(ENERGY_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        from ..errors import UsageError
-
-        raise UsageError(f"KPROF_ENERGY_S={raw!r} is not a number of seconds >= 0; e.g. KPROF_ENERGY_S=0.5")
-    return value
+    return env_seconds("KPROF_ENERGY_S", ENERGY_S, zero_ok=True)
 
 
 def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None]:

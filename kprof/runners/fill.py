@@ -251,6 +251,4 @@ def _own_device(entry: Entry, devices: Devices, todo: list[int], canonical: list
     to the pool, whose worker hands its rank processes the group's GPUs."""
     if len(devices.devices) != 1 or any(need_of(entry, canonical[i]) > 1 for i in todo):
         return False
-    if entry.device == "cuda" and entry.gpus_arg:
-        return False
-    return entry.device != "cuda" or devices.devices[0].label == "gpu0"
+    return entry.device != "cuda" or (not entry.gpus_arg and devices.devices[0].label == "gpu0")

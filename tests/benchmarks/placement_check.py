@@ -47,22 +47,23 @@ def runner_weight(torch, g, k: int, n: int):
     return b.to(torch.bfloat16)
 
 
-def make(torch, style: str, op: str, copies: int, g) -> list:
+def make(torch, style: str, op: str, copies: int, g) -> tuple[list, list]:
+    """(the weights to time, everything else the style allocated, kept alive as a model keeps its layers)."""
     k, n = OPS[op]
     if style == "runner":
-        return [runner_weight(torch, g, k, n) for _ in range(copies)]
+        return [runner_weight(torch, g, k, n) for _ in range(copies)], []
     if style == "clones":
         first = runner_weight(torch, g, k, n)
-        return [first] + [first.clone() for _ in range(copies - 1)]
-    out = []
+        return [first] + [first.clone() for _ in range(copies - 1)], []
+    out, layers = [], []
     for _ in range(copies):  # a model's layer: qkv, o, gate_up, down, each a bf16 randn, in that order
         layer = {"qkv": torch.randn(HIDDEN, QKV, generator=g, device="cuda", dtype=torch.bfloat16),
                  "o": torch.randn(HIDDEN, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16),
                  "gate_up": torch.randn(HIDDEN, 2 * INTER, generator=g, device="cuda", dtype=torch.bfloat16),
                  "down": torch.randn(INTER, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16)}
         out.append(layer[op].mul_(1.0 / math.sqrt(k)))
-        out[-1]._kept_layer = layer  # keep the whole layer allocated, as a model does
-    return out
+        layers.append(layer)
+    return out, layers
 
 
 def segments(torch) -> list[tuple[int, int]]:
@@ -101,7 +102,7 @@ def main() -> int:
         g = torch.Generator("cuda").manual_seed(1)
         x = torch.randn(M, k, generator=g, device="cuda", dtype=torch.bfloat16)
         for style in ("runner", "clones", "model"):
-            weights = make(torch, style, op, a.copies, g)
+            weights, kept = make(torch, style, op, a.copies, g)
             segs = segments(torch)
             rounds = [[time_one(torch, x, w) for w in weights] for _ in range(a.rounds)]
             per = [statistics.median(r[i] for r in rounds) for i in range(len(weights))]
@@ -112,7 +113,7 @@ def main() -> int:
             result["styles"][f"{op}/{style}"] = doc
             table.append((op, style, doc))
             log(f"{op:8s} {style:7s} " + " ".join(f"{v:6.2f}" for v in per))
-            del weights
+            del weights, kept
             torch.cuda.empty_cache()
     result["wall_s"] = time.perf_counter() - started
     os.makedirs(a.out, exist_ok=True)

@@ -37,21 +37,11 @@ def _verb(verb: str, h, db: str | None, *extra: str) -> list[str]:
     return [*args, *(["--db", db] if db is not None else []), *extra]
 
 
-def _refused(capsys, argv, *needles) -> str:
-    code = main(argv)
-    captured = capsys.readouterr()
-    assert code == 2, (code, captured.err)
-    assert captured.out == "" and "Traceback" not in captured.err
-    for needle in needles:
-        assert needle in captured.err, (needle, captured.err)
-    return captured.err
-
-
 # ---- --db naming no file --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("verb", [*READ_VERBS, "show"])
-def test_a_db_that_does_not_exist_is_a_usage_error_for_the_read_verbs(verb, tmp_path, capsys, h):
-    _refused(capsys, _verb(verb, h, "profle.db", "--json"),
+def test_a_db_that_does_not_exist_is_a_usage_error_for_the_read_verbs(verb, tmp_path, capsys, h, refused):
+    refused(_verb(verb, h, "profle.db", "--json"),
              "no ledger at profle.db; pass --db or set KPROF_DB, or `kprof run` to create one")
     assert os.listdir(tmp_path) == []
 
@@ -78,14 +68,14 @@ def test_run_fresh_still_needs_no_ledger(tmp_path, capsys, h):
 
 @pytest.mark.parametrize("verb", [*READ_VERBS, "show", "run", "audit", "calibrate"])
 @pytest.mark.parametrize("empty", ["", "  "])
-def test_an_empty_db_is_refused_everywhere(verb, empty, tmp_path, capsys, h):
+def test_an_empty_db_is_refused_everywhere(verb, empty, tmp_path, capsys, h, refused):
     h.append("profile.db")  # ./profile.db exists: an empty --db must not silently mean it
     before = _files(tmp_path)
     if verb in ("audit", "calibrate"):
         argv = [verb, "--db", empty]
     else:
         argv = _verb(verb, h, empty)
-    _refused(capsys, argv, f"--db {empty!r} is empty", "omit --db to use $KPROF_DB, else ./profile.db")
+    refused(argv, f"--db {empty!r} is empty", "omit --db to use $KPROF_DB, else ./profile.db")
     assert _files(tmp_path) == before
 
 
@@ -116,20 +106,20 @@ NOT_LEDGERS = {"text": (_text, "(not an LMDB file)"), "sqlite": (_sqlite, "(an S
 
 @pytest.mark.parametrize("verb", [*READ_VERBS, "show", "run", "audit"])
 @pytest.mark.parametrize("kind", list(NOT_LEDGERS))
-def test_a_file_that_is_not_a_ledger_is_refused_and_left_alone(verb, kind, tmp_path, capsys, h):
+def test_a_file_that_is_not_a_ledger_is_refused_and_left_alone(verb, kind, tmp_path, capsys, h, refused):
     make, what = NOT_LEDGERS[kind]
     path = tmp_path / "some.db"
     make(path)
     before = _files(tmp_path)
     argv = ["audit", "--db", str(path)] if verb == "audit" else _verb(verb, h, str(path), "--json")
-    _refused(capsys, argv, f"{path} is not a kprof ledger {what}", "check that --db (or $KPROF_DB) names the ledger")
+    refused(argv, f"{path} is not a kprof ledger {what}", "check that --db (or $KPROF_DB) names the ledger")
     assert _files(tmp_path) == before  # the file untouched, no some.db-lock beside it, no rows
 
 
 @pytest.mark.parametrize("verb", [*READ_VERBS, "run"])
-def test_a_device_or_a_directory_is_refused(verb, tmp_path, capsys, h):
-    _refused(capsys, _verb(verb, h, os.devnull), f"{os.devnull} is not a kprof ledger (not a regular file")
-    _refused(capsys, _verb(verb, h, str(tmp_path)), f"ledger path {tmp_path} is a directory, not a kprof ledger")
+def test_a_device_or_a_directory_is_refused(verb, tmp_path, capsys, h, refused):
+    refused(_verb(verb, h, os.devnull), f"{os.devnull} is not a kprof ledger (not a regular file")
+    refused(_verb(verb, h, str(tmp_path)), f"ledger path {tmp_path} is a directory, not a kprof ledger")
     assert os.listdir(tmp_path) == []
 
 
@@ -197,30 +187,30 @@ def _run_into(out_dir: str, h, db: str) -> list[str]:
     return ["run", h.GEMM, "--backend", h.CPU, *h.spec_args(SPEC), "--db", db, "--output-dir", out_dir, "--json"]
 
 
-def test_an_empty_output_dir_is_refused_before_any_work(tmp_path, capsys, h):
-    _refused(capsys, _run_into("", h, "p.db"), "--output-dir '' is empty", "omit --output-dir")
+def test_an_empty_output_dir_is_refused_before_any_work(tmp_path, capsys, h, refused):
+    refused(_run_into("", h, "p.db"), "--output-dir '' is empty", "omit --output-dir")
     assert os.listdir(tmp_path) == []
 
 
-def test_an_output_dir_through_a_file_is_refused_before_any_work(tmp_path, capsys, h):
+def test_an_output_dir_through_a_file_is_refused_before_any_work(tmp_path, capsys, h, refused):
     (tmp_path / "notes").write_text("x")
-    _refused(capsys, _run_into("notes/run1", h, "p.db"),
+    refused(_run_into("notes/run1", h, "p.db"),
              f"--output-dir notes/run1 passes through {tmp_path / 'notes'}, which is not a directory",
              "pass a new directory")
-    _refused(capsys, _run_into("notes/a/b", h, "p.db"), "passes through")
+    refused(_run_into("notes/a/b", h, "p.db"), "passes through")
     assert os.listdir(tmp_path) == ["notes"]
 
 
-def test_an_output_dir_that_is_a_broken_link_is_refused(tmp_path, capsys, h):
+def test_an_output_dir_that_is_a_broken_link_is_refused(tmp_path, capsys, h, refused):
     os.symlink(tmp_path / "gone", tmp_path / "snap")
-    _refused(capsys, _run_into("snap", h, "p.db"), "--output-dir snap is a broken link, not a directory")
+    refused(_run_into("snap", h, "p.db"), "--output-dir snap is a broken link, not a directory")
     assert os.listdir(tmp_path) == ["snap"]
 
 
-def test_an_output_dir_holding_a_plot_of_a_snapshot_is_refused(tmp_path, capsys, h):
+def test_an_output_dir_holding_a_plot_of_a_snapshot_is_refused(tmp_path, capsys, h, refused):
     (tmp_path / "snap").mkdir()
     (tmp_path / "snap" / "curve.png").write_bytes(b"png")
-    _refused(capsys, _run_into("snap", h, "p.db"), "already holds a snapshot (curve.png)")
+    refused(_run_into("snap", h, "p.db"), "already holds a snapshot (curve.png)")
     assert sorted(os.listdir(tmp_path)) == ["snap"]
 
 

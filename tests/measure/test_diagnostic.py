@@ -410,16 +410,6 @@ def _files(root=".") -> list[str]:
     return sorted(str(p.relative_to(root)) for p in pathlib.Path(root).rglob("*"))
 
 
-def _refused(capsys, argv, *needles):
-    code = main(argv)
-    captured = capsys.readouterr()
-    assert code == 2, (code, captured.err)
-    assert captured.out == "" and "Traceback" not in captured.err
-    for needle in needles:
-        assert needle in captured.err, (needle, captured.err)
-    return captured.err
-
-
 def _measure(*extra, spec=GEMM_SPEC, table="single_gemm", backend="torch") -> list[str]:
     return ["measure", table, "--backend", backend, "--spec", json.dumps(spec), *extra]
 
@@ -452,33 +442,33 @@ def gpu_here(monkeypatch):
     (_measure("--gpu-name", "NVIDIA B200"), "--gpu-name 'NVIDIA B200' differs from the GPU this would measure on"),
     (_measure("--db", ""), "--db '' is empty"),
 ])
-def test_bad_input_is_refused_with_nothing_written(argv, needle, capsys, gpu_here, tmp_path):
-    _refused(capsys, argv, needle)
+def test_bad_input_is_refused_with_nothing_written(argv, needle, capsys, gpu_here, tmp_path, refused):
+    refused(argv, needle)
     assert _files(tmp_path) == [] and gpu_here == []
 
 
-def test_a_comm_table_is_refused(monkeypatch, capsys, gpu_here, tmp_path):
+def test_a_comm_table_is_refused(monkeypatch, capsys, gpu_here, tmp_path, refused):
     from kprof.runners import registry
 
     comm = msgspec.structs.replace(registry.lookup("single_gemm", "torch"), table="all_reduce", backend="nccl",
                                    metric_family="comm", gpus=2)
     monkeypatch.setitem(registry.REGISTRY, ("all_reduce", "nccl"), comm)
-    _refused(capsys, _measure(table="all_reduce", backend="nccl"), "all_reduce/nccl is a communication table")
+    refused(_measure(table="all_reduce", backend="nccl"), "all_reduce/nccl is a communication table")
     assert _files(tmp_path) == []
 
 
-def test_without_a_gpu_it_says_so_and_writes_nothing(monkeypatch, capsys, tmp_path):
+def test_without_a_gpu_it_says_so_and_writes_nothing(monkeypatch, capsys, tmp_path, refused):
     monkeypatch.setattr("kprof.measure.device_name.local_gpu_name", lambda: None)
     for extra in ([], ["--gpu-name", "NVIDIA H200"]):
-        _refused(capsys, _measure(*extra), "on a CUDA GPU and none is visible here")
+        refused(_measure(*extra), "on a CUDA GPU and none is visible here")
     assert _files(tmp_path) == []
 
 
-def test_an_output_dir_holding_an_output_is_refused_before_any_work(capsys, gpu_here, tmp_path):
+def test_an_output_dir_holding_an_output_is_refused_before_any_work(capsys, gpu_here, tmp_path, refused):
     assert main(_measure("--output-dir", "w", "--json")) == 0
     capsys.readouterr()
     before = _files(tmp_path)
-    _refused(capsys, _measure("--output-dir", "w"), "already holds a measure output")
+    refused(_measure("--output-dir", "w"), "already holds a measure output")
     assert _files(tmp_path) == before and len(gpu_here) == 1
 
 
@@ -563,14 +553,14 @@ def test_show_resolves_every_artifact_citation(capsys):
     assert "measure_single_gemm_torch/durations.png" in out and "plot: each launch's kernel time" in out
 
 
-def test_show_refuses_unknown_ambiguous_and_changed_artifacts(capsys, tmp_path):
+def test_show_refuses_unknown_ambiguous_and_changed_artifacts(capsys, tmp_path, refused):
     s = _output("a")
-    _refused(capsys, ["show", "kmeasure.0000000000000000", "--dir", "a"], "no measure output in a lists")
-    _refused(capsys, ["show", "kmeasure.xyz"], "is not a measure citation")
-    _refused(capsys, ["show", "kprof.0123456789abcdef", "--dir", "a"], "--dir is where kmeasure")
+    refused(["show", "kmeasure.0000000000000000", "--dir", "a"], "no measure output in a lists")
+    refused(["show", "kmeasure.xyz"], "is not a measure citation")
+    refused(["show", "kprof.0123456789abcdef", "--dir", "a"], "--dir is where kmeasure")
     _output("b")  # the same recording: identical bytes, two paths
     cite = s["artifacts"]["runtimes.csv"]["citation"]
-    _refused(capsys, ["show", cite, "--dir", "a", "--dir", "b"], "is ambiguous")
+    refused(["show", cite, "--dir", "a", "--dir", "b"], "is ambiguous")
     path = tmp_path / "a" / "runtimes.csv"
     path.chmod(0o644)
     path.write_text(path.read_text().replace(",0\n", ",1\n", 1))
