@@ -14,6 +14,8 @@ L2 before every timed launch and adaptive stopping by `StopRule`. torch and cupt
 - ``graph=True``: the callable captured as one CUDA graph, a sample per replay, swept before each replay as
   an eager call is (or, given rotations, one graph calling every input copy once, a sample being a replay's
   time over the copies).
+- ``placements``: the callable on several allocations of its weights; invocations rotate over them in turn,
+  eager or graph (one graph each), and ``GpuTiming.placement_order`` says which each invocation used.
 - ``state``: the thermal and power protocol (`kprof.measure._state`): before the first sample the callable runs
   back to back, as the samples will, until the SM clock holds steady; each timed batch is read while it runs,
   and a batch off the settled clock (or thermally slowed) is discarded. Without it, calls of 1 ms or more
@@ -51,6 +53,7 @@ class GpuTiming(NamedTuple):
     kernels: tuple[str, ...]  # kernel names of one invocation, in launch order (cupti); () for events
     dropped: int  # CUPTI records dropped (always 0: a drop raises TimerError)
     notes: dict[str, str]  # timer, attribution, launch, l2, l2_flush_bytes, batch, graph_copies, ...
+    placement_order: tuple[int, ...] = ()  # with placements: the placement of every invocation, in call order
 
 
 def cupti_available() -> str | None:
@@ -74,7 +77,8 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
              cold_l2: bool = True, graph: bool = False, kernel_filter: str | None = None,
              rotations: list[Callable[[], object]] | None = None, device=None,
              state: StateProtocol | None = None, warm: Callable[[], object] | None = None,
-             heat: Callable[[], object] | None = None) -> GpuTiming:
+             heat: Callable[[], object] | None = None,
+             placements: list[Callable[[], object]] | None = None) -> GpuTiming:
     """Time `fn` on the GPU until `rule` stops (default `StopRule()`).
 
     fn: the production callable, inputs built beforehand; it is called once before warm-up so lazy setup
@@ -93,6 +97,11 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
     warm: with cold_l2, called after each flush, outside the timed region: puts back in L2 the inputs a
         model's previous kernel would have just written (the activations), so only the rest (weights, KV
         caches) is cold, as inside a model.
+    placements: instead of fn, the callable on each of several allocations of its cold inputs (its weights):
+        invocations rotate over them in order, eagerly or, with graph, as one graph per placement (the sweep
+        before each replay as before), so eager and graph rows time the same mix of allocations. The
+        result's placement_order lists the placement of every invocation (warm-up and settle included, the
+        timed ones last).
     heat: the loaded power state: one unit of heavy work (a large GEMM) enqueued before every sweep, as many
         units as make about twice the call's time, so the GPU runs at its power limit as it does inside a
         prefill, whatever the timed kernel itself draws. Outside the timed region, like the sweep.
@@ -101,7 +110,7 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
     """
     started = time.perf_counter()
     rule = rule or StopRule()
-    pattern = _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations)
+    pattern = _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations, placements)
     import torch
 
     if not torch.cuda.is_available():
@@ -113,7 +122,11 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
             notes["kernel_filter"] = kernel_filter
         flush = None
         copies = None
-        if graph:
+        order: list[int] = []
+        if placements:
+            placements = list(placements)
+            notes["placements"] = str(len(placements))
+        elif graph:
             copies = list(rotations) if rotations else [fn]
             notes["graph_copies"] = str(len(copies))
         if rotations:
@@ -133,7 +146,7 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
             notes.update(l2="warm", l2_flush_bytes="0")
 
         if timer == "events":
-            call, per_call, primed = _prime(torch, fn, copies)
+            call, per_call, primed = _prime(torch, fn, copies, placements, graph, order)
             samples, reason, warm = _run_events(torch, call, flush, per_call, rule, notes, state, heat)
             names: tuple[str, ...] = ()
             dropped = 0
@@ -145,7 +158,7 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
             # The session opens before any graph is captured: CUPTI attaching after capture can leave a
             # graph's kernels untraced.
             with _cupti.Session() as session:
-                call, per_call, primed = _prime(torch, fn, copies)
+                call, per_call, primed = _prime(torch, fn, copies, placements, graph, order)
                 samples, reason, warm, ref = _run_cupti(torch, session, call, flush, per_call, rule, pattern,
                                                         notes, state, heat)
                 dropped = session.dropped
@@ -154,10 +167,44 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         if state is not None:
             notes.update(state.summary())
     return GpuTiming(samples, reason, primed + warm * per_call, time.perf_counter() - started,
-                     sum(samples) * per_call / 1e3, names, dropped, notes)
+                     sum(samples) * per_call / 1e3, names, dropped, notes, tuple(order))
 
 
-def _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations) -> re.Pattern | None:
+def _rotating(placements: list[Callable[[], object]], graph: bool, order: list[int]) -> Callable[[], object]:
+    """One invocation per call, rotating over `placements` in turn and appending each one's index to `order`.
+    Graph mode: each placement captured as its own CUDA graph (the captures share one memory pool: they are
+    replayed one at a time), after eager rounds on a side stream; the call replays the next one."""
+    import torch
+
+    calls = placements
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(_GRAPH_WARMUP_ROUNDS):
+                for c in placements:
+                    c()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs, pool = [], None
+        for c in placements:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                c()
+            pool = g.pool()
+            graphs.append(g)
+        torch.cuda.synchronize()
+        calls = [g.replay for g in graphs]  # the bound replays keep their graphs alive
+    n = len(calls)
+
+    def call():
+        i = len(order) % n
+        order.append(i)
+        return calls[i]()
+
+    return call
+
+
+def _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations, placements) -> re.Pattern | None:
     if timer not in ("cupti", "events"):
         raise UsageError(f"timer must be 'cupti' or 'events', not {timer!r}")
     if kernel_filter is not None and timer != "cupti":
@@ -168,7 +215,10 @@ def _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations) -> re.Patte
                          "(eager launches get an L2 flush instead)")
     if rotations is not None and not (rotations and all(callable(r) for r in rotations)):
         raise UsageError("rotations must be a non-empty list of callables, one per input copy")
-    if not callable(fn) and not (graph and rotations):
+    if placements is not None and (rotations is not None or not (placements and all(callable(p) for p in placements))):
+        raise UsageError("placements must be a non-empty list of callables, one per allocation of the weights, "
+                         "and cannot be combined with rotations")
+    if not callable(fn) and not (graph and rotations) and not placements:
         raise UsageError(f"fn must be a callable taking no arguments, not {type(fn).__name__}")
     try:
         return re.compile(kernel_filter) if kernel_filter else None
@@ -176,10 +226,13 @@ def _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations) -> re.Patte
         raise UsageError(f"kernel_filter {kernel_filter!r} is not a valid regex: {e}") from e
 
 
-def _prime(torch, fn, copies):
+def _prime(torch, fn, copies, placements=None, graph=False, order=None):
     """Run the callable before any warm-up sample, so lazy setup stays out of the kernel sets compared.
-    Graph mode: eager rounds on a side stream, then one capture calling every copy once.
+    Graph mode: eager rounds on a side stream, then one capture calling every copy once. Placements: the
+    rotating call over them (`_rotating`; its graphs captured here, inside the CUPTI session).
     Returns (call, invocations per call, invocations run)."""
+    if placements:
+        fn = _rotating(placements, graph, order)
     if copies is None:
         fn()
         torch.cuda.synchronize()

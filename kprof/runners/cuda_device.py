@@ -1,5 +1,5 @@
 """The CUDA device's recipe for one row: the thermal and power protocol, the energy run, the timing (CUPTI or CUDA
-events, cold L2, eager or graph), the weight copies an eager row rotates over, the loaded state's heat. Made by
+events, cold L2, eager or graph), the weight copies a row rotates over, the loaded state's heat. Made by
 `kprof.runners.worker.prepare_device`; torch, CUPTI and NVML are imported when a device is made."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["CudaDevice", "energy_window_s", "twice_if_unstable", "ENERGY_S", "MA
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
 ENERGY_S = 0.25
-# Eager rows rotate over this many allocations of their weights at most, within this many bytes of copies.
+# Rows rotate over this many allocations of their weights at most, within this many bytes of copies.
 MAX_COPIES = 16
 COPY_BYTES = 2 << 30
 # The timing's settle right after an energy window, which has brought the GPU to this kernel's steady clock.
@@ -98,14 +98,15 @@ class CudaDevice:
             energy, notes = self._energy(case, state) if self.energy_s > 0 else (None, {})
             # Timing follows the energy window: the GPU is already in the steady state of this kernel, and
             # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
-            fn, copies, used = self._spread(case)
+            placements = self._placements(case)
+            copies = len(placements) if placements else 1
             timing, retried = twice_if_unstable(lambda: time_gpu(
-                fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
+                None if placements else case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
                 kernel_filter=case.kernel_filter, state=self._state(start=False, settled=energy is not None),
-                warm=self._warm(case), heat=self._heat()))
+                warm=self._warm(case), heat=self._heat(), placements=placements))
         placement = {}
         if copies > 1 and timing.notes.get("estimator", "median") == "median":
-            placement = placement_notes(timing.samples_ms, used, copies,
+            placement = placement_notes(timing.samples_ms, list(timing.placement_order), copies,
                                         int(timing.notes.get("batches_discarded", "0")))
         env = with_telemetry(self.env, telemetry)
         if self.state_errors:
@@ -207,35 +208,27 @@ class CudaDevice:
             self._heater = lambda: torch.matmul(a, b, out=out)
         return self._heater
 
-    def _spread(self, case):
-        """(timed closure, copies, the copy of each call): eager calls rotate over up to MAX_COPIES copies of the
-        case's cold inputs (its weights), each its own allocation, sharing the activations; the closure records
-        which copy each call used. A memory-bound kernel's time depends on where its weights lie in device memory:
-        on an H200, Qwen2.5-7B's decode `down` GEMM (a 136 MB weight, m = 8) read 38.1 µs on most allocations and
-        40.0 µs on 2-7 of 16, however they were made (tests/benchmarks/placement_check.py), and a 16-layer model's
-        layers spread 38.7-42.5 µs with the row at the fastest. A model's layers each have their own allocation and
-        a sum of rows needs their mean, so the row is the mean over the copies of each copy's median
-        (`placement_notes`). At most COPY_BYTES of copies."""
-        if self.graph or case.call is None or not case.inputs:
-            return case.fn, 1, []
+    def _placements(self, case):
+        """The timed closure on each of up to MAX_COPIES copies of the case's cold inputs (its weights), each its
+        own allocation, sharing the activations; None where there is one (no cold inputs, or over COPY_BYTES).
+        time_gpu rotates over them, eager calls and graph replays alike (one graph per copy). A memory-bound
+        kernel's time depends on where its weights lie in device memory: on an H200, Qwen2.5-7B's decode `down`
+        GEMM (a 136 MB weight, m = 8) read 38.1 µs on most allocations and 40.0 µs on 2-7 of 16, however they
+        were made (tests/benchmarks/placement_check.py), and a 16-layer model's layers spread 38.7-42.5 µs with
+        the row at the fastest. A model's layers each have their own allocation and a sum of rows needs their
+        mean, so the row is the mean over the copies of each copy's median (`placement_notes`)."""
+        if case.call is None or not case.inputs:
+            return None
         cold = [i for i in range(len(case.inputs)) if i not in case.warm]
         size = sum(case.inputs[i].numel() * case.inputs[i].element_size() for i in cold)
         n = min(MAX_COPIES, 1 + int(COPY_BYTES // size)) if size else 1
         if n == 1:
-            return case.fn, 1, []
+            return None
         import functools
 
         sets = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
                                 for _ in range(n - 1)]
-        calls = [functools.partial(case.call, *inputs) for inputs in sets]
-        used: list[int] = []
-
-        def rotate():
-            copy = len(used) % n
-            used.append(copy)
-            return calls[copy]()
-
-        return rotate, n, used
+        return [functools.partial(case.call, *inputs) for inputs in sets]
 
     def _warm(self, case):
         """Cold L2: after each sweep, rewrite the case's activations in place (see Case.warm), so they lie in

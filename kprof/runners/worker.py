@@ -142,7 +142,7 @@ class _CpuDevice:
 
 def _time_ms(stats, notes: dict[str, str]) -> float:
     """The row's time from its samples, by the timing's estimator: the median; the mean (a power-capped kernel);
-    or the mean over the input copies of each copy's median ("copy_mean", see _CudaDevice._spread)."""
+    or the mean over the input copies of each copy's median ("copy_mean", see CudaDevice._placements)."""
     estimator = notes.get("estimator")
     if estimator == "mean":
         return stats.mean

@@ -409,13 +409,17 @@ def sim_torch(dev):
         def __init__(self):
             self.ops = []
 
+        def pool(self):
+            return ("pool", id(self))
+
         def replay(self):
             corr = dev.api_call()
             for name, ns in self.ops:
                 dev.run(name, ns, corr)
 
     @contextlib.contextmanager
-    def graph(g):
+    def graph(g, pool=None):
+        g.pool_of = pool
         dev.capture = g.ops
         yield
         dev.capture = None
@@ -569,6 +573,27 @@ def test_time_gpu_graph_is_swept_before_every_replay_like_an_eager_call(sim):
     assert sim.flushes - before >= 10  # one sweep before each timed replay
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_time_gpu_rotates_over_placements_eager_and_graph(sim, graph):
+    """Two allocations of a weight, one 5 % slower: every invocation takes the next one in turn, eager calls and
+    graph replays (one graph per placement, sharing one memory pool) alike, and placement_order matches each
+    timed sample to its placement."""
+    placements = [lambda: sim.launch("gemm", 2_000), lambda: sim.launch("gemm", 2_100)]
+    t = time_gpu(None, StopRule(max_samples=12), graph=graph, placements=placements)
+    assert t.notes["placements"] == "2" and t.notes["l2"] == "read-sweep"
+    order = t.placement_order[-len(t.samples_ms):]
+    assert len(t.samples_ms) == 12 and len(t.placement_order) > 12  # priming and warm-up calls come first
+    assert list(t.placement_order) == [i % 2 for i in range(len(t.placement_order))]
+    assert t.samples_ms == [pytest.approx(0.002 if p == 0 else 0.0021) for p in order]
+
+
+def test_time_gpu_refuses_placements_with_rotations_or_empty(sim):
+    with pytest.raises(UsageError, match="placements"):
+        time_gpu(None, placements=[])
+    with pytest.raises(UsageError, match="placements"):
+        time_gpu(None, graph=True, rotations=[lambda: None], placements=[lambda: None])
+
+
 def test_time_gpu_loaded_runs_heavy_work_before_every_sweep_and_times_only_the_call(sim):
     heats = []
 
@@ -686,6 +711,23 @@ def test_gpu_graph_replay_with_rotations(timer):
         assert t.kernels and t.dropped == 0
     eager = time_gpu(rotations[0], FAST, timer=timer)
     assert _median(t) < 3 * _median(eager)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_gpu_graph_replays_rotate_over_placements():
+    """One CUDA graph per weight allocation, replayed in turn: every placement's kernels are traced."""
+    _needs_cupti()
+    import torch
+
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    placements = [lambda w=w: x @ w for w in ws]
+    t = time_gpu(None, FAST, graph=True, placements=placements)
+    order = t.placement_order[-len(t.samples_ms):]
+    assert t.notes["placements"] == "4" and sorted(set(order)) == [0, 1, 2, 3]
+    assert all(s > 0 for s in t.samples_ms) and t.kernels and t.dropped == 0
     torch.cuda.synchronize()
 
 

@@ -57,27 +57,29 @@ def test_a_case_with_draws_loads_the_next_one_instead_of_rewriting():
     assert device(graph=False, cold=False)._warm(case) is None
 
 
-def test_eager_rows_rotate_over_copies_of_the_weights_and_share_the_activations():
+def test_rows_rotate_over_copies_of_the_weights_and_share_the_activations():
+    """Eager and graph rows alike get one closure per weight allocation (time_gpu rotates over them)."""
     case = build("single_gemm")
     calls = []
     case = case._replace(call=lambda a, b: calls.append((a, b)))
-    fn, copies, used = device(graph=False)._spread(case)
-    assert copies == 16
-    for _ in range(40):
-        fn()
-    assert all(a is case.inputs[0] for a, _b in calls)  # one activation tensor for every copy
-    assert len({id(b) for _a, b in calls}) == 16 and calls[0][1] is calls[16][1]  # sixteen weight copies, in turn
-    assert used == [i % 16 for i in range(40)]  # the copy of every call, in order
+    for graph in (False, True):
+        calls.clear()
+        placements = device(graph=graph)._placements(case)
+        assert len(placements) == 16
+        for p in placements:
+            p()
+        assert all(a is case.inputs[0] for a, _b in calls)  # one activation tensor for every copy
+        assert len({id(b) for _a, b in calls}) == 16 and calls[0][1] is case.inputs[1]  # the original first
 
 
-def test_no_copies_under_a_graph_past_the_byte_budget_or_of_activations_alone(monkeypatch):
+def test_no_copies_past_the_byte_budget_or_of_activations_alone(monkeypatch):
     import kprof.runners.cuda_device as worker
 
     case = build("single_gemm")
-    assert device(graph=True)._spread(case) == (case.fn, 1, [])
-    assert device(graph=False)._spread(build("silu_mul"))[1] == 1  # its one input is an activation
+    assert device(graph=False)._placements(build("silu_mul")) is None  # its one input is an activation
     monkeypatch.setattr(worker, "COPY_BYTES", 1)
-    assert device(graph=False)._spread(case) == (case.fn, 1, [])
+    assert device(graph=False)._placements(case) is None
+    assert device(graph=True)._placements(case) is None
 
 
 def test_a_row_over_copies_is_the_mean_of_each_copys_median():
