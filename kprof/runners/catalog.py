@@ -130,7 +130,9 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # the mean of each allocation's median: a memory-bound kernel's time depends on where its weights lie (a decode
 # GEMM read 5 % slower on some allocations), and the median of all samples named the commonest placement, the
 # fastest layer of a model, where a sum over a model's layers needs their mean.
-GPU_REVISION = 4
+# 5 (2026-12-02): graph rows rotate over the same allocations, one CUDA graph each (revision 4 graph rows timed
+# one allocation), so an eager and a graph row of a spec time the same mix of placements.
+GPU_REVISION = 5
 CPU_REVISION = 1
 
 
