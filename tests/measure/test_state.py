@@ -131,3 +131,23 @@ def test_no_clock_readings_settle_without_a_reference_and_hold_everything():
     settled = p.settle(s.chunk)
     assert settled.sm_mhz is None and not settled.steady
     assert p.hold(StateReading(None, None, None, None)) and p.summary()["settled_sm_mhz"] == "n/a"
+
+
+def test_one_reading_at_the_cap_is_a_transient_and_the_kernel_settles_uncapped():
+    """A small kernel between sweeps at boost and 350 W that shows the cap reason once (seen on an H200): not a
+    capped kernel; its row keeps the median, and the row says a transient was seen."""
+    readings = [(1980, 350, 50, 0), (1965, 504, 50, 0x4)] + [(1980, 350, 50, 0)] * 100
+    s = Script(readings)
+    p = protocol(s, chunk_s=0.02, min_s=0.04, window=3, tol=0.02, capped_settle_s=0.3, power_limit_w=700.0)
+    settled = p.settle(s.chunk)
+    assert settled.steady and not p.capped and p.estimator == "median" and settled.sm_mhz == 1980
+    assert p.notes["power_capped"] == "no" and p.notes["power_cap_transient"] == "1 of 14 readings"
+    assert settled.seconds >= 0.3  # it waited out the capped settle before deciding
+
+
+def test_a_cap_seen_on_a_quarter_of_the_readings_is_a_capped_kernel():
+    readings = [(1980, 650, 50, 0)] + [(1900, 690, 55, 0x4 if i % 4 == 0 else 0) for i in range(100)]
+    s = Script(readings)
+    p = protocol(s, chunk_s=0.02, min_s=0.04, window=3, tol=0.02, capped_settle_s=0.3, power_limit_w=700.0)
+    p.settle(s.chunk)
+    assert p.capped and p.estimator == "mean" and "power_cap_transient" not in p.notes
