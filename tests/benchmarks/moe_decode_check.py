@@ -13,7 +13,12 @@ A token reaches exactly two experts, so a routing at b=1 is a pair of experts. T
           mean of the pair table over the same routings: does the row time what its routings predict?
   chain   LAYERS weight allocations (as a model's layers), one grouped GEMM each back to back with one fixed pair,
           eagerly and as one CUDA graph, every kernel's time from CUPTI: does a fixed pair alternate by layer
-          (placement) or not (the pair)?
+          (placement) or not (the pair)? `churn`: the same, each layer's activations gathered afresh
+          (index_select, as the model's `gather`), so activations and outputs move between allocator blocks as
+          in a model's forward.
+  offsets the activations at several byte offsets inside one buffer: does the time follow their address?
+  run     `kprof.api.run` (mode fresh: nothing stored) of the spec, with the energy run (the default) and
+          without it, in the same process as the direct timings above: does the row's protocol move it?
 
     python tests/benchmarks/moe_decode_check.py [--out DIR] [--layers 16] [--iters 8]
 
@@ -96,7 +101,45 @@ def row_case(torch, op: str, pair_us: dict) -> dict:
             "row_mean_us": statistics.fmean(t.samples_ms) * 1e3, "predicted_from_pairs_us": predicted}
 
 
-def chain_case(torch, op: str, g, layers: int, iters: int, pair=(0, 1)) -> dict:
+def offsets_case(torch, op: str, g) -> dict:
+    """The activations as views at byte offsets inside one buffer (16-byte aligned, as TMA needs)."""
+    hidden, inter = OPS[op]
+    w_t = weights(torch, g, hidden, inter)
+    offs = offs_for(torch, (0, 1))
+    buf = torch.randn(TOPK * hidden + (1 << 20), generator=g, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for off in (0, 256, 512, 1024, 2048, 4096, 8192, 65536, 1 << 20):
+        x = buf[off // 2: off // 2 + TOPK * hidden].view(TOPK, hidden)
+        out[str(off)] = time_pair(torch, x, w_t, offs)
+    del w_t
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_case(op: str) -> dict:
+    """The spec through kprof.api.run (mode fresh), with and without the energy run."""
+    import tempfile
+
+    from kprof import api
+
+    hidden, inter = OPS[op]
+    spec = {"tokens": 1, "experts": EXPERTS, "topk": TOPK, "hidden": hidden, "intermediate": inter, "dtype": "bf16"}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, energy in (("energy", None), ("no_energy", "0")):
+            if energy is None:
+                os.environ.pop("KPROF_ENERGY_S", None)
+            else:
+                os.environ["KPROF_ENERGY_S"] = energy
+            res = api.run("moe_grouped_gemm", "torch", [spec], mode="fresh", db=os.path.join(tmp, "k.db"))
+            row = res.results[0]
+            out[label] = {"time_us": (row.get("metrics") or {}).get("time_ms", float("nan")) * 1e3,
+                          "status": row.get("status"), "row": row}
+    os.environ.pop("KPROF_ENERGY_S", None)
+    return out
+
+
+def chain_case(torch, op: str, g, layers: int, iters: int, pair=(0, 1), churn: bool = False) -> dict:
     """One grouped GEMM per layer allocation, back to back, eager and as a graph: each layer's median µs."""
     from kprof.measure._cupti import Session
 
@@ -104,10 +147,14 @@ def chain_case(torch, op: str, g, layers: int, iters: int, pair=(0, 1)) -> dict:
     ws = [weights(torch, g, hidden, inter) for _ in range(layers)]
     x = torch.randn(TOPK, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
     offs = offs_for(torch, pair)
+    rows = torch.arange(TOPK, device="cuda")
 
     def forward():
+        y = None
         for w in ws:
-            torch._grouped_mm(x, w, offs=offs)
+            xs = x.index_select(0, rows) if churn else x
+            y = torch._grouped_mm(xs, w, offs=offs)
+        return y
 
     out = {"pair": f"{pair[0]}{pair[1]}", "ptr_mib": [w.data_ptr() / 2 ** 20 for w in ws]}
     with Session() as session:
@@ -129,12 +176,13 @@ def chain_case(torch, op: str, g, layers: int, iters: int, pair=(0, 1)) -> dict:
                 run()
             torch.cuda.synchronize()
             kernels, _ = session.collect()
-            gemms = sorted((k for k in kernels if "prepare_grouped" not in k[0]), key=lambda k: k[1])
+            gemms = sorted((k for k in kernels if "GemmUniversal" in k[0] or "gemm" in k[0].lower()
+                            and "prepare_grouped" not in k[0]), key=lambda k: k[1])
             per = [[] for _ in range(layers)]
             for i, k in enumerate(gemms[-iters * layers:]):
                 per[i % layers].append((k[2] - k[1]) / 1e3)
             out[mode] = [statistics.median(p) for p in per]
-            log(f"  chain {op} {mode}: " + " ".join(f"{v:.1f}" for v in out[mode]))
+            log(f"  chain{' churn' if churn else ''} {op} {mode}: " + " ".join(f"{v:.1f}" for v in out[mode]))
     ws.clear()
     graph = None  # noqa: F841 - the graph and its memory go now
     torch.cuda.empty_cache()
@@ -159,20 +207,28 @@ def main() -> int:
         doc["row"] = row_case(torch, op, us)
         log(f"{op} row: {doc['row']}")
         doc["chain"] = chain_case(torch, op, g, a.layers, a.iters)
+        doc["churn"] = chain_case(torch, op, g, a.layers, a.iters, churn=True)
+        doc["offsets"] = offsets_case(torch, op, g)
+        log(f"{op} offsets: {doc['offsets']}")
+        doc["run"] = run_case(op)
+        log(f"{op} run: " + ", ".join(f"{k} {v['time_us']:.1f} µs ({v['status']})" for k, v in doc["run"].items()))
         result["ops"][op] = doc
     result["wall_s"] = time.perf_counter() - started
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "moe_decode_check.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"{result['gpu']}, torch {result['torch']}; Mixtral-8x7B experts at 1 token, top-2; wall {result['wall_s']:.0f} s")
-    print(f"{'op':8s} {'pairs min':>9s} {'median':>7s} {'max':>7s} {'row':>7s} {'pred.':>7s} "
-          f"{'chain eager min-max':>20s} {'chain graph min-max':>20s}")
+    print(f"{'op':8s} {'pairs min':>9s} {'median':>7s} {'max':>7s} {'direct':>7s} {'pred.':>7s} {'run':>7s} "
+          f"{'run -E':>7s} {'offsets':>13s} {'chain eager':>13s} {'chain graph':>13s} {'churn eager':>13s} "
+          f"{'churn graph':>13s}")
+    span = lambda xs: f"{min(xs):6.1f}-{max(xs):<6.1f}"  # noqa: E731
     for op, d in result["ops"].items():
         us = list(d["pairs"]["us"].values())
-        c = d["chain"]
+        c, ch, r = d["chain"], d["churn"], d["run"]
         print(f"{op:8s} {min(us):9.1f} {statistics.median(us):7.1f} {max(us):7.1f} {d['row']['row_median_us']:7.1f} "
-              f"{d['row']['predicted_from_pairs_us']:7.1f} {min(c['eager']):9.1f}-{max(c['eager']):<10.1f} "
-              f"{min(c['graph']):9.1f}-{max(c['graph']):<10.1f}")
+              f"{d['row']['predicted_from_pairs_us']:7.1f} {r['energy']['time_us']:7.1f} "
+              f"{r['no_energy']['time_us']:7.1f} {span(list(d['offsets'].values()))} {span(c['eager'])} "
+              f"{span(c['graph'])} {span(ch['eager'])} {span(ch['graph'])}")
     return 0
 
 
