@@ -76,7 +76,8 @@ def rotation_copies(input_bytes: int, device=None) -> int:
 def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: str = "cupti",
              cold_l2: bool = True, graph: bool = False, kernel_filter: str | None = None,
              rotations: list[Callable[[], object]] | None = None, device=None,
-             state: StateProtocol | None = None, warm: Callable[[], object] | None = None,
+             state: StateProtocol | None = None,
+             warm: Callable[[], object] | list[Callable[[], object]] | None = None,
              heat: Callable[[], object] | None = None,
              placements: list[Callable[[], object]] | None = None) -> GpuTiming:
     """Time `fn` on the GPU until `rule` stops (default `StopRule()`).
@@ -96,7 +97,8 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
     device: the CUDA device (index, "cuda:N" or torch.device); the current one when None.
     warm: with cold_l2, called after each flush, outside the timed region: puts back in L2 the inputs a
         model's previous kernel would have just written (the activations), so only the rest (weights, KV
-        caches) is cold, as inside a model.
+        caches) is cold, as inside a model. With placements, a list of one callable per placement: the sweep
+        before each call is followed by the warm of the placement that call uses.
     placements: instead of fn, the callable on each of several allocations of its cold inputs (its weights):
         invocations rotate over them in order, eagerly or, with graph, as one graph per placement (the sweep
         before each replay as before), so eager and graph rows time the same mix of allocations. The
@@ -136,6 +138,14 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
             notes.update(l2="read-sweep", l2_flush_bytes=str(nbytes))
             if warm is not None:
                 sweep = flush
+                if isinstance(warm, (list, tuple)):  # one per placement: the next call's activations
+                    if not placements or len(warm) != len(placements):
+                        raise UsageError(f"warm as a list needs one callable per placement ({len(warm)} given "
+                                         f"for {len(placements or [])} placements)")
+                    warms = list(warm)
+
+                    def warm():  # noqa: F811 - the placement the next call uses (see _rotating)
+                        warms[len(order) % len(warms)]()
 
                 def flush():  # noqa: F811 - the sweep, then the activations read back in
                     sweep()

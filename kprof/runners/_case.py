@@ -45,8 +45,9 @@ class Case(NamedTuple):
     warm: tuple[int, ...] = ()
     # Loads the case's next input draw into its warm inputs, in place (an MoE layer's routing: which rows go to
     # which expert). Cold-L2 timing calls it after each sweep, instead of rewriting those inputs, so the row is
-    # the mean over the draws, as a model's layers each route differently. None: one draw.
-    refresh: Callable[[], object] | None = None
+    # the mean over the draws, as a model's layers each route differently. Called with no argument it writes
+    # `inputs`' warm tensors; given a tuple of tensors like them (in `warm` order), it writes those. None: one draw.
+    refresh: Callable[..., object] | None = None
 
 
 def bind(call: Callable, inputs: tuple) -> Callable[[], object]:

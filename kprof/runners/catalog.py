@@ -130,8 +130,10 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # the mean of each allocation's median: a memory-bound kernel's time depends on where its weights lie (a decode
 # GEMM read 5 % slower on some allocations), and the median of all samples named the commonest placement, the
 # fastest layer of a model, where a sum over a model's layers needs their mean.
-# 5 (2026-12-02): graph rows rotate over the same allocations, one CUDA graph each (revision 4 graph rows timed
-# one allocation), so an eager and a graph row of a spec time the same mix of placements.
+# 5 (2026-12-02): a row's placements also move its activations where they are small (decode's: up to 4 MiB),
+# each placement's copy at its own offset: Mixtral's b=1 expert GEMMs moved 15 % with their activations' address
+# and a model's layers alternated between two speeds with its allocator's blocks (moe_decode_check.py); graph rows
+# rotate over the same placements, one CUDA graph each (revision 4 graph rows timed one allocation).
 GPU_REVISION = 5
 CPU_REVISION = 1
 

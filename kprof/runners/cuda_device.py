@@ -15,7 +15,8 @@ from ._case import algorithm_notes
 from ._settings import env_seconds
 from .registry import Entry
 
-__all__ = ["CudaDevice", "energy_window_s", "twice_if_unstable", "ENERGY_S", "MAX_COPIES", "COPY_BYTES"]
+__all__ = ["CudaDevice", "energy_window_s", "twice_if_unstable", "ENERGY_S", "MAX_COPIES", "COPY_BYTES",
+           "ACTIVATION_COPY_BYTES"]
 
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
@@ -23,8 +24,33 @@ ENERGY_S = 0.25
 # Rows rotate over this many allocations of their weights at most, within this many bytes of copies.
 MAX_COPIES = 16
 COPY_BYTES = 2 << 30
+# Activations this small (decode's) get a copy per placement, each at its own offset: see CudaDevice._placements.
+ACTIVATION_COPY_BYTES = 4 << 20
 # The timing's settle right after an energy window, which has brought the GPU to this kernel's steady clock.
 SETTLED_MIN_S = 0.04
+
+
+def _span_bytes(t) -> int:
+    """Bytes from a tensor's first element to its last (a strided view's span, not its element count)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _offset(k: int) -> int:
+    """Placement k's activation offset: 512-byte steps (the caching allocator's alignment) spread over 2 MiB by a
+    multiplicative hash, so the placements sample a block's positions rather than one stride."""
+    return (k * 0x9E3779B1) % 4096 * 512
+
+
+def _placed_copy(torch, t, offset: int):
+    """A copy of `t` (same shape and strides) starting `offset` bytes into a fresh block of its own."""
+    nbytes = _span_bytes(t)
+    block = torch.empty(offset + max(nbytes, 1), dtype=torch.uint8, device=t.device)
+    flat = block[offset:offset + nbytes].view(t.dtype)
+    out = flat.as_strided(t.shape, t.stride()) if nbytes else flat[:0].view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def energy_window_s() -> float:
@@ -98,12 +124,12 @@ class CudaDevice:
             energy, notes = self._energy(case, state) if self.energy_s > 0 else (None, {})
             # Timing follows the energy window: the GPU is already in the steady state of this kernel, and
             # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.
-            placements = self._placements(case)
+            placements, warms, copy_notes = self._placements(case) or (None, self._warm(case), {"input_copies": "1"})
             copies = len(placements) if placements else 1
             timing, retried = twice_if_unstable(lambda: time_gpu(
                 None if placements else case.fn, rule, timer=self.timer, cold_l2=self.cold, graph=self.graph,
                 kernel_filter=case.kernel_filter, state=self._state(start=False, settled=energy is not None),
-                warm=self._warm(case), heat=self._heat(), placements=placements))
+                warm=warms, heat=self._heat(), placements=placements))
         placement = {}
         if copies > 1 and timing.notes.get("estimator", "median") == "median":
             placement = placement_notes(timing.samples_ms, list(timing.placement_order), copies,
@@ -121,7 +147,7 @@ class CudaDevice:
                         notes={"target_rel_ci": str(rule.target), "timer_wall_s": f"{timing.wall_s:.4f}",
                                **({"first_attempt": retried} if retried else {}),
                                "gpu_s": f"{timing.gpu_s:.6f}", **self.start_notes, **timing.notes,
-                               **({"kernels": kernels[:1000]} if kernels else {}), "input_copies": str(copies),
+                               **({"kernels": kernels[:1000]} if kernels else {}), **copy_notes,
                                **placement, **notes, **algorithm_notes(case),
                                **case.notes})
         return stats, method, energy, env, timing.gpu_s
@@ -209,44 +235,67 @@ class CudaDevice:
         return self._heater
 
     def _placements(self, case):
-        """The timed closure on each of up to MAX_COPIES copies of the case's cold inputs (its weights), each its
-        own allocation, sharing the activations; None where there is one (no cold inputs, or over COPY_BYTES).
-        time_gpu rotates over them, eager calls and graph replays alike (one graph per copy). A memory-bound
-        kernel's time depends on where its weights lie in device memory: on an H200, Qwen2.5-7B's decode `down`
-        GEMM (a 136 MB weight, m = 8) read 38.1 µs on most allocations and 40.0 µs on 2-7 of 16, however they
-        were made (tests/benchmarks/placement_check.py), and a 16-layer model's layers spread 38.7-42.5 µs with
-        the row at the fastest. A model's layers each have their own allocation and a sum of rows needs their
-        mean, so the row is the mean over the copies of each copy's median (`placement_notes`)."""
+        """(timed closures, their warms, notes) over the row's placements, or None where there is one. Placement i holds
+        copy i % n_w of the case's cold inputs (its weights: up to MAX_COPIES allocations within COPY_BYTES) and,
+        where the activations are small (ACTIVATION_COPY_BYTES), its own copy of them at its own offset in a
+        fresh block (`_placed_copy`); time_gpu rotates over the placements, eager calls and graph replays alike
+        (one graph each), and rewrites the next one's activations after each sweep (`warms`).
+
+        Why: a memory-bound kernel's time depends on where its inputs lie in device memory. On an H200,
+        Qwen2.5-7B's decode `down` GEMM (a 136 MB weight, m = 8) read 38.1 µs on most weight allocations and
+        40.0 µs on 2-7 of 16 (tests/benchmarks/placement_check.py); Mixtral-8x7B's b=1 expert GEMMs moved 15 %
+        with the address of their 16 KB activations (gate/up 185-223 µs, down 89-101 µs over nine offsets), and
+        a model's layers alternated between two speeds as its allocator alternated their activations' blocks
+        (tests/benchmarks/moe_decode_check.py). A model's layers each have their own placements and a sum of
+        rows needs their mean, so the row is the mean over the placements of each one's median
+        (`placement_notes`)."""
         if case.call is None or not case.inputs:
             return None
         cold = [i for i in range(len(case.inputs)) if i not in case.warm]
-        size = sum(case.inputs[i].numel() * case.inputs[i].element_size() for i in cold)
-        n = min(MAX_COPIES, 1 + int(COPY_BYTES // size)) if size else 1
+        acts = [i for i in case.warm if i < len(case.inputs)]
+        wsize = sum(case.inputs[i].numel() * case.inputs[i].element_size() for i in cold)
+        asize = sum(_span_bytes(case.inputs[i]) for i in acts)
+        n_w = min(MAX_COPIES, 1 + int(COPY_BYTES // wsize)) if wsize else 1
+        n_a = MAX_COPIES if acts and asize <= ACTIVATION_COPY_BYTES else 1
+        n = max(n_w, n_a)
         if n == 1:
             return None
         import functools
 
-        sets = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
-                                for _ in range(n - 1)]
-        return [functools.partial(case.call, *inputs) for inputs in sets]
+        weights = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
+                                   for _ in range(n_w - 1)]
+        sets = []
+        for k in range(n):
+            inputs = list(weights[k % n_w])
+            if n_a > 1 and k > 0:
+                for i in acts:
+                    inputs[i] = _placed_copy(self.torch, case.inputs[i], _offset(k))
+            sets.append(tuple(inputs))
+        warms = [self._warm(case, inputs) for inputs in sets] if self.cold and acts else None
+        return ([functools.partial(case.call, *inputs) for inputs in sets], warms,
+                {"input_copies": str(n_w), "activation_copies": str(n_a)})
 
-    def _warm(self, case):
-        """Cold L2: after each sweep, rewrite the case's activations in place (see Case.warm), so they lie in
-        L2 as dirty lines, as the kernel that produced them leaves them inside a model (the timed kernel pays
-        their write-back when it evicts them, as there); before an eager call and a graph replay alike."""
+    def _warm(self, case, inputs: tuple | None = None):
+        """Cold L2: after each sweep, rewrite the case's activations (of `inputs`, a placement's, else the case's)
+        in place (see Case.warm), so they lie in L2 as dirty lines, as the kernel that produced them leaves them
+        inside a model (the timed kernel pays their write-back when it evicts them, as there); before an eager
+        call and a graph replay alike."""
         if not self.cold or not case.warm:
             return None
+        import functools
+
         import torch
 
+        inputs = case.inputs if inputs is None else inputs
         # OR with 0 rewrites every byte unchanged; floats are rewritten through a uint8 view of their bytes (a
         # 0-d scale as a 1-element view).
         def as_bytes(t):
             t = t.unsqueeze(0) if t.dim() == 0 else t
             return t.view(torch.uint8) if t.is_floating_point() else t
 
-        if case.refresh is not None:
-            return case.refresh  # the next draw copied into the activations: written, so dirty in L2 as well
-        tensors = [as_bytes(case.inputs[i]) for i in case.warm]
+        if case.refresh is not None:  # the next draw copied into the activations: written, so dirty in L2 as well
+            return functools.partial(case.refresh, tuple(inputs[i] for i in case.warm))
+        tensors = [as_bytes(inputs[i]) for i in case.warm]
         return lambda: [t.bitwise_or_(0) for t in tensors]
 
     def recover(self) -> None:

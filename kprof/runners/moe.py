@@ -88,10 +88,13 @@ class Draws:
         self.x, self.off = self.xs[0].clone(), self.offs[0].clone()
         self.turn = 0
 
-    def refresh(self) -> None:
+    def refresh(self, targets: tuple | None = None) -> None:
+        """Copy the next routing into `targets` (a copy of the live (x, off), as a row's placements hold them),
+        else into the live inputs."""
         self.turn = (self.turn + 1) % len(self.xs)
-        self.x.copy_(self.xs[self.turn])
-        self.off.copy_(self.offs[self.turn])
+        x, off = targets if targets is not None else (self.x, self.off)
+        x.copy_(self.xs[self.turn])
+        off.copy_(self.offs[self.turn])
 
     def notes(self) -> dict[str, str]:
         active = [int((c > 0).sum()) for c in self.counts]

@@ -587,6 +587,18 @@ def test_time_gpu_rotates_over_placements_eager_and_graph(sim, graph):
     assert t.samples_ms == [pytest.approx(0.002 if p == 0 else 0.0021) for p in order]
 
 
+def test_time_gpu_warms_the_placement_each_call_is_about_to_use(sim):
+    """With a warm per placement, the sweep before each call is followed by that call's placement's warm."""
+    warmed, ran = [], []
+    placements = [lambda i=i: (ran.append(i), sim.launch("gemm", 2_000)) for i in range(3)]
+    warms = [lambda i=i: warmed.append(i) for i in range(3)]
+    t = time_gpu(None, StopRule(max_samples=10), placements=placements, warm=warms)
+    assert warmed == ran[-len(warmed):] and len(warmed) >= 10  # every swept call, its own placement's warm
+    assert list(t.placement_order) == ran
+    with pytest.raises(UsageError, match="one callable per placement"):
+        time_gpu(None, placements=placements, warm=warms[:2])
+
+
 def test_time_gpu_refuses_placements_with_rotations_or_empty(sim):
     with pytest.raises(UsageError, match="placements"):
         time_gpu(None, placements=[])

@@ -27,8 +27,10 @@ def build(table):
 
 
 def device(graph, cold=True):
-    d = object.__new__(CudaDevice)  # the worker's decisions only: no CUDA device behind it
-    d.graph, d.cold = graph, cold
+    import torch
+
+    d = object.__new__(CudaDevice)  # the worker's decisions only: no CUDA device behind it (CPU tensors)
+    d.graph, d.cold, d.torch = graph, cold, torch
     return d
 
 
@@ -50,36 +52,77 @@ def test_a_case_with_draws_loads_the_next_one_instead_of_rewriting():
     """An MoE row's refresh (the next routing copied in) writes its activations itself: it replaces the
     rewrite, after every sweep, eager or graph; without cold L2 nothing runs between calls."""
     calls = []
-    case = build("moe_grouped_gemm")._replace(refresh=lambda: calls.append(1))
+    case = build("moe_grouped_gemm")._replace(refresh=lambda targets=None: calls.append(1))
     for graph in (False, True):
         device(graph=graph)._warm(case)()
     assert calls == [1, 1]
     assert device(graph=False, cold=False)._warm(case) is None
 
 
-def test_rows_rotate_over_copies_of_the_weights_and_share_the_activations():
-    """Eager and graph rows alike get one closure per weight allocation (time_gpu rotates over them)."""
+def test_rows_rotate_over_placements_of_the_weights_and_of_small_activations():
+    """Eager and graph rows alike: placement k holds its own weight copy and its own activation copy, equal in
+    value and layout, the activation at its own offset in a fresh block; placement 0 is the case's inputs."""
+    from kprof.runners.cuda_device import _offset
+
     case = build("single_gemm")
     calls = []
     case = case._replace(call=lambda a, b: calls.append((a, b)))
     for graph in (False, True):
         calls.clear()
-        placements = device(graph=graph)._placements(case)
-        assert len(placements) == 16
+        placements, warms, notes = device(graph=graph)._placements(case)
+        assert len(placements) == len(warms) == 16 and notes == {"input_copies": "16", "activation_copies": "16"}
         for p in placements:
             p()
-        assert all(a is case.inputs[0] for a, _b in calls)  # one activation tensor for every copy
-        assert len({id(b) for _a, b in calls}) == 16 and calls[0][1] is case.inputs[1]  # the original first
+        a0, b0 = case.inputs
+        assert calls[0] == (a0, b0)
+        assert len({a.data_ptr() for a, _b in calls}) == 16 and len({b.data_ptr() for _a, b in calls}) == 16
+        for k, (a, b) in enumerate(calls[1:], 1):
+            assert a.equal(a0) and b.equal(b0) and a.stride() == a0.stride()
+            assert a.data_ptr() - a.untyped_storage().data_ptr() == _offset(k)
+        rewritten = warms[3]()  # placement 3's activation only (dirty in L2 before its call)
+        assert [t.data_ptr() for t in rewritten] == [calls[3][0].data_ptr()]
 
 
-def test_no_copies_past_the_byte_budget_or_of_activations_alone(monkeypatch):
+def test_activation_offsets_are_aligned_and_spread_over_a_block():
+    from kprof.runners.cuda_device import _offset
+
+    offsets = [_offset(k) for k in range(1, 16)]
+    assert all(o % 512 == 0 and 0 <= o < 2 << 20 for o in offsets) and len(set(offsets)) == 15
+    assert max(offsets) - min(offsets) > 1 << 20  # not one stride's neighbourhood
+
+
+def test_a_strided_activation_keeps_its_layout_in_its_placed_copy():
+    import torch
+
+    from kprof.runners.cuda_device import _placed_copy
+
+    t = torch.arange(24.0).view(4, 6)[:, 1:5]  # a view: strides (6, 1), 4 of 6 columns
+    c = _placed_copy(torch, t, 1024)
+    assert c.equal(t) and c.stride() == t.stride() and c.data_ptr() - c.untyped_storage().data_ptr() == 1024
+
+
+def test_activations_only_or_large_or_nothing_to_copy(monkeypatch):
     import kprof.runners.cuda_device as worker
 
+    placements, warms, notes = device(graph=False)._placements(build("silu_mul"))  # its one input, an activation
+    assert len(placements) == 16 and notes == {"input_copies": "1", "activation_copies": "16"}
+    monkeypatch.setattr(worker, "ACTIVATION_COPY_BYTES", 1)  # a prefill's activations: shared by every placement
     case = build("single_gemm")
-    assert device(graph=False)._placements(build("silu_mul")) is None  # its one input is an activation
+    placements, _warms, notes = device(graph=False)._placements(case)
+    assert len(placements) == 16 and notes["activation_copies"] == "1"
+    assert all(p.args[0] is case.inputs[0] for p in placements)
+    assert device(graph=False)._placements(build("silu_mul")) is None
     monkeypatch.setattr(worker, "COPY_BYTES", 1)
     assert device(graph=False)._placements(case) is None
     assert device(graph=True)._placements(case) is None
+
+
+def test_a_refreshing_case_loads_its_next_draw_into_the_placement_about_to_run():
+    seen = []
+    case = build("moe_grouped_gemm")._replace(refresh=lambda targets=None: seen.append(targets))
+    placements, warms, _notes = device(graph=False)._placements(case)
+    warms[5]()
+    assert seen[-1][0] is placements[5].args[0]  # placement 5's routed activations
 
 
 def test_a_row_over_copies_is_the_mean_of_each_copys_median():
