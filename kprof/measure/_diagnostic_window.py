@@ -26,6 +26,7 @@ import contextlib
 import time
 
 from ._nvml_telemetry import Telemetry
+from ._sampling import side_warmup
 from .diagnostic import Window, segment
 
 __all__ = ["record_window"]
@@ -117,12 +118,7 @@ def _unroll(call_ns: float, call_bytes: float) -> int:
 
 def _capture(torch, fn, unroll: int):
     """A graph of `unroll` invocations of fn (warmed on a side stream first, as torch.cuda.graphs asks); its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+    side_warmup(torch, [fn])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(unroll):

@@ -167,3 +167,18 @@ def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_ca
         if reason:
             notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
             return samples, reason
+
+
+GRAPH_WARMUP_ROUNDS = 3  # eager rounds on a side stream before capture, as torch.cuda.graphs asks
+
+
+def side_warmup(torch, calls) -> None:
+    """GRAPH_WARMUP_ROUNDS of every call on a side stream, joined back: what torch.cuda.graphs asks before a
+    capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARMUP_ROUNDS):
+            for c in calls:
+                c()
+    torch.cuda.current_stream().wait_stream(side)

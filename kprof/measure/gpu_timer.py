@@ -36,12 +36,12 @@ from ._state import StateProtocol
 from ._attribution import (TimerError, by_correlation, by_window, check_same_kernels, kernel_time_ms,
                            one_invocation)
 from ._events_timer import _run_events
-from ._sampling import _WARMUP_MAX, _WARMUP_S, _batch, _heated, _sample, _settle  # noqa: F401  (_batch: tests)
+from ._sampling import (GRAPH_WARMUP_ROUNDS, _WARMUP_MAX, _WARMUP_S, _batch, _heated,  # noqa: F401 (_batch: tests)
+                        _sample, _settle, side_warmup)
 from .stats import StopRule
 
 __all__ = ["GpuTiming", "TimerError", "time_gpu", "cupti_available", "rotation_copies"]
 
-_GRAPH_WARMUP_ROUNDS = 3  # eager rounds on a side stream before capture, as torch.cuda.graphs asks
 
 
 class GpuTiming(NamedTuple):
@@ -188,13 +188,7 @@ def _rotating(placements: list[Callable[[], object]], graph: bool, order: list[i
 
     calls = placements
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(_GRAPH_WARMUP_ROUNDS):
-                for c in placements:
-                    c()
-        torch.cuda.current_stream().wait_stream(side)
+        side_warmup(torch, placements)
         graphs, pool = [], None
         for c in placements:
             g = torch.cuda.CUDAGraph()
@@ -247,19 +241,13 @@ def _prime(torch, fn, copies, placements=None, graph=False, order=None):
         fn()
         torch.cuda.synchronize()
         return fn, 1, 1
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(_GRAPH_WARMUP_ROUNDS):
-            for c in copies:
-                c()
-    torch.cuda.current_stream().wait_stream(side)
+    side_warmup(torch, copies)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for c in copies:
             c()
     torch.cuda.synchronize()
-    return g.replay, len(copies), _GRAPH_WARMUP_ROUNDS * len(copies)  # g.replay keeps the graph alive
+    return g.replay, len(copies), GRAPH_WARMUP_ROUNDS * len(copies)  # g.replay keeps the graph alive
 
 
 def _scoped(session, external_id: int, call) -> None:

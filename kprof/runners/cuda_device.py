@@ -44,7 +44,10 @@ def _offset(k: int) -> int:
 
 
 def _placed_copy(torch, t, offset: int):
-    """A copy of `t` (same shape and strides) starting `offset` bytes into a fresh block of its own."""
+    """A copy of `t` (same shape and strides) starting `offset` bytes into a fresh block of its own; `t` itself
+    where it is a broadcast (a stride of 0), whose copy could not be written in place."""
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        return t
     nbytes = _span_bytes(t)
     block = torch.empty(offset + max(nbytes, 1), dtype=torch.uint8, device=t.device)
     flat = block[offset:offset + nbytes].view(t.dtype)

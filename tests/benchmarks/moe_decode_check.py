@@ -142,6 +142,7 @@ def run_case(op: str) -> dict:
 def chain_case(torch, op: str, g, layers: int, iters: int, pair=(0, 1), churn: bool = False) -> dict:
     """One grouped GEMM per layer allocation, back to back, eager and as a graph: each layer's median µs."""
     from kprof.measure._cupti import Session
+    from kprof.measure._sampling import side_warmup
 
     hidden, inter = OPS[op]
     ws = [weights(torch, g, hidden, inter) for _ in range(layers)]
@@ -160,12 +161,7 @@ def chain_case(torch, op: str, g, layers: int, iters: int, pair=(0, 1), churn: b
     with Session() as session:
         for _ in range(3):
             forward()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
+        side_warmup(torch, [forward])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             forward()
@@ -217,7 +213,8 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "moe_decode_check.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{result['gpu']}, torch {result['torch']}; Mixtral-8x7B experts at 1 token, top-2; wall {result['wall_s']:.0f} s")
+    print(f"{result['gpu']}, torch {result['torch']}; Mixtral-8x7B experts at 1 token, top-2; "
+          f"wall {result['wall_s']:.0f} s")
     print(f"{'op':8s} {'pairs min':>9s} {'median':>7s} {'max':>7s} {'direct':>7s} {'pred.':>7s} {'run':>7s} "
           f"{'run -E':>7s} {'offsets':>13s} {'chain eager':>13s} {'chain graph':>13s} {'churn eager':>13s} "
           f"{'churn graph':>13s}")

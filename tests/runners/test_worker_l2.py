@@ -99,6 +99,10 @@ def test_a_strided_activation_keeps_its_layout_in_its_placed_copy():
     t = torch.arange(24.0).view(4, 6)[:, 1:5]  # a view: strides (6, 1), 4 of 6 columns
     c = _placed_copy(torch, t, 1024)
     assert c.equal(t) and c.stride() == t.stride() and c.data_ptr() - c.untyped_storage().data_ptr() == 1024
+    scale = torch.tensor(2.0)
+    assert _placed_copy(torch, scale, 512).equal(scale)  # a 0-d scale is copied too
+    broadcast = torch.ones(3).expand(4, 3)
+    assert _placed_copy(torch, broadcast, 512) is broadcast  # stride 0: shared, never written through a copy
 
 
 def test_activations_only_or_large_or_nothing_to_copy(monkeypatch):
