@@ -14,7 +14,7 @@ L2 before every timed launch and adaptive stopping by `StopRule`. torch and cupt
 - ``graph=True``: the callable captured as one CUDA graph, a sample per replay, swept before each replay as
   an eager call is (or, given rotations, one graph calling every input copy once, a sample being a replay's
   time over the copies).
-- ``placements``: the callable on several allocations of its weights; invocations rotate over them in turn,
+- ``placements``: the callable on several allocations of its inputs; invocations rotate over them in turn,
   eager or graph (one graph each), and ``GpuTiming.placement_order`` says which each invocation used.
 - ``state``: the thermal and power protocol (`kprof.measure._state`): before the first sample the callable runs
   back to back, as the samples will, until the SM clock holds steady; each timed batch is read while it runs,
@@ -99,9 +99,10 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         model's previous kernel would have just written (the activations), so only the rest (weights, KV
         caches) is cold, as inside a model. With placements, a list of one callable per placement: the sweep
         before each call is followed by the warm of the placement that call uses.
-    placements: instead of fn, the callable on each of several allocations of its cold inputs (its weights):
-        invocations rotate over them in order, eagerly or, with graph, as one graph per placement (the sweep
-        before each replay as before), so eager and graph rows time the same mix of allocations. The
+    placements: instead of fn, the callable on each of several allocations of its inputs (its weights, and its
+        activations where they are small): invocations rotate over them in order, eagerly or, with graph, as one
+        graph per placement (the sweep before each replay as before), so eager and graph rows time the same mix
+        of allocations. The
         result's placement_order lists the placement of every invocation (warm-up and settle included, the
         timed ones last).
     heat: the loaded power state: one unit of heavy work (a large GEMM) enqueued before every sweep, as many
@@ -220,7 +221,7 @@ def _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations, placements)
     if rotations is not None and not (rotations and all(callable(r) for r in rotations)):
         raise UsageError("rotations must be a non-empty list of callables, one per input copy")
     if placements is not None and (rotations is not None or not (placements and all(callable(p) for p in placements))):
-        raise UsageError("placements must be a non-empty list of callables, one per allocation of the weights, "
+        raise UsageError("placements must be a non-empty list of callables, one per allocation of the inputs, "
                          "and cannot be combined with rotations")
     if not callable(fn) and not (graph and rotations) and not placements:
         raise UsageError(f"fn must be a callable taking no arguments, not {type(fn).__name__}")
