@@ -102,9 +102,8 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
     placements: instead of fn, the callable on each of several allocations of its inputs (its weights, and its
         activations where they are small): invocations rotate over them in order, eagerly or, with graph, as one
         graph per placement (the sweep before each replay as before), so eager and graph rows time the same mix
-        of allocations. The
-        result's placement_order lists the placement of every invocation (warm-up and settle included, the
-        timed ones last).
+        of allocations. The result's placement_order lists the placement of every invocation (warm-up and
+        settle included, the timed ones last).
     heat: the loaded power state: one unit of heavy work (a large GEMM) enqueued before every sweep, as many
         units as make about twice the call's time, so the GPU runs at its power limit as it does inside a
         prefill, whatever the timed kernel itself draws. Outside the timed region, like the sweep.
