@@ -587,14 +587,21 @@ def test_time_gpu_rotates_over_placements_eager_and_graph(sim, graph):
     assert t.samples_ms == [pytest.approx(0.002 if p == 0 else 0.0021) for p in order]
 
 
-def test_time_gpu_warms_the_placement_each_call_is_about_to_use(sim):
-    """With a warm per placement, the sweep before each call is followed by that call's placement's warm."""
-    warmed, ran = [], []
-    placements = [lambda i=i: (ran.append(i), sim.launch("gemm", 2_000)) for i in range(3)]
-    warms = [lambda i=i: warmed.append(i) for i in range(3)]
-    t = time_gpu(None, StopRule(max_samples=10), placements=placements, warm=warms)
-    assert warmed == ran[-len(warmed):] and len(warmed) >= 10  # every swept call, its own placement's warm
-    assert list(t.placement_order) == ran
+@pytest.mark.parametrize("timer", ["cupti", "events"])
+def test_time_gpu_warms_the_placement_each_call_is_about_to_use(sim, timer):
+    """With a warm per placement, the sweep before each call is followed by that call's placement's warm (the
+    events timer's zero calibration sweeps without a call: it warms the next call's placement)."""
+    log = []
+    placements = [lambda i=i: (log.append(("call", i)), sim.launch("gemm", 2_000)) for i in range(3)]
+    warms = [lambda i=i: log.append(("warm", i)) for i in range(3)]
+    normal = (2000, 400.0, 50.0, 0)
+    state = _held_state([normal] * 200)[0] if timer == "events" else None
+    t = time_gpu(None, StopRule(max_samples=10), placements=placements, warm=warms, timer=timer, state=state)
+    calls = [i for i, (what, _p) in enumerate(log) if what == "call"]
+    assert [log[i][1] for i in calls] == list(t.placement_order)
+    swept = [i for i in calls if i > 0 and log[i - 1][0] == "warm"]
+    assert len(swept) >= len(calls) - 1 >= 10  # every call after the priming one comes right after a warm
+    assert all(log[i - 1][1] == log[i][1] for i in swept)  # ... of its own placement
     with pytest.raises(UsageError, match="one callable per placement"):
         time_gpu(None, placements=placements, warm=warms[:2])
 
