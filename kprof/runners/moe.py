@@ -18,9 +18,9 @@ The algorithm is fixed per registry entry, never switched silently:
 Which experts a layer's tokens reach moves a small batch's time a lot: at 8 tokens, top-2 of 8, anywhere from
 5 to 8 experts are read, and one draw put the up and down projections of one spec pair 20-29 % off a model's
 layers (each of which routes differently). So on CUDA (`torch`) the row rotates over up to MAX_DRAWS routings
-(`Case.refresh` copies the next one's rows and offsets in after each L2 sweep, outside the timed region): the
-row is the mean over routings, the time a model's layers spend on average. The loop backends keep one routing
-(their launch count follows it, and a timer needs the same kernels every call).
+(`Case.refresh` copies the next one's rows and offsets into the placement about to run, after each L2 sweep,
+outside the timed region): the row is the mean over routings, the time a model's layers spend on average. The
+loop backends keep one routing (their launch count follows it, and a timer needs the same kernels every call).
 
 Counted work per invocation: flops = 2·tokens·topk·hidden·intermediate; minimum bytes = routed activations
 (rows·hidden) + the weights of every expert that received a row (active·hidden·intermediate) + outputs
