@@ -28,6 +28,7 @@ from kprof.runners.moe import EXPERT_BIAS  # std of the per-expert router bias: 
 from kprof.runners.norm import EPS
 
 END = "end"  # yielded after a layer's last op
+PAGE = 2 << 20  # a traced call records its activation's address modulo this: its place inside a large page
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -118,6 +119,7 @@ class Trace:
         self.op: str | None = None
         self.marks: list[str] = []
         self.calls: list[tuple[str | None, str, dict, dict]] = []  # (op, table, spec, layout)
+        self.addresses: list[tuple[str | None, int]] = []  # (op, its activation's address modulo PAGE)
 
     def mark(self, op: str) -> None:
         self.op = op
@@ -135,26 +137,27 @@ class Calls:
 
         self.trace, self._torch, self._F = trace, torch, F
 
-    def _note(self, table: str, spec: dict, layout: dict) -> None:
+    def _note(self, table: str, spec: dict, layout: dict, act) -> None:
         self.trace.calls.append((self.trace.op, table, spec, layout))
+        self.trace.addresses.append((self.trace.op, act.data_ptr() % PAGE))
 
     def rms_norm(self, x, w):
         if self.trace is not None:
             self._note("rms_norm", {"tokens": x.shape[0], "hidden": x.shape[1], "dtype": dtype_name(x)},
-                       {"x_contiguous": x.is_contiguous()})
+                       {"x_contiguous": x.is_contiguous()}, x)
         return self._F.rms_norm(x, (x.shape[-1],), w, EPS)
 
     def single_gemm(self, a, b):
         if self.trace is not None:
             self._note("single_gemm", {"m": a.shape[0], "n": b.shape[1], "k": a.shape[1], "dtype": dtype_name(a)},
-                       {"a_contiguous": a.is_contiguous(), "b_contiguous": b.is_contiguous()})
+                       {"a_contiguous": a.is_contiguous(), "b_contiguous": b.is_contiguous()}, a)
         return a @ b
 
     def silu_mul(self, x):
         h = x.shape[1] // 2
         if self.trace is not None:
             self._note("silu_mul", {"tokens": x.shape[0], "hidden": h, "dtype": dtype_name(x)},
-                       {"x_contiguous": x.is_contiguous()})
+                       {"x_contiguous": x.is_contiguous()}, x)
         return self._F.silu(x[:, :h]) * x[:, h:]
 
     def attention(self, q, k, v, causal: bool):
@@ -173,7 +176,7 @@ class Calls:
                     layout["sdpa_choice"] = SDPA_BACKENDS.get(choice, str(choice))
                 except Exception as e:  # noqa: BLE001 - informational only
                     layout["sdpa_choice"] = f"{type(e).__name__}: {e}"
-            self._note(table, spec, layout)
+            self._note(table, spec, layout, q)
         return self._F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
     def grouped_mm(self, x, w_t, offs, topk: int):
@@ -183,7 +186,7 @@ class Calls:
                                             "dtype": dtype_name(x)},
                        {"x_contiguous": x.is_contiguous(),
                         "w_transposed_contiguous": _transposed_contiguous(w_t),
-                        "offs_int32": str(offs.dtype) == "torch.int32"})
+                        "offs_int32": str(offs.dtype) == "torch.int32"}, x)
         return self._torch._grouped_mm(x, w_t, offs=offs)
 
 

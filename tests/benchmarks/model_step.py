@@ -26,6 +26,10 @@ spec in a decode and a prefill phase has two rows.
 Kernels with no kprof table (KV-cache write, residual adds, MoE routing, gather, combine, and any layout copy
 SDPA or a reshape adds) are "uncovered": reported with their in-model time and share of the layer.
 
+Each phase also records where the caching allocator put each covered op's activation in every layer of an eager
+forward (`activation_mod_2mib`: its address modulo 2 MiB), since a decode kernel's time follows that address
+(tests/benchmarks/address_check.py).
+
 Targets: the per-layer sum of covered ops within 3 % of in-model for every config and phase; per-kernel
 median |error| <= 3 %, max <= 8 %. Writes model_step.json (every raw sample) and the ledger as a tar.gz.
 
@@ -652,6 +656,23 @@ def _timed(run_once, session, plan: Plan):
     return [k for k in kernels if t0 <= k[1] and k[2] <= t1], out, sampler.summary()
 
 
+def activation_addresses(model, ph: Phase, buf) -> dict[str, list[int]]:
+    """Each covered op's activation address modulo 2 MiB (its place inside a large page), layer by layer, in one
+    traced eager forward: where the model's caching allocator puts what a row's placements stand in for (a decode
+    kernel's time follows that address: tests/benchmarks/address_check.py). The timed eager passes repeat the
+    same allocations, so they see the same places."""
+    from _decoder import Calls, Trace, run_layer
+
+    trace = Trace()
+    calls, x = Calls(trace), buf.x0
+    for i in range(len(model.weights)):
+        x = run_layer(model.layer(i, ph, buf, x, calls), trace.mark)
+    out: dict[str, list[int]] = {}
+    for op, where in trace.addresses:
+        out.setdefault(op, []).append(where)
+    return out
+
+
 def run_phase(model, ph: Phase, plan: Plan) -> dict:
     """One config and phase on the GPU: discovery, the eager pass and the graph pass, with one retry (after
     a fresh discovery) of a pass whose kernels do not follow the discovered sequence."""
@@ -688,6 +709,7 @@ def run_phase(model, ph: Phase, plan: Plan) -> dict:
 
         found, layouts = _discover_eager(model, ph, buf, session, ops)
         result["layouts"] = layouts
+        result["activation_mod_2mib"] = activation_addresses(model, ph, buf)
         counts = {op: len(ks) for op, ks in found.items()}
         graph = static_out = run_once = None
         for mode in MODES:

@@ -525,6 +525,10 @@ def test_run_phase_on_an_emulated_device(emulated, cfg, ph, power):
     assert p["kernels"]["graph"] == p["kernels"]["eager"]
     if ph.kind == "decode":
         assert p["layouts"]["attention"]["k_contiguous"]
+    covered_names = [o.name for o in dec.layer_ops(cfg, ph) if o.table]
+    places = p["activation_mod_2mib"]  # every covered op's activation, in each of the 3 layers
+    assert sorted(places) == sorted(covered_names) and all(len(v) == 3 for v in places.values())
+    assert all(0 <= x < dec.PAGE for v in places.values() for x in v)
     ops = dec.layer_ops(cfg, ph)
     other = {"sustained": "loaded", "loaded": "sustained"}[power]
     rows = {ms.row_key(o.table, o.spec, pw): {"status": "ok", "time_us": us, "power": pw}
