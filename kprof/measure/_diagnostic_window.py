@@ -26,6 +26,7 @@ import contextlib
 import time
 
 from ._nvml_telemetry import Telemetry
+from ._l2 import rewriter
 from ._sampling import side_warmup
 from .diagnostic import Window, segment
 
@@ -53,20 +54,14 @@ def _energy_reader(index: int, errors: dict[str, str]):
 
 
 def _activations(torch, case):
-    """The rewrite of the case's activations after each sweep (as `kprof.runners.worker` does for rows): its
+    """The rewrite of the case's activations after each sweep (as `kprof.runners.cuda_device` does for rows): its
     refresh when it has one, else every byte of each warm input OR-ed with 0 in place (dirty in L2, unchanged)."""
     refresh = getattr(case, "refresh", None)
     if refresh is not None:
         return refresh
     if not case.warm:
         return None
-
-    def as_bytes(t):
-        t = t.unsqueeze(0) if t.dim() == 0 else t
-        return t.view(torch.uint8) if t.is_floating_point() else t
-
-    tensors = [as_bytes(case.inputs[i]) for i in case.warm]
-    return lambda: [t.bitwise_or_(0) for t in tensors]
+    return rewriter(torch, [case.inputs[i] for i in case.warm])
 
 
 def _kernels_only(session) -> None:

@@ -10,6 +10,7 @@ from typing import Callable
 import msgspec
 
 from ..ledger.events import Method
+from ..measure._l2 import rewriter
 from ..measure.stats import StopRule, placement_notes, summarize
 from ._case import algorithm_notes
 from ._settings import env_seconds
@@ -287,19 +288,10 @@ class CudaDevice:
             return None
         import functools
 
-        import torch
-
         inputs = case.inputs if inputs is None else inputs
-        # OR with 0 rewrites every byte unchanged; floats are rewritten through a uint8 view of their bytes (a
-        # 0-d scale as a 1-element view).
-        def as_bytes(t):
-            t = t.unsqueeze(0) if t.dim() == 0 else t
-            return t.view(torch.uint8) if t.is_floating_point() else t
-
         if case.refresh is not None:  # the next draw copied into the activations: written, so dirty in L2 as well
             return functools.partial(case.refresh, tuple(inputs[i] for i in case.warm))
-        tensors = [as_bytes(inputs[i]) for i in case.warm]
-        return lambda: [t.bitwise_or_(0) for t in tensors]
+        return rewriter(self.torch, [inputs[i] for i in case.warm])
 
     def recover(self) -> None:
         """After a failure (an OOM above all), give the cached blocks back so the next spec starts clean."""
