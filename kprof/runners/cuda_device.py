@@ -198,7 +198,8 @@ class CudaDevice:
         calls_fn, per_replay, how = burst(case.fn, per_call, call_bytes=case.bytes)
         run = BackToBack.on_cuda(torch, calls_fn, per_call * per_replay)
         result, settled = settled_energy(run, span_s=self.energy_s, settle=state.settle if state else None,
-                                         fit_after_settle=lambda _settled: state.capped, calls_per_step=per_replay)
+                                         fit_after_settle=lambda _settled: state.capped, calls_per_step=per_replay,
+                                         power_limit_w=self.env.power_limit_w)
         warm = {}
         if settled is not None:
             warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
@@ -206,7 +207,7 @@ class CudaDevice:
             "energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls),
             "energy_launch": how, "energy_ticks": str(result.ticks),
             "energy_rel_uncertainty": f"{result.rel_uncertainty:.4f}", "energy_method": result.method,
-            "energy_power_w": f"{result.power_w:.1f}",
+            "energy_power_w": f"{result.power_w:.1f}", "energy_fit_from_s": f"{result.fit_from_s:.3f}",
             "energy_regime": "back-to-back calls, L2 warm, settled (the settle is part of the window)", **warm}
 
     def _wake(self, seconds: float = 0.1) -> None:
