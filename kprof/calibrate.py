@@ -1,17 +1,17 @@
 """`kprof calibrate`: measure the device's ceilings into the ledger as ordinary rows, each the best of a stated
 set of shapes (`kprof.ceilings`, which reads them and says what a set is and why).
 
-    kprof calibrate --backend torch          # GPU: 9 large bf16 GEMMs; copies of 1-4 GiB and 2 decode GEMMs
+    kprof calibrate --backend torch          # GPU: 9 bf16 and 5 fp8 GEMMs; 1-4 GiB copies, 2 decode GEMMs, 2 decode attentions
     kprof calibrate --backend torch-cpu      # CPU: 3 fp32 GEMMs; copies of 64-256 MiB and a matrix-vector product
 """
 
 from __future__ import annotations
 
 from .ceilings import (BASE_BACKEND, CEILING_SETS, CEILING_SPECS, Ceiling, CeilingSet, _by_table, annotate,
-                       ceilings, fractions, lookup_any)
+                       applicable, ceilings, fractions, lookup_any)
 
 __all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "calibrate", "ceilings",
-           "fractions", "annotate", "lookup_any"]
+           "applicable", "fractions", "annotate", "lookup_any"]
 
 
 def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = None, force: bool = False,

@@ -19,9 +19,10 @@ over the clock it was timed at, where its event says both (`_clock_scale`; `meth
 GEMMs run power-capped at clocks that differ from pass to pass, so their best as measured did not bound rows
 timed a moment nearer boost; per clock, it does. Bandwidth ceilings are not scaled (HBM has its own clock).
 
-The arithmetic ceiling is a bf16 ceiling on the GPU (fp32 on the CPU): it says what this device reaches in
-the dtype models mostly run, not a dtype-agnostic peak. Rows of a faster dtype (fp8_e4m3 runs about twice
-as fast) are still given fractions of it, and they come out above 1 and flagged, as below.
+A set may bound the rows of one dtype only (`CeilingSet.dtype`): on the GPU, fp8_e4m3 GEMMs run about twice
+as fast as bf16 ones and have their own arithmetic set, while the bf16 set bounds every other dtype's rows
+(fp32 on the CPU). A row is given, per metric, the ceiling of its own dtype where the ledger holds one, else the
+ceiling of no particular dtype. Without an fp8 set, fp8 rows read 170 % of the bf16 ceiling on an H200.
 
 What `query --json` adds to each ok compute row once the ceilings exist (`annotate`):
 
@@ -42,14 +43,15 @@ from typing import NamedTuple
 
 from .runners.registry import lookup
 
-__all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "ceilings", "fractions",
-           "annotate", "lookup_any"]
+__all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "ceilings", "applicable",
+           "fractions", "annotate", "lookup_any"]
 
 
 class CeilingSet(NamedTuple):
     metric: str  # "tflops" or "memory_bandwidth_gbps"
     members: tuple  # ((table, spec), ...): the stated shapes; the ceiling is the metric's maximum over their rows
     about: str  # what the set is, for people
+    dtype: str | None = None  # the one dtype whose rows it bounds (an optional set), or None: any other row
 
 
 def _gemms(dtype: str, *mnk: tuple[int, int, int]) -> tuple:
@@ -60,6 +62,11 @@ def _copies(*sizes: int) -> tuple:
     return tuple(("memcpy", {"bytes": b}) for b in sizes)
 
 
+def _decode_attention(*batch_kv: tuple[int, int]) -> tuple:
+    return tuple(("attention_decode", {"batch": b, "kv_len": kv, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                                       "dtype": "bf16"}) for b, kv in batch_kv)
+
+
 # Per device kind. Arithmetic: GEMMs large enough to fill every SM many times over, from 2048x4096x4096 (~0.09
 # ms) to 8192^3 (~1.6 ms, power-capped), square-ish and long in k (the down projections of 7-8B models, k =
 # 14336, ran at 100.2-103.3 % of a square-only set on an H200), so the best of them bounds the prefill-sized
@@ -67,6 +74,8 @@ def _copies(*sizes: int) -> tuple:
 # two decode GEMMs (m = 1) whose weights (235 and 537 MB) stream from HBM once per call. A copy reads and writes
 # in equal parts; a decode GEMM only reads, and on an H200 the 1x28672x4096 one already streams within 1 % of
 # the copy rate: without it in the set, decode rows would sit at or above "100 %" of a copy-only ceiling.
+# Decode attention over a 1-4 GiB KV cache streams it faster still (102.6 % of copies and decode GEMMs on an H200,
+# 2026-12-02), so two of them are members too. fp8_e4m3 GEMMs have their own arithmetic set (see the module).
 # On the CPU, copies of 64 MiB and more (source and destination together twice that) and a 64 MiB
 # matrix-vector product are past most last-level caches, so the best of them is a memory bandwidth, not a
 # cache's.
@@ -76,9 +85,11 @@ CEILING_SETS = {
                                     (4096, 4096, 14336), (4096, 8192, 4096), (8192, 8192, 4096),
                                     (4096, 8192, 8192), (6144, 6144, 6144), (8192, 8192, 8192)),
                    "bf16 GEMMs"),
+        CeilingSet("tflops", _gemms("fp8_e4m3", (2048, 4096, 14336), (4096, 4096, 4096), (4096, 4096, 14336),
+                                    (6144, 6144, 6144), (8192, 8192, 8192)), "fp8_e4m3 GEMMs", "fp8_e4m3"),
         CeilingSet("memory_bandwidth_gbps", _copies(1 << 30, 2 << 30, 4 << 30)
-                   + _gemms("bf16", (1, 28672, 4096), (1, 16384, 16384)),
-                   "device-to-device copies and weight-streaming bf16 decode GEMMs"),
+                   + _gemms("bf16", (1, 28672, 4096), (1, 16384, 16384)) + _decode_attention((32, 8192), (128, 8192)),
+                   "device-to-device copies, weight-streaming bf16 decode GEMMs and decode attention"),
     ],
     "cpu": [
         CeilingSet("tflops", _gemms("fp32", (512, 512, 512), (768, 768, 768), (1024, 1024, 1024)), "fp32 GEMMs"),
@@ -110,6 +121,7 @@ class Ceiling(NamedTuple):
     shapes: tuple = ()  # {table, spec} of every member of the stated set, measured or not
     rows: tuple = ()  # {table, spec, value, citation} of each member found, in set order
     method: dict = {}  # how the rows were measured (timing, clocks, power, throttle) and how many were found
+    dtype: str | None = None  # the set's dtype: the ceiling bounds rows of that dtype only (None: any other)
 
 
 def lookup_any(backend: str):
@@ -177,7 +189,7 @@ def ceilings(backend: str, gpu_key: str, *, db: str | None = None, ledger=None,
             method = _method(s, ";".join(sorted(timings)), found, [e for e in events if e is not None],
                              (best_table, best), scaled=[k for k in scales if k])
             out.append(Ceiling(s.metric, values[i], best_table, dict(best.spec), best.citation,
-                               tuple({"table": t, "spec": dict(x)} for t, x in s.members), rows, method))
+                               tuple({"table": t, "spec": dict(x)} for t, x in s.members), rows, method, s.dtype))
         return out
     finally:
         if own:
@@ -273,16 +285,25 @@ def _summary(m: dict) -> str:
     return "; ".join(parts)
 
 
-def fractions(metrics: dict | None, found: list[Ceiling]) -> dict[str, float] | None:
-    """A compute row's fraction of each ceiling (None when the row has no metrics or no ceiling exists).
-    A fraction above 1 is returned as it is: the row beat the calibration set."""
+def applicable(found: list[Ceiling], dtype: str | None) -> dict[str, Ceiling]:
+    """metric -> the ceiling bounding a row of `dtype`: the one of its dtype where found, else the one of none."""
+    out: dict[str, Ceiling] = {}
+    for c in found:
+        if c.dtype is None and c.metric not in out or c.dtype is not None and c.dtype == dtype:
+            out[c.metric] = c
+    return out
+
+
+def fractions(metrics: dict | None, found: list[Ceiling], dtype: str | None = None) -> dict[str, float] | None:
+    """A compute row's fraction of each ceiling that bounds its dtype (None when the row has no metrics or no
+    ceiling exists). A fraction above 1 is returned as it is: the row beat the calibration set."""
     if not metrics or not found:
         return None
     out = {}
-    for c in found:
-        value = metrics.get(c.metric)
+    for metric, c in applicable(found, dtype).items():
+        value = metrics.get(metric)
         if value is not None:
-            out[c.metric] = value / c.value
+            out[metric] = value / c.value
     return out or None
 
 
@@ -292,13 +313,14 @@ def annotate(results: list[dict], found: list[Ceiling]) -> None:
     Rows are left exactly as they were when no ceiling exists (see the module docstring)."""
     if not found:
         return
-    cited = {c.metric: c.citation for c in found}
-    how = {c.metric: (c.method or {}).get("summary", "") for c in found}
     for doc in results:
-        share = fractions(doc.get("metrics"), found) if doc.get("status") == "ok" else None
+        dtype = (doc.get("spec") or {}).get("dtype")
+        share = fractions(doc.get("metrics"), found, dtype) if doc.get("status") == "ok" else None
         if share is None:
             continue
-        ceiling = {"fraction": share, "citations": {m: cited[m] for m in share}, "method": {m: how[m] for m in share}}
+        by = applicable(found, dtype)
+        ceiling = {"fraction": share, "citations": {m: by[m].citation for m in share},
+                   "method": {m: (by[m].method or {}).get("summary", "") for m in share}}
         if any(v > 1.0 for v in share.values()):
             ceiling["above_ceiling"] = True
         doc["ceiling"] = ceiling

@@ -19,7 +19,7 @@ from kprof.runners.registry import lookup
 
 GPU = "Test GPU"  # a GPU key no real device has: hand-built rows only
 CPU_FLOPS, CPU_BYTES = CEILING_SETS["cpu"]
-GPU_FLOPS, GPU_BYTES = CEILING_SETS["cuda"]
+GPU_FLOPS, GPU_FP8, GPU_BYTES = CEILING_SETS["cuda"]
 CPU_GEMMS = [spec for _t, spec in CPU_FLOPS.members]
 CPU_COPIES = [spec for t, spec in CPU_BYTES.members if t == "memcpy"]
 
@@ -53,8 +53,10 @@ def _query(table, specs, db="p.db", **kw):
 
 
 def test_the_sets_are_stated_distinct_and_valid():
+    assert [(s.metric, s.dtype) for s in CEILING_SETS["cpu"]] == [("tflops", None), ("memory_bandwidth_gbps", None)]
+    assert [(s.metric, s.dtype) for s in CEILING_SETS["cuda"]] == [
+        ("tflops", None), ("tflops", "fp8_e4m3"), ("memory_bandwidth_gbps", None)]
     for device, sets in CEILING_SETS.items():
-        assert [s.metric for s in sets] == ["tflops", "memory_bandwidth_gbps"]
         backend = {"cuda": "torch", "cpu": "torch-cpu"}[device]
         for s in sets:
             assert len(s.members) >= 3
@@ -74,6 +76,13 @@ def test_the_sets_are_stated_distinct_and_valid():
     assert [x["bytes"] for t, x in GPU_BYTES.members if t == "memcpy"] == [1 << 30, 2 << 30, 4 << 30]
     decode = [x for t, x in GPU_BYTES.members if t == "single_gemm"]
     assert decode and all(x["m"] == 1 and x["dtype"] == "bf16" and 2 * x["n"] * x["k"] > 120 << 20 for x in decode)
+    # and decode attention over a KV cache of 1 GiB or more (K and V, bf16)
+    attention = [x for t, x in GPU_BYTES.members if t == "attention_decode"]
+    assert attention and all(2 * 2 * x["batch"] * x["kv_len"] * x["num_kv_heads"] * x["head_dim"] >= 1 << 30
+                             for x in attention)
+    # fp8's own arithmetic set: fp8 GEMMs only, prefill-sized like the bf16 set, and bounding fp8 rows only
+    assert {(t, x["dtype"]) for t, x in GPU_FP8.members} == {("single_gemm", "fp8_e4m3")}
+    assert all(min(x["m"], x["n"], x["k"]) >= 2048 for _t, x in GPU_FP8.members)
     assert CEILING_SPECS["cuda"] == [(t, x, s.metric) for s in CEILING_SETS["cuda"] for t, x in s.members]
 
 
@@ -245,3 +254,40 @@ def test_the_arithmetic_ceiling_is_taken_at_the_max_sm_clock(h):
     annotate(docs, [c])
     assert docs[0]["ceiling"]["fraction"]["tflops"] == pytest.approx(1.0) and "above_ceiling" not in docs[0]["ceiling"]
     assert docs[1]["ceiling"]["above_ceiling"] is True
+
+
+def test_a_row_is_bounded_by_the_ceiling_of_its_own_dtype(h):
+    """fp8 GEMMs run about twice as fast as bf16 ones: an fp8 row is given the fp8 set's ceiling, a bf16 (or any
+    other) row the bf16 set's; without fp8 rows in the ledger, an fp8 row falls back to the bf16 ceiling, flagged."""
+    bf16 = [_row(x, backend="torch", tflops=600.0 + i) for i, (_t, x) in enumerate(GPU_FLOPS.members)]
+    ids = h.append("p.db", *bf16)
+    fp8_row = {"m": 1024, "n": 4096, "k": 4096, "dtype": "fp8_e4m3"}
+    bf16_row = {"m": 1024, "n": 4096, "k": 4096, "dtype": "bf16"}
+    h.append("p.db", _row(fp8_row, backend="torch", tflops=900.0), _row(bf16_row, backend="torch", tflops=500.0))
+    top = 600.0 + len(GPU_FLOPS.members) - 1
+
+    def shares():
+        found = ceilings("torch", GPU, db="p.db")
+        docs = api.query("single_gemm", "torch", [fp8_row, bf16_row], gpu_name=GPU, db="p.db").results
+        annotate(docs, found)
+        return found, [d["ceiling"] for d in docs]
+
+    found, (fp8, other) = shares()
+    assert [(c.metric, c.dtype) for c in found] == [("tflops", None)]
+    assert fp8["fraction"]["tflops"] == pytest.approx(900.0 / top) and fp8["above_ceiling"] is True
+    assert other["fraction"]["tflops"] == pytest.approx(500.0 / top) and "above_ceiling" not in other
+
+    fp8_ids = h.append("p.db", *[_row(x, backend="torch", tflops=1200.0 + i) for i, (_t, x) in enumerate(GPU_FP8.members)])
+    found, (fp8, other) = shares()
+    by = {(c.metric, c.dtype): c for c in found}
+    assert set(by) == {("tflops", None), ("tflops", "fp8_e4m3")}
+    best8 = by[("tflops", "fp8_e4m3")]
+    assert best8.value == 1200.0 + len(GPU_FP8.members) - 1 and best8.citation == "kprof." + fp8_ids[-1].hex()[:16]
+    assert fp8["fraction"]["tflops"] == pytest.approx(900.0 / best8.value) and "above_ceiling" not in fp8
+    assert fp8["citations"]["tflops"] == best8.citation
+    assert fp8["method"]["tflops"] == best8.method["summary"] and "fp8_e4m3 GEMMs" in best8.method["set"]
+    assert fp8["method"]["tflops"].startswith(f"max over {len(GPU_FP8.members)}/{len(GPU_FP8.members)} shapes")
+    assert other["fraction"]["tflops"] == pytest.approx(500.0 / top)
+    assert other["citations"]["tflops"] == "kprof." + ids[-1].hex()[:16]
+    assert fractions({"tflops": 900.0}, found, "fp8_e4m3") == {"tflops": pytest.approx(900.0 / best8.value)}
+    assert fractions({"tflops": 900.0}, found, "fp16") == {"tflops": pytest.approx(900.0 / top)}
