@@ -201,7 +201,9 @@ def _label(table: str, spec: dict) -> str:
         b = spec["bytes"]
         size = f"{b / (1 << 30):g} GiB" if b >= 1 << 30 else f"{b / (1 << 20):g} MiB"
         return f"{table} {size}"
-    return f"{table} " + "x".join(str(spec[a]) for a in ("m", "n", "k"))
+    if all(a in spec for a in ("m", "n", "k")):
+        return f"{table} " + "x".join(str(spec[a]) for a in ("m", "n", "k"))
+    return f"{table} " + ",".join(f"{k}={v}" for k, v in spec.items() if k != "dtype")
 
 
 def _span(values: list[float]) -> list[float] | None:

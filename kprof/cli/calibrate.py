@@ -42,8 +42,11 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
             if r["status"] != "ok":
                 out.print(f"{r['spec']}: {r['status']} {r.get('error') or ''}", markup=False)
     # A set of one dtype is optional (fp8 GEMMs fail on a GPU without fp8): the others decide the exit code.
-    required = {(table, tuple(sorted(spec.items()))) for s in CEILING_SETS[lookup_any(backend).device] if s.dtype is None
-                for table, spec in s.members}
-    return 0 if {c.metric for c in found if c.dtype is None} == {"tflops", "memory_bandwidth_gbps"} and \
-        all(row["status"] == "ok" for r in results for row in r.results if (r.table, tuple(sorted(row["spec"].items()))) in required) \
-        else 1
+    def canonical(table, spec):
+        return table, tuple(sorted(spec.items()))
+
+    required = {canonical(t, x) for s in CEILING_SETS[lookup_any(backend).device] if s.dtype is None
+                for t, x in s.members}
+    rows_ok = all(row["status"] == "ok" for r in results for row in r.results
+                  if canonical(r.table, row["spec"]) in required)
+    return 0 if {c.metric for c in found if c.dtype is None} == {"tflops", "memory_bandwidth_gbps"} and rows_ok else 1

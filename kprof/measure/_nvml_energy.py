@@ -227,7 +227,8 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
                         two_read_j_per_call=(c1 - c0) / window / 1000 * window / calls)  # 2read's arithmetic: equal to it
 
 
-def _last_over(polls: list[tuple[float, int]], since: float, limit_w: float, min_gap: float = 0.05) -> float | None:
+def _last_over(polls: list[tuple[float, int]], since: float, limit_w: float,
+               min_gap: float = 0.05) -> float | None:
     """The host time of the last counter step after `since` that ends an interval (of at least `min_gap` s,
     against the steps' timing jitter) drawn above `limit_w`, or None."""
     points = tick_points(polls[:], since, math.inf)
@@ -274,7 +275,8 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
         while True:
             while time.perf_counter() - t0 < span_s or time.perf_counter() - fit_from < fit_s:
                 run(chunk_s)
-            over = None if power_limit_w is None else _last_over(polls.polls, fit_from, power_limit_w * (1 + over_limit))
+            limit = None if power_limit_w is None else power_limit_w * (1 + over_limit)
+            over = None if limit is None else _last_over(polls.polls, fit_from, limit)
             if over is None or time.perf_counter() - t0 >= max_s:
                 break
             fit_from = over

@@ -12,7 +12,7 @@ import pytest
 from kprof import api
 from kprof.calibrate import CEILING_SETS, CEILING_SPECS, annotate, calibrate, ceilings, fractions
 from kprof.cli import main
-from kprof.ledger import KeyMaker, ShapeCodec
+from kprof.ledger import KeyMaker, Row, ShapeCodec
 from kprof.ledger.build import measured
 from kprof.ledger.events import Environment, Method, Stats
 from kprof.runners.registry import lookup
@@ -84,6 +84,21 @@ def test_the_sets_are_stated_distinct_and_valid():
     assert {(t, x["dtype"]) for t, x in GPU_FP8.members} == {("single_gemm", "fp8_e4m3")}
     assert all(min(x["m"], x["n"], x["k"]) >= 2048 for _t, x in GPU_FP8.members)
     assert CEILING_SPECS["cuda"] == [(t, x, s.metric) for s in CEILING_SETS["cuda"] for t, x in s.members]
+
+
+def test_every_member_of_every_set_has_a_label_and_a_method(h):
+    """How a ceiling was measured names its shapes: a member of any table (decode attention has no m, n, k)."""
+    from kprof.ceilings import _label, _method
+
+    for sets in CEILING_SETS.values():
+        for s in sets:
+            labels = [_label(t, x) for t, x in s.members]
+            assert len(set(labels)) == len(labels)
+            assert all(label.startswith(t) for label, (t, _x) in zip(labels, s.members))
+            rows = [(t, Row(x, "ok", b"k" * 32)) for t, x in s.members]
+            assert _method(s, "cpu", rows, [], rows[-1])["at"] == labels[-1]
+    assert _label("attention_decode", dict(GPU_BYTES.members[-1][1])) == \
+        "attention_decode batch=128,kv_len=8192,num_heads=32,num_kv_heads=8,head_dim=128"
 
 
 def test_calibrate_measures_every_shape_once_and_the_ceiling_is_their_max(h, capsys):
@@ -277,7 +292,8 @@ def test_a_row_is_bounded_by_the_ceiling_of_its_own_dtype(h):
     assert fp8["fraction"]["tflops"] == pytest.approx(900.0 / top) and fp8["above_ceiling"] is True
     assert other["fraction"]["tflops"] == pytest.approx(500.0 / top) and "above_ceiling" not in other
 
-    fp8_ids = h.append("p.db", *[_row(x, backend="torch", tflops=1200.0 + i) for i, (_t, x) in enumerate(GPU_FP8.members)])
+    fp8_ids = h.append("p.db", *[_row(x, backend="torch", tflops=1200.0 + i)
+                                 for i, (_t, x) in enumerate(GPU_FP8.members)])
     found, (fp8, other) = shares()
     by = {(c.metric, c.dtype): c for c in found}
     assert set(by) == {("tflops", None), ("tflops", "fp8_e4m3")}
