@@ -585,8 +585,8 @@ def case_f(ctx: Context, specs: list[dict], quick: bool) -> dict:
         share = fractions(d["metrics"], found, d["spec"].get("dtype")) if d["status"] == "ok" else None
         if share:
             shares.append({"table": d["table"], "spec": d["spec"], "fraction": share, "ceiling": d.get("ceiling")})
-    # case d's rows (where it ran) against the same ceilings, each of its own dtype, by table and dtype: they
-    # count toward the target as well
+    # case d's rows (where it ran), each against the ceiling of its own dtype, by table and dtype: shown, not in
+    # the target, since they lie in another ledger (a set member measured in both reads 1.000x of itself)
     sweep = {}
     for r in ctx.state.get("sweep_rows", []):
         share = fractions({"tflops": r["tflops"], "memory_bandwidth_gbps": r["gbps"]}, found, r["spec"].get("dtype")) \
@@ -596,8 +596,7 @@ def case_f(ctx: Context, specs: list[dict], quick: bool) -> dict:
             best = sweep.setdefault(group, {})
             for m, v in share.items():
                 best[m] = max(best.get(m, 0.0), v)
-    top = max([v for s in shares for v in s["fraction"].values()] + [v for b in sweep.values() for v in b.values()],
-              default=None)
+    top = max((v for s in shares for v in s["fraction"].values()), default=None)
     return {"db_rows": len(docs), "calibrate_s": cal_s, "calibrated": sum(r.measured for r in runs),
             "ceilings": [c._asdict() for c in found], "remeasure": report.to_json(),
             "max_abs_drift": max(drifts) if drifts else None, "max_fraction": top,
