@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import struct
 from itertools import repeat
-from typing import NamedTuple
 
 import msgspec
 from blake3 import blake3
 
 from ..errors import IntegrityError
 from . import _codec
-from .events import KIND, summary_of, summary_of_decoded
+from .events import KIND, summary_of
 
 MEASURED, FAILED, RETRACTED = b"m", b"f", b"r"
 NO_ROW = b"-"  # a history's status when the key has no current row (its every attempt retracted)
@@ -48,7 +47,7 @@ def contract_id(prov) -> bytes:
 
 class ProvenanceIds:
     """The scope id and contract id of provenances, each computed once per distinct value (a ledger's events
-    share a few): the reducer, an all-new batch's rows and the audit's replay all take them from here."""
+    share a few)."""
 
     def __init__(self):
         self._sids: dict[tuple, bytes] = {}
@@ -93,11 +92,10 @@ def row_digests(keys: list[bytes], bodies) -> list[bytes]:
     return list(map(blake3.digest, map(blake3.update, map(blake3.update, copies, keys), bodies), repeat(16, n)))
 
 
-def current_row(kind: bytes, eid: bytes, event, key: bytes, summarize=summary_of, digest: bool = True) -> bytes:
+def current_row(kind: bytes, eid: bytes, event, key: bytes, digest: bool = True) -> bytes:
     """A `current` value: kind letter, event id, the event's Summary and (`digest`: format 3) the row's digest;
-    what append, replay and audit store or expect. The audit passes `summary_of_decoded` for the events it
-    decoded."""
-    body = kind + eid + _codec.encode(summarize(event))
+    what append, replay and audit store or expect."""
+    body = kind + eid + _codec.encode(summary_of(event))
     return body + row_digest(key, body) if digest else body
 
 
@@ -327,55 +325,3 @@ def decode_scope(raw: bytes, sid: bytes) -> ScopeEntry:
         raise IntegrityError(f"scopes: entry {sid.hex()} is damaged: {why}; run `kprof audit` for the full report, "
                              f"and restore the file from a copy")
     return entry
-
-
-class NewRows(NamedTuple):
-    """What a batch of new events of distinct keys writes, computed before any transaction: what
-    `Reducer.apply` does for an event whose id and key are not in the ledger, done for a whole batch.
-
-    Only the sequence numbers depend on the ledger (the log and history keys take them in the transaction),
-    and the scope entries, to which `scopes` adds its rows, terms and contract ids. A property test holds
-    batches appended this way equal to the same events appended one by one through `Reducer.apply`.
-    """
-
-    eids: list[bytes]  # log order
-    events: list[tuple[bytes, bytes]]  # (event id, bytes), sorted: each B-tree page is visited once
-    current: list[tuple[bytes, bytes]]  # (key, row), sorted
-    history: list[tuple[bytes, int, bytes]]  # (key, position in the batch from 1, status byte), by key
-    scope_index: list[tuple[bytes, bytes]]  # sorted
-    failures: list[tuple[bytes, bytes]]  # sorted
-    scopes: dict[bytes, ScopeTotals]  # scope id -> the rows, terms and contract ids the batch adds
-
-
-def new_rows(prepared: list[tuple]) -> NewRows | None:
-    """The NewRows of (event, bytes, event id) triples; None when the batch holds a retraction, or an
-    event id or key twice (those batches go through `Reducer.apply`, reading the ledger first)."""
-    encode = _codec.encode
-    eids = [eid for _e, _d, eid in prepared]
-    keys = [event.key for event, _d, _eid in prepared]
-    if len(set(keys)) != len(keys) or len(set(eids)) != len(eids):
-        return None
-    current, scope_index, failures, kinds = [], [], [], []
-    scopes: dict[bytes, ScopeTotals] = {}
-    ids = ProvenanceIds()
-    for event, _data, eid in prepared:
-        kind = KIND[type(event)]
-        if kind == RETRACTED:
-            return None
-        kinds.append(kind)
-        prov, key = event.provenance, event.key
-        sid = ids.scope(prov)
-        entry = scopes.get(sid)
-        if entry is None:
-            entry = scopes[sid] = ScopeTotals.of(prov)
-        entry.contracts.add(ids.contract(prov))
-        entry.rows += 1
-        entry.acc += row_term(key, eid)
-        scope_index.append((index_key(sid, encode(prov.shape), key), b""))
-        if kind == FAILED:
-            failures.append((key, eid))
-        # appended events are as they decode (see _write.canonical): their float fields hold floats already
-        current.append((key, current_row(kind, eid, event, key, summary_of_decoded)))
-    by_key = sorted(range(len(keys)), key=keys.__getitem__)
-    return NewRows(eids, sorted(zip(eids, [data for _e, data, _eid in prepared])), sorted(current),
-                   [(keys[i], i + 1, kinds[i]) for i in by_key], sorted(scope_index), sorted(failures), scopes)

@@ -12,17 +12,13 @@ import msgspec
 
 from ..errors import UsageError
 from . import _codec
-from ._reducer import REBUILT, NewRows, Reducer, ScopeTotals, decode_scope, encode_scope, pack_seq, unpack_seq
+from ._reducer import REBUILT, Reducer, pack_seq, unpack_seq
 from .events import Retracted
 
 class AppendResult(NamedTuple):
     added: list[bytes]  # event ids newly written, in log order
     existing: list[bytes]  # event ids that were already in the ledger (no-op)
     last_seq: int
-
-
-class NotNew(Exception):
-    """A batch written as all-new holds an event or a key already in the ledger (see Ledger._append_new)."""
 
 
 _DELETED = object()
@@ -122,34 +118,6 @@ def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
     return n
 
 
-def append_new(txn, dbs: dict, rows: NewRows) -> AppendResult:
-    """Writes a batch taken to be all-new: its rows were computed before the transaction, so the write
-    lock is held for the inserts alone. The `events` and `current` inserts refuse to overwrite; any event
-    or key found there raises NotNew, which aborts the transaction (the caller appends again, reading
-    first)."""
-    cursor = txn.cursor
-    n = len(rows.eids)
-    meta = dbs["meta"]
-    seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
-    # a key without a current row may have a history (its attempts all retracted): not a new key then
-    history = [(key, kind + pack_seq(seq + i)) for key, i, kind in rows.history]
-    for db, items in (("events", rows.events), ("current", rows.current), ("history", history)):
-        if cursor(dbs[db]).putmulti(items, overwrite=False)[1] != n:
-            raise NotNew(db)
-    cursor(dbs["log"]).putmulti([(pack_seq(seq + i), eid) for i, eid in enumerate(rows.eids, 1)], append=True)
-    cursor(dbs["scope_index"]).putmulti(rows.scope_index)
-    if rows.failures:
-        cursor(dbs["failures"]).putmulti(rows.failures)
-    scopes = dbs["scopes"]
-    for sid, added in rows.scopes.items():
-        raw = txn.get(sid, db=scopes)
-        total = ScopeTotals.of(added) if raw is None else ScopeTotals.stored(decode_scope(raw, sid))
-        total.add(added)
-        txn.put(sid, encode_scope(sid, total.entry()), db=scopes)
-    txn.put(b"last_seq", _codec.encode(seq + n), db=meta)
-    return AppendResult(list(rows.eids), [], seq + n)
-
-
 def append_events(txn, dbs: dict, prepared) -> AppendResult:
     """Appends through `Reducer.apply`, reading the batch's event ids and keys first: any batch (repeats,
     re-measurements, retractions)."""
@@ -158,9 +126,12 @@ def append_events(txn, dbs: dict, prepared) -> AppendResult:
     store = TxnStore(txn, dbs)
     reducer = Reducer(store)
     added, existing = [], []
-    # The batch's event ids and keys are read in two sorted passes, not one random get each.
+    # What the batch reads (its event ids, its keys' rows and histories) is read in sorted passes, not one
+    # random get each.
     store.read_ahead("events", [eid for _e, _d, eid in prepared])
-    store.read_ahead("current", [event.key for event, _d, _eid in prepared])
+    keys = [event.key for event, _d, _eid in prepared]
+    store.read_ahead("current", keys)
+    store.read_ahead("history", keys)
     for event, data, eid in prepared:
         if store.get("events", eid) is not None:
             existing.append(eid)

@@ -24,10 +24,10 @@ from . import _codec
 from ._env import (CREATE_WAIT_S, _FORK_FIX, _change_map, _envs, _inherited, _live, _read_only_file, _reads, _release,
                    _write_txn)
 from ._memo import Memo
-from ._write import AppendResult, NotNew, append_events, append_new, canonical, rebuild_views
+from ._write import AppendResult, append_events, canonical, rebuild_views
 from ._path import _recognize, _without_lock, default_path, ledger_path
 from ._verify import event as verified_event, reading
-from ._reducer import NewRows, decode_scope, history_seqs, new_rows, unpack_seq
+from ._reducer import decode_scope, history_seqs, unpack_seq
 from .events import Failed, Measured, Retracted
 
 __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path", "ledger_path"]
@@ -249,7 +249,8 @@ class Ledger:
         Every event's key is recomputed from its provenance first: a batch with a wrong key is refused
         whole, before anything is written.
         """
-        return self._write_batch(self._prepare(events))
+        prepared = self._prepare(events)
+        return self.write(lambda txn: append_events(txn, self.dbs, prepared))
 
     def append_batches(self, batches: Iterable[Iterable]) -> list[AppendResult]:
         """Appends each batch in its own transaction, in order: `append` per batch. A refused batch (a wrong
@@ -258,9 +259,8 @@ class Ledger:
         self._guard()
         return [self.append(events) for events in batches]
 
-    def _prepare(self, events: Iterable) -> tuple[list[tuple], NewRows | None]:
-        """(event, canonical bytes, event id) per event, every key verified against its provenance, and the
-        batch's rows as an all-new batch would write them (None where it cannot be one)."""
+    def _prepare(self, events: Iterable) -> list[tuple]:
+        """(event, canonical bytes, event id) per event, every key verified against its provenance."""
         prepared = []
         for i, given in enumerate(events):
             if type(given) not in (Measured, Failed, Retracted):
@@ -274,20 +274,11 @@ class Ledger:
             if _codec.provenance_key(event.provenance) != event.key:
                 raise IntegrityError(f"event {eid.hex()[:16]} carries key {event.key.hex()[:16]}, but its "
                                      f"provenance hashes to another key; build events with kprof.ledger.build")
-        return prepared, new_rows(prepared)
+        return prepared
 
     def append_checked(self, prepared: list[tuple]) -> AppendResult:
         """`append` of (event, canonical bytes, event id) triples whose bytes, ids and keys the caller has checked
         already (a merge's verified segment): one transaction, as `append`."""
-        return self._write_batch((prepared, new_rows(prepared)))
-
-    def _write_batch(self, batch: tuple[list[tuple], NewRows | None]) -> AppendResult:
-        prepared, rows = batch
-        if rows is not None:
-            try:  # the common batch: new events of new keys; found out at the inserts, not by reading first
-                return self.write(lambda txn: append_new(txn, self.dbs, rows))
-            except NotNew:
-                pass  # the transaction was aborted: nothing of it was written
         return self.write(lambda txn: append_events(txn, self.dbs, prepared))
 
     # ---- reading ---------------------------------------------------------------------------

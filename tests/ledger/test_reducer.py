@@ -43,8 +43,7 @@ def test_appends_in_any_batching_are_idempotent_and_root_is_order_independent(tm
                          max_size=12), min_size=1, max_size=8))
 def test_batches_of_new_repeated_and_remeasured_events(tmp_path_factory, batches):
     """Batches that mix new events, events already stored, new events of stored keys, failures and repeats
-    within the batch (each batch is first tried as all-new, and appended again reading first when it is
-    not), appended one call per batch and through append_batches: the ledger ends as if every event had been appended
+    within the batch, appended one call per batch and through append_batches: the ledger ends as if every event had been appended
     alone through the reducer, and audits clean."""
     d = tmp_path_factory.mktemp("l")
     events = [[_mixed_event(*t) for t in batch] for batch in batches]
@@ -169,7 +168,7 @@ def test_retraction_reverts_to_previous_row(ledger):
 
 def test_a_key_whose_attempts_were_all_retracted_keeps_its_history_when_measured_again(ledger):
     """A key with no current row may have a history (format 2 keeps it as one entry): a new event of that key,
-    in a batch that looks all-new, extends the history instead of replacing it."""
+    extends the history instead of replacing it."""
     first = synth.event(0, seed=1)
     first_id = _codec.event_id(_codec.encode(first))
     ledger.append([first])

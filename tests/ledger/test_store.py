@@ -1,4 +1,4 @@
-"""The LMDB store: atomic idempotent appends, the all-new batch path, refused batches, versions, opening, map
+"""The LMDB store: atomic idempotent appends, refused batches, versions, opening, map
 growth and resolving citations. How events change the views is test_reducer's."""
 
 import os
@@ -27,27 +27,6 @@ def test_append_is_idempotent(ledger):
     assert ledger.last_seq == 50
 
 
-def test_a_new_batch_is_appended_without_reading_first_and_a_repeat_reads(ledger, monkeypatch):
-    from kprof.ledger import store
-
-    tries = []
-    new, read_first = store.append_new, store.append_events
-    monkeypatch.setattr(store, "append_new", lambda txn, dbs, rows: (tries.append("new"), new(txn, dbs, rows))[1])
-    monkeypatch.setattr(store, "append_events", lambda txn, dbs, p: (tries.append("read"), read_first(txn, dbs, p))[1])
-    ledger.append(list(synth.events(0, 5)))
-    assert tries == ["new"]
-    tries.clear()
-    result = ledger.append([synth.event(9), synth.event(2)])  # one new, one stored: the first try is aborted
-    assert tries == ["new", "read"] and len(result.added) == 1 and len(result.existing) == 1
-    assert ledger.last_seq == 6
-    tries.clear()
-    ledger.append([synth.event(3, seed=1)])  # a new event of a stored key
-    assert tries == ["new", "read"] and ledger.last_seq == 7
-    tries.clear()
-    ledger.append([synth.event(20), synth.event(20, seed=1)])  # one key twice: read first, never tried as new
-    assert tries == ["read"] and ledger.last_seq == 9
-
-
 def test_batches_commit_in_order_and_a_refused_batch_stops_the_rest(ledger):
     bad = msgspec.structs.replace(synth.event(100), key=b"\0" * 32)
     batches = [list(synth.events(0, 10)), list(synth.events(10, 20)), [synth.event(30), bad], list(synth.events(40, 50))]
@@ -63,10 +42,10 @@ def test_batches_commit_in_order_and_a_refused_batch_stops_the_rest(ledger):
 
 
 def test_a_failing_write_of_a_batch_is_what_the_caller_sees(ledger, monkeypatch):
-    def boom(self, batch):
+    def boom(self, fn):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(Ledger, "_write_batch", boom)
+    monkeypatch.setattr(Ledger, "write", boom)
     with pytest.raises(OSError, match="disk gone"):
         ledger.append_batches([list(synth.events(0, 3)), list(synth.events(3, 6))])
     assert ledger.last_seq == 0

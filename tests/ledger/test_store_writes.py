@@ -276,7 +276,7 @@ def test_map_growth_with_a_read_open_raises_ledger_error_and_the_snapshot_keeps_
     assert [decode(data).key for _s, _e, data in rest] == [synth.event(i).key for i in range(1, 20)]
     assert led.last_seq == 20
 
-    # with no read open the map grows, on the all-new path, the reducer's and append_batches', losing nothing
+    # with no read open the map grows, on append's path and append_batches', losing nothing
     assert len(led.append(list(synth.events(20, 300))).added) == 280
     r = led.append(list(synth.events(0, 300, seed=1)) + list(synth.events(0, 10)))  # re-measurements, repeats
     assert (len(r.added), len(r.existing), r.last_seq) == (300, 10, 600)
