@@ -26,7 +26,7 @@ from ..errors import IntegrityError
 from . import _codec, _lookup
 from ._reducer import (DIGEST_FROM, FAILED, MEASURED, NO_ROW, ROW_BODY, ROW_DIGEST, ROW_EVENT_ID, ROW_KIND, ROW_SUMMARY,
                        row_digest, row_digests)
-from .events import FailedHead, FailedKey, MeasuredHead, MeasuredKey, Summary, summary_of_decoded
+from .events import FailedHead, FailedKey, MeasuredHead, MeasuredKey, Summary, summary_of
 
 __all__ = ["AUDIT", "reading", "damaged", "rows", "event"]
 
@@ -145,7 +145,7 @@ def _by_event(txn, dbs, path: str, fkeys: list[bytes], cur: list[bytes], summari
         raise damaged(path, f"an event of sub-database `events` that a current row names cannot be decoded "
                             f"({exc})") from None
     kinds = list(map(_KINDS.__getitem__, map(type, heads)))
-    derived = list(map(summary_of_decoded, heads)) if summaries else [None] * len(heads)
+    derived = list(map(summary_of, heads)) if summaries else [None] * len(heads)
     if list(map(attrgetter("key"), heads)) != fkeys or list(map(getitem, cur, repeat(ROW_KIND))) != kinds:
         i = next(i for i, (v, h) in enumerate(zip(cur, heads)) if h.key != fkeys[i] or v[ROW_KIND] != kinds[i])
         raise damaged(path, f"the current row of key {fkeys[i].hex()} does not match its event {eids[i].hex()}")

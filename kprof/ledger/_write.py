@@ -34,11 +34,10 @@ class TxnStore:
         self.deleting: set[str] = set()  # the dbs with a deletion pending
         self.known: dict[str, tuple[set, dict]] = {}  # db -> (keys read ahead, the values found among them)
 
-    def read_ahead(self, db: str, keys) -> None:
-        """Reads `keys` of `db` in one sorted pass (sorted keys share B-tree pages: far fewer page visits
-        than one random get each); later gets of these keys are answered from memory."""
-        wanted = sorted(set(keys))
-        self.known[db] = (set(wanted), dict(self.txn.cursor(self.dbs[db]).getmulti(wanted)))
+    def read_ahead(self, db: str, keys: list) -> None:
+        """Reads `keys` (sorted, distinct) of `db` in one pass (sorted keys share B-tree pages: far fewer page
+        visits than one random get each); later gets of these keys are answered from memory."""
+        self.known[db] = (set(keys), dict(self.txn.cursor(self.dbs[db]).getmulti(keys)))
 
     def get(self, db, k):
         v = self.pending[db].get(k)
@@ -128,8 +127,8 @@ def append_events(txn, dbs: dict, prepared) -> AppendResult:
     added, existing = [], []
     # What the batch reads (its event ids, its keys' rows and histories) is read in sorted passes, not one
     # random get each.
-    store.read_ahead("events", [eid for _e, _d, eid in prepared])
-    keys = [event.key for event, _d, _eid in prepared]
+    store.read_ahead("events", sorted({eid for _e, _d, eid in prepared}))
+    keys = sorted({event.key for event, _d, _eid in prepared})
     store.read_ahead("current", keys)
     store.read_ahead("history", keys)
     for event, data, eid in prepared:

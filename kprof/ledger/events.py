@@ -259,27 +259,10 @@ KIND = {Measured: b"m", MeasuredHead: b"m", MeasuredAudit: b"m", Failed: b"f", F
         FailedAudit: b"f", Retracted: b"r"}
 
 
-_FLOAT_OR_NONE = {float, type(None)}
-
-
 def summary_of(event) -> Summary:
-    """The row summary of a measured or failed event. Numbers are stored as the event's decoded types read
-    them (float), so a summary derived from an event built in memory with an int metric, at append, is
-    byte-equal to one derived from the same event decoded from the log, at replay or audit."""
-    if KIND[type(event)] == b"m":
-        s = event.stats
-        metrics = event.metrics
-        if not set(map(type, metrics.values())) <= _FLOAT_OR_NONE:
-            metrics = {name: None if v is None else float(v) for name, v in metrics.items()}
-        return Summary(metrics, float(event.measured_at), s.n, float(s.median), float(s.p10), float(s.p90),
-                       float(s.mean), float(s.stdev), float(s.cv), float(s.min), float(s.max))
-    return Summary(None, float(event.measured_at), error_kind=event.error_kind, message=event.message)
-
-
-def summary_of_decoded(event) -> Summary:
-    """`summary_of` of an event msgspec decoded into its typed fields (MeasuredAudit, FailedAudit, or the
-    full types): its numbers are already floats, since the decoder converts an int read for a float field, so
-    the checks and conversions are skipped (~3x faster; the audit derives every current row with it)."""
+    """The row summary of a measured or failed event in canonical form: as msgspec decodes it (its float fields hold
+    floats), which every event reaching the views is (`kprof.ledger.build` makes events so, an append stores them
+    so, replay and audit decode them). Its bytes are then the same at append, replay and audit."""
     if KIND[type(event)] == b"m":
         s = event.stats
         return Summary(event.metrics, event.measured_at, s.n, s.median, s.p10, s.p90, s.mean, s.stdev, s.cv,
