@@ -8,6 +8,7 @@ from cyclopts import Parameter
 
 from ..errors import UsageError
 from ..ledger import ledger_path
+from ..ledger.audit import JOBS
 from ..ledger.audit import audit as run_audit
 from ._options import L2, CudaGraph, Db, Json, Power, Timer
 from ._render import console, emit_json
@@ -20,6 +21,8 @@ def _remeasure_only(alias):
 
 
 def audit(*, db: Db = None, json: Json = False,
+          jobs: Annotated[int, Parameter(name="--jobs", help=(
+              "Shard processes the audit runs, each replaying a share of the keys (1 to 256)."))] = JOBS,
           remeasure: Annotated[int | None, Parameter(name="--remeasure", help=(
               "Instead: re-measure N random current rows of this machine's device and report their drift "
               "(exit 1 when any drifts past --tolerance). Writes nothing."))] = None,
@@ -33,7 +36,7 @@ def audit(*, db: Db = None, json: Json = False,
     if remeasure is not None:
         return _remeasure(ledger_path(db), remeasure, tolerance, json, method)
     _no_method_without_remeasure(method)
-    report = run_audit(ledger_path(db))
+    report = run_audit(ledger_path(db), jobs)
     if json:
         emit_json(report.to_json())
     else:

@@ -1,6 +1,5 @@
-"""One shard of an audit, run in its own child process: `python -m kprof.ledger._audit_worker SHARD SHARDS
-PATH` prints one JSON document. The parent runs one shard per core; a damaged page that faults the reader kills
-only the child and is reported as a finding.
+"""One shard of an audit, run in a process of the audit's pool (`main`); a damaged page that faults the reader
+kills only that process, and the audit reports it as a finding.
 
 Shard s owns the row keys whose first byte b has b * SHARDS // 256 == s, and the events of those keys. It
   - walks the sub-databases: the views keyed by row key over its key range as it compares them, the log whole
@@ -17,9 +16,6 @@ Every decoding is msgspec's: a key-only schema picks each event's shard without 
 from __future__ import annotations
 
 import gc
-import json
-import os
-import sys
 from typing import Callable, Iterable
 
 import lmdb
@@ -77,8 +73,9 @@ class Shard:
     def __init__(self, ledger, shard: int, shards: int, found: Findings):
         self.ledger, self.shard, self.shards, self.found = ledger, shard, shards, found
         self.walked: dict[str, int] = {}  # entries of each ranged view walked over this shard's range
-        self.lo = bytes([shard * 256 // shards]) if shard else b""
-        self.hi = bytes([(shard + 1) * 256 // shards]) if shard + 1 < shards else None
+        # the smallest first byte each shard owns (see `mine`): ceil(s * 256 / shards)
+        self.lo = bytes([-(-shard * 256 // shards)]) if shard else b""
+        self.hi = bytes([-(-(shard + 1) * 256 // shards)]) if shard + 1 < shards else None
 
     def mine(self, k: bytes | None) -> bool:
         """Whether this shard owns a row key (an empty or absent one, from damage, is shard 0's)."""
@@ -282,7 +279,7 @@ class Shard:
                 continue
             if stored is not None:
                 self._compare(name, stored, rebuilt[name])
-        return {sid.hex(): _scope_json(decode_scope(v, sid)) for sid, v in rebuilt["scopes"].items()}
+        return {sid: decode_scope(v, sid) for sid, v in rebuilt["scopes"].items()}
 
     def _history_v1(self, txn, entries) -> dict[bytes, bytes] | None:
         """A format-1 file's history (key + seq -> event id), read as it is, in format 2's layout: each event id
@@ -319,19 +316,14 @@ class Shard:
         for k in rebuilt.keys() - stored.keys():
             add("views", f"{name}: entry {k.hex()[:24]} of the log's replay is not stored")
 
-    def stored_scopes(self, txn) -> dict[str, str]:
-        """The stored scopes view (hex), for the parent to compare with the sum of the shards' replays: read
-        here, where a damaged page faults a child, not the parent."""
+    def stored_scopes(self, txn) -> dict[bytes, bytes]:
+        """The stored scopes view, for the parent to compare with the sum of the shards' replays: read here,
+        where a damaged page faults a shard's process, not the parent."""
         try:
-            return {k.hex(): v.hex() for k, v in txn.cursor(self.ledger.dbs["scopes"])}
+            return dict(txn.cursor(self.ledger.dbs["scopes"]))
         except lmdb.Error as exc:
             self.found.add("structure", f"scopes: read failed: {exc}")
             return {}
-
-
-def _scope_json(entry) -> dict:
-    return {"table": entry.table, "backend": entry.backend, "gpu_key": entry.gpu_key, "rows": entry.rows,
-            "acc": entry.acc.hex(), "contracts": [c.hex() for c in entry.contracts]}
 
 
 def main(shard: int, shards: int, path: str) -> dict:
@@ -341,7 +333,7 @@ def main(shard: int, shards: int, path: str) -> dict:
     found = Findings()
     ledger = Ledger.open(path, readonly=True, readahead=True)  # whole-file scans: let the kernel read ahead
     work = Shard(ledger, shard, shards, found)
-    with ledger.read() as txn:
+    with ledger, ledger.read() as txn:
         work.structure(txn)
         seqs, last_seq, log_entries = work.log(txn)
         header_events = txn.stat(ledger.dbs["events"])["entries"]
@@ -354,14 +346,3 @@ def main(shard: int, shards: int, path: str) -> dict:
             "header_events": header_events, "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
             "walked": work.walked, "view_entries": view_entries, "scopes": scopes,
             "format_version": ledger.format_version}
-
-
-if __name__ == "__main__":
-    part = sys.argv[1]
-    try:
-        out = main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
-    except Exception as exc:  # any failure is a finding for the parent to report, with its reason
-        out = {"findings": [f"structure: shard {part}: {type(exc).__name__}: {exc}"], "counts": {"structure": 1},
-               "fatal": True}
-    print(json.dumps(out), flush=True)
-    os._exit(0)  # skip freeing millions of objects one by one: the process is done

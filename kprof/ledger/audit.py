@@ -1,31 +1,31 @@
 """`kprof audit`: proves every row can be replayed from the log, or lists what cannot.
 
-The work is sharded by row key over child processes, one per core (see _audit_worker): each walks its share of
+The work is sharded by row key over `jobs` processes of a process pool (see _audit_worker): each walks its share of
 the sub-databases (the parent adds up the counts of the views walked by key range), recomputes its events' ids
 and keys, replays its events through the Reducer and compares its part of every view; the parent sums their
 scope accumulators (the view root is an additive hash) and compares the scopes view.
-A child killed by a signal (a damaged page faults the reader) is itself a finding: the file's structure is
-damaged.
+A shard's process killed by the OS (a damaged page faults the reader) is itself a finding: the file's structure
+is damaged.
 """
 
 from __future__ import annotations
 
-import json
+import multiprocessing
 import os
-import signal
-import subprocess
-import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
 
 import lmdb
 
-from ..errors import IntegrityError, LedgerError
+from ..errors import IntegrityError, LedgerError, UsageError
+from . import _audit_worker
 from ._audit_worker import MAX_LISTED, RANGED
 from ._reducer import DIGEST_FROM, ScopeTotals, encode_scope
 from .store import Ledger
 
-__all__ = ["audit", "AuditReport"]
+__all__ = ["audit", "AuditReport", "JOBS"]
 
 
 class AuditReport(NamedTuple):
@@ -41,30 +41,26 @@ class AuditReport(NamedTuple):
         return self._asdict()
 
 
-SHARDS = 2  # one child per core of the machines kprof is sized for; each walks and replays half the keys
+JOBS = 2  # the default: one shard process per core of the machines kprof is sized for; each replays 1/JOBS of the keys
 
 
-def _child(shard: int, path: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kprof.ledger._audit_worker", str(shard), str(SHARDS), path],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _shards(path: str) -> list[dict]:
-    procs = [_child(shard, path) for shard in range(SHARDS)]
-    return [_result(shard, proc) for shard, proc in enumerate(procs)]
-
-
-def _result(shard: int, proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate()
-    if proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
-        return {"findings": [f"structure: shard {shard} crashed with {name}: the file's pages are damaged"],
-                "counts": {"structure": 1}, "fatal": True}
-    try:
-        return json.loads(out)
-    except ValueError:
-        last = (err.strip().splitlines() or ["no output"])[-1]
-        return {"findings": [f"structure: shard {shard} failed: {last}"], "counts": {"structure": 1}, "fatal": True}
+def _shards(path: str, jobs: int, work=_audit_worker.main) -> list[dict]:
+    """Every shard's result (`work(shard, jobs, path)`), each in a spawned process (LMDB handles cannot cross a
+    fork). Where one dies, each shard not finished is reported as killed: the pool cannot say which one the OS
+    stopped."""
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(work, shard, jobs, path) for shard in range(jobs)]
+        out = []
+        for shard, future in enumerate(futures):
+            try:
+                out.append(future.result())
+            except BrokenProcessPool:
+                out.append({"findings": [f"structure: shard {shard}'s process was killed while it read the file: "
+                                         f"the file's pages are damaged"], "counts": {"structure": 1}, "fatal": True})
+            except Exception as exc:  # noqa: BLE001 - any other failure is a finding, with its reason
+                out.append({"findings": [f"structure: shard {shard}: {type(exc).__name__}: {exc}"],
+                            "counts": {"structure": 1}, "fatal": True})
+        return out
 
 
 def _scopes(results: list[dict], add) -> None:
@@ -72,11 +68,8 @@ def _scopes(results: list[dict], add) -> None:
     combined: dict[bytes, ScopeTotals] = {}
     for res in results:
         for sid, part in res["scopes"].items():
-            totals = ScopeTotals(part["table"], part["backend"], part["gpu_key"], part["rows"], int(part["acc"], 16),
-                                 {bytes.fromhex(c) for c in part["contracts"]})
-            entry = combined.setdefault(bytes.fromhex(sid), ScopeTotals.of(totals))
-            entry.add(totals)
-    stored = {bytes.fromhex(k): bytes.fromhex(v) for k, v in results[0]["stored_scopes"].items()}
+            combined.setdefault(sid, ScopeTotals.of(part)).add(ScopeTotals.stored(part))
+    stored = dict(results[0]["stored_scopes"])
     for sid, entry in combined.items():
         have = stored.pop(sid, None)
         if have is None:
@@ -106,16 +99,19 @@ def _unstored(path: str, add) -> None:
         ledger.close()
 
 
-def audit(path: str) -> AuditReport:
-    """Audits the ledger at `path`. Damage is reported as findings; a file that is absent raises."""
+def audit(path: str, jobs: int = JOBS) -> AuditReport:
+    """Audits the ledger at `path` in `jobs` shard processes. Damage is reported as findings; a file that is absent
+    raises."""
     started = time.perf_counter()
+    if type(jobs) is not int or not 1 <= jobs <= 256:
+        raise UsageError(f"--jobs {jobs!r}: the audit runs 1 to 256 shard processes; pass e.g. --jobs {JOBS}")
     if not os.path.isfile(path):
         raise LedgerError(f"no ledger file at {path}; pass --db or set KPROF_DB")
     try:
         Ledger.open(path, readonly=True).close()
     except IntegrityError as exc:  # a file damaged past opening (truncated, header or format version damaged)
         return AuditReport(path, False, 0, 0, [f"structure: {exc}"], {"structure": 1}, time.perf_counter() - started)
-    results = _shards(path)
+    results = _shards(path, jobs)
     findings: list[str] = []
     counts: dict[str, int] = {}
 

@@ -308,3 +308,57 @@ def _flip_current(key: bytes):
         v = txn.get(key, db=dbs["current"])
         txn.put(key, v[:-1] + bytes([v[-1] ^ 1]), db=dbs["current"])
     return go
+
+
+def _killed_on_shard_1(shard: int, shards: int, path: str) -> dict:
+    """A shard's work whose process the OS kills on shard 1, as a damaged page's fault does."""
+    import os
+    import signal
+
+    from kprof.ledger import _audit_worker
+
+    if shard == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _audit_worker.main(shard, shards, path)
+
+
+def test_a_shard_process_killed_is_a_structure_finding_not_a_hang(ledger_path):
+    from kprof.ledger.audit import _shards
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    results = _shards(ledger_path, 2, _killed_on_shard_1)
+    assert len(results) == 2 and results[1]["fatal"] is True
+    assert results[1]["findings"] == ["structure: shard 1's process was killed while it read the file: the file's "
+                                      "pages are damaged"]
+    assert all(r.get("fatal") or r["findings"] == [] for r in results)  # shard 0 either finished clean or was cut
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_the_findings_do_not_depend_on_the_number_of_shards(ledger_path, jobs):
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 60)))
+    _swap_event(led, 7, _codec.encode(msgspec.structs.replace(synth.event(6), measured_at=1.0)))
+    led.close()
+    base, other = audit(ledger_path), audit(ledger_path, jobs)
+    assert not base.ok and base.events == other.events == 60
+    assert sorted(base.findings) == sorted(other.findings) and base.counts == other.counts
+
+
+def test_audit_jobs_out_of_range_is_a_usage_error(ledger_path, capsys):
+    Ledger.open(ledger_path).close()
+    assert main(["audit", "--db", ledger_path, "--jobs", "0"]) == 2
+    assert "--jobs 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 5, 7, 16, 256])
+def test_each_shards_key_range_is_exactly_the_keys_it_owns(shards):
+    """A shard walks the ranged views over [lo, hi) and owns the keys `mine` says: the two agree on every first
+    byte, for any number of shards (3 shards once walked keys they did not own)."""
+    parts = [Shard(None, s, shards, Findings()) for s in range(shards)]
+    for b in range(256):
+        key = bytes([b]) + b"\0" * 31
+        walking = [p.shard for p in parts if key >= p.lo and (p.hi is None or key < p.hi)]
+        owning = [p.shard for p in parts if p.mine(key)]
+        assert walking == owning and len(owning) == 1, (shards, b)
