@@ -24,12 +24,14 @@ Writes between_check.json under --out ($OUT, else .); prints the table last.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # _variants lives beside this file, however the script is started
+    sys.path.insert(0, _HERE)
+from _variants import arguments, cuda, time_variants, written  # noqa: E402
 
 ROUNDS = 3
 HIDDEN, INTER, QKV = 3584, 18944, 4608  # Qwen2.5-7B: hidden, intermediate, (28 + 2*4) heads x 128
@@ -46,10 +48,6 @@ OPS = {  # name: (table, model-shape spec, tiny spec)
 VARIANTS = ("row", "same", "tiny", "layer")
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def build(table: str, spec: dict):
     import msgspec
 
@@ -60,15 +58,12 @@ def build(table: str, spec: dict):
 
 
 def rewrite(case):
-    """The row's own step after the sweep: its activations rewritten in place (see kprof.runners.worker)."""
+    """The row's own step after the sweep: its activations rewritten in place (see kprof.runners.cuda_device)."""
     import torch
 
-    def as_bytes(t):
-        t = t.unsqueeze(0) if t.dim() == 0 else t
-        return t.view(torch.uint8) if t.is_floating_point() else t
+    from kprof.measure._l2 import rewriter
 
-    tensors = [as_bytes(case.inputs[i]) for i in case.warm]
-    return lambda: [t.bitwise_or_(0) for t in tensors]
+    return rewriter(torch, [case.inputs[i] for i in case.warm])
 
 
 def hooks(name: str, model: dict, tiny: dict):
@@ -98,47 +93,19 @@ def hooks(name: str, model: dict, tiny: dict):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT") or ".")
-    p.add_argument("--rounds", type=int, default=ROUNDS)
-    args = p.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("between_check needs a CUDA GPU; none is visible", file=sys.stderr)
+    args = arguments(__doc__, argv, ROUNDS)
+    torch = cuda("between_check")
+    if torch is None:
         return 2
-    from kprof.measure.gpu_timer import time_gpu
-    from kprof.measure.stats import StopRule
-
     started = time.perf_counter()
     model = {op: build(t, spec) for op, (t, spec, _tiny) in OPS.items()}
     tiny = {op: build(t, spec) for op, (t, _spec, spec) in OPS.items()}
     for case in list(model.values()) + list(tiny.values()):
         case.check()
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    t = time.perf_counter()
-    while time.perf_counter() - t < 0.3:  # wake the GPU before the first figure
-        a @ a
-    torch.cuda.synchronize()
-    rule = StopRule(target=0.003, budget_s=0.5, min_work_n=200)
-    medians: dict[str, dict[str, list[float]]] = {op: {v: [] for v in VARIANTS} for op in OPS}
-    kernels: dict[str, list[str]] = {}
-    for r in range(args.rounds):
-        for op in OPS:
-            between = hooks(op, model, tiny)
-            for v in VARIANTS:
-                timing = time_gpu(model[op].fn, rule, timer="cupti", cold_l2=True, warm=between[v])
-                medians[op][v].append(statistics.median(timing.samples_ms) * 1e3)
-                kernels[op] = list(timing.kernels)
-        log(f"round {r + 1}/{args.rounds} done in {time.perf_counter() - started:.0f} s")
-    figures = {op: {v: statistics.median(xs) for v, xs in by.items()} for op, by in medians.items()}
-    doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "rounds": args.rounds,
-           "ops": {op: {"table": t, "spec": s, "tiny_spec": ts} for op, (t, s, ts) in OPS.items()},
-           "kernels": kernels, "medians_us": medians, "figures_us": figures, "wall_s": time.perf_counter() - started}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "between_check.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"{doc['gpu']}, torch {doc['torch']}, {args.rounds} rounds, {doc['wall_s']:.0f} s")
+    between = {op: hooks(op, model, tiny) for op in OPS}
+    medians, kernels = time_variants({op: case.fn for op, case in model.items()}, between, VARIANTS, args.rounds)
+    figures = written(torch, args.out, "between_check", args.rounds, started, medians, kernels,
+                      ops={op: {"table": t, "spec": s, "tiny_spec": ts} for op, (t, s, ts) in OPS.items()})["figures_us"]
     print(f"{'op':10s} {'row µs':>8s} " + " ".join(f"{v:>8s}" for v in VARIANTS[1:]) + "   (change against row)")
     for op, f in figures.items():
         print(f"{op:10s} {f['row']:8.2f} " + " ".join(f"{(f[v] / f['row'] - 1) * 100:+7.1f}%" for v in VARIANTS[1:]))

@@ -26,12 +26,14 @@ Writes producer_check.json under --out ($OUT, else .); prints the table last.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # _variants lives beside this file, however the script is started
+    sys.path.insert(0, _HERE)
+from _variants import arguments, cuda, time_variants, written  # noqa: E402
 
 ROUNDS = 3
 # name: (tokens of the silu_mul, its hidden (the output width), the model's hidden size: the GEMM's k), and the
@@ -44,10 +46,6 @@ CASES = {
     "qwen b=8": (8, 18944, 3584, 5.89, 5.79),
 }
 VARIANTS = ("row", "producer", "other", "copy")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def build(tokens: int, hidden: int, device: str = "cuda"):
@@ -88,48 +86,20 @@ def hooks(case, k: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.environ.get("OUT") or ".")
-    p.add_argument("--rounds", type=int, default=ROUNDS)
-    args = p.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("producer_check needs a CUDA GPU; none is visible", file=sys.stderr)
+    args = arguments(__doc__, argv, ROUNDS)
+    torch = cuda("producer_check")
+    if torch is None:
         return 2
-    from kprof.measure.gpu_timer import time_gpu
-    from kprof.measure.stats import StopRule
-
     started = time.perf_counter()
     cases = {name: build(t, h) for name, (t, h, _k, _m, _r) in CASES.items()}
     for case in cases.values():
         case.check()
     between = {name: hooks(cases[name], k) for name, (_t, _h, k, _m, _r) in CASES.items()}
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    t = time.perf_counter()
-    while time.perf_counter() - t < 0.3:  # wake the GPU before the first figure
-        a @ a
-    torch.cuda.synchronize()
-    rule = StopRule(target=0.003, budget_s=0.5, min_work_n=200)
-    medians: dict[str, dict[str, list[float]]] = {name: {v: [] for v in VARIANTS} for name in CASES}
-    kernels: dict[str, list[str]] = {}
-    for r in range(args.rounds):
-        for name, case in cases.items():
-            for v in VARIANTS:
-                timing = time_gpu(case.fn, rule, timer="cupti", cold_l2=True, warm=between[name][v])
-                medians[name][v].append(statistics.median(timing.samples_ms) * 1e3)
-                kernels[name] = list(timing.kernels)
-        log(f"round {r + 1}/{args.rounds} done in {time.perf_counter() - started:.0f} s")
-    figures = {name: {v: statistics.median(xs) for v, xs in by.items()} for name, by in medians.items()}
-    doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "rounds": args.rounds,
-           "cases": {name: dict(zip(("tokens", "hidden", "gemm_k", "in_model_us", "row_us_run26"), c))
-                     for name, c in CASES.items()},
-           "kernels": kernels, "medians_us": medians, "figures_us": figures, "wall_s": time.perf_counter() - started}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "producer_check.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"{doc['gpu']}, torch {doc['torch']}, {args.rounds} rounds, {doc['wall_s']:.0f} s; silu_mul µs (CUPTI, "
-          f"cold L2), change against row")
+    medians, kernels = time_variants({name: case.fn for name, case in cases.items()}, between, VARIANTS, args.rounds)
+    figures = written(torch, args.out, "producer_check", args.rounds, started, medians, kernels,
+                      cases={name: dict(zip(("tokens", "hidden", "gemm_k", "in_model_us", "row_us_run26"), c))
+                             for name, c in CASES.items()})["figures_us"]
+    print("silu_mul µs (CUPTI, cold L2), change against row")
     print(f"{'case':14s} {'in model':>8s} {'row':>8s} " + " ".join(f"{v:>9s}" for v in VARIANTS[1:]))
     for name, f in figures.items():
         in_model = CASES[name][3]

@@ -1,0 +1,72 @@
+"""What the benchmarks that time one callable under several preambles share (between_check, producer_check): the
+command line, the GPU check and wake-up, and the interleaved rounds of kprof's timer (CUPTI, cold L2 by a read
+sweep) with each preamble as the `warm` step between the sweep and the call, outside the timed region."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def arguments(doc: str, argv, rounds: int):
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or ".")
+    p.add_argument("--rounds", type=int, default=rounds)
+    return p.parse_args(argv)
+
+
+def cuda(name: str):
+    """torch with a CUDA device awake (0.3 s of GEMMs: a GPU's first kernels run slow), or None, said on stderr."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{name} needs a CUDA GPU; none is visible", file=sys.stderr)
+        return None
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.3:
+        a @ a
+    torch.cuda.synchronize()
+    return torch
+
+
+def time_variants(calls: dict, between: dict, variants: tuple, rounds: int) -> tuple[dict, dict]:
+    """({name: {variant: [median µs of each round]}}, {name: kernel names}): each call timed with each variant's
+    preamble (`between[name][variant]`), every variant once per round, the rounds interleaved."""
+    from kprof.measure.gpu_timer import time_gpu
+    from kprof.measure.stats import StopRule
+
+    started = time.perf_counter()
+    rule = StopRule(target=0.003, budget_s=0.5, min_work_n=200)
+    medians = {name: {v: [] for v in variants} for name in calls}
+    kernels = {}
+    for r in range(rounds):
+        for name, fn in calls.items():
+            for v in variants:
+                timing = time_gpu(fn, rule, timer="cupti", cold_l2=True, warm=between[name][v])
+                medians[name][v].append(statistics.median(timing.samples_ms) * 1e3)
+                kernels[name] = list(timing.kernels)
+        log(f"round {r + 1}/{rounds} done in {time.perf_counter() - started:.0f} s")
+    return medians, kernels
+
+
+def written(torch, out: str, name: str, rounds: int, started: float, medians: dict, kernels: dict, **about) -> dict:
+    """The result document (`about` the cases, each figure the median of the rounds' medians), written to
+    out/name.json; returns it, its `figures_us` for the table."""
+    import json
+
+    figures = {case: {v: statistics.median(xs) for v, xs in by.items()} for case, by in medians.items()}
+    doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "rounds": rounds, **about,
+           "kernels": kernels, "medians_us": medians, "figures_us": figures, "wall_s": time.perf_counter() - started}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"{doc['gpu']}, torch {doc['torch']}, {rounds} rounds, {doc['wall_s']:.0f} s")
+    return doc
