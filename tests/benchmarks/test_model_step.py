@@ -89,12 +89,17 @@ def test_moe_ffn_matches_a_per_token_oracle():
     model = dec.Model(cfg, 1, "cpu")
     buf = model.buffers(ph)
     w = model.weights[0]
-    h = torch.randn(ph.tokens, cfg.hidden, dtype=torch.bfloat16)
+    h = torch.randn(ph.tokens, cfg.hidden, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(7))
     got = dec.run_layer(model._moe(ph, w, h, buf, dec.Calls())).float()
     i = cfg.intermediate
     w13, w2 = w.w_up.transpose(-2, -1).float(), w.w_down.transpose(-2, -1).float()  # [E, 2I, H], [E, H, I]
+    checked = 0
     for t in range(ph.tokens):
         logits = (h[t:t + 1] @ w.router).float() + w.router_bias.float()  # bf16 GEMM, as the layer rounds it
+        ranked = logits[0].sort(descending=True).values
+        if ranked[cfg.topk - 1] - ranked[cfg.topk] < 0.02 * ranked[cfg.topk - 1].abs() + 0.01:
+            continue  # a near tie for the last expert: the layer's rounding may pick either one
+        checked += 1
         top_w, top_i = torch.softmax(logits, -1)[0].topk(cfg.topk)
         top_w = top_w / top_w.sum()
         want = torch.zeros(cfg.hidden)
@@ -102,6 +107,7 @@ def test_moe_ffn_matches_a_per_token_oracle():
             gu = w13[e] @ h[t].float()
             want += weight * (w2[e] @ (torch.nn.functional.silu(gu[:i]) * gu[i:]))
         assert torch.allclose(got[t], want, rtol=0.05, atol=0.05 * want.abs().max().item()), t
+    assert checked >= ph.tokens - 2
 
 
 def test_real_configs_map_to_valid_kprof_specs():
