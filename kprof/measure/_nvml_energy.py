@@ -263,7 +263,8 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
     cap's controller holds it there (a 2048x4096x4096 GEMM on an H200: 756 W over its first 0.3 s, 691 W over 5 s).
     With `power_limit_w`, a draw over the board's limit is not a steady state either, whether or not the settle
     called the kernel capped: while the counter shows the power of its latest step interval more than
-    `over_limit` above the limit, the fit moves past it and the run goes on (up to `max_s` in all). The same
+    `over_limit` above the limit, the fit moves past it and the run goes on, as long as the fit can still span
+    `fit_s` within `max_s` in all (a kernel still over the limit then is fitted over its last `fit_s`). The same
     8192^3 GEMM drew 746 W over a fit that began 0.3 s in, and 691 W over a 5 s window: 5 % more energy a call.
     Energy per call = power x time per step / calls_per_step. Returns (EnergyResult, settle's result)."""
     if not span_s > 0:
@@ -277,12 +278,14 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
                 run(chunk_s)
             limit = None if power_limit_w is None else power_limit_w * (1 + over_limit)
             over = None if limit is None else _last_over(polls.polls, fit_from, limit)
-            if over is None or time.perf_counter() - t0 >= max_s:
+            if over is None or over + fit_s - t0 > max_s:  # the fit keeps fit_s, within max_s
                 break
             fit_from = over
         run.drain()
         t1, c1 = time.perf_counter(), polls.read()
-    p = _power(polls, fit_from, t1, c0, c1)
+    # the counter as polled at the fit's start: the plain two readings (a fit short of two steps) span the fit only
+    c_from = next((c for t, c in reversed(polls.polls) if t <= fit_from), c0)
+    p = _power(polls, fit_from, t1, c_from, c1)
     calls = (run.enqueued - n0) * calls_per_step
     start = p.points[0].t if p.points else fit_from
     steady = [(t, n) for t, n in run.marks if start <= t <= t1]
