@@ -1,7 +1,7 @@
 """`kprof calibrate`: measure the device's ceilings into the ledger as ordinary rows, each the best of a stated
 set of shapes (`kprof.ceilings`, which reads them and says what a set is and why).
 
-    kprof calibrate --backend torch          # GPU: 9 bf16 and 5 fp8 GEMMs; 1-4 GiB copies, 2 decode GEMMs, 2 decode attentions
+    kprof calibrate --backend torch          # GPU: 9 bf16 and 5 fp8 GEMMs; 1-4 GiB copies, 4 decode kernels
     kprof calibrate --backend torch-cpu      # CPU: 3 fp32 GEMMs; copies of 64-256 MiB and a matrix-vector product
 """
 

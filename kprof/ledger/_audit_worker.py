@@ -1,7 +1,7 @@
 """One shard of an audit, run in a process of the audit's pool (`main`); a damaged page that faults the reader
 kills only that process, and the audit reports it as a finding.
 
-Shard s owns the row keys whose first byte b has b * SHARDS // 256 == s, and the events of those keys. It
+Shard s of n owns the row keys whose first byte b has b * n // 256 == s, and the events of those keys. It
   - walks the sub-databases: the views keyed by row key over its key range as it compares them, the log whole
     (every shard needs it; shard 0 reports what is wrong with it), the event store in the events pass, the rest
     (scope index, meta, retractions, scopes) one shard each,
