@@ -22,7 +22,8 @@ def _remeasure_only(alias):
 
 def audit(*, db: Db = None, json: Json = False,
           jobs: Annotated[int, Parameter(name="--jobs", help=(
-              "Shard processes the audit runs, each replaying a share of the keys (1 to 256)."))] = JOBS,
+              "Shard processes the audit runs, each replaying a share of the keys (1 to 256; default: one per "
+              "core, up to 8)."))] = JOBS,
           remeasure: Annotated[int | None, Parameter(name="--remeasure", help=(
               "Instead: re-measure N random current rows of this machine's device and report their drift "
               "(exit 1 when any drifts past --tolerance). Writes nothing."))] = None,

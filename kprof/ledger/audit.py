@@ -41,7 +41,7 @@ class AuditReport(NamedTuple):
         return self._asdict()
 
 
-JOBS = 2  # the default: one shard process per core of the machines kprof is sized for; each replays 1/JOBS of the keys
+JOBS = min(8, os.cpu_count() or 2)  # the default: a shard process per core, up to 8; each replays 1/jobs of the keys
 
 
 def _shards(path: str, jobs: int, work=_audit_worker.main) -> list[dict]:
