@@ -228,17 +228,18 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
 
 
 def _last_over(polls: list[tuple[float, int]], since: float, limit_w: float,
-               min_gap: float = 0.05) -> float | None:
-    """The host time of the last counter step after `since` that ends an interval (of at least `min_gap` s,
-    against the steps' timing jitter) drawn above `limit_w`, or None."""
+               min_gap: float = 0.09) -> float | None:
+    """The host time of the last counter step after `since` that ends an interval (of at least `min_gap` s, about
+    one step of NVML's counter) drawn above `limit_w` beyond its timing's uncertainty: the power over the interval
+    lengthened by its two steps' poll widths, its lowest reading, is over the limit. None if no interval is."""
     points = tick_points(polls[:], since, math.inf)
     last, over = None, None
     for p in points:
-        if last is not None and p.t - last.t >= min_gap:
-            if (p.mj - last.mj) / (p.t - last.t) / 1000 > limit_w:
-                over = p.t
+        if last is None:
             last = p
-        elif last is None:
+        elif p.t - last.t >= min_gap:
+            if (p.mj - last.mj) / (p.t - last.t + (p.width + last.width) / 2) / 1000 > limit_w:
+                over = p.t
             last = p
     return over
 

@@ -366,13 +366,13 @@ def test_settled_energy_waits_out_a_draw_over_the_power_limit():
     counter = RampCounter(low_w=900.0, ramp=5.0, tick=0.03)
     counter.start()
     r, _ = settled_energy(run, span_s=0.2, fit_s=0.2, counter=counter, power_limit_w=700.0, max_s=0.6)
-    assert r.window_s < 0.6 + 0.15 and r.window_s - r.fit_from_s >= 0.15, r
+    assert r.window_s < 1.2 and r.window_s - r.fit_from_s >= 0.15, r  # stopped near max_s, far from 2 s
     assert r.power_w == pytest.approx(900.0, rel=0.03) and r.method == "nvml-energy-fit"
     # a kernel at the limit, not over it, is not held back
     run = _back_to_back(lambda: time.sleep(0.001), 0.001)
     r, _ = settled_energy(run, span_s=0.2, fit_s=0.2, counter=FakeCounter(power_w=705.0, tick=0.03),
                           power_limit_w=700.0)
-    assert r.window_s < 0.35 and r.power_w == pytest.approx(705.0, rel=0.03)
+    assert r.fit_from_s < 0.2 and r.power_w == pytest.approx(705.0, rel=0.03)  # the fit was not moved on
 
 
 def test_settled_energy_errors():
