@@ -307,3 +307,22 @@ def test_a_row_is_bounded_by_the_ceiling_of_its_own_dtype(h):
     assert other["citations"]["tflops"] == "kprof." + ids[-1].hex()[:16]
     assert fractions({"tflops": 900.0}, found, "fp8_e4m3") == {"tflops": pytest.approx(900.0 / best8.value)}
     assert fractions({"tflops": 900.0}, found, "fp16") == {"tflops": pytest.approx(900.0 / top)}
+
+
+def test_an_optional_set_that_fails_does_not_fail_calibrate(h, capsys, monkeypatch):
+    """A set of one dtype is optional (fp8 GEMMs fail on a GPU without fp8): its failed rows are listed, the exit
+    code is the required sets' (0 here), and no ceiling of that dtype exists. A failed row of a required set is
+    still exit 1."""
+    from kprof.ceilings import CeilingSet
+
+    fp8 = CeilingSet("tflops", (("single_gemm", {"m": 64, "n": 64, "k": 64, "dtype": "fp8_e4m3"}),), "fp8 GEMMs",
+                     "fp8_e4m3")  # the CPU backend refuses fp8: the row fails
+    monkeypatch.setitem(CEILING_SETS, "cpu", [CPU_FLOPS, fp8, CPU_BYTES])
+    assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json"]) == 0
+    cal = json.loads(capsys.readouterr().out)
+    assert [(c["metric"], c["dtype"]) for c in cal["ceilings"]] == [("tflops", None), ("memory_bandwidth_gbps", None)]
+    failed = [r for r in cal["rows"] if r["status"] != "ok"]
+    assert [r["spec"]["dtype"] for r in failed] == ["fp8_e4m3"]
+    required = CeilingSet("tflops", CPU_FLOPS.members + fp8.members, "fp32 GEMMs and one that fails")
+    monkeypatch.setitem(CEILING_SETS, "cpu", [required, CPU_BYTES])
+    assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json"]) == 1
