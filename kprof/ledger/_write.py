@@ -15,13 +15,14 @@ from . import _codec
 from ._reducer import REBUILT, Reducer, pack_seq, unpack_seq
 from .events import Retracted
 
+
 class AppendResult(NamedTuple):
     added: list[bytes]  # event ids newly written, in log order
     existing: list[bytes]  # event ids that were already in the ledger (no-op)
     last_seq: int
 
 
-_DELETED = object()
+_DELETED, _UNREAD = object(), object()
 
 
 class TxnStore:
@@ -32,21 +33,20 @@ class TxnStore:
         self.txn, self.dbs = txn, dbs
         self.pending: dict[str, dict] = {name: {} for name in dbs}
         self.deleting: set[str] = set()  # the dbs with a deletion pending
-        self.known: dict[str, tuple[set, dict]] = {}  # db -> (keys read ahead, the values found among them)
+        self.known: dict[str, dict] = {}  # db -> {key read ahead: its value, or None where absent}
 
     def read_ahead(self, db: str, keys: list) -> None:
         """Reads `keys` (sorted, distinct) of `db` in one pass (sorted keys share B-tree pages: far fewer page
         visits than one random get each); later gets of these keys are answered from memory."""
-        self.known[db] = (set(keys), dict(self.txn.cursor(self.dbs[db]).getmulti(keys)))
+        known = self.known[db] = dict.fromkeys(keys)
+        known.update(self.txn.cursor(self.dbs[db]).getmulti(keys))
 
     def get(self, db, k):
         v = self.pending[db].get(k)
         if v is not None:
             return None if v is _DELETED else v
-        known = self.known.get(db)
-        if known is not None and k in known[0]:
-            return known[1].get(k)
-        return self.txn.get(k, db=self.dbs[db])
+        v = self.known.get(db, {}).get(k, _UNREAD)
+        return self.txn.get(k, db=self.dbs[db]) if v is _UNREAD else v
 
     def put(self, db, k, v):
         self.pending[db][k] = v
