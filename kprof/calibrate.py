@@ -10,8 +10,8 @@ from __future__ import annotations
 from .ceilings import (BASE_BACKEND, CEILING_SETS, CEILING_SPECS, Ceiling, CeilingSet, _by_table, annotate,
                        applicable, ceilings, fractions, lookup_any)
 
-__all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "calibrate", "ceilings",
-           "applicable", "fractions", "annotate", "lookup_any"]
+__all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "calibrate", "complete",
+           "ceilings", "applicable", "fractions", "annotate", "lookup_any"]
 
 
 def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = None, force: bool = False,
@@ -32,3 +32,16 @@ def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = Non
     timing = next((doc["provenance"]["timing"] for r in results for doc in r.results if doc.get("provenance")),
                   None)
     return results, ceilings(backend, results[0].gpu_name, db=results[0].db, timing=timing)
+
+
+def complete(backend: str, results: list, found: list[Ceiling]) -> bool:
+    """Whether a calibration gave the device its ceilings: both metrics' ceilings of no particular dtype found, and
+    every row of those sets ok. A set of one dtype is optional (fp8 GEMMs fail on a GPU without fp8)."""
+    def canonical(table, spec):
+        return table, tuple(sorted(spec.items()))
+
+    required = {canonical(t, x) for s in CEILING_SETS[lookup_any(backend).device] if s.dtype is None
+                for t, x in s.members}
+    rows_ok = all(row["status"] == "ok" for r in results for row in r.results
+                  if canonical(r.table, row["spec"]) in required)
+    return rows_ok and {c.metric for c in found if c.dtype is None} == {"tflops", "memory_bandwidth_gbps"}

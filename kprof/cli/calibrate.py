@@ -8,8 +8,8 @@ from typing import Annotated
 
 from cyclopts import Parameter
 
-from ..calibrate import CEILING_SETS, lookup_any
 from ..calibrate import calibrate as run_calibrate
+from ..calibrate import complete
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Timer
 from ._render import console, emit_json
 
@@ -41,12 +41,4 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
         for r in rows:
             if r["status"] != "ok":
                 out.print(f"{r['spec']}: {r['status']} {r.get('error') or ''}", markup=False)
-    # A set of one dtype is optional (fp8 GEMMs fail on a GPU without fp8): the others decide the exit code.
-    def canonical(table, spec):
-        return table, tuple(sorted(spec.items()))
-
-    required = {canonical(t, x) for s in CEILING_SETS[lookup_any(backend).device] if s.dtype is None
-                for t, x in s.members}
-    rows_ok = all(row["status"] == "ok" for r in results for row in r.results
-                  if canonical(r.table, row["spec"]) in required)
-    return 0 if {c.metric for c in found if c.dtype is None} == {"tflops", "memory_bandwidth_gbps"} and rows_ok else 1
+    return 0 if complete(backend, results, found) else 1

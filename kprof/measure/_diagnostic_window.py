@@ -26,7 +26,7 @@ import contextlib
 import time
 
 from ._nvml_telemetry import Telemetry
-from ._l2 import rewriter
+from ._l2 import activations_rewrite
 from ._sampling import side_warmup
 from .diagnostic import Window, segment
 
@@ -51,17 +51,6 @@ def _energy_reader(index: int, errors: dict[str, str]):
     except NvmlError as e:
         errors["energy"] = str(e)
         return None
-
-
-def _activations(torch, case):
-    """The rewrite of the case's activations after each sweep (as `kprof.runners.cuda_device` does for rows): its
-    refresh when it has one, else every byte of each warm input OR-ed with 0 in place (dirty in L2, unchanged)."""
-    refresh = getattr(case, "refresh", None)
-    if refresh is not None:
-        return refresh
-    if not case.warm:
-        return None
-    return rewriter(torch, [case.inputs[i] for i in case.warm])
 
 
 def _kernels_only(session) -> None:
@@ -144,7 +133,7 @@ def record_window(case, *, duration_s: float, telemetry_hz: float, clear_l2: boo
     if clear_l2:
         sweep, nbytes = _l2.flusher(index)
         notes["l2_flush_bytes"] = str(nbytes)
-        rewrite = _activations(torch, case)
+        rewrite = activations_rewrite(torch, case)  # as a row does after each sweep
         prefix = sweep
         if rewrite is not None:
             notes["l2_warm_inputs"] = "activations rewritten after the sweep (dirty in L2, as produced)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["l2_bytes", "flusher", "copies_for", "rewriter"]
+__all__ = ["l2_bytes", "flusher", "copies_for", "rewriter", "activations_rewrite"]
 
 _FALLBACK_L2 = 128 << 20  # when the device does not report its L2 size: above any current GPU's L2
 
@@ -56,3 +56,18 @@ def rewriter(torch, tensors):
 
     views = [as_bytes(t) for t in tensors]
     return lambda: [t.bitwise_or_(0) for t in views]
+
+
+def activations_rewrite(torch, case, inputs: tuple | None = None):
+    """What follows each sweep for a case (kprof.runners' Case): its warm inputs (of `inputs`, a placement's copy
+    of case.inputs, else the case's own) written again, so they lie in L2 as dirty lines, as the kernel that
+    produced them leaves them inside a model. The case's refresh where it has one (its next draw copied into them:
+    written too), else their rewrite in place (`rewriter`); None where it has no warm inputs."""
+    if not case.warm:
+        return None
+    tensors = [(case.inputs if inputs is None else inputs)[i] for i in case.warm]
+    if getattr(case, "refresh", None) is not None:
+        import functools
+
+        return functools.partial(case.refresh, tuple(tensors))
+    return rewriter(torch, tensors)

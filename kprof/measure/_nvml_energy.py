@@ -274,10 +274,10 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
         c0, t0, n0 = polls.read(), time.perf_counter(), run.enqueued
         settled = settle(run) if settle is not None else None
         fit_from = time.perf_counter() if settle is not None and fit_after_settle(settled) else t0 + ramp_s
+        limit = None if power_limit_w is None else power_limit_w * (1 + over_limit)
         while True:
             while time.perf_counter() - t0 < span_s or time.perf_counter() - fit_from < fit_s:
                 run(chunk_s)
-            limit = None if power_limit_w is None else power_limit_w * (1 + over_limit)
             over = None if limit is None else _last_over(polls.polls, fit_from, limit)
             if over is None or over + fit_s - t0 > max_s:  # the fit keeps fit_s, within max_s
                 break

@@ -4,13 +4,14 @@ events, cold L2, eager or graph), the weight copies a row rotates over, the load
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
 import msgspec
 
 from ..ledger.events import Method
-from ..measure._l2 import rewriter
+from ..measure._l2 import activations_rewrite
 from ..measure.stats import StopRule, placement_notes, summarize
 from ._case import algorithm_notes
 from ._settings import env_seconds
@@ -265,8 +266,6 @@ class CudaDevice:
         n = max(n_w, n_a)
         if n == 1:
             return None
-        import functools
-
         weights = [case.inputs] + [tuple(t.clone() if i in cold else t for i, t in enumerate(case.inputs))
                                    for _ in range(n_w - 1)]
         sets = []
@@ -281,18 +280,10 @@ class CudaDevice:
                 {"input_copies": str(n_w), "activation_copies": str(n_a)})
 
     def _warm(self, case, inputs: tuple | None = None):
-        """Cold L2: after each sweep, rewrite the case's activations (of `inputs`, a placement's, else the case's)
-        in place (see Case.warm), so they lie in L2 as dirty lines, as the kernel that produced them leaves them
-        inside a model (the timed kernel pays their write-back when it evicts them, as there); before an eager
-        call and a graph replay alike."""
-        if not self.cold or not case.warm:
-            return None
-        import functools
-
-        inputs = case.inputs if inputs is None else inputs
-        if case.refresh is not None:  # the next draw copied into the activations: written, so dirty in L2 as well
-            return functools.partial(case.refresh, tuple(inputs[i] for i in case.warm))
-        return rewriter(self.torch, [inputs[i] for i in case.warm])
+        """Cold L2: after each sweep, the case's activations (of `inputs`, a placement's, else the case's) written
+        again (`activations_rewrite`: dirty in L2, as inside a model, so the timed kernel pays their write-back
+        when it evicts them, as there); before an eager call and a graph replay alike."""
+        return activations_rewrite(self.torch, case, inputs) if self.cold else None
 
     def recover(self) -> None:
         """After a failure (an OOM above all), give the cached blocks back so the next spec starts clean."""
