@@ -16,14 +16,11 @@ Every decoding is msgspec's: a key-only schema picks each event's shard without 
 from __future__ import annotations
 
 import gc
-from typing import Callable, Iterable
-
 import lmdb
 import msgspec
 
-from ..errors import IntegrityError
 from . import _codec
-from ._reducer import REBUILT, decode_scope, status_of, unpack_seq
+from ._reducer import REBUILT, ScopeEntry, opened, seq_of
 from .events import EventAudit, EventKey, Provenance, Retracted
 from .replay import MemoryStore, replay_into
 
@@ -35,19 +32,6 @@ audit_decoder = msgspec.msgpack.Decoder(EventAudit)
 provenance_decoder = msgspec.msgpack.Decoder(Provenance)
 
 
-
-def history_from_v1(keys: Iterable[bytes], status: Callable[[bytes], bytes]) -> dict[bytes, bytes]:
-    """Format 2's history entries, in key order, of a format-1 history's keys (key + seq, in key order): each
-    key's status (`status(key)`), then its seqs. The audit of a format-1 file compares them with its replay."""
-    out: dict[bytes, bytes] = {}
-    for k in keys:
-        if len(k) != 40:
-            raise IntegrityError(f"the file says format 1, but its history holds a key of {len(k)} bytes where "
-                                 f"format 1 keeps key + seq (40); restore the file from a copy")
-        key = k[:32]
-        value = out.get(key)
-        out[key] = status(key) + k[32:] if value is None else value + k[32:]
-    return out
 
 class Findings:
     def __init__(self):
@@ -139,7 +123,7 @@ class Shard:
                     report("log", f"entry {k.hex()[:24]} after seq {expect - 1}: a key of {len(k)} bytes, not a "
                                   f"sequence number (8)")
                     continue
-                seq = unpack_seq(k)[0]
+                seq = seq_of(k)
                 if seq != expect:
                     report("log", f"sequence {expect} expected, found {seq}")
                     expect = seq
@@ -256,7 +240,7 @@ class Shard:
         dbs, get = self.ledger.dbs, txn.get
         kept.sort(key=lambda item: item[0])
         memory = MemoryStore(txn, dbs)
-        replay_into(memory, kept, self.ledger.format_version)
+        replay_into(memory, kept)
         rebuilt = memory.data
         owned = {
             "current": lambda: self._range(txn.cursor(dbs["current"]), "current"),
@@ -270,38 +254,12 @@ class Shard:
         }
         for name, walk in owned.items():
             try:
-                if name == "history" and self.ledger.format_in(txn) < 2:
-                    stored = self._history_v1(txn, walk())
-                else:
-                    stored = dict(walk())
+                stored = dict(walk())
             except lmdb.Error as exc:
                 self.found.add("structure", f"{name}: read failed in shard {self.shard}: {exc}")
                 continue
-            if stored is not None:
-                self._compare(name, stored, rebuilt[name])
-        return {sid: decode_scope(v, sid) for sid, v in rebuilt["scopes"].items()}
-
-    def _history_v1(self, txn, entries) -> dict[bytes, bytes] | None:
-        """A format-1 file's history (key + seq -> event id), read as it is, in format 2's layout: each event id
-        checked against the log, the status from the stored current row. None where entries do not have format
-        1's layout (each is named: the comparison would only name their keys again)."""
-        dbs, get = self.ledger.dbs, txn.get
-        malformed = 0
-
-        def checked():
-            nonlocal malformed
-            for k, eid in entries:
-                if len(k) != 40:
-                    malformed += 1
-                    self.found.add("views", f"history: entry {k.hex()[:24]} has {len(k)} bytes where the file's "
-                                            f"format 1 keeps key + seq (40)")
-                    continue
-                if get(k[32:], db=dbs["log"]) != eid:
-                    self.found.add("views", f"history: entry {k.hex()[:24]} names an event the log does not hold there")
-                yield k
-
-        stored = history_from_v1(checked(), lambda key: status_of(get(key, db=dbs["current"])))
-        return None if malformed else stored
+            self._compare(name, stored, rebuilt[name])
+        return {sid: opened("scopes", sid, v, ScopeEntry) for sid, v in rebuilt["scopes"].items()}
 
     def _compare(self, name: str, stored: dict[bytes, bytes], rebuilt: dict[bytes, bytes]) -> None:
         if stored == rebuilt:
@@ -344,5 +302,4 @@ def main(shard: int, shards: int, path: str) -> dict:
         stored_scopes = work.stored_scopes(txn) if shard == 0 else {}
     return {"stored_scopes": stored_scopes, "findings": found.items, "counts": found.counts, "events": n_events,
             "header_events": header_events, "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
-            "walked": work.walked, "view_entries": view_entries, "scopes": scopes,
-            "format_version": ledger.format_version}
+            "walked": work.walked, "view_entries": view_entries, "scopes": scopes}

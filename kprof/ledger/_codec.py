@@ -12,8 +12,10 @@ from blake3 import blake3
 from ..errors import IntegrityError
 from .events import Event, Provenance
 
-FORMAT_VERSION = 3  # the ledger file's layout and event encoding (2: one history entry per key, with a status;
-# 3: each current row ends with a digest of itself and its key, which every read checks)
+# The ledger file's layout. 2: one history entry per key, with a status; 3: current rows with a digest that every
+# read checks; 4: every stored view value a named record (see _reducer). A file of an older format has its views
+# rebuilt from the log when it is opened (see store.Ledger._initialize); its events and log are never rewritten.
+FORMAT_VERSION = 4
 KEY_TAG = b"kprof/key/v1\x00"
 EVENT_TAG = b"kprof/event/v1\x00"
 SCOPE_TAG = b"kprof/scope/v1\x00"

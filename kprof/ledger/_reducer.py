@@ -1,44 +1,151 @@
 """The one place that says how an event changes the views. Used by append, replay and audit alike.
 
-Views (all rebuildable from the log):
-  current      key -> kind byte (b"m" measured, b"f" failed) + event id (32) + Summary + digest (16; format 3):
-               the row a reader sees; the digest, blake3 of ROW_TAG + key + the rest, is what a read checks
+Views (all rebuildable from the log); every stored value is a named msgspec Struct, encoded as a msgpack array:
+  current      key -> Sealed(CurrentRow(kind, event id, Summary)): the row a reader sees, sealed with a digest of
+               the key and the row's bytes that every read checks (`opened`, `_verify.rows`)
   scope_index  scope id (16) + shape id (16) + key -> b"": every key ever seen in a scope, by shape
-  history      key -> status byte + seq (8, big-endian) of every event of the key, in log order (format 2;
-               format 1 kept key + seq -> event id). The event ids are the log's entries at those seqs. The
-               status byte is the kind of the key's current row: b"m" measured, b"f" failed, b"-" none (all
-               retracted). `missing` asks this tree: ~50 bytes a key, where `current` holds ~330, so a bulk
-               lookup's pages stay in the CPU caches (~0.7 µs less per key on a 1M-row view), and an append
-               writes no more pages than the format-1 layout did
+  history      key -> HistoryEntry(status, seqs): the kind of the key's current row ("m" measured, "f" failed, "-"
+               none: every attempt retracted) and the log seq of every event of the key, in log order. `missing`
+               asks it about the keys `current` does not hold: a key damaged out of `current` does not read as
+               missing while its history says it has a row
   failures     key -> event id of the key's latest (non-retracted) failure
   retracted    target event id -> retraction event id
-  scopes       scope id -> ScopeEntry (table, backend, GPU key, rows, accumulator, contract ids seen)
+  scopes       scope id -> Sealed(ScopeEntry): the scope's names, row count, root accumulator and contract ids
 
 Current row of a key: its latest non-retracted attempt, measured or failed (the row's status is
 `failed` when the last attempt failed, as the contract defines; the earlier good row stays in history and
-comes back if the failure is retracted). The scope's view root is an additive multiset hash over (key, current event id): it can be
-updated in O(1) per change and does not depend on the order rows arrived in.
+comes back if the failure is retracted). The scope's view root is an additive multiset hash over (key, current
+event id): it can be updated in O(1) per change and does not depend on the order rows arrived in.
 """
 
 from __future__ import annotations
 
-import struct
 from itertools import repeat
+from typing import Literal
 
 import msgspec
 from blake3 import blake3
 
 from ..errors import IntegrityError
 from . import _codec
-from .events import KIND, summary_of
+from .events import KIND, Summary, summary_of
 
-MEASURED, FAILED, RETRACTED = b"m", b"f", b"r"
-NO_ROW = b"-"  # a history's status when the key has no current row (its every attempt retracted)
+MEASURED, FAILED, RETRACTED = "m", "f", "r"
+NO_ROW = "-"  # a history's status when the key has no current row (its every attempt retracted)
 REBUILT = b"views_rebuilt"  # meta: how many times rebuild_views has rewritten the views (absent: never)
 MOD = 1 << 256
-_seq = struct.Struct(">Q")
-pack_seq = _seq.pack
-unpack_seq = _seq.unpack
+
+
+def pack_seq(seq: int) -> bytes:
+    """A log key: the seq as 8 big-endian bytes (the log's keys sort in log order)."""
+    return seq.to_bytes(8, "big")
+
+
+def seq_of(log_key: bytes) -> int:
+    return int.from_bytes(log_key, "big")
+
+
+class Sealed(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A stored record with the digest that binds it to its key: `body` is the record's msgpack bytes, `digest`
+    blake3(ROW_TAG + key + body), 16 bytes. A record damaged, or moved under another key, fails it."""
+
+    body: msgspec.Raw
+    digest: bytes
+
+
+class CurrentRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A key's current row: its kind, the event behind it and that event's Summary (what a lookup returns)."""
+
+    kind: Literal["m", "f"]
+    event_id: bytes
+    summary: Summary
+
+
+class RowHead(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A current row's kind and event id alone: decoding skips the Summary (a count of missing rows, a merge)."""
+
+    kind: Literal["m", "f"]
+    event_id: bytes
+
+
+class HistoryEntry(msgspec.Struct, array_like=True, gc=False):
+    """A `history` value: the kind of the key's current row (NO_ROW: none) and the seqs of its events."""
+
+    status: Literal["m", "f", "-"]
+    seqs: list[int]
+
+
+class HistoryStatus(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A history entry's status alone (decoding skips the seqs)."""
+
+    status: Literal["m", "f", "-"]
+
+
+class ScopeEntry(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A `scopes` record: the scope's names, how many current rows it has, its root accumulator (32 bytes,
+    big-endian, reduced mod 2^256) and the ids of the contracts its events carried. The view root a reader
+    reports comes from this entry, so it is sealed like a row."""
+
+    table: str
+    backend: str
+    gpu_key: str
+    rows: int
+    acc: bytes
+    contracts: list[bytes]
+
+    @property
+    def root_acc(self) -> int:
+        return int.from_bytes(self.acc, "big")
+
+
+_ROW_HASHER = blake3(_codec.ROW_TAG)  # copied per record, never updated
+_sealed = msgspec.msgpack.Decoder(Sealed)
+_decoders = {t: msgspec.msgpack.Decoder(t) for t in (CurrentRow, RowHead, HistoryEntry, HistoryStatus, ScopeEntry)}
+
+
+def seal_digest(key: bytes, body) -> bytes:
+    """blake3(ROW_TAG + key + body), 16 bytes: the digest that seals a record's bytes to its key."""
+    return _ROW_HASHER.copy().update(key).update(body).digest(16)
+
+
+def seal_digests(keys: list[bytes], bodies) -> list[bytes]:
+    """seal_digest of each (key, body), in bulk: chained maps over C methods, no Python frame per record."""
+    n = len(keys)
+    copies = map(blake3.copy, repeat(_ROW_HASHER, n))
+    return list(map(blake3.digest, map(blake3.update, map(blake3.update, copies, keys), bodies), repeat(16, n)))
+
+
+def seal(key: bytes, record) -> bytes:
+    """The stored bytes of `record` under `key`: Sealed(its bytes, their digest)."""
+    body = _codec.encode(record)
+    return _codec.encode(Sealed(msgspec.Raw(body), seal_digest(key, body)))
+
+
+def damaged_entry(db: str, key: bytes, why: str) -> IntegrityError:
+    return IntegrityError(f"{db}: entry {key.hex()} is damaged: {why}; run `kprof audit` for the full report, and "
+                          f"restore the file from a copy")
+
+
+def opened(db: str, key: bytes, raw: bytes, record_type: type):
+    """The record of type `record_type` that sealed value `raw` of `key` holds, its digest checked; IntegrityError
+    naming the entry where it fails or does not decode."""
+    try:
+        sealed = _sealed.decode(raw)
+        if seal_digest(key, sealed.body) != sealed.digest:
+            raise damaged_entry(db, key, "it fails its digest")
+        return _decoders[record_type].decode(sealed.body)
+    except msgspec.MsgspecError as exc:
+        raise damaged_entry(db, key, f"it cannot be decoded ({exc})") from None
+
+
+def history_entry(key: bytes, raw: bytes | None) -> HistoryEntry:
+    """A stored history value (None: a key without one, an empty entry); IntegrityError naming it where damaged."""
+    if raw is None:
+        return HistoryEntry(NO_ROW, [])
+    try:
+        return _decoders[HistoryEntry].decode(raw)
+    except msgspec.MsgspecError as exc:
+        raise damaged_entry("history", key, f"it cannot be decoded ({exc})") from None
 
 
 def contract_id(prov) -> bytes:
@@ -73,90 +180,9 @@ def row_term(key: bytes, eid: bytes) -> int:
     return int.from_bytes(blake3(_codec.ROOT_TAG + key + eid).digest(), "big")
 
 
-DIGEST_FROM = 3  # the format from which current rows carry their digest
-
-
-_ROW_HASHER = blake3(_codec.ROW_TAG)  # copied per row, never updated
-
-
-def row_digest(key: bytes, body: bytes) -> bytes:
-    """The digest that ends a current row of format 3: blake3(ROW_TAG + key + kind + event id + Summary), 16 bytes.
-    It binds the row to its key: a row damaged, or moved under another key, fails it."""
-    return _ROW_HASHER.copy().update(key).update(body).digest(16)
-
-
-def row_digests(keys: list[bytes], bodies) -> list[bytes]:
-    """row_digest of each (key, body), in bulk: chained maps over C methods, no Python frame per row."""
-    n = len(keys)
-    copies = map(blake3.copy, repeat(_ROW_HASHER, n))
-    return list(map(blake3.digest, map(blake3.update, map(blake3.update, copies, keys), bodies), repeat(16, n)))
-
-
-def current_row(kind: bytes, eid: bytes, event, key: bytes, digest: bool = True) -> bytes:
-    """A `current` value: kind letter, event id, the event's Summary and (`digest`: format 3) the row's digest;
-    what append, replay and audit store or expect."""
-    body = kind + eid + _codec.encode(summary_of(event))
-    return body + row_digest(key, body) if digest else body
-
-
 def index_key(sid: bytes, shape: bytes, key: bytes) -> bytes:
     """A `scope_index` key: scope id, the id of the shape's canonical bytes, the row key."""
     return sid + _codec.shape_id(shape) + key
-
-
-def history_seqs(value: bytes, start: int = 1) -> list[bytes]:
-    """The 8-byte seqs (log keys) of a format-2 history value, oldest first (`start=0`: of a bare run of seqs)."""
-    return [value[i:i + 8] for i in range(start, len(value), 8)]
-
-
-# A `current` value's layout: kind letter, event id (32), Summary bytes, digest (16; format 3). Readers slice
-# with these; the reducer's two accessors below use them too.
-ROW_KIND, ROW_EVENT_ID, ROW_SUMMARY, ROW_BODY, ROW_DIGEST = (slice(0, 1), slice(1, 33), slice(33, -16),
-                                                             slice(0, -16), slice(-16, None))
-
-
-def row_kind(row: bytes) -> bytes:
-    """A `current` value's kind letter (b"m" or b"f")."""
-    return row[ROW_KIND]
-
-
-def row_event_id(row: bytes) -> bytes:
-    """A `current` value's event id."""
-    return row[ROW_EVENT_ID]
-
-
-def status_of(row: bytes | None) -> bytes:
-    """A history's status for a key whose current row is `row` (None: no row)."""
-    return NO_ROW if row is None else row_kind(row)
-
-
-class ScopeEntry(msgspec.Struct, array_like=True):
-    """A `scopes` value (a msgpack array on disk): the scope's names, how many current rows it has, its root
-    accumulator (32 bytes, big-endian, reduced mod 2^256) and the ids of the contracts its events carried. From
-    format 3 on the array has a seventh item, a digest of the scope id and these six, which every read checks
-    (`decode_scope`): the view root a reader reports comes from this entry, and one damaged bit of it must not read
-    as another root."""
-
-    table: str
-    backend: str
-    gpu_key: str
-    rows: int
-    acc: bytes
-    contracts: list[bytes]
-
-    @property
-    def root_acc(self) -> int:
-        return int.from_bytes(self.acc, "big")
-
-
-def _scope_digest(sid: bytes, fields: list) -> bytes:
-    return blake3(_codec.ROW_TAG + sid + _codec.encode(fields)).digest(16)
-
-
-def encode_scope(sid: bytes, entry: ScopeEntry, digest: bool = True) -> bytes:
-    """The stored bytes of scope `sid`'s entry, with its digest unless the file's format keeps none."""
-    fields = [entry.table, entry.backend, entry.gpu_key, entry.rows, entry.acc, entry.contracts]
-    return _codec.encode(fields + [_scope_digest(sid, fields)] if digest else fields)
 
 
 class ScopeTotals(msgspec.Struct):
@@ -207,12 +233,13 @@ class Reducer:
     """Applies events to a Store. Scope accumulators are cached and flushed once per batch.
 
     Events may be the full records or their heads (events.KIND maps each type to its kind letter):
-    the views need only the key, provenance, summary fields and retraction target.
+    the views need only the key, provenance, summary fields and retraction target. The stored values it reads
+    back (a key's row and history, a scope's entry) are checked as a reader checks them: a write into a damaged
+    ledger fails with an IntegrityError naming the entry, and its transaction is aborted.
     """
 
-    def __init__(self, store: Store, file_format: int = _codec.FORMAT_VERSION):
+    def __init__(self, store: Store):
         self.store = store
-        self._digest = file_format >= DIGEST_FROM  # rows as the file's format keeps them (the audit of an old file)
         self._put, self._get = store.put, store.get
         self._scopes: dict[bytes, ScopeTotals] = {}
         self._ids = ProvenanceIds()
@@ -222,17 +249,18 @@ class Reducer:
         entry = self._scopes.get(sid)
         if entry is None:
             raw = self.store.get("scopes", sid)
-            entry = ScopeTotals.of(prov) if raw is None else ScopeTotals.stored(decode_scope(raw, sid))
+            entry = ScopeTotals.of(prov) if raw is None else ScopeTotals.stored(opened("scopes", sid, raw, ScopeEntry))
             self._scopes[sid] = entry
         return sid, entry
 
     def apply(self, event, eid: bytes, seq: int) -> None:
         put, encode = self._put, _codec.encode
         key = event.key
-        history = (self._get("history", key) or NO_ROW) + pack_seq(seq)  # status as it was; set below
+        history = history_entry(key, self._get("history", key))
+        history.seqs.append(seq)
         kind = KIND[type(event)]
         if kind == RETRACTED:
-            put("history", key, history)
+            put("history", key, encode(history))
             self._retract(event, eid)
             return
         prov = event.provenance
@@ -241,35 +269,37 @@ class Reducer:
         entry.contracts.add(self._ids.contract(prov))
         if kind == FAILED:
             put("failures", key, eid)
-        new = current_row(kind, eid, event, key, digest=self._digest)
         old = self._get("current", key)
         if old is None:  # a new row: the common case, inline
             entry.acc += row_term(key, eid)
             entry.rows += 1
-            put("current", key, new)
-            put("history", key, kind + history[1:])
+            put("current", key, seal(key, CurrentRow(kind, eid, summary_of(event))))
+            history.status = kind
+            put("history", key, encode(history))
         else:
-            put("history", key, history)
-            self._set_current(entry, key, old, new)
+            put("history", key, encode(history))
+            self._set_current(entry, key, old, CurrentRow(kind, eid, summary_of(event)))
 
-    def _set_current(self, entry: ScopeTotals, key: bytes, old: bytes | None, new: bytes | None) -> None:
+    def _set_current(self, entry: ScopeTotals, key: bytes, old: bytes | None, new: CurrentRow | None) -> None:
         """Makes `new` (or none) the key's current row, and its kind the status of the key's history."""
-        if old == new:
-            return
         store = self.store
+        stored = None if new is None else seal(key, new)
+        if old == stored:
+            return
         if old is not None:
-            entry.acc = (entry.acc - row_term(key, row_event_id(old))) % MOD
+            entry.acc = (entry.acc - row_term(key, opened("current", key, old, RowHead).event_id)) % MOD
             entry.rows -= 1
         if new is not None:
-            entry.acc = (entry.acc + row_term(key, row_event_id(new))) % MOD
+            entry.acc = (entry.acc + row_term(key, new.event_id)) % MOD
             entry.rows += 1
-            store.put("current", key, new)
+            store.put("current", key, stored)
         else:
             store.delete("current", key)
-        status = status_of(new)
-        history = store.get("history", key)
-        if history[:1] != status:
-            store.put("history", key, status + history[1:])
+        status = NO_ROW if new is None else new.kind
+        history = history_entry(key, store.get("history", key))
+        if history.status != status:
+            history.status = status
+            store.put("history", key, _codec.encode(history))
 
     def _retract(self, event, eid: bytes) -> None:
         """The key's current row becomes its latest attempt that is not retracted (or none)."""
@@ -282,7 +312,7 @@ class Reducer:
         _sid, entry = self._scope(target.provenance)
         key = event.key
         latest = latest_failed = None
-        for hid in map(s.logged, reversed(history_seqs(s.get("history", key)))):
+        for hid in map(s.logged, map(pack_seq, reversed(history_entry(key, s.get("history", key)).seqs))):
             if s.get("retracted", hid) is not None:
                 continue
             ev = s.event(hid)
@@ -290,12 +320,11 @@ class Reducer:
             if kind == RETRACTED:
                 continue
             if latest is None:
-                latest = (kind, hid, ev)
+                latest = CurrentRow(kind, hid, summary_of(ev))
             if kind == FAILED:
                 latest_failed = hid
                 break
-        new = None if latest is None else current_row(*latest, key, digest=self._digest)
-        self._set_current(entry, key, s.get("current", key), new)
+        self._set_current(entry, key, s.get("current", key), latest)
         if latest_failed is None:
             s.delete("failures", key)
         else:
@@ -303,25 +332,5 @@ class Reducer:
 
     def flush(self) -> None:
         for sid, entry in self._scopes.items():
-            self.store.put("scopes", sid, encode_scope(sid, entry.entry(), self._digest))
+            self.store.put("scopes", sid, seal(sid, entry.entry()))
         self._scopes.clear()
-
-
-def decode_scope(raw: bytes, sid: bytes) -> ScopeEntry:
-    """A stored `scopes` value, its digest checked where it has one (format 3); IntegrityError naming the scope
-    where its bytes do not fit ScopeEntry or fail the digest."""
-    why = None
-    try:
-        fields = msgspec.msgpack.decode(raw)
-        if type(fields) is not list or len(fields) not in (6, 7):
-            why = "it is not an entry of six or seven items"
-        else:
-            entry = msgspec.convert(fields[:6], ScopeEntry)
-            if len(fields) == 7 and fields[6] != _scope_digest(sid, fields[:6]):
-                why = "it fails its digest"
-    except msgspec.MsgspecError as exc:
-        why = f"it cannot be decoded ({exc})"
-    if why:
-        raise IntegrityError(f"scopes: entry {sid.hex()} is damaged: {why}; run `kprof audit` for the full report, "
-                             f"and restore the file from a copy")
-    return entry

@@ -66,8 +66,8 @@ def resolve(ledger, ref: str) -> Resolved:
                 seqs = ledger.history_of(txn, key)
             history = [(seq, hid, _verify.event(path, hid, txn.get(hid, db=dbs["events"]), key))
                        for seq, hid in seqs]
-        row = _verify.rows(txn, dbs, path, [key], ledger.format_in(txn) >= 2)[0]
-        current = row[1] if row is not None else None
+        row = _verify.rows(txn, dbs, path, [key], summaries=False)[0]
+        current = row.event_id if row is not None else None
         return Resolved(kind, key, eid if eid is not None else current, history, current)
 
 

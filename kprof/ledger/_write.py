@@ -12,7 +12,7 @@ import msgspec
 
 from ..errors import UsageError
 from . import _codec
-from ._reducer import REBUILT, Reducer, pack_seq, unpack_seq
+from ._reducer import REBUILT, Reducer, pack_seq, seq_of
 from .events import Retracted
 
 
@@ -99,13 +99,13 @@ def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
     """Drops the `views` sub-databases and rebuilds them from the log through the Reducer, streamed, in `txn`, in
     the current format; returns the events replayed. The rebuild is counted (REBUILT), so a reader's memo of
     earlier answers does not outlive it (a repair can change rows the view root, read from `scopes`, does not
-    name). Used by a writer upgrading an older file (format 3 added each current row's digest; format 2 the
-    history's status) and by `kprof.ledger.replay.rebuild_views`, a repair."""
+    name). Used by the opening of an older file (see `_codec.FORMAT_VERSION`) and by
+    `kprof.ledger.replay.rebuild_views`, a repair."""
     for name in views:
         txn.drop(dbs[name], delete=False)
     reducer, events, n = Reducer(TxnStore(txn, dbs)), dbs["events"], 0
     for k, eid in txn.cursor(dbs["log"]):
-        reducer.apply(_codec.stored_event(txn.get(eid, db=events) or b"", eid), eid, unpack_seq(k)[0])
+        reducer.apply(_codec.stored_event(txn.get(eid, db=events) or b"", eid), eid, seq_of(k))
         n += 1
     reducer.flush()
     reducer.store.flush()

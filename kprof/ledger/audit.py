@@ -22,7 +22,7 @@ import lmdb
 from ..errors import IntegrityError, LedgerError, UsageError
 from . import _audit_worker
 from ._audit_worker import MAX_LISTED, RANGED
-from ._reducer import DIGEST_FROM, ScopeTotals, encode_scope
+from ._reducer import ScopeTotals, seal
 from .store import Ledger
 
 __all__ = ["audit", "AuditReport", "JOBS"]
@@ -74,7 +74,7 @@ def _scopes(results: list[dict], add) -> None:
         have = stored.pop(sid, None)
         if have is None:
             add("views", f"scopes: entry {sid.hex()} of the log's replay is not stored")
-        elif have != encode_scope(sid, entry.entry(), results[0]["format_version"] >= DIGEST_FROM):
+        elif have != seal(sid, entry.entry()):
             add("views", f"scopes: entry {sid.hex()} ({entry.table}/{entry.backend}/{entry.gpu_key}) differs from "
                          f"the log's replay")
     for sid in stored:

@@ -255,15 +255,15 @@ class RetractedKey(msgspec.Struct, frozen=True, gc=False, tag="retracted"):
 
 EventKey = Union[MeasuredKey, FailedKey, RetractedKey]
 # The kind letter of every event type the reducer accepts (the views store it beside each row).
-KIND = {Measured: b"m", MeasuredHead: b"m", MeasuredAudit: b"m", Failed: b"f", FailedHead: b"f",
-        FailedAudit: b"f", Retracted: b"r"}
+KIND = {Measured: "m", MeasuredHead: "m", MeasuredAudit: "m", Failed: "f", FailedHead: "f",
+        FailedAudit: "f", Retracted: "r"}
 
 
 def summary_of(event) -> Summary:
     """The row summary of a measured or failed event in canonical form: as msgspec decodes it (its float fields hold
     floats), which every event reaching the views is (`kprof.ledger.build` makes events so, an append stores them
     so, replay and audit decode them). Its bytes are then the same at append, replay and audit."""
-    if KIND[type(event)] == b"m":
+    if KIND[type(event)] == "m":
         s = event.stats
         return Summary(event.metrics, event.measured_at, s.n, s.median, s.p10, s.p90, s.mean, s.stdev, s.cv,
                        s.min, s.max)

@@ -35,9 +35,9 @@ class MemoryStore(Store):
         return _codec.event_decoder.decode(self.txn.get(eid, db=self.dbs["events"]))
 
 
-def replay_into(store: Store, events, file_format: int = _codec.FORMAT_VERSION) -> None:
-    """Applies (seq, event id, event) in log order to a store, deriving rows as `file_format` keeps them."""
-    reducer = Reducer(store, file_format)
+def replay_into(store: Store, events) -> None:
+    """Applies (seq, event id, event) in log order to a store."""
+    reducer = Reducer(store)
     for seq, eid, event in events:
         reducer.apply(event, eid, seq)
     reducer.flush()

@@ -27,7 +27,7 @@ from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
 from ._path import _recognize, _without_lock, default_path, ledger_path
 from ._verify import event as verified_event, reading
-from ._reducer import decode_scope, history_seqs, unpack_seq
+from ._reducer import ScopeEntry, history_entry, opened, pack_seq, seq_of
 from .events import Failed, Measured, Retracted
 
 __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path", "ledger_path"]
@@ -81,11 +81,8 @@ class Ledger:
                               f"cannot open it again in a forked child; {_FORK_FIX}")
         shared = _envs.get(real)
         if shared is not None:
-            if not readonly:  # the file may be of an older format, opened read-only here first: upgrade it
-                try:
-                    cls._initialize(path, shared[0])
-                except lmdb.ReadonlyError:
-                    raise _read_only_file(path) from None
+            if not readonly or cls._older(shared[0]):  # a file of an older format is upgraded first
+                cls._upgrade(path, shared[0], readonly)
             shared[1] += 1
             ledger = cls(path, shared[0], readonly)
             try:
@@ -108,8 +105,8 @@ class Ledger:
             raise LedgerError(f"cannot open ledger {path}: {exc}; check the path and its permissions") from None
         try:
             cls._check_size(path, env)
-            if not readonly:
-                cls._initialize(path, env)
+            if not readonly or cls._older(env):
+                cls._upgrade(path, env, readonly)
             _envs[real] = [env, 1]
             ledger = cls(path, env, readonly)
             ledger._check_meta()
@@ -140,6 +137,30 @@ class Ledger:
         if have < need:
             raise IntegrityError(f"ledger {path} is truncated: {have} bytes on disk, its header says {need}; "
                                  f"run `kprof audit` for the full report, and restore the file from a copy")
+
+    @staticmethod
+    def _older(env: lmdb.Environment) -> bool:
+        """Whether the file's format version is older than this kprof's (read without a write transaction, so
+        that a reader of a current file never waits for a writer; a damaged version is `_check_meta`'s to name)."""
+        with env.begin() as txn:
+            raw = txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False))
+        try:
+            found = None if raw is None else msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError:
+            return False
+        return type(found) is int and 1 <= found < _codec.FORMAT_VERSION
+
+    @classmethod
+    def _upgrade(cls, path: str, env: lmdb.Environment, readonly: bool) -> None:
+        """`_initialize`; for a reader of an older file that cannot be written here, a LedgerError saying so."""
+        try:
+            cls._initialize(path, env)
+        except lmdb.ReadonlyError:
+            if not readonly:
+                raise _read_only_file(path) from None
+            raise LedgerError(f"ledger {path} is of an older format, whose views this kprof rebuilds from the log "
+                              f"(one transaction; no event is rewritten) before it reads them, and the file cannot "
+                              f"be written here; copy it to a writable place and read the copy") from None
 
     @staticmethod
     def _initialize(path: str, env: lmdb.Environment) -> None:
@@ -182,16 +203,10 @@ class Ledger:
                                  f"number); run `kprof audit` for the full report, and restore the file from a copy")
         if found > _codec.FORMAT_VERSION:
             raise LedgerVersionError(self.path, found, _codec.FORMAT_VERSION)
-        # The version decides how every view is read: held to the history's layout (format 1 keys its entries by
-        # key + seq, 40 bytes; later formats by key, 32), one damaged bit of it cannot turn into a misread.
-        with reading(self.path, "history"), self.read() as txn:
-            cursor = txn.cursor(self.dbs["history"])
-            width = len(cursor.key()) if cursor.first() else None
-        if width is not None and width != (40 if found < 2 else 32):
-            raise IntegrityError(f"{self.path}: its format version says {found}, but its history keeps keys of "
-                                 f"{width} bytes, as format {1 if width == 40 else '2 or later'} does: the format "
-                                 f"version is damaged; run `kprof audit` for the full report, and restore the file "
-                                 f"from a copy")
+        if found < _codec.FORMAT_VERSION:  # opening upgrades an older file: one still older is damage
+            raise IntegrityError(f"{self.path}: its format version says {found} after the file was upgraded to "
+                                 f"{_codec.FORMAT_VERSION}: the version is damaged; run `kprof audit` for the full "
+                                 f"report, and restore the file from a copy")
         self.format_version = found
 
     # ---- transactions ----------------------------------------------------------------------
@@ -288,26 +303,10 @@ class Ledger:
             raw = self._get("events", eid)
         return None if raw is None else verified_event(self.path, eid, raw)
 
-    def format_in(self, txn) -> int:
-        """The format version of the snapshot `txn` reads (a writer in another process may have upgraded the
-        file since this Ledger was opened)."""
-        return msgspec.msgpack.decode(txn.get(b"format_version", db=self.dbs["meta"]))
-
     def history_of(self, txn, key: bytes) -> list[tuple[int, bytes]]:
-        """(seq, event id) of every event of a key, oldest first, read from `history` in either layout (a
-        format-1 file opened read-only keeps its own)."""
-        if self.format_in(txn) < 2:
-            out = []
-            cursor = txn.cursor(self.dbs["history"])
-            if cursor.set_range(key):
-                for k, eid in cursor:
-                    if not k.startswith(key):
-                        break
-                    out.append((unpack_seq(k[32:])[0], eid))
-            return out
-        value = txn.get(key, db=self.dbs["history"])
+        """(seq, event id) of every event of a key, oldest first."""
         log = self.dbs["log"]
-        return [(unpack_seq(seq)[0], txn.get(seq, db=log)) for seq in history_seqs(value or b"")]
+        return [(seq, txn.get(pack_seq(seq), db=log)) for seq in history_entry(key, txn.get(key, db=self.dbs["history"])).seqs]
 
     def iter_log(self, txn=None) -> Iterator[tuple[int, bytes, bytes]]:
         """(seq, event id, event bytes) in log order, from one snapshot."""
@@ -317,12 +316,12 @@ class Ledger:
             return
         events = self.dbs["events"]
         for k, eid in txn.cursor(self.dbs["log"]):
-            yield unpack_seq(k)[0], eid, txn.get(eid, db=events)
+            yield seq_of(k), eid, txn.get(eid, db=events)
 
     def scopes(self) -> list[tuple[str, str, str, int]]:
         """(table, backend, gpu_key, rows) of every scope in the ledger."""
         with self.read() as txn:
-            entries = [decode_scope(v, k) for k, v in txn.cursor(self.dbs["scopes"])]
+            entries = [opened("scopes", k, v, ScopeEntry) for k, v in txn.cursor(self.dbs["scopes"])]
         return [(e.table, e.backend, e.gpu_key, e.rows) for e in entries]
 
     def view(self, table: str, backend: str, gpu_key: str, contract=None, args_type=None):

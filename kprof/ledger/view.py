@@ -6,8 +6,8 @@
     rows = view.get_many(specs)                          # one Row per spec, any status
     todo = view.missing(specs)                           # the specs without an ok row
 
-Every row a lookup returns is verified, by its digest (format 3) or against the event it names in an older file
-(see _verify): a damaged ledger gives an IntegrityError (exit 3), never a wrong answer. Bulk lookups of the same specs again (a simulator's loop)
+Every row a lookup returns is verified by its digest (see _verify): a damaged ledger gives an IntegrityError
+(exit 3), never a wrong answer. Bulk lookups of the same specs again (a simulator's loop)
 are answered from the ledger's memo, which holds only verified answers, while the view root they were read under
 stands (see _memo).
 
@@ -27,7 +27,7 @@ from blake3 import blake3
 
 from ..errors import UnknownGpuKeyError
 from . import _codec, _verify
-from ._reducer import MEASURED, REBUILT, contract_id, decode_scope, root_of
+from ._reducer import MEASURED, REBUILT, ScopeEntry, contract_id, opened, root_of
 from .events import Contract, Provenance, Stats, Summary
 from .keys import KeyMaker, ShapeCodec
 
@@ -185,12 +185,10 @@ class View:
         """One byte per canonical shape: 1 where its current row is measured (ok), else 0. The rows are read
         from `current` and verified (see _verify), not taken from `history`'s status byte, which no digest covers."""
         rows = self._verified(txn, self.keys.keys_of(shapes), summaries=False)
-        return bytes(row is not None and row[0] == MEASURED for row in rows)
+        return bytes(row is not None and row.kind == MEASURED for row in rows)
 
     def _verified(self, txn, keys: list[bytes], summaries: bool = True) -> list:
-        """_verify.rows of the keys (a format-1 file opened read-only keeps no status in its history)."""
-        return _verify.rows(txn, self.ledger.dbs, self.ledger.path, keys, self.ledger.format_version >= 2, summaries,
-                            self.ledger.format_version)
+        return _verify.rows(txn, self.ledger.dbs, self.ledger.path, keys, summaries)
 
     @contextmanager
     def _read(self):
@@ -220,9 +218,9 @@ class View:
         keys = self.keys.keys_of(shapes)
         values = self._verified(txn, keys)
         base = self.keys.base
-        statuses = ["missing" if v is None else "ok" if v[0] == MEASURED else "failed" for v in values]
-        eids = [None if v is None else v[1] for v in values]
-        summaries = [None if v is None else v[2] for v in values]
+        statuses = ["missing" if v is None else "ok" if v.kind == MEASURED else "failed" for v in values]
+        eids = [None if v is None else v.event_id for v in values]
+        summaries = [None if v is None else v.summary for v in values]
         bases = [None if v is None else base for v in values]
         if self._other_contracts(txn):  # a spec without a row of this contract may have another's: stale
             for i in [i for i, v in enumerate(values) if v is None]:
@@ -233,7 +231,7 @@ class View:
         """Whether this scope ever held rows of another contract (else no spec can be stale)."""
         with _verify.reading(self.ledger.path, "scopes"):
             raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
-            return raw is not None and decode_scope(raw, self.scope).contracts != [self._contract_id]
+            return raw is not None and opened("scopes", self.scope, raw, ScopeEntry).contracts != [self._contract_id]
 
     def _stale_or_missing(self, txn, shape) -> tuple:
         """(status, event id, summary, base) of a shape with no current row under this contract: stale if another
@@ -249,13 +247,14 @@ class View:
                     candidates.append(k[32:])
         best = None
         for row in self._verified(txn, candidates):
-            if row is not None and row[0] == MEASURED and (best is None or row[2].measured_at > best[1].measured_at):
-                best = (row[1], row[2])
+            if row is not None and row.kind == MEASURED and (best is None or
+                                                             row.summary.measured_at > best.summary.measured_at):
+                best = row
         if best is None:
             return _MISSING
         with _verify.reading(self.ledger.path, "events"):
-            event = _verify.event(self.ledger.path, best[0], txn.get(best[0], db=self._events))
-        return "stale", best[0], best[1], event.provenance
+            event = _verify.event(self.ledger.path, best.event_id, txn.get(best.event_id, db=self._events))
+        return "stale", best.event_id, best.summary, event.provenance
 
     # ---- whole view --------------------------------------------------------------------------
     def rows(self) -> Iterator[Row]:
@@ -275,7 +274,7 @@ class View:
             for key, row in zip(keys, self._verified(txn, keys)):
                 if row is None:
                     continue
-                kind, eid, summary = row
+                kind, eid, summary = row.kind, row.event_id, row.summary
                 with _verify.reading(path, "events"):
                     prov = _verify.event(path, eid, txn.get(eid, db=self._events), key).provenance
                 if prov.contract == self.contract:
@@ -291,7 +290,7 @@ class View:
             raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
             if raw is None:
                 return root_of(self.scope, 0, 0)
-            entry = decode_scope(raw, self.scope)
+            entry = opened("scopes", self.scope, raw, ScopeEntry)
             return root_of(self.scope, entry.rows, entry.root_acc)
 
     @property

@@ -189,11 +189,10 @@ class _Check:
 
         txn, dbs, led = self.txn, self.ledger.dbs, self.ledger
         new_keys = list({event.key for event in events} - self.current.keys())
-        histories: dict = {}  # of the keys without a row (a format-1 file's history is not asked: all kept)
-        rows = _verify.rows(txn, dbs, led.path, new_keys, led.format_version >= 2, False, led.format_version,
-                            histories)
+        histories: dict = {}  # of the keys without a row
+        rows = _verify.rows(txn, dbs, led.path, new_keys, summaries=False, histories=histories)
         for key, row in zip(new_keys, rows):  # the rows here, verified as every read is
-            self.current[key] = None if row is None else row[1]
+            self.current[key] = None if row is None else row.event_id
             # Every stored event's key has a history: only the events of such keys can be stored already (a merge of
             # new keys, the common one, does not read the events tree, the ledger's largest, at all).
             if row is not None or histories.get(key, b"") is not None:

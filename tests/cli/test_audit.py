@@ -1,9 +1,11 @@
 import json
 
+import msgspec
 import pytest
 
 from kprof.cli import main
 from kprof.ledger import Ledger, _codec, build, synth
+from kprof.ledger._reducer import HistoryEntry
 
 
 def test_audit_clean_ledger_exits_0_with_json(ledger_path, capsys):
@@ -91,10 +93,11 @@ def test_audit_lists_history_entries_whose_status_or_events_disagree_with_the_lo
     led.append([synth.event(4, seed=1)])  # a re-measurement: key 4 holds two seqs
     marked, dropped = synth.event(2).key, synth.event(4).key
     with led.read() as txn:
-        value = txn.get(dropped, db=led.dbs["history"])
-    assert len(value) == 17
-    led.write(lambda txn: txn.put(marked, b"f" + txn.get(marked, db=led.dbs["history"])[1:], db=led.dbs["history"]))
-    led.write(lambda txn: txn.put(dropped, value[:9], db=led.dbs["history"]))
+        value = msgspec.msgpack.decode(txn.get(dropped, db=led.dbs["history"]), type=HistoryEntry)
+        status = msgspec.msgpack.decode(txn.get(marked, db=led.dbs["history"]), type=HistoryEntry)
+    assert len(value.seqs) == 2 and status.status == "m"
+    led.write(lambda txn: txn.put(marked, _codec.encode(HistoryEntry("f", status.seqs)), db=led.dbs["history"]))
+    led.write(lambda txn: txn.put(dropped, _codec.encode(HistoryEntry("m", value.seqs[:1])), db=led.dbs["history"]))
     led.close()
     assert main(["audit", "--db", ledger_path, "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)

@@ -181,6 +181,24 @@ def test_a_ledger_in_a_read_only_directory_is_readable(verb, read_only_ledger, t
     assert _files(read_only_ledger) == before  # no lock file could be made, and none was
 
 
+def test_an_older_ledger_in_a_read_only_directory_says_to_copy_it(tmp_path):
+    """Reading a ledger of an older format rebuilds its views first; where the file cannot be written, the reader
+    says so and how to read it (a copy), exit 2, and leaves the directory as it was."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shutil.copyfile(os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "ledgers", "synthetic-v3.db"),
+                    shared / "old.db")
+    os.chmod(shared, 0o555)
+    try:
+        before = _files(shared)
+        proc = _as_this_user(["scopes", "--db", str(shared / "old.db"), "--json"], tmp_path)
+        assert _files(shared) == before
+    finally:
+        os.chmod(shared, 0o755)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "is of an older format" in proc.stderr and "copy it to a writable place" in proc.stderr
+
+
 # ---- --output-dir ----------------------------------------------------------------------------------------------
 
 def _run_into(out_dir: str, h, db: str) -> list[str]:

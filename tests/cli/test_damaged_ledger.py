@@ -8,11 +8,13 @@ import json
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from kprof.cli import _sigbus, main
 from kprof.errors import UsageError
-from kprof.ledger import Ledger
+from kprof.ledger import Ledger, _codec
+from kprof.ledger._reducer import HistoryEntry
 
 
 @pytest.fixture
@@ -96,13 +98,14 @@ def test_a_lost_current_row_is_refused_not_read_as_missing(h, rows, capsys):
         assert key.hex() in capsys.readouterr().err
 
 
-def test_a_flipped_status_byte_does_not_change_the_count(h, rows, capsys):
+def test_a_flipped_history_status_does_not_change_the_count(h, rows, capsys):
     db, specs, _eids = rows
     want = h.read_json(capsys, "count-missing", db, *specs)
 
     def flip(txn, dbs):
         for k, v in list(txn.cursor(dbs["history"])):
-            txn.put(k, b"f" + v[1:], db=dbs["history"])
+            entry = msgspec.msgpack.decode(v, type=HistoryEntry)
+            txn.put(k, _codec.encode(HistoryEntry("f" if entry.status == "m" else "m", entry.seqs)), db=dbs["history"])
 
     _tamper(db, flip)
     assert h.read_json(capsys, "count-missing", db, *specs) == want
