@@ -30,7 +30,7 @@ from .ledger._reducer import root_of
 from .ledger.events import Measured, Origin, summary_of
 from .ledger.keys import KeyMaker, ShapeCodec
 from .ledger.view import Row, citation
-from .runners.registry import METRICS, Entry, lookup
+from .runners.registry import METRICS, lookup
 from .method import effective_entry, resolve_gpu_key
 from .specs import validate
 

@@ -229,3 +229,31 @@ def _mixed_event(i: int, s: int, kind: int):
     if kind == 0:
         return synth.event(i, seed=s)
     return failed(synth.event(i).provenance, "oom", f"attempt {s}", measured_at=1.8e9 + i + s)
+
+
+def test_every_view_value_is_a_named_record_sealed_to_its_key(tmp_path):
+    """Format 4: `current` and `scopes` values are Sealed records whose digest binds their bytes to their key (a
+    value moved under another key fails it), `history` values are HistoryEntry records; nothing is sliced by hand."""
+    from kprof.ledger._reducer import CurrentRow, HistoryEntry, ScopeEntry, opened
+
+    led = Ledger.open(str(tmp_path / "p.db"))
+    led.append(list(synth.events(0, 6)))
+    led.append([failed(synth.event(2).provenance, "oom", "out of memory", measured_at=1.8e9)])
+    again = synth.event(3, seed=1)
+    led.append([again, retraction(_codec.event_id(_codec.encode(again)), again.key, "capped", at=1.9e9)])
+    with led.read() as txn:
+        current = dict(txn.cursor(led.dbs["current"]))
+        history = dict(txn.cursor(led.dbs["history"]))
+        scopes = dict(txn.cursor(led.dbs["scopes"]))
+    rows = {key: opened("current", key, raw, CurrentRow) for key, raw in current.items()}
+    assert sorted(row.kind for row in rows.values()) == ["f"] + ["m"] * 5
+    assert rows[synth.event(3).key].event_id == _codec.event_id(_codec.encode(synth.event(3)))  # the retraction undone
+    entries = {key: msgspec.msgpack.decode(raw, type=HistoryEntry) for key, raw in history.items()}
+    assert entries[synth.event(3).key] == HistoryEntry("m", [4, 8, 9])
+    assert all(entries[key].status == row.kind for key, row in rows.items())
+    (sid, raw), = scopes.items()
+    assert opened("scopes", sid, raw, ScopeEntry).rows == 6
+    a, b = list(current)[:2]
+    with pytest.raises(IntegrityError, match=f"current: entry {b.hex()} is damaged: it fails its digest"):
+        opened("current", b, current[a], CurrentRow)
+    led.close()
