@@ -16,21 +16,15 @@ class Resolved(NamedTuple):
     current: bytes | None  # the key's current event id
 
 
-def _by_prefix(txn, db, prefix_hex: str, width: int = 32) -> list[bytes]:
-    """The distinct first `width` bytes of the db's keys that start with the hex prefix, up to two (two are
-    enough to call it ambiguous)."""
-    even = prefix_hex[: len(prefix_hex) // 2 * 2]
-    start = bytes.fromhex(even)
+def _by_prefix(txn, db, prefix_hex: str) -> list[bytes]:
+    """The db's keys that start with the hex prefix, up to two (two are enough to call it ambiguous)."""
     out: list[bytes] = []
     cursor = txn.cursor(db)
-    if cursor.set_range(start):
+    if cursor.set_range(bytes.fromhex(prefix_hex[: len(prefix_hex) // 2 * 2])):
         for k in cursor.iternext(values=False):
-            if not k.hex().startswith(prefix_hex):
+            if len(out) == 2 or not k.hex().startswith(prefix_hex):
                 break
-            if not out or out[-1] != k[:width]:  # format 1 keeps one history entry per event: key + seq
-                out.append(k[:width])
-            if len(out) > 1:
-                break
+            out.append(k)
     return out
 
 

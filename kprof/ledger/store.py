@@ -306,7 +306,8 @@ class Ledger:
     def history_of(self, txn, key: bytes) -> list[tuple[int, bytes]]:
         """(seq, event id) of every event of a key, oldest first."""
         log = self.dbs["log"]
-        return [(seq, txn.get(pack_seq(seq), db=log)) for seq in history_entry(key, txn.get(key, db=self.dbs["history"])).seqs]
+        entry = history_entry(key, txn.get(key, db=self.dbs["history"]))
+        return [(seq, txn.get(pack_seq(seq), db=log)) for seq in entry.seqs]
 
     def iter_log(self, txn=None) -> Iterator[tuple[int, bytes, bytes]]:
         """(seq, event id, event bytes) in log order, from one snapshot."""
