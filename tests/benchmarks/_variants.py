@@ -15,10 +15,13 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def arguments(doc: str, argv, rounds: int):
+def arguments(doc: str, argv, rounds: int, batch: int | None = None):
+    """--out and --rounds; --batch too where `batch` (its default) is given."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT") or ".")
     p.add_argument("--rounds", type=int, default=rounds)
+    if batch is not None:
+        p.add_argument("--batch", type=int, default=batch)
     return p.parse_args(argv)
 
 

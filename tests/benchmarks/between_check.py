@@ -4,22 +4,24 @@
 Decode kernels composed from kprof rows read 2-5 % below the same kernels inside 16-layer models
 (docs/PERFORMANCE.md), at the same clock and L2 protocol; more weight allocations and a busy GPU were ruled
 out. Inside a model each kernel follows the other kernels of its layer; a row's call follows only the L2 sweep
-and the rewrite of its activations. This times each of six Qwen2.5-7B decode ops (batch 1: qkv, o, gate_up,
-down GEMMs, rms_norm, silu_mul) with kprof's timer (CUPTI, cold L2 by a read sweep), with four things between
-its calls, outside the timed region, after the sweep:
+and the rewrite of its activations. This times each of eight Qwen2.5-7B decode ops (rms_norm, the qkv GEMM,
+attention over a 2,048-token KV cache, the o GEMM, rms_norm, the gate_up GEMM, silu_mul, the down GEMM; batch
+1, or --batch) with kprof's timer (CUPTI, cold L2 by a read sweep), with four things between its calls, outside
+the timed region, after the sweep:
 
   row       nothing more (kprof's row)
   same      ten launches of one tiny kernel (an in-place add on 4 KiB): more kernels, no new code
-  tiny      the other five ops at tiny shapes (their kernels' code, almost none of their data)
-  layer     the other five ops at the model's shapes (their code and their data, as in the layer)
+  tiny      the other seven ops at tiny shapes (their kernels' code, almost none of their data)
+  layer     the other seven ops at the model's shapes, in the layer's order up to the op (their code and data)
 
 Each variant is timed in ROUNDS interleaved rounds; the figure is the median of the rounds' medians, and each
 variant's change against `row`. If `tiny` moves the time as far as `layer`, a kernel's code and launch state
 (instruction and constant caches) are what a row lacks; if only `layer` does, its predecessors' data.
 
-    python tests/benchmarks/between_check.py [--out DIR] [--rounds 3]
+    python tests/benchmarks/between_check.py [--out DIR] [--rounds 3] [--batch 1]
 
-Writes between_check.json under --out ($OUT, else .); prints the table last.
+`--batch` is the decode batch (the ops' tokens; 1 by default; run 10 timed six ops, without attention and the
+second norm, at batch 1). Writes between_check_b<batch>.json under --out ($OUT, else .); prints the table last.
 """
 
 from __future__ import annotations
@@ -35,16 +37,34 @@ from _variants import arguments, cuda, time_variants, written  # noqa: E402
 
 ROUNDS = 3
 HIDDEN, INTER, QKV = 3584, 18944, 4608  # Qwen2.5-7B: hidden, intermediate, (28 + 2*4) heads x 128
-OPS = {  # name: (table, model-shape spec, tiny spec)
-    "attn_norm": ("rms_norm", {"tokens": 1, "hidden": HIDDEN, "dtype": "bf16"},
-                  {"tokens": 1, "hidden": 256, "dtype": "bf16"}),
-    "qkv": ("single_gemm", {"m": 1, "n": QKV, "k": HIDDEN, "dtype": "bf16"}, {"m": 1, "n": 256, "k": 256, "dtype": "bf16"}),
-    "o": ("single_gemm", {"m": 1, "n": HIDDEN, "k": HIDDEN, "dtype": "bf16"}, {"m": 1, "n": 128, "k": 256, "dtype": "bf16"}),
-    "gate_up": ("single_gemm", {"m": 1, "n": 2 * INTER, "k": HIDDEN, "dtype": "bf16"},
-                {"m": 1, "n": 512, "k": 256, "dtype": "bf16"}),
-    "silu_mul": ("silu_mul", {"tokens": 1, "hidden": INTER, "dtype": "bf16"}, {"tokens": 1, "hidden": 256, "dtype": "bf16"}),
-    "down": ("single_gemm", {"m": 1, "n": HIDDEN, "k": INTER, "dtype": "bf16"}, {"m": 1, "n": 256, "k": 512, "dtype": "bf16"}),
-}
+KV_LEN = 2048  # the KV cache model_step's decode attends over
+
+
+def ops(batch: int = 1) -> dict:
+    """name: (table, model-shape spec, tiny spec) of each op at decode batch `batch` (its tokens)."""
+    t = batch
+    return {
+        "attn_norm": ("rms_norm", {"tokens": t, "hidden": HIDDEN, "dtype": "bf16"},
+                      {"tokens": 1, "hidden": 256, "dtype": "bf16"}),
+        "qkv": ("single_gemm", {"m": t, "n": QKV, "k": HIDDEN, "dtype": "bf16"},
+                {"m": 1, "n": 256, "k": 256, "dtype": "bf16"}),
+        "attention": ("attention_decode", {"batch": t, "kv_len": KV_LEN, "num_heads": 28, "num_kv_heads": 4,
+                                           "head_dim": 128, "dtype": "bf16"},
+                      {"batch": 1, "kv_len": 16, "num_heads": 4, "num_kv_heads": 1, "head_dim": 128, "dtype": "bf16"}),
+        "o": ("single_gemm", {"m": t, "n": HIDDEN, "k": HIDDEN, "dtype": "bf16"},
+              {"m": 1, "n": 128, "k": 256, "dtype": "bf16"}),
+        "ffn_norm": ("rms_norm", {"tokens": t, "hidden": HIDDEN, "dtype": "bf16"},
+                     {"tokens": 1, "hidden": 256, "dtype": "bf16"}),
+        "gate_up": ("single_gemm", {"m": t, "n": 2 * INTER, "k": HIDDEN, "dtype": "bf16"},
+                    {"m": 1, "n": 512, "k": 256, "dtype": "bf16"}),
+        "silu_mul": ("silu_mul", {"tokens": t, "hidden": INTER, "dtype": "bf16"},
+                     {"tokens": 1, "hidden": 256, "dtype": "bf16"}),
+        "down": ("single_gemm", {"m": t, "n": HIDDEN, "k": INTER, "dtype": "bf16"},
+                 {"m": 1, "n": 256, "k": 512, "dtype": "bf16"}),
+    }
+
+
+OPS = ops(1)
 VARIANTS = ("row", "same", "tiny", "layer")
 
 
@@ -66,13 +86,20 @@ def rewrite(case):
     return rewriter(torch, [case.inputs[i] for i in case.warm])
 
 
+def predecessors(order: list, name: str) -> list:
+    """The other ops in the layer's cycle before `name`: the rest of the previous layer, then this one's ops up to
+    it, so that its own predecessor in the model runs last."""
+    i = order.index(name)
+    return order[i + 1:] + order[:i]
+
+
 def hooks(name: str, model: dict, tiny: dict):
     """Per variant, what runs after the sweep and before the call of op `name`."""
     import torch
 
     own = rewrite(model[name])
     scratch = torch.zeros(1024, device="cuda")
-    others = [op for op in OPS if op != name]
+    others = predecessors(list(model), name)
 
     def same():
         for _ in range(10):
@@ -93,19 +120,22 @@ def hooks(name: str, model: dict, tiny: dict):
 
 
 def main(argv=None) -> int:
-    args = arguments(__doc__, argv, ROUNDS)
+    args = arguments(__doc__, argv, ROUNDS, batch=1)
     torch = cuda("between_check")
     if torch is None:
         return 2
     started = time.perf_counter()
-    model = {op: build(t, spec) for op, (t, spec, _tiny) in OPS.items()}
-    tiny = {op: build(t, spec) for op, (t, _spec, spec) in OPS.items()}
+    chosen = ops(args.batch)
+    model = {op: build(t, spec) for op, (t, spec, _tiny) in chosen.items()}
+    tiny = {op: build(t, spec) for op, (t, _spec, spec) in chosen.items()}
     for case in list(model.values()) + list(tiny.values()):
         case.check()
-    between = {op: hooks(op, model, tiny) for op in OPS}
+    between = {op: hooks(op, model, tiny) for op in chosen}
     medians, kernels = time_variants({op: case.fn for op, case in model.items()}, between, VARIANTS, args.rounds)
-    figures = written(torch, args.out, "between_check", args.rounds, started, medians, kernels,
-                      ops={op: {"table": t, "spec": s, "tiny_spec": ts} for op, (t, s, ts) in OPS.items()})["figures_us"]
+    about = {op: {"table": t, "spec": s, "tiny_spec": ts} for op, (t, s, ts) in chosen.items()}
+    figures = written(torch, args.out, f"between_check_b{args.batch}", args.rounds, started, medians, kernels,
+                      batch=args.batch, ops=about)["figures_us"]
+    print(f"decode batch {args.batch}")
     print(f"{'op':10s} {'row µs':>8s} " + " ".join(f"{v:>8s}" for v in VARIANTS[1:]) + "   (change against row)")
     for op, f in figures.items():
         print(f"{op:10s} {f['row']:8.2f} " + " ".join(f"{(f[v] / f['row'] - 1) * 100:+7.1f}%" for v in VARIANTS[1:]))

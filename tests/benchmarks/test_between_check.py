@@ -15,9 +15,10 @@ bc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bc)
 
 
+@pytest.mark.parametrize("batch", [1, 64])
 @pytest.mark.parametrize("op", sorted(bc.OPS))
-def test_every_op_is_a_valid_spec_with_a_smaller_twin(op):
-    table, spec, tiny = bc.OPS[op]
+def test_every_op_is_a_valid_spec_with_a_smaller_twin(op, batch):
+    table, spec, tiny = bc.ops(batch)[op]
     args = lookup(table, "torch").args
     model, small = msgspec.convert(spec, args), msgspec.convert(tiny, args)
     size = [v for k, v in msgspec.structs.asdict(model).items() if isinstance(v, int)]
@@ -29,3 +30,11 @@ def test_every_op_is_a_valid_spec_with_a_smaller_twin(op):
 def test_main_without_a_gpu_exits_2(tmp_path, capsys):
     assert bc.main(["--out", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_each_op_follows_its_own_predecessor_in_the_layer():
+    order = list(bc.OPS)
+    assert order == ["attn_norm", "qkv", "attention", "o", "ffn_norm", "gate_up", "silu_mul", "down"]
+    assert bc.predecessors(order, "o") == ["ffn_norm", "gate_up", "silu_mul", "down", "attn_norm", "qkv", "attention"]
+    assert bc.predecessors(order, "attn_norm") == order[1:]
+    assert bc.predecessors(order, "down") == order[:-1]
