@@ -6,13 +6,17 @@ Decode kernels composed from kprof rows read 2-5 % below the same kernels inside
 out. Inside a model each kernel follows the other kernels of its layer; a row's call follows only the L2 sweep
 and the rewrite of its activations. This times each of eight Qwen2.5-7B decode ops (rms_norm, the qkv GEMM,
 attention over a 2,048-token KV cache, the o GEMM, rms_norm, the gate_up GEMM, silu_mul, the down GEMM; batch
-1, or --batch) with kprof's timer (CUPTI, cold L2 by a read sweep), with four things between its calls, outside
+1, or --batch) with kprof's timer (CUPTI, cold L2 by a read sweep), with eight things between its calls, outside
 the timed region, after the sweep:
 
   row       nothing more (kprof's row)
   same      ten launches of one tiny kernel (an in-place add on 4 KiB): more kernels, no new code
   tiny      the other seven ops at tiny shapes (their kernels' code, almost none of their data)
   layer     the other seven ops at the model's shapes, in the layer's order up to the op (their code and data)
+  prev      only the op's own predecessor in the layer, at the model's shape
+  pages     one 2-byte read in each 2 MiB page of a 4 GiB buffer: many pages' translations, almost no data
+  stream    a 512 MiB buffer read whole: a heavy read stream of new data
+  dirty     16 MiB written: dirty lines in L2, as a predecessor's outputs leave them
 
 Each variant is timed in ROUNDS interleaved rounds; the figure is the median of the rounds' medians, and each
 variant's change against `row`. If `tiny` moves the time as far as `layer`, a kernel's code and launch state
@@ -65,7 +69,8 @@ def ops(batch: int = 1) -> dict:
 
 
 OPS = ops(1)
-VARIANTS = ("row", "same", "tiny", "layer")
+VARIANTS = ("row", "same", "tiny", "layer", "prev", "pages", "stream", "dirty")
+PAGE, PAGES_BYTES, STREAM_BYTES, DIRTY_BYTES = 2 << 20, 4 << 30, 512 << 20, 16 << 20
 
 
 def build(table: str, spec: dict):
@@ -93,8 +98,8 @@ def predecessors(order: list, name: str) -> list:
     return order[i + 1:] + order[:i]
 
 
-def hooks(name: str, model: dict, tiny: dict):
-    """Per variant, what runs after the sweep and before the call of op `name`."""
+def hooks(name: str, model: dict, tiny: dict, state: dict):
+    """Per variant, what runs after the sweep and before the call of op `name` (`state`: memory_state's buffers)."""
     import torch
 
     own = rewrite(model[name])
@@ -116,7 +121,34 @@ def hooks(name: str, model: dict, tiny: dict):
             model[op].fn()
         own()
 
-    return {"row": own, "same": same, "tiny": tiny_ops, "layer": layer_ops}
+    def prev():
+        model[others[-1]].fn()
+        own()
+
+    def pages():
+        torch.sum(state["pages"], out=state["out"])
+        own()
+
+    def stream():
+        torch.sum(state["stream"], out=state["out"])
+        own()
+
+    def dirty():
+        state["dirty"].fill_(1)
+        own()
+
+    return {"row": own, "same": same, "tiny": tiny_ops, "layer": layer_ops, "prev": prev, "pages": pages,
+            "stream": stream, "dirty": dirty}
+
+
+def memory_state(torch) -> dict:
+    """The buffers of the memory-state variants: `pages` one 2-byte read per 2 MiB page of a 4 GiB buffer (2,048
+    pages, 4 KiB of data: the address translation of a large working set, almost no traffic), `stream` a 512 MiB
+    buffer read whole, `dirty` 16 MiB written."""
+    big = torch.ones(PAGES_BYTES // 2, dtype=torch.int16, device="cuda")
+    return {"pages": big.view(-1, PAGE // 2)[:, 0], "out": torch.empty((), dtype=torch.int64, device="cuda"),
+            "stream": torch.ones(STREAM_BYTES // 4, dtype=torch.int32, device="cuda"),
+            "dirty": torch.empty(DIRTY_BYTES // 4, dtype=torch.int32, device="cuda")}
 
 
 def main(argv=None) -> int:
@@ -130,7 +162,8 @@ def main(argv=None) -> int:
     tiny = {op: build(t, spec) for op, (t, _spec, spec) in chosen.items()}
     for case in list(model.values()) + list(tiny.values()):
         case.check()
-    between = {op: hooks(op, model, tiny) for op in chosen}
+    state = memory_state(torch)
+    between = {op: hooks(op, model, tiny, state) for op in chosen}
     medians, kernels = time_variants({op: case.fn for op, case in model.items()}, between, VARIANTS, args.rounds)
     about = {op: {"table": t, "spec": s, "tiny_spec": ts} for op, (t, s, ts) in chosen.items()}
     figures = written(torch, args.out, f"between_check_b{args.batch}", args.rounds, started, medians, kernels,
