@@ -103,7 +103,7 @@ def hooks(name: str, model: dict, tiny: dict, state: dict):
     import torch
 
     own = rewrite(model[name])
-    scratch = torch.zeros(1024, device="cuda")
+    scratch = torch.zeros(1024, device=state["out"].device)
     others = predecessors(list(model), name)
 
     def same():
@@ -126,11 +126,11 @@ def hooks(name: str, model: dict, tiny: dict, state: dict):
         own()
 
     def pages():
-        torch.sum(state["pages"], out=state["out"])
+        torch.sum(state["pages"], dim=0, out=state["out"])
         own()
 
     def stream():
-        torch.sum(state["stream"], out=state["out"])
+        torch.sum(state["stream"], dim=0, out=state["out"])
         own()
 
     def dirty():
@@ -141,14 +141,14 @@ def hooks(name: str, model: dict, tiny: dict, state: dict):
             "stream": stream, "dirty": dirty}
 
 
-def memory_state(torch) -> dict:
+def memory_state(torch, device: str = "cuda", scale: int = 1) -> dict:
     """The buffers of the memory-state variants: `pages` one 2-byte read per 2 MiB page of a 4 GiB buffer (2,048
     pages, 4 KiB of data: the address translation of a large working set, almost no traffic), `stream` a 512 MiB
-    buffer read whole, `dirty` 16 MiB written."""
-    big = torch.ones(PAGES_BYTES // 2, dtype=torch.int16, device="cuda")
-    return {"pages": big.view(-1, PAGE // 2)[:, 0], "out": torch.empty((), dtype=torch.int64, device="cuda"),
-            "stream": torch.ones(STREAM_BYTES // 4, dtype=torch.int32, device="cuda"),
-            "dirty": torch.empty(DIRTY_BYTES // 4, dtype=torch.int32, device="cuda")}
+    buffer read whole, `dirty` 16 MiB written (each `scale` times smaller: a CPU test's)."""
+    big = torch.ones(PAGES_BYTES // scale // 2, dtype=torch.int16, device=device)
+    return {"pages": big.view(-1, PAGE // 2)[:, 0], "out": torch.empty((), dtype=torch.int64, device=device),
+            "stream": torch.ones(STREAM_BYTES // scale // 4, dtype=torch.int32, device=device),
+            "dirty": torch.empty(DIRTY_BYTES // scale // 4, dtype=torch.int32, device=device)}
 
 
 def main(argv=None) -> int:

@@ -38,3 +38,32 @@ def test_each_op_follows_its_own_predecessor_in_the_layer():
     assert bc.predecessors(order, "o") == ["ffn_norm", "gate_up", "silu_mul", "down", "attn_norm", "qkv", "attention"]
     assert bc.predecessors(order, "attn_norm") == order[1:]
     assert bc.predecessors(order, "down") == order[:-1]
+
+
+def test_every_variant_runs_its_preamble_on_the_cpu(monkeypatch):
+    """The preambles as the GPU runs them, on CPU tensors 256 times smaller: each ends with the op's own rewrite,
+    `prev` runs only the op's predecessor and `pages` reads one element per 2 MiB page."""
+    calls = []
+
+    class Case:
+        def __init__(self, name):
+            self.fn = lambda: calls.append(name)
+
+    monkeypatch.setattr(bc, "rewrite", lambda case: lambda: calls.append("own"))
+    order = list(bc.OPS)
+    model = {op: Case(op) for op in order}
+    tiny = {op: Case("tiny " + op) for op in order}
+    state = bc.memory_state(torch, "cpu", scale=256)
+    assert state["pages"].numel() == bc.PAGES_BYTES // 256 // bc.PAGE
+    between = bc.hooks("o", model, tiny, state)
+    assert set(between) == set(bc.VARIANTS)
+    for variant in bc.VARIANTS:
+        calls.clear()
+        between[variant]()
+        assert calls[-1] == "own", variant
+        if variant == "prev":
+            assert calls == ["attention", "own"]
+        if variant == "layer":
+            assert calls[:-1] == bc.predecessors(order, "o")
+    assert int(state["out"]) == state["stream"].numel()  # the last sum read the stream buffer whole
+    assert int(state["dirty"][0]) == 1
