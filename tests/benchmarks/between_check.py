@@ -6,7 +6,7 @@ Decode kernels composed from kprof rows read 2-5 % below the same kernels inside
 out. Inside a model each kernel follows the other kernels of its layer; a row's call follows only the L2 sweep
 and the rewrite of its activations. This times each of eight Qwen2.5-7B decode ops (rms_norm, the qkv GEMM,
 attention over a 2,048-token KV cache, the o GEMM, rms_norm, the gate_up GEMM, silu_mul, the down GEMM; batch
-1, or --batch) with kprof's timer (CUPTI, cold L2 by a read sweep), with eight things between its calls, outside
+1, or --batch) with kprof's timer (CUPTI, cold L2 by a read sweep), with eleven things between its calls, outside
 the timed region, after the sweep:
 
   row       nothing more (kprof's row)
@@ -17,6 +17,8 @@ the timed region, after the sweep:
   pages     one 2-byte read in each 2 MiB page of a 4 GiB buffer: many pages' translations, almost no data
   stream    a 512 MiB buffer read whole: a heavy read stream of new data
   dirty     16 MiB written: dirty lines in L2, as a predecessor's outputs leave them
+  dirtyKx   K (1, 2, 4) times the op's activation bytes written to a buffer of its own: foreign dirty lines in
+            proportion to the op's inputs
 
 Each variant is timed in ROUNDS interleaved rounds; the figure is the median of the rounds' medians, and each
 variant's change against `row`. If `tiny` moves the time as far as `layer`, a kernel's code and launch state
@@ -69,7 +71,8 @@ def ops(batch: int = 1) -> dict:
 
 
 OPS = ops(1)
-VARIANTS = ("row", "same", "tiny", "layer", "prev", "pages", "stream", "dirty")
+DIRTY_TIMES = (1, 2, 4)
+VARIANTS = ("row", "same", "tiny", "layer", "prev", "pages", "stream", "dirty", *(f"dirty{k}x" for k in DIRTY_TIMES))
 PAGE, PAGES_BYTES, STREAM_BYTES, DIRTY_BYTES = 2 << 20, 4 << 30, 512 << 20, 16 << 20
 
 
@@ -137,8 +140,19 @@ def hooks(name: str, model: dict, tiny: dict, state: dict):
         state["dirty"].fill_(1)
         own()
 
+    activation = sum(model[name].inputs[i].numel() * model[name].inputs[i].element_size() for i in model[name].warm)
+    foreign = state["dirty"].view(torch.uint8)
+
+    def dirty_times(k: int):
+        part = foreign[: min(k * activation, foreign.numel())]
+
+        def write():
+            part.fill_(1)
+            own()
+        return write
+
     return {"row": own, "same": same, "tiny": tiny_ops, "layer": layer_ops, "prev": prev, "pages": pages,
-            "stream": stream, "dirty": dirty}
+            "stream": stream, "dirty": dirty, **{f"dirty{k}x": dirty_times(k) for k in DIRTY_TIMES}}
 
 
 def memory_state(torch, device: str = "cuda", scale: int = 1) -> dict:

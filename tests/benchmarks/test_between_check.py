@@ -48,6 +48,7 @@ def test_every_variant_runs_its_preamble_on_the_cpu(monkeypatch):
     class Case:
         def __init__(self, name):
             self.fn = lambda: calls.append(name)
+            self.inputs, self.warm = [torch.zeros(4, 256), torch.zeros(256, 256)], (0,)  # 4 KiB of activations
 
     monkeypatch.setattr(bc, "rewrite", lambda case: lambda: calls.append("own"))
     order = list(bc.OPS)
@@ -66,4 +67,7 @@ def test_every_variant_runs_its_preamble_on_the_cpu(monkeypatch):
         if variant == "layer":
             assert calls[:-1] == bc.predecessors(order, "o")
     assert int(state["out"]) == state["stream"].numel()  # the last sum read the stream buffer whole
-    assert int(state["dirty"][0]) == 1
+    assert int(state["dirty"][0]) != 0
+    state["dirty"].zero_()
+    between["dirty2x"]()
+    assert int(state["dirty"].view(torch.uint8).sum()) == 2 * 4096  # twice the op's activation bytes written
