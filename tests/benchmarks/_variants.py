@@ -15,13 +15,15 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def arguments(doc: str, argv, rounds: int, batch: int | None = None):
-    """--out and --rounds; --batch too where `batch` (its default) is given."""
+def arguments(doc: str, argv, rounds: int, batch: int | None = None, variants: bool = False):
+    """--out and --rounds; --batch too where `batch` (its default) is given, --variants where `variants`."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT") or ".")
     p.add_argument("--rounds", type=int, default=rounds)
     if batch is not None:
         p.add_argument("--batch", type=int, default=batch)
+    if variants:
+        p.add_argument("--variants", default=None, help="comma-separated variants to time (row always)")
     return p.parse_args(argv)
 
 

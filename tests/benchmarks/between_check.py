@@ -6,7 +6,7 @@ Decode kernels composed from kprof rows read 2-5 % below the same kernels inside
 out. Inside a model each kernel follows the other kernels of its layer; a row's call follows only the L2 sweep
 and the rewrite of its activations. This times each of eight Qwen2.5-7B decode ops (rms_norm, the qkv GEMM,
 attention over a 2,048-token KV cache, the o GEMM, rms_norm, the gate_up GEMM, silu_mul, the down GEMM; batch
-1, or --batch) with kprof's timer (CUPTI, cold L2 by a read sweep), with eleven things between its calls, outside
+1, or --batch) with kprof's timer (CUPTI, cold L2 by a read sweep), with fifteen things between its calls, outside
 the timed region, after the sweep:
 
   row       nothing more (kprof's row)
@@ -19,12 +19,15 @@ the timed region, after the sweep:
   dirty     16 MiB written: dirty lines in L2, as a predecessor's outputs leave them
   dirtyKx   K (1, 2, 4) times the op's activation bytes written to a buffer of its own: foreign dirty lines in
             proportion to the op's inputs
+  dirtyNm   N (1, 2, 4, 8) MiB written to that buffer: foreign dirty lines of a fixed amount
+
+`--variants a,b,c` times only those (row always); all of them by default.
 
 Each variant is timed in ROUNDS interleaved rounds; the figure is the median of the rounds' medians, and each
 variant's change against `row`. If `tiny` moves the time as far as `layer`, a kernel's code and launch state
 (instruction and constant caches) are what a row lacks; if only `layer` does, its predecessors' data.
 
-    python tests/benchmarks/between_check.py [--out DIR] [--rounds 3] [--batch 1]
+    python tests/benchmarks/between_check.py [--out DIR] [--rounds 3] [--batch 1] [--variants a,b]
 
 `--batch` is the decode batch (the ops' tokens; 1 by default; run 10 timed six ops, without attention and the
 second norm, at batch 1). Writes between_check_b<batch>.json under --out ($OUT, else .); prints the table last.
@@ -71,8 +74,9 @@ def ops(batch: int = 1) -> dict:
 
 
 OPS = ops(1)
-DIRTY_TIMES = (1, 2, 4)
-VARIANTS = ("row", "same", "tiny", "layer", "prev", "pages", "stream", "dirty", *(f"dirty{k}x" for k in DIRTY_TIMES))
+DIRTY_TIMES, DIRTY_MIB = (1, 2, 4), (1, 2, 4, 8)
+VARIANTS = ("row", "same", "tiny", "layer", "prev", "pages", "stream", "dirty", *(f"dirty{k}x" for k in DIRTY_TIMES),
+            *(f"dirty{m}m" for m in DIRTY_MIB))
 PAGE, PAGES_BYTES, STREAM_BYTES, DIRTY_BYTES = 2 << 20, 4 << 30, 512 << 20, 16 << 20
 
 
@@ -151,8 +155,17 @@ def hooks(name: str, model: dict, tiny: dict, state: dict):
             own()
         return write
 
+    def dirty_mib(mib: int):
+        part = foreign[: mib << 20]
+
+        def write():
+            part.fill_(1)
+            own()
+        return write
+
     return {"row": own, "same": same, "tiny": tiny_ops, "layer": layer_ops, "prev": prev, "pages": pages,
-            "stream": stream, "dirty": dirty, **{f"dirty{k}x": dirty_times(k) for k in DIRTY_TIMES}}
+            "stream": stream, "dirty": dirty, **{f"dirty{k}x": dirty_times(k) for k in DIRTY_TIMES},
+            **{f"dirty{m}m": dirty_mib(m) for m in DIRTY_MIB}}
 
 
 def memory_state(torch, device: str = "cuda", scale: int = 1) -> dict:
@@ -165,8 +178,19 @@ def memory_state(torch, device: str = "cuda", scale: int = 1) -> dict:
             "dirty": torch.empty(DIRTY_BYTES // scale // 4, dtype=torch.int32, device=device)}
 
 
+def chosen_variants(text: str | None) -> tuple:
+    """`row` and the variants named in `text` (comma-separated), in VARIANTS' order; all where None."""
+    if not text:
+        return VARIANTS
+    names = set(text.split(","))
+    unknown = names - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+    return tuple(v for v in VARIANTS if v == "row" or v in names)
+
+
 def main(argv=None) -> int:
-    args = arguments(__doc__, argv, ROUNDS, batch=1)
+    args = arguments(__doc__, argv, ROUNDS, batch=1, variants=True)
     torch = cuda("between_check")
     if torch is None:
         return 2
@@ -178,14 +202,15 @@ def main(argv=None) -> int:
         case.check()
     state = memory_state(torch)
     between = {op: hooks(op, model, tiny, state) for op in chosen}
-    medians, kernels = time_variants({op: case.fn for op, case in model.items()}, between, VARIANTS, args.rounds)
+    variants = chosen_variants(args.variants)
+    medians, kernels = time_variants({op: case.fn for op, case in model.items()}, between, variants, args.rounds)
     about = {op: {"table": t, "spec": s, "tiny_spec": ts} for op, (t, s, ts) in chosen.items()}
     figures = written(torch, args.out, f"between_check_b{args.batch}", args.rounds, started, medians, kernels,
                       batch=args.batch, ops=about)["figures_us"]
     print(f"decode batch {args.batch}")
-    print(f"{'op':10s} {'row µs':>8s} " + " ".join(f"{v:>8s}" for v in VARIANTS[1:]) + "   (change against row)")
+    print(f"{'op':10s} {'row µs':>8s} " + " ".join(f"{v:>8s}" for v in variants[1:]) + "   (change against row)")
     for op, f in figures.items():
-        print(f"{op:10s} {f['row']:8.2f} " + " ".join(f"{(f[v] / f['row'] - 1) * 100:+7.1f}%" for v in VARIANTS[1:]))
+        print(f"{op:10s} {f['row']:8.2f} " + " ".join(f"{(f[v] / f['row'] - 1) * 100:+7.1f}%" for v in variants[1:]))
     return 0
 
 

@@ -71,3 +71,10 @@ def test_every_variant_runs_its_preamble_on_the_cpu(monkeypatch):
     state["dirty"].zero_()
     between["dirty2x"]()
     assert int(state["dirty"].view(torch.uint8).sum()) == 2 * 4096  # twice the op's activation bytes written
+
+
+def test_variants_can_be_chosen_and_a_wrong_name_is_refused():
+    assert bc.chosen_variants(None) == bc.VARIANTS
+    assert bc.chosen_variants("dirty4m,layer") == ("row", "layer", "dirty4m")
+    with pytest.raises(SystemExit, match="unknown dirty3m"):
+        bc.chosen_variants("dirty3m")
