@@ -58,7 +58,7 @@ def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
 def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histories: dict | None = None) -> list:
     """Per key, None (no current row) or its current row, verified (see the module): a CurrentRow, or with
     `summaries=False` a RowHead (kind and event id; a count of missing rows, a merge). `histories`: each key
-    without a current row is put in it, with its history's status (None: the key has no history; a merge asks
+    without a current row is put in it, with its stored history value (None: the key has no history; a merge asks
     whether its events can be stored already).
 
     The checks run over whole columns in C-level maps and compares (no Python frame per row); a column that
@@ -73,7 +73,7 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
     if digests != list(map(_digest, sealed)):
         i = next(i for i, s in enumerate(sealed) if digests[i] != s.digest)
         raise damaged(path, f"the current row of key {fkeys[i].hex()} fails its digest")
-    # Sealed bodies are the bytes a writer encoded: they decode as rows (a failure here is not damage to name)
+    # Bodies that pass their digest are the bytes a writer encoded, so they decode as rows
     decoder = _row if summaries else _head
     out: list = [None] * len(keys)
     for i, row in zip(found, map(decoder.decode, bodies)):
