@@ -10,6 +10,8 @@ sees all of a batch or none of it. LMDB serializes writers across processes with
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -50,6 +52,7 @@ class Ledger:
         self._pid = os.getpid()
         self._forked = False
         self._closed = False
+        self._temporary: str | None = None  # the directory of an upgraded copy this reader reads (`_open`)
         self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
         self.memo = Memo()  # the answers of recent bulk lookups, each valid while its view root stands
         _live.add(self)
@@ -81,8 +84,9 @@ class Ledger:
                               f"cannot open it again in a forked child; {_FORK_FIX}")
         shared = _envs.get(real)
         if shared is not None:
-            if not readonly or cls._older(shared[0]):  # a file of an older format is upgraded first
-                cls._upgrade(path, shared[0], readonly)
+            if (not readonly or cls._older(shared[0])) and not cls._upgrade(path, shared[0], readonly):
+                raise LedgerError(f"ledger {path} is of an older format and cannot be upgraded here, and this process "
+                                  f"holds it open; close it, or read a copy")
             shared[1] += 1
             ledger = cls(path, shared[0], readonly)
             try:
@@ -105,8 +109,15 @@ class Ledger:
             raise LedgerError(f"cannot open ledger {path}: {exc}; check the path and its permissions") from None
         try:
             cls._check_size(path, env)
-            if not readonly or cls._older(env):
-                cls._upgrade(path, env, readonly)
+            if (not readonly or cls._older(env)) and not cls._upgrade(path, env, readonly):
+                copy = tempfile.mkdtemp(prefix="kprof-upgraded-")
+                try:
+                    env.copy(os.path.join(copy, "ledger.db"))  # LMDB's own copy: a consistent snapshot
+                except BaseException:
+                    shutil.rmtree(copy, ignore_errors=True)
+                    raise
+                _release(real, env)
+                return cls._reading_copy(path, copy, map_size)
             _envs[real] = [env, 1]
             ledger = cls(path, env, readonly)
             ledger._check_meta()
@@ -151,16 +162,27 @@ class Ledger:
         return type(found) is int and 1 <= found < _codec.FORMAT_VERSION
 
     @classmethod
-    def _upgrade(cls, path: str, env: lmdb.Environment, readonly: bool) -> None:
-        """`_initialize`; for a reader of an older file that cannot be written here, a LedgerError saying so."""
+    def _upgrade(cls, path: str, env: lmdb.Environment, readonly: bool) -> bool:
+        """`_initialize`; False for a reader of an older file that cannot be written here (read-only media)."""
         try:
             cls._initialize(path, env)
         except lmdb.ReadonlyError:
             if not readonly:
                 raise _read_only_file(path) from None
-            raise LedgerError(f"ledger {path} is of an older format, whose views this kprof rebuilds from the log "
-                              f"(one transaction; no event is rewritten) before it reads them, and the file cannot "
-                              f"be written here; copy it to a writable place and read the copy") from None
+            return False
+        return True
+
+    @classmethod
+    def _reading_copy(cls, path: str, copy: str, map_size: int) -> "Ledger":
+        """A reader of an older file that cannot be written where it lies: its copy in the temporary directory
+        `copy`, upgraded there and removed when the reader closes. It reads the file as it was when opened."""
+        try:
+            ledger = cls.open(os.path.join(copy, "ledger.db"), map_size=map_size)
+        except BaseException:
+            shutil.rmtree(copy, ignore_errors=True)
+            raise
+        ledger.path, ledger.readonly, ledger._temporary = path, True, copy
+        return ledger
 
     @staticmethod
     def _initialize(path: str, env: lmdb.Environment) -> None:
@@ -345,6 +367,8 @@ class Ledger:
     def close(self) -> None:
         if not self._forked and os.getpid() == self._pid and not self._closed:
             _release(self.real_path, self.env)
+            if self._temporary:
+                shutil.rmtree(self._temporary, ignore_errors=True)
         self._closed = True
         _live.discard(self)
 

@@ -181,13 +181,16 @@ def test_a_ledger_in_a_read_only_directory_is_readable(verb, read_only_ledger, t
     assert _files(read_only_ledger) == before  # no lock file could be made, and none was
 
 
-def test_an_older_ledger_in_a_read_only_directory_says_to_copy_it(tmp_path):
+def test_an_older_ledger_in_a_read_only_directory_is_read_through_an_upgraded_copy(tmp_path, monkeypatch):
     """Reading a ledger of an older format rebuilds its views first; where the file cannot be written, the reader
-    says so and how to read it (a copy), exit 2, and leaves the directory as it was."""
-    shared = tmp_path / "shared"
+    reads an upgraded copy in the temporary directory, removed when it is done, and leaves the file's directory as
+    it was."""
+    shared, temp = tmp_path / "shared", tmp_path / "temp"
     shared.mkdir()
+    temp.mkdir()
     shutil.copyfile(os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "ledgers", "synthetic-v3.db"),
                     shared / "old.db")
+    monkeypatch.setenv("TMPDIR", str(temp))
     os.chmod(shared, 0o555)
     try:
         before = _files(shared)
@@ -195,8 +198,10 @@ def test_an_older_ledger_in_a_read_only_directory_says_to_copy_it(tmp_path):
         assert _files(shared) == before
     finally:
         os.chmod(shared, 0o755)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "is of an older format" in proc.stderr and "copy it to a writable place" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["scopes"] == [{"table": "single_gemm", "backend": "synthetic",
+                                                  "gpu_name": "Synthetic GPU", "rows": 47}]
+    assert os.listdir(temp) == []
 
 
 # ---- --output-dir ----------------------------------------------------------------------------------------------

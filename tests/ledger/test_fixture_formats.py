@@ -108,3 +108,32 @@ def test_a_reader_and_a_writer_of_one_older_file_in_one_process_answer_the_same(
     reader.close()
     report = audit(path)
     assert report.ok, report.findings
+
+
+def test_an_older_file_that_cannot_be_written_is_read_through_an_upgraded_copy(tmp_path, monkeypatch):
+    """A reader that cannot write an older file (read-only media; here the file is opened as this user could not
+    write it) reads a copy that LMDB makes in a temporary directory, upgraded there: the same answers, the file
+    untouched, the copy removed when the reader closes. Messages still name the file."""
+    from kprof.ledger import store
+
+    path, expect = _copy(tmp_path, 3)
+    with open(path, "rb") as f:
+        before = f.read()
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(store.tempfile, "tempdir", str(temp))
+    real_access = os.access
+    monkeypatch.setattr(store.os, "access", lambda p, mode: False if p == path and mode == os.W_OK
+                        else real_access(p, mode))
+    led = Ledger.open(path, readonly=True)
+    statuses, _missing, root, first = _answers(led)
+    assert statuses == expect["statuses"] and root == expect["view_root"]
+    assert first.citation == expect["citation_of_spec_0"]
+    assert led.path == path and led.readonly and led.format_version == _codec.FORMAT_VERSION
+    assert len(os.listdir(temp)) == 1
+    with pytest.raises(Exception, match="read-only"):
+        led.append([synth.event(100)])
+    led.close()
+    assert os.listdir(temp) == []
+    with open(path, "rb") as f:
+        assert f.read() == before
