@@ -301,11 +301,11 @@ def fractions(metrics: dict | None, found: list[Ceiling], dtype: str | None = No
     ceiling exists). A fraction above 1 is returned as it is: the row beat the calibration set."""
     if not metrics or not found:
         return None
-    out = {}
-    for metric, c in applicable(found, dtype).items():
-        value = metrics.get(metric)
-        if value is not None:
-            out[metric] = value / c.value
+    return _shares(metrics, applicable(found, dtype))
+
+
+def _shares(metrics: dict, by: dict[str, Ceiling]) -> dict[str, float] | None:
+    out = {metric: metrics[metric] / c.value for metric, c in by.items() if metrics.get(metric) is not None}
     return out or None
 
 
@@ -316,11 +316,10 @@ def annotate(results: list[dict], found: list[Ceiling]) -> None:
     if not found:
         return
     for doc in results:
-        dtype = (doc.get("spec") or {}).get("dtype")
-        share = fractions(doc.get("metrics"), found, dtype) if doc.get("status") == "ok" else None
+        by = applicable(found, (doc.get("spec") or {}).get("dtype"))
+        share = _shares(doc["metrics"], by) if doc.get("status") == "ok" and doc.get("metrics") else None
         if share is None:
             continue
-        by = applicable(found, dtype)
         ceiling = {"fraction": share, "citations": {m: by[m].citation for m in share},
                    "method": {m: (by[m].method or {}).get("summary", "") for m in share}}
         if any(v > 1.0 for v in share.values()):

@@ -260,8 +260,7 @@ class Reducer:
         history.seqs.append(seq)
         kind = KIND[type(event)]
         if kind == RETRACTED:
-            put("history", key, encode(history))
-            self._retract(event, eid)
+            self._retract(event, eid, history)
             return
         prov = event.provenance
         sid, entry = self._scope(prov)
@@ -269,20 +268,14 @@ class Reducer:
         entry.contracts.add(self._ids.contract(prov))
         if kind == FAILED:
             put("failures", key, eid)
-        old = self._get("current", key)
-        if old is None:  # a new row: the common case, inline
-            entry.acc += row_term(key, eid)
-            entry.rows += 1
-            put("current", key, seal(key, CurrentRow(kind, eid, summary_of(event))))
-            history.status = kind
-            put("history", key, encode(history))
-        else:
-            put("history", key, encode(history))
-            self._set_current(entry, key, old, CurrentRow(kind, eid, summary_of(event)))
+        self._set_current(entry, key, self._get("current", key), CurrentRow(kind, eid, summary_of(event)), history)
 
-    def _set_current(self, entry: ScopeTotals, key: bytes, old: bytes | None, new: CurrentRow | None) -> None:
-        """Makes `new` (or none) the key's current row, and its kind the status of the key's history."""
+    def _set_current(self, entry: ScopeTotals, key: bytes, old: bytes | None, new: CurrentRow | None,
+                     history: HistoryEntry) -> None:
+        """Makes `new` (or none) the key's current row, and writes the key's `history` with its kind as status."""
         store = self.store
+        history.status = NO_ROW if new is None else new.kind
+        store.put("history", key, _codec.encode(history))
         stored = None if new is None else seal(key, new)
         if old == stored:
             return
@@ -295,14 +288,10 @@ class Reducer:
             store.put("current", key, stored)
         else:
             store.delete("current", key)
-        status = NO_ROW if new is None else new.kind
-        history = history_entry(key, store.get("history", key))
-        if history.status != status:
-            history.status = status
-            store.put("history", key, _codec.encode(history))
 
-    def _retract(self, event, eid: bytes) -> None:
-        """The key's current row becomes its latest attempt that is not retracted (or none)."""
+    def _retract(self, event, eid: bytes, history: HistoryEntry) -> None:
+        """The key's current row becomes its latest attempt that is not retracted (or none); `history` is the key's,
+        this retraction's seq included."""
         s = self.store
         s.put("retracted", event.target, eid)
         target = s.event(event.target)
@@ -312,7 +301,7 @@ class Reducer:
         _sid, entry = self._scope(target.provenance)
         key = event.key
         latest = latest_failed = None
-        for hid in map(s.logged, map(pack_seq, reversed(history_entry(key, s.get("history", key)).seqs))):
+        for hid in map(s.logged, map(pack_seq, reversed(history.seqs))):
             if s.get("retracted", hid) is not None:
                 continue
             ev = s.event(hid)
@@ -324,7 +313,7 @@ class Reducer:
             if kind == FAILED:
                 latest_failed = hid
                 break
-        self._set_current(entry, key, s.get("current", key), latest)
+        self._set_current(entry, key, s.get("current", key), latest, history)
         if latest_failed is None:
             s.delete("failures", key)
         else:

@@ -183,7 +183,7 @@ class View:
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
         """One byte per canonical shape: 1 where its current row is measured (ok), else 0. The rows are read
-        from `current` and verified (see _verify), not taken from `history`'s status byte, which no digest covers."""
+        from `current` and verified (see _verify), not taken from `history`'s status, which no digest covers."""
         rows = self._verified(txn, self.keys.keys_of(shapes), summaries=False)
         return bytes(row is not None and row.kind == MEASURED for row in rows)
 

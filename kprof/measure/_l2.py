@@ -3,6 +3,7 @@ rewrite that puts a case's activations back in L2 after the flush."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 __all__ = ["l2_bytes", "flusher", "copies_for", "rewriter", "activations_rewrite"]
@@ -67,7 +68,5 @@ def activations_rewrite(torch, case, inputs: tuple | None = None):
         return None
     tensors = [(case.inputs if inputs is None else inputs)[i] for i in case.warm]
     if getattr(case, "refresh", None) is not None:
-        import functools
-
         return functools.partial(case.refresh, tuple(tensors))
     return rewriter(torch, tensors)

@@ -140,32 +140,22 @@ def hooks(name: str, model: dict, tiny: dict, state: dict):
         torch.sum(state["stream"], dim=0, out=state["out"])
         own()
 
-    def dirty():
-        state["dirty"].fill_(1)
-        own()
-
     activation = sum(model[name].inputs[i].numel() * model[name].inputs[i].element_size() for i in model[name].warm)
     foreign = state["dirty"].view(torch.uint8)
 
-    def dirty_times(k: int):
-        part = foreign[: min(k * activation, foreign.numel())]
+    def writing(nbytes: int):
+        """The first `nbytes` of the foreign buffer written (dirty in L2), then the op's own rewrite."""
+        part = foreign[: min(nbytes, foreign.numel())]
 
         def write():
             part.fill_(1)
             own()
         return write
 
-    def dirty_mib(mib: int):
-        part = foreign[: mib << 20]
-
-        def write():
-            part.fill_(1)
-            own()
-        return write
-
+    dirty = {"dirty": writing(foreign.numel()), **{f"dirty{k}x": writing(k * activation) for k in DIRTY_TIMES},
+             **{f"dirty{m}m": writing(m << 20) for m in DIRTY_MIB}}
     return {"row": own, "same": same, "tiny": tiny_ops, "layer": layer_ops, "prev": prev, "pages": pages,
-            "stream": stream, "dirty": dirty, **{f"dirty{k}x": dirty_times(k) for k in DIRTY_TIMES},
-            **{f"dirty{m}m": dirty_mib(m) for m in DIRTY_MIB}}
+            "stream": stream, **dirty}
 
 
 def memory_state(torch, device: str = "cuda", scale: int = 1) -> dict:
