@@ -28,7 +28,8 @@ from .ledger import Ledger, ledger_path
 from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
 from .ledger.events import Measured, Origin, summary_of
-from .ledger.keys import KeyMaker, ShapeCodec
+from .ledger.keys import KeyMaker
+from .specs import ShapeCodec
 from .ledger.view import Row, citation
 from .runners.registry import METRICS, lookup
 from .method import effective_entry, resolve_gpu_key

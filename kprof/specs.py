@@ -8,16 +8,16 @@ one silently: `{"m": 1, "m": 2}` would be read as m=2)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from itertools import chain, compress
-from typing import Any
+from typing import Any, Mapping
 
 import msgspec
 
 from .errors import SpecError, UsageError
-from .ledger.keys import ShapeCodec
 
-__all__ = ["MAX_DEPTH", "read_specs", "parse_spec_texts", "parse_specs_file", "validate"]
+__all__ = ["MAX_DEPTH", "ShapeCodec", "read_specs", "parse_spec_texts", "parse_specs_file", "validate"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
 
@@ -144,6 +144,120 @@ def read_specs(spec: list[str] | None, specs: str | None) -> list[Any]:
     if not spec and not specs:
         raise UsageError("no specs given; pass --spec JSON (repeatable) or --specs PATH")
     return parse_spec_texts(spec) if spec else parse_specs_file(specs)
+
+
+class ShapeCodec:
+    """Validates specs against one KernelArgs Struct and makes their canonical shapes (the key's last part).
+
+    A shape is canonical when its fields are sorted by name and each value has the type its field declares (an
+    integral float for an int field becomes that int), so field order and `128` against `128.0` never change a key.
+    A twin Struct with the same fields in sorted order does validation, normalization and canonical
+    field order in one msgspec call; its encoding is byte-identical to the sorted shape dict's. `strict`:
+    an int field takes an int only; a float (even 64.0) or a bool is a SpecError naming the field.
+    """
+
+    def __init__(self, args_type: type[msgspec.Struct], *, strict: bool = False):
+        self.args_type = args_type
+        self.strict = strict
+        info = msgspec.inspect.type_info(args_type)
+        fields = sorted(info.fields, key=lambda f: f.name)
+        self.field_names = tuple(f.name for f in info.fields)
+        self._types = {f.name: f.type for f in info.fields}
+        self._int_fields = {f.name for f in info.fields if isinstance(f.type, msgspec.inspect.IntType)}
+        hints = msgspec.structs.fields(args_type)
+        by_name = {f.name: f for f in hints}
+        post_init = getattr(args_type, "__post_init__", None)  # cross-field rules travel with the twin
+        self._twin = msgspec.defstruct(
+            f"_Canonical{args_type.__name__}",
+            [(f.name, by_name[f.name].type) for f in fields],
+            frozen=True,
+            forbid_unknown_fields=True,
+            gc=False,  # scalars only, never in a cycle: untracked, bulk conversions skip the collector
+            namespace={"__post_init__": post_init} if post_init else None,
+        )
+
+    def to_shape(self, spec: Mapping[str, Any] | msgspec.Struct, index: int | None = None):
+        """The validated canonical shape (a Struct of the twin type). Raises SpecError."""
+        if isinstance(spec, msgspec.Struct):
+            spec = msgspec.structs.asdict(spec)
+        try:
+            return msgspec.convert(spec, self._twin)
+        except msgspec.ValidationError:
+            return self._slow_to_shape(spec, index)
+
+    def to_shapes(self, specs: list) -> tuple[list, bool]:
+        """(`to_shape` over a list, exact): validated in one msgspec call when every spec is a dict with
+        exactly the declared types (`exact`: each input dict already holds its canonical values)."""
+        try:
+            return msgspec.convert(specs, list[self._twin]), True
+        except msgspec.ValidationError:
+            pass  # find and explain (or normalize) spec by spec
+        return [self.to_shape(spec, i) for i, spec in enumerate(specs)], False
+
+    def _slow_to_shape(self, spec, index):
+        if not isinstance(spec, Mapping):
+            raise SpecError(f"expected a JSON object of {self._table_fields()}, got {type(spec).__name__}", index=index)
+        fixed = dict(spec)
+        for name in self._int_fields & fixed.keys():
+            value = fixed[name]
+            if self.strict and type(value) in (float, bool):
+                raise self._not_an_int(name, value, index)
+            if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+                fixed[name] = int(value)
+        try:
+            return msgspec.convert(fixed, self._twin)
+        except msgspec.ValidationError as exc:
+            raise self._explain(exc, fixed, index) from None
+
+    def _table_fields(self) -> str:
+        return "{" + ", ".join(self.field_names) + "}"
+
+    def _int_fix(self, name: str) -> str:
+        ftype = self._types.get(name)
+        if isinstance(ftype, msgspec.inspect.IntType) and ftype.gt is not None:
+            return f"use an integer greater than {ftype.gt}" + (f" and at most {ftype.le}" if ftype.le else "")
+        return "use an integer"
+
+    def _in_bounds(self, name: str, value: int) -> bool:
+        t = self._types[name]
+        return ((t.gt is None or value > t.gt) and (t.ge is None or value >= t.ge) and (t.lt is None or value < t.lt)
+                and (t.le is None or value <= t.le))
+
+    def _not_an_int(self, name: str, value, index) -> SpecError:
+        """A float or bool given for an int field (strict): named as JSON wrote it, with the int meant."""
+        kind = "bool" if type(value) is bool else "float"
+        example = ""
+        if kind == "float" and math.isfinite(value) and value.is_integer() and self._in_bounds(name, int(value)):
+            example = f', e.g. "{name}": {int(value)}'
+        shown = msgspec.json.encode(value).decode() if math.isfinite(value) else repr(value)
+        return SpecError(f'field "{name}" = {shown} is a {kind}; {self._int_fix(name)}{example}', index=index,
+                         field=name, value=value)
+
+    def _explain(self, exc: msgspec.ValidationError, spec: dict, index) -> SpecError:
+        text = str(exc)
+        name = None
+        if "`$." in text:
+            name = text.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+        if text.startswith("Object contains unknown field"):
+            name = text.split("`")[1]
+            fix = "pass --backend instead" if name == "backend" else f"use only {self._table_fields()}"
+            return SpecError(f'field "{name}" is not a KernelArgs field of {self.args_type.__name__}; {fix}',
+                             index=index, field=name, value=spec.get(name))
+        if text.startswith("Object missing required field"):
+            name = text.split("`")[1]
+            return SpecError(f'field "{name}" is missing; a {self.args_type.__name__} spec needs {self._table_fields()}',
+                             index=index, field=name)
+        if not name:  # a rule across fields (from __post_init__)
+            return SpecError(f"{text}; fix the values", index=index)
+        value = spec.get(name)
+        fix = "fix the value"
+        ftype = self._types.get(name)
+        if isinstance(ftype, msgspec.inspect.LiteralType):
+            fix = "use one of " + ", ".join(map(str, ftype.values))
+        elif isinstance(ftype, msgspec.inspect.IntType) and ftype.gt is not None:
+            fix = self._int_fix(name)
+        return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; {fix}', index=index,
+                         field=name, value=value)
 
 
 def validate(args_type, raw: list[Any]) -> list[dict]:

@@ -17,10 +17,10 @@ import lmdb
 import msgspec
 
 from ..errors import IntegrityError
-from . import _codec, _lookup
+from . import _codec
 from ._reducer import NO_ROW, CurrentRow, HistoryStatus, RowHead, Sealed, seal_digests
 
-__all__ = ["AUDIT", "reading", "damaged", "rows", "event"]
+__all__ = ["AUDIT", "reading", "damaged", "rows", "event", "values"]
 
 AUDIT = "run `kprof audit` for the full report"
 # Decoding errors of bytes a damaged file holds: msgspec's, and what unpacking a value of the wrong shape raises.
@@ -40,6 +40,13 @@ def reading(path: str, db: str) -> Iterator[None]:
         raise
     except _DAMAGE as exc:
         raise damaged(path, f"reading sub-database `{db}` failed ({type(exc).__name__}: {exc})") from None
+
+
+def values(cursor: lmdb.Cursor, keys: list[bytes]) -> list:
+    """Each key's value, or None, in input order. Looked up in sorted order: consecutive sorted keys share the
+    B-tree's upper pages, which then stay in the CPU caches (about 2.5x faster than random order on 1M rows)."""
+    ordered = sorted(keys)
+    return list(map(dict(zip(ordered, map(cursor.get, ordered))).get, keys))
 
 
 def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
@@ -64,10 +71,10 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
     The checks run over whole columns in C-level maps and compares (no Python frame per row); a column that
     differs is then walked to name the first damaged row."""
     with reading(path, "current"):
-        values = _lookup.values(txn.cursor(dbs["current"]), keys)
-    found = [i for i, v in enumerate(values) if v is not None]
+        stored = values(txn.cursor(dbs["current"]), keys)
+    found = [i for i, v in enumerate(stored) if v is not None]
     fkeys = [keys[i] for i in found]
-    sealed = _each(path, "current", fkeys, [values[i] for i in found], _sealed)
+    sealed = _each(path, "current", fkeys, [stored[i] for i in found], _sealed)
     bodies = list(map(_body, sealed))
     digests = seal_digests(fkeys, bodies)
     if digests != list(map(_digest, sealed)):
@@ -79,9 +86,9 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
     for i, row in zip(found, map(decoder.decode, bodies)):
         out[i] = row
     if len(found) < len(keys):
-        absent = [keys[i] for i, v in enumerate(values) if v is None]
+        absent = [keys[i] for i, v in enumerate(stored) if v is None]
         with reading(path, "history"):
-            raws = _lookup.values(txn.cursor(dbs["history"]), absent)
+            raws = values(txn.cursor(dbs["history"]), absent)
         present = [i for i, raw in enumerate(raws) if raw is not None]
         statuses = _each(path, "history", [absent[i] for i in present], [raws[i] for i in present], _status)
         for i, status in zip(present, statuses):

@@ -29,7 +29,8 @@ from ..errors import UnknownGpuKeyError
 from . import _codec, _verify
 from ._reducer import MEASURED, REBUILT, ScopeEntry, contract_id, opened, root_of
 from .events import Contract, Provenance, Stats, Summary
-from .keys import KeyMaker, ShapeCodec
+from ..specs import ShapeCodec
+from .keys import KeyMaker
 
 __all__ = ["View", "Row", "STATUSES", "citation"]
 

@@ -185,7 +185,7 @@ class _Check:
         self.batch_ids.append(ids)
 
     def _against_ledger(self, part: _Part, events: list[_Seen], eids: list[bytes]) -> None:
-        from ..ledger import _lookup, _verify
+        from ..ledger import _verify
 
         txn, dbs, led = self.txn, self.ledger.dbs, self.ledger
         new_keys = list({event.key for event in events} - self.current.keys())
@@ -198,7 +198,7 @@ class _Check:
             if row is not None or histories.get(key, b"") is not None:
                 self.kept.add(key)
         maybe = [eid for event, eid in zip(events, eids) if event.key in self.kept]
-        stored = {e for e, v in zip(maybe, _lookup.values(txn.cursor(dbs["events"]), maybe)) if v is not None}
+        stored = {e for e, v in zip(maybe, _verify.values(txn.cursor(dbs["events"]), maybe)) if v is not None}
         path, first = part.path, part.first
         for i, (event, eid) in enumerate(zip(events, eids), first):
             self.events += 1

@@ -66,7 +66,8 @@ def measure_chunk(chunk: Chunk, device=None) -> Iterator[tuple[Any, bytes]]:
     """(Outcome, the event's canonical bytes) per spec of the chunk, as each finishes, measured on this process's
     device (`device`: one prepare_device made already, kept across chunks)."""
     from ..ledger._codec import encode
-    from ..ledger.keys import KeyMaker, ShapeCodec
+    from ..ledger.keys import KeyMaker
+    from ..specs import ShapeCodec
     from .worker import measure_specs
 
     entry = chunk_entry(chunk)

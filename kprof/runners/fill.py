@@ -27,7 +27,8 @@ from ..errors import MergeConflict, UsageError
 from ..ledger import Ledger
 from ..ledger.build import failed
 from ..ledger.events import Environment, Measured, Origin
-from ..ledger.keys import KeyMaker, ShapeCodec
+from ..ledger.keys import KeyMaker
+from ..specs import ShapeCodec
 from .devices import Device, Devices, groups, need_of, pool_mode, usable_devices
 from .pool import Pool, Result
 from .registry import Entry

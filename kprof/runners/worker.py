@@ -14,7 +14,8 @@ import msgspec
 
 from ..ledger.build import failed, measured
 from ..ledger.events import Environment, Event, Method, Origin, Provenance, Stats
-from ..ledger.keys import KeyMaker, ShapeCodec
+from ..ledger.keys import KeyMaker
+from ..specs import ShapeCodec
 from ..measure.stats import StopRule, summarize
 from ._case import Unsupported, WrongResult, algorithm_notes
 from .registry import Entry

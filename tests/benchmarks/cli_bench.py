@@ -27,7 +27,8 @@ N_SPECS = 10_000
 
 
 def _chunk(bounds):
-    from kprof.ledger import _codec, synth
+    from kprof.ledger import _codec
+    from kprof import synth
     from kprof.measure.env import cpu_model
     from kprof.runners.registry import lookup
 
@@ -64,7 +65,7 @@ def timed(cmd: list[str], runs: int) -> list[float]:
 
 
 def main() -> None:
-    from kprof.ledger import synth
+    from kprof import synth
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--events", type=int, default=1_000_000)

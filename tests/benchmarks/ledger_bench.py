@@ -6,7 +6,7 @@
 
 Phases (each printed as it finishes; the summary table comes last):
 
-1. The N synthetic events (`kprof.ledger.synth`) and their canonical bytes are generated once, untimed,
+1. The N synthetic events (`kprof.synth`) and their canonical bytes are generated once, untimed,
    in a 2-process pool. Both stores get the very same events, bytes and keys.
 2. kprof ingest: `Ledger.append_batches` over the batches (each batch is one LMDB write txn holding its events,
    the log and every view). Events are decoded untimed, ten batches at a time.
@@ -59,7 +59,8 @@ def _say(msg: str) -> None:
 
 # ---- 1. synthetic events -------------------------------------------------------------------------
 def _gen_chunk(bounds: tuple[int, int]) -> list[bytes]:
-    from kprof.ledger import _codec, synth
+    from kprof.ledger import _codec
+    from kprof import synth
 
     a, b = bounds
     return [_codec.encode(synth.event(i)) for i in range(a, b)]
@@ -194,7 +195,7 @@ def ingest_sqlite(path: str, blobs: list[bytes], batch: int) -> dict:
 # ---- 4. lookups (child processes) ----------------------------------------------------------------
 def lookup_specs(n: int, q: int, seed: int) -> tuple[list[dict], int]:
     """Q specs: half present (indices < n), half missing (indices >= n), shuffled. Returns (specs, present)."""
-    from kprof.ledger import synth
+    from kprof import synth
 
     rng = random.Random(seed)
     half = q // 2
@@ -254,7 +255,8 @@ def _peak_rss_mib(pid: int | None = None) -> float:
 
 
 def lookup_kprof(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
-    from kprof.ledger import Ledger, synth
+    from kprof.ledger import Ledger
+    from kprof import synth
 
     specs, present = lookup_specs(n, q, seed)
     ledger = Ledger.open(path, readonly=True)
@@ -371,7 +373,8 @@ def _sqlite_missing(con, keyof, specs, chunk):
 def lookup_sqlite(path: str, n: int, q: int, seed: int, repeat: int) -> dict:
     import msgspec
 
-    from kprof.ledger import KeyMaker, ShapeCodec, synth
+    from kprof.ledger import KeyMaker, ShapeCodec
+    from kprof import synth
     from kprof.ledger.events import Summary
 
     specs, present = lookup_specs(n, q, seed)

@@ -32,7 +32,8 @@ BATCH = 10_000
 
 
 def _build(path: str, start: int, n: int) -> float:
-    from kprof.ledger import Ledger, synth
+    from kprof.ledger import Ledger
+    from kprof import synth
 
     t = time.perf_counter()
     with Ledger.open(path) as led:

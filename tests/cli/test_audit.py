@@ -4,7 +4,8 @@ import msgspec
 import pytest
 
 from kprof.cli import main
-from kprof.ledger import Ledger, _codec, build, synth
+from kprof.ledger import Ledger, _codec, build
+from kprof import synth
 from kprof.ledger._reducer import HistoryEntry
 
 

@@ -1,7 +1,8 @@
 import json
 
 from kprof.cli import main
-from kprof.ledger import Ledger, synth
+from kprof.ledger import Ledger
+from kprof import synth
 from kprof.ledger.build import failed
 
 

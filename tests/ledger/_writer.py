@@ -53,7 +53,8 @@ def _wait_for(path: str | None, timeout: float = 60.0) -> None:
 
 
 def write(args) -> int:
-    from kprof.ledger import Ledger, synth
+    from kprof.ledger import Ledger
+    from kprof import synth
 
     rng = random.Random(args.seed)
     # --open-after-start: writers started together open the file together (an upgrade races)
@@ -77,7 +78,8 @@ def write(args) -> int:
 
 
 def read(args) -> int:
-    from kprof.ledger import Ledger, synth
+    from kprof.ledger import Ledger
+    from kprof import synth
 
     ledger = Ledger.open(args.path, readonly=True)
     view = synth.view(ledger)
@@ -134,7 +136,8 @@ def open_readonly(args) -> int:
 
 def fork(args) -> int:
     from kprof.errors import LedgerError
-    from kprof.ledger import Ledger, synth
+    from kprof.ledger import Ledger
+    from kprof import synth
 
     ledger = Ledger.open(args.path)
     before = ledger.last_seq

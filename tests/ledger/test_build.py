@@ -1,7 +1,8 @@
 """Events built by kprof.ledger.build are in canonical form as built: their bytes are the bytes a reader that
 decodes and re-encodes them (a merge, an audit) recomputes, whatever numeric types the caller handed in."""
 
-from kprof.ledger import _codec, synth
+from kprof.ledger import _codec
+from kprof import synth
 from kprof.ledger.build import failed, measured
 from kprof.ledger.events import Environment, Method, Stats
 

@@ -8,7 +8,8 @@ import shutil
 import msgspec
 import pytest
 
-from kprof.ledger import Ledger, _codec, synth
+from kprof.ledger import Ledger, _codec
+from kprof import synth
 from kprof.ledger._reducer import NO_ROW, CurrentRow, HistoryEntry, Sealed
 from kprof.ledger.audit import audit
 

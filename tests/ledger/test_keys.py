@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from kprof.errors import SpecError
 from kprof.ledger import Contract, KeyMaker, Ledger, Provenance, ShapeCodec, provenance_key
-from kprof.ledger import _codec, synth
+from kprof.ledger import _codec
+from kprof import synth
 from kprof.ledger.events import Environment, Measured, Method, Stats
 
 names = st.text(st.characters(min_codepoint=97, max_codepoint=122), min_size=1, max_size=8)
@@ -44,7 +45,8 @@ def test_any_change_to_any_field_changes_the_key(prov, field, data):
 @given(provenances)
 def test_prefix_fast_path_equals_full_encoding(prov):
     base = msgspec.structs.replace(prov, shape={})
-    maker = KeyMaker(prov.table, prov.backend, prov.gpu_key, base.contract, ShapeCodec(None))
+    args = msgspec.defstruct("Args", [(name, type(value)) for name, value in prov.shape.items()])
+    maker = KeyMaker(prov.table, prov.backend, prov.gpu_key, base.contract, ShapeCodec(args))
     assert maker.key(prov.shape) == provenance_key(prov)
     assert maker.provenance(prov.shape) == prov
 

@@ -9,7 +9,8 @@ import pytest
 
 from kprof.cli import main
 from kprof.errors import IntegrityError
-from kprof.ledger import Ledger, _codec, build, synth
+from kprof.ledger import Ledger, _codec, build
+from kprof import synth
 from kprof.ledger._audit_worker import Findings, Shard
 from kprof.ledger._reducer import pack_seq
 from kprof.ledger.audit import audit

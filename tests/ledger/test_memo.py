@@ -4,7 +4,8 @@ would answer it now (any write of the scope between two lookups changes the answ
 import pytest
 
 from kprof.errors import IntegrityError, SpecError
-from kprof.ledger import Ledger, _codec, _memo, synth
+from kprof.ledger import Ledger, _codec, _memo
+from kprof import synth
 from kprof.ledger.build import failed, retraction
 from kprof.ledger.replay import rebuild_views
 from kprof.ledger.view import View

@@ -8,7 +8,8 @@ import pytest
 
 from kprof.cli import main
 from kprof.errors import IntegrityError, SpecError
-from kprof.ledger import Ledger, _codec, synth
+from kprof.ledger import Ledger, _codec
+from kprof import synth
 from kprof.ledger._reducer import pack_seq
 from kprof.ledger.audit import audit
 from kprof.ledger.build import failed, measured, retraction

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kprof.errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
-from kprof.ledger import Ledger, synth
+from kprof.ledger import Ledger
+from kprof import synth
 from kprof.ledger import _codec
 from kprof.ledger.audit import audit
 from kprof.ledger.build import failed, retraction
@@ -77,15 +78,11 @@ def test_batches_of_new_repeated_and_remeasured_events(tmp_path_factory, batches
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=40),
-       st.booleans())
-def test_missing_agrees_with_the_statuses_through_failures_successes_and_retractions(tmp_path_factory, steps,
-                                                                                   through_numpy):
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=40))
+def test_missing_agrees_with_the_statuses_through_failures_successes_and_retractions(tmp_path_factory, steps):
     """`missing` tests the current rows for presence and reads the kind only of keys with a failure on record;
     it names exactly the specs whose row is not ok, whatever mix of measurements, failures and retractions
     (of either) came before."""
-    from kprof.ledger import _lookup
-
     ledger = Ledger.open(str(tmp_path_factory.mktemp("l") / "m.db"))
     appended = []
     for i, s, op in steps:
@@ -99,12 +96,7 @@ def test_missing_agrees_with_the_statuses_through_failures_successes_and_retract
     specs = [synth.spec(i) for i in range(11)] * 2
     view = synth.view(ledger)
     want = [spec for spec, row in zip(specs, view.get_many(specs)) if row.status != "ok"]
-    saved = _lookup.NUMPY_FROM, _lookup.IMPORT_NUMPY_FROM
-    _lookup.NUMPY_FROM = _lookup.IMPORT_NUMPY_FROM = 1 if through_numpy else 10**9
-    try:
-        assert view.missing(specs) == want
-    finally:
-        _lookup.NUMPY_FROM, _lookup.IMPORT_NUMPY_FROM = saved
+    assert view.missing(specs) == want
     ledger.close()
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kprof.ledger import Ledger, _codec, synth
+from kprof.ledger import Ledger, _codec
+from kprof import synth
 from kprof.ledger.audit import audit
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kprof.errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
-from kprof.ledger import Ledger, synth
+from kprof.ledger import Ledger
+from kprof import synth
 from kprof.ledger import _codec
 from kprof.ledger.audit import audit
 from kprof.ledger.build import failed, retraction

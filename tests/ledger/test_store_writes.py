@@ -25,7 +25,8 @@ import msgspec
 import pytest
 
 from kprof.errors import IntegrityError, LedgerError, UsageError
-from kprof.ledger import Ledger, synth
+from kprof.ledger import Ledger
+from kprof import synth
 from kprof.ledger import _codec, store
 from kprof.ledger.build import failed, retraction
 from kprof.ledger._reducer import CurrentRow, opened
@@ -197,7 +198,8 @@ def test_a_child_forked_inside_a_read_block_leaves_the_parents_snapshot_intact(t
                 # Another process rewrites the views and appends: had the child freed this snapshot's reader
                 # slot, LMDB could reuse the pages it reads.
                 _python(f"""
-                    from kprof.ledger import Ledger, synth
+                    from kprof.ledger import Ledger
+                    from kprof import synth
                     from kprof.ledger.replay import rebuild_views
                     led = Ledger.open({ledger_path!r})
                     for seed in range(1, 4):
@@ -300,7 +302,8 @@ def test_opening_for_writing_where_the_file_is_open_read_only_adopts_a_map_anoth
     assert reader.env.info()["map_size"] == 1 << 20
     _python(f"""
         import os
-        from kprof.ledger import Ledger, synth
+        from kprof.ledger import Ledger
+        from kprof import synth
         led = Ledger.open({ledger_path!r}, map_size=1 << 20)
         led.append(list(synth.events(0, 1500)))
         assert os.path.getsize({ledger_path!r}) > 1 << 20 and led.env.info()["map_size"] > 1 << 20

@@ -3,7 +3,8 @@
 import pytest
 
 from kprof.errors import UnknownGpuKeyError, UsageError
-from kprof.ledger import _codec, synth
+from kprof.ledger import _codec
+from kprof import synth
 from kprof.ledger.build import retraction
 
 

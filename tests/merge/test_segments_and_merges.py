@@ -11,7 +11,8 @@ import pytest
 
 from kprof.cli import main
 from kprof.errors import MergeConflict, UsageError
-from kprof.ledger import Ledger, _codec, synth
+from kprof.ledger import Ledger, _codec
+from kprof import synth
 from kprof.ledger.audit import audit
 from kprof.ledger.build import retraction
 from kprof.merge import segment

@@ -9,7 +9,8 @@ import time
 import msgspec
 
 from kprof.cli import main
-from kprof.ledger import Ledger, _codec, synth
+from kprof.ledger import Ledger, _codec
+from kprof import synth
 
 SPECS = [synth.spec(i) for i in range(30)]
 

@@ -12,8 +12,8 @@ from typing import Iterator
 
 import msgspec
 
-from .build import measured
-from .events import Contract, Environment, Method, Origin, Provenance, Stats
+from .ledger.build import measured
+from .ledger.events import Contract, Environment, Method, Origin, Provenance, Stats
 
 __all__ = ["SynthArgs", "CONTRACT", "TABLE", "BACKEND", "GPU", "spec", "event", "events", "view"]
 
