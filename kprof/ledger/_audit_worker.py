@@ -16,13 +16,14 @@ Every decoding is msgspec's: a key-only schema picks each event's shard without 
 from __future__ import annotations
 
 import gc
+from collections import defaultdict
+
 import lmdb
 import msgspec
 
 from . import _codec
-from ._reducer import REBUILT, ScopeEntry, opened, seq_of
+from ._reducer import REBUILT, Reducer, ScopeEntry, Store, opened, seq_of
 from .events import EventAudit, EventKey, Provenance, Retracted
-from .replay import MemoryStore, replay_into
 
 MAX_LISTED = 50
 RANGED = ("current", "history", "failures")  # views keyed by the row key
@@ -31,6 +32,36 @@ key_decoder = msgspec.msgpack.Decoder(EventKey)
 audit_decoder = msgspec.msgpack.Decoder(EventAudit)
 provenance_decoder = msgspec.msgpack.Decoder(Provenance)
 
+
+class MemoryStore(Store):
+    """The views as plain dicts, the log and events read from `txn`: a replay that does not touch the file."""
+
+    def __init__(self, txn, dbs):
+        self.txn, self.dbs = txn, dbs
+        self.data: defaultdict[str, dict[bytes, bytes]] = defaultdict(dict)
+
+    def get(self, db, k):
+        return self.data[db].get(k)
+
+    def put(self, db, k, v):
+        self.data[db][k] = v
+
+    def delete(self, db, k):
+        self.data[db].pop(k, None)
+
+    def logged(self, seq):
+        return self.txn.get(seq, db=self.dbs["log"])
+
+    def event(self, eid):
+        return _codec.event_decoder.decode(self.txn.get(eid, db=self.dbs["events"]))
+
+
+def replay_into(store: Store, events) -> None:
+    """Applies (seq, event id, event), in log order, to a store."""
+    reducer = Reducer(store)
+    for seq, eid, event in events:
+        reducer.apply(event, eid, seq)
+    reducer.flush()
 
 
 class Findings:

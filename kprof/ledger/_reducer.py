@@ -226,7 +226,6 @@ class Store:
     def delete(self, db: str, k: bytes) -> None: ...
     def logged(self, seq: bytes) -> bytes: ...  # the event id the log holds at seq (8 bytes)
     def event(self, eid: bytes): ...  # decoded event
-    def flush(self) -> None: ...  # writes what is buffered
 
 
 class Reducer:

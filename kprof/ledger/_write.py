@@ -100,7 +100,7 @@ def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
     the current format; returns the events replayed. The rebuild is counted (REBUILT), so a reader's memo of
     earlier answers does not outlive it (a repair can change rows the view root, read from `scopes`, does not
     name). Used by the opening of an older file (see `_codec.FORMAT_VERSION`) and by
-    `kprof.ledger.replay.rebuild_views`, a repair."""
+    `Ledger.rebuild_views`, a repair."""
     for name in views:
         txn.drop(dbs[name], delete=False)
     reducer, events, n = Reducer(TxnStore(txn, dbs)), dbs["events"], 0

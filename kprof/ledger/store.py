@@ -39,6 +39,15 @@ VIEW_DBS = ("current", "scope_index", "history", "failures", "retracted", "scope
 DEFAULT_MAP_SIZE = 1 << 34  # 16 GiB of address space; the file only grows as pages are used
 
 
+def _version(raw: bytes | None) -> int | None:
+    """A stored format version: None where absent, 0 where damaged (not a positive integer)."""
+    try:
+        found = None if raw is None else msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return 0
+    return found if raw is None or (type(found) is int and found >= 1) else 0
+
+
 class _Creating(Exception):
     """The file holds no kprof sub-databases yet: a writer creating it may not have committed them."""
 
@@ -151,15 +160,11 @@ class Ledger:
 
     @staticmethod
     def _older(env: lmdb.Environment) -> bool:
-        """Whether the file's format version is older than this kprof's (read without a write transaction, so
-        that a reader of a current file never waits for a writer; a damaged version is `_check_meta`'s to name)."""
+        """Whether the file's format is older than this kprof's (read without a write transaction: a reader of a
+        current file never waits for a writer)."""
         with env.begin() as txn:
-            raw = txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False))
-        try:
-            found = None if raw is None else msgspec.msgpack.decode(raw)
-        except msgspec.DecodeError:
-            return False
-        return type(found) is int and 1 <= found < _codec.FORMAT_VERSION
+            found = _version(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
+        return found is not None and 1 <= found < _codec.FORMAT_VERSION
 
     @classmethod
     def _upgrade(cls, path: str, env: lmdb.Environment, readonly: bool) -> bool:
@@ -191,13 +196,9 @@ class Ledger:
 
         def work(txn):
             meta = env.open_db(b"meta", txn=txn, create=True)
-            raw = txn.get(b"format_version", db=meta)
-            try:
-                found = None if raw is None else msgspec.msgpack.decode(raw)
-            except msgspec.DecodeError:
-                return  # damaged: _check_meta refuses it, naming it
-            if found is not None and (type(found) is not int or found < 1 or found >= _codec.FORMAT_VERSION):
-                return  # current, newer (refused), or damaged (refused): left untouched
+            found = _version(txn.get(b"format_version", db=meta))
+            if found is not None and not 1 <= found < _codec.FORMAT_VERSION:
+                return  # current, newer or damaged (both refused by _check_meta): left untouched
             for name in DBS:
                 env.open_db(name.encode(), txn=txn, create=True)
             if found is None:
@@ -216,11 +217,8 @@ class Ledger:
         raw = self._get("meta", b"format_version")
         if raw is None:
             raise IntegrityError(f"{self.path} is an LMDB file but not a kprof ledger (no format version)")
-        try:
-            found = msgspec.msgpack.decode(raw)
-        except msgspec.DecodeError:
-            found = None
-        if type(found) is not int or found < 1:
+        found = _version(raw)
+        if found < 1:
             raise IntegrityError(f"{self.path}: its format version is damaged ({raw.hex()[:32]} is not a version "
                                  f"number); run `kprof audit` for the full report, and restore the file from a copy")
         if found > _codec.FORMAT_VERSION:
@@ -357,6 +355,11 @@ class Ledger:
                              f"call kprof.api.view(ledger, {table!r}, {backend!r}, gpu_key), which takes them from "
                              f"the registry")
         return View(self, table, backend, gpu_key, contract=contract, args_type=args_type)
+
+    def rebuild_views(self) -> int:
+        """Drops every view and rebuilds it from the log in one write transaction (a repair); returns the events
+        replayed."""
+        return self.write(lambda txn: rebuild_views(txn, self.dbs, VIEW_DBS))
 
     def resolve(self, ref: str):
         """Finds an event by citation (`kprof.<hex>`), event id or key (hex, any unique prefix of ≥ 8 chars)."""

@@ -7,7 +7,6 @@ from kprof.errors import IntegrityError, SpecError
 from kprof.ledger import Ledger, _codec, _memo
 from kprof import synth
 from kprof.ledger.build import failed, retraction
-from kprof.ledger.replay import rebuild_views
 from kprof.ledger.view import View
 
 
@@ -131,7 +130,7 @@ def test_a_rebuild_of_the_views_is_a_new_stamp(ledger, lookups):
     assert _fields(view.get_many(specs)) == want and lookups(ledger)["rows"] == 1  # verified before the damage
     with pytest.raises(IntegrityError, match=k1.hex()):
         view.get_many(specs[:5])  # another request reaches the file, and the damage
-    rebuild_views(ledger)
+    ledger.rebuild_views()
     assert _fields(view.get_many(specs)) == want and lookups(ledger)["rows"] == 3
 
 

@@ -17,7 +17,6 @@ from kprof import synth
 from kprof.ledger import _codec
 from kprof.ledger.audit import audit
 from kprof.ledger.build import failed, retraction
-from kprof.ledger.replay import rebuild_views
 
 
 @settings(max_examples=25, deadline=None)
@@ -182,7 +181,7 @@ def test_rebuild_views_reproduces_them(ledger):
     ledger.append([failed(synth.event(40).provenance, "crash", "boom")])
     view = synth.view(ledger)
     before = view.root, [r.to_json() for r in view.get_many([synth.spec(i) for i in range(45)])]
-    assert rebuild_views(ledger) == 31
+    assert ledger.rebuild_views() == 31
     assert (view.root, [r.to_json() for r in view.get_many([synth.spec(i) for i in range(45)])]) == before
     assert audit(ledger.path).ok
 
@@ -194,7 +193,7 @@ def test_events_as_the_audit_decodes_them_derive_the_views_append_derives(idx, f
     the Reducer; they must derive exactly what the events as built in memory (some with int numbers) derive."""
     from kprof.ledger import build
     from kprof.ledger._audit_worker import audit_decoder, provenance_decoder
-    from kprof.ledger.replay import MemoryStore, replay_into
+    from kprof.ledger._audit_worker import MemoryStore, replay_into
     from kprof.ledger.store import DBS
 
     def as_audited(ev):

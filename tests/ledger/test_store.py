@@ -16,7 +16,6 @@ from kprof import synth
 from kprof.ledger import _codec
 from kprof.ledger.audit import audit
 from kprof.ledger.build import failed, retraction
-from kprof.ledger.replay import rebuild_views
 
 
 def test_append_is_idempotent(ledger):

@@ -30,7 +30,6 @@ from kprof import synth
 from kprof.ledger import _codec, store
 from kprof.ledger.build import failed, retraction
 from kprof.ledger._reducer import CurrentRow, opened
-from kprof.ledger.replay import rebuild_views
 from kprof.ledger.store import VIEW_DBS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,10 +199,9 @@ def test_a_child_forked_inside_a_read_block_leaves_the_parents_snapshot_intact(t
                 _python(f"""
                     from kprof.ledger import Ledger
                     from kprof import synth
-                    from kprof.ledger.replay import rebuild_views
                     led = Ledger.open({ledger_path!r})
                     for seed in range(1, 4):
-                        rebuild_views(led)
+                        led.rebuild_views()
                         led.append(list(synth.events(0, 200, seed=seed)))
                     assert led.last_seq == 800, led.last_seq
                 """, cwd=tmp_path)
@@ -288,7 +286,7 @@ def test_map_growth_with_a_read_open_raises_ledger_error_and_the_snapshot_keeps_
     assert led.env.info()["map_size"] > map_before
     assert [seq for seq, _e, _d in led.iter_log()] == list(range(1, 1101))
     views = _dump(led)
-    rebuild_views(led)
+    led.rebuild_views()
     assert _dump(led) == views
     led.close()
 
