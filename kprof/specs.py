@@ -245,8 +245,8 @@ class ShapeCodec:
                              index=index, field=name, value=spec.get(name))
         if text.startswith("Object missing required field"):
             name = text.split("`")[1]
-            return SpecError(f'field "{name}" is missing; a {self.args_type.__name__} spec needs {self._table_fields()}',
-                             index=index, field=name)
+            return SpecError(f'field "{name}" is missing; a {self.args_type.__name__} spec needs '
+                             f'{self._table_fields()}', index=index, field=name)
         if not name:  # a rule across fields (from __post_init__)
             return SpecError(f"{text}; fix the values", index=index)
         value = spec.get(name)

@@ -1,17 +1,7 @@
-"""One shard of an audit, run in a process of the audit's pool (`main`); a damaged page that faults the reader
-kills only that process, and the audit reports it as a finding.
-
-Shard s of n owns the row keys whose first byte b has b * n // 256 == s, and the events of those keys. It
-  - walks the sub-databases: the views keyed by row key over its key range as it compares them, the log whole
-    (every shard needs it; shard 0 reports what is wrong with it), the event store in the events pass, the rest
-    (scope index, meta, retractions, scopes) one shard each,
-  - reads the event store once; for each event of its keys it recomputes the id (the bytes' hash) and the key
-    (the provenance's), checks the provenance is in canonical form, and finds its place in the log,
-  - replays its events, in log order, through the Reducer (the one code that says how an event changes the
-    views) into memory, and compares its part of every view with that replay,
-  - returns its partial scope accumulators, which the parent sums (the view root's hash is additive).
-Every decoding is msgspec's: a key-only schema picks each event's shard without decoding the rest.
-"""
+"""One shard of an audit, run in a process of the audit's pool (`main`): a damaged page that faults the reader kills
+only that process, which the audit reports. Shard s of n owns the row keys whose first byte b has b * n // 256 == s,
+and their events: it recomputes their ids and keys, replays them in log order through the Reducer (the one code that
+says how an event changes the views) and compares its part of every view; the parent sums the scope accumulators."""
 
 from __future__ import annotations
 
@@ -23,14 +13,21 @@ import msgspec
 
 from . import _codec
 from ._reducer import REBUILT, Reducer, ScopeEntry, Store, opened, seq_of
-from .events import EventAudit, EventKey, Provenance, Retracted
+from .events import EventAudit, EventKey, Provenance, Retracted, RetractedKey
 
-MAX_LISTED = 50
+MAX_LISTED = 50  # findings listed per check; all are counted
 RANGED = ("current", "history", "failures")  # views keyed by the row key
 WALKED_WHERE_READ = RANGED + ("log", "events")  # not walked again by `structure`
-key_decoder = msgspec.msgpack.Decoder(EventKey)
+key_decoder = msgspec.msgpack.Decoder(EventKey)  # the key only: picks an event's shard without decoding the rest
 audit_decoder = msgspec.msgpack.Decoder(EventAudit)
 provenance_decoder = msgspec.msgpack.Decoder(Provenance)
+META = (  # the meta entries a reader or writer relies on: (name, valid value, what it must be)
+    (b"format_version", lambda v: type(v) is int and v > 0, "a positive integer"),
+    (b"ledger_id", lambda v: type(v) is str and len(v) == 32 and set(v) <= set("0123456789abcdef"), "32 hex digits"),
+    (b"last_seq", lambda v: type(v) is int and v >= 0, "a count"),
+    (b"created_at", lambda v: type(v) is float, "a time"),
+    (REBUILT, lambda v: type(v) is int and v > 0, "a count of rebuilds"),  # absent until the views are first rebuilt
+)
 
 
 class MemoryStore(Store):
@@ -87,8 +84,10 @@ def key_of_event(data: bytes | None) -> bytes | None:
 class Shard:
     def __init__(self, ledger, shard: int, shards: int, found: Findings):
         self.ledger, self.shard, self.shards, self.found = ledger, shard, shards, found
-        self.walked: dict[str, int] = {}  # entries of each ranged view walked over this shard's range
-        # the smallest first byte each shard owns (see `mine`): ceil(s * 256 / shards)
+        self.walked: dict[str, int] = {}  # entries counted per ranged view and events; the parent sums them
+        # what every shard reads whole (the log, the meta) is reported by shard 0 alone
+        self._report = found.add if shard == 0 else lambda check, text: None
+        # [lo, hi): the keys `mine` says are this shard's; lo is ceil(s * 256 / shards)
         self.lo = bytes([-(-shard * 256 // shards)]) if shard else b""
         self.hi = bytes([-(-(shard + 1) * 256 // shards)]) if shard + 1 < shards else None
 
@@ -97,8 +96,8 @@ class Shard:
         return (k[0] if k else 0) * self.shards // 256 == self.shard
 
     def _range(self, cursor, name: str):
-        """(key, value) of a cursor over this shard's key range, counted into `walked` and checked in order."""
-        hi, seen, last = self.hi, 0, None
+        """(key, value) over this shard's key range, counted into `walked`, each key checked to follow the last."""
+        hi, seen, last, add = self.hi, 0, None, self.found.add
         try:
             if not (cursor.set_range(self.lo) if self.lo else cursor.first()):
                 return
@@ -106,22 +105,18 @@ class Shard:
                 if hi is not None and k >= hi:
                     return
                 if last is not None and k <= last:
-                    self.found.add("structure", f"{name}: keys out of order after {last.hex()[:24]}")
+                    add("structure", f"{name}: keys out of order after {last.hex()[:24]}")
                 last, seen = k, seen + 1
                 yield k, v
         except lmdb.Error as exc:
-            self.found.add("structure", f"{name}: walk failed after {seen} entries of shard {self.shard}'s "
-                                        f"range: {exc}")
+            add("structure", f"{name}: walk failed after {seen} entries of shard {self.shard}'s range: {exc}")
         finally:
             self.walked[name] = seen
 
     def structure(self, txn) -> None:
-        """Walks this shard's share of the sub-databases not walked where they are read: keys strictly
-        increasing, as many as the header counts."""
+        """Walks its share of the other sub-databases: keys strictly increasing, as many as the header counts."""
         rest = [(name, db) for name, db in sorted(self.ledger.dbs.items()) if name not in WALKED_WHERE_READ]
-        for i, (name, db) in enumerate(rest):
-            if i % self.shards != self.shard:
-                continue
+        for name, db in rest[self.shard::self.shards]:
             expected, seen, last = txn.stat(db)["entries"], 0, None
             try:
                 for key in txn.cursor(db).iternext(values=False):
@@ -135,18 +130,11 @@ class Shard:
             if seen != expected:
                 self.found.add("structure", f"{name}: header counts {expected} entries, walk found {seen}")
 
-    def _report(self, check: str, text: str) -> None:
-        """A finding of what every shard reads whole (the log, the meta): shard 0 reports it, once."""
-        if self.shard == 0:
-            self.found.add(check, text)
-
     def log(self, txn) -> tuple[dict[bytes, int], int, int]:
         """(event id -> seq of every logged event, last_seq, log entries walked). The log's keys must be the
         sequence numbers 1..last_seq in order, each event logged once."""
-        report = self._report
-        last_seq = self._meta(txn)
-        seqs: dict[bytes, int] = {}
-        expect, walked = 1, 0
+        report, last_seq = self._report, self._meta(txn)
+        seqs, expect, walked = {}, 1, 0
         try:
             for k, eid in txn.cursor(self.ledger.dbs["log"]):
                 walked += 1
@@ -173,44 +161,35 @@ class Shard:
         return seqs, last_seq, walked
 
     def _meta(self, txn) -> int:
-        """Checks the meta entries a reader or writer relies on (shard 0 reports); returns last_seq, or -1 where
-        it is not a count."""
-        meta, report = self.ledger.dbs["meta"], self._report
-        values = {}
-        for name, valid, fix in ((b"format_version", lambda v: type(v) is int and v > 0, "a positive integer"),
-                                 (b"ledger_id", lambda v: type(v) is str and len(v) == 32
-                                  and all(c in "0123456789abcdef" for c in v), "32 hex digits"),
-                                 (b"last_seq", lambda v: type(v) is int and v >= 0, "a count"),
-                                 (b"created_at", lambda v: type(v) is float, "a time"),
-                                 (REBUILT, lambda v: type(v) is int and v > 0, "a count of rebuilds")):
-            raw = txn.get(name, db=meta)
-            if raw is None and name == REBUILT:  # absent until the views are first rebuilt
+        """Checks the META entries (shard 0 reports); returns last_seq, or -1 where it is not a count."""
+        report, last_seq = self._report, -1
+        for name, valid, fix in META:
+            raw = txn.get(name, db=self.ledger.dbs["meta"])
+            if raw is None:
+                if name != REBUILT:
+                    report("meta", f"{name.decode()} is missing")
                 continue
             try:
-                value = None if raw is None else msgspec.msgpack.decode(raw)
+                value = msgspec.msgpack.decode(raw)
             except msgspec.DecodeError:
                 report("meta", f"{name.decode()}: its bytes do not decode ({raw.hex()[:32]})")
                 continue
-            if raw is None:
-                report("meta", f"{name.decode()} is missing")
-            elif not valid(value):
+            if not valid(value):
                 report("meta", f"{name.decode()} is {value!r}, not {fix}")
-            else:
-                values[name] = value
-        return values.get(b"last_seq", -1)
+            elif name == b"last_seq":
+                last_seq = value
+        return last_seq
 
     def events(self, txn, seqs: dict[bytes, int]) -> tuple[int, int, list]:
-        """One pass over the event store: each event of this shard's keys checked (id, key, canonical
-        provenance, logged) and kept for the replay as (seq, event id, event). Returns (events owned, of which
-        logged, kept). The parent checks that the shards' logged counts add up to the log's length."""
+        """Checks each event of this shard's keys (id, key, canonical provenance, logged) in one pass over the store.
+        Returns (events owned, of which logged, (seq, event id, event) kept for the replay)."""
         add, event_id, encode, key_of = self.found.add, _codec.event_id, _codec.encode, _codec.key_of
         n, logged, kept, unlogged, last = 0, 0, [], 0, None
         try:
             for eid, data in txn.cursor(self.ledger.dbs["events"]):
-                if self.shard == 0:
-                    if last is not None and eid <= last:
-                        add("structure", f"events: keys out of order at {eid.hex()[:16]}")
-                    last = eid
+                if self.shard == 0 and last is not None and eid <= last:
+                    add("structure", f"events: keys out of order at {eid.hex()[:16]}")
+                last = eid
                 if not self.mine(key_of_event(data)):
                     continue
                 n += 1
@@ -221,16 +200,14 @@ class Shard:
                     continue
                 try:
                     event = audit_decoder.decode(data)
-                    if type(event) is not Retracted:
-                        prov = provenance_decoder.decode(event.provenance)
+                    prov = None if type(event) is Retracted else provenance_decoder.decode(event.provenance)
                 except msgspec.DecodeError as exc:
                     add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
                     continue
-                if type(event) is not Retracted:
+                if prov is not None:
                     canonical = encode(prov)
                     if key_of(canonical) != event.key:
-                        add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its "
-                                    f"provenance")
+                        add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance")
                     if canonical != bytes(event.provenance):
                         add("events", f"event {eid.hex()[:16]}: its provenance is not in canonical form")
                     event = msgspec.structs.replace(event, provenance=prov)  # the reducer reads its fields
@@ -243,54 +220,44 @@ class Shard:
                     kept.append((seq, eid, event))
         except lmdb.Error as exc:
             add("structure", f"events: walk failed after {n} events of shard {self.shard}: {exc}")
+        self.walked["events"] = n
         return n, logged, kept
 
     def _retraction_ok(self, txn, eid: bytes, event) -> bool:
-        """Whether a logged retraction names an event an append would accept: one stored, of its own key, not
-        itself a retraction. One that does not is named, and left out of the replay (which could not apply
-        it); the views it touched then differ from the replay, and are named too."""
+        """Whether a logged retraction names an event an append would accept (stored, of its own key, not itself a
+        retraction). One that does not is named and left out of the replay, which could not apply it."""
         data = txn.get(event.target, db=self.ledger.dbs["events"])
         try:
             target = None if data is None else key_decoder.decode(data)
         except msgspec.DecodeError:
             target = None
-        problem = None
-        if target is None:
-            problem = "which is not stored" if data is None else "which cannot be decoded"
-        elif target.key != event.key:
-            problem = "of another key"
-        elif type(target).__name__ == "RetractedKey":
-            problem = "itself a retraction"
+        problem = ("which is not stored" if data is None else "which cannot be decoded" if target is None
+                   else "of another key" if target.key != event.key
+                   else "itself a retraction" if type(target) is RetractedKey else None)
         if problem is not None:
             self.found.add("events", f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, {problem}")
         return problem is None
 
     def views(self, txn, kept: list) -> dict:
-        """Replays this shard's events through the Reducer, in log order, and compares its part of every view
-        with the result; returns the replay's partial scope entries."""
-        dbs, get = self.ledger.dbs, txn.get
+        """Compares this shard's part of every view with its events' replay; returns the replay's scope entries."""
+        dbs = self.ledger.dbs
         kept.sort(key=lambda item: item[0])
-        memory = MemoryStore(txn, dbs)
-        replay_into(memory, kept)
-        rebuilt = memory.data
-        owned = {
-            "current": lambda: self._range(txn.cursor(dbs["current"]), "current"),
-            "history": lambda: self._range(txn.cursor(dbs["history"]), "history"),
-            "failures": lambda: self._range(txn.cursor(dbs["failures"]), "failures"),
-            # scope id (16) + shape id (16) + row key: owned by the row key
-            "scope_index": lambda: ((k, v) for k, v in txn.cursor(dbs["scope_index"]) if self.mine(k[32:])),
-            # target event id -> retraction id: owned by the target's key
-            "retracted": lambda: ((k, v) for k, v in txn.cursor(dbs["retracted"])
-                                  if self.mine(key_of_event(get(k, db=dbs["events"])))),
-        }
+        rebuilt = MemoryStore(txn, dbs)
+        replay_into(rebuilt, kept)
+        owned = {name: lambda name=name: self._range(txn.cursor(dbs[name]), name) for name in RANGED}
+        # scope id (16) + shape id (16) + row key: owned by the row key
+        owned["scope_index"] = lambda: ((k, v) for k, v in txn.cursor(dbs["scope_index"]) if self.mine(k[32:]))
+        # target event id -> retraction id: owned by the target's key
+        owned["retracted"] = lambda: ((k, v) for k, v in txn.cursor(dbs["retracted"])
+                                      if self.mine(key_of_event(txn.get(k, db=dbs["events"]))))
         for name, walk in owned.items():
             try:
                 stored = dict(walk())
             except lmdb.Error as exc:
                 self.found.add("structure", f"{name}: read failed in shard {self.shard}: {exc}")
                 continue
-            self._compare(name, stored, rebuilt[name])
-        return {sid: opened("scopes", sid, v, ScopeEntry) for sid, v in rebuilt["scopes"].items()}
+            self._compare(name, stored, rebuilt.data[name])
+        return {sid: opened("scopes", sid, v, ScopeEntry) for sid, v in rebuilt.data["scopes"].items()}
 
     def _compare(self, name: str, stored: dict[bytes, bytes], rebuilt: dict[bytes, bytes]) -> None:
         if stored == rebuilt:
@@ -306,8 +273,7 @@ class Shard:
             add("views", f"{name}: entry {k.hex()[:24]} of the log's replay is not stored")
 
     def stored_scopes(self, txn) -> dict[bytes, bytes]:
-        """The stored scopes view, for the parent to compare with the sum of the shards' replays: read here,
-        where a damaged page faults a shard's process, not the parent."""
+        """The stored scopes view for the parent: read here, where a damaged page faults a shard's process."""
         try:
             return dict(txn.cursor(self.ledger.dbs["scopes"]))
         except lmdb.Error as exc:
@@ -319,18 +285,16 @@ def main(shard: int, shards: int, path: str) -> dict:
     from .store import Ledger
 
     gc.disable()  # bulk decoding: the objects made here hold no cycles
-    found = Findings()
     ledger = Ledger.open(path, readonly=True, readahead=True)  # whole-file scans: let the kernel read ahead
-    work = Shard(ledger, shard, shards, found)
+    work = Shard(ledger, shard, shards, Findings())
     with ledger, ledger.read() as txn:
         work.structure(txn)
         seqs, last_seq, log_entries = work.log(txn)
-        header_events = txn.stat(ledger.dbs["events"])["entries"]
-        view_entries = {name: txn.stat(ledger.dbs[name])["entries"] for name in RANGED}
+        entries = {name: txn.stat(ledger.dbs[name])["entries"] for name in ("events",) + RANGED}
         n_events, n_logged, kept = work.events(txn, seqs)
         del seqs
         scopes = work.views(txn, kept)
         stored_scopes = work.stored_scopes(txn) if shard == 0 else {}
-    return {"stored_scopes": stored_scopes, "findings": found.items, "counts": found.counts, "events": n_events,
-            "header_events": header_events, "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
-            "walked": work.walked, "view_entries": view_entries, "scopes": scopes}
+    return {"stored_scopes": stored_scopes, "findings": work.found.items, "counts": work.found.counts,
+            "events": n_events, "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
+            "walked": work.walked, "entries": entries, "scopes": scopes}

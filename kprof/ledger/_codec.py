@@ -1,10 +1,9 @@
-"""Canonical bytes and content addresses. One reused Encoder with deterministic order for everything hashed.
-
-Every hash input starts with a versioned tag, so a future format can change its bytes without any
-chance of colliding with an address of this one.
-"""
+"""Canonical bytes and content addresses: one deterministic Encoder for everything hashed, and every hash input
+opened by a versioned tag (a future format's addresses cannot collide with these)."""
 
 from __future__ import annotations
+
+import functools
 
 import msgspec
 from blake3 import blake3
@@ -37,16 +36,11 @@ def stored_event(data: bytes, eid: bytes):
                              f"restore the file from a copy") from None
 
 
-def event_bytes(event) -> bytes:
-    return encode(event)
-
-
 _EVENT_HASHER = blake3(EVENT_TAG)
 
 
 def event_id(data: bytes) -> bytes:
-    """Event id of an event's canonical bytes: blake3(EVENT_TAG + data), from a copy of a hasher that has taken
-    the tag (no concatenated copy of the event; ~15% faster on events of ~800 bytes)."""
+    """blake3(EVENT_TAG + data), from a copy of a hasher that took the tag (no concatenated copy of the event)."""
     return _EVENT_HASHER.copy().update(data).digest()
 
 
@@ -54,7 +48,7 @@ _KEY_HASHER = blake3(KEY_TAG)
 
 
 def key_of(provenance_bytes) -> bytes:
-    """The key of a provenance's canonical bytes (any buffer): blake3(KEY_TAG + bytes)."""
+    """blake3(KEY_TAG + a provenance's canonical bytes)."""
     return _KEY_HASHER.copy().update(provenance_bytes).digest()
 
 
@@ -63,16 +57,15 @@ def provenance_key(provenance: Provenance) -> bytes:
 
 
 def provenance_prefix(provenance_without_shape: Provenance) -> bytes:
-    """Bytes that precede the shape in the canonical encoding (shape is the last field).
-
-    `KEY_TAG + prefix + encode(shape)` equals `KEY_TAG + encode(provenance)`; a test holds the two equal.
-    """
+    """The bytes before the shape (the last field) in a provenance's encoding: prefix + encode(shape) equals
+    encode(provenance), as a test holds."""
     data = encode(msgspec.structs.replace(provenance_without_shape, shape={"": 0}))
     tail = encode({"": 0})
     assert data.endswith(tail)  # internal invariant of the encoding, not input validation
     return data[: -len(tail)]
 
 
+@functools.lru_cache(maxsize=1024)  # a ledger's events share a few scopes
 def scope_id(table: str, backend: str, gpu_key: str) -> bytes:
     return blake3(SCOPE_TAG + encode([table, backend, gpu_key])).digest()[:16]
 
@@ -81,5 +74,4 @@ _SHAPE_HASHER = blake3(SHAPE_TAG)
 
 
 def shape_id(shape_bytes: bytes) -> bytes:
-    """blake3(SHAPE_TAG + shape bytes), its first 16 bytes (asked of the hash's output directly: no slice)."""
     return _SHAPE_HASHER.copy().update(shape_bytes).digest(16)

@@ -1,16 +1,10 @@
 """The answers of a ledger's recent bulk lookups, for a reader that asks for the same specs again and again.
 
-A view's answer to a list of specs depends on the specs' canonical shapes and on the scope's current rows,
-nothing else, and the scope's view root names those rows: an additive hash over every (key, current event id)
-of the scope (see `_reducer`), so any append, re-measurement or retraction in the scope changes it. An answer is
-remembered under a digest of the request's canonical shapes, with the root read in the snapshot that answered
-it (and the count of `rebuild_views` repairs, which rewrite the views without an event); a later lookup whose own
-snapshot reads the same stamp gets it back, exactly. The first lookup that reads another stamp drops every
-answer of that view.
-
-Bounded: at most `max_specs` specs' answers over all of a ledger's views (a request larger than that is never
-remembered) and `MAX_ENTRIES` requests, the least recently used dropped first.
-"""
+An answer depends only on the request's canonical shapes and the scope's current rows, which its view root names
+(see `_reducer`: any append, re-measurement or retraction changes it). An answer is kept under a digest of the
+shapes, stamped with the root its snapshot read (and the count of `rebuild_views` repairs, which rewrite views
+without an event): a lookup reading the same stamp gets it back exactly; the first reading another drops the
+view's answers. Bounded: `max_specs` specs in all (a larger request is never kept), `MAX_ENTRIES` requests, LRU."""
 
 from __future__ import annotations
 
@@ -35,10 +29,7 @@ class Memo:
     def get(self, view: bytes, stamp: bytes, op: str, digest: Hashable):
         """The answer remembered for this request under this stamp, or None."""
         with self._lock:
-            if self._stamps.get(view) != stamp:
-                self._restamp(view, stamp)
-                return None
-            entry = self._entries.get((view, op, digest))
+            entry = self._entries.get((view, op, digest)) if self._stamped(view, stamp) else None
             if entry is None:
                 return None
             self._entries.move_to_end((view, op, digest))
@@ -48,27 +39,20 @@ class Memo:
         if specs > self.max_specs:
             return
         with self._lock:
-            if self._stamps.get(view) != stamp:
-                self._restamp(view, stamp)
-            old = self._entries.pop((view, op, digest), None)
-            if old is not None:
-                self.specs -= old[0]
+            self._stamped(view, stamp)
+            self.specs += specs - self._entries.pop((view, op, digest), (0,))[0]
             self._entries[(view, op, digest)] = (specs, answer)
-            self.specs += specs
             while self.specs > self.max_specs or len(self._entries) > MAX_ENTRIES:
                 self.specs -= self._entries.popitem(last=False)[1][0]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._stamps.clear()
-            self.specs = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _restamp(self, view: bytes, stamp: bytes) -> None:
-        """Drops the view's answers (read under another stamp) and takes the new stamp."""
+    def _stamped(self, view: bytes, stamp: bytes) -> bool:
+        """Whether the view's answers were read under `stamp`; where not, drops them and takes `stamp`."""
+        if self._stamps.get(view) == stamp:
+            return True
         for key in [key for key in self._entries if key[0] == view]:
             self.specs -= self._entries.pop(key)[0]
         self._stamps[view] = stamp
+        return False

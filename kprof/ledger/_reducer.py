@@ -1,25 +1,24 @@
-"""The one place that says how an event changes the views. Used by append, replay and audit alike.
+"""The one place that says how an event changes the views: append, rebuild and audit all apply events here.
 
-Views (all rebuildable from the log); every stored value is a named msgspec Struct, encoded as a msgpack array:
+Views (rebuildable from the log), every value a named msgspec Struct encoded as a msgpack array:
   current      key -> Sealed(CurrentRow(kind, event id, Summary)): the row a reader sees, sealed with a digest of
                the key and the row's bytes that every read checks (`opened`, `_verify.rows`)
   scope_index  scope id (16) + shape id (16) + key -> b"": every key ever seen in a scope, by shape
-  history      key -> HistoryEntry(status, seqs): the kind of the key's current row ("m" measured, "f" failed, "-"
-               none: every attempt retracted) and the log seq of every event of the key, in log order. `missing`
-               asks it about the keys `current` does not hold: a key damaged out of `current` does not read as
+  history      key -> HistoryEntry(status, seqs): the kind of the key's current row ("m", "f", or "-": every attempt
+               retracted) and the seq of each of its events. A key damaged out of `current` does not read as
                missing while its history says it has a row
-  failures     key -> event id of the key's latest (non-retracted) failure
+  failures     key -> event id of the key's latest non-retracted failure
   retracted    target event id -> retraction event id
   scopes       scope id -> Sealed(ScopeEntry): the scope's names, row count, root accumulator and contract ids
 
-Current row of a key: its latest non-retracted attempt, measured or failed (the row's status is
-`failed` when the last attempt failed, as the contract defines; the earlier good row stays in history and
-comes back if the failure is retracted). The scope's view root is an additive multiset hash over (key, current
-event id): it can be updated in O(1) per change and does not depend on the order rows arrived in.
+A key's current row is its latest non-retracted attempt, measured or failed (a failure retracted brings the
+earlier good row back). The view root is an additive multiset hash over (key, current event id): O(1) per change,
+independent of the order rows arrived in.
 """
 
 from __future__ import annotations
 
+import functools
 from itertools import repeat
 from typing import Literal
 
@@ -28,7 +27,7 @@ from blake3 import blake3
 
 from ..errors import IntegrityError
 from . import _codec
-from .events import KIND, Summary, summary_of
+from .events import KIND, Contract, Summary, summary_of
 
 MEASURED, FAILED, RETRACTED = "m", "f", "r"
 NO_ROW = "-"  # a history's status when the key has no current row (its every attempt retracted)
@@ -46,15 +45,14 @@ def seq_of(log_key: bytes) -> int:
 
 
 class Sealed(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A stored record with the digest that binds it to its key: `body` is the record's msgpack bytes, `digest`
-    blake3(ROW_TAG + key + body), 16 bytes. A record damaged, or moved under another key, fails it."""
+    """A record's msgpack bytes and blake3(ROW_TAG + key + body)[:16]: damaged, or moved to another key, it fails."""
 
     body: msgspec.Raw
     digest: bytes
 
 
 class CurrentRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A key's current row: its kind, the event behind it and that event's Summary (what a lookup returns)."""
+    """A key's current row: its kind, the event behind it and that event's Summary."""
 
     kind: Literal["m", "f"]
     event_id: bytes
@@ -62,7 +60,7 @@ class CurrentRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class RowHead(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A current row's kind and event id alone: decoding skips the Summary (a count of missing rows, a merge)."""
+    """A current row's kind and event id alone (decoding skips the Summary)."""
 
     kind: Literal["m", "f"]
     event_id: bytes
@@ -82,9 +80,8 @@ class HistoryStatus(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class ScopeEntry(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A `scopes` record: the scope's names, how many current rows it has, its root accumulator (32 bytes,
-    big-endian, reduced mod 2^256) and the ids of the contracts its events carried. The view root a reader
-    reports comes from this entry, so it is sealed like a row."""
+    """A `scopes` record: names, current rows, root accumulator (32 bytes big-endian, mod 2^256) and the ids of
+    the contracts its events carried. Readers report the view root from it, so it is sealed like a row."""
 
     table: str
     backend: str
@@ -93,10 +90,6 @@ class ScopeEntry(msgspec.Struct, array_like=True, frozen=True, gc=False):
     acc: bytes
     contracts: list[bytes]
 
-    @property
-    def root_acc(self) -> int:
-        return int.from_bytes(self.acc, "big")
-
 
 _ROW_HASHER = blake3(_codec.ROW_TAG)  # copied per record, never updated
 _sealed = msgspec.msgpack.Decoder(Sealed)
@@ -104,7 +97,6 @@ _decoders = {t: msgspec.msgpack.Decoder(t) for t in (CurrentRow, RowHead, Histor
 
 
 def seal_digest(key: bytes, body) -> bytes:
-    """blake3(ROW_TAG + key + body), 16 bytes: the digest that seals a record's bytes to its key."""
     return _ROW_HASHER.copy().update(key).update(body).digest(16)
 
 
@@ -116,7 +108,6 @@ def seal_digests(keys: list[bytes], bodies) -> list[bytes]:
 
 
 def seal(key: bytes, record) -> bytes:
-    """The stored bytes of `record` under `key`: Sealed(its bytes, their digest)."""
     body = _codec.encode(record)
     return _codec.encode(Sealed(msgspec.Raw(body), seal_digest(key, body)))
 
@@ -127,8 +118,8 @@ def damaged_entry(db: str, key: bytes, why: str) -> IntegrityError:
 
 
 def opened(db: str, key: bytes, raw: bytes, record_type: type):
-    """The record of type `record_type` that sealed value `raw` of `key` holds, its digest checked; IntegrityError
-    naming the entry where it fails or does not decode."""
+    """The `record_type` record that the sealed value `raw` of `key` holds; IntegrityError naming the entry where its
+    digest fails or it does not decode."""
     try:
         sealed = _sealed.decode(raw)
         if seal_digest(key, sealed.body) != sealed.digest:
@@ -139,7 +130,7 @@ def opened(db: str, key: bytes, raw: bytes, record_type: type):
 
 
 def history_entry(key: bytes, raw: bytes | None) -> HistoryEntry:
-    """A stored history value (None: a key without one, an empty entry); IntegrityError naming it where damaged."""
+    """A stored history value (None: an empty entry); IntegrityError naming it where damaged."""
     if raw is None:
         return HistoryEntry(NO_ROW, [])
     try:
@@ -149,30 +140,12 @@ def history_entry(key: bytes, raw: bytes | None) -> HistoryEntry:
 
 
 def contract_id(prov) -> bytes:
-    return blake3(_codec.encode(prov.contract)).digest()[:8]
+    return _contract_id(prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
 
 
-class ProvenanceIds:
-    """The scope id and contract id of provenances, each computed once per distinct value (a ledger's events
-    share a few)."""
-
-    def __init__(self):
-        self._sids: dict[tuple, bytes] = {}
-        self._cids: dict[tuple, bytes] = {}
-
-    def scope(self, prov) -> bytes:
-        names = (prov.table, prov.backend, prov.gpu_key)
-        sid = self._sids.get(names)
-        if sid is None:
-            sid = self._sids[names] = _codec.scope_id(*names)
-        return sid
-
-    def contract(self, prov) -> bytes:
-        contract = (prov.algorithm, prov.layout, prov.numerics, prov.timing, prov.profiler_revision)
-        cid = self._cids.get(contract)
-        if cid is None:
-            cid = self._cids[contract] = contract_id(prov)
-        return cid
+@functools.lru_cache(maxsize=1024)  # a ledger's events share a few contracts
+def _contract_id(*contract) -> bytes:
+    return blake3(_codec.encode(Contract(*contract))).digest()[:8]
 
 
 def row_term(key: bytes, eid: bytes) -> int:
@@ -186,8 +159,7 @@ def index_key(sid: bytes, shape: bytes, key: bytes) -> bytes:
 
 
 class ScopeTotals(msgspec.Struct):
-    """A scope's entry as the reducer keeps it while it applies a batch: the accumulator as an integer (terms
-    are added without the modulo until `entry`), the contract ids as a set."""
+    """A scope's entry while a batch is applied: the accumulator an integer, the contract ids a set."""
 
     table: str
     backend: str
@@ -202,7 +174,8 @@ class ScopeTotals(msgspec.Struct):
 
     @classmethod
     def stored(cls, entry: ScopeEntry) -> "ScopeTotals":
-        return cls(entry.table, entry.backend, entry.gpu_key, entry.rows, entry.root_acc, set(entry.contracts))
+        return cls(entry.table, entry.backend, entry.gpu_key, entry.rows, int.from_bytes(entry.acc, "big"),
+                   set(entry.contracts))
 
     def entry(self) -> ScopeEntry:
         return ScopeEntry(self.table, self.backend, self.gpu_key, self.rows, (self.acc % MOD).to_bytes(32, "big"),
@@ -229,22 +202,17 @@ class Store:
 
 
 class Reducer:
-    """Applies events to a Store. Scope accumulators are cached and flushed once per batch.
-
-    Events may be the full records or their heads (events.KIND maps each type to its kind letter):
-    the views need only the key, provenance, summary fields and retraction target. The stored values it reads
-    back (a key's row and history, a scope's entry) are checked as a reader checks them: a write into a damaged
-    ledger fails with an IntegrityError naming the entry, and its transaction is aborted.
-    """
+    """Applies events (full records or their heads: see events.KIND) to a Store; scope entries are flushed once
+    per batch. What it reads back (a key's row and history, a scope's entry) is checked as a reader checks it: a
+    write into a damaged ledger fails with an IntegrityError naming the entry, and its transaction is aborted."""
 
     def __init__(self, store: Store):
         self.store = store
         self._put, self._get = store.put, store.get
         self._scopes: dict[bytes, ScopeTotals] = {}
-        self._ids = ProvenanceIds()
 
     def _scope(self, prov) -> tuple[bytes, ScopeTotals]:
-        sid = self._ids.scope(prov)
+        sid = _codec.scope_id(prov.table, prov.backend, prov.gpu_key)
         entry = self._scopes.get(sid)
         if entry is None:
             raw = self.store.get("scopes", sid)
@@ -264,7 +232,7 @@ class Reducer:
         prov = event.provenance
         sid, entry = self._scope(prov)
         put("scope_index", index_key(sid, encode(prov.shape), key), b"")
-        entry.contracts.add(self._ids.contract(prov))
+        entry.contracts.add(contract_id(prov))
         if kind == FAILED:
             put("failures", key, eid)
         self._set_current(entry, key, self._get("current", key), CurrentRow(kind, eid, summary_of(event)), history)
@@ -289,8 +257,7 @@ class Reducer:
             store.delete("current", key)
 
     def _retract(self, event, eid: bytes, history: HistoryEntry) -> None:
-        """The key's current row becomes its latest attempt that is not retracted (or none); `history` is the key's,
-        this retraction's seq included."""
+        """The key's current row becomes its latest attempt not retracted (or none)."""
         s = self.store
         s.put("retracted", event.target, eid)
         target = s.event(event.target)

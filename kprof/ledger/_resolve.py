@@ -29,8 +29,7 @@ def _by_prefix(txn, db, prefix_hex: str) -> list[bytes]:
 
 
 def resolve(ledger, ref: str) -> Resolved:
-    """The event or key `ref` names, its history and its current event, every event re-hashed (see _verify): a
-    damaged one is an IntegrityError (exit 3), never shown."""
+    """The event or key `ref` names, its history and its current event, every event re-hashed (see _verify)."""
     text = ref.strip().lower()
     if text.startswith("kprof."):
         text = text[len("kprof."):]
@@ -66,8 +65,8 @@ def resolve(ledger, ref: str) -> Resolved:
 
 
 def _check_neighbours(txn, db, path: str, prefix_hex: str) -> None:
-    """Where no event id starts with the prefix, the stored ids either side of where it would lie must hash from
-    their bytes: an id damaged in place would otherwise read as "no such event"."""
+    """Where no event id has the prefix, the ids either side must hash from their bytes: an id damaged in place
+    would otherwise read as "no such event"."""
     even = prefix_hex[: len(prefix_hex) // 2 * 2]
     cursor = txn.cursor(db)
     items = []

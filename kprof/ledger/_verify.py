@@ -1,10 +1,7 @@
-"""Verified reads: every row a read returns is checked.
-
-A `current` value is Sealed(CurrentRow): it is trusted once its digest, recomputed over the key looked up and the
-row's bytes, matches. A key `current` does not hold is taken as missing only where `history` agrees (no entry, or
-the status of a key whose every attempt is retracted): one damaged byte in either tree cannot turn a row into a
-missing one. Any LMDB error, decode error or failed check becomes an IntegrityError naming the key or the
-sub-database (exit 3), never a traceback or a wrong answer.
+"""Verified reads. A `current` value is trusted once its seal's digest, recomputed over the key looked up and the
+row's bytes, matches; a key `current` does not hold is missing only where `history` agrees, so one damaged byte in
+either tree cannot turn a row into a missing one. Any LMDB error, decode error or failed check becomes an
+IntegrityError naming the key or sub-database (exit 3), never a traceback or a wrong answer.
 """
 
 from __future__ import annotations
@@ -50,8 +47,7 @@ def values(cursor: lmdb.Cursor, keys: list[bytes]) -> list:
 
 
 def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
-    """The stored event `eid` (its bytes `data`), decoded once its bytes hash to `eid` (and its key, where given,
-    is `key`)."""
+    """The stored event `eid` (bytes `data`), decoded once they hash to `eid` (and its key, where given, is `key`)."""
     if data is None:
         raise damaged(path, f"event {eid.hex()} is not stored")
     if _codec.event_id(data) != eid:
@@ -63,13 +59,9 @@ def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
 
 
 def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histories: dict | None = None) -> list:
-    """Per key, None (no current row) or its current row, verified (see the module): a CurrentRow, or with
-    `summaries=False` a RowHead (kind and event id; a count of missing rows, a merge). `histories`: each key
-    without a current row is put in it, with its stored history value (None: the key has no history; a merge asks
-    whether its events can be stored already).
-
-    The checks run over whole columns in C-level maps and compares (no Python frame per row); a column that
-    differs is then walked to name the first damaged row."""
+    """Per key, None or its verified current row: a CurrentRow, or with `summaries=False` a RowHead. `histories`
+    receives each key without a current row and its stored history value (a merge asks whether the key has
+    events). The checks run over whole columns in C-level maps; a column that fails is walked to name the row."""
     with reading(path, "current"):
         stored = values(txn.cursor(dbs["current"]), keys)
     found = [i for i, v in enumerate(stored) if v is not None]
@@ -80,7 +72,6 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
     if digests != list(map(_digest, sealed)):
         i = next(i for i, s in enumerate(sealed) if digests[i] != s.digest)
         raise damaged(path, f"the current row of key {fkeys[i].hex()} fails its digest")
-    # Bodies that pass their digest are the bytes a writer encoded, so they decode as rows
     decoder = _row if summaries else _head
     out: list = [None] * len(keys)
     for i, row in zip(found, map(decoder.decode, bodies)):

@@ -1,7 +1,5 @@
-"""Writing a ledger: the reducer's Store over one LMDB write transaction, events in their canonical form, and
-the rebuild of an older file's views (the upgrade a writer runs on open). `kprof.ledger.store` appends through
-these.
-"""
+"""Writing a ledger: the reducer's Store over one LMDB write transaction, events in their canonical form, and the
+rebuild of the views. `kprof.ledger.store` writes through these."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ class TxnStore:
         self.known: dict[str, dict] = {}  # db -> {key read ahead: its value, or None where absent}
 
     def read_ahead(self, db: str, keys: list) -> None:
-        """Reads `keys` (sorted, distinct) of `db` in one pass (sorted keys share B-tree pages: far fewer page
-        visits than one random get each); later gets of these keys are answered from memory."""
+        """Reads sorted, distinct `keys` of `db` in one pass (they share B-tree pages) for later gets to answer."""
         known = self.known[db] = dict.fromkeys(keys)
         known.update(self.txn.cursor(self.dbs[db]).getmulti(keys))
 
@@ -56,18 +53,14 @@ class TxnStore:
         self.deleting.add(db)
 
     def flush(self) -> None:
-        txn = self.txn
         for db, buf in self.pending.items():
-            if not buf:
-                continue
-            handle = self.dbs[db]
-            puts = sorted(buf.items())  # keys are unique: values are never compared
+            handle, puts = self.dbs[db], sorted(buf.items())  # keys are unique: values are never compared
             if db in self.deleting:
                 for k in [k for k, v in puts if v is _DELETED]:
-                    txn.delete(k, db=handle)
+                    self.txn.delete(k, db=handle)
                 puts = [item for item in puts if item[1] is not _DELETED]
             if puts:
-                txn.cursor(handle).putmulti(puts, append=db == "log")
+                self.txn.cursor(handle).putmulti(puts, append=db == "log")
             buf.clear()
         self.deleting.clear()
         self.known.clear()  # what was read ahead may have been written since: read the transaction again
@@ -81,32 +74,28 @@ class TxnStore:
 
 
 def canonical(event, index: int):
-    """(the event as the ledger reads it back, its canonical bytes). An event is stored as it decodes: checked
-    against the schema (msgspec Structs do not validate when built), and with each value of the type its field
-    declares (an int given for a float field is stored as that float), so appending the event that `ledger.event`
-    returns is a no-op, and no event is stored that the ledger could not read back."""
-    data = _codec.event_bytes(event)
+    """(the event as the ledger reads it back, its canonical bytes): as it decodes, checked against the schema (msgspec
+    Structs do not validate when built), each value of its field's type (an int for a float field becomes a float).
+    So appending what `ledger.event` returns is a no-op, and nothing is stored that the ledger could not read back."""
+    data = _codec.encode(event)
     try:
         stored = _codec.event_decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise UsageError(f"event {index} of the batch does not fit the event schema: {exc}; build events with "
                          f"kprof.ledger.build") from None
-    again = _codec.event_bytes(stored)
+    again = _codec.encode(stored)
     return (event, data) if again == data else (stored, again)
 
 
 def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
-    """Drops the `views` sub-databases and rebuilds them from the log through the Reducer, streamed, in `txn`, in
-    the current format; returns the events replayed. The rebuild is counted (REBUILT), so a reader's memo of
-    earlier answers does not outlive it (a repair can change rows the view root, read from `scopes`, does not
-    name). Used by the opening of an older file (see `_codec.FORMAT_VERSION`) and by
-    `Ledger.rebuild_views`, a repair."""
+    """Rebuilds the `views` from the log through the Reducer, streamed, in `txn` (an older file's upgrade on open, see
+    `_codec.FORMAT_VERSION`; `Ledger.rebuild_views`, a repair); returns the events replayed. REBUILT counts it, so a
+    reader's memo does not outlive a repair, which can change rows the view root (read from `scopes`) does not name."""
     for name in views:
         txn.drop(dbs[name], delete=False)
     reducer, events, n = Reducer(TxnStore(txn, dbs)), dbs["events"], 0
-    for k, eid in txn.cursor(dbs["log"]):
+    for n, (k, eid) in enumerate(txn.cursor(dbs["log"]), 1):
         reducer.apply(_codec.stored_event(txn.get(eid, db=events) or b"", eid), eid, seq_of(k))
-        n += 1
     reducer.flush()
     reducer.store.flush()
     try:
@@ -118,15 +107,11 @@ def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
 
 
 def append_events(txn, dbs: dict, prepared) -> AppendResult:
-    """Appends through `Reducer.apply`, reading the batch's event ids and keys first: any batch (repeats,
-    re-measurements, retractions)."""
-    meta = dbs["meta"]
-    seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=meta))
-    store = TxnStore(txn, dbs)
-    reducer = Reducer(store)
-    added, existing = [], []
-    # What the batch reads (its event ids, its keys' rows and histories) is read in sorted passes, not one
-    # random get each.
+    """Appends any batch (repeats, re-measurements, retractions) through `Reducer.apply`. What it reads (its event
+    ids, its keys' rows and histories) is read ahead in sorted passes."""
+    seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=dbs["meta"]))
+    reducer = Reducer(TxnStore(txn, dbs))
+    store, added, existing = reducer.store, [], []
     store.read_ahead("events", sorted({eid for _e, _d, eid in prepared}))
     keys = sorted({event.key for event, _d, _eid in prepared})
     store.read_ahead("current", keys)
@@ -150,6 +135,6 @@ def append_events(txn, dbs: dict, prepared) -> AppendResult:
         added.append(eid)
     reducer.flush()
     store.flush()
-    txn.put(b"last_seq", _codec.encode(seq), db=meta)
+    txn.put(b"last_seq", _codec.encode(seq), db=dbs["meta"])
     return AppendResult(added, existing, seq)
 

@@ -1,20 +1,16 @@
-"""`kprof audit`: proves every row can be replayed from the log, or lists what cannot.
-
-The work is sharded by row key over `jobs` processes of a process pool (see _audit_worker): each walks its share of
-the sub-databases (the parent adds up the counts of the views walked by key range), recomputes its events' ids
-and keys, replays its events through the Reducer and compares its part of every view; the parent sums their
-scope accumulators (the view root is an additive hash) and compares the scopes view.
-A shard's process killed by the OS (a damaged page faults the reader) is itself a finding: the file's structure
-is damaged.
-"""
+"""`kprof audit`: proves every row can be replayed from the log, or lists what cannot. The work is sharded by row key
+over `jobs` processes (see _audit_worker); the parent adds up their counts against the headers', sums their scope
+accumulators (the view root is an additive hash) and compares the scopes view."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from itertools import islice
 from typing import NamedTuple
 
 import lmdb
@@ -45,21 +41,20 @@ JOBS = min(8, os.cpu_count() or 2)  # the default: a shard process per core, up 
 
 
 def _shards(path: str, jobs: int, work=_audit_worker.main) -> list[dict]:
-    """Every shard's result (`work(shard, jobs, path)`), each in a spawned process (LMDB handles cannot cross a
-    fork). Where one dies, each shard not finished is reported as killed: the pool cannot say which one the OS
-    stopped."""
+    """Every shard's `work(shard, jobs, path)`, each in a spawned process (LMDB handles cannot cross a fork). Where
+    one dies, each shard not finished is reported killed: the pool cannot say which one the OS stopped."""
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(work, shard, jobs, path) for shard in range(jobs)]
         out = []
         for shard, future in enumerate(futures):
             try:
                 out.append(future.result())
+                continue
             except BrokenProcessPool:
-                out.append({"findings": [f"structure: shard {shard}'s process was killed while it read the file: "
-                                         f"the file's pages are damaged"], "counts": {"structure": 1}, "fatal": True})
+                text = f"shard {shard}'s process was killed while it read the file: the file's pages are damaged"
             except Exception as exc:  # noqa: BLE001 - any other failure is a finding, with its reason
-                out.append({"findings": [f"structure: shard {shard}: {type(exc).__name__}: {exc}"],
-                            "counts": {"structure": 1}, "fatal": True})
+                text = f"shard {shard}: {type(exc).__name__}: {exc}"
+            out.append({"findings": [f"structure: {text}"], "counts": {"structure": 1}, "fatal": True})
         return out
 
 
@@ -83,25 +78,19 @@ def _scopes(results: list[dict], add) -> None:
 
 def _unstored(path: str, add) -> None:
     """Lists the logged events missing from the event store (run only when the shards' counts say some are)."""
-    ledger = Ledger.open(path, readonly=True)
-    try:
-        with ledger.read() as txn:
-            events, listed = ledger.dbs["events"], 0
-            for k, eid in txn.cursor(ledger.dbs["log"]):
-                if txn.get(eid, db=events) is None:
+    with Ledger.open(path, readonly=True) as ledger:
+        try:
+            with ledger.read() as txn:
+                events = ledger.dbs["events"]
+                missing = ((k, eid) for k, eid in txn.cursor(ledger.dbs["log"]) if txn.get(eid, db=events) is None)
+                for k, eid in islice(missing, MAX_LISTED):
                     add("log", f"seq {int.from_bytes(k, 'big')}: event {eid.hex()[:16]} is not in the event store")
-                    listed += 1
-                    if listed >= MAX_LISTED:
-                        break
-    except lmdb.Error as exc:  # the shards' walks name the damage; this listing stops at it
-        add("structure", f"log: listing the events missing from the store failed: {exc}")
-    finally:
-        ledger.close()
+        except lmdb.Error as exc:  # the shards' walks name the damage; this listing stops at it
+            add("structure", f"log: listing the events missing from the store failed: {exc}")
 
 
 def audit(path: str, jobs: int = JOBS) -> AuditReport:
-    """Audits the ledger at `path` in `jobs` shard processes. Damage is reported as findings; a file that is absent
-    raises."""
+    """Audits the ledger at `path` in `jobs` shard processes. Damage is reported as findings; an absent file raises."""
     started = time.perf_counter()
     if type(jobs) is not int or not 1 <= jobs <= 256:
         raise UsageError(f"--jobs {jobs!r}: the audit runs 1 to 256 shard processes; pass e.g. --jobs {JOBS}")
@@ -112,24 +101,18 @@ def audit(path: str, jobs: int = JOBS) -> AuditReport:
     except IntegrityError as exc:  # a file damaged past opening (truncated, header or format version damaged)
         return AuditReport(path, False, 0, 0, [f"structure: {exc}"], {"structure": 1}, time.perf_counter() - started)
     results = _shards(path, jobs)
-    findings: list[str] = []
-    counts: dict[str, int] = {}
+    findings = [text for res in results for text in res["findings"]]
+    counts = sum((Counter(res["counts"]) for res in results), Counter())
 
     def add(check: str, text: str) -> None:
-        counts[check] = counts.get(check, 0) + 1
+        counts[check] += 1
         findings.append(f"{check}: {text}")
 
-    for res in results:
-        findings += res["findings"]
-        for check, n in res["counts"].items():
-            counts[check] = counts.get(check, 0) + n
-    fatal = any(res.get("fatal") for res in results)
-    n_events = 0 if fatal else sum(res["events"] for res in results)
-    if not fatal:
-        if n_events != results[0]["header_events"]:
-            add("structure", f"events: header counts {results[0]['header_events']} entries, walk found {n_events}")
-        entries = results[0]["view_entries"]
-        for name in RANGED:  # each shard walked its key range of these views as it compared them
+    n_events = 0
+    if not any(res.get("fatal") for res in results):
+        n_events = sum(res["events"] for res in results)
+        entries = results[0]["entries"]
+        for name in ("events",) + RANGED:  # each shard counted its share of these as it read them
             walked = sum(res["walked"].get(name, 0) for res in results)
             if walked != entries[name]:
                 add("structure", f"{name}: header counts {entries[name]} entries, walk found {walked}")
@@ -137,4 +120,4 @@ def audit(path: str, jobs: int = JOBS) -> AuditReport:
         if sum(res["logged"] for res in results) != results[0]["log_entries"]:
             _unstored(path, add)
     last_seq = results[0].get("last_seq") or 0
-    return AuditReport(path, not counts, n_events, last_seq, findings, counts, time.perf_counter() - started)
+    return AuditReport(path, not counts, n_events, last_seq, findings, dict(counts), time.perf_counter() - started)

@@ -13,9 +13,8 @@ __all__ = ["measured", "failed", "retraction"]
 
 
 def _canonical(event):
-    """The event as its stored bytes decode: an int given for a float field (a clock NVML reports as 1980) becomes
-    1980.0 here, not only after a round trip, so the bytes hashed to its id are the canonical ones that a merge,
-    an audit and a segment reader recompute."""
+    """The event as its bytes decode (an int given for a float field, e.g. an NVML clock, becomes a float), so the
+    bytes hashed to its id are those a merge, an audit and a segment reader recompute."""
     try:
         return _codec.event_decoder.decode(_codec.encode(event))
     except msgspec.ValidationError:  # a value outside the schema: the ledger's append refuses it, naming it

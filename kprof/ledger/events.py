@@ -1,8 +1,7 @@
-"""The records of the ledger: provenance and the three immutable event kinds.
+"""The ledger's records: provenance and the three immutable event kinds, frozen msgspec Structs.
 
-Every record is a frozen msgspec Struct. New fields are appended with defaults and never retyped;
-`omit_defaults=True` keeps a defaulted new field out of the encoded bytes, so adding one does not
-change the key or id of any record written before it existed.
+New fields are appended with defaults and never retyped; `omit_defaults=True` keeps a defaulted field out of the
+bytes, so adding one changes no key or id of a record written before it existed.
 """
 
 from __future__ import annotations
@@ -11,34 +10,15 @@ from typing import Literal, Union
 
 import msgspec
 
-__all__ = [
-    "Scalar",
-    "Contract",
-    "Provenance",
-    "Stats",
-    "StatsHead",
-    "Method",
-    "Environment",
-    "Origin",
-    "Measured",
-    "Failed",
-    "Retracted",
-    "Event",
-    "EventKey",
-    "ERROR_KINDS",
-    "Summary",
-    "summary_of",
-    "EventHead",
-    "KIND",
-]
+__all__ = ["Scalar", "Contract", "Provenance", "Stats", "StatsHead", "Method", "Environment", "Origin", "Measured",
+           "Failed", "Retracted", "Event", "EventKey", "ERROR_KINDS", "Summary", "summary_of", "EventHead", "KIND"]
 
 Scalar = Union[bool, int, float, str]
 ERROR_KINDS = ("oom", "unsupported", "crash", "timeout", "wrong_result")
 
 
 class _Record(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=False, gc=False):
-    """Records hold no cycles, so they stay out of the cyclic GC: decoding a million of them would
-    otherwise trigger full collections over everything decoded so far."""
+    """Out of the cyclic GC (records hold no cycles): decoding a million would trigger full collections."""
 
 
 class Contract(_Record):
@@ -163,8 +143,8 @@ Event = Union[Measured, Failed, Retracted]
 
 
 class Summary(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """What a reader needs of a current row, stored beside the event id in the `current` view so a
-    lookup decodes one short flat array instead of the whole event (environment, raw samples)."""
+    """What a reader needs of a current row, stored in the `current` view: a lookup decodes one short flat array,
+    not the whole event (environment, raw samples)."""
 
     metrics: dict[str, float | None] | None
     measured_at: float
@@ -209,11 +189,9 @@ EventHead = Union[MeasuredHead, FailedHead, Retracted]
 
 
 class MeasuredAudit(msgspec.Struct, frozen=True, gc=False, tag="measured"):
-    """A measured event as the audit reads it: the provenance stays in its canonical bytes (hashed for the
-    key as stored; its fields are decoded once per distinct prefix, not once per event). What the views do
-    not use (method, environment, origin, samples) is skipped: decoding it all doubled the decoding's cost,
-    ~1 s of a million-event audit, for fields that only a writer bypassing `append`'s schema check could get
-    wrong, and whose id check then still holds."""
+    """A measured event as the audit reads it: the provenance as its stored bytes (hashed for the key), and
+    nothing the views do not use (decoding method, environment, origin and samples doubled the decoding's cost;
+    the event id's check covers their bytes)."""
 
     key: bytes
     provenance: msgspec.Raw
@@ -223,8 +201,7 @@ class MeasuredAudit(msgspec.Struct, frozen=True, gc=False, tag="measured"):
 
 
 class FailedAudit(msgspec.Struct, frozen=True, gc=False, tag="failed"):
-    """A failed event as the audit reads it: decoded whole, so checked against the schema (its error kind
-    above all, which appends did not check before they decoded each event); failures are few."""
+    """A failed event as the audit reads it: whole, so its error kind is checked against the schema (few)."""
 
     key: bytes
     provenance: msgspec.Raw
@@ -240,7 +217,7 @@ EventAudit = Union[MeasuredAudit, FailedAudit, Retracted]
 
 
 class MeasuredKey(msgspec.Struct, frozen=True, gc=False, tag="measured"):
-    """The key of a measured event, and nothing else: decoding skips every other field."""
+    """An event's key alone: decoding skips every other field."""
 
     key: bytes
 
@@ -260,9 +237,8 @@ KIND = {Measured: "m", MeasuredHead: "m", MeasuredAudit: "m", Failed: "f", Faile
 
 
 def summary_of(event) -> Summary:
-    """The row summary of a measured or failed event in canonical form: as msgspec decodes it (its float fields hold
-    floats), which every event reaching the views is (`kprof.ledger.build` makes events so, an append stores them
-    so, replay and audit decode them). Its bytes are then the same at append, replay and audit."""
+    """The row summary of a measured or failed event. Every event reaching the views is in its decoded form
+    (float fields hold floats), so the summary's bytes are the same at append, rebuild and audit."""
     if KIND[type(event)] == "m":
         s = event.stats
         return Summary(event.metrics, event.measured_at, s.n, s.median, s.p10, s.p90, s.mean, s.stdev, s.cv,

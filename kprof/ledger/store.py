@@ -1,11 +1,7 @@
-"""The LMDB ledger: one file (`subdir=False`) plus its lock file, with named sub-databases.
-
-  events   event id -> canonical event bytes        log   seq (8, big-endian) -> event id
-  meta     format version, ledger id, last sequence  (+ the views of `_reducer`)
-
-An append writes its events, the log and every view in one write transaction: a reader or a crash
-sees all of a batch or none of it. LMDB serializes writers across processes with its lock file.
-"""
+"""The LMDB ledger: one file (`subdir=False`) plus its lock file, with named sub-databases: `events` (event id ->
+canonical event bytes), `log` (seq, 8 bytes big-endian -> event id), `meta` (format version, ledger id, last
+sequence) and the views of `_reducer`. An append writes its events, the log and every view in one write transaction:
+a reader or a crash sees all of a batch or none of it. LMDB serializes writers across processes with its lock file."""
 
 from __future__ import annotations
 
@@ -58,42 +54,37 @@ class Ledger:
     def __init__(self, path: str, env: lmdb.Environment, readonly: bool):
         self.path, self.env, self.readonly = path, env, readonly
         self.real_path = os.path.realpath(path)  # as resolved at opening: the process may change directory
-        self._pid = os.getpid()
-        self._forked = False
-        self._closed = False
-        self._temporary: str | None = None  # the directory of an upgraded copy this reader reads (`_open`)
+        self._pid, self._forked, self._closed = os.getpid(), False, False
+        self._temporary: str | None = None  # the directory of an upgraded copy this reader reads (`_reading_copy`)
         self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
         self.memo = Memo()  # the answers of recent bulk lookups, each valid while its view root stands
         _live.add(self)
 
-    # ---- opening ---------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike | None = None, *, readonly: bool = False,
              map_size: int = DEFAULT_MAP_SIZE, readahead: bool = False) -> "Ledger":
-        """Opens (or, unless readonly, creates) the ledger file. `readahead` suits whole-file scans; point
-        lookups are faster without it."""
+        """Opens (or, unless readonly, creates) the ledger file; `readahead` suits whole-file scans, not lookups."""
         path = ledger_path(path)
         deadline = time.monotonic() + CREATE_WAIT_S
         while True:
             try:
                 return cls._open(path, readonly, map_size, readahead, deadline)
-            except _Creating:  # a writer is creating the file: its sub-databases are not committed yet
+            except _Creating:
                 time.sleep(0.01)
 
     @classmethod
     def _open(cls, path: str, readonly: bool, map_size: int, readahead: bool, deadline: float) -> "Ledger":
-        exists = os.path.exists(path)
-        if readonly and not exists:
-            raise LedgerError(f"no ledger at {path}; pass --db or set KPROF_DB, or `kprof run` to create one")
-        if exists:
+        if os.path.exists(path):
             _recognize(path, deadline)
+        elif readonly:
+            raise LedgerError(f"no ledger at {path}; pass --db or set KPROF_DB, or `kprof run` to create one")
         real = os.path.realpath(path)
         if real in _inherited:
             raise LedgerError(f"ledger {path} was open in the parent when this process was forked, and LMDB "
                               f"cannot open it again in a forked child; {_FORK_FIX}")
         shared = _envs.get(real)
         if shared is not None:
-            if (not readonly or cls._older(shared[0])) and not cls._upgrade(path, shared[0], readonly):
+            if not cls._initialize(path, shared[0], readonly):
                 raise LedgerError(f"ledger {path} is of an older format and cannot be upgraded here, and this process "
                                   f"holds it open; close it, or read a copy")
             shared[1] += 1
@@ -104,8 +95,7 @@ class Ledger:
                 ledger.close()
                 raise
             return ledger
-        # The environment is opened writable whenever the file allows it, so that a reader and a writer
-        # in one process can share it; `readonly` is enforced by the Ledger itself.
+        # Writable where the file allows, so that a reader and a writer in one process share it (Ledger enforces it).
         lock = not (readonly and _without_lock(path))
         env_readonly = readonly and (not lock or not os.access(path, os.W_OK))
         try:
@@ -117,71 +107,40 @@ class Ledger:
         except lmdb.Error as exc:
             raise LedgerError(f"cannot open ledger {path}: {exc}; check the path and its permissions") from None
         try:
-            cls._check_size(path, env)
-            if (not readonly or cls._older(env)) and not cls._upgrade(path, env, readonly):
-                copy = tempfile.mkdtemp(prefix="kprof-upgraded-")
-                try:
-                    env.copy(os.path.join(copy, "ledger.db"))  # LMDB's own copy: a consistent snapshot
-                except BaseException:
-                    shutil.rmtree(copy, ignore_errors=True)
-                    raise
-                _release(real, env)
-                return cls._reading_copy(path, copy, map_size)
-            _envs[real] = [env, 1]
-            ledger = cls(path, env, readonly)
-            ledger._check_meta()
-        except lmdb.NotFoundError:  # no kprof sub-databases: a writer creating the file has not committed yet
-            _release(real, env)
-            if time.monotonic() < deadline:
-                raise _Creating from None
-            raise IntegrityError(f"{path} is an LMDB file without kprof's sub-databases: not a kprof ledger; check "
-                                 f"the path (a damaged ledger reads so too: run `kprof audit` for the full "
-                                 f"report)") from None
-        except lmdb.ReadonlyError:
-            _release(real, env)
-            raise _read_only_file(path) from None
-        except lmdb.Error as exc:
-            _release(real, env)
-            raise IntegrityError(f"ledger {path} is damaged ({exc}); run `kprof audit --db {path}` and restore "
-                                 f"from a copy") from None
+            try:
+                # A truncated file would fault (SIGBUS) on the first read past its end: refuse it before reading.
+                need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+                if (have := os.path.getsize(path)) < need:
+                    raise IntegrityError(f"ledger {path} is truncated: {have} bytes on disk, its header says {need}; "
+                                         f"run `kprof audit` for the full report, and restore the file from a copy")
+                if not cls._initialize(path, env, readonly):
+                    return cls._reading_copy(path, real, env, map_size)
+                _envs[real] = [env, 1]
+                ledger = cls(path, env, readonly)
+                ledger._check_meta()
+            except lmdb.NotFoundError:  # no kprof sub-databases: a writer creating the file has not committed yet
+                if time.monotonic() < deadline:
+                    raise _Creating from None
+                raise IntegrityError(f"{path} is an LMDB file without kprof's sub-databases: not a kprof ledger; "
+                                     f"check the path (a damaged ledger reads so too: run `kprof audit` for the full "
+                                     f"report)") from None
+            except lmdb.ReadonlyError:
+                raise _read_only_file(path) from None
+            except lmdb.Error as exc:
+                raise IntegrityError(f"ledger {path} is damaged ({exc}); run `kprof audit --db {path}` and restore "
+                                     f"from a copy") from None
         except BaseException:
             _release(real, env)
             raise
         return ledger
 
-    @staticmethod
-    def _check_size(path: str, env: lmdb.Environment) -> None:
-        # A truncated file would fault (SIGBUS) on the first read past its end; catch it before reading.
-        need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        have = os.path.getsize(path)
-        if have < need:
-            raise IntegrityError(f"ledger {path} is truncated: {have} bytes on disk, its header says {need}; "
-                                 f"run `kprof audit` for the full report, and restore the file from a copy")
-
-    @staticmethod
-    def _older(env: lmdb.Environment) -> bool:
-        """Whether the file's format is older than this kprof's (read without a write transaction: a reader of a
-        current file never waits for a writer)."""
-        with env.begin() as txn:
-            found = _version(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
-        return found is not None and 1 <= found < _codec.FORMAT_VERSION
-
     @classmethod
-    def _upgrade(cls, path: str, env: lmdb.Environment, readonly: bool) -> bool:
-        """`_initialize`; False for a reader of an older file that cannot be written here (read-only media)."""
+    def _reading_copy(cls, path: str, real: str, env: lmdb.Environment, map_size: int) -> "Ledger":
+        """A reader of an older file it cannot write: LMDB's snapshot copy, upgraded in a temp dir removed at close."""
+        copy = tempfile.mkdtemp(prefix="kprof-upgraded-")
         try:
-            cls._initialize(path, env)
-        except lmdb.ReadonlyError:
-            if not readonly:
-                raise _read_only_file(path) from None
-            return False
-        return True
-
-    @classmethod
-    def _reading_copy(cls, path: str, copy: str, map_size: int) -> "Ledger":
-        """A reader of an older file that cannot be written where it lies: its copy in the temporary directory
-        `copy`, upgraded there and removed when the reader closes. It reads the file as it was when opened."""
-        try:
+            env.copy(os.path.join(copy, "ledger.db"))
+            _release(real, env)
             ledger = cls.open(os.path.join(copy, "ledger.db"), map_size=map_size)
         except BaseException:
             shutil.rmtree(copy, ignore_errors=True)
@@ -190,15 +149,20 @@ class Ledger:
         return ledger
 
     @staticmethod
-    def _initialize(path: str, env: lmdb.Environment) -> None:
-        """Creates the sub-databases and meta of a new file; upgrades a file of an older format. A file of a
-        newer format is left untouched (`_check_meta` refuses it). The map is grown or adopted as in `write`."""
+    def _initialize(path: str, env: lmdb.Environment, readonly: bool) -> bool:
+        """Creates a new file's sub-databases and meta; rebuilds an older format's views (all a reader does); leaves
+        any other version to `_check_meta`. False for a reader of an older file it cannot write (read-only media)."""
+        if readonly:
+            with env.begin() as txn:  # not a write transaction: a reader of a current file never waits for a writer
+                found = _version(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
+            if found is None or not 1 <= found < _codec.FORMAT_VERSION:
+                return True
 
         def work(txn):
             meta = env.open_db(b"meta", txn=txn, create=True)
             found = _version(txn.get(b"format_version", db=meta))
             if found is not None and not 1 <= found < _codec.FORMAT_VERSION:
-                return  # current, newer or damaged (both refused by _check_meta): left untouched
+                return
             for name in DBS:
                 env.open_db(name.encode(), txn=txn, create=True)
             if found is None:
@@ -211,7 +175,13 @@ class Ledger:
                 rebuild_views(txn, {name: env.open_db(name.encode(), txn=txn) for name in DBS}, VIEW_DBS)
             txn.put(b"format_version", _codec.encode(_codec.FORMAT_VERSION), db=meta)
 
-        _write_txn(env, path, work)
+        try:
+            _write_txn(env, path, work)
+        except lmdb.ReadonlyError:
+            if not readonly:
+                raise _read_only_file(path) from None
+            return False
+        return True
 
     def _check_meta(self) -> None:
         raw = self._get("meta", b"format_version")
@@ -229,7 +199,6 @@ class Ledger:
                                  f"report, and restore the file from a copy")
         self.format_version = found
 
-    # ---- transactions ----------------------------------------------------------------------
     def _guard(self) -> None:
         if self._closed:
             raise LedgerError(f"ledger {self.path} is closed; open it again with Ledger.open")
@@ -277,20 +246,15 @@ class Ledger:
             raise LedgerError(f"ledger {self.path} was opened read-only; open it with readonly=False to write")
         return _write_txn(self.env, self.path, fn)
 
-    # ---- appending -------------------------------------------------------------------------
     def append(self, events: Iterable) -> AppendResult:
-        """Appends a batch atomically. Events already present are skipped (idempotent).
-
-        Every event's key is recomputed from its provenance first: a batch with a wrong key is refused
-        whole, before anything is written.
-        """
+        """Appends a batch atomically, skipping events already present. A batch with a key that its provenance does
+        not hash to is refused whole, before anything is written."""
         prepared = self._prepare(events)
         return self.write(lambda txn: append_events(txn, self.dbs, prepared))
 
     def append_batches(self, batches: Iterable[Iterable]) -> list[AppendResult]:
-        """Appends each batch in its own transaction, in order: `append` per batch. A refused batch (a wrong
-        key, say) raises once every batch before it has committed; nothing of it or of the batches after it is
-        written. Returns one AppendResult per batch."""
+        """`append` per batch, each in its own transaction, in order; one AppendResult per batch. A refused batch
+        raises once every batch before it has committed, and nothing of it or of the batches after it is written."""
         self._guard()
         return [self.append(events) for events in batches]
 
@@ -304,19 +268,15 @@ class Ledger:
             event, data = canonical(given, i)
             prepared.append((event, data, _codec.event_id(data)))
         for event, _data, eid in prepared:
-            if type(event) is Retracted:
-                continue
-            if _codec.provenance_key(event.provenance) != event.key:
+            if type(event) is not Retracted and _codec.provenance_key(event.provenance) != event.key:
                 raise IntegrityError(f"event {eid.hex()[:16]} carries key {event.key.hex()[:16]}, but its "
                                      f"provenance hashes to another key; build events with kprof.ledger.build")
         return prepared
 
     def append_checked(self, prepared: list[tuple]) -> AppendResult:
-        """`append` of (event, canonical bytes, event id) triples whose bytes, ids and keys the caller has checked
-        already (a merge's verified segment): one transaction, as `append`."""
+        """`append` of (event, canonical bytes, event id) triples already checked (a merge's verified segment)."""
         return self.write(lambda txn: append_events(txn, self.dbs, prepared))
 
-    # ---- reading ---------------------------------------------------------------------------
     def event(self, eid: bytes):
         """The stored event `eid`, its bytes re-hashed (IntegrityError where they do not hash to it), or None."""
         with reading(self.path, "events"):
@@ -357,8 +317,7 @@ class Ledger:
         return View(self, table, backend, gpu_key, contract=contract, args_type=args_type)
 
     def rebuild_views(self) -> int:
-        """Drops every view and rebuilds it from the log in one write transaction (a repair); returns the events
-        replayed."""
+        """Rebuilds every view from the log in one write transaction (a repair); returns the events replayed."""
         return self.write(lambda txn: rebuild_views(txn, self.dbs, VIEW_DBS))
 
     def resolve(self, ref: str):

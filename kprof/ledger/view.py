@@ -6,12 +6,9 @@
     rows = view.get_many(specs)                          # one Row per spec, any status
     todo = view.missing(specs)                           # the specs without an ok row
 
-Every row a lookup returns is verified by its digest (see _verify): a damaged ledger gives an IntegrityError
-(exit 3), never a wrong answer. Bulk lookups of the same specs again (a simulator's loop)
-are answered from the ledger's memo, which holds only verified answers, while the view root they were read under
-stands (see _memo).
-
-Nothing here imports torch, cupti or pynvml.
+Every row a lookup returns is verified (see _verify): a damaged ledger gives an IntegrityError (exit 3), never a
+wrong answer. The same specs asked again (a simulator's loop) are answered from the ledger's memo of verified
+answers while the view root they were read under stands (see _memo).
 """
 
 from __future__ import annotations
@@ -45,11 +42,8 @@ def citation(eid: bytes) -> str:
 
 
 class Row(msgspec.Struct, frozen=True, gc=False):
-    """One spec's answer: status, and for ok / stale / failed rows the summary of the event behind it.
-
-    `provenance` is derived from the view's contract (or, for a stale row, read from its own event);
-    the full event (environment, raw samples) is one `ledger.event(row.event_id)` away.
-    """
+    """One spec's answer: status, and for ok / stale / failed rows the summary of the event behind it (the full
+    event, environment and raw samples, is `ledger.event(row.event_id)`)."""
 
     spec: dict[str, Any]
     status: str
@@ -103,12 +97,8 @@ class Row(msgspec.Struct, frozen=True, gc=False):
 
 
 class View:
-    """The current rows of one (table, backend, gpu_key) under one provenance contract.
-
-    The caller supplies the contract and the KernelArgs type (the registry entry's, in `kprof.api` and
-    `kprof.perf_api`): the ledger knows nothing of the runners. Each call reads one consistent snapshot; `query`
-    returns the view root read in that same snapshot.
-    """
+    """The current rows of one (table, backend, gpu_key) under one contract. The caller supplies the contract and
+    the KernelArgs type (the ledger knows no registry). Each call reads one consistent snapshot."""
 
     def __init__(self, ledger, table: str, backend: str, gpu_key: str, contract: Contract, args_type: type):
         self.ledger, self.table, self.backend, self.gpu_key = ledger, table, backend, gpu_key
@@ -117,20 +107,17 @@ class View:
         self.keys = KeyMaker(table, backend, gpu_key, contract, self.shapes)
         self.scope = self.keys.scope
         self._contract_id = contract_id(self.keys.base)
-        d = ledger.dbs
-        self._current, self._events, self._index = d["current"], d["events"], d["scope_index"]
-        self._failures, self._history = d["failures"], d["history"]
+        self._events, self._index = ledger.dbs["events"], ledger.dbs["scope_index"]
         self._memo_id = _codec.encode(self.keys.base)  # names this view's answers in the ledger's memo
 
-    # ---- lookups -----------------------------------------------------------------------------
     def get(self, **spec) -> Row | None:
-        """The ok row for one spec, or None when it is missing, stale or failed. Raises UnknownGpuKeyError,
-        naming the GPU keys the ledger holds for this table/backend, when it has never held a row of this scope:
-        a wrong GPU key would otherwise read as a missing row for every spec. (`get_many`, `missing` and
-        `count_missing` answer "missing" as usual: a JIT caller asks them before anything is measured.)"""
+        """The ok row for one spec, or None when it is missing, stale or failed. A scope the ledger never held raises
+        UnknownGpuKeyError naming the GPU keys it holds (a mistyped key would read as missing rows; the bulk calls
+        answer "missing", as a caller asks them before anything is measured)."""
         shapes, exact = self.shapes.to_shapes([spec])
         with self._read() as txn:
-            row = self._rows_of(self._spec_dicts([spec], shapes, exact), self._columns(txn, shapes))[0]
+            columns = self._columns(txn, shapes)
+            row = Row(self._spec_dicts([spec], shapes, exact)[0], *(column[0] for column in columns))
             with _verify.reading(self.ledger.path, "scopes"):
                 unknown = row.status == "missing" and txn.get(self.scope, db=self.ledger.dbs["scopes"]) is None
         if unknown:
@@ -142,10 +129,7 @@ class View:
 
     def get_many(self, specs: Iterable[Mapping[str, Any]]) -> list[Row]:
         """One Row per spec, in order, with status ok / missing / stale / failed."""
-        specs = specs if isinstance(specs, list) else list(specs)
-        shapes, exact = self.shapes.to_shapes(specs)
-        with self._read() as txn:
-            return self._rows(txn, self._root(txn), specs, shapes, exact)
+        return self.query(specs)[1]
 
     def query(self, specs: Iterable[Mapping[str, Any]]) -> tuple[bytes, list[Row]]:
         """(view root, rows) read from one snapshot, so the root names exactly the state the rows came from."""
@@ -153,7 +137,8 @@ class View:
         shapes, exact = self.shapes.to_shapes(specs)
         with self._read() as txn:
             root = self._root(txn)
-            return root, self._rows(txn, root, specs, shapes, exact)
+            columns = self._remembered(txn, root, "rows", shapes, self._columns)
+        return root, list(map(Row, self._spec_dicts(specs, shapes, exact), *columns))
 
     def missing(self, specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
@@ -167,8 +152,7 @@ class View:
         return len(self.missing(specs))
 
     def _remembered(self, txn, root: bytes, op: str, shapes: list, answer):
-        """answer(txn, shapes), or the answer the ledger's memo holds for these shapes under this snapshot's
-        view root (see _memo): exact, since the root changes with every change of the scope's rows."""
+        """answer(txn, shapes), or the memo's answer for these shapes under this snapshot's view root (see _memo)."""
         try:
             digest = blake3(_codec.encode(shapes)).digest()
         except OverflowError:  # an int no key can hold: answer() names it
@@ -183,8 +167,7 @@ class View:
         return found
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
-        """One byte per canonical shape: 1 where its current row is measured (ok), else 0. The rows are read
-        from `current` and verified (see _verify), not taken from `history`'s status, which no digest covers."""
+        """One byte per shape: 1 where its current row (read from `current`, verified) is measured, else 0."""
         rows = self._verified(txn, self.keys.keys_of(shapes), summaries=False)
         return bytes(row is not None and row.kind == MEASURED for row in rows)
 
@@ -197,22 +180,13 @@ class View:
         with _verify.reading(self.ledger.path, "the file"), self.ledger.read() as txn:
             yield txn
 
-    def _rows(self, txn, root: bytes, specs: list, shapes: list, exact: bool) -> list[Row]:
-        return self._rows_of(self._spec_dicts(specs, shapes, exact),
-                             self._remembered(txn, root, "rows", shapes, self._columns))
-
     @staticmethod
     def _spec_dicts(specs: list, shapes: list, exact: bool) -> list[dict]:
-        """The spec of each row: the caller's dicts where they hold canonical values already (no copies), else
-        the canonical shapes as dicts."""
+        """Each row's spec: the caller's dicts where already canonical (no copies), else the shapes as dicts."""
         if exact and all(type(s) is dict for s in specs):
             return specs
         asdict = msgspec.structs.asdict
         return [s if type(s) is dict else asdict(s) for s in shapes]
-
-    @staticmethod
-    def _rows_of(spec_dicts: list, columns: tuple) -> list[Row]:
-        return list(map(Row, spec_dicts, *columns))
 
     def _columns(self, txn, shapes: list) -> tuple[list, list, list, list, list]:
         """(status, key, event id, summary, base) of each canonical shape's row: the Row fields after `spec`."""
@@ -235,19 +209,10 @@ class View:
             return raw is not None and opened("scopes", self.scope, raw, ScopeEntry).contracts != [self._contract_id]
 
     def _stale_or_missing(self, txn, shape) -> tuple:
-        """(status, event id, summary, base) of a shape with no current row under this contract: stale if another
-        contract's ok row exists."""
-        prefix = self.scope + _codec.shape_id(_codec.encode(shape))
-        with _verify.reading(self.ledger.path, "scope_index"):
-            cursor = txn.cursor(self._index)
-            candidates = []
-            if cursor.set_range(prefix):
-                for k in cursor.iternext(values=False):
-                    if not k.startswith(prefix):
-                        break
-                    candidates.append(k[32:])
+        """(status, event id, summary, base) of a shape without a row of this contract: stale where another
+        contract's is measured."""
         best = None
-        for row in self._verified(txn, candidates):
+        for row in self._verified(txn, self._indexed(txn, self.scope + _codec.shape_id(_codec.encode(shape)))):
             if row is not None and row.kind == MEASURED and (best is None or
                                                              row.summary.measured_at > best.summary.measured_at):
                 best = row
@@ -257,21 +222,23 @@ class View:
             event = _verify.event(self.ledger.path, best.event_id, txn.get(best.event_id, db=self._events))
         return "stale", best.event_id, best.summary, event.provenance
 
+    def _indexed(self, txn, prefix: bytes) -> list[bytes]:
+        """The row keys `scope_index` holds under `prefix` (a scope id, or a scope id and a shape id)."""
+        with _verify.reading(self.ledger.path, "scope_index"):
+            cursor, keys = txn.cursor(self._index), []
+            if cursor.set_range(prefix):
+                for k in cursor.iternext(values=False):
+                    if not k.startswith(prefix):
+                        break
+                    keys.append(k[32:])
+        return keys
+
     # ---- whole view --------------------------------------------------------------------------
     def rows(self) -> Iterator[Row]:
-        """Every current row of the scope: this contract's (ok or failed), and other contracts' measured rows
-        as `stale`. As in `get_many`, another contract's failed attempt is no row of this view."""
+        """Every current row of the scope: this contract's (ok or failed), other contracts' measured ones as stale."""
         path = self.ledger.path
         with self._read() as txn:
-            with _verify.reading(path, "scope_index"):
-                cursor = txn.cursor(self._index)
-                keys = []
-                if cursor.set_range(self.scope):
-                    for k in cursor.iternext(values=False):
-                        if not k.startswith(self.scope):
-                            break
-                        keys.append(k[32:])
-            keys = list(dict.fromkeys(keys))
+            keys = list(dict.fromkeys(self._indexed(txn, self.scope)))
             for key, row in zip(keys, self._verified(txn, keys)):
                 if row is None:
                     continue
@@ -292,7 +259,7 @@ class View:
             if raw is None:
                 return root_of(self.scope, 0, 0)
             entry = opened("scopes", self.scope, raw, ScopeEntry)
-            return root_of(self.scope, entry.rows, entry.root_acc)
+            return root_of(self.scope, entry.rows, int.from_bytes(entry.acc, "big"))
 
     @property
     def root(self) -> str:

@@ -134,7 +134,7 @@ def test_failed_remeasure_makes_the_row_failed(ledger_path, capsys, h, local_gpu
     h.append(ledger_path, first)
     from kprof.ledger import _codec
 
-    eid = _codec.event_id(_codec.event_bytes(first))
+    eid = _codec.event_id(_codec.encode(first))
     h.append(ledger_path, h.make_event(h.gemm(), local_gpu, kind="failed", parent=eid))
     doc = _query(capsys, h, ledger_path, h.gemm())
     assert doc["results"][0]["status"] == "failed" and doc["results"][0]["event"] != eid.hex()
