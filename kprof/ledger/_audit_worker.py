@@ -6,7 +6,7 @@ says how an event changes the views) and compares its part of every view; the pa
 from __future__ import annotations
 
 import gc
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import lmdb
 import msgspec
@@ -64,12 +64,11 @@ def replay_into(store: Store, events) -> None:
 class Findings:
     def __init__(self):
         self.items: list[str] = []
-        self.counts: dict[str, int] = {}
+        self.counts: Counter[str] = Counter()
 
     def add(self, check: str, text: str) -> None:
-        n = self.counts.get(check, 0)
-        self.counts[check] = n + 1
-        if n < MAX_LISTED:
+        self.counts[check] += 1
+        if self.counts[check] <= MAX_LISTED:
             self.items.append(f"{check}: {text}")
 
 
@@ -273,9 +272,9 @@ class Shard:
             add("views", f"{name}: entry {k.hex()[:24]} of the log's replay is not stored")
 
     def stored_scopes(self, txn) -> dict[bytes, bytes]:
-        """The stored scopes view for the parent: read here, where a damaged page faults a shard's process."""
+        """The stored scopes view for the parent (shard 0's): read here, where a damaged page faults a shard."""
         try:
-            return dict(txn.cursor(self.ledger.dbs["scopes"]))
+            return dict(txn.cursor(self.ledger.dbs["scopes"])) if self.shard == 0 else {}
         except lmdb.Error as exc:
             self.found.add("structure", f"scopes: read failed: {exc}")
             return {}
@@ -293,8 +292,7 @@ def main(shard: int, shards: int, path: str) -> dict:
         entries = {name: txn.stat(ledger.dbs[name])["entries"] for name in ("events",) + RANGED}
         n_events, n_logged, kept = work.events(txn, seqs)
         del seqs
-        scopes = work.views(txn, kept)
-        stored_scopes = work.stored_scopes(txn) if shard == 0 else {}
+        scopes, stored_scopes = work.views(txn, kept), work.stored_scopes(txn)
     return {"stored_scopes": stored_scopes, "findings": work.found.items, "counts": work.found.counts,
             "events": n_events, "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
             "walked": work.walked, "entries": entries, "scopes": scopes}

@@ -73,12 +73,6 @@ class HistoryEntry(msgspec.Struct, array_like=True, gc=False):
     seqs: list[int]
 
 
-class HistoryStatus(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A history entry's status alone (decoding skips the seqs)."""
-
-    status: Literal["m", "f", "-"]
-
-
 class ScopeEntry(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A `scopes` record: names, current rows, root accumulator (32 bytes big-endian, mod 2^256) and the ids of
     the contracts its events carried. Readers report the view root from it, so it is sealed like a row."""
@@ -93,7 +87,7 @@ class ScopeEntry(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 _ROW_HASHER = blake3(_codec.ROW_TAG)  # copied per record, never updated
 _sealed = msgspec.msgpack.Decoder(Sealed)
-_decoders = {t: msgspec.msgpack.Decoder(t) for t in (CurrentRow, RowHead, HistoryEntry, HistoryStatus, ScopeEntry)}
+_decoders = {t: msgspec.msgpack.Decoder(t) for t in (CurrentRow, RowHead, HistoryEntry, ScopeEntry)}
 
 
 def seal_digest(key: bytes, body) -> bytes:

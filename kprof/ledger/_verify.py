@@ -15,7 +15,7 @@ import msgspec
 
 from ..errors import IntegrityError
 from . import _codec
-from ._reducer import NO_ROW, CurrentRow, HistoryStatus, RowHead, Sealed, seal_digests
+from ._reducer import NO_ROW, CurrentRow, HistoryEntry, RowHead, Sealed, seal_digests
 
 __all__ = ["AUDIT", "reading", "damaged", "rows", "event", "values"]
 
@@ -107,4 +107,4 @@ _body, _digest = attrgetter("body"), attrgetter("digest")
 _sealed = msgspec.msgpack.Decoder(Sealed)
 _row = msgspec.msgpack.Decoder(CurrentRow)
 _head = msgspec.msgpack.Decoder(RowHead)
-_status = msgspec.msgpack.Decoder(HistoryStatus)
+_status = msgspec.msgpack.Decoder(HistoryEntry)

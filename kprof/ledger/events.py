@@ -201,16 +201,13 @@ class MeasuredAudit(msgspec.Struct, frozen=True, gc=False, tag="measured"):
 
 
 class FailedAudit(msgspec.Struct, frozen=True, gc=False, tag="failed"):
-    """A failed event as the audit reads it: whole, so its error kind is checked against the schema (few)."""
+    """A failed event as the audit reads it: its error kind checked against the schema."""
 
     key: bytes
     provenance: msgspec.Raw
     error_kind: Literal["oom", "unsupported", "crash", "timeout", "wrong_result"]
     message: str
-    environment: Environment = Environment()
-    origin: Origin = Origin()
     measured_at: float = 0.0
-    parent: bytes | None = None
 
 
 EventAudit = Union[MeasuredAudit, FailedAudit, Retracted]

@@ -233,7 +233,6 @@ class View:
                     keys.append(k[32:])
         return keys
 
-    # ---- whole view --------------------------------------------------------------------------
     def rows(self) -> Iterator[Row]:
         """Every current row of the scope: this contract's (ok or failed), other contracts' measured ones as stale."""
         path = self.ledger.path
