@@ -113,3 +113,16 @@ def test_the_ledger_imports_nothing_from_measure_runners_or_cli():
     upward = {(module, dep) for module, deps in graph.items() if module.startswith("kprof.ledger")
               for dep in deps if dep.startswith(("kprof.runners", "kprof.measure", "kprof.cli"))}
     assert upward == set()
+
+
+def test_the_ledger_stays_small_and_plain():
+    """Issue 17's bounds on the ledger: at most 2,300 lines in all and 400 in a module, and nothing in it that reads
+    the process's memory maps, calls C by hand, or parses a dependency's bytes itself."""
+    files = sorted((PACKAGE / "ledger").glob("*.py"))
+    lines = {path.name: len(path.read_text().splitlines()) for path in files}
+    assert sum(lines.values()) <= 2300, lines
+    assert max(lines.values()) <= 400, lines
+    for path in files:
+        text = path.read_text()
+        for needle in ("/proc", "ctypes", "madvise", "struct.unpack", "msgpack.unpack"):
+            assert needle not in text, (path.name, needle)
