@@ -283,6 +283,31 @@ def test_history_entries_of_another_layout_are_named_by_the_audit(ledger_path):
     assert all("history: " in f for f in report.findings)
 
 
+def test_damaged_view_entries_are_repaired_by_rebuilding_the_views(ledger_path):
+    """What the audit names in the views (a row's bytes damaged, a row dropped, a history entry damaged), reads
+    refuse, and `rebuild_views` repairs from the log: the audit is clean again and the answers are as before."""
+    _base(ledger_path, retract=True)
+    with Ledger.open(ledger_path, readonly=True) as led:
+        specs = [synth.spec(i) for i in range(42)]
+        before = [(r.status, r.event_id) for r in synth.view(led).get_many(specs)]
+
+    def damage(txn, dbs):
+        keys = [k for k, _v in txn.cursor(dbs["current"])]
+        raw = txn.get(keys[0], db=dbs["current"])
+        txn.put(keys[0], raw[:-1] + bytes([raw[-1] ^ 1]), db=dbs["current"])
+        txn.delete(keys[1], db=dbs["current"])
+        txn.put(keys[2], b"\xc1", db=dbs["history"])
+    _tamper(ledger_path, damage)
+    report = audit(ledger_path, jobs=1)
+    assert not report.ok and report.counts == {"views": 3}, report.findings
+    with Ledger.open(ledger_path) as led:
+        with pytest.raises(IntegrityError):
+            synth.view(led).get_many(specs)
+        assert led.rebuild_views() == 47
+        assert [(r.status, r.event_id) for r in synth.view(led).get_many(specs)] == before
+    assert audit(ledger_path, jobs=1).ok
+
+
 def _base(path: str, retract: bool = False) -> None:
     """40 keys, 6 of them re-measured; with `retract`, key 1's latest event retracted (seq 47)."""
     with Ledger.open(path) as led:
