@@ -29,11 +29,10 @@ from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
 from .ledger.events import Measured, Origin, summary_of
 from .ledger.keys import KeyMaker
-from .specs import ShapeCodec
 from .ledger.view import Row, citation
 from .runners.registry import METRICS, lookup
 from .method import effective_entry, resolve_gpu_key
-from .specs import validate
+from .specs import ShapeCodec, validate
 
 __all__ = ["resolve_gpu_key", "effective_entry", "view", "count_missing", "query", "run", "CountResult", "QueryResult",
            "Mode"]

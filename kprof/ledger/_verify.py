@@ -81,9 +81,9 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
         with reading(path, "history"):
             raws = values(txn.cursor(dbs["history"]), absent)
         present = [i for i, raw in enumerate(raws) if raw is not None]
-        statuses = _each(path, "history", [absent[i] for i in present], [raws[i] for i in present], _status)
-        for i, status in zip(present, statuses):
-            if status.status != NO_ROW:
+        entries = _each(path, "history", [absent[i] for i in present], [raws[i] for i in present], _history)
+        for i, entry in zip(present, entries):
+            if entry.status != NO_ROW:
                 raise damaged(path, f"key {absent[i].hex()} has no current row, but its history says it has one")
         if histories is not None:
             histories.update(zip(absent, raws))
@@ -107,4 +107,4 @@ _body, _digest = attrgetter("body"), attrgetter("digest")
 _sealed = msgspec.msgpack.Decoder(Sealed)
 _row = msgspec.msgpack.Decoder(CurrentRow)
 _head = msgspec.msgpack.Decoder(RowHead)
-_status = msgspec.msgpack.Decoder(HistoryEntry)
+_history = msgspec.msgpack.Decoder(HistoryEntry)
