@@ -7,12 +7,15 @@
      new ledger: (1) idle GPU, (2) right after 20 s of back-to-back 8192^3 bf16 GEMMs, (3) the specs in reverse
      order, (4) idle again, after 10 s with nothing running. Per spec, spread = (max - min) / median of its four
      medians. Targets: p95 <= 2 %, max <= 4 %.
-  b  timers. CUDA events vs CUPTI (the default) on the same 40, each JIT into a new ledger with energy off:
-     |events / cupti - 1| <= 3 % for one-kernel calls >= 20 µs; the smaller ones are shown too (there events
-     include the launch overhead, so they are not held to it), and so are calls of two kernels (cuBLAS
-     split-K): events span the launch gap between them, which CUPTI's sum of kernel times leaves out.
-  c  graphs. CUDA-graph replay (rotating input copies keep the L2 cold) vs eager launches (L2 flushed before
-     each call), same 40, energy off: every spec within 3 %.
+  b  timers. CUDA events vs CUPTI (the default) on the same 40, energy off: |events / cupti - 1| <= 3 % for
+     one-kernel calls >= 20 µs; the smaller ones are shown too (there events include the launch overhead, so
+     they are not held to it), and so are calls of two kernels (cuBLAS split-K): events span the launch gap
+     between them, which CUPTI's sum of kernel times leaves out.
+  c  graphs. CUDA-graph replay vs eager launches (the sweep before each call or replay), same 40, energy off:
+     every spec within 3 %.
+     b and c run together, bracketed, spec by spec: the default row, the events row, the graph row and the
+     default row again, each JIT into its own ledger; each mode is compared with the mean of the two default
+     rows around it, and the two default rows' own difference (`reference_drift`) is shown beside it.
   d  fill throughput. 100 specs over every table (single_gemm bf16 and fp8_e4m3, rms_norm, silu_mul,
      attention_prefill, attention_decode, moe_grouped_gemm, memcpy; Llama/Qwen/Mixtral-class shapes, mixed
      sizes), JIT into a new ledger with energy on (the default): wall per spec = sum of result.seconds / sum of
@@ -66,6 +69,7 @@ TARGETS = {"a_p95": 0.02, "a_max": 0.04, "b_max": 0.03, "c_max": 0.03, "d_wall_p
 # What the estimate assumes: wall seconds per spec with energy on (the d target is 0.35; the 2026-11-30 sweep
 # took 0.84 with a 0.5 s energy window), with energy off, and the fixed costs.
 EST_SPEC_S, EST_SPEC_NO_ENERGY_S, EST_STARTUP_S, EST_CALIBRATE_S = 0.6, 0.3, 20.0, 12.0
+EST_CALL_S = 0.3  # one `run` call of one spec: the ledger and the device prepared (cases b and c)
 
 
 def gemm(m: int, n: int, k: int, dtype: str = "bf16") -> dict:
@@ -218,7 +222,9 @@ CHECKS = {
            _pct),
           ("|events/cupti - 1|, split-K calls >= 20 us, max (shown)", ("ratios", "multi", "max_dev"), None, _pct),
           ("|events/cupti - 1|, calls < 20 us, max (shown)", ("ratios", "small", "max_dev"), None, _pct)],
-    "c": [("|graph/eager - 1|, every spec, max <= 3 %", ("ratios", "all", "max_dev"), TARGETS["c_max"], _pct)],
+    "c": [("|graph/eager - 1|, every spec, max <= 3 %", ("ratios", "all", "max_dev"), TARGETS["c_max"], _pct),
+          ("|eager after/eager before - 1|, every spec, max (shown)", ("reference_drift", "all", "max_dev"), None,
+           _pct)],
     "d": [("fill wall per spec <= 0.35 s", ("wall_per_spec_s",), TARGETS["d_wall_per_spec_s"], _seconds),
           ("ok rows with energy_j (shown)", ("energy_rows",), None, lambda x: "n/a" if x is None else str(x))],
     "e": [("|row energy / 5 s reference - 1|, max <= 5 %", ("max_dev",), TARGETS["e_max"], _pct)],
@@ -271,13 +277,13 @@ def estimate_seconds(cases: str, quick: bool) -> dict:
     n_sweep = sum(map(len, sweep_specs(quick).values()))
     load_s, idle_s, ref_s, n_re = _sizes(quick)
     est = {"a": 4 * n_gemm * EST_SPEC_S + load_s + idle_s,
-           "b": 2 * n_gemm * EST_SPEC_NO_ENERGY_S,  # the eager reference is shared with c
-           "c": n_gemm * EST_SPEC_NO_ENERGY_S,
+           "b": 3 * n_gemm * (EST_SPEC_NO_ENERGY_S + EST_CALL_S),  # the bracketed rows, shared with c
+           "c": n_gemm * (EST_SPEC_NO_ENERGY_S + EST_CALL_S),
            "d": n_sweep * EST_SPEC_S,
            "e": len(energy_specs()) * (EST_SPEC_S + ref_s + 1.5),  # + warm-up and the input build
            "f": EST_CALIBRATE_S + n_re * EST_SPEC_S + (0 if "a" in cases else n_gemm * EST_SPEC_S)}
     if "b" not in cases and "c" in cases:
-        est["c"] += n_gemm * EST_SPEC_NO_ENERGY_S
+        est["c"] += 3 * n_gemm * (EST_SPEC_NO_ENERGY_S + EST_CALL_S)
     out = {c: round(est[c], 1) for c in cases}
     out["total"] = round(EST_STARTUP_S + sum(out.values()), 1)
     return out
@@ -344,20 +350,22 @@ class Context:
     def db(self, name: str) -> str:
         return os.path.join(self.workdir, f"{name}.db")
 
-    def run(self, table: str, specs: list[dict], *, db: str, label: str, mode: str = "jit", **method):
+    def run(self, table: str, specs: list[dict], *, db: str, label: str, mode: str = "jit", quiet: bool = False,
+            **method):
         from kprof import api
 
         total = len(specs)
 
         def progress(n: int, todo: int, spec: dict) -> None:
-            if n == todo or n % 10 == 0:
+            if not quiet and (n == todo or n % 10 == 0):
                 log(f"  [{label}] {n}/{todo} {table} {json.dumps(spec)}")
 
         t = time.perf_counter()
         res = api.run(table, BACKEND, specs, mode=mode, db=db, progress=progress, **method)
         bad = sum(r["status"] != "ok" for r in res.results)
-        log(f"  [{label}] {table}: {total} specs, {res.measured} measured in {time.perf_counter() - t:.1f} s, "
-            f"{bad} not ok")
+        if not quiet or bad:
+            log(f"  [{label}] {table}: {total} specs, {res.measured} measured in {time.perf_counter() - t:.1f} s, "
+                f"{bad} not ok")
         return res
 
     def rows(self, res, db: str | None) -> list[dict]:
@@ -438,14 +446,44 @@ def case_a(ctx: Context, specs: list[dict], quick: bool) -> dict:
             "pass_shift_vs_idle": shift, "per_spec": per_spec, "worst": worst}
 
 
-def _eager(ctx: Context, specs: list[dict]) -> list[dict]:
-    """The default method (CUPTI, cold L2, eager), energy off: the reference of cases b and c, measured once."""
-    if "eager_rows" not in ctx.state:
-        db = ctx.db("bc_eager")
+# The bracketed order of cases b and c, per spec: the reference, the two other modes, the reference again.
+BRACKET = (("eager_before", {}), ("events", {"timer": "events"}), ("graph", {"cuda_graph": True}),
+           ("eager_after", {}))
+
+
+def _bracketed(ctx: Context, specs: list[dict]) -> dict[str, list[dict]]:
+    """Cases b and c measured together, spec by spec, energy off: the default method (CUPTI, cold L2, eager),
+    then CUDA events, then graph replay, then the default again, each into its own ledger, seconds apart.
+    A power-capped GEMM's row moves by up to about 4 % between passes minutes apart (case a: the cap's
+    controller settles elsewhere), so rows of two modes taken in two sweeps compare that move as well as the
+    modes; bracketing each mode's row between two reference rows of the same spec compares the modes, and the
+    two references' own difference shows what the row's drift is over the same seconds."""
+    if "bracketed" not in ctx.state:
+        rows: dict[str, list[dict]] = {name: [] for name, _method in BRACKET}
         with energy_off():
-            res = ctx.run("single_gemm", specs, db=db, label="b,c/cupti eager")
-        ctx.state["eager_rows"] = ctx.rows(res, db)
-    return ctx.state["eager_rows"]
+            for i, spec in enumerate(specs, 1):
+                for name, method in BRACKET:
+                    db = ctx.db(f"bc_{name}")
+                    res = ctx.run("single_gemm", [spec], db=db, label=f"b,c/{name} {i}/{len(specs)}", quiet=True,
+                                  **method)
+                    rows[name].extend(ctx.rows(res, db))
+                log(f"  [b,c] {i}/{len(specs)} {json.dumps(spec)}: "
+                    + ", ".join(f"{name} {_ms(rows[name][-1])}" for name, _method in BRACKET))
+        ctx.state["bracketed"] = rows
+    return ctx.state["bracketed"]
+
+
+def _ms(row: dict) -> str:
+    t = _ok_time(row)
+    return "failed" if t is None else f"{t:.4f} ms"
+
+
+def bracketed_pairs(before: list[float | None], after: list[float | None],
+                    other: list[float | None]) -> list[tuple[float | None, float | None]]:
+    """(reference, other) per spec, the reference the mean of the rows taken just before and just after the
+    other mode's; None where any of the three failed."""
+    return [((a + b) / 2 if a is not None and b is not None else None, o if a is not None and b is not None else None)
+            for a, b, o in zip(before, after, other, strict=True)]
 
 
 def _kernels(row: dict) -> int | None:
@@ -456,26 +494,30 @@ def _kernels(row: dict) -> int | None:
         return None
 
 
-def _compare(ctx: Context, specs: list[dict], name: str, **method) -> dict:
-    ref = _eager(ctx, specs)
-    db = ctx.db(f"bc_{name}")
-    with energy_off():
-        res = ctx.run("single_gemm", specs, db=db, label=f"{name}", **method)
-    other = ctx.rows(res, db)
-    pairs = [(_ok_time(r), _ok_time(o)) for r, o in zip(ref, other)]
-    summary = ratio_summary(pairs, kernels=[_kernels(r) for r in ref] if method.get("timer") == "events" else None)
-    per_spec = [{"spec": s, "reference_ms": r, "other_ms": o, "ratio": o / r if r and o else None}
-                for s, (r, o) in zip(specs, pairs)]
-    return {"method": method, "energy": "off (KPROF_ENERGY_S=0) on both sides", "ratios": summary,
-            "per_spec": per_spec, "reference_rows": ref, "rows": other}
+def _compare(ctx: Context, specs: list[dict], name: str) -> dict:
+    rows = _bracketed(ctx, specs)
+    before, after, other = ([_ok_time(r) for r in rows[n]] for n in ("eager_before", "eager_after", name))
+    pairs = bracketed_pairs(before, after, other)
+    kernels = [_kernels(r) for r in rows["eager_before"]] if name == "events" else None
+    summary = ratio_summary(pairs, kernels=kernels)
+    # the same method seconds apart: what the comparison cannot resolve below
+    drift = ratio_summary(list(zip(before, after)), kernels=kernels)
+    per_spec = [{"spec": s, "eager_before_ms": a, "eager_after_ms": b, "other_ms": o,
+                 "ratio": o / ((a + b) / 2) if a and b and o else None}
+                for s, a, b, o in zip(specs, before, after, other)]
+    return {"method": dict(BRACKET)[name], "energy": "off (KPROF_ENERGY_S=0) on every side",
+            "design": "per spec: cupti eager, events, graph, cupti eager again; the reference is the mean of the "
+                      "two eager rows around the other mode's row",
+            "ratios": summary, "reference_drift": drift, "per_spec": per_spec,
+            "reference_rows": rows["eager_before"], "reference_rows_after": rows["eager_after"], "rows": rows[name]}
 
 
 def case_b(ctx: Context, specs: list[dict], quick: bool) -> dict:
-    return _compare(ctx, specs, "events", timer="events")
+    return _compare(ctx, specs, "events")
 
 
 def case_c(ctx: Context, specs: list[dict], quick: bool) -> dict:
-    return _compare(ctx, specs, "graph", cuda_graph=True)
+    return _compare(ctx, specs, "graph")
 
 
 def _notes_seconds(db: str) -> dict[str, float]:
@@ -644,6 +686,15 @@ def _details(cases: dict) -> list[str]:
                        f"< 20 us: n {r['small']['n']}, median ratio {r['small']['median_ratio']}"
                        + (f"; split-K >= 20 us: n {r['multi']['n']}, median ratio {r['multi']['median_ratio']}"
                           if "multi" in r else ""))
+            if "reference_drift" in d:
+                out.append(f"{c}: the two reference rows apart, max {_pct(d['reference_drift']['all']['max_dev'])}, "
+                           f"p95 {_pct(d['reference_drift']['all']['p95_dev'])}")
+            held = [x for x in d.get("per_spec", []) if x.get("ratio")
+                    and (c == "c" or x["eager_before_ms"] >= SMALL_KERNEL_MS)]  # b holds calls >= 20 µs
+            far = max(held, key=lambda x: abs(x["ratio"] - 1), default=None)
+            if far:
+                out.append(f"{c}: worst {json.dumps(far['spec'])}: {far['other_ms']:.4f} ms against "
+                           f"{far['eager_before_ms']:.4f} / {far['eager_after_ms']:.4f} ms")
     d = cases.get("d", {})
     if "per_table" in d:
         out.append("d: s/spec by table: " + ", ".join(

@@ -148,7 +148,7 @@ def test_ratio_summary_keeps_split_k_calls_apart():
 
 GOOD = {"a": {"spread": {"p95": 0.012, "max": 0.031}},
         "b": {"ratios": {"large": {"max_dev": 0.021}, "small": {"max_dev": 0.4}}},
-        "c": {"ratios": {"all": {"max_dev": 0.029}}},
+        "c": {"ratios": {"all": {"max_dev": 0.029}}, "reference_drift": {"all": {"max_dev": 0.011}}},
         "d": {"wall_per_spec_s": 0.31, "energy_rows": 97, "ok_rows": 100},
         "e": {"max_dev": 0.04},
         "f": {"max_abs_drift": 0.012, "max_fraction": 0.987}}
@@ -156,11 +156,13 @@ GOOD = {"a": {"spread": {"p95": 0.012, "max": 0.031}},
 
 def test_verdicts_meet_every_target_when_the_figures_do():
     rows = pc.verdicts(GOOD, wall_s=300.0)
-    assert [r.case for r in rows] == ["a", "a", "b", "b", "b", "c", "d", "d", "e", "f", "f", "all"]
-    assert [r.met for r in rows] == ["yes", "yes", "yes", "-", "-", "yes", "yes", "-", "yes", "yes", "yes", "yes"]
+    assert [r.case for r in rows] == ["a", "a", "b", "b", "b", "c", "c", "d", "d", "e", "f", "f", "all"]
+    assert [r.met for r in rows] == ["yes", "yes", "yes", "-", "-", "yes", "-", "yes", "-", "yes", "yes", "yes",
+                                     "yes"]
     by = {(r.case, r.target): r.result for r in rows}
     assert by[("a", "p95 spread over 4 passes <= 2 %")] == "1.20 %"
     assert by[("d", "fill wall per spec <= 0.35 s")] == "0.310 s"
+    assert by[("c", "|eager after/eager before - 1|, every spec, max (shown)")] == "1.10 %"
     assert by[("d", "ok rows with energy_j (shown)")] == "97 of 100"
     assert by[("f", "max ceiling fraction of ok rows <= 1.0")] == "0.9870"
 
@@ -192,7 +194,7 @@ def test_the_table_is_aligned_and_ends_with_the_last_verdict():
     lines = text.splitlines()
     assert lines[0].split() == ["case", "target", "result", "met"]
     assert set(lines[1].replace(" ", "")) == {"-"}
-    assert len(lines) == 2 + 12
+    assert len(lines) == 2 + 13
     col = lines[0].index("result")
     assert all(line[col - 2:col] == "  " for line in lines[2:])  # one column start for every row
     assert lines[-1].startswith("all") and lines[-1].endswith("yes")
@@ -225,3 +227,28 @@ def test_compact_keeps_the_figures_of_an_ok_row_and_an_error():
     assert pc._ok_time(row) == 0.5
     err = pc.compact({"spec": {}, "status": "error", "metrics": None, "stats": None, "error": {"kind": "oom"}})
     assert err["time_ms"] is None and pc._ok_time(err) is None and err["error"] == {"kind": "oom"}
+
+
+def test_a_mode_is_compared_with_the_mean_of_the_reference_rows_around_it():
+    """Cases b and c: the reference of each spec is the mean of the default rows taken just before and just after
+    the other mode's row, so a drift of the row between them is split, not charged to the mode; a failed row on
+    any side leaves the spec out (incomplete)."""
+    before = [1.000, 0.050, None, 0.010]
+    after = [1.040, 0.050, 0.5, 0.010]
+    other = [1.020, 0.051, 0.5, None]
+    pairs = pc.bracketed_pairs(before, after, other)
+    assert pairs[0] == (pytest.approx(1.020), 1.020)
+    assert pairs[1] == (pytest.approx(0.050), 0.051)
+    assert pairs[2] == (None, None) and pairs[3][1] is None
+    r = pc.ratio_summary(pairs)
+    assert r["incomplete"] == 2
+    assert r["large"]["max_dev"] == pytest.approx(0.02) and r["large"]["worst"] == 1
+    with pytest.raises(ValueError):
+        pc.bracketed_pairs(before, after, other[:2])
+
+
+def test_the_bracketed_order_runs_the_reference_first_and_last():
+    names = [name for name, _method in pc.BRACKET]
+    assert names[0] == "eager_before" and names[-1] == "eager_after" and set(names[1:-1]) == {"events", "graph"}
+    assert dict(pc.BRACKET)["events"] == {"timer": "events"} and dict(pc.BRACKET)["graph"] == {"cuda_graph": True}
+    assert dict(pc.BRACKET)["eager_before"] == dict(pc.BRACKET)["eager_after"] == {}
