@@ -17,12 +17,15 @@ from ._case import algorithm_notes
 from ._settings import env_seconds
 from .registry import Entry
 
-__all__ = ["CudaDevice", "energy_window_s", "twice_if_unstable", "ENERGY_S", "MAX_COPIES", "COPY_BYTES",
-           "ACTIVATION_COPY_BYTES"]
+__all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "ENERGY_S", "CAPPED_SAMPLE_S",
+           "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES"]
 
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
 ENERGY_S = 0.25
+# Timed work a power-capped kernel's row averages over: its clock swings with the cap's controller, over tens of
+# milliseconds and also from one second to the next (a 1 s mean of 8192^3 read 1.417 and 1.440 ms seconds apart).
+CAPPED_SAMPLE_S = 1.0
 # Rows rotate over this many allocations of their weights at most, within this many bytes of copies.
 MAX_COPIES = 16
 COPY_BYTES = 2 << 30
@@ -61,6 +64,12 @@ def _placed_copy(torch, t, offset: int):
 def energy_window_s() -> float:
     """Seconds of back-to-back calls behind each row's energy_j (KPROF_ENERGY_S; 0 turns energy off)."""
     return env_seconds("KPROF_ENERGY_S", ENERGY_S, zero_ok=True)
+
+
+def capped_sample_s() -> float:
+    """Seconds of timed work a power-capped kernel's row averages over (KPROF_CAPPED_SAMPLE_S): longer is less
+    noise for those rows, at that cost per capped spec."""
+    return env_seconds("KPROF_CAPPED_SAMPLE_S", CAPPED_SAMPLE_S)
 
 
 def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None]:
@@ -113,6 +122,7 @@ class CudaDevice:
                                  f"or set KPROF_TIMER=events to time with CUDA events (rows kept under their "
                                  f"own timing key)")
         self.energy_s = energy_window_s()
+        self.capped_sample_s = capped_sample_s()
         self.env = (environment or gpu_environment)()
         self._wake()
         self.state_errors: dict[str, str] = {}
@@ -175,7 +185,8 @@ class CudaDevice:
         # Right after the energy window the GPU is in this kernel's state already, capped or not: the settle
         # only confirms it in the samples' pattern.
         after = {"min_s": SETTLED_MIN_S, "capped_settle_s": SETTLED_MIN_S} if settled else {}
-        state = StateProtocol(probe, regime=self.power, power_limit_w=self.env.power_limit_w, **after)
+        state = StateProtocol(probe, regime=self.power, power_limit_w=self.env.power_limit_w,
+                              capped_sample_s=self.capped_sample_s, **after)
         if start:
             state.start()
             self.start_notes = dict(state.notes)

@@ -4,7 +4,8 @@ import pytest
 
 from kprof.errors import UsageError
 from kprof.runners._settings import env_seconds
-from kprof.runners.cuda_device import ENERGY_S, energy_window_s
+from kprof.measure._state import StateReading
+from kprof.runners.cuda_device import CAPPED_SAMPLE_S, ENERGY_S, CudaDevice, capped_sample_s, energy_window_s
 
 
 def test_env_seconds(monkeypatch):
@@ -33,3 +34,22 @@ def test_the_energy_window_may_be_turned_off(monkeypatch):
     monkeypatch.setenv("KPROF_ENERGY_S", "lots")
     with pytest.raises(UsageError, match="KPROF_ENERGY_S='lots'"):
         energy_window_s()
+
+
+def test_a_capped_rows_sampled_time_comes_from_the_environment(monkeypatch):
+    """KPROF_CAPPED_SAMPLE_S sets how much timed work a power-capped row averages over (default 1 s); the device's
+    state protocol takes it, and a kernel its settle finds at the cap must then be sampled that long."""
+    monkeypatch.delenv("KPROF_CAPPED_SAMPLE_S", raising=False)
+    assert capped_sample_s() == CAPPED_SAMPLE_S == 1.0
+    monkeypatch.setenv("KPROF_CAPPED_SAMPLE_S", "0")
+    with pytest.raises(UsageError, match="KPROF_CAPPED_SAMPLE_S='0' is not a number of seconds > 0"):
+        capped_sample_s()
+    monkeypatch.setenv("KPROF_CAPPED_SAMPLE_S", "3")
+    d = object.__new__(CudaDevice)  # the protocol's settings only: no CUDA device behind it
+    d._probe, d.state_errors, d.power = (lambda: StateReading(1650.0, 699.0, 61.0, 0)), {}, "sustained"
+    d.env, d.capped_sample_s = type("Env", (), {"power_limit_w": 700.0})(), capped_sample_s()
+    state = d._state(start=False, settled=True)  # right after an energy window: the short settle
+    assert state.capped_sample_s == 3.0 and state.min_sample_s == 0.0
+    state.settle(lambda seconds: None)
+    assert state.capped and state.min_sample_s == 3.0 and state.estimator == "mean"
+    assert state.notes["capped_sample_s"] == "3.00"
