@@ -23,14 +23,15 @@ _HEAT_MAX_UNITS = 32
 
 def _batch(per_call_s: float, n: int, elapsed_s: float, rule: StopRule) -> int:
     """Calls in the next batch: ~_BATCH_S of work, no more than the budget left, a multiple of 5 (StopRule
-    checks convergence at multiples of 5) and never past max_samples."""
+    checks convergence at multiples of 5) and never past max_samples (unless already past it: a capped kernel
+    sampled for its minimum, see _sample)."""
     per_call_s = max(per_call_s, 1e-7)
     k = _BATCH_S / per_call_s
     left = rule.budget_s - elapsed_s
     if left > 0:
         k = min(k, left / per_call_s)
     k = min(_MAX_BATCH, max(5, 5 * math.ceil(round(k) / 5)))
-    return max(1, min(k, rule.max_samples - n))
+    return max(1, min(k, rule.max_samples - n)) if n < rule.max_samples else k  # past it: a capped kernel's minimum
 
 
 def _settle(torch, call, flush, per_call_s: float, notes: dict, state: StateProtocol | None = None) -> None:
@@ -161,9 +162,10 @@ def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_ca
         per_call_s = (time.perf_counter() - b0) / k
         biggest, batches = max(biggest, k), batches + 1
         reason = rule.check(samples, time.perf_counter() - t0)
-        if reason in ("converged", "resolution") and state is not None and \
-                time.perf_counter() - t0 < state.min_sample_s:
-            reason = None  # a power-capped kernel: span the cap controller's swings before stopping
+        if reason and state is not None and time.perf_counter() - t0 < state.min_sample_s:
+            # A power-capped kernel spans the cap controller's swings before it stops: the stopping rule's
+            # budget and sample cap bound a row's time, this bounds its noise (KPROF_CAPPED_SAMPLE_S).
+            reason = None
         if reason:
             notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
             return samples, reason

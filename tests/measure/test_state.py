@@ -151,3 +151,30 @@ def test_a_cap_seen_on_a_quarter_of_the_readings_is_a_capped_kernel():
     p = protocol(s, chunk_s=0.02, min_s=0.04, window=3, tol=0.02, capped_settle_s=0.3, power_limit_w=700.0)
     p.settle(s.chunk)
     assert p.capped and p.estimator == "mean" and "power_cap_transient" not in p.notes
+
+
+def test_a_capped_kernel_is_sampled_for_its_minimum_past_the_budget_and_the_sample_cap():
+    """The sampling loop stops a power-capped kernel no sooner than `min_sample_s` of sampling, even where the
+    stopping rule's budget or sample cap would stop it before (KPROF_CAPPED_SAMPLE_S over the 1 s budget); an
+    uncapped kernel stops with the rule."""
+    import time
+
+    from kprof.measure._sampling import _sample
+    from kprof.measure.stats import StopRule
+
+    def batch(k, n, during):
+        during()
+        time.sleep(0.002)
+        return [1.0] * k
+
+    reading = StateReading(1700.0, 700.0, 60.0, 0)
+    for capped, min_s, rule, stops_at, reason in (
+            (True, 0.25, StopRule(budget_s=0.05, max_samples=10 ** 9), 0.25, "budget"),
+            (True, 0.25, StopRule(budget_s=10.0, max_samples=20), 0.25, "max_samples"),
+            (False, 0.0, StopRule(budget_s=0.05), 0.0, "converged")):
+        state = StateProtocol(lambda: reading)
+        state.capped, state.min_sample_s, state.reference = capped, min_s, 1700.0
+        notes: dict = {}
+        samples, why = _sample(batch, 1e-4, rule, time.perf_counter(), notes, state)
+        assert why == reason and stops_at <= float(notes["sample_s"]) < stops_at + 0.2
+        assert int(notes["batch"]) == 100  # full batches throughout, past the sample cap too
