@@ -17,8 +17,8 @@ from ._case import algorithm_notes
 from ._settings import env_seconds
 from .registry import Entry
 
-__all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "ENERGY_S", "CAPPED_SAMPLE_S",
-           "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES"]
+__all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "RETRIED", "ENERGY_S",
+           "CAPPED_SAMPLE_S", "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES"]
 
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
@@ -72,18 +72,24 @@ def capped_sample_s() -> float:
     return env_seconds("KPROF_CAPPED_SAMPLE_S", CAPPED_SAMPLE_S)
 
 
+# TimerErrors a second attempt may clear: a kernel set that changed while a library settled, and a warm-up
+# invocation whose records CUPTI did not hand over.
+RETRIED = ("unstable kernel set", "saw no kernel in the first warm-up invocation")
+
+
 def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None]:
-    """(measure(), None), or, when the first attempt saw the callable's kernel set change between calls, a
-    second attempt's result and the first attempt's error. Library kernels can change their launch
-    sequence while they settle (cuBLAS split-K is seen to drop its reduce kernel once); a second attempt that
-    is stable for all its calls is a valid measurement, and the row says a first one was refused. A set
-    that changes again fails the row."""
+    """(measure(), None), or, when the first attempt failed in a way a second can clear (`RETRIED`), a second
+    attempt's result and the first attempt's error. Library kernels can change their launch sequence while
+    they settle (cuBLAS split-K is seen to drop its reduce kernel once), and CUPTI once handed over no record of
+    a row's first warm-up invocation, while it did of the next ones (two rows of one pass on an H200, run 41). A
+    second attempt that is stable for all its calls is a valid measurement, and the row says a first one was
+    refused. A second failure fails the row."""
     from ..measure._attribution import TimerError
 
     try:
         return measure(), None
     except TimerError as exc:
-        if "unstable kernel set" not in str(exc):
+        if not any(why in str(exc) for why in RETRIED):
             raise
         return measure(), str(exc)[:500]
 
