@@ -323,8 +323,10 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes, stat
     session.collect()  # the settling calls ran under no external id: their records are dropped here
     ref = _names(groups[0])
     if not ref:
-        raise TimerError("CUPTI saw no kernel in the first warm-up invocation; the callable must launch the "
-                         "same GPU work every call")
+        seen = sum(1 for g in groups[1:] if g)
+        raise TimerError(f"CUPTI saw no kernel in the first warm-up invocation, and kernels in {seen} of the "
+                         f"{len(groups) - 1} after it ({attribution}); the callable must launch the same GPU work "
+                         f"every call")
     for i, g in enumerate(groups[1:], 2):
         check_same_kernels(ref, _names(g), f"warm-up invocation {i}")
     ref_sorted = sorted(ref)

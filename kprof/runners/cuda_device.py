@@ -81,7 +81,8 @@ def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None
     """(measure(), None), or, when the first attempt failed in a way a second can clear (`RETRIED`), a second
     attempt's result and the first attempt's error. Library kernels can change their launch sequence while
     they settle (cuBLAS split-K is seen to drop its reduce kernel once), and CUPTI once handed over no record of
-    a row's first warm-up invocation, while it did of the next ones (two rows of one pass on an H200, run 41). A
+    one warm-up invocation while it did of the others, in three rows in a row of one pass on an H200 (run 41:
+    a later invocation in one, read as an unstable set, the first invocation in two). A
     second attempt that is stable for all its calls is a valid measurement, and the row says a first one was
     refused. A second failure fails the row."""
     from ..measure._attribution import TimerError
