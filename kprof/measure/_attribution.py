@@ -18,8 +18,8 @@ from typing import Iterable, Sequence
 
 from ..errors import KprofError
 
-__all__ = ["TimerError", "Kernel", "by_correlation", "by_window", "launch_order", "check_same_kernels",
-           "kernel_time_ms", "one_invocation"]
+__all__ = ["TimerError", "UnstableKernels", "Kernel", "by_correlation", "by_window", "launch_order",
+           "check_same_kernels", "kernel_time_ms", "one_invocation"]
 
 Kernel = tuple  # (name: str, start_ns: int, end_ns: int, correlation_id: int)
 
@@ -29,6 +29,11 @@ _NAME_CHARS = 100  # kernel names are long mangled templates; messages show this
 class TimerError(KprofError):
     """The GPU timer cannot give an honest sample: the kernel set changed between invocations, CUPTI dropped
     records, or no kernel was seen. Raised loudly; a timing is never guessed."""
+
+
+class UnstableKernels(TimerError):
+    """The kernels seen differed between a callable's invocations: a library changed its launch sequence while it
+    settled, or CUPTI handed over no record of one invocation. A second attempt may see a stable set."""
 
 
 def by_correlation(kernels: Iterable[Kernel], correlations: Iterable[tuple[int, int]],
@@ -71,7 +76,7 @@ def check_same_kernels(reference: Sequence[str], names: Sequence[str], where: st
     ref, got = Counter(reference), Counter(names)
     if ref == got:
         return
-    raise TimerError(
+    raise UnstableKernels(
         f"unstable kernel set: {where} launched {_show(got)}, but the first warm-up invocation launched "
         f"{_show(ref)} (missing {_show(ref - got)}, extra {_show(got - ref)}); time a callable whose launch "
         f"sequence does not change between calls (move autotuning, allocation and lazy setup out of it)")

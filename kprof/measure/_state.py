@@ -36,11 +36,15 @@ from typing import Callable, NamedTuple, Sequence
 
 from ._reasons import decode_reasons
 
-__all__ = ["StateReading", "StateProtocol", "Settled", "state_label", "OUT_OF_STATE_REASONS"]
+__all__ = ["StateReading", "StateProtocol", "Settled", "state_label", "OUT_OF_STATE_REASONS", "CAPPED_SAMPLE_S"]
 
 # Clock-event reasons that mean the clock was held below what the load itself sets: a batch showing one
 # was timed in another state than its neighbours. (power_cap is the steady state of a heavy kernel.)
 OUT_OF_STATE_REASONS = frozenset({"thermal", "hw_slowdown", "hw_power_brake"})
+# Timed work a power-capped kernel's row averages over (KPROF_CAPPED_SAMPLE_S): its clock swings with the cap's
+# controller over tens of milliseconds, and from one second to the next (1 s means of 8192^3 read 1.417 and 1.440 ms
+# seconds apart on an H200).
+CAPPED_SAMPLE_S = 1.0
 
 
 class StateReading(NamedTuple):
@@ -78,8 +82,8 @@ class StateProtocol:
                  tol: float = 0.02, window: int = 3, chunk_s: float = 0.02, min_s: float = 0.12,
                  max_s: float = 1.5, max_discards: int = 8, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.perf_counter, regime: str = "sustained",
-                 power_limit_w: float | None = None, capped_settle_s: float = 0.3, capped_sample_s: float = 1.0,
-                 capped_share: float = 0.25):
+                 power_limit_w: float | None = None, capped_settle_s: float = 0.3,
+                 capped_sample_s: float = CAPPED_SAMPLE_S, capped_share: float = 0.25):
         self.regime, self.power_limit_w = regime, power_limit_w
         self.capped_settle_s, self.capped_sample_s = capped_settle_s, capped_sample_s
         self.capped_share = capped_share  # readings past the first capped one that must show the cap too

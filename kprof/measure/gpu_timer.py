@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 from ..errors import UsageError
 from . import _cupti, _l2
 from ._state import StateProtocol
-from ._attribution import (TimerError, by_correlation, by_window, check_same_kernels, kernel_time_ms,
+from ._attribution import (TimerError, UnstableKernels, by_correlation, by_window, check_same_kernels, kernel_time_ms,
                            one_invocation)
 from ._events_timer import _run_events
 from ._sampling import (GRAPH_WARMUP_ROUNDS, _WARMUP_MAX, _WARMUP_S, _batch, _heated,  # noqa: F401 (_batch: tests)
@@ -324,7 +324,7 @@ def _run_cupti(torch, session, call, flush, per_call, rule, pattern, notes, stat
     ref = _names(groups[0])
     if not ref:
         seen = sum(1 for g in groups[1:] if g)
-        raise TimerError(f"CUPTI saw no kernel in the first warm-up invocation, and kernels in {seen} of the "
+        raise UnstableKernels(f"CUPTI saw no kernel in the first warm-up invocation, and kernels in {seen} of the "
                          f"{len(groups) - 1} after it ({attribution}); the callable must launch the same GPU work "
                          f"every call")
     for i, g in enumerate(groups[1:], 2):

@@ -12,20 +12,18 @@ import msgspec
 
 from ..ledger.events import Method
 from ..measure._l2 import activations_rewrite
+from ..measure._state import CAPPED_SAMPLE_S
 from ..measure.stats import StopRule, placement_notes, summarize
 from ._case import algorithm_notes
 from ._settings import env_seconds
 from .registry import Entry
 
-__all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "RETRIED", "ENERGY_S",
+__all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "ENERGY_S",
            "CAPPED_SAMPLE_S", "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES"]
 
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
 ENERGY_S = 0.25
-# Timed work a power-capped kernel's row averages over: its clock swings with the cap's controller, over tens of
-# milliseconds and also from one second to the next (a 1 s mean of 8192^3 read 1.417 and 1.440 ms seconds apart).
-CAPPED_SAMPLE_S = 1.0
 # Rows rotate over this many allocations of their weights at most, within this many bytes of copies.
 MAX_COPIES = 16
 COPY_BYTES = 2 << 30
@@ -72,26 +70,19 @@ def capped_sample_s() -> float:
     return env_seconds("KPROF_CAPPED_SAMPLE_S", CAPPED_SAMPLE_S)
 
 
-# TimerErrors a second attempt may clear: a kernel set that changed while a library settled, and a warm-up
-# invocation whose records CUPTI did not hand over.
-RETRIED = ("unstable kernel set", "saw no kernel in the first warm-up invocation")
-
-
 def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None]:
-    """(measure(), None), or, when the first attempt failed in a way a second can clear (`RETRIED`), a second
-    attempt's result and the first attempt's error. Library kernels can change their launch sequence while
+    """(measure(), None), or, when the first attempt saw the kernels differ between invocations (`UnstableKernels`),
+    a second attempt's result and the first attempt's error. Library kernels can change their launch sequence while
     they settle (cuBLAS split-K is seen to drop its reduce kernel once), and CUPTI once handed over no record of
     one warm-up invocation while it did of the others, in three rows in a row of one pass on an H200 (run 41:
     a later invocation in one, read as an unstable set, the first invocation in two). A
     second attempt that is stable for all its calls is a valid measurement, and the row says a first one was
     refused. A second failure fails the row."""
-    from ..measure._attribution import TimerError
+    from ..measure._attribution import UnstableKernels
 
     try:
         return measure(), None
-    except TimerError as exc:
-        if not any(why in str(exc) for why in RETRIED):
-            raise
+    except UnstableKernels as exc:
         return measure(), str(exc)[:500]
 
 

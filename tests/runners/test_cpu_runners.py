@@ -289,7 +289,7 @@ def test_stop_rule_stops_at_the_clock_resolution():
 
 
 def test_an_unstable_kernel_set_gets_one_more_attempt():
-    from kprof.measure._attribution import TimerError
+    from kprof.measure._attribution import TimerError, UnstableKernels
     from kprof.runners.cuda_device import twice_if_unstable
 
     calls = []
@@ -297,14 +297,14 @@ def test_an_unstable_kernel_set_gets_one_more_attempt():
     def flaky():
         calls.append(None)
         if len(calls) == 1:
-            raise TimerError("unstable kernel set: warm-up invocation 2 launched {gemm}, but ...")
+            raise UnstableKernels("unstable kernel set: warm-up invocation 2 launched {gemm}, but ...")
         return "timing"
 
     assert twice_if_unstable(flaky) == ("timing", "unstable kernel set: warm-up invocation 2 launched {gemm}, but ...")
     assert twice_if_unstable(lambda: "timing") == ("timing", None)
 
     def always():
-        raise TimerError("unstable kernel set: again")
+        raise UnstableKernels("unstable kernel set: again")
 
     with pytest.raises(TimerError, match="again"):
         twice_if_unstable(always)
@@ -314,7 +314,7 @@ def test_an_unstable_kernel_set_gets_one_more_attempt():
     def first_invocation_unseen():
         calls.append(None)
         if len(calls) == 1:
-            raise TimerError("CUPTI saw no kernel in the first warm-up invocation; the callable must launch ...")
+            raise UnstableKernels("CUPTI saw no kernel in the first warm-up invocation; the callable must launch ...")
         return "timing"
 
     assert twice_if_unstable(first_invocation_unseen) == (
