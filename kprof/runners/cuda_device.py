@@ -31,6 +31,8 @@ COPY_BYTES = 2 << 30
 ACTIVATION_COPY_BYTES = 4 << 20
 # The timing's settle right after an energy window, which has brought the GPU to this kernel's steady clock.
 SETTLED_MIN_S = 0.04
+# A power-capped kernel's settle in the samples' own pattern (sweep, call) after the energy window: see _state.
+SETTLED_CAPPED_S = 0.04
 
 
 def _span_bytes(t) -> int:
@@ -182,7 +184,7 @@ class CudaDevice:
         probe = self._probe
         # Right after the energy window the GPU is in this kernel's state already, capped or not: the settle
         # only confirms it in the samples' pattern.
-        after = {"min_s": SETTLED_MIN_S, "capped_settle_s": SETTLED_MIN_S} if settled else {}
+        after = {"min_s": SETTLED_MIN_S, "capped_settle_s": SETTLED_CAPPED_S} if settled else {}
         state = StateProtocol(probe, regime=self.power, power_limit_w=self.env.power_limit_w,
                               capped_sample_s=self.capped_sample_s, **after)
         if start:

@@ -2,7 +2,7 @@
 # Runs GPU stages on the device machine, each under its own time limit, each logged to $OUT/<stage>.log:
 #   tests/benchmarks/gpu_stage.sh tests catalog timer nvml timing sweep
 # Stages: tests (pytest -m gpu), catalog / timer / nvml (smoke scripts), timing (gpu_timing.py),
-# sweep (gpu_sweep.py), pool (pool_check.py), placement (placement_check.py), moe (moe_decode_check.py), address (address_check.py), producer (producer_check.py), between (between_check.py, $BETWEEN_ARGS), scaling (pool_scaling.py, $SCALING_ARGS), model (model_step.py, $MODEL_ARGS), protocol (protocol_check.py, $PROTOCOL_ARGS). The short table of each is printed at the end.
+# sweep (gpu_sweep.py), pool (pool_check.py), placement (placement_check.py), moe (moe_decode_check.py), address (address_check.py), producer (producer_check.py), between (between_check.py, $BETWEEN_ARGS), scaling (pool_scaling.py, $SCALING_ARGS), model (model_step.py, $MODEL_ARGS), protocol (protocol_check.py, $PROTOCOL_ARGS), settle (capped_settle_check.py, $SETTLE_ARGS). The short table of each is printed at the end.
 set -u
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -22,6 +22,7 @@ for stage in "$@"; do
     address) cmd=(timeout ${ADDRESS_S:-240} $py tests/benchmarks/address_check.py --out "$OUT") ;;
     producer) cmd=(timeout ${PRODUCER_S:-240} $py tests/benchmarks/producer_check.py --out "$OUT") ;;
     between) cmd=(timeout ${BETWEEN_S:-240} $py tests/benchmarks/between_check.py --out "$OUT" ${BETWEEN_ARGS:-}) ;;
+    settle)  cmd=(timeout ${SETTLE_S:-420} $py tests/benchmarks/capped_settle_check.py --out "$OUT" ${SETTLE_ARGS:-}) ;;
     protocol) cmd=(timeout ${PROTOCOL_S:-330} $py tests/benchmarks/protocol_check.py --out "$OUT" ${PROTOCOL_ARGS:-}) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
