@@ -9,7 +9,7 @@ import time
 from typing import Callable
 
 from ._state import StateProtocol
-from .stats import StopRule
+from .stats import StopRule, block_means
 
 _WARMUP_S = 0.01  # warm-up wall time (at least 2 invocations)
 _WARMUP_MAX = 200  # warm-up invocations at most: each keeps its kernel records until attribution
@@ -21,17 +21,17 @@ _HEAT_RATIO = 4.0  # loaded state: heavy work per sample, in multiples of the ca
 _HEAT_MAX_UNITS = 32
 
 
-def _batch(per_call_s: float, n: int, elapsed_s: float, rule: StopRule) -> int:
-    """Calls in the next batch: ~_BATCH_S of work, no more than the budget left, a multiple of 5 (StopRule
-    checks convergence at multiples of 5) and never past max_samples (unless already past it: a capped kernel
-    sampled for its minimum, see _sample)."""
+def _batch(per_call_s: float, n: int, elapsed_s: float, rule: StopRule | None) -> int:
+    """Calls in the next batch: ~_BATCH_S of work, a multiple of 5 (StopRule checks convergence at multiples of
+    5), and with a `rule`, no more than its budget left and never past its max_samples (None: a power-capped
+    kernel, which stops by its own rule, see _sample)."""
     per_call_s = max(per_call_s, 1e-7)
     k = _BATCH_S / per_call_s
-    left = rule.budget_s - elapsed_s
+    left = rule.budget_s - elapsed_s if rule is not None else 0.0
     if left > 0:
         k = min(k, left / per_call_s)
     k = min(_MAX_BATCH, max(5, 5 * math.ceil(round(k) / 5)))
-    return max(1, min(k, rule.max_samples - n)) if n < rule.max_samples else k  # past it: a capped kernel's minimum
+    return max(1, min(k, rule.max_samples - n)) if rule is not None else k
 
 
 def _settle(torch, call, flush, per_call_s: float, notes: dict, state: StateProtocol | None = None) -> None:
@@ -141,31 +141,37 @@ def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_ca
     """The sampling loop both timers share: batches sized by `_batch` from the last batch's wall time per
     call, `batch(k, samples so far, during)` returning k samples, until `rule` stops. `during()` is called
     while the batch runs on the GPU; with `state`, it reads the GPU there, and a batch that ran out of the
-    settled state (`state.hold`) has its samples discarded."""
+    settled state (`state.hold`) has its samples discarded. A power-capped kernel (`state.capped`) stops by
+    `state.capped_stop` instead, on the means of its blocks of `state.capped_block_s`: the rule's median
+    interval, budget and sample cap do not apply to a mean of correlated samples."""
     samples: list[float] = []
     biggest, batches = 0, 0
     t0 = time.perf_counter()
     notes["warmup_s"] = f"{t0 - started:.4f}"  # warm-up and settling, before the first sample
     reading = []
+    capped = state is not None and state.capped
+    timeline: list[tuple[float, float, int]] = []  # capped: (end, sum, count) of each batch, for block_means
 
     def during() -> None:
         if state is not None:
             reading.append(state.probe())
 
     while True:
-        k = _batch(per_call_s, len(samples), time.perf_counter() - t0, rule)
+        k = _batch(per_call_s, len(samples), time.perf_counter() - t0, None if capped else rule)
         b0 = time.perf_counter()
         reading.clear()
         got = batch(k, len(samples), during)
-        if not reading or state.hold(reading[-1]):
+        kept = not reading or state.hold(reading[-1])
+        if kept:
             samples += got
-        per_call_s = (time.perf_counter() - b0) / k
+        now = time.perf_counter()
+        per_call_s = (now - b0) / k
         biggest, batches = max(biggest, k), batches + 1
-        reason = rule.check(samples, time.perf_counter() - t0)
-        if reason and state is not None and time.perf_counter() - t0 < state.min_sample_s:
-            # A power-capped kernel spans the cap controller's swings before it stops: the stopping rule's
-            # budget and sample cap bound a row's time, this bounds its noise (KPROF_CAPPED_SAMPLE_S).
-            reason = None
+        if capped:
+            timeline.append((now, math.fsum(got) if kept else 0.0, len(got) if kept else 0))
+            reason = state.capped_stop(now - t0, block_means(timeline, state.capped_block_s, t0))
+        else:
+            reason = rule.check(samples, now - t0)
         if reason:
             notes.update(batch=str(biggest), batches=str(batches), sample_s=f"{time.perf_counter() - t0:.4f}")
             return samples, reason

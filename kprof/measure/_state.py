@@ -16,6 +16,10 @@ is lower) names a moment, not the kernel. The protocol, for every CUDA row:
    Such a row's time is the mean of its samples (`estimator`): per-call times under a swinging clock are not
    one-peaked, and their median jumps between the peaks from run to run (4.3 % between passes on an H200,
    with 0.5 s of samples), while the mean is the time the kernel spends on average, which a sum of rows needs.
+   Past that minimum it is sampled until the mean's 95 % interval, from the means of blocks of `capped_block_s`
+   (the batch-means method: the swings correlate samples over tens to hundreds of milliseconds), is within
+   `capped_target` of it, for `capped_max_sample_s` at most (`capped_stop`): the mean of one second of an
+   8192^3 GEMM's fifths moved by up to 5 % within the second, while a 2048x4096x4096 one's held within 0.2 %.
 3. **Hold**: each timed batch gets a reading taken while it runs. A batch whose SM clock is off the settled
    clock by more than `tol` (not for a capped kernel, whose clock swings by nature), or that shows a thermal
    or hardware slowdown, was measured out of state: its samples are discarded and the stopping rule asks
@@ -30,13 +34,16 @@ tests. Nothing here imports torch or NVML.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable, NamedTuple, Sequence
 
 from ._reasons import decode_reasons
+from .stats import mean_halfwidth
 
-__all__ = ["StateReading", "StateProtocol", "Settled", "state_label", "OUT_OF_STATE_REASONS", "CAPPED_SAMPLE_S"]
+__all__ = ["StateReading", "StateProtocol", "Settled", "state_label", "OUT_OF_STATE_REASONS", "CAPPED_SAMPLE_S",
+           "CAPPED_MAX_SAMPLE_S"]
 
 # Clock-event reasons that mean the clock was held below what the load itself sets: a batch showing one
 # was timed in another state than its neighbours. (power_cap is the steady state of a heavy kernel.)
@@ -44,7 +51,13 @@ OUT_OF_STATE_REASONS = frozenset({"thermal", "hw_slowdown", "hw_power_brake"})
 # Timed work a power-capped kernel's row averages over (KPROF_CAPPED_SAMPLE_S): its clock swings with the cap's
 # controller over tens of milliseconds, and from one second to the next (1 s means of 8192^3 read 1.417 and 1.440 ms
 # seconds apart on an H200).
-CAPPED_SAMPLE_S = 1.0
+CAPPED_SAMPLE_S = 0.5
+# ... and at most this long (KPROF_CAPPED_MAX_SAMPLE_S), until its mean is known to CAPPED_TARGET (95 % half-width,
+# relative) from the means of blocks of CAPPED_BLOCK_S, at least CAPPED_MIN_BLOCKS of them.
+CAPPED_MAX_SAMPLE_S = 3.0
+CAPPED_TARGET = 0.01
+CAPPED_BLOCK_S = 0.1
+CAPPED_MIN_BLOCKS = 5
 
 
 class StateReading(NamedTuple):
@@ -83,9 +96,13 @@ class StateProtocol:
                  max_s: float = 1.5, max_discards: int = 8, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.perf_counter, regime: str = "sustained",
                  power_limit_w: float | None = None, capped_settle_s: float = 0.3,
-                 capped_sample_s: float = CAPPED_SAMPLE_S, capped_share: float = 0.25):
+                 capped_sample_s: float = CAPPED_SAMPLE_S, capped_share: float = 0.25,
+                 capped_max_sample_s: float = CAPPED_MAX_SAMPLE_S, capped_target: float = CAPPED_TARGET,
+                 capped_block_s: float = CAPPED_BLOCK_S):
         self.regime, self.power_limit_w = regime, power_limit_w
         self.capped_settle_s, self.capped_sample_s = capped_settle_s, capped_sample_s
+        self.capped_max_sample_s = max(capped_max_sample_s, capped_sample_s)
+        self.capped_target, self.capped_block_s = capped_target, capped_block_s
         self.capped_share = capped_share  # readings past the first capped one that must show the cap too
         self.capped = False
         self.min_sample_s = 0.0  # timed work the samples must span (set by settle: capped kernels)
@@ -168,6 +185,7 @@ class StateProtocol:
         self.notes["estimator"] = self.estimator
         if self.capped:
             self.notes["capped_sample_s"] = f"{self.capped_sample_s:.2f}"
+            self.notes["capped_max_sample_s"] = f"{self.capped_max_sample_s:.2f}"
         if transient:
             self.notes["power_cap_transient"] = transient
         return result
@@ -185,6 +203,22 @@ class StateProtocol:
             return False
         powers = [r.power_w for r in recent if r.power_w is not None]
         return self.power_limit_w is None or all(p <= 1.02 * self.power_limit_w for p in powers)
+
+    def capped_stop(self, elapsed_s: float, blocks: Sequence[float]) -> str | None:
+        """Whether a power-capped kernel's sampling stops after `elapsed_s` of it, with `blocks` the per-call
+        means of its blocks of capped_block_s so far (`kprof.measure.stats.block_means`): "converged" once the
+        minimum (`min_sample_s`) is spanned and the mean's 95 % half-width from the blocks is within
+        capped_target; "budget" at capped_max_sample_s; else None. Notes the blocks and the half-width."""
+        half = mean_halfwidth(list(blocks)) if len(blocks) >= CAPPED_MIN_BLOCKS else math.inf
+        if elapsed_s >= self.capped_max_sample_s:
+            reason = "budget"
+        elif elapsed_s >= self.min_sample_s and half <= self.capped_target:
+            reason = "converged"
+        else:
+            return None
+        self.notes.update(capped_blocks=str(len(blocks)),
+                          capped_mean_halfwidth="n/a" if math.isinf(half) else f"{half:.4f}")
+        return reason
 
     def hold(self, reading: StateReading) -> bool:
         """Whether a batch read as `reading` ran in the settled state (keep its samples). Counts discards and

@@ -7,7 +7,12 @@ import statistics
 
 from .records import SampleStats
 
-__all__ = ["summarize", "median_halfwidth", "StopRule", "quantile", "copy_medians", "placement_notes"]
+__all__ = ["summarize", "median_halfwidth", "mean_halfwidth", "block_means", "StopRule", "quantile", "copy_medians",
+           "placement_notes"]
+
+# Student's t, two-sided 95 %, for 1-30 degrees of freedom (beyond: the normal's 1.96).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -32,6 +37,35 @@ def median_halfwidth(xs_sorted: list[float]) -> float:
     hi = min(n - 1, math.ceil(n / 2 + half))
     med = quantile(xs_sorted, 0.5)
     return (xs_sorted[hi] - xs_sorted[lo]) / 2 / med if med > 0 else math.inf
+
+
+def mean_halfwidth(xs: list[float]) -> float:
+    """Half-width of the ~95% confidence interval of the mean of `xs` (Student's t), relative to the mean; inf
+    for fewer than two values. Meant for block means (`block_means`), which are near normal and near independent
+    where the samples themselves are neither."""
+    n = len(xs)
+    mean = statistics.fmean(xs) if n else 0.0
+    if n < 2 or mean <= 0:
+        return math.inf
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    return t * statistics.stdev(xs) / math.sqrt(n) / mean
+
+
+def block_means(batches: list[tuple[float, float, int]], block_s: float, start: float) -> list[float]:
+    """Per-call means over consecutive blocks of at least `block_s` of wall time, from batches given in order as
+    (end time, sum of their samples, number of samples), the first block starting at `start`. The batch-means
+    method: samples under a power cap are correlated over tens of milliseconds (the cap's controller moves the
+    clock), so their own spread understates the mean's error; means over blocks longer than that are not. A last,
+    shorter block is left out; so are batches without samples."""
+    out: list[float] = []
+    total, n, begin = 0.0, 0, start
+    for end, sum_ms, count in batches:
+        total, n = total + sum_ms, n + count
+        if end - begin >= block_s:
+            if n:
+                out.append(total / n)
+            total, n, begin = 0.0, 0, end
+    return out
 
 
 def summarize(samples_ms: list[float], keep: int = 512) -> SampleStats:

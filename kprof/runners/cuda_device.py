@@ -12,14 +12,14 @@ import msgspec
 
 from ..ledger.events import Method
 from ..measure._l2 import activations_rewrite
-from ..measure._state import CAPPED_SAMPLE_S
+from ..measure._state import CAPPED_MAX_SAMPLE_S, CAPPED_SAMPLE_S
 from ..measure.stats import StopRule, placement_notes, summarize
 from ._case import algorithm_notes
 from ._settings import env_seconds
 from .registry import Entry
 
 __all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "ENERGY_S",
-           "CAPPED_SAMPLE_S", "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES"]
+           "CAPPED_SAMPLE_S", "CAPPED_MAX_SAMPLE_S", "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES"]
 
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
@@ -66,10 +66,13 @@ def energy_window_s() -> float:
     return env_seconds("KPROF_ENERGY_S", ENERGY_S, zero_ok=True)
 
 
-def capped_sample_s() -> float:
-    """Seconds of timed work a power-capped kernel's row averages over (KPROF_CAPPED_SAMPLE_S): longer is less
-    noise for those rows, at that cost per capped spec."""
-    return env_seconds("KPROF_CAPPED_SAMPLE_S", CAPPED_SAMPLE_S)
+def capped_sample_s() -> tuple[float, float]:
+    """The least and the most seconds of timed work a power-capped kernel's row averages over
+    (KPROF_CAPPED_SAMPLE_S, KPROF_CAPPED_MAX_SAMPLE_S; see kprof.measure._state): between them it stops once its
+    mean is known to 1 %. A larger maximum is less noise for rows of GEMMs whose clock the cap swings most, at
+    up to that cost per such spec; a maximum below the minimum is the minimum."""
+    least = env_seconds("KPROF_CAPPED_SAMPLE_S", CAPPED_SAMPLE_S)
+    return least, max(least, env_seconds("KPROF_CAPPED_MAX_SAMPLE_S", CAPPED_MAX_SAMPLE_S))
 
 
 def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None]:
@@ -185,8 +188,9 @@ class CudaDevice:
         # Right after the energy window the GPU is in this kernel's state already, capped or not: the settle
         # only confirms it in the samples' pattern.
         after = {"min_s": SETTLED_MIN_S, "capped_settle_s": SETTLED_CAPPED_S} if settled else {}
+        least, most = self.capped_sample_s
         state = StateProtocol(probe, regime=self.power, power_limit_w=self.env.power_limit_w,
-                              capped_sample_s=self.capped_sample_s, **after)
+                              capped_sample_s=least, capped_max_sample_s=most, **after)
         if start:
             state.start()
             self.start_notes = dict(state.notes)

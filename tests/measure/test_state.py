@@ -153,28 +153,42 @@ def test_a_cap_seen_on_a_quarter_of_the_readings_is_a_capped_kernel():
     assert p.capped and p.estimator == "mean" and "power_cap_transient" not in p.notes
 
 
-def test_a_capped_kernel_is_sampled_for_its_minimum_past_the_budget_and_the_sample_cap():
-    """The sampling loop stops a power-capped kernel no sooner than `min_sample_s` of sampling, even where the
-    stopping rule's budget or sample cap would stop it before (KPROF_CAPPED_SAMPLE_S over the 1 s budget); an
-    uncapped kernel stops with the rule."""
+def _run_sampling(capped, min_s, max_s, rule, per_batch_ms, target=0.01):
+    """_sample over batches of 2 ms of wall whose samples are `per_batch_ms(i)` for batch i."""
     import time
 
     from kprof.measure._sampling import _sample
-    from kprof.measure.stats import StopRule
+
+    count = {"i": 0}
 
     def batch(k, n, during):
         during()
         time.sleep(0.002)
-        return [1.0] * k
+        count["i"] += 1
+        return [per_batch_ms(count["i"])] * k
 
     reading = StateReading(1700.0, 700.0, 60.0, 0)
-    for capped, min_s, rule, stops_at, reason in (
-            (True, 0.25, StopRule(budget_s=0.05, max_samples=10 ** 9), 0.25, "budget"),
-            (True, 0.25, StopRule(budget_s=10.0, max_samples=20), 0.25, "max_samples"),
-            (False, 0.0, StopRule(budget_s=0.05), 0.0, "converged")):
-        state = StateProtocol(lambda: reading)
-        state.capped, state.min_sample_s, state.reference = capped, min_s, 1700.0
-        notes: dict = {}
-        samples, why = _sample(batch, 1e-4, rule, time.perf_counter(), notes, state)
-        assert why == reason and stops_at <= float(notes["sample_s"]) < stops_at + 0.2
-        assert int(notes["batch"]) == 100  # full batches throughout, past the sample cap too
+    state = StateProtocol(lambda: reading, capped_sample_s=min_s, capped_max_sample_s=max_s, capped_target=target,
+                          capped_block_s=0.02)
+    state.capped, state.min_sample_s, state.reference = capped, min_s if capped else 0.0, 1700.0
+    notes: dict = {}
+    _samples, why = _sample(batch, 1e-4, rule, time.perf_counter(), notes, state)
+    return why, float(notes["sample_s"]), notes, state
+
+
+def test_a_capped_kernel_stops_on_its_block_means_not_on_the_rule():
+    """A power-capped kernel is sampled for at least its minimum and at most its maximum whatever the stopping
+    rule's budget and sample cap say, and in between until the mean of its blocks is known to capped_target: a
+    steady one stops at the minimum, one whose blocks swing goes on to the maximum. An uncapped kernel stops with
+    the rule."""
+    from kprof.measure.stats import StopRule
+
+    tight = StopRule(budget_s=0.05, max_samples=20)
+    why, took, notes, state = _run_sampling(True, 0.25, 0.6, tight, lambda i: 1.0)
+    assert why == "converged" and 0.25 <= took < 0.4
+    assert int(notes["batch"]) == 100  # full batches throughout, past the rule's sample cap too
+    assert int(state.notes["capped_blocks"]) >= 5 and float(state.notes["capped_mean_halfwidth"]) == 0.0
+    why, took, _notes, state = _run_sampling(True, 0.25, 0.6, tight, lambda i: 1.0 + 0.2 * ((i // 10) % 2))
+    assert why == "budget" and 0.6 <= took < 0.8 and float(state.notes["capped_mean_halfwidth"]) > 0.01
+    why, took, _notes, _state = _run_sampling(False, 0.25, 0.6, StopRule(budget_s=0.05), lambda i: 1.0)
+    assert why == "converged" and took < 0.2

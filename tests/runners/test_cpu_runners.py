@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kprof.ledger.events import Failed, Measured
 from kprof.measure.cpu_timer import time_cpu
-from kprof.measure.stats import StopRule, median_halfwidth, summarize
+from kprof.measure.stats import StopRule, block_means, mean_halfwidth, median_halfwidth, summarize
 from kprof.runners._case import TOLERANCE, Unsupported, WrongResult, check_close, seed_of
 from kprof.runners.registry import entries, lookup
 from kprof.runners.worker import classify, measure_specs
@@ -207,6 +207,26 @@ def test_median_halfwidth():
     # order statistics 40 and 60 (0-based) around a median of 50.5
     assert median_halfwidth(xs) == pytest.approx((61 - 41) / 2 / 50.5)
     assert median_halfwidth([0.0] * 10) == math.inf
+
+
+def test_mean_halfwidth_is_students_t_interval():
+    assert mean_halfwidth([2.0]) == math.inf and mean_halfwidth([]) == math.inf  # too few values
+    assert mean_halfwidth([2.0] * 7) == 0.0
+    # mean 2, stdev 1, n 4: t(3) = 3.182
+    assert mean_halfwidth([1.0, 2.0, 3.0, 2.0]) == pytest.approx(3.182 * (2 / 3) ** 0.5 / 2 / 2)
+    xs = [1.0 + (i % 2) for i in range(100)]  # beyond 30 degrees of freedom: 1.96
+    assert mean_halfwidth(xs) == pytest.approx(1.96 * 0.50252 / 10 / 1.5, rel=1e-4)
+
+
+def test_block_means_group_batches_by_wall_time():
+    """Batches (end, sum, count) into blocks of at least block_s from `start`: per-call means; a last short block
+    and a block of discarded batches only (count 0) are left out."""
+    batches = [(1.0, 4.0, 4), (2.0, 8.0, 4), (3.0, 12.0, 4), (4.5, 0.0, 0), (6.0, 15.0, 5), (6.5, 1.0, 1)]
+    assert block_means(batches, 2.5, 0.0) == [24.0 / 12, 15.0 / 5]  # [0, 3), [3, 6); [6, 6.5) is short
+    assert block_means(batches, 1.2, 0.0) == [12.0 / 8, 12.0 / 4, 15.0 / 5]
+    discarded = [(1.5, 6.0, 3), (3.0, 0.0, 0), (4.5, 8.0, 2), (5.0, 1.0, 1)]
+    assert block_means(discarded, 1.2, 0.0) == [6.0 / 3, 8.0 / 2]  # [1.5, 3) held no kept sample
+    assert block_means([], 0.1, 0.0) == []
 
 
 def test_stop_rule_converges_on_constant_samples():

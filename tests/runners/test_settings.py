@@ -5,7 +5,7 @@ import pytest
 from kprof.errors import UsageError
 from kprof.runners._settings import env_seconds
 from kprof.measure._state import StateReading
-from kprof.runners.cuda_device import CAPPED_SAMPLE_S, ENERGY_S, CudaDevice, capped_sample_s, energy_window_s
+from kprof.runners.cuda_device import CAPPED_MAX_SAMPLE_S, CAPPED_SAMPLE_S, ENERGY_S, CudaDevice, capped_sample_s, energy_window_s
 
 
 def test_env_seconds(monkeypatch):
@@ -37,19 +37,27 @@ def test_the_energy_window_may_be_turned_off(monkeypatch):
 
 
 def test_a_capped_rows_sampled_time_comes_from_the_environment(monkeypatch):
-    """KPROF_CAPPED_SAMPLE_S sets how much timed work a power-capped row averages over (default 1 s); the device's
-    state protocol takes it, and a kernel its settle finds at the cap must then be sampled that long."""
+    """KPROF_CAPPED_SAMPLE_S and KPROF_CAPPED_MAX_SAMPLE_S set the least and the most timed work a power-capped row
+    averages over (defaults 0.5 and 3 s); the device's state protocol takes them, and a kernel its settle finds at
+    the cap must then be sampled at least the least. A maximum below the minimum is the minimum."""
     monkeypatch.delenv("KPROF_CAPPED_SAMPLE_S", raising=False)
-    assert capped_sample_s() == CAPPED_SAMPLE_S == 1.0
+    monkeypatch.delenv("KPROF_CAPPED_MAX_SAMPLE_S", raising=False)
+    assert capped_sample_s() == (CAPPED_SAMPLE_S, CAPPED_MAX_SAMPLE_S) == (0.5, 3.0)
     monkeypatch.setenv("KPROF_CAPPED_SAMPLE_S", "0")
     with pytest.raises(UsageError, match="KPROF_CAPPED_SAMPLE_S='0' is not a number of seconds > 0"):
         capped_sample_s()
-    monkeypatch.setenv("KPROF_CAPPED_SAMPLE_S", "3")
+    monkeypatch.setenv("KPROF_CAPPED_SAMPLE_S", "4")
+    assert capped_sample_s() == (4.0, 4.0)
+    monkeypatch.setenv("KPROF_CAPPED_MAX_SAMPLE_S", "never")
+    with pytest.raises(UsageError, match="KPROF_CAPPED_MAX_SAMPLE_S='never'"):
+        capped_sample_s()
+    monkeypatch.setenv("KPROF_CAPPED_SAMPLE_S", "2")
+    monkeypatch.setenv("KPROF_CAPPED_MAX_SAMPLE_S", "5")
     d = object.__new__(CudaDevice)  # the protocol's settings only: no CUDA device behind it
     d._probe, d.state_errors, d.power = (lambda: StateReading(1650.0, 699.0, 61.0, 0)), {}, "sustained"
     d.env, d.capped_sample_s = type("Env", (), {"power_limit_w": 700.0})(), capped_sample_s()
     state = d._state(start=False, settled=True)  # right after an energy window: the short settle
-    assert state.capped_sample_s == 3.0 and state.min_sample_s == 0.0
+    assert (state.capped_sample_s, state.capped_max_sample_s, state.min_sample_s) == (2.0, 5.0, 0.0)
     state.settle(lambda seconds: None)
-    assert state.capped and state.min_sample_s == 3.0 and state.estimator == "mean"
-    assert state.notes["capped_sample_s"] == "3.00"
+    assert state.capped and state.min_sample_s == 2.0 and state.estimator == "mean"
+    assert state.notes["capped_sample_s"] == "2.00" and state.notes["capped_max_sample_s"] == "5.00"
