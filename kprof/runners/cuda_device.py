@@ -31,7 +31,10 @@ COPY_BYTES = 2 << 30
 ACTIVATION_COPY_BYTES = 4 << 20
 # The timing's settle right after an energy window, which has brought the GPU to this kernel's steady clock.
 SETTLED_MIN_S = 0.04
-# A power-capped kernel's settle in the samples' own pattern (sweep, call) after the energy window: see _state.
+# A power-capped kernel's settle in the samples' own pattern (sweep, call) after the energy window. 0.5 s instead
+# changed nothing measurable (capped_settle_check.py, H200, 2026-12-03: prefill GEMMs' spread over four passes p95
+# 2.22 against 2.20 %): what moves such a row is the cap's swings within and between seconds, not a ramp after the
+# energy window.
 SETTLED_CAPPED_S = 0.04
 
 

@@ -510,6 +510,9 @@ def case_c(ctx: Context, specs: list[dict], quick: bool) -> dict:
     return _compare(ctx, specs, "graph")
 
 
+SETTINGS_S = frozenset({"capped_sample_s", "capped_max_sample_s"})  # notes named *_s that are settings, not time
+
+
 def _notes_seconds(db: str) -> dict[str, float]:
     """Every method note named *_s (seconds: build, check, timer wall, timed GPU work, energy window, ...)
     summed over the ledger's measured rows: where the fill's wall time went."""
@@ -522,7 +525,7 @@ def _notes_seconds(db: str) -> dict[str, float]:
             event = _codec.event_decoder.decode(data)
             if type(event) is Measured:
                 for k, v in event.method.notes.items():
-                    if k.endswith("_s"):
+                    if k.endswith("_s") and k not in SETTINGS_S:
                         try:
                             out[k] = out.get(k, 0.0) + float(v)
                         except ValueError:

@@ -1,0 +1,37 @@
+"""capped_settle_check.py on CPU: the spec set, the fifths of a row's samples and the per-settle summary."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+_spec = importlib.util.spec_from_file_location("capped_settle_check",
+                                               pathlib.Path(__file__).with_name("capped_settle_check.py"))
+cs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cs)
+
+
+def test_the_specs_are_protocol_checks_prefill_gemms():
+    specs = cs.prefill_specs()
+    assert len(specs) == 16 and {s["m"] for s in specs} == {2048, 4096, 8192}
+    assert {"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16"} in specs
+
+
+def test_fifths_are_means_of_each_fifth_in_call_order():
+    assert cs.fifths([1.0] * 5 + [2.0] * 5) == [1.0, 1.0, 1.5, 2.0, 2.0]
+    assert cs.fifths([3.0, 1.0]) == [3.0, 1.0]  # fewer samples than fifths: the non-empty ones
+
+
+def test_summary_spreads_per_settle_over_complete_specs():
+    spec_a, spec_b = {"m": 1}, {"m": 2}
+    rows = [{"spec": spec_a, "settle_s": 0.04, "time_ms": t, "drift": d, "timed_sm_mhz": [1500.0, 1700.0],
+             "wall_s": 1.0} for t, d in ((1.0, 0.01), (1.02, -0.02), (0.99, 0.0), (1.01, 0.0))]
+    rows += [{"spec": spec_b, "settle_s": 0.04, "time_ms": 2.0, "wall_s": 1.0}] * 3  # one pass short: left out
+    rows += [{"spec": spec_b, "settle_s": 0.04, "error": "x", "wall_s": 0.5}]
+    out = cs.summary(rows, [0.04], 4)["0.04"]
+    assert out["specs"] == 1 and out["failed"] == 1
+    assert out["spread_max"] == pytest.approx(0.03 / 1.005)  # (max - min) / median of the four
+    assert out["drift_max_abs"] == 0.02 and out["first_batch_mhz_median"] == 1500.0
+    assert out["last_batch_mhz_median"] == 1700.0
