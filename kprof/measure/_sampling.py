@@ -169,7 +169,9 @@ def _sample(batch: Callable[[int, int, Callable[[], None]], list[float]], per_ca
         biggest, batches = max(biggest, k), batches + 1
         if capped:
             timeline.append((now, math.fsum(got) if kept else 0.0, len(got) if kept else 0))
-            reason = state.capped_stop(now - t0, block_means(timeline, state.capped_block_s, t0))
+            # at least 3 samples, as the rule's budget asks (every batch so far may have been discarded)
+            reason = state.capped_stop(now - t0, block_means(timeline, state.capped_block_s, t0)) \
+                if len(samples) >= 3 else None
         else:
             reason = rule.check(samples, now - t0)
         if reason:

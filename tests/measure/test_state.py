@@ -192,3 +192,24 @@ def test_a_capped_kernel_stops_on_its_block_means_not_on_the_rule():
     assert why == "budget" and 0.6 <= took < 0.8 and float(state.notes["capped_mean_halfwidth"]) > 0.01
     why, took, _notes, _state = _run_sampling(False, 0.25, 0.6, StopRule(budget_s=0.05), lambda i: 1.0)
     assert why == "converged" and took < 0.2
+
+
+def test_a_capped_kernel_does_not_stop_without_samples():
+    """Past its maximum, a capped kernel whose batches were all discarded (a thermal slowdown) goes on until the
+    protocol re-anchors and keeps samples, rather than stopping with none."""
+    import time
+
+    from kprof.measure._sampling import _sample
+    from kprof.measure.stats import StopRule
+
+    hot = StateReading(1500.0, 700.0, 90.0, 0x20)  # thermal slowdown: every batch out of state
+    state = StateProtocol(lambda: hot, capped_sample_s=0.01, capped_max_sample_s=0.01, max_discards=30)
+    state.capped, state.min_sample_s, state.reference = True, 0.01, 1700.0
+
+    def batch(k, n, during):
+        during()
+        time.sleep(0.002)
+        return [1.0] * k
+
+    samples, why = _sample(batch, 1e-4, StopRule(), time.perf_counter(), {}, state)
+    assert why == "budget" and len(samples) >= 3 and state.discarded_total == 30 and state.reanchored == 1
