@@ -14,9 +14,12 @@ timed batches.
 Printed per settle: the per-spec spread over the four passes (p50 / p95 / max, as case a), the within-row drift
 (mean of the last fifth of samples over the first fifth, minus 1) and the timed SM clock's first and last batch.
 Full results (every row's samples summarised in fifths, clocks per batch) go to capped_settle_check.json under
---out ($OUT, else .).
+--out ($OUT, else .). --keep-samples adds every row's samples in call order (µs, 3 decimals): with
+KPROF_CAPPED_SAMPLE_S=3 KPROF_CAPPED_MAX_SAMPLE_S=3 (3 s windows) any stopping rule for capped rows can then be
+tried offline by cutting the series short.
 
     python tests/benchmarks/capped_settle_check.py [--out DIR] [--settles 0.04,0.3,0.6] [--load-s 20] [--idle-s 10]
+        [--keep-samples]
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class Capture:
         self.module.time_gpu = self.inner
 
 
-def one_row(entry, gpu_key, device, spec, settle_s, capture) -> dict:
+def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples: bool = False) -> dict:
     from kprof.runners import cuda_device
     from kprof.runners.worker import measure_specs
 
@@ -88,6 +91,9 @@ def one_row(entry, gpu_key, device, spec, settle_s, capture) -> dict:
                energy_settled_sm_mhz=notes.get("energy_settled_sm_mhz"),
                timed_sm_mhz=[r.sm_mhz for r in kept], timed_power_w=[r.power_w for r in kept],
                timed_temp_c=[r.temp_c for r in kept])
+    if keep_samples:
+        row["samples_us"] = [round(x * 1e3, 3) for x in samples]
+        row["sample_s"] = notes.get("sample_s")
     f = row["fifths_ms"]
     row["drift"] = f[-1] / f[0] - 1 if len(f) >= 2 else None
     return row
@@ -122,8 +128,13 @@ def main(argv=None) -> int:
     p.add_argument("--settles", default="0.04,0.3,0.6")
     p.add_argument("--load-s", type=float, default=20.0)
     p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument("--keep-samples", action="store_true", help="every row's samples in call order, in the JSON")
     args = p.parse_args(argv)
     settles = [float(x) for x in args.settles.split(",")]
+    from _variants import cuda
+
+    if cuda("capped_settle_check") is None:
+        return 2
 
     from kprof.measure.device_name import local_gpu_name
     from kprof.method import effective_entry
@@ -147,7 +158,7 @@ def main(argv=None) -> int:
             print(f"pass {name}: {len(order)} specs x {len(settles)} settles", file=sys.stderr, flush=True)
             for spec in order:
                 for s in settles:
-                    row = one_row(entry, gpu_key, device, spec, s, capture)
+                    row = one_row(entry, gpu_key, device, spec, s, capture, args.keep_samples)
                     row["pass"] = name
                     rows.append(row)
     doc = {"settles": settles, "specs": specs, "wall_s": time.perf_counter() - started, "rows": rows,

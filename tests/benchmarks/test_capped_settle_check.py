@@ -5,6 +5,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 _spec = importlib.util.spec_from_file_location("capped_settle_check",
@@ -35,3 +36,9 @@ def test_summary_spreads_per_settle_over_complete_specs():
     assert out["spread_max"] == pytest.approx(0.03 / 1.005)  # (max - min) / median of the four
     assert out["drift_max_abs"] == 0.02 and out["first_batch_mhz_median"] == 1500.0
     assert out["last_batch_mhz_median"] == 1700.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_main_without_a_gpu_exits_2(tmp_path, capsys):
+    assert cs.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
