@@ -209,7 +209,7 @@ class StateProtocol:
         means of its blocks of capped_block_s so far (`kprof.measure.stats.block_means`): "converged" once the
         minimum (`min_sample_s`) is spanned and the mean's 95 % half-width from the blocks is within
         capped_target; "budget" at capped_max_sample_s; else None. Notes the blocks and the half-width."""
-        half = mean_halfwidth(list(blocks)) if len(blocks) >= CAPPED_MIN_BLOCKS else math.inf
+        half = mean_halfwidth(blocks) if len(blocks) >= CAPPED_MIN_BLOCKS else math.inf
         if elapsed_s >= self.capped_max_sample_s:
             reason = "budget"
         elif elapsed_s >= self.min_sample_s and half <= self.capped_target:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Sequence
 
 from .records import SampleStats
 
@@ -39,15 +40,17 @@ def median_halfwidth(xs_sorted: list[float]) -> float:
     return (xs_sorted[hi] - xs_sorted[lo]) / 2 / med if med > 0 else math.inf
 
 
-def mean_halfwidth(xs: list[float]) -> float:
+def mean_halfwidth(xs: Sequence[float]) -> float:
     """Half-width of the ~95% confidence interval of the mean of `xs` (Student's t), relative to the mean; inf
     for fewer than two values. Meant for block means (`block_means`), which are near normal and near independent
     where the samples themselves are neither."""
     n = len(xs)
-    mean = statistics.fmean(xs) if n else 0.0
-    if n < 2 or mean <= 0:
+    if n < 2:
         return math.inf
-    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    mean = statistics.fmean(xs)
+    if mean <= 0:
+        return math.inf
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96  # n - 1 degrees of freedom
     return t * statistics.stdev(xs) / math.sqrt(n) / mean
 
 

@@ -70,6 +70,7 @@ class Capture:
 
 
 def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples: bool = False) -> dict:
+    from kprof.ledger.events import Failed, Measured
     from kprof.runners import cuda_device
     from kprof.runners.worker import measure_specs
 
@@ -78,8 +79,8 @@ def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples: bool 
     outcome = next(measure_specs(entry, [spec], gpu_key, device=device))
     ev = outcome.event
     row = {"spec": spec, "settle_s": settle_s, "wall_s": outcome.seconds}
-    if getattr(ev, "metrics", None) is None or capture.last is None:
-        row["error"] = str(getattr(ev, "error", None) or getattr(ev, "detail", None) or ev)[:500]
+    if type(ev) is not Measured or capture.last is None:
+        row["error"] = f"{ev.error_kind}: {ev.message}"[:500] if type(ev) is Failed else f"no timing ({type(ev).__name__})"
         return row
     timing, kept = capture.last
     notes = ev.method.notes
