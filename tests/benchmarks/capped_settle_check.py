@@ -80,7 +80,8 @@ def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples: bool 
     ev = outcome.event
     row = {"spec": spec, "settle_s": settle_s, "wall_s": outcome.seconds}
     if type(ev) is not Measured or capture.last is None:
-        row["error"] = f"{ev.error_kind}: {ev.message}"[:500] if type(ev) is Failed else f"no timing ({type(ev).__name__})"
+        failed = type(ev) is Failed
+        row["error"] = f"{ev.error_kind}: {ev.message}"[:500] if failed else f"no timing ({type(ev).__name__})"
         return row
     timing, kept = capture.last
     notes = ev.method.notes
