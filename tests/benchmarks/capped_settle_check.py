@@ -14,9 +14,9 @@ timed batches.
 Printed per settle: the per-spec spread over the four passes (p50 / p95 / max, as case a), the within-row drift
 (mean of the last fifth of samples over the first fifth, minus 1) and the timed SM clock's first and last batch.
 Full results (every row's samples summarised in fifths, clocks per batch) go to capped_settle_check.json under
---out ($OUT, else .). --keep-samples adds every row's samples in call order (µs, 3 decimals): with
-KPROF_CAPPED_SAMPLE_S=3 KPROF_CAPPED_MAX_SAMPLE_S=3 (3 s windows) any stopping rule for capped rows can then be
-tried offline by cutting the series short.
+--out ($OUT, else .). --keep-samples adds every row's samples in call order (µs, 3 decimals) and, for a capped row, its batches'
+timeline (end time, sum, count): with KPROF_CAPPED_SAMPLE_S=3 KPROF_CAPPED_MAX_SAMPLE_S=3 (3 s windows) any
+stopping rule for capped rows can then be tried offline by cutting the series short (capped_stop_replay.py).
 
     python tests/benchmarks/capped_settle_check.py [--out DIR] [--settles 0.04,0.3,0.6] [--load-s 20] [--idle-s 10]
         [--keep-samples]
@@ -48,25 +48,43 @@ def fifths(samples: list[float]) -> list[float]:
 
 
 class Capture:
-    """Wraps gpu_timer.time_gpu: keeps the last timing's samples and the state readings of its kept batches."""
+    """Wraps gpu_timer.time_gpu: keeps the last timing's samples and the state readings of its kept batches. Also
+    wraps the sampling loop's block_means, which a capped kernel's loop calls after every batch with its whole
+    timeline so far, (end, sum of samples, count) per batch, and its start: the last call's are the row's."""
 
     def __init__(self):
-        from kprof.measure import gpu_timer
+        from kprof.measure import _sampling, gpu_timer
 
         self.module, self.inner, self.last = gpu_timer, gpu_timer.time_gpu, None
+        self.sampling, self.inner_blocks, self.timeline = _sampling, _sampling.block_means, None
 
     def __enter__(self):
         def wrapped(*args, **kwargs):
+            self.timeline = None
             timing = self.inner(*args, **kwargs)
             state = kwargs.get("state")
             self.last = (timing, list(state.kept) if state is not None else [])
             return timing
 
+        def blocks(timeline, block_s, start):
+            self.timeline = (timeline, start)
+            return self.inner_blocks(timeline, block_s, start)
+
         self.module.time_gpu = wrapped
+        self.sampling.block_means = blocks
         return self
 
     def __exit__(self, *exc):
         self.module.time_gpu = self.inner
+        self.sampling.block_means = self.inner_blocks
+
+
+def relative_timeline(captured) -> list[list[float]] | None:
+    """A capped row's batches as [end s after the first sample's batch began, sum of samples ms, count]."""
+    if captured is None:
+        return None
+    timeline, start = captured
+    return [[round(end - start, 6), round(total, 6), count] for end, total, count in timeline]
 
 
 def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples: bool = False) -> dict:
@@ -75,7 +93,7 @@ def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples: bool 
     from kprof.runners.worker import measure_specs
 
     cuda_device.SETTLED_CAPPED_S = settle_s
-    capture.last = None
+    capture.last = capture.timeline = None
     outcome = next(measure_specs(entry, [spec], gpu_key, device=device))
     ev = outcome.event
     row = {"spec": spec, "settle_s": settle_s, "wall_s": outcome.seconds}
@@ -96,6 +114,7 @@ def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples: bool 
     if keep_samples:
         row["samples_us"] = [round(x * 1e3, 3) for x in samples]
         row["sample_s"] = notes.get("sample_s")
+        row["timeline"] = relative_timeline(capture.timeline)  # None for a row that was not capped
     f = row["fifths_ms"]
     row["drift"] = f[-1] / f[0] - 1 if len(f) >= 2 else None
     return row
