@@ -72,8 +72,9 @@ def energy_window_s() -> float:
 def capped_sample_s() -> tuple[float, float]:
     """The least and the most seconds of timed work a power-capped kernel's row averages over
     (KPROF_CAPPED_SAMPLE_S, KPROF_CAPPED_MAX_SAMPLE_S; see kprof.measure._state): between them it stops once its
-    mean is known to 1 %. A larger maximum is less noise for rows of GEMMs whose clock the cap swings most, at
-    up to that cost per such spec; a maximum below the minimum is the minimum."""
+    mean is known to 0.7 % (`kprof.measure._state.CAPPED_TARGET`). A larger maximum is less noise for rows of
+    GEMMs whose clock the cap swings most, at up to that cost per such spec; a maximum below the minimum is the
+    minimum."""
     least = env_seconds("KPROF_CAPPED_SAMPLE_S", CAPPED_SAMPLE_S)
     return least, max(least, env_seconds("KPROF_CAPPED_MAX_SAMPLE_S", CAPPED_MAX_SAMPLE_S))
 

@@ -77,3 +77,13 @@ def test_main_writes_its_table(tmp_path, capsys):
     assert "| fixed 3 s (reference) | 0.00 %" not in out and "lag-1 autocorrelation" in out
     doc = json.loads((tmp_path / "capped_stop_replay.json").read_text())
     assert len(doc["lag1_autocorrelation"]) == 8 and doc["result"]["fixed 3 s (reference)"]["error_max"] == 0.0
+
+
+def test_lag1_autocorrelation_and_the_widened_interval():
+    assert cr.lag1_autocorrelation([1.0, 2.0]) == 0.0 and cr.lag1_autocorrelation([3.0] * 6) == 0.0
+    assert cr.lag1_autocorrelation([1.0, -1.0] * 10) == pytest.approx(-0.95)  # alternating: -(n - 1) / n
+    assert cr.lag1_autocorrelation([1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.25)  # (.75 - .25 + .75) / 5
+    plain = cr.mean_halfwidth([1.0, 2.0, 3.0, 4.0])
+    assert cr.corrected_halfwidth([1.0, 2.0, 3.0, 4.0]) == pytest.approx(plain * (1.25 / 0.75) ** 0.5)
+    alternating = [1.0, 2.0] * 5
+    assert cr.corrected_halfwidth(alternating) == cr.mean_halfwidth(alternating)  # never narrower

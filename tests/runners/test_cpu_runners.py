@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 from kprof.ledger.events import Failed, Measured
 from kprof.measure.cpu_timer import time_cpu
-from kprof.measure.stats import (StopRule, block_means, lag1_autocorrelation, mean_halfwidth, median_halfwidth,
-                                 summarize)
+from kprof.measure.stats import StopRule, block_means, mean_halfwidth, median_halfwidth, summarize
 from kprof.runners._case import TOLERANCE, Unsupported, WrongResult, check_close, seed_of
 from kprof.runners.registry import entries, lookup
 from kprof.runners.worker import classify, measure_specs
@@ -219,19 +218,6 @@ def test_mean_halfwidth_is_students_t_interval():
     assert mean_halfwidth(xs) == pytest.approx(1.96 * 0.50252 / 10 / 1.5, rel=1e-4)
 
 
-
-def test_mean_halfwidth_widens_by_the_lag1_autocorrelation():
-    xs = [1.0, 2.0, 3.0, 2.0]
-    plain = mean_halfwidth(xs)
-    assert mean_halfwidth(xs, rho=0.5) == pytest.approx(plain * 3 ** 0.5)  # sqrt((1 + .5) / (1 - .5))
-    assert mean_halfwidth(xs, rho=-0.4) == plain  # never narrower than independent values
-    assert mean_halfwidth(xs, rho=0.99) == pytest.approx(plain * (1.9 / 0.1) ** 0.5)  # capped at MAX_RHO
-
-
-def test_lag1_autocorrelation():
-    assert lag1_autocorrelation([1.0, 2.0]) == 0.0 and lag1_autocorrelation([3.0] * 6) == 0.0
-    assert lag1_autocorrelation([1.0, -1.0] * 10) == pytest.approx(-0.95)  # alternating: (n - 1) / n of -1
-    assert lag1_autocorrelation([1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.25)  # (-1.5*-.5*2 + .25) / 5 = 0.25
 
 def test_block_means_group_batches_by_wall_time():
     """Batches (end, sum, count) into blocks of at least block_s from `start`: per-call means; a last short block
