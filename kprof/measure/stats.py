@@ -8,8 +8,8 @@ from typing import Sequence
 
 from .records import SampleStats
 
-__all__ = ["summarize", "median_halfwidth", "mean_halfwidth", "lag1_autocorrelation", "block_means", "StopRule",
-           "quantile", "copy_medians", "placement_notes"]
+__all__ = ["summarize", "median_halfwidth", "mean_halfwidth", "block_means", "StopRule", "quantile", "copy_medians",
+           "placement_notes"]
 
 # Student's t, two-sided 95 %, for 1-30 degrees of freedom (beyond: the normal's 1.96).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -40,13 +40,10 @@ def median_halfwidth(xs_sorted: list[float]) -> float:
     return (xs_sorted[hi] - xs_sorted[lo]) / 2 / med if med > 0 else math.inf
 
 
-def mean_halfwidth(xs: Sequence[float], rho: float = 0.0) -> float:
+def mean_halfwidth(xs: Sequence[float]) -> float:
     """Half-width of the ~95% confidence interval of the mean of `xs` (Student's t), relative to the mean; inf
-    for fewer than two values. Meant for block means (`block_means`), which are near normal and nearer
-    independent than the samples themselves. Where adjacent values still correlate (`rho`, their lag-1
-    autocorrelation, as `lag1_autocorrelation` estimates it), the variance of the mean of an AR(1) series is
-    (1 + rho) / (1 - rho) times the independent one: the interval widens by its square root. A negative rho is
-    taken as 0 (never narrower than independent values), one above MAX_RHO as MAX_RHO."""
+    for fewer than two values. Meant for block means (`block_means`), which are near normal and near independent
+    where the samples themselves are neither."""
     n = len(xs)
     if n < 2:
         return math.inf
@@ -54,25 +51,7 @@ def mean_halfwidth(xs: Sequence[float], rho: float = 0.0) -> float:
     if mean <= 0:
         return math.inf
     t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96  # n - 1 degrees of freedom
-    r = min(max(rho, 0.0), MAX_RHO)
-    return t * statistics.stdev(xs) / math.sqrt(n) / mean * math.sqrt((1 + r) / (1 - r))
-
-
-MAX_RHO = 0.9  # the most correlation mean_halfwidth corrects for (a widening of 4.4x)
-
-
-def lag1_autocorrelation(xs: Sequence[float]) -> float:
-    """The lag-1 autocorrelation of a series (the usual estimator: lag-1 autocovariance over the variance, both
-    about the series' mean); 0 for fewer than three values or a constant series."""
-    n = len(xs)
-    if n < 3:
-        return 0.0
-    mean = statistics.fmean(xs)
-    d = [x - mean for x in xs]
-    var = math.fsum(x * x for x in d)
-    if var <= 0:
-        return 0.0
-    return math.fsum(a * b for a, b in zip(d, d[1:])) / var
+    return t * statistics.stdev(xs) / math.sqrt(n) / mean
 
 
 def block_means(batches: list[tuple[float, float, int]], block_s: float, start: float) -> list[float]:

@@ -218,7 +218,6 @@ def test_mean_halfwidth_is_students_t_interval():
     assert mean_halfwidth(xs) == pytest.approx(1.96 * 0.50252 / 10 / 1.5, rel=1e-4)
 
 
-
 def test_block_means_group_batches_by_wall_time():
     """Batches (end, sum, count) into blocks of at least block_s from `start`: per-call means; a last short block
     and a block of discarded batches only (count 0) are left out."""
