@@ -510,7 +510,8 @@ def case_c(ctx: Context, specs: list[dict], quick: bool) -> dict:
     return _compare(ctx, specs, "graph")
 
 
-SETTINGS_S = frozenset({"capped_sample_s", "capped_max_sample_s"})  # notes named *_s that are settings, not time
+# notes named *_s that are not time spent: settings, and a position inside the energy window
+SETTINGS_S = frozenset({"capped_sample_s", "capped_max_sample_s", "energy_fit_from_s"})
 
 
 def _notes_seconds(db: str) -> dict[str, float]:

@@ -252,3 +252,21 @@ def test_the_bracketed_order_runs_the_reference_first_and_last():
     assert names[0] == "eager_before" and names[-1] == "eager_after" and set(names[1:-1]) == {"events", "graph"}
     assert dict(pc.BRACKET)["events"] == {"timer": "events"} and dict(pc.BRACKET)["graph"] == {"cuda_graph": True}
     assert dict(pc.BRACKET)["eager_before"] == dict(pc.BRACKET)["eager_after"] == {}
+
+
+def test_where_the_time_went_sums_only_notes_that_are_time_spent(tmp_path):
+    """case d's breakdown adds up every *_s note of the measured rows, but not settings or a position inside the
+    energy window (energy_fit_from_s lies within energy_window_s)."""
+    from kprof import synth
+    from kprof.ledger import Ledger
+
+    notes = {"warmup_s": "0.25", "sample_s": "0.5", "energy_window_s": "0.3", "energy_fit_from_s": "0.1",
+             "capped_sample_s": "0.5", "capped_max_sample_s": "3.0", "state": "sustained, boost"}
+    events = []
+    for i in range(3):
+        ev = synth.event(i)
+        events.append(msgspec.structs.replace(ev, method=msgspec.structs.replace(ev.method, notes=notes)))
+    db = str(tmp_path / "d.db")
+    with Ledger.open(db) as ledger:
+        ledger.append(events)
+    assert pc._notes_seconds(db) == {"energy_window_s": 0.9, "sample_s": 1.5, "warmup_s": 0.75}
