@@ -14,9 +14,10 @@ timed batches.
 Printed per settle: the per-spec spread over the four passes (p50 / p95 / max, as case a), the within-row drift
 (mean of the last fifth of samples over the first fifth, minus 1) and the timed SM clock's first and last batch.
 Full results (every row's samples summarised in fifths, clocks per batch) go to capped_settle_check.json under
---out ($OUT, else .). --keep-samples adds every row's samples in call order (µs, 3 decimals) and, for a capped row, its batches'
-timeline (end time, sum, count): with KPROF_CAPPED_SAMPLE_S=3 KPROF_CAPPED_MAX_SAMPLE_S=3 (3 s windows) any
-stopping rule for capped rows can then be tried offline by cutting the series short (capped_stop_replay.py).
+--out ($OUT, else .). --keep-samples adds every row's samples in call order (µs, 3 decimals) and, for a capped
+row, its batches' timeline (end time, sum, count): with KPROF_CAPPED_SAMPLE_S=3 KPROF_CAPPED_MAX_SAMPLE_S=3 (3 s
+windows) any stopping rule for capped rows can then be tried offline by cutting the series short
+(capped_stop_replay.py).
 
     python tests/benchmarks/capped_settle_check.py [--out DIR] [--settles 0.04,0.3,0.6] [--load-s 20] [--idle-s 10]
         [--keep-samples]

@@ -42,3 +42,18 @@ def test_summary_spreads_per_settle_over_complete_specs():
 def test_main_without_a_gpu_exits_2(tmp_path, capsys):
     assert cs.main(["--out", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_capture_keeps_the_capped_loops_timeline_and_restores_what_it_wrapped():
+    """Capture wraps the sampling loop's block_means: the last call's timeline, relative to its start, is the row's;
+    leaving restores the loop's own function."""
+    from kprof.measure import _sampling
+
+    inner = _sampling.block_means
+    with cs.Capture() as capture:
+        assert _sampling.block_means is not inner
+        timeline = [(10.05, 2.0, 2), (10.12, 3.0, 3)]
+        assert _sampling.block_means(timeline, 0.1, 10.0) == [1.0]  # the first block ends past 0.1 s
+    assert _sampling.block_means is inner
+    assert cs.relative_timeline(capture.timeline) == [[0.05, 2.0, 2], [0.12, 3.0, 3]]
+    assert cs.relative_timeline(None) is None
