@@ -13,12 +13,16 @@ series by more than the rule's own target (a 95 % interval should miss about 5 %
 sampled time per row. The rules are those of `kprof.measure._state.StateProtocol.capped_stop` with their knobs
 varied, plus a lag-1 autocorrelation correction of the interval (`corrected_halfwidth`).
 
-    python tests/benchmarks/capped_stop_replay.py RESULT.json [--out DIR]
+    python tests/benchmarks/capped_stop_replay.py RESULT.json [RESULT2.json.gz ...] [--out DIR]
+
+Several results (machine starts) are pooled: the spread over passes is taken within each file, the errors and
+seconds over all rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -108,7 +112,7 @@ def evaluate(rows: list[dict], rules=RULES) -> dict:
         for r in capped:
             full = sum(b[1] for b in r["timeline"]) / sum(b[2] for b in r["timeline"])
             mean, secs = replay(r["timeline"], rule)
-            by_spec.setdefault(json.dumps(r["spec"], sort_keys=True), []).append(mean)
+            by_spec.setdefault(json.dumps([r.get("source", 0), r["spec"]], sort_keys=True), []).append(mean)
             errors.append(abs(mean / full - 1))
             seconds.append(secs)
             misses += abs(mean / full - 1) > rule.target
@@ -140,25 +144,28 @@ def autocorrelations(rows: list[dict], block_s: float = 0.1) -> list[float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("result", help="capped_settle_check.json written with --keep-samples")
+    p.add_argument("results", nargs="+", help="capped_settle_check.json (or .json.gz) written with --keep-samples")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
-    try:
-        with open(args.result) as f:
-            rows = json.load(f)["rows"]
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"capped_stop_replay: cannot read {args.result!r} ({exc}); pass capped_settle_check.json",
-              file=sys.stderr)
-        return 2
-    if not any(r.get("timeline") for r in rows):
-        print(f"capped_stop_replay: {args.result!r} has no capped row with a timeline; run capped_settle_check.py "
-              f"with --keep-samples", file=sys.stderr)
-        return 2
+    rows = []
+    for source, path in enumerate(args.results):
+        try:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+                mine = json.load(f)["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"capped_stop_replay: cannot read {path!r} ({exc}); pass capped_settle_check.json",
+                  file=sys.stderr)
+            return 2
+        if not any(r.get("timeline") for r in mine):
+            print(f"capped_stop_replay: {path!r} has no capped row with a timeline; run capped_settle_check.py "
+                  f"with --keep-samples", file=sys.stderr)
+            return 2
+        rows += [dict(r, source=source) for r in mine]
     result = evaluate(rows)
     rhos = autocorrelations(rows)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "capped_stop_replay.json"), "w") as f:
-        json.dump({"rules": [r._asdict() for r in RULES], "result": result, "lag1_autocorrelation": rhos}, f,
+        json.dump({"results": args.results, "rules": [r._asdict() for r in RULES], "result": result, "lag1_autocorrelation": rhos}, f,
                   indent=1)
 
     def pct(x):

@@ -87,3 +87,21 @@ def test_lag1_autocorrelation_and_the_widened_interval():
     assert cr.corrected_halfwidth([1.0, 2.0, 3.0, 4.0]) == pytest.approx(plain * (1.25 / 0.75) ** 0.5)
     alternating = [1.0, 2.0] * 5
     assert cr.corrected_halfwidth(alternating) == cr.mean_halfwidth(alternating)  # never narrower
+
+
+def test_results_of_two_machine_starts_pool_rows_but_spread_within_each(tmp_path, capsys):
+    """The same spec in two files is two specs for the spread (passes belong to one file); a .gz file reads too."""
+    import gzip
+
+    def doc(level):
+        return {"rows": [{"spec": {"m": 1}, "timeline": timeline([level] * 150)} for _ in range(4)]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json.gz"
+    a.write_text(json.dumps(doc(1.0)))
+    with gzip.open(b, "wt") as f:
+        json.dump(doc(1.1), f)  # 10 % apart from a: pooled by spec alone, the spread would be 10 %
+    assert cr.main([str(a), str(b), "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "capped_stop_replay.json").read_text())["result"]["fixed 3 s (reference)"]
+    assert out["rows"] == 8 and out["specs"] == 2 and out["spread_max"] == 0.0
+    capsys.readouterr()
+    assert cr.main([str(a), str(tmp_path / "absent.json")]) == 2
