@@ -165,7 +165,8 @@ def main(argv=None) -> int:
     rhos = autocorrelations(rows)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "capped_stop_replay.json"), "w") as f:
-        json.dump({"results": args.results, "rules": [r._asdict() for r in RULES], "result": result, "lag1_autocorrelation": rhos}, f,
+        json.dump({"results": [os.path.basename(path) for path in args.results], "rules": [r._asdict() for r in RULES],
+                   "result": result, "lag1_autocorrelation": rhos}, f,
                   indent=1)
 
     def pct(x):
