@@ -20,7 +20,7 @@ windows) any stopping rule for capped rows can then be tried offline by cutting 
 (capped_stop_replay.py).
 
     python tests/benchmarks/capped_settle_check.py [--out DIR] [--settles 0.04,0.3,0.6] [--load-s 20] [--idle-s 10]
-        [--keep-samples]
+        [--keep-samples] [--shapes 8192x8192x8192,4096x28672x4096]
 """
 
 from __future__ import annotations
@@ -40,6 +40,22 @@ PREFILL_M = (2048, 4096, 8192)
 
 def prefill_specs() -> list[dict]:
     return [s for s in gemm_specs() if s["m"] in PREFILL_M]
+
+
+def shape_name(spec: dict) -> str:
+    return f"{spec['m']}x{spec['n']}x{spec['k']}"
+
+
+def select(specs: list[dict], shapes: str | None) -> list[dict]:
+    """The specs named in `shapes` (MxNxK, comma-separated), in the order of `specs`; all of them for None."""
+    if shapes is None:
+        return specs
+    wanted = {x.strip().lower() for x in shapes.split(",") if x.strip()}
+    unknown = sorted(wanted - {shape_name(s) for s in specs})
+    if unknown or not wanted:
+        raise ValueError(f"--shapes {shapes!r}: {', '.join(unknown) or 'no shape'} is not one of the prefill GEMMs; "
+                         f"pick from {', '.join(shape_name(s) for s in specs)}")
+    return [s for s in specs if shape_name(s) in wanted]
 
 
 def fifths(samples: list[float]) -> list[float]:
@@ -151,8 +167,15 @@ def main(argv=None) -> int:
     p.add_argument("--load-s", type=float, default=20.0)
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--keep-samples", action="store_true", help="every row's samples in call order, in the JSON")
+    p.add_argument("--shapes", default=None,
+                   help="only these of the 16 GEMMs, as MxNxK,MxNxK (e.g. the ones whose clock the cap swings)")
     args = p.parse_args(argv)
     settles = [float(x) for x in args.settles.split(",")]
+    try:
+        specs = select(prefill_specs(), args.shapes)
+    except ValueError as exc:
+        print(f"capped_settle_check: {exc}", file=sys.stderr)
+        return 2
     from _variants import cuda
 
     if cuda("capped_settle_check") is None:
@@ -166,11 +189,19 @@ def main(argv=None) -> int:
     entry = effective_entry(lookup("single_gemm", "torch"))
     gpu_key = local_gpu_name()
     device = prepare_device(entry, gpu_key)
-    specs = prefill_specs()
     rows: list[dict] = []
     started = time.perf_counter()
     plan = [("idle", "idle", specs), ("after_load", "load", specs), ("reversed", None, specs[::-1]),
             ("idle_again", "idle", specs)]
+    os.makedirs(args.out, exist_ok=True)
+
+    def write() -> dict:  # after every pass, so a run cut short by its time limit keeps the passes it finished
+        doc = {"settles": settles, "specs": specs, "wall_s": time.perf_counter() - started, "rows": rows,
+               "summary": summary(rows, settles, len(plan))}
+        with open(os.path.join(args.out, "capped_settle_check.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        return doc
+
     with Capture() as capture:
         for name, before, order in plan:
             if before == "idle":
@@ -183,11 +214,7 @@ def main(argv=None) -> int:
                     row = one_row(entry, gpu_key, device, spec, s, capture, args.keep_samples)
                     row["pass"] = name
                     rows.append(row)
-    doc = {"settles": settles, "specs": specs, "wall_s": time.perf_counter() - started, "rows": rows,
-           "summary": summary(rows, settles, len(plan))}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "capped_settle_check.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+            doc = write()
 
     def pct(x):
         return "—" if x is None else f"{100 * x:+.2f} %" if x < 0 else f"{100 * x:.2f} %"

@@ -1,6 +1,8 @@
-"""capped_settle_check.py on CPU: the spec set, the fifths of a row's samples and the per-settle summary."""
+"""capped_settle_check.py on CPU: the spec set and its selection, the fifths of a row's samples, the per-settle summary,
+the timeline capture and the pass loop with its GPU parts stood in for."""
 
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -57,3 +59,53 @@ def test_capture_keeps_the_capped_loops_timeline_and_restores_what_it_wrapped():
     assert _sampling.block_means is inner
     assert cs.relative_timeline(capture.timeline) == [[0.05, 2.0, 2], [0.12, 3.0, 3]]
     assert cs.relative_timeline(None) is None
+
+
+def test_shapes_select_gemms_in_order_and_refuse_an_unknown_one(tmp_path, capsys):
+    specs = cs.prefill_specs()
+    assert cs.select(specs, None) == specs
+    picked = cs.select(specs, "8192x8192x8192, 2048X28672x4096")
+    assert [cs.shape_name(s) for s in picked] == ["2048x28672x4096", "8192x8192x8192"]
+    with pytest.raises(ValueError, match="1x2x3 is not one of the prefill GEMMs"):
+        cs.select(specs, "8192x8192x8192,1x2x3")
+    with pytest.raises(ValueError, match="no shape"):
+        cs.select(specs, ",")
+    assert cs.main(["--out", str(tmp_path), "--shapes", "1x2x3"]) == 2  # refused before any GPU is looked for
+    assert "1x2x3" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_main_runs_four_passes_and_writes_after_each(tmp_path, monkeypatch, capsys):
+    """The pass loop on CPU, its GPU parts stood in for: every selected spec once per pass and settle, in the
+    plan's order (the third pass reversed), the JSON rewritten after every pass, the table printed last."""
+    import _variants
+
+    from kprof.measure import device_name
+    from kprof.runners import worker
+
+    monkeypatch.setattr(_variants, "cuda", lambda name: object())
+    monkeypatch.setattr(device_name, "local_gpu_name", lambda: "Test GPU")
+    monkeypatch.setattr(worker, "prepare_device", lambda entry, key: None)
+    heated, written = [], []
+    monkeypatch.setattr(cs, "heat", heated.append)
+    real_dump = cs.json.dump
+
+    def dump(doc, f, **kw):
+        written.append(len(doc["rows"]))
+        real_dump(doc, f, **kw)
+
+    monkeypatch.setattr(cs.json, "dump", dump)
+
+    def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples=False):
+        return {"spec": spec, "settle_s": settle_s, "time_ms": float(spec["m"]), "wall_s": 0.1, "drift": 0.0,
+                "timed_sm_mhz": [1700.0]}
+
+    monkeypatch.setattr(cs, "one_row", one_row)
+    shapes = "8192x8192x8192,2048x28672x4096"
+    assert cs.main(["--out", str(tmp_path), "--settles", "0.04", "--idle-s", "0", "--load-s", "1.5",
+                    "--shapes", shapes]) == 0
+    doc = json.loads((tmp_path / "capped_settle_check.json").read_text())
+    assert written == [2, 4, 6, 8] and heated == [1.5]
+    assert [cs.shape_name(r["spec"]) for r in doc["rows"] if r["pass"] == "reversed"] == \
+        ["8192x8192x8192", "2048x28672x4096"]
+    assert doc["summary"]["0.04"]["specs"] == 2 and doc["summary"]["0.04"]["spread_max"] == 0.0
+    assert "| 0.04 | 2 (0 failed)" in capsys.readouterr().out
