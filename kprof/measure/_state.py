@@ -55,9 +55,10 @@ CAPPED_SAMPLE_S = 0.5
 # ... and at most this long (KPROF_CAPPED_MAX_SAMPLE_S), until its mean is known to CAPPED_TARGET (95 % half-width,
 # relative) from the means of blocks of CAPPED_BLOCK_S, at least CAPPED_MIN_BLOCKS of them.
 CAPPED_MAX_SAMPLE_S = 3.0
-# 0.7 %, not 1 %: replayed on 64 rows of 3 s (capped_stop_replay.py, run 47 on an H200), rows stopped at 1 % were
-# up to 1.6 % off their own 3 s mean and spread over passes up to 4.5 % (3.0 % at 3 s); at 0.7 % they were within
-# 1.4 % and spread as at 3 s, for 1.3 s a row on average against 1.0 (a GEMM whose clock holds still stops at 0.5 s).
+# 0.7 %, not 1 %: replayed on 88 rows of 3 s from two machine starts (capped_stop_replay.py, runs 47 and 50 on an
+# H200), rows stopped at 1 % were up to 1.75 % off their own 3 s mean, and spread over passes up to 4.5 % (3.0 % at
+# 3 s); at 0.7 % they were within 1.4 % and spread as at 3 s. Cost: 1.3 s a row on average against 1.0 in run 47;
+# a GEMM whose clock holds still stops at 0.5 s either way.
 CAPPED_TARGET = 0.007
 CAPPED_BLOCK_S = 0.1
 CAPPED_MIN_BLOCKS = 5
