@@ -42,7 +42,9 @@ def test_each_op_follows_its_own_predecessor_in_the_layer():
 
 def test_every_variant_runs_its_preamble_on_the_cpu(monkeypatch):
     """The preambles as the GPU runs them, on CPU tensors 256 times smaller: each ends with the op's own rewrite,
-    `prev` runs only the op's predecessor and `pages` reads one element per 2 MiB page."""
+    `tiny` and `layer` run the op's predecessors (tiny or at the model's shapes), `prev` only the last of them,
+    `pages` reads one element per 2 MiB page, `stream` its buffer whole, and each `dirty*` writes its bytes of the
+    foreign buffer."""
     calls = []
 
     class Case:
@@ -58,19 +60,22 @@ def test_every_variant_runs_its_preamble_on_the_cpu(monkeypatch):
     assert state["pages"].numel() == bc.PAGES_BYTES // 256 // bc.PAGE
     between = bc.hooks("o", model, tiny, state)
     assert set(between) == set(bc.VARIANTS)
+    before = bc.predecessors(order, "o")
+    assert before and before[-1] == "attention"
+    foreign = state["dirty"].view(torch.uint8)
+    written = {"dirty": foreign.numel(), **{f"dirty{k}x": k * 4096 for k in bc.DIRTY_TIMES},
+               **{f"dirty{m}m": m << 20 for m in bc.DIRTY_MIB}}
+    expected_calls = {"tiny": ["tiny " + op for op in before], "layer": before, "prev": ["attention"]}
+    reads = {"pages": state["pages"].numel(), "stream": state["stream"].numel()}  # sums of ones
     for variant in bc.VARIANTS:
         calls.clear()
+        state["out"].fill_(-1)
+        state["dirty"].zero_()
         between[variant]()
-        assert calls[-1] == "own", variant
-        if variant == "prev":
-            assert calls == ["attention", "own"]
-        if variant == "layer":
-            assert calls[:-1] == bc.predecessors(order, "o")
-    assert int(state["out"]) == state["stream"].numel()  # the last sum read the stream buffer whole
-    assert int(state["dirty"][0]) != 0
-    state["dirty"].zero_()
-    between["dirty2x"]()
-    assert int(state["dirty"].view(torch.uint8).sum()) == 2 * 4096  # twice the op's activation bytes written
+        assert calls == expected_calls.get(variant, []) + ["own"], variant
+        assert int(state["out"]) == reads.get(variant, -1), variant
+        assert int(foreign.sum()) == min(written.get(variant, 0), foreign.numel()), variant
+    assert max(bc.DIRTY_TIMES) * 4096 < foreign.numel()  # so dirty1x / 2x / 4x are told apart by their byte counts
 
 
 def test_variants_can_be_chosen_and_a_wrong_name_is_refused():

@@ -74,7 +74,12 @@ def test_main_writes_its_table(tmp_path, capsys):
     path.write_text(json.dumps({"rows": rows}))
     assert cr.main([str(path), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| fixed 3 s (reference) | 0.00 %" not in out and "lag-1 autocorrelation" in out
+    assert "lag-1 autocorrelation" in out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(cr.RULES)  # header, its rule line, one row per rule
+    assert [line.split(" | ")[0][2:] for line in table[2:]] == [rule.name for rule in cr.RULES]
+    reference = table[2].split(" | ")
+    assert reference[5:8] == ["0.00 %"] * 3 and reference[1] != "0.00 %"  # its own mean; spread over 4 passes
     doc = json.loads((tmp_path / "capped_stop_replay.json").read_text())
     assert len(doc["lag1_autocorrelation"]) == 8 and doc["result"]["fixed 3 s (reference)"]["error_max"] == 0.0
 

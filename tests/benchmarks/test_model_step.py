@@ -315,7 +315,8 @@ def test_fill_rows_reports_a_table_that_cannot_run(tmp_path):
     rows = ms.fill_rows({("single_gemm", "sustained"): [{"m": 1, "n": 2, "k": 3, "dtype": "fp8_e4m3"}]},
                         "torch-cpu", str(tmp_path / "p.db"))
     (row,) = rows.values()
-    assert row["status"] != "ok" and row["time_us"] is None
+    assert row["status"] == "error" and row["time_us"] is None and row["citation"].startswith("kprof.")
+    assert row["error"]["kind"] == "unsupported" and "fp8_e4m3" in row["error"]["message"]
 
 
 def test_fill_rows_asks_kprof_for_the_power_state_it_names(tmp_path):

@@ -2,6 +2,7 @@
 it, and without a GPU the script refuses with exit 2."""
 
 import importlib.util
+import inspect
 import pathlib
 
 import pytest
@@ -19,10 +20,15 @@ def test_each_variant_writes_the_input_as_it_says():
     steps = pc.hooks(case, 32)
     assert set(steps) == set(pc.VARIANTS)
     before = x.clone()
+    version = x._version
     steps["row"]()  # rewritten in place: the same bytes
-    assert torch.equal(x, before)
+    assert torch.equal(x, before) and x._version > version
+    version = x._version
+    gemm = inspect.getclosurevars(steps["other"]).nonlocals  # the GEMM's operands and its output buffer
+    gemm["elsewhere"].zero_()
     steps["other"]()  # the input rewritten, the GEMM's output elsewhere
-    assert torch.equal(x, before)
+    assert torch.equal(x, before) and x._version > version
+    assert torch.equal(gemm["elsewhere"], torch.matmul(gemm["a"], gemm["w"])) and gemm["elsewhere"].abs().sum() > 0
     steps["producer"]()  # the GEMM's output is now the input, and the call reads it
     assert not torch.equal(x, before) and x.shape == before.shape
     produced = x.clone()

@@ -17,7 +17,8 @@ def test_an_int_given_for_a_float_field_is_stored_as_the_float_it_decodes_to():
     env = Environment(clocks={"sm_mhz": 1980}, power_limit_w=700)  # NVML hands these over as ints
     stats = Stats(n=3, median=1, p10=1, p90=1, mean=1, stdev=0, cv=0, min=1, max=1, samples=[1, 1, 1])
     ev = measured(prov, {"time_ms": 2, "tflops": None}, stats, Method(timer="cpu", l2="warm"), environment=env)
-    assert _canonical(ev) and ev.environment.clocks["sm_mhz"] == 1980.0
+    assert _canonical(ev) and type(ev.environment.clocks["sm_mhz"]) is float and ev.environment.clocks["sm_mhz"] == 1980
+    assert type(ev.environment.power_limit_w) is float and type(ev.stats.median) is float
     assert _canonical(failed(prov, "crash", "x", environment=env))
     assert not _canonical(msgspec_replace(ev, environment=env))  # what the round trip guards against
 
