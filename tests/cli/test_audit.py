@@ -169,6 +169,6 @@ def test_a_shards_range_walk_counts_its_entries_and_names_keys_out_of_order():
         found = Findings()
         work = Shard(None, shard, 2, found)
         walked = [k for k, _ in work._range(_Cursor([(k, b"") for k in keys]), "current")]
-        assert walked == keys[:4] if shard == 0 else keys[4:]
+        assert walked == (keys[:4] if shard == 0 else keys[4:])
         assert work.walked == {"current": count}
         assert found.items == (["structure: current: keys out of order after " + "30" * 12] if shard == 0 else [])

@@ -19,6 +19,7 @@ def test_remeasure_reports_each_row_and_writes_nothing(h, capsys, local_gpu):
     doc = json.loads(capsys.readouterr().out)
     assert doc["checked"] == 2 and doc["candidates"] == 3 and doc["drifted"] == 0
     assert local_gpu in doc["gpu_keys"]
+    assert len(doc["rows"]) == 2  # every row checked is reported, not only the ones that drifted
     for r in doc["rows"]:
         assert r["ok"] and r["new_ms"] > 0 and r["citation"].startswith("kprof.")
         assert abs(r["drift"] - (r["new_ms"] / r["stored_ms"] - 1)) < 1e-12

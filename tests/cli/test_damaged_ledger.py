@@ -14,7 +14,7 @@ import pytest
 from kprof.cli import _sigbus, main
 from kprof.errors import UsageError
 from kprof.ledger import Ledger, _codec
-from kprof.ledger._reducer import HistoryEntry
+from kprof.ledger._reducer import CurrentRow, HistoryEntry, Sealed
 
 
 @pytest.fixture
@@ -71,11 +71,19 @@ def test_a_tampered_current_row_is_refused_by_every_reader_and_run_writes_nothin
     db, specs, _eids = rows
     with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
         key, value = next(iter(txn.cursor(ledger.dbs["current"])))
-    at = {"summary": 40, "event id": 5, "digest": len(value) - 2, "kind": 0}[where]
+    # Each flip lands on a payload byte that still decodes to a valid row (so only the digest can tell): the kind
+    # letter, a byte inside the event id, the last mantissa byte of the summary's measured_at, the digest itself.
+    body = bytes(msgspec.msgpack.decode(value, type=Sealed).body)
+    row, start = msgspec.msgpack.decode(body, type=CurrentRow), value.index(body)
+    stamp = msgspec.msgpack.encode(row.summary.measured_at)
+    at = {"summary": start + body.index(stamp) + len(stamp) - 1, "event id": start + body.index(row.event_id) + 5,
+          "digest": len(value) - 2, "kind": start + body.index(b"\xa1" + row.kind.encode()) + 1}[where]
+    data = bytearray(value)
+    data[at] ^= 1 if where != "kind" else ord("m") ^ ord("f")  # a kind letter to the other valid one
+    flipped = msgspec.msgpack.decode(bytes(data), type=Sealed)
+    assert msgspec.msgpack.decode(bytes(flipped.body), type=CurrentRow) != row or where == "digest"  # still a row
 
     def flip(txn, dbs):
-        data = bytearray(value)
-        data[at] ^= 1 if where != "kind" else ord("m") ^ ord("f")  # a kind letter to the other valid one
         txn.put(key, bytes(data), db=dbs["current"])
 
     _tamper(db, flip)
