@@ -47,7 +47,14 @@ def test_a_directory_of_segments_is_how_a_team_shares_rows(tmp_path, capsys):
     later = _export(alice, rows, capsys, "--since", "15")
     assert os.path.basename(first) != os.path.basename(later)  # named by content: no file is ever overwritten
     assert sorted(os.listdir(rows)) == sorted(n for n in os.listdir(rows) if n.endswith(".kseg"))
-    # Named by content, the newest segment may sort first by name: the directory merges oldest first anyway.
+    # Named by content, the newest segment may sort first by name: the directory merges oldest first anyway. Made
+    # so here (a name is only where the file lies; merge reads what it holds): the re-measurement's segment sorts
+    # first, its parent's last.
+    renamed = {later: os.path.join(rows, "0" * 32 + ".kseg"), first: os.path.join(rows, "f" * 32 + ".kseg")}
+    for old, new in renamed.items():
+        os.replace(old, new)
+    later, first = renamed[later], renamed[first]
+    assert sorted(os.listdir(rows))[0] == os.path.basename(later)
     assert main(["merge", str(rows), "--db", str(carol)]) == 0
     with Ledger.open(str(carol), readonly=True) as led:
         view = synth.view(led)
