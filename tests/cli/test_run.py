@@ -282,7 +282,12 @@ def test_job_meta_command_records_the_invocation(tmp_path, ledger_path, capsys, 
     not sys.argv of whatever process hosts it."""
     monkeypatch.setattr("sys.argv", ["/opt/kprof-tools/driver.py", "--unrelated"])
     out_dir = tmp_path / "snap"
-    _run(capsys, h, ledger_path, h.gemm(), extra=["--output-dir", str(out_dir)])
+    doc = _run(capsys, h, ledger_path, h.gemm(), extra=["--output-dir", str(out_dir)])
     command = _read(out_dir / "job.meta.json")["command"]
     assert "--unrelated" not in command
     assert command.startswith("kprof run single_gemm") and "--spec" in command and "--output-dir" in command
+    from kprof.ledger import Ledger
+
+    with Ledger.open(ledger_path, readonly=True) as ledger:
+        events = [ledger.event(bytes.fromhex(r["event"])) for r in doc["results"]]
+    assert events and all(ev.origin.command == command for ev in events)

@@ -2,16 +2,14 @@
 retractions, the view root, batching and order independence, rebuilding from the log, and events as the audit
 decodes them."""
 
-import os
 import random
 
-import lmdb
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kprof.errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
+from kprof.errors import IntegrityError
 from kprof.ledger import Ledger
 from kprof import synth
 from kprof.ledger import _codec
@@ -99,7 +97,7 @@ def test_missing_agrees_with_the_statuses_through_failures_successes_and_retract
     ledger.close()
 
 
-def test_root_changes_with_every_view_change_and_is_o1(ledger):
+def test_root_changes_with_every_view_change(ledger):
     view = synth.view(ledger)
     roots = {view.root}
     for i in range(5):

@@ -89,6 +89,8 @@ def test_export_filters_and_since(tmp_path, source):
     path, _ = source
     other = str(tmp_path / "other.kseg")
     assert export(path, other, gpu_name="no such GPU").events == 0
+    everything = export(path, str(tmp_path / "all.kseg")).events
+    assert everything == 43 and export(path, str(tmp_path / "gpu.kseg"), gpu_name=synth.GPU).events == everything
     later = str(tmp_path / "later.kseg")
     assert export(path, later, since=40).events == 3  # the re-measurement, the failure... after seq 40
     with pytest.raises(UsageError, match="exists"):
