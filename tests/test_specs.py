@@ -303,6 +303,7 @@ def test_the_python_api_refuses_a_float_or_bool_for_an_int(value, needle, empty_
         with pytest.raises(SpecError, match=needle) as info:
             read("single_gemm", "torch-cpu", [A, {**A, "m": value}], db=empty_db)
         assert (info.value.index, info.value.field, info.value.value) == (1, "m", value)
+        assert type(info.value.value) is type(value)  # the value as given (64.0 == 64 and True == 1 in Python)
 
 
 def test_strict_reading_keeps_the_canonical_keys_of_valid_specs():

@@ -3,6 +3,7 @@ declarations and the worker's read-back, on CPU-built cases."""
 
 import msgspec
 import pytest
+import torch
 
 from kprof.runners.registry import lookup
 from kprof.runners.cuda_device import CudaDevice
@@ -41,18 +42,23 @@ def test_every_runner_names_its_activations(table):
 
 def test_eager_cold_rewrites_the_activations_after_the_sweep():
     case = build("single_gemm")
+    a, b = case.inputs[0], case.inputs[1]
+    before, versions = a.clone(), (a._version, b._version)
     warm = device(graph=False)._warm(case)
-    assert warm is not None and len(warm()) == 1  # one read of a, none of b
+    out = warm()
+    assert len(out) == 1 and out[0].data_ptr() == a.data_ptr()  # one rewrite of a, none of b
+    assert torch.equal(a, before) and a._version > versions[0] and b._version == versions[1]  # written, unchanged
     assert device(graph=False, cold=False)._warm(case) is None  # warm L2: nothing to read back
     assert len(device(graph=True)._warm(case)()) == 1  # before each graph replay too
     assert device(graph=False)._warm(build("single_gemm")._replace(warm=())) is None
 
 
-def test_a_case_with_draws_loads_the_next_one_instead_of_rewriting():
+def test_a_case_with_draws_loads_the_next_one_instead_of_rewriting(monkeypatch):
     """An MoE row's refresh (the next routing copied in) writes its activations itself: it replaces the
     rewrite, after every sweep, eager or graph; without cold L2 nothing runs between calls."""
     calls = []
     case = build("moe_grouped_gemm")._replace(refresh=lambda targets=None: calls.append(1))
+    monkeypatch.setattr("kprof.measure._l2.rewriter", lambda *a: pytest.fail("rewrote instead of refreshing"))
     for graph in (False, True):
         device(graph=graph)._warm(case)()
     assert calls == [1, 1]
