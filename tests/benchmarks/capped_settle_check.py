@@ -110,7 +110,7 @@ def one_row(entry, gpu_key, device, spec, settle_s, capture, keep_samples: bool 
     from kprof.runners.worker import measure_specs
 
     cuda_device.SETTLED_CAPPED_S = settle_s
-    capture.last = capture.timeline = None
+    capture.last = None  # (time_gpu's wrapper resets the timeline of each attempt)
     outcome = next(measure_specs(entry, [spec], gpu_key, device=device))
     ev = outcome.event
     row = {"spec": spec, "settle_s": settle_s, "wall_s": outcome.seconds}

@@ -97,7 +97,7 @@ def replay(timeline: list[list[float]], rule: Rule) -> tuple[float, float]:
     total, n = 0.0, 0
     for i, (end, sum_ms, count) in enumerate(timeline):
         total, n = total + sum_ms, n + count
-        if n >= 3 and rule.stop(end, block_means([tuple(b) for b in timeline[:i + 1]], rule.block_s, 0.0)):
+        if n >= 3 and rule.stop(end, block_means(timeline[:i + 1], rule.block_s, 0.0)):
             return total / n, end
     return total / n, timeline[-1][0]
 
@@ -136,7 +136,7 @@ def autocorrelations(rows: list[dict], block_s: float = 0.1) -> list[float]:
     out = []
     for r in rows:
         if r.get("timeline"):
-            blocks = block_means([tuple(b) for b in r["timeline"]], block_s, 0.0)
+            blocks = block_means(r["timeline"], block_s, 0.0)
             if len(blocks) >= 3:
                 out.append(lag1_autocorrelation(blocks))
     return out

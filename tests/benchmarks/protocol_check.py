@@ -511,7 +511,7 @@ def case_c(ctx: Context, specs: list[dict], quick: bool) -> dict:
 
 
 # notes named *_s that are not time spent: settings, and a position inside the energy window
-SETTINGS_S = frozenset({"capped_sample_s", "capped_max_sample_s", "energy_fit_from_s"})
+NOT_SPENT_S = frozenset({"capped_sample_s", "capped_max_sample_s", "energy_fit_from_s"})
 
 
 def _notes_seconds(db: str) -> dict[str, float]:
@@ -526,7 +526,7 @@ def _notes_seconds(db: str) -> dict[str, float]:
             event = _codec.event_decoder.decode(data)
             if type(event) is Measured:
                 for k, v in event.method.notes.items():
-                    if k.endswith("_s") and k not in SETTINGS_S:
+                    if k.endswith("_s") and k not in NOT_SPENT_S:
                         try:
                             out[k] = out.get(k, 0.0) + float(v)
                         except ValueError:
