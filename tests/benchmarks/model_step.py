@@ -45,6 +45,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import tarfile
@@ -874,7 +875,8 @@ def _environment() -> dict:
 
 
 def _pack_ledger(db: str, out_dir: str) -> str | None:
-    """The ledger as OUT/model_step_ledger.tar.gz (its files removed), when it is small enough."""
+    """The ledger as OUT/model_step_ledger.tar.gz, when it is small enough; then its files are removed: the LMDB
+    file, its lock file and the fill's claims directory (`<db>-claims`, its lock alone once the fill has ended)."""
     if not os.path.exists(db) or os.path.getsize(db) > LEDGER_TAR_MAX:
         return None
     path = os.path.join(out_dir, "model_step_ledger.tar.gz")
@@ -883,6 +885,7 @@ def _pack_ledger(db: str, out_dir: str) -> str | None:
     for f in (db, db + "-lock"):
         if os.path.exists(f):
             os.remove(f)
+    shutil.rmtree(db + "-claims", ignore_errors=True)
     return path
 
 

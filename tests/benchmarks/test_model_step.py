@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tarfile
 import time
 
 import pytest
@@ -328,6 +329,18 @@ def test_fill_rows_asks_kprof_for_the_power_state_it_names(tmp_path):
     assert row["status"] == "error" and row["power"] == "loaded"
     assert "--power loaded applies to CUDA backends" in row["error"]
     assert not (tmp_path / "p.db").exists()
+
+
+def test_pack_ledger_leaves_the_archive_alone(tmp_path):
+    """After a fill, packing the ledger leaves only the archive: no LMDB file, lock file or claims directory."""
+    db = str(tmp_path / "model_step.db")
+    spec = {"m": 2, "n": 8, "k": 4, "dtype": "fp32"}
+    (row,) = ms.fill_rows({("single_gemm", "sustained"): [spec]}, "torch-cpu", db).values()
+    assert row["status"] == "ok" and os.path.isdir(db + "-claims")
+    path = ms._pack_ledger(db, str(tmp_path))
+    assert path == str(tmp_path / "model_step_ledger.tar.gz") and os.listdir(tmp_path) == ["model_step_ledger.tar.gz"]
+    with tarfile.open(path) as tar:
+        assert tar.getnames() == ["model_step.db"]
 
 
 def test_a_spec_in_a_decode_and_a_prefill_phase_has_one_row_per_power_state():
