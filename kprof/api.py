@@ -197,8 +197,10 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
         if local != gpu_name:
             raise UsageError(f"--gpu-name {gpu_name!r} differs from the device this run would measure on "
                              f"({local!r}); omit --gpu-name, or run on a machine with that device")
+    from .measure.stats import StopRule
     from .runners.fill import fill
 
+    StopRule.from_env()  # KPROF_TIME_BUDGET_S and KPROF_TARGET_CI: a bad value refused before anything is written
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
     filled = fill(entry, canonical, gpu_key, db, mode, origin, progress=progress, watch=watch,
                   conflict_dir=conflict_dir)

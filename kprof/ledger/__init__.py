@@ -1,7 +1,5 @@
-"""The ledger: immutable events keyed by provenance, an LMDB store, materialized views, replay, audit.
-
-Importing this package never imports torch, cupti or pynvml.
-"""
+"""The ledger: immutable events keyed by provenance, an LMDB store, materialized views, replay, audit. Importing this
+package never imports torch, cupti or pynvml."""
 
 from .events import (ERROR_KINDS, Contract, Environment, Event, Failed, Measured, Method, Origin, Provenance,
                      Retracted, Stats)

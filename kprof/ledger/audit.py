@@ -17,7 +17,6 @@ import lmdb
 
 from ..errors import IntegrityError, LedgerError, UsageError
 from . import _audit_worker
-from ._audit_worker import MAX_LISTED, RANGED
 from ._reducer import ScopeTotals, seal
 from .store import Ledger
 
@@ -83,7 +82,7 @@ def _unstored(path: str, add) -> None:
             with ledger.read() as txn:
                 events = ledger.dbs["events"]
                 missing = ((k, eid) for k, eid in txn.cursor(ledger.dbs["log"]) if txn.get(eid, db=events) is None)
-                for k, eid in islice(missing, MAX_LISTED):
+                for k, eid in islice(missing, _audit_worker.MAX_LISTED):
                     add("log", f"seq {int.from_bytes(k, 'big')}: event {eid.hex()[:16]} is not in the event store")
         except lmdb.Error as exc:  # the shards' walks name the damage; this listing stops at it
             add("structure", f"log: listing the events missing from the store failed: {exc}")
@@ -94,7 +93,7 @@ def audit(path: str, jobs: int = JOBS) -> AuditReport:
     started = time.perf_counter()
     if type(jobs) is not int or not 1 <= jobs <= 256:
         raise UsageError(f"--jobs {jobs!r}: the audit runs 1 to 256 shard processes; pass e.g. --jobs {JOBS}")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):  # anything else that is not a ledger (a directory, a device) Ledger.open names
         raise LedgerError(f"no ledger file at {path}; pass --db or set KPROF_DB")
     try:
         Ledger.open(path, readonly=True).close()
@@ -112,7 +111,7 @@ def audit(path: str, jobs: int = JOBS) -> AuditReport:
     if not any(res.get("fatal") for res in results):
         n_events = sum(res["events"] for res in results)
         entries = results[0]["entries"]
-        for name in ("events",) + RANGED:  # each shard counted its share of these as it read them
+        for name in ("events",) + _audit_worker.RANGED:  # each shard counted its share of these as it read them
             walked = sum(res["walked"].get(name, 0) for res in results)
             if walked != entries[name]:
                 add("structure", f"{name}: header counts {entries[name]} entries, walk found {walked}")

@@ -39,8 +39,9 @@ from typing import Iterator, NamedTuple
 
 import msgspec
 
+from .._outdir import check_output_dir
 from ..errors import MergeConflict, UsageError
-from ..ledger import Ledger, _codec
+from ..ledger import Ledger, _codec, _verify, ledger_path
 from ..ledger.events import EventHead, Retracted
 from . import segment
 from .segment import SegmentError
@@ -73,30 +74,70 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
            gpu_name: str | None = None, since: int = 0) -> Exported:
     """Writes the ledger's events of sequence > `since` (of one table, backend and GPU key where given) to a new
     segment, in log order, from one snapshot. A retraction goes where the event it retracts would. `output` an existing
-    directory: the segment is named by its content there (see kprof.merge.segment.write)."""
+    directory: the segment is named by its content there (see kprof.merge.segment.write).
+
+    Refused before anything is written: an output that cannot be written (UsageError), filters that match none of
+    the ledger's scopes (UsageError, naming the scopes it holds), and any event whose bytes do not hash to its id
+    (IntegrityError: a damaged event is never passed on, where a merge would store it under a new id)."""
     if since < 0:
         raise UsageError(f"--since {since}: give a sequence number >= 0 (0: from the first event)")
-    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
-        events_db = ledger.dbs["events"]
-        chosen: list[bytes] = []
+    _check_output(output)
+    with Ledger.open(db, readonly=True) as ledger:
+        _check_filters(ledger, table, backend, gpu_name)
+        with ledger.read() as txn:
+            events_db = ledger.dbs["events"]
+            chosen: list[bytes] = []
 
-        def wanted(prov) -> bool:
-            return ((table is None or prov.table == table) and (backend is None or prov.backend == backend)
-                    and (gpu_name is None or prov.gpu_key == gpu_name))
+            def wanted(prov) -> bool:
+                return ((table is None or prov.table == table) and (backend is None or prov.backend == backend)
+                        and (gpu_name is None or prov.gpu_key == gpu_name))
 
-        for seq, eid, data in ledger.iter_log(txn):
-            if seq <= since:
-                continue
-            event = _codec.stored_event(data, eid)
-            if type(event) is Retracted:  # in the scope of the event it retracts
-                target = txn.get(event.target, db=events_db)
-                event = None if target is None else _codec.stored_event(target, event.target)
-                if event is None or type(event) is Retracted:
-                    continue
-            if wanted(event.provenance):
-                chosen.append(eid)
-        written = segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id, len(chosen))
+            with _verify.reading(ledger.path, "log"):
+                for seq, eid, data in ledger.iter_log(txn):
+                    if seq <= since:
+                        continue
+                    event = _verify.event(ledger.path, eid, data)
+                    if type(event) is Retracted:  # in the scope of the event it retracts
+                        target = txn.get(event.target, db=events_db)
+                        event = None if target is None else _verify.event(ledger.path, event.target, target)
+                        if event is None or type(event) is Retracted:
+                            continue
+                    if wanted(event.provenance):
+                        chosen.append(eid)
+            # The same snapshot: the bytes written are those just checked.
+            written = segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id,
+                                    len(chosen))
         return Exported(written, ledger.ledger_id, len(chosen))
+
+
+def _check_output(output: str) -> None:
+    """Refuses a segment path that cannot be written: empty, or in a directory that is missing or not writable (an
+    existing directory is written into, an existing file refused by segment.write)."""
+    fix = "give a new file path in a writable directory, or an existing directory"
+    if not output.strip():
+        raise UsageError(f"-o {output!r} is empty; {fix}")
+    where = output if os.path.isdir(output) else os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(where):
+        what = "is not a directory" if os.path.lexists(where) else "does not exist"
+        raise UsageError(f"-o {output}: {where} {what}; {fix}")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"-o {output}: the directory {where} is not writable for this user; {fix}")
+
+
+def _check_filters(ledger: Ledger, table: str | None, backend: str | None, gpu_name: str | None) -> None:
+    """Refuses filters no scope of the ledger matches (a mistyped name would export an empty segment)."""
+    if table is None and backend is None and gpu_name is None:
+        return
+    with _verify.reading(ledger.path, "scopes"):
+        scopes = ledger.scopes()
+    if any((table is None or t == table) and (backend is None or b == backend) and (gpu_name is None or g == gpu_name)
+           for t, b, g, _rows in scopes):
+        return
+    asked = ", ".join(f"{name} {value!r}" for name, value in (("--table", table), ("--backend", backend),
+                                                              ("--gpu-name", gpu_name)) if value is not None)
+    held = "; ".join(f"{t} / {b} / {g}" for t, b, g, _rows in sorted(scopes)) or "no scopes (it is empty)"
+    raise UsageError(f"no events in {ledger.path} match {asked}; it holds (table / backend / GPU key): {held}. "
+                     f"Fix the filter (`kprof scopes` lists them)")
 
 
 class _Part(NamedTuple):
@@ -248,7 +289,13 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
     started = time.perf_counter()
     if not paths:
         raise UsageError("give at least one segment to merge")
+    if output_dir is not None:  # where a conflict's report would go: checked before anything is read or written
+        check_output_dir(output_dir, (), "a merge report")
     headers = [segment.header_of(p) for p in paths]
+    if not os.path.lexists(ledger_path(db)):  # a new ledger: a damaged segment must not leave an empty one behind
+        for parts in _batches(paths):
+            for part in parts:
+                _checked(part)
     with Ledger.open(db) as ledger:
         added, existing = merge_into(ledger, paths, output_dir)
         db_path = ledger.path
@@ -267,16 +314,19 @@ def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) 
             check.batch(parts)
     if check.conflicts:
         report = _report(ledger, check.conflicts)
-        os.makedirs(out, exist_ok=True)
         where = os.path.join(out, "merge-report.json")
-        with open(where, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
+        try:
+            os.makedirs(out, exist_ok=True)
+            with open(where, "w") as f:
+                json.dump(report, f, indent=1)
+                f.write("\n")
+            told = f"the conflicts are in {where}"
+        except OSError as exc:  # the report is lost, the refusal is not
+            told = f"their report could not be written to {where} ({exc.strerror}); give --output-dir"
         first = report["keys"][0]
         raise MergeConflict(f"{len(check.conflicts)} incoming event(s) conflict with the ledger's current rows "
                             f"(first: key {first['key'][:16]}, current {first['current']['event'][:16]}, incoming "
-                            f"{first['incoming']['event'][:16]}); nothing was merged; the conflicts are in "
-                            f"{where}", report)
+                            f"{first['incoming']['event'][:16]}); nothing was merged; {told}", report)
     added = existing = 0
     for n, parts in enumerate(_batches(paths)):
         verified = check.batch_digests[n] if n < len(check.batch_digests) else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+from contextlib import contextmanager
 from typing import BinaryIO, Iterable, Iterator, NamedTuple
 
 import msgspec
@@ -138,8 +139,19 @@ def _exact(f: BinaryIO, n: int, what: str, at: int) -> bytes:
 
 def header_of(path: str) -> SegmentHeader:
     """The segment's header, read and decoded (its events and footer are not checked: `read` does that)."""
-    with _opened(path) as f:
+    with _about(path), _opened(path) as f:
         return _header(f)[0]
+
+
+@contextmanager
+def _about(path: str) -> Iterator[None]:
+    """A SegmentError raised inside names the segment file (a merge of several must say which one is damaged)."""
+    try:
+        yield
+    except SegmentError as exc:
+        if path in str(exc):
+            raise
+        raise SegmentError(f"segment {path}: {exc}") from None
 
 
 def _opened(path: str) -> BinaryIO:
@@ -179,7 +191,7 @@ def runs(path: str, size: int, digests: list | None = None) -> Iterator[Run]:
     """The events in runs of `size` >= 1 (the last run of the file may be shorter), checked as `read` checks them:
     the footer's digest at the end, where the generator raises for a damaged segment. Each run carries the digest of
     its own bytes, so a second read can be held to the first run by run."""
-    with _opened(path) as f:
+    with _about(path), _opened(path) as f:
         header, head = _header(f)
         whole = blake3(head)
         reader = _Blocks(f, len(head), whole)

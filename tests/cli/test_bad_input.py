@@ -123,6 +123,22 @@ def test_a_device_or_a_directory_is_refused(verb, tmp_path, capsys, h, refused):
     assert os.listdir(tmp_path) == []
 
 
+def test_audit_names_a_device_or_a_directory_as_the_other_verbs_do(tmp_path, capsys, refused):
+    refused(["audit", "--db", os.devnull], f"{os.devnull} is not a kprof ledger (not a regular file")
+    refused(["audit", "--db", str(tmp_path)], f"ledger path {tmp_path} is a directory, not a kprof ledger")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_db_that_is_a_dangling_link_or_a_loop_is_refused_and_nothing_is_created(tmp_path, capsys, h, refused):
+    os.symlink("loop2", "loop1")
+    os.symlink("loop1", "loop2")
+    os.symlink("gone", "dangling")
+    for db in ("loop1", "dangling"):
+        for verb in [*READ_VERBS, "show", "run"]:
+            refused(_verb(verb, h, db, "--json"), f"ledger path {db} is a symbolic link to nothing", "fix the link")
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "loop1", "loop2"]  # no lock file, no ledger through the link
+
+
 def test_the_library_refuses_before_lmdb_opens_the_file(tmp_path):
     path = tmp_path / "notes.txt"
     _text(path)
@@ -202,6 +218,30 @@ def test_an_older_ledger_in_a_read_only_directory_is_read_through_an_upgraded_co
     assert json.loads(proc.stdout)["scopes"] == [{"table": "single_gemm", "backend": "synthetic",
                                                   "gpu_name": "Synthetic GPU", "rows": 47}]
     assert os.listdir(temp) == []
+
+
+# ---- the stopping rule's settings ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, value", [("KPROF_TIME_BUDGET_S", "-1"), ("KPROF_TIME_BUDGET_S", "0"),
+                                         ("KPROF_TIME_BUDGET_S", "abc"), ("KPROF_TIME_BUDGET_S", "inf"),
+                                         ("KPROF_TARGET_CI", "0"), ("KPROF_TARGET_CI", "2"), ("KPROF_TARGET_CI", "x")])
+def test_a_bad_stopping_rule_setting_is_refused_before_any_work(name, value, tmp_path, capsys, h, refused,
+                                                               monkeypatch):
+    """A budget of 0 would store rows of 3 samples as ok; a text value was a traceback."""
+    monkeypatch.setenv(name, value)
+    refused(_run_into("snap", h, "p.db"), f"{name}={value!r} is not", "or unset it")
+    assert os.listdir(tmp_path) == []
+
+
+def test_good_stopping_rule_settings_reach_the_rule(monkeypatch):
+    from kprof.measure.stats import StopRule
+
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.25")
+    monkeypatch.setenv("KPROF_TARGET_CI", "0.01")
+    rule = StopRule.from_env()
+    assert (rule.budget_s, rule.target) == (0.25, 0.01)
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "")
+    assert StopRule.from_env().budget_s == StopRule().budget_s
 
 
 # ---- --output-dir ----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ never writes into such a file). The sweep over every page is tests/ledger/test_c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,6 +65,25 @@ def test_a_tampered_event_is_refused_where_it_is_read_and_answers_stay_as_before
     assert out == "" and eid.hex() in err and "kprof audit" in err, err
     assert main(["audit", "--db", db, "--json"]) == 3
     capsys.readouterr()
+
+
+def test_export_refuses_a_tampered_event_and_writes_no_segment(h, rows, capsys, tmp_path):
+    """A damaged event is never passed on: a merge would store its bytes under a new id, as a clean row."""
+    db, _specs, (eid, _other) = rows
+
+    def flip(txn, dbs):
+        data = bytearray(txn.get(eid, db=dbs["events"]))
+        data[-3] ^= 1
+        txn.put(eid, bytes(data), db=dbs["events"])
+
+    _tamper(db, flip)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    for output in (str(out_dir / "s.kseg"), str(out_dir)):  # a file, and a directory of content-named segments
+        assert main(["export", "-o", output, "--db", db]) == 3
+        out, err = capsys.readouterr()
+        assert out == "" and eid.hex() in err and "do not hash to its id" in err and "kprof audit" in err, err
+        assert os.listdir(out_dir) == []
 
 
 @pytest.mark.parametrize("where", ["summary", "event id", "digest", "kind"])

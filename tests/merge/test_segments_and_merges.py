@@ -87,14 +87,85 @@ def test_export_then_merge_into_an_empty_ledger_reads_the_same(tmp_path, source)
 
 def test_export_filters_and_since(tmp_path, source):
     path, _ = source
-    other = str(tmp_path / "other.kseg")
-    assert export(path, other, gpu_name="no such GPU").events == 0
     everything = export(path, str(tmp_path / "all.kseg")).events
     assert everything == 43 and export(path, str(tmp_path / "gpu.kseg"), gpu_name=synth.GPU).events == everything
     later = str(tmp_path / "later.kseg")
     assert export(path, later, since=40).events == 3  # the re-measurement, the failure... after seq 40
     with pytest.raises(UsageError, match="exists"):
         export(path, later)
+
+
+@pytest.mark.parametrize("flag", ["table", "backend", "gpu_name"])
+def test_export_refuses_a_filter_no_scope_matches_and_writes_nothing(tmp_path, source, flag):
+    """A mistyped filter would write an empty segment: refused, naming the value and the scopes the ledger holds."""
+    path, _ = source
+    with pytest.raises(UsageError, match=f"match --{flag.replace('_', '-')} 'nosuch'.*{synth.GPU}") as err:
+        export(path, str(tmp_path / "out.kseg"), **{flag: "nosuch"})
+    assert "kprof scopes" in str(err.value) and not os.path.lexists(tmp_path / "out.kseg")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("out.kseg")]
+
+
+@pytest.mark.parametrize("output, needle", [("", "is empty"), ("nodir/x.kseg", "does not exist"),
+                                            ("a-file/x.kseg", "a-file is not a directory")])
+def test_export_refuses_an_output_it_cannot_write_before_reading_the_ledger(tmp_path, source, capsys, output,
+                                                                           needle, refused, monkeypatch):
+    path, _ = source
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    refused(["export", "-o", output, "--db", path], needle, "give a new file path in a writable directory")
+    assert sorted(os.listdir(tmp_path)) == before  # no `.part` file, no segment
+
+
+def test_a_damaged_segment_names_its_file_among_several(tmp_path, source):
+    _path, seg = source
+    bad = _write(tmp_path / "bad.kseg", _read(seg)[:1000])
+    with pytest.raises(SegmentError, match=f"^segment {bad}: truncated"):
+        merge([seg, bad], str(tmp_path / "t.db"))
+    flipped = bytearray(_read(seg))
+    flipped[-40] ^= 1
+    bad2 = _write(tmp_path / "bad2.kseg", bytes(flipped))
+    with pytest.raises(SegmentError, match=f"^segment {bad2}: "):
+        merge([seg, bad2], str(tmp_path / "t.db"))
+
+
+def test_a_refused_merge_into_a_new_ledger_leaves_no_ledger_behind(tmp_path, source):
+    """A segment damaged anywhere (its structure, or an event that does not decode) is found before the new ledger
+    file is created: no empty ledger or lock file is left behind."""
+    _path, seg = source
+    for name, data in _damaged_copies(seg, tmp_path):
+        bad = _write(tmp_path / f"{name}.kseg", data)
+        with pytest.raises(UsageError):
+            merge([seg, bad], str(tmp_path / "new.db"))
+        assert not [n for n in os.listdir(tmp_path) if n.startswith("new.db")], name
+
+
+def test_merge_refuses_an_output_dir_it_could_not_write_before_merging(tmp_path, source, refused):
+    _path, seg = source
+    target = _ledger(tmp_path / "t.db", synth.events(100, 105))
+    before = _answers(target)
+    (tmp_path / "a-file").write_text("x")
+    refused(["merge", seg, "--db", target, "--output-dir", str(tmp_path / "a-file")], "is a file, not a directory")
+    refused(["merge", seg, "--db", target, "--output-dir", ""], "is empty")
+    assert _answers(target) == before
+
+
+def test_a_conflict_whose_report_cannot_be_written_is_still_refused(tmp_path, monkeypatch):
+    """The default report directory (the working directory) unwritable: the conflict still merges nothing and
+    says where its report could not go."""
+    target = _ledger(tmp_path / "t.db", synth.events(0, 5))
+    seg = str(tmp_path / "c.kseg")
+    export(_ledger(tmp_path / "c.db", [synth.event(3, seed=1)]), seg)
+    real = os.makedirs
+
+    def unwritable(path, *a, **k):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "makedirs", unwritable)
+    with pytest.raises(MergeConflict, match="could not be written to .*merge-report.json \\(Permission denied\\)"):
+        merge([seg], target)
+    monkeypatch.setattr(os, "makedirs", real)
+    assert not (tmp_path / "merge-report.json").exists()
 
 
 def _damaged_copies(seg: str, tmp_path):
