@@ -112,19 +112,30 @@ def parse_spec_texts(texts: list[str]) -> list[Any]:
 
 
 def parse_specs_file(path: str) -> list[Any]:
+    fix = "pass the path of a JSON or JSONL file of specs"
     if not os.path.isfile(path):
-        raise UsageError(f"--specs {path}: no such file; pass the path of a JSON or JSONL file of specs")
-    with open(path, "rb") as f:
-        data = f.read()
-    text = data.decode("utf-8", errors="replace").strip()
+        what = ("is a directory" if os.path.isdir(path) else "is not a regular file (a device, pipe or socket)"
+                if os.path.exists(path) else "no such file")
+        raise UsageError(f"--specs {path}: {what}; {fix}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise UsageError(f"--specs {path}: cannot be read ({exc.strerror}); {fix}") from None
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors write: ignored
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"--specs {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}); save it "
+                        f"as UTF-8 JSON or JSONL") from None
     if not text:
         raise UsageError(f"--specs {path} is empty; it needs at least one spec")
     try:
         doc = _load(data, f"--specs {path}", None)
-    except msgspec.DecodeError:
+    except msgspec.DecodeError as exc:
         lines = [ln for ln in text.splitlines() if ln.strip()]
         if len(lines) < 2:
-            raise SpecError(f"--specs {path} is not valid JSON or JSONL; fix the file") from None
+            raise SpecError(f"--specs {path} is not valid JSON or JSONL ({exc}); fix the file") from None
         doc = [_decode(ln, f"--specs {path} line {n + 1}", n) for n, ln in enumerate(lines)]
     if isinstance(doc, dict) and set(doc) == {"specs"}:
         doc = doc["specs"]

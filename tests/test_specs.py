@@ -179,6 +179,35 @@ def test_missing_file(tmp_path, capsys, db):
     _no_db(db)
 
 
+@pytest.mark.parametrize("kind", ["directory", "device"])
+def test_a_specs_path_that_is_no_file_is_named_for_what_it_is(kind, tmp_path, capsys, db):
+    path = str(tmp_path) if kind == "directory" else os.devnull
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert f"--specs {path}: is a {kind}" in err if kind == "directory" else "not a regular file" in err, err
+    assert "no such file" not in err and "pass the path" in err
+    _no_db(db)
+
+
+def test_a_specs_file_that_is_not_utf8_names_the_byte(tmp_path, capsys, db):
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'{"m": 32, "n": 48, "k": 64, "dtype": "fp32\xe9"}')
+    assert main(["run", *GEMM, "--specs", str(path), "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text (byte" in err and "0xe9" in err and "save it as UTF-8" in err, err
+    _no_db(db)
+
+
+def test_a_utf8_byte_order_mark_is_ignored(tmp_path, capsys, empty_db):
+    bom = b"\xef\xbb\xbf"
+    one = tmp_path / "bom.json"
+    one.write_bytes(bom + json.dumps(A).encode())
+    lines = tmp_path / "bom.jsonl"
+    lines.write_bytes(bom + "\n".join(json.dumps(s) for s in (A, B)).encode())
+    assert _count(capsys, ["--specs", str(one), "--db", empty_db])["missing"] == [A]
+    assert _count(capsys, ["--specs", str(lines), "--db", empty_db])["missing"] == [A, B]
+
+
 def test_both_spec_and_specs(tmp_path, capsys, db):
     path = _write(tmp_path, "specs.json", json.dumps([A]))
     assert main(["run", *GEMM, *_spec(B), "--specs", path, "--db", db]) == 2

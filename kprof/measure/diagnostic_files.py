@@ -132,6 +132,11 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
         raise UsageError(f"{ref!r} is not a measure citation; pass kmeasure.<hex> (at least 8 hex digits) as "
                          f"summary.json lists it")
     where = list(dirs) if dirs else default_dirs()
+    absent = [d for d in dirs or () if not os.path.isdir(d)]
+    if absent:
+        what = "not a directory" if os.path.exists(absent[0]) else "no such directory"
+        raise UsageError(f"--dir {absent[0]}: {what}; pass the `kprof measure` output directory (or the "
+                         f"directory holding it)")
     found: dict[str, tuple[str, str, dict, dict]] = {}  # artifact path -> (name, summary path, summary, entry)
     for summary_path in _summaries(where):
         with open(summary_path, "rb") as f:

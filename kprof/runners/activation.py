@@ -19,6 +19,11 @@ class SiluMulArgs(KernelArgs, frozen=True):
 
 
 class SiluMul:
+    @staticmethod
+    def held_bytes(spec: SiluMulArgs) -> int:
+        """Bytes of the [tokens, 2 * hidden] input and the output: the least the case holds at once."""
+        return DTYPE_BYTES[spec.dtype] * 3 * spec.tokens * spec.hidden
+
     def build(self, spec: SiluMulArgs, device: str) -> Case:
         import torch
         import torch.nn.functional as F
@@ -41,5 +46,5 @@ class SiluMul:
             check_close(fn(), ref, spec.dtype, "silu_mul")
 
         n = spec.tokens * spec.hidden
-        return Case(fn, check, flops=5.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * 3 * n),
+        return Case(fn, check, flops=5.0 * n, bytes=float(self.held_bytes(spec)),
                     algorithm="silu(x[:, :h]) * x[:, h:]", inputs=inputs, call=call, warm=(0,))

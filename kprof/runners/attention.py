@@ -178,17 +178,25 @@ def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str, 
 
     pairs_scored = q_len * kv_len * (0.5 if causal and q_len == kv_len else 1.0)
     flops = 4.0 * b * hq * pairs_scored * d
-    size = DTYPE_BYTES[spec.dtype]
-    moved = size * (2 * b * hq * q_len * d + 2 * b * hkv * kv_len * d)
-    return Case(fn, check, flops=flops, bytes=float(moved), algorithm=algorithm,
+    return Case(fn, check, flops=flops, bytes=float(_held_bytes(spec, q_len, kv_len)), algorithm=algorithm,
                 notes={"sdpa_backend": algorithm, **notes}, inputs=inputs, call=call,
                 # q, k, v of a prompt come from the QKV projection just run; a decode step's new q does, its
                 # KV cache (read whole) does not
                 warm=(0, 1, 2) if q_len == kv_len else (0,))
 
 
+def _held_bytes(spec, q_len: int, kv_len: int) -> int:
+    """Bytes of q, k, v and the output in their dtype: the least the case holds at once."""
+    return DTYPE_BYTES[spec.dtype] * (2 * spec.batch * spec.num_heads * q_len * spec.head_dim
+                                      + 2 * spec.batch * spec.num_kv_heads * kv_len * spec.head_dim)
+
+
 class AttentionPrefill:
     sdpa_backend: str | None = None  # None: SDPA chooses; else the one backend enabled
+
+    @staticmethod
+    def held_bytes(spec: AttentionPrefillArgs) -> int:
+        return _held_bytes(spec, spec.seq_len, spec.seq_len)
 
     def build(self, spec: AttentionPrefillArgs, device: str) -> Case:
         return _build(spec, device, spec.seq_len, spec.seq_len, spec.causal, "attention_prefill", self.sdpa_backend)
@@ -196,6 +204,10 @@ class AttentionPrefill:
 
 class AttentionDecode:
     sdpa_backend: str | None = None
+
+    @staticmethod
+    def held_bytes(spec: AttentionDecodeArgs) -> int:
+        return _held_bytes(spec, 1, spec.kv_len)
 
     def build(self, spec: AttentionDecodeArgs, device: str) -> Case:
         return _build(spec, device, 1, spec.kv_len, False, "attention_decode", self.sdpa_backend)

@@ -46,6 +46,13 @@ def require_default_cuda_matmul() -> None:
 
 
 class SingleGemm:
+    @staticmethod
+    def held_bytes(spec: SingleGemmArgs) -> int:
+        """Bytes of A, B and C in their dtypes (fp8: 1-byte A and B, a bf16 C): the least the case holds at once."""
+        if spec.dtype == "fp8_e4m3":
+            return spec.m * spec.k + spec.k * spec.n + 2 * spec.m * spec.n
+        return DTYPE_BYTES[spec.dtype] * (spec.m * spec.k + spec.k * spec.n + spec.m * spec.n)
+
     def build(self, spec: SingleGemmArgs, device: str) -> Case:
         import torch
 
@@ -77,9 +84,7 @@ class SingleGemm:
             check_close(c[rows.to(c.device)], ref, spec.dtype, "single_gemm")
 
         fn = bind(call, inputs)
-        size = DTYPE_BYTES[spec.dtype]
-        return Case(fn, check, flops=2.0 * spec.m * spec.n * spec.k,
-                    bytes=float(size * (spec.m * spec.k + spec.k * spec.n + spec.m * spec.n)),
+        return Case(fn, check, flops=2.0 * spec.m * spec.n * spec.k, bytes=float(self.held_bytes(spec)),
                     algorithm="torch.matmul", inputs=inputs, call=call, warm=(0,))
 
 

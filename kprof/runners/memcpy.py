@@ -27,6 +27,11 @@ class MemcpyArgs(KernelArgs, frozen=True):
 
 
 class Memcpy:
+    @staticmethod
+    def held_bytes(spec: MemcpyArgs) -> int:
+        """The source and the destination: the least the case holds at once."""
+        return 2 * spec.bytes
+
     def build(self, spec: MemcpyArgs, device: str) -> Case:
         import torch
 

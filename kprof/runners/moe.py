@@ -117,6 +117,13 @@ def _weights(spec: MoeGroupedGemmArgs, device: str, dt):
 class _MoeGroupedGemm:
     grouped = False  # True: torch._grouped_mm; False: the per-expert matmul loop
 
+    @staticmethod
+    def held_bytes(spec: MoeGroupedGemmArgs) -> int:
+        """Bytes of every expert's weight, the routed tokens and the output: the least the case holds at once."""
+        rows = spec.tokens * spec.topk
+        return DTYPE_BYTES[spec.dtype] * (spec.experts * spec.intermediate * spec.hidden
+                                          + rows * (spec.hidden + spec.intermediate))
+
     def build(self, spec: MoeGroupedGemmArgs, device: str) -> Case:
         import torch
 

@@ -19,6 +19,11 @@ class RmsNormArgs(KernelArgs, frozen=True):
 
 
 class RmsNorm:
+    @staticmethod
+    def held_bytes(spec: RmsNormArgs) -> int:
+        """Bytes of x, its output and the weight: the least the case holds at once."""
+        return DTYPE_BYTES[spec.dtype] * (2 * spec.tokens * spec.hidden + spec.hidden)
+
     def build(self, spec: RmsNormArgs, device: str) -> Case:
         import torch
         import torch.nn.functional as F
@@ -43,5 +48,5 @@ class RmsNorm:
             check_close(fn(), ref, spec.dtype, "rms_norm")
 
         n = spec.tokens * spec.hidden
-        return Case(fn, check, flops=4.0 * n, bytes=float(DTYPE_BYTES[spec.dtype] * (2 * n + spec.hidden)),
+        return Case(fn, check, flops=4.0 * n, bytes=float(self.held_bytes(spec)),
                     algorithm="torch.nn.functional.rms_norm", inputs=inputs, call=call, warm=(0,))

@@ -6,6 +6,7 @@ stay outside the timed closure; the check runs before any timing, so a wrong ker
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from typing import Callable, Iterable, Iterator
@@ -96,6 +97,8 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
         timed = 0.0
         env = device.env
         try:
+            if device.name == "cpu":
+                _fits_in_memory(runner, spec)
             t_build = time.perf_counter()
             case = runner.build(spec, device.name)
             t_check = time.perf_counter()
@@ -116,6 +119,19 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             device.recover()
         case = None
         yield Outcome(index, event, time.perf_counter() - started, timed)
+
+
+def _fits_in_memory(runner, spec) -> None:
+    """Raises MemoryError (an `oom` row) where the least the case must hold (`runner.held_bytes`: its inputs and
+    output in their dtypes) exceeds this machine's memory. On the CPU an allocation past it does not fail: the
+    kernel's OOM killer ends the process, with no row and no message. A GPU raises its own OOM error."""
+    held = getattr(runner, "held_bytes", None)
+    if held is None:
+        return
+    need, have = held(spec), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise MemoryError(f"out of memory before building: its inputs and output alone take {need / 2**30:,.1f} GiB, "
+                          f"and this machine has {have / 2**30:,.1f} GiB; use a smaller spec or a larger machine")
 
 
 class _CpuDevice:

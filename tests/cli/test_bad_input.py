@@ -233,17 +233,6 @@ def test_a_bad_stopping_rule_setting_is_refused_before_any_work(name, value, tmp
     assert os.listdir(tmp_path) == []
 
 
-def test_good_stopping_rule_settings_reach_the_rule(monkeypatch):
-    from kprof.measure.stats import StopRule
-
-    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.25")
-    monkeypatch.setenv("KPROF_TARGET_CI", "0.01")
-    rule = StopRule.from_env()
-    assert (rule.budget_s, rule.target) == (0.25, 0.01)
-    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "")
-    assert StopRule.from_env().budget_s == StopRule().budget_s
-
-
 # ---- --output-dir ----------------------------------------------------------------------------------------------
 
 def _run_into(out_dir: str, h, db: str) -> list[str]:

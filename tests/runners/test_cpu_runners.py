@@ -170,6 +170,38 @@ def test_measure_specs_measures_and_records_failures():
     assert bad.event.error_kind == "unsupported" and bad.timed_seconds == 0
 
 
+@pytest.mark.parametrize("entry", [*CPU, lookup("memcpy", "torch-cpu")], ids=[*IDS, "memcpy"])
+def test_held_bytes_is_what_the_case_holds_at_least(entry):
+    """The worker's memory check reads held_bytes: never more than the case's inputs and output really take (it
+    must not refuse a spec that fits), and not far below (it must catch one that cannot)."""
+    spec = msgspec.convert({"bytes": 4096}, entry.args) if entry.table == "memcpy" else _spec(entry, "bf16")
+    runner = entry.load_runner()()
+    case = runner.build(spec, "cpu")
+    out = case.fn()
+    tensors = {id(t): t for t in case.inputs if isinstance(t, torch.Tensor)}
+    if isinstance(out, torch.Tensor) and all(out.data_ptr() != t.data_ptr() for t in tensors.values()):
+        tensors[id(out)] = out
+    held = sum(t.untyped_storage().nbytes() for t in tensors.values())
+    assert 0.5 * held <= runner.held_bytes(spec) <= held, (runner.held_bytes(spec), held)
+
+
+def test_a_spec_larger_than_memory_is_an_oom_row_before_anything_is_built(monkeypatch):
+    """Past the machine's memory, a CPU allocation does not fail: the OOM killer ends the process, with no row."""
+    import kprof.runners.worker as worker
+
+    entry = lookup("single_gemm", "torch-cpu")
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 4}  # a 16 KiB machine
+    monkeypatch.setattr(worker.os, "sysconf", lambda name: pages[name])
+    built = []
+    real = type(entry.load_runner()()).build
+    monkeypatch.setattr(type(entry.load_runner()()), "build", lambda self, *a: built.append(a) or real(self, *a))
+    small, large = {"m": 8, "n": 8, "k": 8, "dtype": "fp32"}, {"m": 64, "n": 64, "k": 64, "dtype": "fp32"}
+    ok, oom = measure_specs(entry, [small, large], "test cpu")
+    assert type(ok.event) is Measured and type(oom.event) is Failed and oom.event.error_kind == "oom"
+    assert "out of memory before building" in oom.event.message and "this machine has" in oom.event.message
+    assert len(built) == 1 and oom.timed_seconds == 0
+
+
 def test_a_wrong_kernel_is_never_timed(monkeypatch):
     entry = lookup("single_gemm", "torch-cpu")
     real = torch.matmul
