@@ -119,25 +119,6 @@ def _resolution(xs_sorted: list[float]) -> float:
     return min(gaps) if gaps else 0.0
 
 
-def _env_number(name: str, what: str, valid, example: str) -> float | None:
-    """The number environment variable `name` holds (None where unset or empty); not `what`: a UsageError, before
-    anything is measured (a row stopped by a budget of 0 would be stored from 3 samples)."""
-    import os
-
-    from ..errors import UsageError
-
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and valid(value)):
-        raise UsageError(f"{name}={raw!r} is not {what}; e.g. {name}={example}, or unset it")
-    return value
-
-
 class StopRule:
     """Stop when at least `min_samples` and `min_time_s` are reached, the samples hold either `min_work_s`
     of timed work or `min_work_n` samples, and the median's relative CI half-width is under `target`; or
@@ -157,11 +138,13 @@ class StopRule:
     def from_env(cls) -> "StopRule":
         """The default rule, with KPROF_TIME_BUDGET_S (seconds per spec) and KPROF_TARGET_CI (relative
         half-width of the median's CI) overriding the budget and the target when set."""
+        from ..settings import env_number
+
         kw = {}
-        budget = _env_number("KPROF_TIME_BUDGET_S", "a number of seconds > 0", lambda v: v > 0, "1")
+        budget = env_number("KPROF_TIME_BUDGET_S", "a number of seconds > 0", lambda v: v > 0, "1")
         if budget is not None:
             kw["budget_s"] = budget
-        target = _env_number("KPROF_TARGET_CI", "a relative half-width between 0 and 1", lambda v: 0 < v < 1, "0.005")
+        target = env_number("KPROF_TARGET_CI", "a relative half-width between 0 and 1", lambda v: 0 < v < 1, "0.005")
         if target is not None:
             kw["target"] = target
         return cls(**kw)

@@ -15,7 +15,7 @@ def test_env_seconds(monkeypatch):
     assert env_seconds("KPROF_X_S", 3.0) == 3.0
     monkeypatch.setenv("KPROF_X_S", "0.5")
     assert env_seconds("KPROF_X_S", 3.0) == 0.5
-    for bad in ("0", "-1", "soon", "nan"):
+    for bad in ("0", "-1", "soon", "nan", "inf"):
         monkeypatch.setenv("KPROF_X_S", bad)
         with pytest.raises(UsageError, match=r"KPROF_X_S=.* is not a number of seconds > 0; e.g. KPROF_X_S=3"):
             env_seconds("KPROF_X_S", 3.0)
