@@ -32,7 +32,7 @@ from .ledger.keys import KeyMaker
 from .ledger.view import Row, citation
 from .runners.registry import METRICS, lookup
 from .method import effective_entry, resolve_gpu_key
-from .specs import ShapeCodec, validate
+from .specs import ShapeCodec, spec_list, validate
 
 __all__ = ["resolve_gpu_key", "effective_entry", "view", "count_missing", "query", "run", "CountResult", "QueryResult",
            "Mode"]
@@ -74,16 +74,19 @@ class QueryResult(msgspec.Struct):
         return doc
 
 
-def _prepare(table, backend, specs, gpu_name, db, method: dict):
+def _prepare(table, backend, specs, gpu_name, db, method: dict, measures: bool = False):
     entry = effective_entry(lookup(table, backend), **method)
-    canonical = validate(entry.args, list(specs))
-    return entry, canonical, resolve_gpu_key(entry, gpu_name), ledger_path(db)
+    canonical = validate(entry.args, spec_list(specs))
+    return entry, canonical, resolve_gpu_key(entry, gpu_name, measures and gpu_name is None), ledger_path(db)
 
 
 def view(ledger: Ledger, table: str, backend: str, gpu_key: str, *, timer: str | None = None, l2: str | None = None,
          cuda_graph: bool | None = None, power: str | None = None):
     """The read View of (table, backend, gpu_key) in an open ledger, under the registry entry's contract and
     KernelArgs type, timed by `timer`/`l2`/`cuda_graph`/`power` (see `effective_entry`)."""
+    if not isinstance(ledger, Ledger):
+        raise UsageError(f"api.view takes an open Ledger, not {type(ledger).__name__} {ledger!r}; open one first: "
+                         f"with Ledger.open(path, readonly=True) as ledger: view = api.view(ledger, ...)")
     entry = effective_entry(lookup(table, backend), timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     return ledger.view(table, backend, gpu_key, entry.contract, entry.args)
 
@@ -191,16 +194,16 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
         raise UsageError(f"mode {mode!r} is not one of jit, force, fresh")
     started = time.perf_counter()
     entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
-                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
+                                             dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power),
+                                             measures=True)
     if gpu_name is not None:
-        local = resolve_gpu_key(entry, None)
+        local = resolve_gpu_key(entry, None, measures=True)
         if local != gpu_name:
             raise UsageError(f"--gpu-name {gpu_name!r} differs from the device this run would measure on "
                              f"({local!r}); omit --gpu-name, or run on a machine with that device")
-    from .measure.stats import StopRule
-    from .runners.fill import fill
+    from .runners.fill import check_settings, fill
 
-    StopRule.from_env()  # KPROF_TIME_BUDGET_S and KPROF_TARGET_CI: a bad value refused before anything is written
+    check_settings()
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
     filled = fill(entry, canonical, gpu_key, db, mode, origin, progress=progress, watch=watch,
                   conflict_dir=conflict_dir)

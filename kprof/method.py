@@ -14,8 +14,9 @@ from .runners.registry import Entry
 __all__ = ["effective_entry", "resolve_gpu_key"]
 
 
-def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
-    """The GPU key: --gpu-name when given, else the name of the device the entry measures on."""
+def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False) -> str:
+    """The GPU key: --gpu-name when given, else the name of the device the entry measures on. `measures`: the caller
+    measures here, so a missing GPU is not mended by --gpu-name (which only names rows)."""
     if gpu_name is not None:
         if not gpu_name.strip():
             raise UsageError("--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200', or omit it")
@@ -24,6 +25,9 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None) -> str:
         from .measure.device_name import local_gpu_name
 
         name = local_gpu_name()
+        if name is None and measures:
+            raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and none is visible here; run on a "
+                             f"machine with one (--gpu-name only names the rows), or use backend torch-cpu")
         if name is None:
             raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and none is visible here; pass "
                              f"--gpu-name (e.g. --gpu-name 'NVIDIA H200') to read the rows of another machine")
@@ -104,6 +108,8 @@ def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = 
     another, and a query reads the rows of the method it names. A CPU entry keeps its one method: the
     environment variables do not apply to it and an explicit other method is refused."""
     if entry.device != "cuda":
+        for setting in (_TIMER, _L2, _GRAPH, _POWER):  # not applied here, but a value wrong on every backend is named
+            _from_env(*setting[1:])
         _refuse_on_cpu(entry, timer, l2, cuda_graph, power)
         return entry
     from .runners.catalog import timing_string

@@ -28,6 +28,7 @@ from .ledger.events import Measured, Origin
 from .runners import remote as _remotes
 from .merge import segment
 from .runners.chunk import Chunk
+from .runners.registry import lookup
 from .runners.fill import to_measure
 from .runners.remote_config import CONFIG, load_remote
 
@@ -111,10 +112,10 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     target = load_remote(remote, config, list(remote_set))
     output_dir = _check_output_dir(output_dir)
     method = dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
-    entry, canonical, gpu_key, db = _prepare(table, backend, raw_specs, gpu_name, db, method)
-    if entry.device == "cuda" and gpu_name is None:
+    if lookup(table, backend).device == "cuda" and gpu_name is None:  # this machine's GPU, if any, is not remote's
         raise UsageError(f"backend {backend} measures on a CUDA GPU: pass --gpu-name with the GPU of remote "
                          f"{remote!r} (e.g. --gpu-name 'NVIDIA H200'); its rows are keyed by it")
+    entry, canonical, gpu_key, db = _prepare(table, backend, raw_specs, gpu_name, db, method)
 
     # The rows before, from the local ledger (read only: it is opened for writing per merge, briefly).
     exists = os.path.exists(db)

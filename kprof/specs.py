@@ -17,7 +17,7 @@ import msgspec
 
 from .errors import SpecError, UsageError
 
-__all__ = ["MAX_DEPTH", "ShapeCodec", "read_specs", "parse_spec_texts", "parse_specs_file", "validate"]
+__all__ = ["MAX_DEPTH", "ShapeCodec", "read_specs", "parse_spec_texts", "parse_specs_file", "spec_list", "validate"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
 
@@ -147,6 +147,22 @@ def parse_specs_file(path: str) -> list[Any]:
     if not doc:
         raise UsageError(f"--specs {path} holds no specs; it needs at least one")
     return doc
+
+
+def spec_list(specs: Any) -> list:
+    """The caller's specs as a list: a list as it is, another iterable (a tuple, a generator) listed. One spec (a
+    mapping or a Struct), a string, None or anything not iterable is a UsageError: listing a dict would read its
+    keys as specs."""
+    if type(specs) is list:
+        return specs
+    if isinstance(specs, (Mapping, msgspec.Struct)):
+        raise UsageError(f"specs: expected a list of specs, got one spec ({type(specs).__name__}); wrap it in a list, "
+                         f"[spec]")
+    if specs is None or isinstance(specs, (str, bytes)) or not hasattr(specs, "__iter__"):
+        raise UsageError(f"specs: expected a list of specs (mappings of the table's fields), got "
+                         f"{type(specs).__name__}; pass e.g. [{{\"m\": 64, \"n\": 1024, \"k\": 256, \"dtype\": "
+                         f"\"fp32\"}}]")
+    return list(specs)
 
 
 def read_specs(spec: list[str] | None, specs: str | None) -> list[Any]:

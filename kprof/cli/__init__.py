@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
     argv = sys.argv[1:] if argv is None else list(argv)
     invocation[:] = argv
+    for stream in (sys.stdout, sys.stderr):  # a non-UTF-8 terminal shows what it cannot encode as escapes, not a crash
+        if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and \
+                hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     from ._sigbus import install
 
     restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)

@@ -21,23 +21,25 @@ def _remeasure_only(alias):
 
 
 def audit(*, db: Db = None, json: Json = False,
-          jobs: Annotated[int, Parameter(name="--jobs", help=(
+          jobs: Annotated[int | None, Parameter(name="--jobs", help=(
               "Shard processes the audit runs, each replaying a share of the keys (1 to 256; default: one per "
-              "core, up to 8)."))] = JOBS,
+              f"core, up to 8, here {JOBS})."))] = None,
           remeasure: Annotated[int | None, Parameter(name="--remeasure", help=(
               "Instead: re-measure N random current rows of this machine's device and report their drift "
               "(exit 1 when any drifts past --tolerance). Writes nothing."))] = None,
-          tolerance: Annotated[float, Parameter(name="--tolerance", help=(
-              "Relative drift allowed by --remeasure."))] = 0.05,
+          tolerance: Annotated[float | None, Parameter(name="--tolerance", help=(
+              "Relative drift allowed by --remeasure (default 0.05)."))] = None,
           timer: _remeasure_only(Timer) = None, l2: _remeasure_only(L2) = None,
           cuda_graph: _remeasure_only(CudaGraph) = None, power: _remeasure_only(Power) = None) -> int:
     """Recompute every event id and key, check the log, rebuild the views and compare; exit 3 on any finding.
     The timing-method flags pick which CUDA rows --remeasure re-measures, and how."""
     method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
-    if remeasure is not None:
-        return _remeasure(ledger_path(db), remeasure, tolerance, json, method)
-    _no_method_without_remeasure(method)
-    report = run_audit(ledger_path(db), jobs)
+    if remeasure is not None:  # a flag of the other mode is refused, not ignored
+        if jobs is not None:
+            raise UsageError(f"--jobs {jobs} applies to the audit, which --remeasure replaces; drop --jobs")
+        return _remeasure(ledger_path(db), remeasure, 0.05 if tolerance is None else tolerance, json, method)
+    _no_method_without_remeasure({**method, "tolerance": tolerance})
+    report = run_audit(ledger_path(db), JOBS if jobs is None else jobs)
     if json:
         emit_json(report.to_json())
     else:
@@ -51,13 +53,14 @@ def audit(*, db: Db = None, json: Json = False,
 
 
 def _no_method_without_remeasure(method: dict) -> None:
-    """The audit itself checks every row whatever its method, so a method flag alone would be silently
-    ignored: refuse it instead."""
+    """The audit itself checks every row whatever its method, so a method flag (or --tolerance) alone would be
+    silently ignored: refuse it instead."""
     given = [f"--{'no-' if value is False else ''}{name.replace('_', '-')}" for name, value in method.items()
-             if value is not None]
+             if value is not None]  # the method flags, and --tolerance
     if given:
-        raise UsageError(f"{given[0]} applies to `kprof audit --remeasure N` only (the audit checks the rows of "
-                         f"every timing method); add --remeasure N, or drop {given[0]}")
+        why = "" if given[0] == "--tolerance" else " (the audit checks the rows of every timing method)"
+        raise UsageError(f"{given[0]} applies to `kprof audit --remeasure N` only{why}; add --remeasure N, or drop "
+                         f"{given[0]}")
 
 
 def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> int:

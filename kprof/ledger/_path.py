@@ -19,7 +19,10 @@ _MAGIC_AT = 16
 
 
 def default_path() -> str:
-    return os.environ.get("KPROF_DB") or "profile.db"
+    raw = os.environ.get("KPROF_DB", "")
+    if raw and not raw.strip():
+        raise UsageError(f"KPROF_DB={raw!r} is blank; set it to the ledger file, or unset it to use ./profile.db")
+    return raw or "profile.db"
 
 
 def ledger_path(db: str | os.PathLike | None = None) -> str:
@@ -27,6 +30,8 @@ def ledger_path(db: str | os.PathLike | None = None) -> str:
     than taken for the default: `--db ""` (often an unset shell variable) must not silently name ./profile.db."""
     if db is None:
         return default_path()
+    if not isinstance(db, (str, os.PathLike)):
+        raise UsageError(f"db={db!r} is not a path ({type(db).__name__}); pass the ledger file's path as a str")
     path = os.fspath(db)
     if not path.strip():
         raise UsageError(f"--db {path!r} is empty; pass the ledger file (e.g. --db profile.db), or omit --db to use "

@@ -1,14 +1,8 @@
-"""The read API simulators use: one scope's current rows, looked up by spec.
-
-    ledger = Ledger.open("profile.db", readonly=True)
-    view = ledger.view("single_gemm", "torch", "NVIDIA H200")
-    row = view.get(m=1, n=8192, k=1024, dtype="bf16")   # an ok Row, or None (a GPU key it never held raises)
-    rows = view.get_many(specs)                          # one Row per spec, any status
-    todo = view.missing(specs)                           # the specs without an ok row
-
-Every row a lookup returns is verified (see _verify): a damaged ledger gives an IntegrityError (exit 3), never a
-wrong answer. The same specs asked again (a simulator's loop) are answered from the ledger's memo of verified
-answers while the view root they were read under stands (see _memo).
+"""The read API simulators use: one scope's current rows, looked up by spec (`kprof.api.view(ledger, table, backend,
+gpu_key)` makes one; the README's Python read API shows its calls). Every row a lookup returns is verified (see
+_verify): a damaged ledger gives an IntegrityError (exit 3), never a wrong answer. The same specs asked again (a
+simulator's loop) are answered from the ledger's memo of verified answers while the view root they were read under
+stands (see _memo).
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from ..errors import UnknownGpuKeyError
 from . import _codec, _verify
 from ._reducer import MEASURED, REBUILT, ScopeEntry, contract_id, opened, root_of
 from .events import Contract, Provenance, Stats, Summary
-from ..specs import ShapeCodec
+from ..specs import ShapeCodec, spec_list
 from .keys import KeyMaker
 
 __all__ = ["View", "Row", "STATUSES", "citation"]
@@ -103,7 +97,7 @@ class View:
     def __init__(self, ledger, table: str, backend: str, gpu_key: str, contract: Contract, args_type: type):
         self.ledger, self.table, self.backend, self.gpu_key = ledger, table, backend, gpu_key
         self.contract = contract
-        self.shapes = ShapeCodec(args_type)
+        self.shapes = ShapeCodec(args_type, strict=True)  # as every spec input: 64.0 for an int field is refused
         self.keys = KeyMaker(table, backend, gpu_key, contract, self.shapes)
         self.scope = self.keys.scope
         self._contract_id = contract_id(self.keys.base)
@@ -133,7 +127,7 @@ class View:
 
     def query(self, specs: Iterable[Mapping[str, Any]]) -> tuple[bytes, list[Row]]:
         """(view root, rows) read from one snapshot, so the root names exactly the state the rows came from."""
-        specs = specs if isinstance(specs, list) else list(specs)
+        specs = spec_list(specs)
         shapes, exact = self.shapes.to_shapes(specs)
         with self._read() as txn:
             root = self._root(txn)
@@ -142,7 +136,7 @@ class View:
 
     def missing(self, specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         """The specs without an ok row (missing, stale and failed all count as missing), in input order."""
-        specs = specs if isinstance(specs, list) else list(specs)
+        specs = spec_list(specs)
         shapes, _exact = self.shapes.to_shapes(specs)
         with self._read() as txn:
             ok = self._remembered(txn, self._root(txn), "flags", shapes, self._shape_flags)

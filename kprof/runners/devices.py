@@ -84,8 +84,10 @@ def usable_devices(entry: Entry, gpu_key: str) -> Devices:
     """The devices a run of `entry` may use on this host (see the module docstring)."""
     if entry.device != "cuda":
         raw = os.environ.get("KPROF_CPU_WORKERS", "1") or "1"
-        if not raw.isdigit() or int(raw) < 1:
-            raise UsageError(f"KPROF_CPU_WORKERS={raw!r} is not a whole number >= 1; e.g. KPROF_CPU_WORKERS=2")
+        cores = os.cpu_count() or 1
+        if not raw.isdigit() or not 1 <= int(raw) <= cores:
+            raise UsageError(f"KPROF_CPU_WORKERS={raw!r} is not a whole number from 1 to this machine's {cores} "
+                             f"core(s); e.g. KPROF_CPU_WORKERS={min(2, cores)}")
         return Devices([Device(f"cpu{i}", None) for i in range(int(raw))], None, [])
     from ..measure.nvml import NvmlError, gpu_inventory
 

@@ -87,6 +87,25 @@ class _InProcess:
                 watch(label, items[outcome.index + 1][1] if outcome.index + 1 < len(items) else None)
 
 
+def check_settings() -> None:
+    """Every number a run reads from the environment, checked on any backend before anything is measured or
+    written: a value no backend could use (text for seconds, a negative window) is refused even where it would not
+    apply, rather than found when it first does."""
+    from . import _ranks, pool
+    from ..measure.stats import StopRule
+    from ._settings import env_seconds
+    from .cuda_device import capped_sample_s, energy_window_s
+    from .devices import _forced_var, _parse_forced
+
+    StopRule.from_env()
+    energy_window_s(), capped_sample_s()
+    for name, default in (("KPROF_SPEC_TIMEOUT_S", pool.SPEC_TIMEOUT_S), ("KPROF_WORKER_START_S", pool.START_TIMEOUT_S),
+                          ("KPROF_RANK_START_S", _ranks.START_S), ("KPROF_RANK_STEP_S", _ranks.STEP_S)):
+        env_seconds(name, default)
+    if (forced := _forced_var()) is not None:
+        _parse_forced(forced)
+
+
 def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin: Origin, *,
          progress: Callable[[int, int, dict], None] | None = None,
          watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None) -> Filled:
@@ -145,7 +164,7 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     def workers_for(n: int):
         if info["in_process"]:
             return _InProcess(entry, gpu_key, spec_keys)
-        return Pool(entry, gpu_key, groups(devices.devices, n))
+        return Pool(entry, gpu_key, groups(devices.devices, n)[:len(levels[n])])  # no idle worker: one per spec at most
 
     # 3. and 4.
     state = _State(entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, len(todo))

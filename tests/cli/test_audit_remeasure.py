@@ -72,3 +72,14 @@ def test_remeasure_rejects_bad_counts(h, capsys):
     assert "--remeasure 0" in capsys.readouterr().err
     assert main(["audit", "--remeasure", "1", "--tolerance", "-1", "--db", "p.db"]) == 2
     assert "--tolerance -1" in capsys.readouterr().err
+
+
+def test_a_flag_of_the_other_mode_is_refused_not_ignored(h, capsys, refused):
+    """--jobs belongs to the audit, --tolerance to --remeasure: given to the other, each was silently dropped."""
+    _run(h, capsys, h.gemm())
+    refused(["audit", "--remeasure", "1", "--jobs", "0", "--db", "p.db"], "--jobs 0 applies to the audit",
+            "drop --jobs")
+    refused(["audit", "--tolerance", "-1", "--db", "p.db"], "--tolerance applies to `kprof audit --remeasure N` only",
+            "drop --tolerance")
+    refused(["audit", "--tolerance", "0.1", "--db", "p.db"], "--tolerance applies")
+    assert main(["audit", "--jobs", "1", "--db", "p.db"]) == 0

@@ -3,6 +3,7 @@ ledger, lock file, row or snapshot left behind. A damaged real ledger is still a
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -230,6 +231,66 @@ def test_a_bad_stopping_rule_setting_is_refused_before_any_work(name, value, tmp
     """A budget of 0 would store rows of 3 samples as ok; a text value was a traceback."""
     monkeypatch.setenv(name, value)
     refused(_run_into("snap", h, "p.db"), f"{name}={value!r} is not", "or unset it")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name, value", [("KPROF_ENERGY_S", "-1"), ("KPROF_CAPPED_SAMPLE_S", "abc"),
+                                         ("KPROF_CAPPED_MAX_SAMPLE_S", "-1"), ("KPROF_SPEC_TIMEOUT_S", "0"),
+                                         ("KPROF_WORKER_START_S", "soon"), ("KPROF_RANK_START_S", "inf"),
+                                         ("KPROF_RANK_STEP_S", "-2"), ("KPROF_PROFILE_GPUS", "abc"),
+                                         ("VIBESIM_PROFILE_GPUS", "-1")])
+def test_every_run_setting_is_checked_on_the_cpu_too(name, value, tmp_path, capsys, h, refused, monkeypatch):
+    """Settings of the GPU path or the pool, never used by this CPU run: a value wrong on every backend is named
+    before anything is written, not when a later run first reads it."""
+    monkeypatch.setenv(name, value)
+    refused(_run_into("snap", h, "p.db"), f"{name}={value!r} is not")
+    assert os.listdir(tmp_path) == []
+
+
+# ---- the Python API's arguments ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("specs, needle", [(None, "got NoneType"), ("m=1", "got str"), (5, "got int"),
+                                           (SPEC, "got one spec (dict); wrap it in a list")])
+def test_the_python_api_refuses_specs_that_are_not_a_list_of_specs(specs, needle, tmp_path, h, local_gpu):
+    db = str(tmp_path / "p.db")
+    h.append(db, h.make_event(SPEC, local_gpu))
+    with Ledger.open(db, readonly=True) as ledger:
+        view = api.view(ledger, h.GEMM, h.CPU, local_gpu)
+        for call in (view.get_many, view.missing, lambda s: api.query(h.GEMM, h.CPU, s, db=db),
+                     lambda s: api.count_missing(h.GEMM, h.CPU, s, db=db),
+                     lambda s: api.run(h.GEMM, h.CPU, s, db=db)):
+            with pytest.raises(UsageError, match=f"specs: expected a list of specs.*{re.escape(needle)}"):
+                call(specs)
+        assert [r.status for r in view.get_many(iter([SPEC]))] == ["ok"]  # any other iterable is listed
+    assert sorted(os.listdir(tmp_path)) == ["p.db", "p.db-lock"]
+
+
+def test_the_python_api_names_a_db_that_is_not_a_path_and_a_view_of_no_ledger(tmp_path):
+    with pytest.raises(UsageError, match="db=3 is not a path \\(int\\)"):
+        api.query("single_gemm", "torch-cpu", [SPEC], db=3)
+    with pytest.raises(UsageError, match="api.view takes an open Ledger, not str 'p.db'; open one first"):
+        api.view("p.db", "single_gemm", "torch-cpu", "x")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_blank_kprof_db_is_named_as_such(tmp_path, capsys, h, refused, monkeypatch):
+    monkeypatch.setenv("KPROF_DB", "  ")
+    for verb in [*READ_VERBS, "run"]:
+        refused(_verb(verb, h, None), "KPROF_DB='  ' is blank", "or unset it")
+    assert os.listdir(tmp_path) == []
+
+
+def test_run_of_a_cuda_backend_without_a_gpu_says_to_run_on_one(tmp_path, capsys, h, refused, monkeypatch):
+    """--gpu-name names rows: it cannot give a run a GPU, so the message must not suggest it (reads may use it)."""
+    from kprof.measure import device_name
+
+    monkeypatch.setattr(device_name, "local_gpu_name", lambda: None)
+    spec = ["--spec", json.dumps({"m": 8, "n": 8, "k": 8, "dtype": "bf16"})]
+    for extra in ([], ["--gpu-name", "NVIDIA H200"]):
+        refused(["run", h.GEMM, "--backend", "torch", *spec, "--db", "p.db", *extra],
+                "none is visible here; run on a machine with one (--gpu-name only names the rows)")
+    refused(["calibrate", "--backend", "torch", "--db", "p.db"], "run on a machine with one")
+    refused(["query", h.GEMM, "--backend", "torch", *spec, "--db", "p.db"], "pass --gpu-name")
     assert os.listdir(tmp_path) == []
 
 

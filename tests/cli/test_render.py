@@ -62,3 +62,18 @@ def test_error_lines_are_capped_too(capsys):
     assert sum(line.startswith("error for {") for line in lines) == 50
     assert lines[-1] == "... and 10 more errors; use --json for all"
     assert "... and 30 more rows (20 missing, 10 error); use --json for all" in lines
+
+
+def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback(tmp_path, h, local_gpu):
+    """A GPU key (or path) outside the terminal's encoding is printed escaped in a table, as JSON has it."""
+    import os
+    import subprocess
+    import sys
+
+    h.append(str(tmp_path / "p.db"), h.make_event(h.gemm(), local_gpu))
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    p = subprocess.run([sys.executable, "-m", "kprof", "query", "single_gemm", "--backend", "torch-cpu", "--spec",
+                        json.dumps(h.gemm()), "--gpu-name", "Ünï 日本", "--db", "p.db"],
+                       cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    assert b"Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 0 and b"on \\xdcn\\xef \\u65e5\\u672c (query)" in p.stdout, p.stdout

@@ -264,12 +264,24 @@ def test_a_cpu_backend_refuses_a_cuda_method(h, capsys, tmp_path, verb, flags, s
 
 def test_a_cpu_backend_accepts_its_own_method_and_ignores_the_environment(h, capsys, monkeypatch, local_gpu):
     h.append("p.db", h.make_event(h.gemm(), local_gpu))
-    monkeypatch.setenv("KPROF_TIMER", "nsys")  # not read for a CPU entry
+    monkeypatch.setenv("KPROF_TIMER", "events")  # a CUDA method: not applied to a CPU entry
     monkeypatch.setenv("KPROF_POWER", "loaded")  # nor this: a CPU row has one power state
     for flags in ([], ["--l2", "warm"], ["--no-cuda-graph"], ["--l2", "WARM", "--no-cuda-graph"],
                   ["--power", "sustained"], ["--power", "Sustained", "--l2", "warm"]):
         doc = h.read_json(capsys, "query", "p.db", h.gemm(), extra=flags)
         assert doc["missing_count"] == 0, flags
+
+
+@pytest.mark.parametrize("name, value", [("KPROF_TIMER", "nsys"), ("KPROF_L2", "hot"), ("KPROF_CUDA_GRAPH", "2"),
+                                         ("KPROF_POWER", "max")])
+def test_a_method_setting_wrong_on_every_backend_is_refused_on_the_cpu_too(h, capsys, monkeypatch, local_gpu, name,
+                                                                          value, refused):
+    """Not applied to a CPU entry, but a typo there would surface only on the next GPU run: named at once."""
+    h.append("p.db", h.make_event(h.gemm(), local_gpu))
+    monkeypatch.setenv(name, value)
+    for verb in ("query", "count-missing", "run"):
+        refused([verb, h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", "p.db"], f"{name}={value!r} is "
+                f"not one of")
 
 
 @pytest.mark.parametrize("flags, named", [(["--timer", "events"], "--timer"), (["--l2", "warm"], "--l2"),

@@ -138,15 +138,19 @@ def test_canonical_values_of_other_spellings_share_an_answer_and_each_call_keeps
     ledger.append(list(synth.events(0, 4)))
     view = synth.view(ledger)
     specs = [synth.spec(i) for i in range(6)]
-    floats = [dict(s, m=float(s["m"])) for s in specs]  # an integral float for an int field: keyed as the int
     structs = [synth.SynthArgs(**s) for s in specs]
+    reordered = [dict(reversed(list(s.items()))) for s in specs]  # another field order: the same keys
     rows = view.get_many(specs)
-    for other in (floats, structs):
+    for other in (structs, reordered):
         again = view.get_many(other)
         assert [(r.status, r.key, r.event_id) for r in again] == [(r.status, r.key, r.event_id) for r in rows]
         assert [r.spec for r in again] == specs and all(type(r.spec["m"]) is int for r in again)
         assert view.missing(other) == other[4:]
     assert lookups(ledger) == {"rows": 1, "flags": 1}
+    floats = [dict(s, m=float(s["m"])) for s in specs]  # an integral float for an int field: refused, as everywhere
+    with pytest.raises(SpecError, match='field "m" = .* is a float') as err:
+        view.get_many(floats)
+    assert err.value.index == 0
 
 
 def test_a_request_that_is_refused_is_refused_again(ledger):

@@ -136,7 +136,7 @@ def test_a_spec_needing_more_gpus_than_usable_fails_and_nothing_else_is_lost(tmp
     monkeypatch.setattr(fill, "usable_devices", lambda entry, key: Devices(
         [Device("gpu0", "GPU-x")], None, [{"gpu": "gpu1", "uuid": "GPU-y", "name": "", "why": "1 compute process(es)"}],
         True))
-    monkeypatch.setattr("kprof.api.resolve_gpu_key", lambda entry, name: "NVIDIA H200")
+    monkeypatch.setattr("kprof.api.resolve_gpu_key", lambda entry, name, measures=False: "NVIDIA H200")
     try:
         res = api.run("faulty_gpu", "cuda2", [{"n": 5, "act": "ok"}, {"n": 6, "act": "ok"}], db=str(tmp_path / "p.db"))
     finally:
@@ -214,3 +214,34 @@ def test_one_usable_device_of_this_process_is_measured_in_process():
     comm = msgspec.structs.replace(gpu, gpus_arg="world_size")  # an nccl collective: its ranks go to the pool
     assert not _own_device(comm, one, [0], [{"world_size": 1}])
     assert not _own_device(comm, one, [0], [{"world_size": 2}])
+
+
+def test_cpu_workers_are_bounded_by_the_cores_and_by_the_specs(tmp_path, monkeypatch):
+    """KPROF_CPU_WORKERS past the machine's cores is refused before anything is written (a huge value built a
+    list of that many slots and hung); a run starts no more workers than it has specs."""
+    from kprof import api
+    from kprof.errors import UsageError
+    from kprof.runners import devices, fill
+    from kprof.runners.registry import lookup
+
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 2)
+    entry = lookup("single_gemm", "torch-cpu")
+    for bad in ("3", "999999999999", "0", "two"):
+        monkeypatch.setenv("KPROF_CPU_WORKERS", bad)
+        with pytest.raises(UsageError, match=f"KPROF_CPU_WORKERS='{bad}' is not a whole number from 1 to this "
+                                             f"machine's 2 core"):
+            devices.usable_devices(entry, "cpu")
+    monkeypatch.setenv("KPROF_CPU_WORKERS", "2")
+    assert len(devices.usable_devices(entry, "cpu").devices) == 2
+    started = []
+
+    class Recording(fill.Pool):
+        def __init__(self, entry, gpu_key, devices):
+            started.append(list(devices))
+            super().__init__(entry, gpu_key, devices)
+
+    monkeypatch.setattr(fill, "Pool", Recording)
+    monkeypatch.setenv("KPROF_POOL", "on")
+    spec = {"m": 4, "n": 4, "k": 4, "dtype": "fp32"}
+    res = api.run("single_gemm", "torch-cpu", [spec], db=str(tmp_path / "p.db"))
+    assert res.exit_code == 0 and [len(d) for d in started] == [1]
