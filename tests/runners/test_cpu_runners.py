@@ -384,3 +384,19 @@ def test_an_unstable_kernel_set_gets_one_more_attempt():
     with pytest.raises(TimerError, match="dropped"):
         twice_if_unstable(dropped)
     assert len(calls) == 1  # only what a second attempt can clear is tried again
+
+
+def test_a_cpu_row_carries_the_hosts_load_and_says_when_other_work_shared_the_cores(monkeypatch):
+    """A busy host slows every sample alike (no spread shows it): the row's notes carry the load beside it."""
+    import kprof.runners.worker as worker
+
+    entry = lookup("single_gemm", "torch-cpu")
+    spec = {"m": 8, "n": 8, "k": 8, "dtype": "fp32"}
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 2)
+    for load, busy in ((0.5, False), (7.25, True)):
+        monkeypatch.setattr(worker.os, "getloadavg", lambda load=load: (load, load, load))
+        (out,) = measure_specs(entry, [spec], "test cpu")
+        notes = out.event.method.notes
+        assert notes["host_load_1m"] == f"{load:.2f}"
+        assert ("host_busy" in notes) is busy and (not busy or notes["host_busy"] == "load 7.25 over 2 cores: other "
+                                                   "work shared them")
