@@ -73,7 +73,9 @@ def results_table(res, limit: int = TABLE_ROWS) -> None:
     out.print(table)
     if hidden:
         out.print(_more(hidden), markup=False)
-    out.print(f"{res.count - res.missing_count} of {res.count} ok, {res.missing_count} missing; db {res.db}; "
+    others = Counter(r["status"] for r in res.results if r["status"] != "ok")
+    split = f" ({', '.join(f'{n} {s}' for s, n in others.items())})" if set(others) - {"missing"} else ""
+    out.print(f"{res.count - res.missing_count} of {res.count} ok, {res.missing_count} missing{split}; db {res.db}; "
               f"view root {res.view_root[:16]}", markup=False)
     errors = [r for r in res.results if r.get("error")]
     for r in errors[:limit]:

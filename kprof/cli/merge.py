@@ -11,7 +11,7 @@ from ._render import console, emit_json
 
 
 def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help=(
-               "The new segment file; an existing directory: a file there named by its content."))],
+               "The new segment file; a directory (existing, or ending in /): a file there named by its content."))],
            table: Annotated[str | None, Parameter(name="--table", help="Only this table's events.")] = None,
            backend: Annotated[str | None, Parameter(name="--backend", help="Only this backend's events.")] = None,
            gpu_name: GpuName = None,
@@ -25,6 +25,9 @@ def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help=(
     doc = {"db": ledger_path(db), "segment": done.path, "ledger_id": done.ledger_id, "events": done.events}
     if json:
         emit_json(doc)
+    elif done.path is None:
+        console().print(f"no event of {doc['db']} to export{f' after seq {since}' if since else ''}: no segment "
+                        f"written", markup=False)
     else:
         console().print(f"wrote {done.events} event(s) of {doc['db']} to {done.path}", markup=False)
     return 0

@@ -54,7 +54,7 @@ _head_decoder = msgspec.msgpack.Decoder(EventHead)  # what the views need of an 
 
 
 class Exported(NamedTuple):
-    path: str  # the segment written (named by its content when the output was a directory)
+    path: str | None  # the segment written (named by its content in a directory); None: no event to export
     ledger_id: str
     events: int
 
@@ -84,6 +84,9 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
     _check_output(output)
     with Ledger.open(db, readonly=True) as ledger:
         _check_filters(ledger, table, backend, gpu_name)
+        if since > ledger.last_seq:
+            raise UsageError(f"--since {since}: the ledger's last event is seq {ledger.last_seq}; give a sequence "
+                             f"number up to it (events after it are exported)")
         with ledger.read() as txn:
             events_db = ledger.dbs["events"]
             chosen: list[bytes] = []
@@ -104,6 +107,10 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
                             continue
                     if wanted(event.provenance):
                         chosen.append(eid)
+            if not chosen:  # nothing to share: no empty segment to commit or merge
+                return Exported(None, ledger.ledger_id, 0)
+            if output.endswith(("/", os.sep)):  # a directory, by its trailing separator: made where it is not yet
+                os.makedirs(output, exist_ok=True)
             # The same snapshot: the bytes written are those just checked.
             written = segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id,
                                     len(chosen))
@@ -113,10 +120,10 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
 def _check_output(output: str) -> None:
     """Refuses a segment path that cannot be written: empty, or in a directory that is missing or not writable (an
     existing directory is written into, an existing file refused by segment.write)."""
-    fix = "give a new file path in a writable directory, or an existing directory"
+    fix = "give a new file path in a writable directory, or a directory (ending in /)"
     if not output.strip():
         raise UsageError(f"-o {output!r} is empty; {fix}")
-    where = output if os.path.isdir(output) else os.path.dirname(os.path.abspath(output))
+    where = output if os.path.isdir(output) else os.path.dirname(os.path.abspath(output))  # "rows/": its parent
     if not os.path.isdir(where):
         what = "is not a directory" if os.path.lexists(where) else "does not exist"
         raise UsageError(f"-o {output}: {where} {what}; {fix}")

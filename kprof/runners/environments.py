@@ -110,10 +110,21 @@ def check(name: str, *, timer: str | None = None) -> list[str]:
     return diffs
 
 
+def skipped() -> bool:
+    """Whether KPROF_SKIP_ENV_CHECK=1 asks to skip the check; a value other than 0, 1 or unset is a UsageError (a
+    `true` or `yes` would otherwise check silently)."""
+    raw = os.environ.get(SKIP_VAR, "").strip()
+    if raw not in ("", "0", "1"):
+        from ..errors import UsageError
+
+        raise UsageError(f"{SKIP_VAR}={raw!r} is not 0 or 1; {SKIP_VAR}=1 skips the environment check, or unset it")
+    return raw == "1"
+
+
 def require(entry) -> None:
     """Raises UsageError naming every difference between this process and the entry's environment (see `check`),
     for the entry's timer; a no-op when KPROF_SKIP_ENV_CHECK=1."""
-    if os.environ.get(SKIP_VAR) == "1":
+    if skipped():
         return
     timer = entry.contract.timing.split(";")[0] or None  # catalog.parse_timing's timer (_entry imports this module)
     diffs = check(entry.subprocess_env, timer=timer)

@@ -91,7 +91,7 @@ def check_settings() -> None:
     """Every number a run reads from the environment, checked on any backend before anything is measured or
     written: a value no backend could use (text for seconds, a negative window) is refused even where it would not
     apply, rather than found when it first does."""
-    from . import _ranks, pool
+    from . import _ranks, environments, pool
     from ..measure.stats import StopRule
     from ._settings import env_seconds
     from .cuda_device import capped_sample_s, energy_window_s
@@ -104,6 +104,7 @@ def check_settings() -> None:
         env_seconds(name, default)
     if (forced := _forced_var()) is not None:
         _parse_forced(forced)
+    environments.skipped()
 
 
 def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin: Origin, *,

@@ -238,7 +238,7 @@ def test_a_bad_stopping_rule_setting_is_refused_before_any_work(name, value, tmp
                                          ("KPROF_CAPPED_MAX_SAMPLE_S", "-1"), ("KPROF_SPEC_TIMEOUT_S", "0"),
                                          ("KPROF_WORKER_START_S", "soon"), ("KPROF_RANK_START_S", "inf"),
                                          ("KPROF_RANK_STEP_S", "-2"), ("KPROF_PROFILE_GPUS", "abc"),
-                                         ("VIBESIM_PROFILE_GPUS", "-1")])
+                                         ("VIBESIM_PROFILE_GPUS", "-1"), ("KPROF_SKIP_ENV_CHECK", "yes")])
 def test_every_run_setting_is_checked_on_the_cpu_too(name, value, tmp_path, capsys, h, refused, monkeypatch):
     """Settings of the GPU path or the pool, never used by this CPU run: a value wrong on every backend is named
     before anything is written, not when a later run first reads it."""

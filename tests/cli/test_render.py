@@ -34,7 +34,7 @@ def test_a_20000_spec_query_prints_the_first_rows_and_counts_the_rest(ledger_pat
     assert rows[0].split("│")[1].strip() == "1" and rows[-1].split("│")[1].strip() == "50"
     tail = out.splitlines()[-3:]
     assert tail[0] == "... and 19950 more rows (1 ok, 19948 missing, 1 failed); use --json for all"
-    assert tail[1].startswith(f"2 of 20000 ok, 19998 missing; db {ledger_path}; view root ")
+    assert tail[1].startswith(f"2 of 20000 ok, 19998 missing (19997 missing, 1 failed); db {ledger_path}; view root ")
     assert tail[2] == "error for {'m': 61, 'n': 32, 'k': 32, 'dtype': 'fp32'}: crash: segfault in the kernel"
 
 
@@ -77,3 +77,12 @@ def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback(tmp_path, h, l
                        cwd=tmp_path, env=env, capture_output=True, timeout=120)
     assert b"Traceback" not in p.stderr, p.stderr
     assert p.returncode == 0 and b"on \\xdcn\\xef \\u65e5\\u672c (query)" in p.stdout, p.stdout
+
+
+def test_the_summary_line_says_which_statuses_the_missing_rows_have(capsys):
+    results_table(_result(["ok", "missing", "failed", "failed"], errors=0))
+    assert "1 of 4 ok, 3 missing (1 missing, 2 failed); db p.db" in capsys.readouterr().out
+    results_table(_result(["missing", "ok"]))
+    assert "1 of 2 ok, 1 missing; db p.db" in capsys.readouterr().out  # only missing rows: nothing to split
+    results_table(_result(["ok", "ok"], errors=1))
+    assert "1 of 2 ok, 1 missing (1 error); db p.db" in capsys.readouterr().out

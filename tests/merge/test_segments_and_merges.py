@@ -117,6 +117,25 @@ def test_export_refuses_an_output_it_cannot_write_before_reading_the_ledger(tmp_
     assert sorted(os.listdir(tmp_path)) == before  # no `.part` file, no segment
 
 
+def test_export_into_a_new_directory_and_with_nothing_after_since(tmp_path, source, capsys, monkeypatch):
+    """`-o rows/` makes the directory; --since at the last event writes no empty segment (exit 0, said so); past it,
+    a usage error naming the last seq."""
+    path, _ = source
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "-o", "rows/", "--db", path, "--since", "40"]) == 0
+    assert "wrote 3 event(s)" in capsys.readouterr().out and len(os.listdir(tmp_path / "rows")) == 1
+    with Ledger.open(path, readonly=True) as led:
+        last = led.last_seq
+    assert main(["export", "-o", "more/", "--db", path, "--since", str(last), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["segment"] is None and doc["events"] == 0 and not os.path.exists(tmp_path / "more")
+    assert main(["export", "-o", "rows/", "--db", path, "--since", str(last)]) == 0
+    assert f"no event of {path} to export after seq {last}: no segment written" in capsys.readouterr().out
+    assert len(os.listdir(tmp_path / "rows")) == 1
+    assert main(["export", "-o", "rows/", "--db", path, "--since", str(last + 1)]) == 2
+    assert f"the ledger's last event is seq {last}" in capsys.readouterr().err
+
+
 def test_a_damaged_segment_names_its_file_among_several(tmp_path, source):
     _path, seg = source
     bad = _write(tmp_path / "bad.kseg", _read(seg)[:1000])
