@@ -76,7 +76,7 @@ class Ledger:
     def _open(cls, path: str, readonly: bool, map_size: int, readahead: bool, deadline: float) -> "Ledger":
         if os.path.exists(path):
             _recognize(path, deadline)
-        elif os.path.islink(path) and not os.path.exists(path):  # LMDB would create `<path>-lock`, then fail
+        elif os.path.islink(path):  # to nothing (it does not exist): LMDB would create `<path>-lock`, then fail
             raise LedgerError(f"ledger path {path} is a symbolic link to nothing (dangling, or a loop); fix the link")
         elif readonly:
             raise LedgerError(f"no ledger at {path}; pass --db or set KPROF_DB, or `kprof run` to create one")

@@ -63,6 +63,16 @@ MAX_BATCH = 200
 _TAIL = 1500  # characters of a rank's log quoted in a failure
 
 
+def start_s() -> float:
+    """Seconds the ranks may take to start (KPROF_RANK_START_S)."""
+    return env_seconds("KPROF_RANK_START_S", START_S)
+
+
+def step_s() -> float:
+    """Seconds a rank may take to answer one step (KPROF_RANK_STEP_S)."""
+    return env_seconds("KPROF_RANK_STEP_S", STEP_S)
+
+
 class RankError(KprofError):
     """A rank failed, died or did not start: the spec fails, and the group is replaced."""
 
@@ -87,12 +97,12 @@ class RankGroup:
                 with open(self.logs[r], "wb") as log:
                     self.procs.append(subprocess.Popen(
                         [sys.executable, "-m", "kprof.runners._rank", str(theirs.fileno()), str(r), str(world_size),
-                         backend, os.path.join(self.dir, "store"), str(env_seconds("KPROF_RANK_STEP_S", STEP_S))],
+                         backend, os.path.join(self.dir, "store"), str(step_s())],
                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                         env=env, close_fds=True))
                 theirs.close()
                 self.conns.append(connection.Connection(mine.detach()))
-            self.info = self._gather(env_seconds("KPROF_RANK_START_S", START_S), "start (import torch, init "
+            self.info = self._gather(start_s(), "start (import torch, init "
                                      f"torch.distributed {backend})", "KPROF_RANK_START_S")
         except BaseException:
             self.close(kill=True)
@@ -111,7 +121,7 @@ class RankGroup:
                 c.send(message)
             except OSError:
                 pass  # a dead rank is reported by _gather, with its exit code and log
-        return self._gather(env_seconds("KPROF_RANK_STEP_S", STEP_S), what, "KPROF_RANK_STEP_S")
+        return self._gather(step_s(), what, "KPROF_RANK_STEP_S")
 
     def _gather(self, timeout: float, what: str, knob: str) -> list:
         answers: dict[int, object] = {}

@@ -93,15 +93,11 @@ def check_settings() -> None:
     apply, rather than found when it first does."""
     from . import _ranks, environments, pool
     from ..measure.stats import StopRule
-    from ._settings import env_seconds
     from .cuda_device import capped_sample_s, energy_window_s
     from .devices import _forced_var, _parse_forced
 
     StopRule.from_env()
-    energy_window_s(), capped_sample_s()
-    for name, default in (("KPROF_SPEC_TIMEOUT_S", pool.SPEC_TIMEOUT_S), ("KPROF_WORKER_START_S", pool.START_TIMEOUT_S),
-                          ("KPROF_RANK_START_S", _ranks.START_S), ("KPROF_RANK_STEP_S", _ranks.STEP_S)):
-        env_seconds(name, default)
+    energy_window_s(), capped_sample_s(), pool.timeouts(), _ranks.start_s(), _ranks.step_s()
     if (forced := _forced_var()) is not None:
         _parse_forced(forced)
     environments.skipped()

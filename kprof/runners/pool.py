@@ -121,6 +121,11 @@ class _Worker:
         self.conn.close()
 
 
+def timeouts() -> tuple[float, float]:
+    """(seconds a spec may take, seconds a worker may take to start): KPROF_SPEC_TIMEOUT_S, KPROF_WORKER_START_S."""
+    return env_seconds("KPROF_SPEC_TIMEOUT_S", SPEC_TIMEOUT_S), env_seconds("KPROF_WORKER_START_S", START_TIMEOUT_S)
+
+
 class Pool:
     """Spawned workers on `devices`, one each, for one (entry, GPU key); a context manager.
 
@@ -135,8 +140,7 @@ class Pool:
         self._args = (entry.table, entry.backend, msgspec.msgpack.encode(entry.contract), gpu_key, self._spool)
         self.workers: list[_Worker] = []
         self.dropped: list[dict] = []  # devices given up: {device, why}
-        self.spec_timeout_s = env_seconds("KPROF_SPEC_TIMEOUT_S", SPEC_TIMEOUT_S)
-        self.start_timeout_s = env_seconds("KPROF_WORKER_START_S", START_TIMEOUT_S)
+        self.spec_timeout_s, self.start_timeout_s = timeouts()
         self._restarts: dict[str, int] = {}
 
     def __enter__(self) -> "Pool":

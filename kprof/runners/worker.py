@@ -149,9 +149,8 @@ class _CpuDevice:
         timing = time_cpu(case.fn, rule)
         stats = summarize(timing.samples_ms)
         # Other work on the host slows every sample alike, which no spread shows: the load beside the row says it.
-        load = max(before, os.getloadavg()[0])
-        busy = {"host_busy": f"load {load:.2f} over {os.cpu_count()} cores: other work shared them"} \
-            if load > (os.cpu_count() or 1) else {}
+        load, cores = max(before, os.getloadavg()[0]), os.cpu_count() or 1
+        busy = {"host_busy": f"load {load:.2f} over {cores} cores: other work shared them"} if load > cores else {}
         method = Method(timer="cpu", l2="warm", graph=False, warmup=timing.warmup, budget_s=rule.budget_s,
                         stop_reason=timing.stop_reason,
                         notes={"calls_per_sample": str(timing.inner), "target_rel_ci": str(rule.target),
