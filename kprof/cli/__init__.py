@@ -51,6 +51,20 @@ def _ledger_failure(exc: Exception) -> bool:
     return lmdb is not None and isinstance(exc, lmdb.Error)
 
 
+def _write_refused(exc: Exception) -> bool:
+    """Whether exc is LMDB failing to write (a full disk, a file size limit, an I/O error at commit): the
+    transaction is aborted and every earlier commit stays, so the file is not damaged."""
+    lmdb = sys.modules.get("lmdb")
+    return lmdb is not None and (isinstance(exc, lmdb.DiskError) or
+                                 (isinstance(exc, lmdb.Error) and "mdb_txn_commit" in str(exc)))
+
+
+def _terminated(signum, _frame):
+    """SIGTERM as an exception, so what a verb was writing is cleaned up as on Ctrl-C (temporary files removed,
+    an open write transaction aborted) before the process ends with 128 + the signal."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -62,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     from ._sigbus import install
 
     restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         result = app(argv)
     except CycloptsError:
@@ -76,8 +95,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from ._render import error
 
+        if _write_refused(exc):
+            error(f"writing the ledger failed ({type(exc).__name__}: {exc}): the disk is full, past a file size "
+                  f"limit (ulimit -f) or failing; nothing of the failed transaction was stored and every earlier "
+                  f"row stays (`kprof audit` confirms it). Free space and run again")
+            return 2
         error(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full report")
         return 3
     finally:
         restore()
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return result if isinstance(result, int) else 0

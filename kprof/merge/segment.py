@@ -66,55 +66,76 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
 
     `path` an existing directory: the segment is named by its content there, `<first 32 hex digits of its
     digest>.kseg`, so a directory of segments can be committed to git and shared: a name never changes its bytes,
-    and a file already there under that name is kept as it is."""
-    if os.path.isdir(path):
-        return _write_named(path, events, ledger_id, count)
-    if os.path.exists(path):
+    and a file already there under that name is kept as it is.
+
+    The bytes go to a temporary file of this writer's own beside the target, which takes the segment's name only
+    once whole (never over a file another writer placed there meanwhile); a failed or interrupted write leaves
+    nothing. A write the disk refuses (full, or past a file size limit) is a UsageError naming why."""
+    directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    if directory != path and os.path.lexists(path):
         raise UsageError(f"segment {path} exists; give a new path (segments are never overwritten)")
     if count is None:
         events = list(events)
         count = len(events)
-    header = SegmentHeader(FORMAT, ledger_id, time.time(), count)
-    digest = blake3()
-    tmp = f"{path}.part"
-    written = 0
-    with open(tmp, "wb") as f:
-        def put(data: bytes) -> None:
-            f.write(data)
-            digest.update(data)
-
-        head = msgspec.msgpack.encode(header)
-        put(MAGIC)
-        put(len(head).to_bytes(_LEN, "big") + head)
-        for data in events:
-            put(len(data).to_bytes(_LEN, "big"))
-            put(data)
-            written += 1
-        if written != count:
-            os.unlink(tmp)
-            raise ValueError(f"segment header says {count} events, {written} were given")
-        f.write(FOOTER + digest.digest())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
-
-def _write_named(directory: str, events: Iterable[bytes], ledger_id: str, count: int | None) -> str:
     import tempfile
 
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".export-", suffix=".kseg")
-    os.close(fd)
-    os.unlink(tmp)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kseg-", suffix=".part")
     try:
-        write(tmp, events, ledger_id, count)
-        target = named(directory, digest_of(tmp))
-        if not os.path.exists(target):  # that content is there already: kept as it is
-            os.replace(tmp, target)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # as a file open() makes (mkstemp's are private to their owner)
+        with os.fdopen(fd, "wb") as f:
+            digest = _stream(f, events, SegmentHeader(FORMAT, ledger_id, time.time(), count))
+        target = named(path, digest) if directory == path else path
+        try:
+            _place(tmp, target)
+        except FileExistsError:
+            if directory != path:
+                raise UsageError(f"segment {path} exists; give a new path (segments are never overwritten)") from None
+            # that content is there already under its name: kept as it is
+        return target
+    except OSError as e:
+        raise UsageError(f"cannot write segment {path} ({e.strerror or e}); free space on its disk or raise the "
+                         f"file size limit, or give another path; nothing was written") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
+
+
+def _place(tmp: str, target: str) -> None:
+    """Gives the whole file `tmp` the name `target`, never over an existing file (FileExistsError)."""
+    try:
+        os.link(tmp, target)  # atomic, and refuses an existing target
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links: checked, then renamed
+        if os.path.lexists(target):
+            raise FileExistsError(target) from None
+        os.replace(tmp, target)
+
+
+def _stream(f: BinaryIO, events: Iterable[bytes], header: SegmentHeader) -> bytes:
+    """Writes a whole segment to `f` and syncs it; returns its digest."""
+    digest = blake3()
+
+    def put(data: bytes) -> None:
+        f.write(data)
+        digest.update(data)
+
+    head = msgspec.msgpack.encode(header)
+    put(MAGIC)
+    put(len(head).to_bytes(_LEN, "big") + head)
+    written = 0
+    for data in events:
+        put(len(data).to_bytes(_LEN, "big"))
+        put(data)
+        written += 1
+    if written != header.events:
+        raise ValueError(f"segment header says {header.events} events, {written} were given")
+    f.write(FOOTER + digest.digest())
+    f.flush()
+    os.fsync(f.fileno())
+    return digest.digest()
 
 
 def named(directory: str, digest: bytes) -> str:

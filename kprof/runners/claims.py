@@ -21,6 +21,8 @@ import errno
 import fcntl
 import os
 
+from ..errors import UsageError
+
 __all__ = ["Claims"]
 
 
@@ -33,9 +35,17 @@ class Claims:
         self.claimed: set[bytes] = set()
 
     def __enter__(self) -> "Claims":
-        os.makedirs(self.dir, exist_ok=True)
-        self._own = open(self.path, "a+")
-        fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own new file: never contended
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot make {self.dir}, where concurrent runs record the keys they measure "
+                             f"({e.strerror}); run where the ledger's directory is writable, or copy the ledger "
+                             f"to one") from None
+        # Made and locked under the directory's lock: between the two, another run would take our unlocked file
+        # for a dead run's and remove it, and our claims with it.
+        with self._lock():
+            self._own = open(self.path, "a+")
+            fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own new file: never contended
         return self
 
     def __exit__(self, *exc) -> None:

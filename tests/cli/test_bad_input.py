@@ -358,3 +358,44 @@ def test_a_snapshot_that_cannot_be_written_after_the_run_says_so(tmp_path, capsy
     assert "run the command again with a new --output-dir" in err
     with Ledger.open("p.db", readonly=True) as ledger:
         assert ledger.last_seq == 1  # the run's row is stored
+
+
+def test_a_write_past_the_file_size_limit_is_named_and_keeps_earlier_rows(tmp_path):
+    """LMDB failing at commit (a full disk, `ulimit -f`: EFBIG) is not damage: exit 2 saying so, and the rows
+    committed before stay, as audit confirms."""
+    db = str(tmp_path / "p.db")
+    spec = '{"m": 8, "n": 64, "k": 64, "dtype": "fp32"}'
+    base = [sys.executable, "-m", "kprof"]
+    assert subprocess.run(base + ["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", db],
+                          capture_output=True).returncode == 0
+    limit = os.path.getsize(db)
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2); "
+            "from kprof.cli import main; sys.exit(main(sys.argv[2:]))")
+    specs = tmp_path / "specs.json"
+    specs.write_text(json.dumps([{"m": m, "n": 512, "k": 512, "dtype": "fp32"} for m in range(1, 41)]))
+    proc = subprocess.run([sys.executable, "-c", code, str(limit), "run", "single_gemm", "--backend", "torch-cpu",
+                           "--specs", str(specs), "--db", db], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "writing the ledger failed" in proc.stderr and "ulimit -f" in proc.stderr and "Traceback" not in proc.stderr
+    audit = subprocess.run(base + ["audit", "--db", db, "--json"], capture_output=True, text=True)
+    assert audit.returncode == 0 and json.loads(audit.stdout)["events"] == 1
+
+
+def test_sigterm_during_export_leaves_no_partial_file(tmp_path):
+    """SIGTERM ends a verb as Ctrl-C does (128 + 15), after its temporary files are removed."""
+    db = str(tmp_path / "p.db")
+    out = tmp_path / "out"
+    out.mkdir()
+    with Ledger.open(db) as led:
+        from kprof import synth
+
+        led.append(list(synth.events(0, 20)))
+    code = ("import os, signal, sys; from kprof.merge import segment; stream = segment._stream\n"
+            "def killed(f, events, header):\n"
+            "    f.write(b'partial'); f.flush(); os.kill(os.getpid(), signal.SIGTERM); return stream(f, events, header)\n"
+            "segment._stream = killed\n"
+            "from kprof.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "export", "--db", db, "-o", str(out / "x.kseg")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 143, proc.stderr
+    assert os.listdir(out) == []

@@ -397,3 +397,49 @@ def test_a_retraction_whose_target_is_nowhere_merges_nothing(tmp_path, source):
     with pytest.raises(UsageError, match="retracts event"):
         merge([tail], target)
     assert _answers(target) == before
+
+
+def _events_bytes(n):
+    return [_codec.encode(synth.event(i)) for i in range(n)]
+
+
+def test_a_segment_written_meanwhile_at_the_same_path_is_kept_and_this_write_refused(tmp_path):
+    """Two writers of one path: each streams to a temporary file of its own; the second to finish is refused,
+    and the first's segment is whole."""
+    target = str(tmp_path / "same.kseg")
+
+    def events():
+        yield from _events_bytes(3)
+        segment.write(target, _events_bytes(5), count=5)  # the other writer finishes first
+
+    with pytest.raises(UsageError, match="exists"):
+        segment.write(target, events(), count=3)
+    assert len(list(segment.read(target))) == 5
+    assert os.listdir(tmp_path) == ["same.kseg"]
+
+
+@pytest.mark.parametrize("into_dir", [False, True])
+def test_a_segment_the_disk_refuses_is_a_usage_error_and_leaves_nothing(tmp_path, into_dir):
+    """A full disk or a file size limit (here EFBIG, as `ulimit -f` gives) is named, exit 2, and no partial file
+    stays: neither the target nor a temporary file."""
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "segs"
+    out.mkdir()
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+            "from kprof.merge import segment; from kprof.ledger import _codec; from kprof import synth; "
+            "segment.write(sys.argv[1], [_codec.encode(synth.event(i)) for i in range(50)])")
+    target = str(out) if into_dir else str(out / "x.kseg")
+    proc = subprocess.run([sys.executable, "-c", code, target], capture_output=True, text=True)
+    assert proc.returncode == 1 and "UsageError: cannot write segment" in proc.stderr, proc.stderr
+    assert "File too large" in proc.stderr
+    assert os.listdir(out) == []
+
+
+def test_a_segment_is_readable_as_a_file_open_makes_it(tmp_path):
+    target = segment.write(str(tmp_path / "x.kseg"), _events_bytes(1), count=1)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert os.stat(target).st_mode & 0o777 == 0o666 & ~umask

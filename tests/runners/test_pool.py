@@ -125,6 +125,38 @@ def test_a_dead_runs_claims_expire(tmp_path):
         assert after.take([b"k1"]) == ([b"k1"], {})  # released when its run ended
 
 
+def test_a_claim_file_is_made_and_locked_under_the_directory_lock(tmp_path):
+    """Another run cleaning up dead runs' files holds the directory lock: a claim file made outside it, and not yet
+    locked, would be taken for a dead run's and removed, and its run's keys measured twice."""
+    import fcntl
+    import threading
+
+    from kprof.runners.claims import Claims
+
+    db = str(tmp_path / "p.db")
+    os.makedirs(f"{db}-claims")
+    entered = threading.Event()
+    claims = Claims(db, "new")
+    with open(f"{db}-claims/lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent run in _held_by_others
+        thread = threading.Thread(target=lambda: (claims.__enter__(), entered.set()))
+        thread.start()
+        assert not entered.wait(0.5)  # waits for the directory lock
+        assert not os.path.exists(f"{db}-claims/new.claim")
+    thread.join(10)
+    assert entered.is_set() and os.path.exists(f"{db}-claims/new.claim")
+    claims.release()
+
+
+def test_a_claims_directory_that_cannot_be_made_is_a_usage_error(tmp_path):
+    from kprof.errors import UsageError
+    from kprof.runners.claims import Claims
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(UsageError, match="cannot make .*-claims"):
+        Claims(str(tmp_path / "f" / "p.db"), "r").__enter__()
+
+
 def test_a_spec_needing_more_gpus_than_usable_fails_and_nothing_else_is_lost(tmp_path, monkeypatch):
     import kprof.runners.fill as fill
     from kprof import api
