@@ -65,6 +65,11 @@ class LedgerError(UsageError):
     exit_code = 2
 
 
+class Uncreated(LedgerError):
+    """An LMDB file holding nothing, not even sub-databases: a ledger whose creation was killed before it committed.
+    A reader finds no ledger there (exit 2); a writer's open makes it one."""
+
+
 class LedgerVersionError(LedgerError):
     """The ledger was written by a newer kprof format than this one reads."""
 

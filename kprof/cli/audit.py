@@ -41,7 +41,7 @@ def audit(*, db: Db = None, json: Json = False,
     _no_method_without_remeasure({**method, "tolerance": tolerance})
     report = run_audit(ledger_path(db), JOBS if jobs is None else jobs)
     if json:
-        emit_json(report.to_json())
+        emit_json(report._asdict())
     else:
         out = console()
         state = "[green]clean[/]" if report.ok else f"[red]{sum(report.counts.values())} finding(s)[/]"
@@ -68,7 +68,7 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> i
 
     report = remeasure(db, n, tolerance, **method)
     if json:
-        emit_json(report.to_json())
+        emit_json(report._asdict())
     else:
         out = console()
         out.print(f"re-measured {len(report.rows)} of {report.candidates} current row(s) of "

@@ -293,6 +293,7 @@ def main(shard: int, shards: int, path: str) -> dict:
         n_events, n_logged, kept = work.events(txn, seqs)
         del seqs
         scopes, stored_scopes = work.views(txn, kept), work.stored_scopes(txn)
+        snapshot = txn.id()  # the last write committed before this read: shards agree only on one state
     return {"stored_scopes": stored_scopes, "findings": work.found.items, "counts": work.found.counts,
-            "events": n_events, "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
+            "snapshot": snapshot, "events": n_events, "last_seq": last_seq, "logged": n_logged, "log_entries": log_entries,
             "walked": work.walked, "entries": entries, "scopes": scopes}

@@ -4,17 +4,16 @@ accumulators (the view root is an additive hash) and compares the scopes view.""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
 from typing import NamedTuple
 
 import lmdb
 
+from .._children import in_processes
 from ..errors import IntegrityError, LedgerError, UsageError
 from . import _audit_worker
 from ._reducer import ScopeTotals, seal
@@ -32,29 +31,20 @@ class AuditReport(NamedTuple):
     counts: dict[str, int]  # findings per check
     seconds: float
 
-    def to_json(self) -> dict:
-        return self._asdict()
-
 
 JOBS = min(8, os.cpu_count() or 2)  # the default: a shard process per core, up to 8; each replays 1/jobs of the keys
 
 
 def _shards(path: str, jobs: int, work=_audit_worker.main) -> list[dict]:
-    """Every shard's `work(shard, jobs, path)`, each in a spawned process (LMDB handles cannot cross a fork). Where
-    one dies, each shard not finished is reported killed: the pool cannot say which one the OS stopped."""
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(work, shard, jobs, path) for shard in range(jobs)]
-        out = []
-        for shard, future in enumerate(futures):
-            try:
-                out.append(future.result())
-                continue
-            except BrokenProcessPool:
-                text = f"shard {shard}'s process was killed while it read the file: the file's pages are damaged"
-            except Exception as exc:  # noqa: BLE001 - any other failure is a finding, with its reason
-                text = f"shard {shard}: {type(exc).__name__}: {exc}"
-            out.append({"findings": [f"structure: {text}"], "counts": {"structure": 1}, "fatal": True})
-        return out
+    """Every shard's `work(shard, jobs, path)`, each in a process of its own (see kprof._children)."""
+    outs = in_processes(work, jobs, path)
+    return [_fatal(i, out) if isinstance(out, Exception) else out for i, out in enumerate(outs)]
+
+
+def _fatal(shard: int, exc: Exception) -> dict:
+    text = (f"shard {shard}'s process was killed while it read the file: the file's pages are damaged"
+            if isinstance(exc, BrokenProcessPool) else f"shard {shard}: {type(exc).__name__}: {exc}")
+    return {"findings": [f"structure: {text}"], "counts": {"structure": 1}, "fatal": True}
 
 
 def _scopes(results: list[dict], add) -> None:
@@ -88,6 +78,15 @@ def _unstored(path: str, add) -> None:
             add("structure", f"log: listing the events missing from the store failed: {exc}")
 
 
+def _consistent(path: str, jobs: int, attempts: int = 3) -> list[dict]:
+    """The shards' results from one state of the file: where a writer committed between their snapshots, taken
+    again (counts would disagree with no damage); after `attempts`, in one shard (one snapshot)."""
+    for results in (_shards(path, jobs) for _ in range(attempts)):
+        if len({res["snapshot"] for res in results if "snapshot" in res}) <= 1:
+            return results
+    return _shards(path, 1)
+
+
 def audit(path: str, jobs: int = JOBS) -> AuditReport:
     """Audits the ledger at `path` in `jobs` shard processes. Damage is reported as findings; an absent file raises."""
     started = time.perf_counter()
@@ -99,7 +98,7 @@ def audit(path: str, jobs: int = JOBS) -> AuditReport:
         Ledger.open(path, readonly=True).close()
     except IntegrityError as exc:  # a file damaged past opening (truncated, header or format version damaged)
         return AuditReport(path, False, 0, 0, [f"structure: {exc}"], {"structure": 1}, time.perf_counter() - started)
-    results = _shards(path, jobs)
+    results = _consistent(path, jobs)
     findings = [text for res in results for text in res["findings"]]
     counts = sum((Counter(res["counts"]) for res in results), Counter())
 

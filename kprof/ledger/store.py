@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 import lmdb
 import msgspec
 
-from ..errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
+from ..errors import IntegrityError, LedgerError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
 from ._env import (CREATE_WAIT_S, _FORK_FIX, _change_map, _envs, _inherited, _live, _read_only_file, _reads, _release,
                    _write_txn)
@@ -123,6 +123,9 @@ class Ledger:
             except lmdb.NotFoundError:  # no kprof sub-databases: a writer creating the file has not committed yet
                 if time.monotonic() < deadline:
                     raise _Creating from None
+                if not env.stat()["entries"]:  # nothing at all: its creation never committed (killed while made)
+                    raise Uncreated(f"no ledger in {path} yet: its creation never committed (the LMDB file is empty); "
+                                    f"`kprof run` makes it a ledger") from None
                 raise IntegrityError(f"{path} is an LMDB file without kprof's sub-databases: not a kprof ledger; "
                                      f"check the path (a damaged ledger reads so too: run `kprof audit` for the full "
                                      f"report)") from None
@@ -138,7 +141,7 @@ class Ledger:
 
     @classmethod
     def _reading_copy(cls, path: str, real: str, env: lmdb.Environment, map_size: int) -> "Ledger":
-        """A reader of an older file it cannot write: LMDB's snapshot copy, upgraded in a temp dir removed at close."""
+        """A reader of an older file: LMDB's snapshot copy, upgraded in a temp dir removed at close."""
         copy = tempfile.mkdtemp(prefix="kprof-upgraded-")
         try:
             env.copy(os.path.join(copy, "ledger.db"))
@@ -152,13 +155,12 @@ class Ledger:
 
     @staticmethod
     def _initialize(path: str, env: lmdb.Environment, readonly: bool) -> bool:
-        """Creates a new file's sub-databases and meta; rebuilds an older format's views (all a reader does); leaves
-        any other version to `_check_meta`. False for a reader of an older file it cannot write (read-only media)."""
+        """Makes a new file a ledger, upgrades an older one (writers); False for a reader of an older file."""
         if readonly:
             with env.begin() as txn:  # not a write transaction: a reader of a current file never waits for a writer
                 found = _version(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
-            if found is None or not 1 <= found < _codec.FORMAT_VERSION:
-                return True
+            # an older file is read from an upgraded copy (`_reading_copy`): a reader never writes the file
+            return found is None or not 1 <= found < _codec.FORMAT_VERSION
 
         def work(txn):
             meta = env.open_db(b"meta", txn=txn, create=True)

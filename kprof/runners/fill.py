@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import msgspec
 
-from ..errors import MergeConflict, UsageError
+from ..errors import MergeConflict, Uncreated, UsageError
 from ..ledger import Ledger
 from ..ledger.build import failed
 from ..ledger.events import Environment, Measured, Origin
@@ -118,11 +118,13 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
         return query(ledger)[1]
 
     # 1. what to measure, read-only
+    root_before, before = query(None)
     if os.path.exists(db):
-        with Ledger.open(db, readonly=True) as reader:
-            root_before, before = query(reader)
-    else:
-        root_before, before = query(None)
+        try:
+            with Ledger.open(db, readonly=True) as reader:
+                root_before, before = query(reader)
+        except Uncreated:  # a ledger whose creation was killed before it committed: this run makes it
+            pass
     todo = to_measure(spec_keys, before, mode)
     errored: dict[bytes, dict] = {}
     info: dict = {"devices": [], "forced_by": None, "idle_guard": False, "skipped": [], "dropped": [],

@@ -67,16 +67,21 @@ def test_a_reader_of_each_format_answers_as_built(tmp_path, version):
 
 
 @pytest.mark.parametrize("version", VERSIONS[:-1])
-def test_opening_an_older_file_rewrites_its_views_and_nothing_else(tmp_path, version):
+def test_a_writer_opening_an_older_file_rewrites_its_views_and_nothing_else_and_a_reader_nothing(tmp_path, version):
     """The upgrade replays the log through the Reducer: the events and the log are the same bytes after it, every
     view value is a named record, and a key's history holds the seqs the log gives its events."""
     path, expect = _copy(tmp_path, version)
     with open(path, "rb") as f:
         before = f.read()
     stored = _raw(path, ("events", "log"))  # the bytes of the two record trees, read before any upgrade
-    led = Ledger.open(path, readonly=True)
+    led = Ledger.open(path, readonly=True)  # a reader reads an upgraded copy: `query` never writes the file
+    assert led.format_version == _codec.FORMAT_VERSION
+    led.close()
     with open(path, "rb") as f:
-        assert f.read() != before  # the reader upgraded it
+        assert f.read() == before
+    led = Ledger.open(path)  # a writer's open upgrades the file itself
+    with open(path, "rb") as f:
+        assert f.read() != before
     assert led.format_version == _codec.FORMAT_VERSION
     led.close()
     assert _raw(path, ("events", "log")) == stored  # every event and log entry the same bytes after it

@@ -397,3 +397,83 @@ def test_each_shards_key_range_is_exactly_the_keys_it_owns(shards):
         walking = [p.shard for p in parts if key >= p.lo and (p.hi is None or key < p.hi)]
         owning = [p.shard for p in parts if p.mine(key)]
         assert walking == owning and len(owning) == 1, (shards, b)
+
+
+def test_shards_that_read_different_states_are_audited_again(tmp_path, monkeypatch):
+    """Each shard reads its own snapshot: a writer committing between them makes counts disagree with no damage.
+    Such an audit is taken again, and after three tries in one shard (one snapshot)."""
+    import kprof.ledger.audit as audit_module
+
+    path = str(tmp_path / "p.db")
+    with Ledger.open(path) as led:
+        led.append(list(synth.events(0, 30)))
+    real, calls = audit_module._shards, []
+
+    def shards(path, jobs, work=None):
+        calls.append(jobs)
+        out = real(path, jobs)
+        if jobs > 1:  # a writer committed after shard 0 read: its snapshot is an older one
+            out[0] = {**out[0], "snapshot": out[0]["snapshot"] - 1, "events": out[0]["events"] + 1}
+        return out
+
+    monkeypatch.setattr(audit_module, "_shards", shards)
+    report = audit(path, jobs=2)
+    assert report.ok and report.events == 30, report.findings
+    assert calls == [2, 2, 2, 1]
+
+
+def test_a_killed_audit_leaves_no_shard_running(tmp_path):
+    """The shards end once their parent has gone, however it ended (here SIGKILL, which runs no cleanup)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time; from kprof._children import in_processes\n"
+            "def work(i, n, seconds):\n"
+            "    import os; print(os.getpid(), flush=True); time.sleep(seconds)\n"
+            "if __name__ == '__main__': in_processes(work, 2, 120)\n")
+    script = tmp_path / "parent.py"
+    script.write_text(code.replace("print(os.getpid(), flush=True)", "open(sys.argv[1] + f'/{os.getpid()}', 'w')"))
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    deadline = time.monotonic() + 60
+    while len([p for p in os.listdir(tmp_path) if p.isdigit()]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(p) for p in os.listdir(tmp_path) if p.isdigit()]
+    assert len(children) == 2
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in children)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (ended, not yet reaped by init) is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_an_lmdb_file_whose_creation_never_committed_reads_as_no_ledger_and_a_run_makes_it_one(tmp_path, capsys):
+    import lmdb
+
+    path = str(tmp_path / "p.db")
+    lmdb.open(path, subdir=False).close()  # what a kill before the first commit leaves: LMDB's header, nothing more
+    spec = '{"m": 4, "n": 32, "k": 32, "dtype": "fp32"}'
+    assert main(["query", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", path]) == 2
+    assert "creation never committed" in capsys.readouterr().err
+    assert main(["audit", "--db", path]) == 2
+    capsys.readouterr()
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["missing_count"] == 0
+    assert audit(path).ok

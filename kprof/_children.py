@@ -1,0 +1,41 @@
+"""Helper processes (an audit's shards): spawned, each ending itself once the process that started it has gone
+(killed, or ended without waiting) rather than working on for no one. No kprof imports."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+__all__ = ["watch_parent", "in_processes"]
+
+
+def watch_parent(interval_s: float = 0.5) -> None:
+    """Starts a daemon thread that ends this process (exit status 1) once its parent process has changed."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="kprof-parent-watch").start()
+
+
+def in_processes(work, jobs: int, *args) -> list:
+    """work(i, jobs, *args) for each i in range(jobs), each in a spawned process of its own (LMDB handles cannot
+    cross a fork) that ends once this one has gone; per i, its result or the exception it raised
+    (BrokenProcessPool where a process died: the pool cannot say which one the OS stopped)."""
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=watch_parent)
+    try:
+        out = []
+        for future in [pool.submit(work, i, jobs, *args) for i in range(jobs)]:
+            try:
+                out.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - the caller reports it
+                out.append(exc)
+        return out
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
