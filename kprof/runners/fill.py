@@ -167,6 +167,14 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
 
     # 3. and 4.
     state = _State(entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, len(todo))
+
+    def row_now(ledger, i: int) -> bytes | None:
+        """The event id of spec i's current row of this contract (ok or failed) as the ledger holds it now."""
+        view = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
+        row = view.query([canonical[i]])[1][0]
+        return row.event_id if row.status in ("ok", "failed") else None
+
+    state.row_now = row_now
     with contextlib.ExitStack() as stack:
         order = sorted(levels)
         first = stack.enter_context(workers_for(order[0]))  # a device that cannot measure: refused, nothing written
@@ -201,6 +209,7 @@ class _State:
         self.mode, self.before, self.progress, self.watch = mode, before, progress, watch
         self.conflict_dir, self.total = conflict_dir, total
         self.ledger = self.claims = self.origin = None
+        self.row_now: Callable[[Any, int], bytes | None] = lambda ledger, i: None  # set by fill()
         self.fresh: dict[bytes, Any] = {}
         self.measured, self.timed = 0, 0.0
         self.waited: set[bytes] = set()
@@ -249,6 +258,10 @@ class _State:
             except MergeConflict as exc:
                 errored[k] = {"kind": "conflict", "message": str(exc)}
             os.unlink(res.segment)
+        elif (now := self.row_now(self.ledger, res.index)) != res.event.parent:
+            # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it
+            errored[k] = {"kind": "conflict", "message": f"event {now.hex()[:16]} was stored for this key while it "
+                          f"was measured (a merge, or a run without claims); this measurement was not stored"}
         else:
             self.ledger.append([res.event])  # one commit per spec: a crash keeps what was finished
         if self.progress:

@@ -291,3 +291,40 @@ def test_job_meta_command_records_the_invocation(tmp_path, ledger_path, capsys, 
     with Ledger.open(ledger_path, readonly=True) as ledger:
         events = [ledger.event(bytes.fromhex(r["event"])) for r in doc["results"]]
     assert events and all(ev.origin.command == command for ev in events)
+
+
+def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_refused(tmp_path, capsys, h,
+                                                                                        monkeypatch):
+    """A merge (which takes no claims) lands a row for a key this run is measuring: as in the pool's path, the
+    run's event would supersede a row it never saw, so it is a conflict and not stored. The merged row stands, the
+    ledger audits clean, and it merges back into the team's ledger without conflict."""
+    import kprof.runners.fill as fill
+    from kprof.merge.merge import export, merge_into
+
+    spec_x, spec_y = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}, {"m": 5, "n": 32, "k": 32, "dtype": "fp32"}
+    team, mine = str(tmp_path / "team.db"), str(tmp_path / "mine.db")
+    _run(capsys, h, team, spec_x)
+    seg = str(tmp_path / "team.kseg")
+    export(team, seg)
+    keep = fill._State._keep
+
+    def keep_after_a_merge(self, res, errored):
+        if self.canonical[res.index]["m"] == 3:
+            merge_into(self.ledger, [seg], str(tmp_path))
+        return keep(self, res, errored)
+
+    monkeypatch.setattr(fill._State, "_keep", keep_after_a_merge)
+    out = _run(capsys, h, mine, spec_x, spec_y, rc=1)
+    by_m = {r["spec"]["m"]: r for r in out["results"]}
+    assert by_m[5]["status"] == "ok"
+    assert by_m[3]["status"] == "error" and by_m[3]["error"]["kind"] == "conflict"  # this run's measurement
+    assert "was stored for this key while it was measured" in by_m[3]["error"]["message"]
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(spec_x), "--db", mine, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "ok"  # the merged row stands
+    assert _last_seq(mine) == 2
+    assert main(["audit", "--db", mine]) == 0
+    back = str(tmp_path / "mine.kseg")
+    export(mine, back)
+    monkeypatch.undo()
+    with Ledger.open(team) as led:
+        assert merge_into(led, [back], str(tmp_path)) == (1, 1)
