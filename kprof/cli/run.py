@@ -109,12 +109,10 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         snapshot(output_dir, res, raw, started_at=started_at, seconds=time.perf_counter() - t0, command=command)
     if json:
         emit_json(doc)
-        if devices:
-            console(stderr=True).print(devices, markup=False)
     else:
         results_table(res)
         console().print(f"measured {res.measured} spec(s) in {res.seconds:.1f} s ({res.timed_seconds:.1f} s timed)",
                         markup=False)
-        if devices:
-            console().print(devices, markup=False)
+    if devices:  # where it ran: a log line, on stderr in either mode
+        console(stderr=True).print(devices, markup=False)
     return res.exit_code

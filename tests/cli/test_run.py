@@ -328,3 +328,12 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
     monkeypatch.undo()
     with Ledger.open(team) as led:
         assert merge_into(led, [back], str(tmp_path)) == (1, 1)
+
+
+def test_where_a_run_measured_is_a_log_line_on_stderr_in_either_mode(tmp_path, capsys, h):
+    spec = {"m": 7, "n": 32, "k": 32, "dtype": "fp32"}
+    for extra in ((), ("--json",)):
+        db = str(tmp_path / f"p{len(extra)}.db")
+        assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(spec), "--db", db, *extra]) == 0
+        out, err = capsys.readouterr()
+        assert "devices: cpu0" in err and "devices:" not in out
