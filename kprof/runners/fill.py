@@ -134,6 +134,11 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
 
     # 2. the devices
     pmode = pool_mode()
+    # A spec's time limit is kept by killing the worker that runs it: set, it sends the specs to workers.
+    timed = bool(os.environ.get("KPROF_SPEC_TIMEOUT_S", "").strip())
+    if timed and pmode == "off":
+        raise UsageError("KPROF_SPEC_TIMEOUT_S is set, but KPROF_POOL=off measures in this process, where no spec "
+                         "can be stopped; unset one of them")
     devices: Devices | None = None
     if pmode != "off":
         devices = usable_devices(entry, gpu_key)
@@ -145,7 +150,8 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
         # One usable device that is this process's own (the CPU, or CUDA device 0) and specs that need no more:
         # measured in this process, as a spawned worker would measure them there, without its start (a torch
         # import and a CUDA context, ~6 s a call on an H200 host), which a caller filling in a loop pays each time.
-        info.update(devices.describe(), in_process=pmode == "auto" and _own_device(entry, devices, todo, canonical))
+        info.update(devices.describe(), in_process=pmode == "auto" and not timed and
+                    _own_device(entry, devices, todo, canonical))
     usable = len(devices.devices)
     short = [i for i in todo if need_of(entry, canonical[i]) > usable]
     verdicts = "; ".join(f"{s['gpu']}: {s['why']}" for s in devices.skipped)

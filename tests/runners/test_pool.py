@@ -277,3 +277,23 @@ def test_cpu_workers_are_bounded_by_the_cores_and_by_the_specs(tmp_path, monkeyp
     spec = {"m": 4, "n": 4, "k": 4, "dtype": "fp32"}
     res = api.run("single_gemm", "torch-cpu", [spec], db=str(tmp_path / "p.db"))
     assert res.exit_code == 0 and [len(d) for d in started] == [1]
+
+
+def test_a_spec_time_limit_sends_the_specs_to_workers_and_is_kept(tmp_path, capsys, monkeypatch):
+    """A CPU run is measured in the calling process, where no spec can be stopped: with KPROF_SPEC_TIMEOUT_S set
+    it goes to a worker, which is killed past the limit (the spec fails as `timeout`); with KPROF_POOL=off as well
+    it is refused before anything is written."""
+    from kprof.cli import main
+
+    db = str(tmp_path / "p.db")
+    spec = '{"m": 1536, "n": 1536, "k": 1536, "dtype": "fp32"}'
+    monkeypatch.setenv("KPROF_SPEC_TIMEOUT_S", "0.05")
+    monkeypatch.setenv("KPROF_POOL", "off")
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", db]) == 2
+    assert "KPROF_POOL=off" in capsys.readouterr().err and not os.path.exists(db)
+    monkeypatch.delenv("KPROF_POOL")
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", db, "--json"]) == 1
+    out, err = capsys.readouterr()
+    row = json.loads(out)["results"][0]
+    assert row["error"]["kind"] == "timeout", row
+    assert "in this process" not in err
