@@ -204,17 +204,16 @@ class View:
 
     def _stale_or_missing(self, txn, shape) -> tuple:
         """(status, event id, summary, base) of a shape without a row of this contract: stale where another
-        contract's is measured."""
+        contract's of this or an older profiler revision is measured."""
         best = None
         for row in self._verified(txn, self._indexed(txn, self.scope + _codec.shape_id(_codec.encode(shape)))):
-            if row is not None and row.kind == MEASURED and (best is None or
-                                                             row.summary.measured_at > best.summary.measured_at):
-                best = row
-        if best is None:
-            return _MISSING
-        with _verify.reading(self.ledger.path, "events"):
-            event = _verify.event(self.ledger.path, best.event_id, txn.get(best.event_id, db=self._events))
-        return "stale", best.event_id, best.summary, event.provenance
+            if row is None or row.kind != MEASURED or best and row.summary.measured_at <= best[0].summary.measured_at:
+                continue
+            with _verify.reading(self.ledger.path, "events"):
+                prov = _verify.event(self.ledger.path, row.event_id, txn.get(row.event_id, db=self._events)).provenance
+            if prov.profiler_revision <= self.contract.profiler_revision:  # a newer kprof's row is not stale here
+                best = (row, prov)
+        return _MISSING if best is None else ("stale", best[0].event_id, best[0].summary, best[1])
 
     def _indexed(self, txn, prefix: bytes) -> list[bytes]:
         """The row keys `scope_index` holds under `prefix` (a scope id, or a scope id and a shape id)."""
@@ -240,7 +239,7 @@ class View:
                     prov = _verify.event(path, eid, txn.get(eid, db=self._events), key).provenance
                 if prov.contract == self.contract:
                     status = "ok" if kind == MEASURED else "failed"
-                elif kind == MEASURED:
+                elif kind == MEASURED and prov.profiler_revision <= self.contract.profiler_revision:
                     status = "stale"
                 else:
                     continue

@@ -54,3 +54,15 @@ def test_a_scope_whose_rows_were_all_retracted_is_known(ledger):
     ledger.append([retraction(_codec.event_id(_codec.encode(ev)), ev.key, "bad clocks")])
     assert ledger.scopes() == [(synth.TABLE, synth.BACKEND, synth.GPU, 0)]
     assert synth.view(ledger).get(**synth.spec(0)) is None
+
+
+def test_a_row_of_a_newer_profiler_revision_is_not_stale_to_an_older_kprof(ledger):
+    """Stale means only rows of an older revision (or another contract) exist; a newer kprof's row cannot be read
+    as this one's, so to the older kprof the spec is missing, in lookups and in `rows()` alike."""
+    ledger.append([synth.event(0, revision=2), synth.event(1, revision=0), synth.event(1, revision=2)])
+    view = synth.view(ledger)
+    rows = view.get_many([synth.spec(0), synth.spec(1)])
+    assert [r.status for r in rows] == ["missing", "stale"]
+    assert rows[1].provenance.profiler_revision == 0  # the older row, though the newer one was measured later
+    assert [(r.status, r.provenance.profiler_revision) for r in view.rows()] == [("stale", 0)]
+    assert [r.status for r in synth.view(ledger, revision=3).get_many([synth.spec(0)])] == ["stale"]
