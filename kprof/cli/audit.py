@@ -68,7 +68,7 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> i
 
     report = remeasure(db, n, tolerance, **method)
     if json:
-        emit_json(report._asdict())
+        emit_json(report.to_json())
     else:
         out = console()
         out.print(f"re-measured {len(report.rows)} of {report.candidates} current row(s) of "
