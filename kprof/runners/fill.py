@@ -175,10 +175,10 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     state = _State(entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, len(todo))
 
     def row_now(ledger, i: int) -> bytes | None:
-        """The event id of spec i's current row of this contract (ok or failed) as the ledger holds it now."""
-        view = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
-        row = view.query([canonical[i]])[1][0]
-        return row.event_id if row.status in ("ok", "failed") else None
+        """The event id of spec i's row as the ledger holds it now (ok, failed or stale; None where missing): what
+        `fill` took as its event's parent."""
+        return ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args).query(
+            [canonical[i]])[1][0].event_id
 
     state.row_now = row_now
     with contextlib.ExitStack() as stack:
@@ -266,8 +266,9 @@ class _State:
             os.unlink(res.segment)
         elif (now := self.row_now(self.ledger, res.index)) != res.event.parent:
             # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it
-            errored[k] = {"kind": "conflict", "message": f"event {now.hex()[:16]} was stored for this key while it "
-                          f"was measured (a merge, or a run without claims); this measurement was not stored"}
+            errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
+                          f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement was not "
+                          f"stored"}
         else:
             self.ledger.append([res.event])  # one commit per spec: a crash keeps what was finished
         if self.progress:

@@ -5,7 +5,7 @@ import stat
 import pytest
 
 from kprof.cli import main
-from kprof.ledger import Ledger
+from kprof.ledger import Ledger, _codec
 
 FP8 = {"m": 32, "n": 32, "k": 32, "dtype": "fp8_e4m3"}
 
@@ -286,7 +286,7 @@ def test_job_meta_command_records_the_invocation(tmp_path, ledger_path, capsys, 
     command = _read(out_dir / "job.meta.json")["command"]
     assert "--unrelated" not in command
     assert command.startswith("kprof run single_gemm") and "--spec" in command and "--output-dir" in command
-    from kprof.ledger import Ledger
+    from kprof.ledger import Ledger, _codec
 
     with Ledger.open(ledger_path, readonly=True) as ledger:
         events = [ledger.event(bytes.fromhex(r["event"])) for r in doc["results"]]
@@ -318,7 +318,7 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
     by_m = {r["spec"]["m"]: r for r in out["results"]}
     assert by_m[5]["status"] == "ok"
     assert by_m[3]["status"] == "error" and by_m[3]["error"]["kind"] == "conflict"  # this run's measurement
-    assert "was stored for this key while it was measured" in by_m[3]["error"]["message"]
+    assert "the key's row changed while it was measured" in by_m[3]["error"]["message"]
     assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(spec_x), "--db", mine, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "ok"  # the merged row stands
     assert _last_seq(mine) == 2
@@ -337,3 +337,15 @@ def test_where_a_run_measured_is_a_log_line_on_stderr_in_either_mode(tmp_path, c
         assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(spec), "--db", db, *extra]) == 0
         out, err = capsys.readouterr()
         assert "devices: cpu0" in err and "devices:" not in out
+
+
+def test_a_run_over_a_stale_row_stores_its_measurement_with_the_stale_row_as_parent(ledger_path, capsys, h,
+                                                                                      local_gpu):
+    """The row a run supersedes may be another revision's (stale): that is its parent, not a concurrent change."""
+    old = h.make_event(h.gemm(), local_gpu, revision=0, time_ms=0.25)
+    h.append(ledger_path, old)
+    out = _run(capsys, h, ledger_path, h.gemm())
+    row = out["results"][0]
+    assert row["status"] == "ok" and row["error"] is None, row
+    assert _history(capsys, ledger_path, row["citation"])["event"]["parent"] == _codec.event_id(
+        _codec.encode(old)).hex()
