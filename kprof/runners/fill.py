@@ -217,6 +217,7 @@ class _State:
         self.ledger = self.claims = self.origin = None
         self.row_now: Callable[[Any, int], bytes | None] = lambda ledger, i: None  # set by fill()
         self.fresh: dict[bytes, Any] = {}
+        self.parents: dict[int, bytes | None] = {}  # spec index -> the event id of its row when it was taken
         self.measured, self.timed = 0, 0.0
         self.waited: set[bytes] = set()
 
@@ -235,6 +236,7 @@ class _State:
             else:
                 rows, batch, waiting = self.before, pending, []
             parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
+            self.parents.update(parent_of)
             items = [(i, canonical[i], parent_of[i]) for i in batch]
             origin = self.origin
 
@@ -264,7 +266,7 @@ class _State:
             except MergeConflict as exc:
                 errored[k] = {"kind": "conflict", "message": str(exc)}
             os.unlink(res.segment)
-        elif (now := self.row_now(self.ledger, res.index)) != res.event.parent:
+        elif (now := self.row_now(self.ledger, res.index)) != self.parents.get(res.index):
             # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it
             errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
                           f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement was not "
