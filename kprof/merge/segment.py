@@ -79,7 +79,11 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
         count = len(events)
     import tempfile
 
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kseg-", suffix=".part")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kseg-", suffix=".part")
+    except OSError as e:
+        raise UsageError(f"cannot write segment {path} ({e.strerror or e}); give a path in a writable "
+                         f"directory") from None
     try:
         umask = os.umask(0o022)
         os.umask(umask)

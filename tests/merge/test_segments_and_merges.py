@@ -443,3 +443,8 @@ def test_a_segment_is_readable_as_a_file_open_makes_it(tmp_path):
     umask = os.umask(0o022)
     os.umask(umask)
     assert os.stat(target).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_segment_in_a_directory_that_does_not_exist_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="cannot write segment .*No such file or directory"):
+        segment.write(str(tmp_path / "no" / "x.kseg"), _events_bytes(1), count=1)
