@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+import tempfile
 import time
 from contextlib import contextmanager
 from typing import BinaryIO, Iterable, Iterator, NamedTuple
@@ -77,8 +78,6 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
     if count is None:
         events = list(events)
         count = len(events)
-    import tempfile
-
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kseg-", suffix=".part")
     except OSError as e:

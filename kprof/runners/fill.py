@@ -109,10 +109,13 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
     spec_keys = [keys.key(s) for s in canonical]
 
+    def view_of(ledger):
+        return ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
+
     def query(ledger):
         if ledger is None:
             return None, [None] * len(canonical)
-        return ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args).query(canonical)
+        return view_of(ledger).query(canonical)
 
     def rows_of(ledger):
         return query(ledger)[1]
@@ -172,15 +175,8 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
         return Pool(entry, gpu_key, groups(devices.devices, n)[:len(levels[n])])  # no idle worker: one per spec at most
 
     # 3. and 4.
-    state = _State(entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, len(todo))
-
-    def row_now(ledger, i: int) -> bytes | None:
-        """The event id of spec i's row as the ledger holds it now (ok, failed or stale; None where missing): what
-        `fill` took as its event's parent."""
-        return ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args).query(
-            [canonical[i]])[1][0].event_id
-
-    state.row_now = row_now
+    state = _State(entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, len(todo),
+                   view_of)
     with contextlib.ExitStack() as stack:
         order = sorted(levels)
         first = stack.enter_context(workers_for(order[0]))  # a device that cannot measure: refused, nothing written
@@ -210,12 +206,13 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
 class _State:
     """What the levels of one fill share: the ledger and claims, and what has been measured so far."""
 
-    def __init__(self, entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, total):
+    def __init__(self, entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, total,
+                 view_of):
         self.entry, self.canonical, self.keys, self.spec_keys = entry, canonical, keys, spec_keys
         self.mode, self.before, self.progress, self.watch = mode, before, progress, watch
         self.conflict_dir, self.total = conflict_dir, total
         self.ledger = self.claims = self.origin = None
-        self.row_now: Callable[[Any, int], bytes | None] = lambda ledger, i: None  # set by fill()
+        self.view_of = view_of  # the ledger's View of this fill's scope and contract
         self.fresh: dict[bytes, Any] = {}
         self.parents: dict[int, bytes | None] = {}  # spec index -> the event id of its row when it was taken
         self.measured, self.timed = 0, 0.0
@@ -266,7 +263,7 @@ class _State:
             except MergeConflict as exc:
                 errored[k] = {"kind": "conflict", "message": str(exc)}
             os.unlink(res.segment)
-        elif (now := self.row_now(self.ledger, res.index)) != self.parents.get(res.index):
+        elif (now := self._row_now(res.index)) != self.parents.get(res.index):
             # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it
             errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
                           f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement was not "
@@ -275,6 +272,11 @@ class _State:
             self.ledger.append([res.event])  # one commit per spec: a crash keeps what was finished
         if self.progress:
             self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index])
+
+    def _row_now(self, i: int) -> bytes | None:
+        """The event id of spec i's row as the ledger holds it now (ok, failed or stale; None where missing): what
+        `fill` took as its event's parent when it took the key."""
+        return self.view_of(self.ledger).query([self.canonical[i]])[1][0].event_id
 
 
 def _still_wanted(mode: str, row, before) -> bool:
