@@ -124,7 +124,7 @@ class Ledger:
                 if time.monotonic() < deadline:
                     raise _Creating from None
                 if not env.stat()["entries"]:  # nothing at all: its creation never committed (killed while made)
-                    raise Uncreated(f"no ledger in {path} yet: its creation never committed (the LMDB file is empty); "
+                    raise Uncreated(f"no ledger at {path} yet: its creation never committed (the LMDB file is empty); "
                                     f"`kprof run` makes it a ledger") from None
                 raise IntegrityError(f"{path} is an LMDB file without kprof's sub-databases: not a kprof ledger; "
                                      f"check the path (a damaged ledger reads so too: run `kprof audit` for the full "
