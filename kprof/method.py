@@ -80,15 +80,19 @@ def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: 
     from .runners.catalog import parse_timing
 
     cpu_timer, cpu_l2, cpu_graph = parse_timing(entry.contract.timing)
+
+    def plain(given: str) -> str:  # a value as typed: a CUDA-only or unknown one is refused with the CPU's reason
+        return given.strip().lower() if isinstance(given, str) else given
+
     asked = []
     if timer is not None:  # no CUDA timer is the CPU's
-        asked.append(f"--timer {_choice(_TIMER, timer)}")
-    if l2 is not None and _choice(_L2, l2) != cpu_l2:
-        asked.append(f"--l2 {_choice(_L2, l2)}")
+        asked.append(f"--timer {plain(timer)}")
+    if l2 is not None and plain(l2) != cpu_l2:
+        asked.append(f"--l2 {plain(l2)}")
     if cuda_graph is not None and _graph(cuda_graph) != cpu_graph:
         asked.append("--cuda-graph")
-    if power is not None and _choice(_POWER, power) != _POWER[3]:  # no heavy GEMMs heat a CPU before its calls
-        asked.append(f"--power {_choice(_POWER, power)}")
+    if power is not None and plain(power) != _POWER[3]:  # no heavy GEMMs heat a CPU before its calls
+        asked.append(f"--power {plain(power)}")
     if asked:
         flag = asked[0]
         raise UsageError(f"{flag} applies to CUDA backends; {entry.backend} is timed by wall clock ({cpu_timer}, "
@@ -106,10 +110,11 @@ def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = 
     the kernel back to back, as in decode; loaded: each call after heavy GEMMs that hold the GPU at its power
     limit, as inside a prefill). The method is part of the key, so rows timed one way never mix with rows timed
     another, and a query reads the rows of the method it names. A CPU entry keeps its one method: the
-    environment variables do not apply to it and an explicit other method is refused."""
+    environment variables do not apply to it and an explicit other method is refused. A variable's value that no
+    backend could use is refused on every backend, even where a flag or the CPU's one method overrides it."""
+    for setting in (_TIMER, _L2, _GRAPH, _POWER):
+        _from_env(*setting[1:])
     if entry.device != "cuda":
-        for setting in (_TIMER, _L2, _GRAPH, _POWER):  # not applied here, but a value wrong on every backend is named
-            _from_env(*setting[1:])
         _refuse_on_cpu(entry, timer, l2, cuda_graph, power)
         return entry
     from .runners.catalog import timing_string

@@ -47,11 +47,18 @@ class RemeasureReport(NamedTuple):
 
     @property
     def drifted(self) -> int:
-        return sum(not r.ok for r in self.rows)
+        """Rows measured again whose time moved past the tolerance (twice)."""
+        return sum(not r.ok and r.error is None for r in self.rows)
+
+    @property
+    def failed(self) -> int:
+        """Rows whose re-measurement failed: not a drift (no time to compare), but a row that could not be checked."""
+        return sum(r.error is not None for r in self.rows)
 
     def to_json(self) -> dict:
         return {"db": self.db, "gpu_keys": self.gpu_keys, "tolerance": self.tolerance, "candidates": self.candidates,
-                "checked": len(self.rows), "drifted": self.drifted, "seconds": round(self.seconds, 3),
+                "checked": len(self.rows), "drifted": self.drifted, "failed": self.failed,
+                "seconds": round(self.seconds, 3),
                 "rows": [r._asdict() for r in self.rows]}
 
 

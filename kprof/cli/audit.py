@@ -73,11 +73,12 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> i
         out = console()
         out.print(f"re-measured {len(report.rows)} of {report.candidates} current row(s) of "
                   f"{', '.join(report.gpu_keys) or 'no local device'}: {report.drifted} drifted past "
-                  f"{report.tolerance:.1%} ({report.seconds:.1f} s)", markup=False)
+                  f"{report.tolerance:.1%}{f', {report.failed} failed to measure' if report.failed else ''} "
+                  f"({report.seconds:.1f} s)", markup=False)
         for r in report.rows:
             drift = f"{r.drift:+.2%}" if r.drift is not None else r.error
-            mark = "ok" if r.ok else "DRIFT"
+            mark = "ok" if r.ok else "DRIFT" if r.error is None else "FAIL"
             out.print(f"  {mark:5} {r.table}/{r.backend} {r.spec} {r.stored_ms:.4g} ms -> "
                       f"{r.new_ms if r.new_ms is None else format(r.new_ms, '.4g')} ms ({drift}) {r.citation}",
                       markup=False)
-    return 1 if report.drifted else 0
+    return 1 if report.drifted or report.failed else 0

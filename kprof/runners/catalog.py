@@ -16,7 +16,7 @@ from ..ledger.events import Contract
 from .activation import SiluMulArgs
 from .comm import AllGatherArgs, AllReduceArgs, AllToAllArgs, ReduceScatterArgs
 from .attention import AttentionDecodeArgs, AttentionPrefillArgs
-from .gemm import SingleGemmArgs
+from .gemm import CpuGemmArgs, SingleGemmArgs
 from .memcpy import MemcpyArgs
 from .moe import MoeGroupedGemmArgs
 from .norm import RmsNormArgs
@@ -150,9 +150,11 @@ def _register(table, args, kind, runner, backend, device, algorithm, layout, num
                          subprocess_env="cuda_env" if device == "cuda" else "default_env"))
 
 
+_CPU_ARGS = {"single_gemm": CpuGemmArgs}  # a table whose CPU backend takes fewer values than its CUDA one
+
 for table, args, kind, runner, algorithm, layout, description in _FAMILIES:
-    _register(table, args, kind, runner, "torch-cpu", "cpu", algorithm, layout, CPU_NUMERICS, CPU_TIMING,
-              description)
+    _register(table, _CPU_ARGS.get(table, args), kind, runner, "torch-cpu", "cpu", algorithm, layout, CPU_NUMERICS,
+              CPU_TIMING, description)
     _register(table, args, kind, runner, "torch", "cuda", _CUDA_ALGORITHM.get(table, algorithm),
               _CUDA_LAYOUT.get(table, layout), _CUDA_NUMERICS[table], GPU_TIMING, description)
 

@@ -12,7 +12,7 @@ Counted work per invocation: flops = 2·m·n·k; minimum bytes = A + B read once
 
 from __future__ import annotations
 
-from ._args import DTYPE_BYTES, GemmDtype, KernelArgs, Size
+from ._args import DTYPE_BYTES, FloatDtype, GemmDtype, KernelArgs, Size
 from ._case import Case, Unsupported, WrongResult, bind, check_close, seed_of, torch_dtype
 
 ORACLE_ROWS = 64  # the fp64 oracle recomputes this many sampled rows: independent, and cheap for big shapes
@@ -29,6 +29,13 @@ class SingleGemmArgs(KernelArgs, frozen=True):
     n: Size
     k: Size
     dtype: GemmDtype
+
+
+class CpuGemmArgs(SingleGemmArgs, frozen=True):
+    """single_gemm on the CPU: fp8_e4m3 needs torch._scaled_mm on CUDA, so the CPU backend's specs refuse it at
+    validation (exit 2, nothing written) instead of storing a failed row. Same fields, so the same keys."""
+
+    dtype: FloatDtype
 
 
 def require_default_cuda_matmul() -> None:

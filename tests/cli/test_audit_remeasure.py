@@ -66,6 +66,31 @@ def test_a_drift_that_does_not_repeat_is_not_a_drift(h, capsys, local_gpu, monke
     assert [r["first_drift"] for r in doc["rows"]].count(None) == 1
 
 
+def test_a_failed_remeasurement_is_a_failure_not_a_drift(h, capsys, local_gpu, monkeypatch):
+    """A row whose re-measurement fails has no time to compare: it is counted as failed (exit 1: the row could
+    not be checked), printed FAIL with the error, and not measured a second time as a drift would be."""
+    import kprof.runners.worker as worker
+    from kprof.ledger.build import failed
+
+    h.append("p.db", h.make_event(h.gemm(32, 32, 32), local_gpu, time_ms=0.5))
+    real, calls = worker.measure_specs, []
+
+    def failing(entry, specs, gpu_key, **kw):
+        calls.append(len(specs))
+        for out in real(entry, specs, gpu_key, **kw):
+            event = failed(out.event.provenance, "unsupported", "this build cannot run it")
+            yield msgspec.structs.replace(out, event=event)
+
+    monkeypatch.setattr(worker, "measure_specs", failing)
+    assert main(["audit", "--remeasure", "1", "--db", "p.db", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert calls == [1] and (doc["drifted"], doc["failed"]) == (0, 1)
+    assert doc["rows"][0]["error"] == "unsupported: this build cannot run it" and doc["rows"][0]["drift"] is None
+    assert main(["audit", "--remeasure", "1", "--db", "p.db"]) == 1
+    out = capsys.readouterr().out
+    assert "0 drifted past 5.0%, 1 failed to measure" in out and "FAIL " in out and "DRIFT" not in out
+
+
 def test_remeasure_rejects_bad_counts(h, capsys):
     _run(h, capsys, h.gemm())
     assert main(["audit", "--remeasure", "0", "--db", "p.db"]) == 2

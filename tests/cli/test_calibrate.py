@@ -317,14 +317,14 @@ def test_an_optional_set_that_fails_does_not_fail_calibrate(h, capsys, monkeypat
     still exit 1."""
     from kprof.ceilings import CeilingSet
 
-    fp8 = CeilingSet("tflops", (("single_gemm", {"m": 64, "n": 64, "k": 64, "dtype": "fp8_e4m3"}),), "fp8 GEMMs",
-                     "fp8_e4m3")  # the CPU backend refuses fp8: the row fails
+    fp8 = CeilingSet("tflops", (("single_gemm", {"m": 1 << 40, "n": 64, "k": 64, "dtype": "bf16"}),), "bf16 GEMMs",
+                     "bf16")  # 8 TiB of inputs: the row fails (oom), as fp8 rows do on a GPU without fp8
     monkeypatch.setitem(CEILING_SETS, "cpu", [CPU_FLOPS, fp8, CPU_BYTES])
     assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json"]) == 0
     cal = json.loads(capsys.readouterr().out)
     assert [(c["metric"], c["dtype"]) for c in cal["ceilings"]] == [("tflops", None), ("memory_bandwidth_gbps", None)]
     failed = [r for r in cal["rows"] if r["status"] != "ok"]
-    assert [r["spec"]["dtype"] for r in failed] == ["fp8_e4m3"]
+    assert [r["spec"]["dtype"] for r in failed] == ["bf16"]
     required = CeilingSet("tflops", CPU_FLOPS.members + fp8.members, "fp32 GEMMs and one that fails")
     monkeypatch.setitem(CEILING_SETS, "cpu", [required, CPU_BYTES])
     assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json"]) == 1

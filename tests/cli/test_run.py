@@ -7,7 +7,8 @@ import pytest
 from kprof.cli import main
 from kprof.ledger import Ledger, _codec
 
-FP8 = {"m": 32, "n": 32, "k": 32, "dtype": "fp8_e4m3"}
+FP8 = {"m": 32, "n": 32, "k": 32, "dtype": "fp8_e4m3"}  # a CUDA-only dtype: the CPU backend refuses the spec
+HUGE = {"m": 1 << 40, "n": 32, "k": 32, "dtype": "fp32"}  # 128 TiB of inputs on any machine: an oom row
 
 
 def _run(capsys, h, db, *specs, extra=(), table="single_gemm", rc=0) -> dict:
@@ -95,14 +96,14 @@ def test_force_remeasures_all_with_parent_links(ledger_path, capsys, h):
 
 
 def test_fresh_measures_all_and_writes_nothing(tmp_path, ledger_path, capsys, h):
-    doc = _run(capsys, h, ledger_path, h.gemm(), FP8, extra=["--fresh"], rc=1)
+    doc = _run(capsys, h, ledger_path, h.gemm(), HUGE, extra=["--fresh"], rc=1)
     assert not os.path.exists(ledger_path) and os.listdir(tmp_path) == []
     assert doc["mode"] == "fresh" and doc["count"] == 2 and doc["missing_count"] == 1  # the failed spec
     ok, err = doc["results"]
     assert ok["status"] == "ok" and ok["citation"] is None and ok["event"] and ok["key"]
     assert set(ok["metrics"]) == h.METRICS and ok["metrics"]["time_ms"] > 0 and ok["stats"]["n"] >= 3
     assert ok["provenance"]["shape"] == h.gemm()
-    assert err["status"] == "error" and err["error"]["kind"] == "unsupported" and err["citation"] is None
+    assert err["status"] == "error" and err["error"]["kind"] == "oom" and err["citation"] is None
     assert err["metrics"] is None
 
 
@@ -131,35 +132,42 @@ def test_force_and_fresh_are_mutually_exclusive(tmp_path, ledger_path, capsys, h
 # ---- failures ---------------------------------------------------------------------------------------------
 
 def test_failing_runner_is_an_error_row_and_a_failed_event(ledger_path, capsys, h):
-    doc = _run(capsys, h, ledger_path, h.gemm(), FP8, h.gemm(m=64), rc=1)
+    doc = _run(capsys, h, ledger_path, h.gemm(), HUGE, h.gemm(m=64), rc=1)
     assert doc["missing_count"] == 1
     assert [r["status"] for r in doc["results"]] == ["ok", "error", "ok"]
     err = doc["results"][1]
-    assert err["error"]["kind"] == "unsupported" and "fp8_e4m3" in err["error"]["message"]
+    assert err["error"]["kind"] == "oom" and "GiB" in err["error"]["message"]
     assert err["metrics"] is None and err["citation"].startswith("kprof.")
     # the failure is recorded: a later query shows it as failed, count-missing counts it
-    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(FP8), "--db", ledger_path,
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(HUGE), "--db", ledger_path,
                  "--json"]) == 0
     q = json.loads(capsys.readouterr().out)
     assert q["results"][0]["status"] == "failed" and q["results"][0]["event"] == err["event"]
-    assert q["results"][0]["error"]["kind"] == "unsupported"
+    assert q["results"][0]["error"]["kind"] == "oom"
     shown = _history(capsys, ledger_path, err["citation"])
-    assert shown["event"]["type"] == "failed" and shown["event"]["error_kind"] == "unsupported"
+    assert shown["event"]["type"] == "failed" and shown["event"]["error_kind"] == "oom"
 
 
 def test_jit_retries_failed_rows(ledger_path, capsys, h):
-    first = _run(capsys, h, ledger_path, FP8, rc=1)
-    again = _run(capsys, h, ledger_path, FP8, rc=1)
+    first = _run(capsys, h, ledger_path, HUGE, rc=1)
+    again = _run(capsys, h, ledger_path, HUGE, rc=1)
     assert again["results"][0]["status"] == "error"
     assert again["results"][0]["event"] != first["results"][0]["event"]
     assert _last_seq(ledger_path) == 2
 
 
 def test_human_run_output_names_the_error(ledger_path, capsys, h):
-    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(), FP8), "--db", ledger_path]) == 1
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(), HUGE), "--db", ledger_path]) == 1
     out = capsys.readouterr().out
-    assert "error" in out and "unsupported" in out and "fp8_e4m3" in out and "measured 2 spec(s)" in out
+    assert "error" in out and "oom" in out and "measured 2 spec(s)" in out
     assert "1 of 2 ok, 1 missing" in out
+
+
+def test_a_dtype_only_cuda_backends_take_is_refused_on_the_cpu_before_any_work(tmp_path, ledger_path, capsys, h,
+                                                                               refused):
+    refused(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(), FP8), "--db", ledger_path],
+            "spec 1: field \"dtype\" = 'fp8_e4m3'", "use one of bf16, fp16, fp32")
+    assert os.listdir(tmp_path) == []
 
 
 def test_gpu_name_of_another_device_is_refused_before_any_work(tmp_path, ledger_path, capsys, h, local_gpu):
@@ -244,12 +252,12 @@ def test_output_dir_snapshot(tmp_path, ledger_path, capsys, h, local_gpu):
 
 def test_output_dir_records_failures_and_exit_code(tmp_path, ledger_path, capsys, h):
     out_dir = tmp_path / "snap"
-    doc = _run(capsys, h, ledger_path, h.gemm(), FP8, extra=["--output-dir", str(out_dir)], rc=1)
+    doc = _run(capsys, h, ledger_path, h.gemm(), HUGE, extra=["--output-dir", str(out_dir)], rc=1)
     meta = _read(out_dir / "job.meta.json")
     assert (meta["missing_count"], meta["exit_code"]) == (1, 1)
     curve = _read(out_dir / "curve.json")
-    assert curve["axes"] == ["dtype"] and curve["x"] == "dtype" and curve["y"] is None and curve["facets"] == []
-    assert curve["fixedArgs"] == {"m": 32, "n": 32, "k": 32}
+    assert curve["axes"] == ["m"] and curve["x"] == "m" and curve["y"] is None and curve["facets"] == []
+    assert curve["fixedArgs"] == {"n": 32, "k": 32, "dtype": "fp32"}
     assert [p["status"] for p in curve["points"]] == ["ok", "error"]
     assert _read(out_dir / "results.json") == doc
 

@@ -179,12 +179,9 @@ _TIMING = {"sustained": "cupti;l2=cold;eager", "loaded": "cupti;l2=cold;eager;po
 def test_the_power_argument_beats_the_environment(monkeypatch, kwargs, timing):
     monkeypatch.setenv("KPROF_POWER", "loaded")
     assert effective_entry(lookup("rms_norm", "torch"), **kwargs).contract.timing == timing
-    monkeypatch.setenv("KPROF_POWER", "idle")  # an explicit power state never reads the variable
-    if "power" in kwargs:
-        assert effective_entry(lookup("rms_norm", "torch"), **kwargs).contract.timing == timing
-    else:
-        with pytest.raises(UsageError, match="KPROF_POWER='idle' is not one of sustained, loaded"):
-            effective_entry(lookup("rms_norm", "torch"), **kwargs)
+    monkeypatch.setenv("KPROF_POWER", "idle")  # a value no backend takes is named, even under an explicit state
+    with pytest.raises(UsageError, match="KPROF_POWER='idle' is not one of sustained, loaded"):
+        effective_entry(lookup("rms_norm", "torch"), **kwargs)
 
 
 def test_a_flag_beats_the_environment(h, capsys, monkeypatch):
@@ -194,14 +191,16 @@ def test_a_flag_beats_the_environment(h, capsys, monkeypatch):
     assert _read(capsys, h, "count-missing")["missing_count"] == 1  # the environment picks events + graph
     assert _read(capsys, h, "count-missing", "--timer", "cupti")["missing_count"] == 1  # graph still from env
     assert _read(capsys, h, "count-missing", "--timer", "cupti", "--no-cuda-graph")["missing_count"] == 0
-    # an explicit value does not read its variable at all, so a bad one in the environment is overridden
-    monkeypatch.setenv("KPROF_L2", "lukewarm")
+    monkeypatch.setenv("KPROF_L2", "warm")  # a valid value is overridden by its flag
     explicit = ["--timer", "cupti", "--no-cuda-graph", "--l2", "cold"]
     assert _read(capsys, h, "count-missing", *explicit)["missing_count"] == 0
     assert _read(capsys, h, "query", *explicit)["missing_count"] == 0  # the ceilings are read the same way
-    assert main(["count-missing", "rms_norm", "--backend", "torch", *h.spec_args(NORM), "--gpu-name", H200,
-                 "--timer", "cupti", "--no-cuda-graph", "--db", "p.db"]) == 2
-    assert "KPROF_L2='lukewarm' is not one of cold, warm" in capsys.readouterr().err
+    # a value no backend takes is named even under its flag, as on the CPU: the next command without it would fail
+    monkeypatch.setenv("KPROF_L2", "lukewarm")
+    for flags in (explicit, ["--timer", "cupti", "--no-cuda-graph"]):
+        assert main(["count-missing", "rms_norm", "--backend", "torch", *h.spec_args(NORM), "--gpu-name", H200,
+                     *flags, "--db", "p.db"]) == 2
+        assert "KPROF_L2='lukewarm' is not one of cold, warm" in capsys.readouterr().err
 
 
 def test_the_api_passes_the_method_through(h):
@@ -252,6 +251,8 @@ def test_a_bad_flag_value_refuses_remeasure(h, capsys, flags, message):
     (["--timer", "events"], "--timer events"), (["--timer", "cupti"], "--timer cupti"),
     (["--l2", "cold"], "--l2 cold"), (["--cuda-graph"], "--cuda-graph"),
     (["--power", "loaded"], "--power loaded"), (["--power", "LOADED", "--l2", "warm"], "--power loaded"),
+    # a value no backend takes gets the CPU's reason too: suggesting a CUDA value would only be refused next
+    (["--timer", "cpu-wall"], "--timer cpu-wall"), (["--l2", "bogus"], "--l2 bogus"),
 ])
 @pytest.mark.parametrize("verb", ["run", "query", "count-missing", "calibrate"])
 def test_a_cpu_backend_refuses_a_cuda_method(h, capsys, tmp_path, verb, flags, shown):
@@ -282,6 +283,16 @@ def test_a_method_setting_wrong_on_every_backend_is_refused_on_the_cpu_too(h, ca
     for verb in ("query", "count-missing", "run"):
         refused([verb, h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", "p.db"], f"{name}={value!r} is "
                 f"not one of")
+
+
+@pytest.mark.parametrize("backend, spec, gpu", [("torch-cpu", {"dtype": "fp32"}, []),
+                                               ("torch", {"dtype": "bf16"}, ["--gpu-name", "NVIDIA H200"])])
+def test_a_wrong_method_setting_is_refused_even_where_a_flag_overrides_it(h, capsys, monkeypatch, refused, backend,
+                                                                          spec, gpu):
+    """The same on every backend: a flag does not hide a typo in the environment that the next command would hit."""
+    monkeypatch.setenv("KPROF_L2", "bogus")
+    refused(["count-missing", h.GEMM, "--backend", backend, *h.spec_args(h.gemm(**spec)), "--db", "p.db", "--l2",
+             "warm", *gpu], "KPROF_L2='bogus' is not one of cold, warm")
 
 
 @pytest.mark.parametrize("flags, named", [(["--timer", "events"], "--timer"), (["--l2", "warm"], "--l2"),

@@ -138,10 +138,17 @@ def test_inputs_are_deterministic(entry):
     assert not torch.equal(x[:n], y[:n])
 
 
-def test_gemm_fp8_is_unsupported_on_cpu():
+def test_gemm_fp8_is_refused_by_the_cpu_backend_and_unsupported_by_its_runner():
+    """The CPU entry's specs refuse fp8 at validation (no failed row is stored); the runner, given the CUDA entry's
+    spec on a CPU device, still says why it cannot build it."""
+    from kprof.errors import SpecError
+    from kprof.specs import validate
+
     entry = lookup("single_gemm", "torch-cpu")
+    with pytest.raises(SpecError, match="'fp8_e4m3'.*use one of bf16, fp16, fp32"):
+        validate(entry.args, [{"m": 16, "n": 16, "k": 16, "dtype": "fp8_e4m3"}])
     with pytest.raises(Unsupported) as info:
-        entry.load_runner()().build(_spec(entry, "fp8_e4m3"), "cpu")
+        entry.load_runner()().build(_spec(lookup("single_gemm", "torch"), "fp8_e4m3"), "cpu")
     assert classify(info.value) == "unsupported"
 
 
@@ -157,7 +164,7 @@ def test_classify():
 
 def test_measure_specs_measures_and_records_failures():
     entry = lookup("single_gemm", "torch-cpu")
-    specs = [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}, {"m": 16, "n": 16, "k": 16, "dtype": "fp8_e4m3"}]
+    specs = [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}, {"m": 1 << 22, "n": 1 << 22, "k": 1 << 22, "dtype": "fp32"}]
     ok, bad = list(measure_specs(entry, specs, "test cpu"))
     assert (ok.index, bad.index) == (0, 1)
     assert type(ok.event) is Measured and type(bad.event) is Failed
@@ -167,7 +174,7 @@ def test_measure_specs_measures_and_records_failures():
     assert ok.event.method.stop_reason in ("converged", "budget", "max_samples")
     assert ok.event.provenance.gpu_key == "test cpu" and ok.event.provenance.shape == specs[0]
     assert 0 < ok.timed_seconds <= ok.seconds
-    assert bad.event.error_kind == "unsupported" and bad.timed_seconds == 0
+    assert bad.event.error_kind == "oom" and bad.timed_seconds == 0  # refused before anything is allocated
 
 
 @pytest.mark.parametrize("entry", [*CPU, lookup("memcpy", "torch-cpu")], ids=[*IDS, "memcpy"])
