@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 from .errors import UsageError
 
@@ -13,8 +14,8 @@ _FIX = "pass a new directory (it is created if absent)"
 
 def check_output_dir(path: str, names, what: str) -> None:
     """Refuses a directory the files `names` (`what` they make, e.g. "a snapshot") could not be written to: empty,
-    holding any of them already (outputs are immutable), not a directory, or not writable, nor creatable.
-    Creates nothing."""
+    holding any of them already (outputs are immutable), not a directory, or not writable, nor creatable (a
+    directory is made and removed again in its parent to prove it). Leaves nothing."""
     if not path.strip():
         raise UsageError(f"--output-dir {path!r} is empty; {_FIX}, or omit --output-dir")
     if os.path.isdir(path):
@@ -35,3 +36,7 @@ def check_output_dir(path: str, names, what: str) -> None:
         ancestor = os.path.dirname(ancestor)
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"--output-dir {path} cannot be created: {ancestor} is not writable for this user; {_FIX}")
+    try:  # permissions are not all: a read-only mount, or /proc and /sys, refuse a directory whatever they say
+        os.rmdir(tempfile.mkdtemp(prefix=".kprof-probe-", dir=ancestor))
+    except OSError as exc:
+        raise UsageError(f"--output-dir {path} cannot be created in {ancestor} ({exc.strerror}); {_FIX}") from None

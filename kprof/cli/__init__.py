@@ -65,6 +65,17 @@ def _terminated(signum, _frame):
     raise SystemExit(128 + signum)
 
 
+def _interrupted_note(argv: list[str]) -> str:
+    """What an interrupt left, by verb: every commit is whole, so only the verbs that write have more to say."""
+    verb = next((a for a in argv if not a.startswith("-")), "")
+    if verb in ("run", "calibrate"):
+        return ("every row stored before it stays in the ledger, and nothing half-written does; the same command "
+                "again measures only what is missing")
+    if verb == "merge":
+        return "a merge is all or nothing: the ledger holds none of its events; run it again"
+    return "nothing was left half-written"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -85,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         result = app(argv)
     except CycloptsError:
         return 2  # cyclopts has printed the parse error
+    except (KeyboardInterrupt, SystemExit) as exc:
+        code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code
+        if code not in (130, 143):  # a plain exit of a verb's own
+            raise
+        from ._render import error
+
+        error(f"interrupted ({'Ctrl-C' if code == 130 else 'SIGTERM'}): {_interrupted_note(argv)}")
+        return code
     except KprofError as exc:
         from ._render import error
 

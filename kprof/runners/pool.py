@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import shutil
 import tempfile
 import time
@@ -55,7 +56,9 @@ class Result(NamedTuple):
 
 def _worker_main(conn, visible: str | None, table: str, backend: str, contract: bytes, gpu_key: str,
                  spool: str) -> None:
-    """A spawned worker: sees only its device, prepares it, then measures what it is sent until told to stop."""
+    """A spawned worker: sees only its device, prepares it, then measures what it is sent until told to stop. Ctrl-C
+    reaches the whole process group: the parent handles it and stops its workers, so a worker ignores it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before anything imports torch
     from ..ledger.events import Contract

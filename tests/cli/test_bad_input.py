@@ -381,6 +381,42 @@ def test_a_write_past_the_file_size_limit_is_named_and_keeps_earlier_rows(tmp_pa
     assert audit.returncode == 0 and json.loads(audit.stdout)["events"] == 1
 
 
+@pytest.mark.parametrize("verb, exc, code, note", [
+    ("run", KeyboardInterrupt(), 130, "interrupted (Ctrl-C): every row stored before it stays in the ledger"),
+    ("run", SystemExit(143), 143, "interrupted (SIGTERM): every row stored before it stays in the ledger"),
+    ("merge", KeyboardInterrupt(), 130, "a merge is all or nothing: the ledger holds none of its events"),
+    ("query", KeyboardInterrupt(), 130, "interrupted (Ctrl-C): nothing was left half-written"),
+])
+def test_an_interrupt_is_one_line_saying_what_it_left(verb, exc, code, note, capsys, monkeypatch):
+    import kprof.cli as cli
+
+    def interrupted(argv):
+        raise exc
+
+    monkeypatch.setattr(cli, "app", interrupted)
+    assert main([verb, "--db", "p.db"]) == code
+    captured = capsys.readouterr()
+    assert captured.out == "" and note in captured.err and "Traceback" not in captured.err
+
+
+def test_a_verb_s_own_exit_is_not_taken_for_an_interrupt(monkeypatch):
+    import kprof.cli as cli
+
+    def exits(argv):
+        raise SystemExit(5)
+
+    monkeypatch.setattr(cli, "app", exits)
+    with pytest.raises(SystemExit):
+        main(["list"])
+
+
+def test_an_output_dir_the_system_will_not_create_is_refused_before_any_work(tmp_path, capsys, h, refused):
+    """/proc accepts no directory, whatever its permission bits say (root passes os.access there)."""
+    refused(_run_into("/proc/kprof-snapshot", h, "p.db"), "--output-dir /proc/kprof-snapshot cannot be created in "
+            "/proc")
+    assert os.listdir(tmp_path) == []
+
+
 def test_sigterm_during_export_leaves_no_partial_file(tmp_path):
     """SIGTERM ends a verb as Ctrl-C does (128 + 15), after its temporary files are removed."""
     db = str(tmp_path / "p.db")

@@ -27,12 +27,12 @@ def _specs(*acts, start=1000):
     return json.dumps([{"n": start + i, "act": a} for i, a in enumerate(acts)])
 
 
-def _run(tmp_path, specs, *args, wait=True, **env):
+def _run(tmp_path, specs, *args, wait=True, start_new_session=False, **env):
     path = tmp_path / f"specs-{len(list(tmp_path.glob('specs-*')))}.json"
     path.write_text(specs)
     cmd = [sys.executable, "-m", "kprof", "run", "faulty", "--backend", "cpu", "--specs", str(path), "--json", *args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path, **env),
-                         cwd=tmp_path)
+                         cwd=tmp_path, start_new_session=start_new_session)
     return _finish(p) if wait else p
 
 
@@ -82,6 +82,27 @@ def test_a_hung_worker_is_killed_and_its_spec_fails_as_timeout(tmp_path):
     assert rows[1000]["error"]["kind"] == "timeout" and "KPROF_SPEC_TIMEOUT_S" in rows[1000]["error"]["message"]
     assert all(rows[n]["status"] == "ok" for n in (1001, 1002, 1003))
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_run_with_workers_is_one_line_and_keeps_every_row(tmp_path):
+    """Ctrl-C reaches the whole process group: the parent says what the interrupt left; the workers, which the
+    parent stops, print nothing (a traceback per worker before)."""
+    import signal
+
+    p = _run(tmp_path, _specs(*["slow"] * 12), wait=False, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not os.path.exists(tmp_path / "p.db") or len(_events(tmp_path)) < 2):
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and out == "", err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "interrupted (Ctrl-C): every row stored before it stays in the ledger" in err
+    kept = len(_events(tmp_path))
+    assert 2 <= kept < 12
+    code, doc, _ = _run(tmp_path, _specs(*["slow"] * 12))  # the rest, and only the rest, is measured
+    assert code == 0 and len(_events(tmp_path)) == 12
 
 
 @pytest.mark.slow
