@@ -6,6 +6,9 @@
 Merging runs in two streamed passes over the segments (neither is ever held whole), each reading runs of RUN
 consecutive events at a time (kprof.merge.segment.runs: the file read and hashed a block at a time):
 
+0. Order. Given more than one segment, a segment holding an event that another's event re-measures (its parent) or
+   retracts goes before that one: parents are merged before their children, whatever order the segments came in
+   (stable otherwise; segments that name each other keep their order). This pass reads each event's id and link.
 1. Check. Every event decodes, is in canonical form, and its id and key are recomputed from its bytes; the
    segment's structure and digest are checked (kprof.merge.segment). Then, in order, each measured or failed
    event new to the ledger is held against the current row of its key: no row, the event's parent (a
@@ -32,7 +35,6 @@ conflicting key: both events, their metrics, the relative difference of time_ms)
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Iterator, NamedTuple
@@ -40,10 +42,12 @@ from typing import Iterator, NamedTuple
 import msgspec
 
 from .._outdir import check_output_dir
-from ..errors import MergeConflict, UsageError
+from ..errors import UsageError
 from ..ledger import Ledger, _codec, _verify, ledger_path
 from ..ledger.events import EventHead, Retracted
 from . import segment
+from ._order import ordered
+from ._report import refuse
 from .segment import SegmentError
 
 __all__ = ["export", "merge", "merge_into", "Exported", "MergeResult", "BATCH"]
@@ -210,10 +214,11 @@ class _Check:
     """Pass 1: the current event of every key the segments touch, as the merge would leave it, and the
     conflicts found on the way."""
 
-    def __init__(self, ledger: Ledger, txn):
+    def __init__(self, ledger: Ledger | None, txn):
         self.ledger, self.txn = ledger, txn
         self.current: dict[bytes, bytes | None] = {}  # key -> current event id (None: no row)
-        self.origin: dict[bytes, int] = {}  # key -> the segment whose event made it current (absent: the ledger)
+        self.origin: dict[bytes, tuple[int, int]] = {}  # key -> (segment, index) of the event that made it current
+        # (absent: the ledger's row)
         self.unchecked: set[bytes] = set()  # keys a segment's retraction touched
         self.seen: set[bytes] = set()  # event ids of the segments so far
         self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
@@ -235,18 +240,22 @@ class _Check:
     def _against_ledger(self, part: _Part, events: list[_Seen], eids: list[bytes]) -> None:
         from ..ledger import _verify
 
-        txn, dbs, led = self.txn, self.ledger.dbs, self.ledger
+        txn, led = self.txn, self.ledger
         new_keys = list({event.key for event in events} - self.current.keys())
-        histories: dict = {}  # of the keys without a row
-        rows = _verify.rows(txn, dbs, led.path, new_keys, summaries=False, histories=histories)
-        for key, row in zip(new_keys, rows):  # the rows here, verified as every read is
-            self.current[key] = None if row is None else row.event_id
-            # Every stored event's key has a history: only the events of such keys can be stored already (a merge of
-            # new keys, the common one, does not read the events tree, the ledger's largest, at all).
-            if row is not None or histories.get(key, b"") is not None:
-                self.kept.add(key)
-        maybe = [eid for event, eid in zip(events, eids) if event.key in self.kept]
-        stored = {e for e, v in zip(maybe, _verify.values(txn.cursor(dbs["events"]), maybe)) if v is not None}
+        stored: set[bytes] = set()
+        if led is not None:  # a ledger not created yet has no row, history or event
+            dbs, histories = led.dbs, {}  # histories: of the keys without a row
+            rows = _verify.rows(txn, dbs, led.path, new_keys, summaries=False, histories=histories)
+            for key, row in zip(new_keys, rows):  # the rows here, verified as every read is
+                self.current[key] = None if row is None else row.event_id
+                # Every stored event's key has a history: only the events of such keys can be stored already (a
+                # merge of new keys, the common one, does not read the events tree, the ledger's largest, at all).
+                if row is not None or histories.get(key, b"") is not None:
+                    self.kept.add(key)
+            maybe = [eid for event, eid in zip(events, eids) if event.key in self.kept]
+            stored = {e for e, v in zip(maybe, _verify.values(txn.cursor(dbs["events"]), maybe)) if v is not None}
+        else:
+            self.current.update(dict.fromkeys(new_keys))
         path, first = part.path, part.first
         for i, (event, eid) in enumerate(zip(events, eids), first):
             self.events += 1
@@ -255,7 +264,7 @@ class _Check:
             self.seen.add(eid)
             key = event.key
             if event.kind is Retracted:
-                if event.link not in self.seen and txn.get(event.link, db=dbs["events"]) is None:
+                if event.link not in self.seen and (led is None or txn.get(event.link, db=led.dbs["events"]) is None):
                     raise UsageError(f"{path}: event {i} retracts event {event.link.hex()[:16]}, which neither this "
                                      f"ledger nor the segments before it hold; merge the segment that holds it first "
                                      f"(nothing was merged)")
@@ -264,31 +273,12 @@ class _Check:
             if key in self.unchecked:
                 continue
             here, origin = self.current[key], self.origin.get(key)
-            if origin == part.segment or here is None or here == eid or here == event.link:
-                self.current[key], self.origin[key] = eid, part.segment
+            if (origin is not None and origin[0] == part.segment) or here is None or here == eid or here == event.link:
+                self.current[key], self.origin[key] = eid, (part.segment, i)
             else:
                 incoming = _codec.event_decoder.decode(part.run.events[i - first])
                 self.conflicts.append({"segment": path, "index": i, "key": key, "incoming": eid, "current": here,
-                                       "incoming_event": incoming})
-
-
-def _report(ledger: Ledger, conflicts: list[dict]) -> dict:
-    """The merge report: per conflicting key, both events, their metrics and the relative difference of time_ms."""
-    rows = []
-    for c in conflicts:
-        here = ledger.event(c["current"])
-        theirs = c["incoming_event"]
-        mine_m, theirs_m = getattr(here, "metrics", None), getattr(theirs, "metrics", None)
-        diff = None
-        if mine_m and theirs_m and mine_m.get("time_ms") and theirs_m.get("time_ms") is not None:
-            diff = theirs_m["time_ms"] / mine_m["time_ms"] - 1
-        rows.append({"key": c["key"].hex(), "segment": c["segment"], "index": c["index"],
-                     "provenance": msgspec.to_builtins(theirs.provenance),
-                     "current": {"event": c["current"].hex(), "kind": type(here).__name__.lower(), "metrics": mine_m},
-                     "incoming": {"event": c["incoming"].hex(), "kind": type(theirs).__name__.lower(),
-                                  "parent": theirs.parent.hex() if theirs.parent else None, "metrics": theirs_m},
-                     "time_ms_relative_difference": diff})
-    return {"ledger": ledger.path, "conflicts": len(rows), "keys": rows}
+                                       "current_from": origin, "incoming_event": incoming})
 
 
 def merge(paths: list[str], db: str | None = None, output_dir: str | None = None) -> MergeResult:
@@ -298,15 +288,16 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
         raise UsageError("give at least one segment to merge")
     if output_dir is not None:  # where a conflict's report would go: checked before anything is read or written
         check_output_dir(output_dir, (), "a merge report")
-    headers = [segment.header_of(p) for p in paths]
-    if not os.path.lexists(ledger_path(db)):  # a new ledger: a damaged segment must not leave an empty one behind
-        for parts in _batches(paths):
-            for part in parts:
-                _checked(part)
+    headers = {p: segment.header_of(p) for p in paths}
+    paths = ordered(paths)
+    if not os.path.lexists(ledger_path(db)):  # a new ledger: a damaged segment or a conflict leaves no empty one
+        check = _check(None, paths)
+        if check.conflicts:
+            refuse(None, ledger_path(db), check.conflicts, paths, output_dir)
     with Ledger.open(db) as ledger:
-        added, existing = merge_into(ledger, paths, output_dir)
+        added, existing = _merge_into(ledger, paths, output_dir)
         db_path = ledger.path
-    segments = [{"path": p, "ledger_id": h.ledger_id, "events": h.events} for p, h in zip(paths, headers)]
+    segments = [{"path": p, "ledger_id": headers[p].ledger_id, "events": headers[p].events} for p in paths]
     return MergeResult(db_path, segments, added, existing, time.perf_counter() - started)
 
 
@@ -314,26 +305,28 @@ def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) 
     """Merges the segments at `paths` into the open (writable) ledger, all or nothing: (events added, events the
     ledger held already). A conflict writes `merge-report.json` to `output_dir` (default: the working directory)
     and raises MergeConflict. The pool merges each worker's segments through it as they arrive."""
-    out = output_dir or "."
+    return _merge_into(ledger, ordered(paths), output_dir)
+
+
+def _check(ledger: Ledger | None, paths: list[str]) -> _Check:
+    """Pass 1 over the segments, against the ledger (None: one not created yet, where no key has a row)."""
+    if ledger is None:
+        check = _Check(None, None)
+        for parts in _batches(paths):
+            check.batch(parts)
+        return check
     with ledger.read() as txn:
         check = _Check(ledger, txn)
         for parts in _batches(paths):
             check.batch(parts)
+    return check
+
+
+def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None) -> tuple[int, int]:
+    """merge_into of segments already in their merge order."""
+    check = _check(ledger, paths)
     if check.conflicts:
-        report = _report(ledger, check.conflicts)
-        where = os.path.join(out, "merge-report.json")
-        try:
-            os.makedirs(out, exist_ok=True)
-            with open(where, "w") as f:
-                json.dump(report, f, indent=1)
-                f.write("\n")
-            told = f"the conflicts are in {where}"
-        except OSError as exc:  # the report is lost, the refusal is not
-            told = f"their report could not be written to {where} ({exc.strerror}); give --output-dir"
-        first = report["keys"][0]
-        raise MergeConflict(f"{len(check.conflicts)} incoming event(s) conflict with the ledger's current rows "
-                            f"(first: key {first['key'][:16]}, current {first['current']['event'][:16]}, incoming "
-                            f"{first['incoming']['event'][:16]}); nothing was merged; {told}", report)
+        refuse(ledger, ledger.path, check.conflicts, paths, output_dir)
     added = existing = 0
     for n, parts in enumerate(_batches(paths)):
         verified = check.batch_digests[n] if n < len(check.batch_digests) else None

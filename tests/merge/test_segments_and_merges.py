@@ -271,6 +271,50 @@ def test_a_conflict_merges_nothing_and_reports_both_events(tmp_path):
     assert row["time_ms_relative_difference"] == pytest.approx(their / mine - 1)
 
 
+def test_segments_that_conflict_with_each_other_are_named_and_leave_no_new_ledger(tmp_path, capsys):
+    """Two segments re-measuring one row, neither from the other, merged into a ledger not created yet: the
+    conflict is named as one between the segments (both paths), the report carries both events' kinds, metrics and
+    difference, and no ledger or lock file is made."""
+    one, two = str(tmp_path / "one.kseg"), str(tmp_path / "two.kseg")
+    export(_ledger(tmp_path / "one.db", synth.events(0, 5)), one)
+    export(_ledger(tmp_path / "two.db", [synth.event(4, seed=3)]), two)
+    out = tmp_path / "out"
+    assert main(["merge", one, two, "--db", str(tmp_path / "new.db"), "--output-dir", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "1 event(s) of the segments conflict with each other" in err and "ledger's current rows" not in err
+    assert f"of {one}" in err and f"of {two}" in err
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("new.db")]
+    (row,) = json.loads((out / "merge-report.json").read_text())["keys"]
+    assert row["current"]["segment"] == one and row["incoming"]["segment"] == two
+    assert row["current"]["kind"] == row["incoming"]["kind"] == "measured"
+    mine, their = synth.event(4).metrics, synth.event(4, seed=3).metrics
+    assert (row["current"]["metrics"], row["incoming"]["metrics"]) == (mine, their)
+    assert row["time_ms_relative_difference"] == pytest.approx(their["time_ms"] / mine["time_ms"] - 1)
+
+
+def test_a_re_measurement_merges_after_its_parent_whatever_order_its_segments_come_in(tmp_path, capsys):
+    """A re-measurement's segment named (or, in a directory, written) before its parent's: the parent merges first,
+    the re-measurement is the current row and the parent its history. A ledger that holds the re-measurement
+    already refuses the parent, saying why."""
+    parent_db = _ledger(tmp_path / "p.db", synth.events(0, 5))
+    again = msgspec.structs.replace(synth.event(3, seed=9), parent=_eid(synth.event(3)))
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    child = export(_ledger(tmp_path / "c.db", [again]), str(rows)).path
+    parent = export(parent_db, str(rows)).path  # written after the child: the later segment
+    both = _ledger(tmp_path / "both.db", [*synth.events(0, 5), again])
+    for name, given in (("named.db", [child, parent]), ("dir.db", [str(rows)])):
+        target = str(tmp_path / name)
+        assert main(["merge", *given, "--db", target]) == 0, capsys.readouterr().err
+        assert _answers(target) == _answers(both) and audit(target).ok
+        with Ledger.open(target, readonly=True) as led, led.read() as txn:
+            assert [eid for _seq, eid in led.history_of(txn, again.key)] == [_eid(synth.event(3)), _eid(again)]
+    late = str(tmp_path / "late.db")
+    merge([child], late)
+    with pytest.raises(MergeConflict, match="it is the parent of the row here"):
+        merge([parent], late, output_dir=str(tmp_path / "out"))
+
+
 def test_a_fast_forward_merges(tmp_path):
     ours = _ledger(tmp_path / "ours.db", synth.events(0, 10))
     newer = msgspec.structs.replace(synth.event(4, seed=3), parent=_eid(synth.event(4)))

@@ -67,9 +67,9 @@ def test_a_directory_of_segments_is_how_a_team_shares_rows(tmp_path, capsys):
     with Ledger.open(str(both)) as led:
         led.append([synth.event(i) for i in range(30)] + [again])
     assert _root(both) == root
-    # The order matters: the re-measurement first, its parent after it, is a conflict (the parent is no longer
-    # the current row), which the directory's oldest-first order never makes.
-    assert main(["merge", later, first, "--db", str(tmp_path / "d.db"), "--output-dir", str(tmp_path)]) == 3
+    # Named in the other order (the re-measurement first), the segments still merge parent first: the same rows.
+    assert main(["merge", later, first, "--db", str(tmp_path / "d.db"), "--output-dir", str(tmp_path)]) == 0
+    assert _root(tmp_path / "d.db") == _root(alice) and not (tmp_path / "merge-report.json").exists()
 
 
 def test_a_directory_without_segments_is_refused(tmp_path, capsys):

@@ -1,0 +1,77 @@
+"""A refused merge's report, `merge-report.json`: per conflicting key, both events and where each comes from."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+
+from ..errors import MergeConflict
+from ..ledger import Ledger, _codec
+from . import segment
+
+__all__ = ["refuse"]
+
+
+def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: list[str],
+           output_dir: str | None) -> None:
+    """Writes the conflicts' report to `output_dir` (default: the working directory) and raises MergeConflict, saying
+    which conflicts are with the ledger's rows and which between the segments (`ledger` None: not created yet)."""
+    out = output_dir or "."
+    report = _report(ledger, db_path, conflicts, paths)
+    where = os.path.join(out, "merge-report.json")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(where, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+        told = f"the conflicts are in {where}"
+    except OSError as exc:  # the report is lost, the refusal is not
+        told = f"their report could not be written to {where} ({exc.strerror}); give --output-dir"
+    rows = report["keys"]
+    between = sum(1 for r in rows if r["current"]["segment"] is not None)
+    said = [f"{n} incoming event(s) conflict with the ledger's current rows" for n in [len(rows) - between] if n]
+    said += [f"{n} event(s) of the segments conflict with each other (re-measurements of one row, neither of the "
+             f"other)" for n in [between] if n]
+    first, now, came = rows[0], rows[0]["current"], rows[0]["incoming"]
+    here = f"of {now['segment']}" if now["segment"] else "here"
+    # A ledger's row stays its latest attempt: the row a re-measurement held here re-measured cannot be merged after it.
+    late = (f"; it is the parent of the row {here}, which a ledger cannot take after the row: merge the segments "
+            f"into a ledger that holds neither, or leave it out") if now["parent"] == came["event"] else ""
+    raise MergeConflict(f"{' and '.join(said)} (first: key {first['key'][:16]}, current {now['event'][:16]} {here}, "
+                        f"incoming {came['event'][:16]} of {first['segment']}{late}); nothing was merged; {told}",
+                        report)
+
+
+def _report(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: list[str]) -> dict:
+    """The merge report: per conflicting key, both events (each with the segment it comes from; null: the ledger's
+    row), their metrics and the relative difference of time_ms."""
+    wanted: dict[int, set[int]] = {}  # segment -> indices of the current events the segments hold
+    for c in conflicts:
+        if c["current_from"] is not None:
+            wanted.setdefault(c["current_from"][0], set()).add(c["current_from"][1])
+    held: dict[tuple[int, int], object] = {}
+    for s, indices in wanted.items():  # read again: the check keeps no event
+        for i, data in enumerate(segment.read(paths[s])):
+            if i in indices:
+                held[s, i] = _codec.event_decoder.decode(data)
+    rows = []
+    for c in conflicts:
+        origin = c["current_from"]
+        here = ledger.event(c["current"]) if origin is None else held[origin]
+        theirs = c["incoming_event"]
+        mine_m, theirs_m = getattr(here, "metrics", None), getattr(theirs, "metrics", None)
+        diff = None
+        if mine_m and theirs_m and mine_m.get("time_ms") and theirs_m.get("time_ms") is not None:
+            diff = theirs_m["time_ms"] / mine_m["time_ms"] - 1
+        rows.append({"key": c["key"].hex(), "segment": c["segment"], "index": c["index"],
+                     "provenance": msgspec.to_builtins(theirs.provenance),
+                     "current": {"event": c["current"].hex(), "segment": None if origin is None else paths[origin[0]],
+                                 "index": None if origin is None else origin[1], "kind": type(here).__name__.lower(),
+                                 "parent": here.parent.hex() if here.parent else None, "metrics": mine_m},
+                     "incoming": {"event": c["incoming"].hex(), "segment": c["segment"], "index": c["index"],
+                                  "kind": type(theirs).__name__.lower(),
+                                  "parent": theirs.parent.hex() if theirs.parent else None, "metrics": theirs_m},
+                     "time_ms_relative_difference": diff})
+    return {"ledger": db_path, "conflicts": len(rows), "keys": rows}
