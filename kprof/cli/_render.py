@@ -21,11 +21,15 @@ def console(stderr: bool = False):
     stream = sys.stderr if stderr else sys.stdout
     # Off a terminal (pipes, logs, tests), rich would wrap tables at 80 columns: give them room instead.
     width = None if stream.isatty() else 200
-    return Console(file=stream, highlight=False, soft_wrap=True, width=width)
+    # No markup: what is printed (paths, specs, exception text) is shown as it is; `rows[bold]/x.kseg` or
+    # `pip install ray[client]` would otherwise lose their brackets. Styling goes through rich.text.Text.
+    return Console(file=stream, highlight=False, soft_wrap=True, width=width, markup=False)
 
 
 def error(message: str) -> None:
-    console(stderr=True).print(f"[bold red]error:[/] {message}", markup=True)
+    from rich.text import Text
+
+    console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", message))
 
 
 def _fmt(v) -> str:

@@ -43,10 +43,12 @@ def audit(*, db: Db = None, json: Json = False,
     if json:
         emit_json(report._asdict())
     else:
+        from rich.text import Text
+
         out = console()
-        state = "[green]clean[/]" if report.ok else f"[red]{sum(report.counts.values())} finding(s)[/]"
-        out.print(f"audit of {report.path}: {state} — {report.events} events, last seq {report.last_seq}, "
-                  f"{report.seconds:.2f} s")
+        state = ("clean", "green") if report.ok else (f"{sum(report.counts.values())} finding(s)", "red")
+        out.print(Text.assemble(f"audit of {report.path}: ", state, f" — {report.events} events, last seq "
+                                f"{report.last_seq}, {report.seconds:.2f} s"))
         for line in report.findings:
             out.print(f"  {line}", markup=False)
     return 0 if report.ok else 3

@@ -38,6 +38,7 @@ def list_(*, json: Json = False, environments: Environments = False) -> int:
 def _environments(json: bool) -> int:
     """Each environment with the backends that name it and this machine's differences from it ([]: satisfied)."""
     import msgspec
+    from rich.text import Text
 
     from ..runners import environments as envs
 
@@ -57,7 +58,7 @@ def _environments(json: bool) -> int:
     out = console()
     for d in docs:
         env = d["environment"] or {}
-        out.print(f"[bold]{d['name']}[/bold]: {env.get('description', 'not defined')}", highlight=False)
+        out.print(Text.assemble((d["name"], "bold"), f": {env.get('description', 'not defined')}"), highlight=False)
         packages = ", ".join(p["name"] + p["specifier"] + (f" ({'/'.join(p['timers'])} timer only)" if p["timers"]
                                                            else "") for p in env.get("packages", []))
         out.print(f"  python {env.get('python', '?')}; packages: {packages or 'none'}; "

@@ -25,8 +25,8 @@ def _progress():
         return None, None, None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   console=console(stderr=True), transient=True)
+    bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                   TimeRemainingColumn(), console=console(stderr=True), transient=True)
     total = bar.add_task("measuring", total=None)
     lines: dict[str, int] = {}
 

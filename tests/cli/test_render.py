@@ -86,3 +86,21 @@ def test_the_summary_line_says_which_statuses_the_missing_rows_have(capsys):
     assert "1 of 2 ok, 1 missing; db p.db" in capsys.readouterr().out  # only missing rows: nothing to split
     results_table(_result(["ok", "ok"], errors=1))
     assert "1 of 2 ok, 1 missing (1 error); db p.db" in capsys.readouterr().out
+
+
+def test_messages_and_tables_print_brackets_as_they_are(tmp_path, capsys, h, local_gpu):
+    """Rich markup is off: a path, spec or exception text holding [...] prints whole (`rows[bold]/x[abc].kseg` lost
+    its brackets as markup, and so would `pip install ray[client]`)."""
+    from kprof.cli._render import error
+
+    seg = tmp_path / "rows[bold]" / "x[abc].kseg"
+    assert main(["merge", str(seg), "--db", str(tmp_path / "zz.db")]) == 2
+    assert f"error: cannot read segment {seg}: " in capsys.readouterr().err
+    error("Ray is not installed; pip install ray[client]")
+    assert capsys.readouterr().err == "error: Ray is not installed; pip install ray[client]\n"
+    db = str(tmp_path / "p[red].db")
+    h.append(db, h.make_event(h.gemm(m=3), local_gpu))
+    assert main(["scopes", "--db", db]) == 0
+    assert f"scopes of {db}" in capsys.readouterr().out
+    assert main(["audit", "--db", db]) == 0
+    assert capsys.readouterr().out.startswith(f"audit of {db}: clean — 1 events")
