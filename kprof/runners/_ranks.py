@@ -24,7 +24,8 @@ another; it is shut down when the process exits (a multiprocessing finalizer, so
 when the coordinator's socket closes or its parent dies. Nothing waits forever: a group that does not start
 within KPROF_RANK_START_S (default 300 s), or a step (a check, a batch) that takes longer than KPROF_RANK_STEP_S
 (default 300 s), fails the spec as `timeout`; a rank that dies fails it as `crash`, naming the rank, its exit
-code and the end of its log; in both cases the group is killed and the next spec starts a fresh one.
+code, its log's path and end (the logs of a failed group are kept in its directory; the rest is removed); in
+both cases the group is killed and the next spec starts a fresh one.
 
 Test hook: `EXIT_RANK_FOR_TESTS`, when set to a rank number, makes that rank exit (code 3) on receiving the next
 spec, as a crashed rank would; it is cleared as it is sent (tests/runners/test_comm.py sets it in-process).
@@ -88,6 +89,7 @@ class RankGroup:
         self.conns: list[connection.Connection] = []
         self.procs: list[subprocess.Popen] = []
         self.logs = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
+        self.keep_logs = False  # a failure quoted a rank's log: it stays where the message says
         started = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(),
                                                                         os.environ.get("PYTHONPATH")]))}
@@ -156,10 +158,11 @@ class RankGroup:
         return [answers[r] for r in range(self.n)]
 
     def _failed(self, r: int, kind: str, text: str, what: str):
+        if kind == "Unsupported":
+            self.close(kill=True)
+            raise Unsupported(f"rank {r}: {text}")
         tail = self._tail(r)
         self.close(kill=True)
-        if kind == "Unsupported":
-            raise Unsupported(f"rank {r}: {text}")
         raise RankError(f"rank {r} of {self.n} failed ({what}): {kind}: {text}; the rank group was shut down, and the "
                         f"next spec starts a fresh one{tail}")
 
@@ -178,14 +181,16 @@ class RankGroup:
         return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
     def _tail(self, r: int) -> str:
+        """The rank's log for a failure's message: its path and its end. The logs are kept (`close` leaves them)."""
+        self.keep_logs = True
         try:
             with open(self.logs[r], "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - _TAIL))
                 text = f.read().decode(errors="replace").strip()
-        except OSError:
-            return ""
-        return f"; rank {r}'s log ends: {text}" if text else ""
+        except OSError as exc:
+            return f"; rank {r}'s log {self.logs[r]} cannot be read ({exc.strerror})"
+        return f"; rank {r}'s log {self.logs[r]} " + (f"ends: {text}" if text else "is empty")
 
     def close(self, kill: bool = False) -> None:
         if not kill:
@@ -206,7 +211,15 @@ class RankGroup:
         for c in self.conns:
             c.close()
         self.conns, self.procs = [], []
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not self.keep_logs:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        for name in set(os.listdir(self.dir)) - set(map(os.path.basename, self.logs)):  # a failure named the logs
+            path = os.path.join(self.dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
 
 
 def _package_root() -> str:

@@ -116,6 +116,12 @@ class _Runner:
     def build(self, spec, device: str) -> CommCase:
         return CommCase(self.table, spec)
 
+    def held_bytes(self, spec) -> int:
+        """The bytes the ranks' buffers take together (each rank's input, output and pristine input copy, as
+        `rank_buffers` makes them, times world_size): on the CPU (gloo) every rank is a process of this host, so a
+        spec past its memory is an `oom` row before any rank starts (the worker compares; see worker.py)."""
+        return _rank_bytes(self.table, spec) * spec.world_size
+
 
 class AllReduce(_Runner):
     table = "all_reduce"
@@ -131,6 +137,14 @@ class ReduceScatter(_Runner):
 
 class AllToAll(_Runner):
     table = "all_to_all"
+
+
+def _rank_bytes(table: str, spec) -> int:
+    """One rank's buffers in bytes: input, output (all_reduce: in place) and the pristine input `reset` copies."""
+    whole = spec.message_size_bytes
+    part = whole // spec.world_size
+    return {"all_reduce": 2 * whole, "all_gather": 2 * part + whole, "reduce_scatter": 2 * whole + part,
+            "all_to_all": 3 * whole}[table]
 
 
 # --- inside a rank process (kprof.runners._ranks) --------------------------------------------------------------

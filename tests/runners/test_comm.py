@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import msgspec
 import pytest
@@ -146,6 +148,24 @@ def test_a_rank_that_dies_fails_its_spec_and_the_next_spec_runs(monkeypatch, tmp
     message = dead["error"]["message"]
     assert "rank 1 of 2" in message and "exited with code 3" in message, message
     assert _ranks.EXIT_RANK_FOR_TESTS is None
+    # The message names the rank's log, kept where it says (the group's other files are removed).
+    log = re.search(r"rank 1's log (\S+) (is empty|ends: )", message).group(1)
+    assert os.path.basename(log) == "rank1.log" and os.path.isfile(log), message
+    assert sorted(os.listdir(os.path.dirname(log))) == ["rank0.log", "rank1.log"]
+    shutil.rmtree(os.path.dirname(log))
+
+
+def test_a_gloo_spec_past_the_hosts_memory_is_an_oom_row_before_any_rank_starts(monkeypatch, tmp_path, capsys):
+    """Every gloo rank is a process of this host: the ranks' buffers together (1 TiB a rank's message, 8 ranks)
+    past its memory are an `oom` row, as a CPU GEMM's are, not a rank killed mid-allocation (`crash`)."""
+    _ranks.shutdown()
+    monkeypatch.setattr(_ranks, "RankGroup", lambda *a: pytest.fail("a rank group was started"))
+    spec = {"message_size_bytes": 1 << 40, "dtype": "fp32", "world_size": 8}
+    assert comm.AllToAll().held_bytes(comm.AllToAllArgs(**spec)) == 3 * 8 << 40
+    doc = _run(capsys, "all_to_all", [spec], str(tmp_path / "p.db"), tmp_path, rc=1)
+    (row,) = doc["results"]
+    assert row["status"] == "error" and row["error"]["kind"] == "oom", row
+    assert "out of memory before building" in row["error"]["message"]
 
 
 def _check_rows(doc: dict, table: str, n: int) -> None:
