@@ -113,9 +113,14 @@ def parse_spec_texts(texts: list[str]) -> list[Any]:
 
 def parse_specs_file(path: str) -> list[Any]:
     fix = "pass the path of a JSON or JSONL file of specs"
+    if path == "-":  # pipes are refused below, and "-" is no file name either: say what it would have meant
+        raise UsageError("--specs -: reading specs from stdin is not supported; write them to a file and pass its "
+                         "path")
     if not os.path.isfile(path):
         what = ("is a directory" if os.path.isdir(path) else "is not a regular file (a device, pipe or socket)"
                 if os.path.exists(path) else "no such file")
+        if not os.path.exists(path) and path.startswith("-"):  # `--specs --json`: the flag took the next one
+            fix = f"{path} looks like a flag; give --specs the path of a JSON or JSONL file of specs"
         raise UsageError(f"--specs {path}: {what}; {fix}")
     try:
         with open(path, "rb") as f:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from cyclopts import App
+from cyclopts import App, Parameter
 from cyclopts.exceptions import CycloptsError
 
 from .. import __version__
@@ -13,8 +13,11 @@ from ..errors import KprofError
 
 __all__ = ["app", "main"]
 
+# negative_iterable="": no list flag gets cyclopts' `--empty-NAME` twin (`--empty-spec --specs FILE` was accepted and
+# every verb's help listed them): an empty list is never a request kprof takes.
 app = App(name="kprof", help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
-          version=__version__, exit_on_error=False, print_error=True, result_action="return_value")
+          version=__version__, exit_on_error=False, print_error=True, result_action="return_value",
+          default_parameter=Parameter(negative_iterable=""))
 # Verbs by import string, with their help here too, so `kprof --help` lists every verb without importing it.
 VERBS = [
     ("list", "kprof.cli.list_:list_",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated
 
 from cyclopts import Parameter
+
+from ..errors import UsageError
 
 
 def _db_given(type_, value) -> None:
@@ -13,6 +17,22 @@ def _db_given(type_, value) -> None:
         from ..ledger.store import ledger_path  # here: `kprof list` does not import the ledger
 
         ledger_path(value)
+
+
+def whole(type_, tokens) -> int:
+    """The converter of every int flag: a whole number only. cyclopts' own int conversion rounds (`--since 1.5`
+    would be 2), so a float, an exponent or text is refused naming the flag, as a spec's 64.0 is for an int field."""
+    token = tokens[-1]
+    if re.fullmatch(r"[+-]?[0-9]+", token.value.strip()):
+        return int(token.value)
+    flag = token.keyword or "the value"
+    try:
+        value = float(token.value)
+    except ValueError:
+        value = math.nan
+    near = sorted({math.floor(value), math.ceil(value)}) if math.isfinite(value) else []  # 1.5: 1 or 2
+    example = f", e.g. {' or '.join(f'{flag} {n}' for n in near)}" if near else ""
+    raise UsageError(f"{flag} {token.value!r} is not a whole number; pass an integer{example}")
 
 
 Db = Annotated[str | None, Parameter(name="--db", validator=_db_given,
@@ -24,8 +44,9 @@ Table = Annotated[str, Parameter(help="The table, e.g. single_gemm (see `kprof l
 Backend = Annotated[str, Parameter(name="--backend", help="The backend, e.g. torch-cpu (see `kprof list`).")]
 Spec = Annotated[list[str] | None, Parameter(name="--spec", consume_multiple=False,
                                              help="One spec as a JSON object of the table's KernelArgs; repeatable.")]
-Specs = Annotated[str | None, Parameter(name="--specs", help="A file of specs: a JSON object, a JSON list, "
-                                        "{\"specs\": [...]}, or JSONL.")]
+# allow_leading_hyphen: `--specs -` reaches the spec loader, which says stdin is not read (not "requires an argument").
+Specs = Annotated[str | None, Parameter(name="--specs", allow_leading_hyphen=True, help=(
+    "A file of specs: a JSON object, a JSON list, {\"specs\": [...]}, or JSONL (a file: not stdin or a pipe)."))]
 OutputDir = Annotated[str | None, Parameter(name="--output-dir", help="Write request.json, results.json, "
                                             "curve.json and job.meta.json there, once, read-only.")]
 # The timing method of CUDA rows (part of their key). None = the environment variable, so scripts that set

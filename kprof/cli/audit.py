@@ -10,7 +10,7 @@ from ..errors import UsageError
 from ..ledger import ledger_path
 from ..ledger.audit import JOBS
 from ..ledger.audit import audit as run_audit
-from ._options import L2, CudaGraph, Db, Json, Power, Timer
+from ._options import L2, CudaGraph, Db, Json, Power, Timer, whole
 from ._render import console, emit_json
 
 
@@ -21,10 +21,10 @@ def _remeasure_only(alias):
 
 
 def audit(*, db: Db = None, json: Json = False,
-          jobs: Annotated[int | None, Parameter(name="--jobs", help=(
+          jobs: Annotated[int | None, Parameter(name="--jobs", converter=whole, help=(
               "Shard processes the audit runs, each replaying a share of the keys (1 to 256; default: one per "
               f"core, up to 8, here {JOBS})."))] = None,
-          remeasure: Annotated[int | None, Parameter(name="--remeasure", help=(
+          remeasure: Annotated[int | None, Parameter(name="--remeasure", converter=whole, help=(
               "Instead: re-measure N random current rows of this machine's device and report their drift "
               "(exit 1 when any drifts past --tolerance). Writes nothing."))] = None,
           tolerance: Annotated[float | None, Parameter(name="--tolerance", help=(

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 from cyclopts import Parameter
 
 from ..errors import KprofError, UsageError
-from ._options import Backend, GpuName, Json, Spec, Table, _db_given
+from ._options import Backend, GpuName, Json, Table, _db_given
 from ._render import console, emit_json
 
 __all__ = ["measure", "diagnose"]
@@ -31,12 +31,14 @@ __all__ = ["measure", "diagnose"]
 MeasureDb = Annotated[str | None, Parameter(name="--db", validator=_db_given, help=(
     "Ledger whose row of this spec the window is compared with, read-only (never written). Default: $KPROF_DB, "
     "else ./profile.db; no file there: nothing is compared."))]
+MeasureSpec = Annotated[list[str] | None, Parameter(name="--spec", consume_multiple=False, help=(
+    "The one spec to measure, as a JSON object of the table's KernelArgs."))]
 MeasureDir = Annotated[str | None, Parameter(name="--output-dir", help=(
     "Write runtimes.csv, telemetry.csv, summary.json, durations.png and telemetry.png there, once, read-only. "
     "Default: ./measure_TABLE_BACKEND."))]
 
 
-def measure(table: Table, *, backend: Backend, spec: Spec = None, output_dir: MeasureDir = None,
+def measure(table: Table, *, backend: Backend, spec: MeasureSpec = None, output_dir: MeasureDir = None,
             duration_s: Annotated[float, Parameter(name="--duration-s", help=(
                 "Seconds of the window: every launch in it is recorded."))] = 10.0,
             telemetry_hz: Annotated[float, Parameter(name="--telemetry-hz", help=(

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from cyclopts import Parameter
 
-from ._options import Db, GpuName, Json
+from ._options import Db, Json, whole
 from ._render import console, emit_json
 
 
@@ -14,8 +14,10 @@ def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help=(
                "The new segment file; a directory (existing, or ending in /): a file there named by its content."))],
            table: Annotated[str | None, Parameter(name="--table", help="Only this table's events.")] = None,
            backend: Annotated[str | None, Parameter(name="--backend", help="Only this backend's events.")] = None,
-           gpu_name: GpuName = None,
-           since: Annotated[int, Parameter(name="--since", help="Only events after this sequence number.")] = 0,
+           gpu_name: Annotated[str | None, Parameter(name="--gpu-name", help=(
+               "Only the events of this GPU key (`kprof scopes` lists them). Default: every GPU key."))] = None,
+           since: Annotated[int, Parameter(name="--since", converter=whole, help=(
+               "Only events after this sequence number."))] = 0,
            db: Db = None, json: Json = False) -> int:
     """Write the ledger's events (of one table, backend or GPU key where given) to a new segment file."""
     from ..ledger import ledger_path

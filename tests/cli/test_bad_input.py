@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kprof import api
-from kprof.cli import main
+from kprof.cli import VERBS, main
 from kprof.errors import LedgerError, UsageError
 from kprof.ledger import Ledger
 
@@ -435,3 +435,75 @@ def test_sigterm_during_export_leaves_no_partial_file(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 143, proc.stderr
     assert os.listdir(out) == []
+
+
+# ---- integer flags, list flags, --specs - -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, shown, fix", [
+    (["export", "-o", "d/", "--since", "1.5"], "--since '1.5'", "e.g. --since 1 or --since 2"),
+    (["export", "-o", "d/", "--since=2.0"], "--since '2.0'", "e.g. --since 2"),
+    (["audit", "--remeasure", "1.7"], "--remeasure '1.7'", "e.g. --remeasure 1 or --remeasure 2"),
+    (["audit", "--jobs", "1.5"], "--jobs '1.5'", "e.g. --jobs 1 or --jobs 2"),
+    (["audit", "--jobs", "1e2"], "--jobs '1e2'", "e.g. --jobs 100"),
+    (["audit", "--jobs", "two"], "--jobs 'two'", "pass an integer"),
+])
+def test_an_integer_flag_refuses_a_float_instead_of_rounding_it(argv, shown, fix, tmp_path, h, refused, local_gpu):
+    """cyclopts rounded them: `--since 1.5` exported as --since 2, `--remeasure 1.7` checked 2 rows."""
+    h.append("p.db", h.make_event(SPEC, local_gpu))
+    before = _files(tmp_path)
+    refused([*argv, "--db", "p.db"], f"{shown} is not a whole number; pass an integer", fix)
+    assert _files(tmp_path) == before
+
+
+def test_every_integer_flag_of_every_verb_is_strict():
+    import importlib
+    import typing
+
+    from cyclopts import Parameter
+
+    from kprof.cli import VERBS
+    from kprof.cli._options import whole
+
+    found = []
+    for verb, target, _help in VERBS:
+        module, name = target.split(":")
+        for param, hint in typing.get_type_hints(getattr(importlib.import_module(module), name),
+                                                 include_extras=True).items():
+            if param == "return":
+                continue
+            args = typing.get_args(hint)
+            base = args[0] if typing.get_origin(hint) is typing.Annotated else hint
+            if int in (base, *typing.get_args(base)):
+                assert any(isinstance(a, Parameter) and a.converter is whole for a in args[1:]), (verb, param)
+                found.append((verb, param))
+    assert sorted(found) == [("audit", "jobs"), ("audit", "remeasure"), ("export", "since")]
+
+
+@pytest.mark.parametrize("verb", [verb for verb, _t, _h in VERBS])
+def test_no_verb_has_negative_list_flags(verb, capsys):
+    assert main([verb, "--help"]) == 0
+    assert "--empty-" not in capsys.readouterr().out
+
+
+def test_a_negative_list_flag_is_not_parsed(tmp_path, capsys, h):
+    (tmp_path / "specs.json").write_text(json.dumps([SPEC]))
+    assert main(["query", h.GEMM, "--backend", h.CPU, "--empty-spec", "--specs", "specs.json"]) == 2
+    assert "--empty-spec" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["specs.json"]
+
+
+def test_export_and_measure_have_help_of_their_own(capsys):
+    assert main(["export", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Default: every GPU key" in out and "local device" not in out
+    assert main(["measure", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "The one spec to measure" in out and "repeatable" not in out
+
+
+@pytest.mark.parametrize("form", [["--specs", "-"], ["--specs=-"]])
+def test_specs_from_stdin_is_refused_as_such(form, tmp_path, capsys, h, refused):
+    refused(["query", h.GEMM, "--backend", h.CPU, *form, "--db", "p.db"],
+            "--specs -: reading specs from stdin is not supported; write them to a file and pass its path")
+    refused(["query", h.GEMM, "--backend", h.CPU, "--specs", "--json"], "--json looks like a flag")
+    assert os.listdir(tmp_path) == []
