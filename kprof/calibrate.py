@@ -22,7 +22,11 @@ def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = Non
     Returns (one run result per table, the ceilings now in the ledger under that method)."""
     from . import api
 
-    device = lookup_any(backend).device
+    from .method import resolve_gpu_key
+
+    entry = lookup_any(backend)
+    resolve_gpu_key(entry, gpu_name, measures=True)  # no device to measure on: said of `backend`, not of the base
+    device = entry.device
     base = BASE_BACKEND[device]
     tables = _by_table(m for s in CEILING_SETS[device] for m in s.members)
     results = [api.run(table, base, specs, mode="force" if force else "jit", gpu_name=gpu_name, db=db,

@@ -125,13 +125,19 @@ class Ceiling(NamedTuple):
 
 
 def lookup_any(backend: str):
-    """Any registry entry of `backend` (they all measure on one device kind)."""
+    """A compute registry entry of `backend` (they all measure on one device kind). A backend of collectives only
+    (nccl, gloo) has no ceilings: they are compute and memory ceilings, measured by a compute backend."""
     from .errors import UsageError
     from .runners.registry import entries
 
-    for entry in entries():
-        if entry.backend == backend:
+    mine = [e for e in entries() if e.backend == backend]
+    for entry in mine:
+        if entry.metric_family == "compute":
             return entry
+    takes = " or ".join(BASE_BACKEND.values())
+    if mine:
+        raise UsageError(f"backend {backend!r} measures collectives ({', '.join(e.table for e in mine)}); ceilings "
+                         f"are compute and memory ceilings: pass a compute backend, e.g. --backend {takes}")
     known = sorted({e.backend for e in entries()})
     raise UsageError(f"unknown backend {backend!r}; known backends: {', '.join(known)} (see `kprof list`)")
 

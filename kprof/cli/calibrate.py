@@ -3,6 +3,7 @@ ledger; `query --json` then reports each compute row's fraction of them."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from typing import Annotated
 
@@ -12,6 +13,13 @@ from ..calibrate import calibrate as run_calibrate
 from ..calibrate import complete
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Timer
 from ._render import console, emit_json
+
+
+def _figure(value: float) -> str:
+    """A ceiling with at least 4 significant digits and one decimal, never as an exponent: a CPU's 0.04570 TFLOP/s
+    must not read 0.0, a GPU's 989.4 TFLOP/s or 4,812.3 GB/s read as before."""
+    digits = max(1, 3 - math.floor(math.log10(abs(value)))) if value else 1
+    return f"{value:,.{digits}f}"
 
 
 def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(negative="", help=(
@@ -37,7 +45,7 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
         for c in found:
             unit = "TFLOP/s" if c.metric == "tflops" else "GB/s"
             of = f" ({c.dtype} rows)" if c.dtype else ""
-            out.print(f"{c.metric}{of}: {c.value:,.1f} {unit}  ({c.table} {c.spec}, {c.citation})", markup=False)
+            out.print(f"{c.metric}{of}: {_figure(c.value)} {unit}  ({c.table} {c.spec}, {c.citation})", markup=False)
         for r in rows:
             if r["status"] != "ok":
                 out.print(f"{r['spec']}: {r['status']} {r.get('error') or ''}", markup=False)

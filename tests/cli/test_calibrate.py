@@ -5,6 +5,7 @@ Real CPU kernels where the pipeline is under test; hand-built rows (known values
 the arithmetic is, so a wrong maximum, citation or flag cannot pass by chance."""
 
 import json
+import os
 
 import msgspec
 import pytest
@@ -328,3 +329,27 @@ def test_an_optional_set_that_fails_does_not_fail_calibrate(h, capsys, monkeypat
     required = CeilingSet("tflops", CPU_FLOPS.members + fp8.members, "fp32 GEMMs and one that fails")
     monkeypatch.setitem(CEILING_SETS, "cpu", [required, CPU_BYTES])
     assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json"]) == 1
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_collective_backend_is_refused_naming_the_backends_calibrate_takes(backend, h, capsys, tmp_path):
+    """gloo calibrated torch-cpu's ceilings under its own name; nccl blamed backend torch, which was not passed."""
+    assert main(["calibrate", "--backend", backend, "--db", "p.db"]) == 2
+    err = capsys.readouterr().err
+    assert f"backend {backend!r} measures collectives" in err and "ceilings are compute and memory ceilings" in err
+    assert "--backend torch or torch-cpu" in err and "backend torch measures" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_text_output_shows_a_cpu_ceiling_to_four_significant_digits(h, capsys, monkeypatch):
+    """A CPU's 0.0457 TFLOP/s printed as 0.0."""
+    from kprof.calibrate import Ceiling
+    from kprof.cli import calibrate as verb
+
+    found = [Ceiling("tflops", 0.045712, "single_gemm", {"m": 768}, "kprof.0123456789abcdef"),
+             Ceiling("memory_bandwidth_gbps", 4812.34, "memcpy", {"bytes": 1}, "kprof.fedcba9876543210")]
+    monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([], found))
+    monkeypatch.setattr(verb, "complete", lambda *a: True)
+    assert main(["calibrate", "--backend", "torch-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "tflops: 0.04571 TFLOP/s" in out and "memory_bandwidth_gbps: 4,812.3 GB/s" in out
