@@ -27,7 +27,7 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False) 
         name = local_gpu_name()
         if name is None and measures:
             raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and none is visible here; run on a "
-                             f"machine with one (--gpu-name only names the rows), or use backend torch-cpu")
+                             f"machine with one (--gpu-name only names the rows){_on_cpu(entry)}")
         if name is None:
             raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and none is visible here; pass "
                              f"--gpu-name (e.g. --gpu-name 'NVIDIA H200') to read the rows of another machine")
@@ -35,6 +35,14 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False) 
     from .measure.env import cpu_model
 
     return cpu_model()
+
+
+def _on_cpu(entry: Entry) -> str:
+    """", or use backend B" for the table's own CPU backend (gloo for a collective), "" where it has none."""
+    from .runners.registry import entries
+
+    twins = [e.backend for e in entries() if e.table == entry.table and e.device == "cpu"]
+    return f", or use backend {twins[0]}" if twins else ""
 
 
 # The CUDA timing method's settings: (flag, environment variable, allowed values, default).

@@ -107,8 +107,11 @@ class CudaDevice:
         from ..measure.nvml import gpu_environment
 
         if not torch.cuda.is_available():
+            from .registry import entries
+
+            twins = [e.backend for e in entries() if e.table == entry.table and e.device == "cpu"]  # gloo for nccl
             raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and torch {torch.__version__} sees "
-                             f"none; run on a GPU machine, or use backend torch-cpu")
+                             f"none; run on a GPU machine{f', or use backend {twins[0]}' if twins else ''}")
         actual = torch.cuda.get_device_name(0)
         if actual != gpu_key:
             raise UsageError(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit --gpu-name")

@@ -507,3 +507,15 @@ def test_specs_from_stdin_is_refused_as_such(form, tmp_path, capsys, h, refused)
             "--specs -: reading specs from stdin is not supported; write them to a file and pass its path")
     refused(["query", h.GEMM, "--backend", h.CPU, "--specs", "--json"], "--json looks like a flag")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_collective_without_a_gpu_names_its_own_cpu_backend(tmp_path, capsys, h, refused, monkeypatch):
+    """all_reduce's CPU twin is gloo: torch-cpu has no all_reduce."""
+    from kprof.measure import device_name
+
+    monkeypatch.setattr(device_name, "local_gpu_name", lambda: None)
+    spec = json.dumps({"message_size_bytes": 16777216, "dtype": "bf16", "world_size": 2})
+    err = refused(["run", "all_reduce", "--backend", "nccl", "--spec", spec, "--db", "p.db"],
+                  "backend nccl measures on a CUDA GPU", "or use backend gloo")
+    assert "torch-cpu" not in err
+    assert os.listdir(tmp_path) == []

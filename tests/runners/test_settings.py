@@ -61,3 +61,16 @@ def test_a_capped_rows_sampled_time_comes_from_the_environment(monkeypatch):
     state.settle(lambda seconds: None)
     assert state.capped and state.min_sample_s == 2.0 and state.estimator == "mean"
     assert state.notes["capped_sample_s"] == "2.00" and state.notes["capped_max_sample_s"] == "5.00"
+
+
+def test_a_cuda_backend_without_a_gpu_names_its_tables_cpu_backend(monkeypatch):
+    """The CUDA device's own check: all_reduce's CPU backend is gloo, single_gemm's torch-cpu."""
+    import torch
+
+    from kprof.runners.registry import lookup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for table, backend, twin in (("all_reduce", "nccl", "gloo"), ("single_gemm", "torch", "torch-cpu")):
+        with pytest.raises(UsageError, match=f"backend {backend} measures on a CUDA GPU .*; run on a GPU machine, or "
+                                             f"use backend {twin}$"):
+            CudaDevice(lookup(table, backend), "NVIDIA H200", None)
