@@ -55,26 +55,67 @@ def _more(hidden: list[dict]) -> str:
     return f"... and {len(hidden)} more row{'s' if len(hidden) != 1 else ''} ({by_status}); use --json for all"
 
 
-def results_table(res, limit: int = TABLE_ROWS) -> None:
-    """A readable table of a query/run result: spec columns beside status and metrics. Past `limit` rows, the
-    first `limit` and a line counting the others by status (--json prints every row); the same for error lines."""
-    from rich.table import Table
+# The metric columns a narrow terminal drops first (the last first); time_ms, the row's measurement, is kept.
+_OPTIONAL = ("energy_j", "memory_bandwidth_gbps", "busbw_gbps", "algbw_gbps", "tflops")
 
-    out = console()
+
+def _fit(columns: list[str], cells: list[list[str]], width: int) -> tuple[list[int], dict[int, int] | None]:
+    """(the indices of the columns to show within `width`, a terminal's; {index: width} of each). Each is as wide
+    as its widest cell, so no number or citation is cut or split: optional metric columns are dropped, least useful
+    first, until they fit, and headers longer than their cells fold where no room is left (the shortest shortfalls
+    are made whole first). Widths None where even the rest cannot fit: every cell folds then (a number split over
+    two lines, still never cut)."""
+    need = [max((len(row[i]) for row in cells), default=1) for i in range(len(columns))]
+
+    def room(shown):  # each column's padding and border take 3 characters, the table's last border 1
+        return width - sum(need[i] + 3 for i in shown) - 1
+
+    shown = list(range(len(columns)))
+    for name in _OPTIONAL:
+        if room(shown) >= 0:
+            break
+        shown = [i for i in shown if columns[i] != name]
+    spare = room(shown)
+    if spare < 0:
+        return shown, None
+    widths = {i: need[i] for i in shown}
+    for i in sorted(shown, key=lambda i: len(columns[i]) - need[i]):
+        grow = min(max(0, len(columns[i]) - need[i]), spare)
+        widths[i] += grow
+        spare -= grow
+    return shown, widths
+
+
+def results_table(res, limit: int = TABLE_ROWS, out=None) -> None:
+    """A readable table of a query/run result: spec columns beside status and metrics. Past `limit` rows, the
+    first `limit` and a line counting the others by status (--json prints every row); the same for error lines.
+    Numbers and citations are printed whole at any width: a terminal too narrow for every metric loses the optional
+    ones (named on a line below), and headers fold instead."""
+    from rich.table import Column, Table
+
+    out = out or console()
     shown, hidden = res.results[:limit], res.results[limit:]
     spec_cols = list(shown[0]["spec"]) if shown else []
     metric_cols = []
     for r in shown:
         for k in r["metrics"] or {}:
-            if k not in metric_cols:
+            if k not in metric_cols and k not in spec_cols:  # a comm row's message_size_bytes: its spec's
                 metric_cols.append(k)
-    table = Table(*spec_cols, "status", *metric_cols, "citation",
+    names = [*spec_cols, "status", *metric_cols, "citation"]
+    cells = [[*(_fmt(r["spec"][c]) for c in spec_cols), r["status"],
+              *(_fmt((r["metrics"] or {}).get(c)) for c in metric_cols), r["citation"] or "-"] for r in shown]
+    keep, widths = _fit(names, cells, out.width)
+    dropped = [n for i, n in enumerate(names) if i not in keep]
+    citation = max((len(row[-1]) for row in cells), default=None)
+    table = Table(*(Column(names[i], overflow="fold", width=widths[i] if widths else None,
+                           min_width=citation if names[i] == "citation" else None) for i in keep),
                   title=f"{res.table} / {res.backend} on {res.gpu_name} ({res.mode})")
-    for r in shown:
-        m = r["metrics"] or {}
-        table.add_row(*(_fmt(r["spec"][c]) for c in spec_cols), r["status"], *(_fmt(m.get(c)) for c in metric_cols),
-                      r["citation"] or "-")
+    for row in cells:
+        table.add_row(*(row[i] for i in keep))
     out.print(table)
+    if dropped:
+        out.print(f"(not shown at {out.width} columns: {', '.join(dropped)}; widen the terminal, or use --json)",
+                  markup=False)
     if hidden:
         out.print(_more(hidden), markup=False)
     others = Counter(r["status"] for r in res.results if r["status"] != "ok")

@@ -39,9 +39,13 @@ def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event 
         out.print("provenance: " + ", ".join(f"{k}={v}" for k, v in prov.items()), markup=False)
         if chosen["type"] == "measured":
             out.print("metrics: " + ", ".join(f"{k}={v}" for k, v in chosen["metrics"].items()), markup=False)
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table("seq", "event", "kind", "at", "detail", title="history")
+    # The citations are printed whole at any width, to be copied back into `kprof show`: the other columns fold,
+    # and " (current)" wraps below its citation.
+    width = max((len(h["citation"]) for h in history), default=None)
+    table = Table(*(Column(name, overflow="fold", min_width=width if name == "event" else None)
+                    for name in ("seq", "event", "kind", "at", "detail")), title="history")
     for h in history:
         detail = {"measured": lambda: f"time_ms={h['metrics'].get('time_ms')}",
                   "failed": lambda: f"{h['error_kind']}: {h['message']}",

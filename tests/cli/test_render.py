@@ -104,3 +104,44 @@ def test_messages_and_tables_print_brackets_as_they_are(tmp_path, capsys, h, loc
     assert f"scopes of {db}" in capsys.readouterr().out
     assert main(["audit", "--db", db]) == 0
     assert capsys.readouterr().out.startswith(f"audit of {db}: clean — 1 events")
+
+
+def _wide_result(table="single_gemm", backend="torch-cpu") -> QueryResult:
+    rows = [{"spec": {"m": m, "n": 1024, "k": 256, "dtype": "fp32"}, "status": "ok",
+             "metrics": {"time_ms": 0.0255812 * m, "tflops": 0.0253911 * m, "memory_bandwidth_gbps": 51.0213,
+                         "energy_j": None},
+             "citation": f"kprof.{m:02d}44fe280f378904"} for m in (1, 16, 64)]
+    return QueryResult(table, backend, "AMD EPYC", "p.db", "query", 3, 0, "ab" * 32, rows)
+
+
+def _render(res, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    results_table(res, out=Console(file=buf, width=width, highlight=False, soft_wrap=True))
+    return buf.getvalue()
+
+
+def test_an_80_column_table_shows_every_number_and_citation_whole():
+    """An 80-column terminal showed `0.02…` and `kpro…`: now the optional metrics give way, named below."""
+    res = _wide_result()
+    out = _render(res, 80)
+    assert "…" not in out and max(len(line) for line in out.splitlines() if line[:1] in "┏┃┡│└") <= 80
+    for r in res.results:
+        assert r["citation"] in out
+        for metric in ("time_ms", "tflops"):
+            assert f" {r['metrics'][metric]:.4g} " in out
+    assert "(not shown at 80 columns: memory_bandwidth_gbps, energy_j; widen the terminal, or use --json)" in out
+    wide = _render(res, 200)
+    assert "memory_bandwidth_gbps" in wide and "51.02" in wide and "not shown" not in wide
+
+
+def test_a_collective_table_shows_the_message_size_once():
+    rows = [{"spec": {"message_size_bytes": 1048576, "dtype": "fp32", "world_size": 2}, "status": "ok",
+             "metrics": {"time_ms": 0.5, "algbw_gbps": 2.1, "busbw_gbps": 2.1, "message_size_bytes": 1048576.0,
+                         "energy_j": None}, "citation": "kprof.0123456789abcdef"}]
+    out = _render(QueryResult("all_reduce", "gloo", "AMD EPYC", "p.db", "query", 1, 0, "ab" * 32, rows), 200)
+    header = next(line for line in out.splitlines() if "status" in line)
+    assert header.count("message_size_bytes") == 1 and "1048576" in out and "1.049e+06" not in out

@@ -42,3 +42,23 @@ def test_show_unknown_reference_exits_2(ledger_path, capsys):
     _ledger(ledger_path).close()
     assert main(["show", "kprof.deadbeefdeadbeef", "--db", ledger_path]) == 2
     assert "nothing in" in capsys.readouterr().err
+
+
+def test_the_history_shows_whole_citations_on_an_80_column_terminal(ledger_path, capsys, monkeypatch):
+    """`kprof.d479a616c32…` could not be copied back into `kprof show`."""
+    import io
+
+    from rich.console import Console
+
+    from kprof.cli import show
+
+    led = _ledger(ledger_path)
+    key = synth.event(0).key.hex()
+    led.close()
+    assert main(["show", key, "--db", ledger_path, "--json"]) == 0
+    citations = [h["citation"] for h in json.loads(capsys.readouterr().out)["history"]]
+    buf = io.StringIO()
+    monkeypatch.setattr(show, "console", lambda: Console(file=buf, width=80, highlight=False, soft_wrap=True))
+    assert main(["show", key, "--db", ledger_path]) == 0
+    out = buf.getvalue()
+    assert "…" not in out and len(citations) == 3 and all(c in out for c in citations)
