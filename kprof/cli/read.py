@@ -14,6 +14,7 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
     """Count the specs without an ok row (missing, stale or failed). Never profiles."""
     res = api.count_missing(table, backend, read_specs(spec, specs), gpu_name=gpu_name, db=db, timer=timer, l2=l2,
                             cuda_graph=cuda_graph, power=power)
+    _unknown_gpu_key(res)
     if json:
         emit_json({"table": res.table, "backend": res.backend, "gpu_name": res.gpu_name, "db": res.db,
                    "count": res.count, "missing_count": res.missing_count, "missing": res.missing})
@@ -29,8 +30,22 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
     """Read the rows of the given specs. Never profiles; missing rows are reported, not an error."""
     res = api.query(table, backend, read_specs(spec, specs), gpu_name=gpu_name, db=db, timer=timer, l2=l2,
                     cuda_graph=cuda_graph, power=power)
+    _unknown_gpu_key(res)
     if json:
         emit_json(res.to_json())
     else:
         results_table(res)
     return 0
+
+
+def _unknown_gpu_key(res) -> None:
+    """One note on stderr where every spec is missing because the ledger has no row at all of the table/backend
+    under this GPU key while it holds others (a mistyped --gpu-name reads as missing rows). The answer itself, its
+    JSON and its exit 0 stay as the contract says; `kprof export` refuses such a key instead."""
+    if not res.count or res.missing_count < res.count:
+        return
+    held = [s for s in api.scopes(res.db) if (s.table, s.backend) == (res.table, res.backend)]
+    if held and all(s.gpu_name != res.gpu_name for s in held):
+        keys = ", ".join(f"{s.gpu_name!r} ({s.rows} row{'s' if s.rows != 1 else ''})" for s in held)
+        console(stderr=True).print(f"note: {res.db} has no {res.table}/{res.backend} rows for GPU key "
+                                   f"{res.gpu_name!r}; it holds: {keys}", markup=False)

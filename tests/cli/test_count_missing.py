@@ -1,6 +1,8 @@
 import json
 import os
 
+import pytest
+
 from kprof.cli import main
 
 
@@ -93,3 +95,23 @@ def test_empty_gpu_name_is_a_usage_error(ledger_path, capsys, h):
     assert main(["count-missing", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--gpu-name", " ",
                  "--db", ledger_path]) == 2
     assert "--gpu-name is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", ["count-missing", "query"])
+def test_a_gpu_key_with_no_rows_beside_others_gets_a_note(verb, ledger_path, capsys, h, local_gpu):
+    """A misspelled --gpu-name answered "2 of 2 missing" with no hint. The answer stays (exit 0, the same JSON);
+    one note on stderr names the GPU keys the ledger holds for the table/backend."""
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu), h.make_event(h.gemm(m=64), local_gpu),
+             h.make_event(h.gemm(), "NVIDIA H200"))
+    argv = [verb, h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(), h.gemm(m=64)), "--db", ledger_path, "--json"]
+    assert main([*argv, "--gpu-name", "NVIDIA H20"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["gpu_name"] == "NVIDIA H20" and doc["missing_count"] == 2
+    held = ", ".join(f"{key!r} ({rows})" for key, rows in sorted([("NVIDIA H200", "1 row"), (local_gpu, "2 rows")]))
+    assert captured.err.strip() == (f"note: {ledger_path} has no single_gemm/torch-cpu rows for GPU key 'NVIDIA H20'; "
+                                    f"it holds: {held}")
+    assert main([*argv, "--gpu-name", "NVIDIA H200"]) == 0  # a key it holds, one spec missing: no note
+    assert capsys.readouterr().err == ""
+    assert main([verb, "memcpy", "--backend", h.CPU, "--spec", '{"bytes": 64}', "--db", ledger_path]) == 0
+    assert capsys.readouterr().err == ""  # no memcpy rows under any key: nothing to suggest
