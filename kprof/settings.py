@@ -9,7 +9,7 @@ from typing import Callable
 
 from .errors import UsageError
 
-__all__ = ["env_number"]
+__all__ = ["env_number", "env_alias", "env_ordered"]
 
 
 def env_number(name: str, what: str, valid: Callable[[float], bool], example: str) -> float | None:
@@ -25,3 +25,22 @@ def env_number(name: str, what: str, valid: Callable[[float], bool], example: st
     if not (math.isfinite(value) and valid(value)):
         raise UsageError(f"{name}={raw!r} is not {what}; e.g. {name}={example}, or unset it")
     return value
+
+
+def env_alias(*names: str) -> str | None:
+    """The one variable of `names` (aliases of one setting, the first the documented one) that is set, or None where
+    none is. Two set to different values are a UsageError naming both: which one was meant is not kprof's guess."""
+    given = [(name, os.environ[name]) for name in names if os.environ.get(name, "").strip()]
+    for name, raw in given[1:]:
+        if "".join(raw.split()) != "".join(given[0][1].split()):
+            raise UsageError(f"{given[0][0]}={given[0][1]!r} and {name}={raw!r} are the same setting and differ; "
+                             f"unset {name} (or give both one value)")
+    return given[0][0] if given else None
+
+
+def env_ordered(least_name: str, least: float, most_name: str, most: float) -> None:
+    """Two variables bounding one range, both set with the least above the most: a UsageError naming both values (one
+    set alone stays as it is; its reader decides what the other's default means beside it)."""
+    if least > most and all(os.environ.get(n, "").strip() for n in (least_name, most_name)):
+        raise UsageError(f"{least_name}={os.environ[least_name]!r} is above {most_name}={os.environ[most_name]!r}: "
+                         f"the least cannot exceed the most; lower {least_name} or raise {most_name}")

@@ -15,6 +15,7 @@ from ..measure._l2 import activations_rewrite
 from ..measure._state import CAPPED_MAX_SAMPLE_S, CAPPED_SAMPLE_S
 from ..measure.stats import StopRule, placement_notes, summarize
 from ._case import algorithm_notes
+from ..settings import env_ordered
 from ._settings import env_seconds
 from .registry import Entry
 
@@ -73,10 +74,12 @@ def capped_sample_s() -> tuple[float, float]:
     """The least and the most seconds of timed work a power-capped kernel's row averages over
     (KPROF_CAPPED_SAMPLE_S, KPROF_CAPPED_MAX_SAMPLE_S; see kprof.measure._state): between them it stops once its
     mean is known to 0.7 % (`kprof.measure._state.CAPPED_TARGET`). A larger maximum is less noise for rows of
-    GEMMs whose clock the cap swings most, at up to that cost per such spec; a maximum below the minimum is the
-    minimum."""
+    GEMMs whose clock the cap swings most, at up to that cost per such spec; the default maximum below a set minimum
+    is the minimum, and both set with the minimum above is refused."""
     least = env_seconds("KPROF_CAPPED_SAMPLE_S", CAPPED_SAMPLE_S)
-    return least, max(least, env_seconds("KPROF_CAPPED_MAX_SAMPLE_S", CAPPED_MAX_SAMPLE_S))
+    most = env_seconds("KPROF_CAPPED_MAX_SAMPLE_S", CAPPED_MAX_SAMPLE_S)
+    env_ordered("KPROF_CAPPED_SAMPLE_S", least, "KPROF_CAPPED_MAX_SAMPLE_S", most)  # both set, least above most
+    return least, max(least, most)
 
 
 def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None]:

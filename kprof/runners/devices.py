@@ -18,6 +18,7 @@ import os
 from typing import NamedTuple
 
 from ..errors import UsageError
+from ..settings import env_alias
 from .registry import Entry
 
 __all__ = ["Device", "Devices", "usable_devices", "need_of", "pool_mode", "groups"]
@@ -63,10 +64,7 @@ def need_of(entry: Entry, spec: dict) -> int:
 
 
 def _forced_var() -> str | None:
-    for name in ("KPROF_PROFILE_GPUS", "VIBESIM_PROFILE_GPUS"):
-        if os.environ.get(name, "").strip():
-            return name
-    return None
+    return env_alias("KPROF_PROFILE_GPUS", "VIBESIM_PROFILE_GPUS")  # both set and differing: refused
 
 
 def _parse_forced(name: str) -> list[int]:

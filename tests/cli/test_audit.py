@@ -172,3 +172,19 @@ def test_a_shards_range_walk_counts_its_entries_and_names_keys_out_of_order():
         assert walked == (keys[:4] if shard == 0 else keys[4:])
         assert work.walked == {"current": count}
         assert found.items == (["structure: current: keys out of order after " + "30" * 12] if shard == 0 else [])
+
+
+def test_audit_of_a_truncated_ledger_does_not_send_the_reader_to_itself(ledger_path, capsys):
+    """The truncation error other verbs print ends "run `kprof audit` for the full report": in the audit's own
+    report that is dropped, and the fix stays."""
+    import os
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 200)))
+    led.close()
+    with open(ledger_path, "r+b") as f:
+        f.truncate(os.path.getsize(ledger_path) // 2)
+    for argv in (["audit", "--db", ledger_path], ["audit", "--db", ledger_path, "--json"]):
+        assert main(argv) == 3
+        out = capsys.readouterr().out
+        assert "is truncated" in out and "restore the file from a copy" in out and "kprof audit" not in out

@@ -509,6 +509,22 @@ def test_specs_from_stdin_is_refused_as_such(form, tmp_path, capsys, h, refused)
     assert os.listdir(tmp_path) == []
 
 
+# ---- settings that contradict each other ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, needle", [
+    ({"KPROF_CAPPED_SAMPLE_S": "5", "KPROF_CAPPED_MAX_SAMPLE_S": "1"},
+     "KPROF_CAPPED_SAMPLE_S='5' is above KPROF_CAPPED_MAX_SAMPLE_S='1'"),
+    ({"KPROF_PROFILE_GPUS": "0", "VIBESIM_PROFILE_GPUS": "1"},
+     "KPROF_PROFILE_GPUS='0' and VIBESIM_PROFILE_GPUS='1' are the same setting and differ"),
+])
+def test_settings_that_contradict_each_other_are_refused_on_the_cpu_too(env, needle, tmp_path, capsys, h, refused,
+                                                                        monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    refused(_run_into("snap", h, "p.db"), needle)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_collective_without_a_gpu_names_its_own_cpu_backend(tmp_path, capsys, h, refused, monkeypatch):
     """all_reduce's CPU twin is gloo: torch-cpu has no all_reduce."""
     from kprof.measure import device_name

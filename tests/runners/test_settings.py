@@ -63,6 +63,30 @@ def test_a_capped_rows_sampled_time_comes_from_the_environment(monkeypatch):
     assert state.notes["capped_sample_s"] == "2.00" and state.notes["capped_max_sample_s"] == "5.00"
 
 
+def test_aliases_of_one_setting_that_differ_are_refused(monkeypatch):
+    from kprof.settings import env_alias
+
+    for name in ("KPROF_X", "OLD_X"):
+        monkeypatch.delenv(name, raising=False)
+    assert env_alias("KPROF_X", "OLD_X") is None
+    monkeypatch.setenv("OLD_X", "0,1")
+    assert env_alias("KPROF_X", "OLD_X") == "OLD_X"
+    monkeypatch.setenv("KPROF_X", "0, 1")  # the same value, spaced otherwise
+    assert env_alias("KPROF_X", "OLD_X") == "KPROF_X"
+    monkeypatch.setenv("KPROF_X", "0")
+    with pytest.raises(UsageError, match="KPROF_X='0' and OLD_X='0,1' are the same setting and differ; unset OLD_X"):
+        env_alias("KPROF_X", "OLD_X")
+
+
+def test_a_capped_rows_least_above_its_most_is_refused_when_both_are_set(monkeypatch):
+    monkeypatch.setenv("KPROF_CAPPED_SAMPLE_S", "5")
+    monkeypatch.setenv("KPROF_CAPPED_MAX_SAMPLE_S", "1")
+    with pytest.raises(UsageError, match="KPROF_CAPPED_SAMPLE_S='5' is above KPROF_CAPPED_MAX_SAMPLE_S='1'"):
+        capped_sample_s()
+    monkeypatch.delenv("KPROF_CAPPED_MAX_SAMPLE_S")
+    assert capped_sample_s() == (5.0, 5.0)  # above the default maximum: that is the minimum, as documented
+
+
 def test_a_cuda_backend_without_a_gpu_names_its_tables_cpu_backend(monkeypatch):
     """The CUDA device's own check: all_reduce's CPU backend is gloo, single_gemm's torch-cpu."""
     import torch
