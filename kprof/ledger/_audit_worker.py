@@ -34,8 +34,7 @@ class MemoryStore(Store):
     """The views as plain dicts, the log and events read from `txn`: a replay that does not touch the file."""
 
     def __init__(self, txn, dbs):
-        self.txn, self.dbs = txn, dbs
-        self.data: defaultdict[str, dict[bytes, bytes]] = defaultdict(dict)
+        self.txn, self.dbs, self.data = txn, dbs, defaultdict(dict)  # data: db -> {key: value}
 
     def get(self, db, k):
         return self.data[db].get(k)
@@ -63,8 +62,7 @@ def replay_into(store: Store, events) -> None:
 
 class Findings:
     def __init__(self):
-        self.items: list[str] = []
-        self.counts: Counter[str] = Counter()
+        self.items, self.counts = [], Counter()
 
     def add(self, check: str, text: str) -> None:
         self.counts[check] += 1

@@ -25,6 +25,8 @@ ROW_TAG = b"kprof/row/v1\x00"
 encoder = msgspec.msgpack.Encoder(order="deterministic")
 encode = encoder.encode
 event_decoder = msgspec.msgpack.Decoder(Event)
+# Hashers that took their tag, copied per hash and never updated: no concatenated copy of the bytes hashed.
+_EVENT_HASHER, _KEY_HASHER, _SHAPE_HASHER = blake3(EVENT_TAG), blake3(KEY_TAG), blake3(SHAPE_TAG)
 
 
 def stored_event(data: bytes, eid: bytes):
@@ -36,15 +38,9 @@ def stored_event(data: bytes, eid: bytes):
                              f"restore the file from a copy") from None
 
 
-_EVENT_HASHER = blake3(EVENT_TAG)
-
-
 def event_id(data: bytes) -> bytes:
-    """blake3(EVENT_TAG + data), from a copy of a hasher that took the tag (no concatenated copy of the event)."""
+    """blake3(EVENT_TAG + data)."""
     return _EVENT_HASHER.copy().update(data).digest()
-
-
-_KEY_HASHER = blake3(KEY_TAG)
 
 
 def key_of(provenance_bytes) -> bytes:
@@ -68,9 +64,6 @@ def provenance_prefix(provenance_without_shape: Provenance) -> bytes:
 @functools.lru_cache(maxsize=1024)  # a ledger's events share a few scopes
 def scope_id(table: str, backend: str, gpu_key: str) -> bytes:
     return blake3(SCOPE_TAG + encode([table, backend, gpu_key])).digest()[:16]
-
-
-_SHAPE_HASHER = blake3(SHAPE_TAG)
 
 
 def shape_id(shape_bytes: bytes) -> bytes:

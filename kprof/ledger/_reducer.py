@@ -13,8 +13,7 @@ Views (rebuildable from the log), every value a named msgspec Struct encoded as 
 
 A key's current row is its latest non-retracted attempt, measured or failed (a failure retracted brings the
 earlier good row back). The view root is an additive multiset hash over (key, current event id): O(1) per change,
-independent of the order rows arrived in.
-"""
+independent of the order rows arrived in."""
 
 from __future__ import annotations
 
@@ -215,8 +214,7 @@ class Reducer:
         return sid, entry
 
     def apply(self, event, eid: bytes, seq: int) -> None:
-        put, encode = self._put, _codec.encode
-        key = event.key
+        put, encode, key = self._put, _codec.encode, event.key
         history = history_entry(key, self._get("history", key))
         history.seqs.append(seq)
         kind = KIND[type(event)]

@@ -1,8 +1,7 @@
 """The ledger's records: provenance and the three immutable event kinds, frozen msgspec Structs.
 
 New fields are appended with defaults and never retyped; `omit_defaults=True` keeps a defaulted field out of the
-bytes, so adding one changes no key or id of a record written before it existed.
-"""
+bytes, so adding one changes no key or id of a record written before it existed."""
 
 from __future__ import annotations
 
@@ -162,9 +161,8 @@ class Summary(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     @property
     def stats(self) -> Stats | None:
-        if self.metrics is None:
-            return None
-        return Stats(self.n, self.median, self.p10, self.p90, self.mean, self.stdev, self.cv, self.min, self.max)
+        return None if self.metrics is None else Stats(self.n, self.median, self.p10, self.p90, self.mean, self.stdev,
+                                                       self.cv, self.min, self.max)
 
 
 class MeasuredHead(msgspec.Struct, frozen=True, gc=False, tag="measured"):
