@@ -2,15 +2,15 @@
 gpu_key)` makes one; the README's Python read API shows its calls). Every row a lookup returns is verified (see
 _verify): a damaged ledger gives an IntegrityError (exit 3), never a wrong answer. The same specs asked again (a
 simulator's loop) are answered from the ledger's memo of verified answers while the view root they were read under
-stands (see _memo).
-"""
+stands (see _memo)."""
 
 from __future__ import annotations
 
 import datetime as _dt
 from contextlib import contextmanager
-from itertools import compress
+from itertools import compress, groupby
 from operator import not_
+from types import MappingProxyType
 from typing import Any, Iterable, Iterator, Mapping
 
 import msgspec
@@ -28,41 +28,44 @@ __all__ = ["View", "Row", "STATUSES", "citation"]
 STATUSES = ("ok", "missing", "stale", "failed", "error")
 
 
-_MISSING = ("missing", None, None, None)  # (status, event id, summary, base) of a spec without a row
-
-
 def citation(eid: bytes) -> str:
     return "kprof." + eid.hex()[:16]
 
 
 class Row(msgspec.Struct, frozen=True, gc=False):
     """One spec's answer: status, and for ok / stale / failed rows the summary of the event behind it (the full
-    event, environment and raw samples, is `ledger.event(row.event_id)`)."""
+    event, environment and raw samples, is `ledger.event(row.event_id)`). The summary and provenance are shared with
+    the ledger's memo (see _memo), so what a Row hands out is read-only (`metrics`) or a copy (`summary`)."""
 
     spec: dict[str, Any]
     status: str
     key: bytes
     event_id: bytes | None = None
-    summary: Summary | None = None
-    base: Provenance | None = None  # the provenance without (or, for stale rows, with) its shape
+    _summary: Summary | None = None
+    _base: Provenance | None = None  # the provenance without (or, for stale rows, with) its shape
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
     @property
-    def metrics(self) -> dict[str, float | None] | None:
-        return self.summary.metrics if self.summary is not None else None
+    def summary(self) -> Summary | None:
+        s = self._summary
+        return s if s is None or s.metrics is None else msgspec.structs.replace(s, metrics=dict(s.metrics))
+
+    @property
+    def metrics(self) -> Mapping[str, float | None] | None:
+        s = self._summary
+        return None if s is None or s.metrics is None else MappingProxyType(s.metrics)
 
     @property
     def stats(self) -> Stats | None:
-        return self.summary.stats if self.summary is not None else None
+        return self._summary.stats if self._summary is not None else None
 
     @property
     def provenance(self) -> Provenance | None:
-        if self.base is None:
-            return None
-        return self.base if self.base.shape else msgspec.structs.replace(self.base, shape=self.spec)
+        base = self._base
+        return None if base is None else msgspec.structs.replace(base, shape=dict(base.shape or self.spec))
 
     @property
     def citation(self) -> str | None:
@@ -70,24 +73,19 @@ class Row(msgspec.Struct, frozen=True, gc=False):
 
     @property
     def measured_at(self) -> str | None:
-        if self.summary is None:
-            return None
-        return _dt.datetime.fromtimestamp(self.summary.measured_at, _dt.timezone.utc).isoformat(timespec="seconds")
+        s = self._summary
+        when = None if s is None else _dt.datetime.fromtimestamp(s.measured_at, _dt.timezone.utc)
+        return when and when.isoformat(timespec="seconds")
 
     def to_json(self) -> dict:
-        s = self.summary
-        return {
-            "spec": self.spec,
-            "status": self.status,
-            "key": self.key.hex(),
-            "event": self.event_id.hex() if self.event_id else None,
-            "citation": self.citation,
-            "metrics": self.metrics,
-            "stats": msgspec.to_builtins(self.stats) if self.stats is not None else None,
-            "provenance": msgspec.to_builtins(self.provenance) if self.base is not None else None,
-            "measured_at": self.measured_at,
-            "error": {"kind": s.error_kind, "message": s.message} if s is not None and s.error_kind else None,
-        }
+        s, stats, metrics = self._summary, self.stats, self.metrics
+        return {"spec": self.spec, "status": self.status, "key": self.key.hex(),
+                "event": self.event_id.hex() if self.event_id else None, "citation": self.citation,
+                "metrics": None if metrics is None else dict(metrics),
+                "stats": None if stats is None else msgspec.to_builtins(stats),
+                "provenance": None if self._base is None else msgspec.to_builtins(self.provenance),
+                "measured_at": self.measured_at,
+                "error": {"kind": s.error_kind, "message": s.message} if s is not None and s.error_kind else None}
 
 
 class View:
@@ -95,8 +93,7 @@ class View:
     the KernelArgs type (the ledger knows no registry). Each call reads one consistent snapshot."""
 
     def __init__(self, ledger, table: str, backend: str, gpu_key: str, contract: Contract, args_type: type):
-        self.ledger, self.table, self.backend, self.gpu_key = ledger, table, backend, gpu_key
-        self.contract = contract
+        self.ledger, self.table, self.backend, self.gpu_key, self.contract = ledger, table, backend, gpu_key, contract
         self.shapes = ShapeCodec(args_type, strict=True)  # as every spec input: 64.0 for an int field is refused
         self.keys = KeyMaker(table, backend, gpu_key, contract, self.shapes)
         self.scope = self.keys.scope
@@ -110,10 +107,8 @@ class View:
         answer "missing", as a caller asks them before anything is measured)."""
         shapes, exact = self.shapes.to_shapes([spec])
         with self._read() as txn:
-            columns = self._columns(txn, shapes)
-            row = Row(self._spec_dicts([spec], shapes, exact)[0], *(column[0] for column in columns))
-            with _verify.reading(self.ledger.path, "scopes"):
-                unknown = row.status == "missing" and txn.get(self.scope, db=self.ledger.dbs["scopes"]) is None
+            row = Row(self._spec_dicts([spec], shapes, exact)[0], *(column[0] for column in self._columns(txn, shapes)))
+            unknown = row.status == "missing" and self._entry(txn) is None
         if unknown:
             with _verify.reading(self.ledger.path, "scopes"):
                 known = sorted((g, rows) for t, b, g, rows in self.ledger.scopes()
@@ -153,11 +148,10 @@ class View:
             return answer(txn, shapes)
         with _verify.reading(self.ledger.path, "meta"):
             stamp = root + (txn.get(REBUILT, db=self.ledger.dbs["meta"]) or b"")
-        memo = self.ledger.memo
-        found = memo.get(self._memo_id, stamp, op, digest)
+        found = self.ledger.memo.get(self._memo_id, stamp, op, digest)
         if found is None:
             found = answer(txn, shapes)
-            memo.put(self._memo_id, stamp, op, digest, len(shapes), found)
+            self.ledger.memo.put(self._memo_id, stamp, op, digest, len(shapes), found)
         return found
 
     def _shape_flags(self, txn, shapes: list) -> bytes:
@@ -179,8 +173,7 @@ class View:
         """Each row's spec: the caller's dicts where already canonical (no copies), else the shapes as dicts."""
         if exact and all(type(s) is dict for s in specs):
             return specs
-        asdict = msgspec.structs.asdict
-        return [s if type(s) is dict else asdict(s) for s in shapes]
+        return [s if type(s) is dict else msgspec.structs.asdict(s) for s in shapes]
 
     def _columns(self, txn, shapes: list) -> tuple[list, list, list, list, list]:
         """(status, key, event id, summary, base) of each canonical shape's row: the Row fields after `spec`."""
@@ -191,67 +184,62 @@ class View:
         eids = [None if v is None else v.event_id for v in values]
         summaries = [None if v is None else v.summary for v in values]
         bases = [None if v is None else base for v in values]
-        if self._other_contracts(txn):  # a spec without a row of this contract may have another's: stale
-            for i in [i for i, v in enumerate(values) if v is None]:
-                statuses[i], eids[i], summaries[i], bases[i] = self._stale_or_missing(txn, shapes[i])
+        entry = self._entry(txn)
+        if entry is not None and entry.contracts != [self._contract_id]:  # else no spec can be stale
+            for i in [i for i, v in enumerate(values) if v is None]:  # may have a row of another contract
+                held = [k[32:] for k in self._indexed(txn, self.scope + _codec.shape_id(_codec.encode(shapes[i])))]
+                if found := self._pick(txn, held, self._verified(txn, held)):
+                    statuses[i], _key, eids[i], summaries[i], bases[i] = found
         return statuses, keys, eids, summaries, bases
 
-    def _other_contracts(self, txn) -> bool:
-        """Whether this scope ever held rows of another contract (else no spec can be stale)."""
-        with _verify.reading(self.ledger.path, "scopes"):
-            raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
-            return raw is not None and opened("scopes", self.scope, raw, ScopeEntry).contracts != [self._contract_id]
-
-    def _stale_or_missing(self, txn, shape) -> tuple:
-        """(status, event id, summary, base) of a shape without a row of this contract: stale where another
-        contract's of this or an older profiler revision is measured."""
-        best = None
-        for row in self._verified(txn, self._indexed(txn, self.scope + _codec.shape_id(_codec.encode(shape)))):
-            if row is None or row.kind != MEASURED or best and row.summary.measured_at <= best[0].summary.measured_at:
+    def _pick(self, txn, keys: list[bytes], rows: list) -> tuple | None:
+        """(status, key, event id, summary, provenance) of a shape's answer among its current rows (None: missing):
+        this contract's (ok or failed), else the newest measured of another contract of this or an older revision."""
+        path, best = self.ledger.path, None
+        for key, row in zip(keys, rows):
+            if row is None:
                 continue
-            with _verify.reading(self.ledger.path, "events"):
-                prov = _verify.event(self.ledger.path, row.event_id, txn.get(row.event_id, db=self._events)).provenance
-            if prov.profiler_revision <= self.contract.profiler_revision:  # a newer kprof's row is not stale here
-                best = (row, prov)
-        return _MISSING if best is None else ("stale", best[0].event_id, best[0].summary, best[1])
+            with _verify.reading(path, "events"):
+                prov = _verify.event(path, row.event_id, txn.get(row.event_id, db=self._events), key).provenance
+            if prov.contract == self.contract:
+                return "ok" if row.kind == MEASURED else "failed", key, row.event_id, row.summary, prov
+            if row.kind == MEASURED and prov.profiler_revision <= self.contract.profiler_revision and (
+                    best is None or row.summary.measured_at > best[3].measured_at):
+                best = "stale", key, row.event_id, row.summary, prov
+        return best
 
     def _indexed(self, txn, prefix: bytes) -> list[bytes]:
-        """The row keys `scope_index` holds under `prefix` (a scope id, or a scope id and a shape id)."""
+        """The `scope_index` keys (scope id, shape id: 16 bytes each; row key) under a scope id or scope + shape id."""
         with _verify.reading(self.ledger.path, "scope_index"):
             cursor, keys = txn.cursor(self._index), []
             if cursor.set_range(prefix):
                 for k in cursor.iternext(values=False):
                     if not k.startswith(prefix):
                         break
-                    keys.append(k[32:])
+                    keys.append(k)
         return keys
 
     def rows(self) -> Iterator[Row]:
-        """Every current row of the scope: this contract's (ok or failed), other contracts' measured ones as stale."""
-        path = self.ledger.path
+        """Every current row of the scope, one per shape, as get_many answers it: this contract's (ok or failed),
+        else the newest measured row of another contract of this or an older profiler revision, as stale."""
         with self._read() as txn:
-            keys = list(dict.fromkeys(self._indexed(txn, self.scope)))
-            for key, row in zip(keys, self._verified(txn, keys)):
-                if row is None:
-                    continue
-                kind, eid, summary = row.kind, row.event_id, row.summary
-                with _verify.reading(path, "events"):
-                    prov = _verify.event(path, eid, txn.get(eid, db=self._events), key).provenance
-                if prov.contract == self.contract:
-                    status = "ok" if kind == MEASURED else "failed"
-                elif kind == MEASURED and prov.profiler_revision <= self.contract.profiler_revision:
-                    status = "stale"
-                else:
-                    continue
-                yield Row(dict(prov.shape), status, key, eid, summary, prov)
+            indexed = self._indexed(txn, self.scope)  # sorted: the keys of one shape are adjacent
+            keys = [k[32:] for k in indexed]
+            rows = self._verified(txn, keys)
+            for _shape, group in groupby(range(len(keys)), lambda i: indexed[i][:32]):
+                at = list(group)
+                if found := self._pick(txn, [keys[i] for i in at], [rows[i] for i in at]):
+                    yield Row(dict(found[4].shape), *found)
 
-    def _root(self, txn) -> bytes:
+    def _entry(self, txn) -> ScopeEntry | None:
+        """The scope's `scopes` entry (verified), or None where the ledger never held a row of it."""
         with _verify.reading(self.ledger.path, "scopes"):
             raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
-            if raw is None:
-                return root_of(self.scope, 0, 0)
-            entry = opened("scopes", self.scope, raw, ScopeEntry)
-            return root_of(self.scope, entry.rows, int.from_bytes(entry.acc, "big"))
+            return None if raw is None else opened("scopes", self.scope, raw, ScopeEntry)
+
+    def _root(self, txn) -> bytes:
+        entry = self._entry(txn)
+        return root_of(self.scope, *((0, 0) if entry is None else (entry.rows, int.from_bytes(entry.acc, "big"))))
 
     @property
     def root(self) -> str:

@@ -15,7 +15,7 @@ def _eid(event) -> bytes:
 
 
 def _fields(rows):
-    return [(r.spec, r.status, r.key, r.event_id, r.summary, r.base) for r in rows]
+    return [(r.spec, r.status, r.key, r.event_id, r.summary, r.provenance) for r in rows]
 
 
 @pytest.fixture
@@ -60,6 +60,21 @@ def test_a_repeated_request_is_answered_from_the_memo_as_the_file_answers_it(led
     root, queried = view.query(specs)
     assert root.hex() == view.root and _fields(queried) == _fields(rows) and lookups(ledger)["rows"] == 1
     assert len(ledger.memo) == 2  # get_many and query share an answer; missing keeps its own
+
+
+def test_what_a_caller_does_to_its_rows_does_not_reach_the_memo(ledger, lookups):
+    ledger.append(list(synth.events(0, 2)) + [synth.event(2, revision=0)])
+    view = synth.view(ledger)
+    specs = [synth.spec(i) for i in range(3)]
+    expected = _fields(view.get_many(specs))
+    rows = view.get_many(specs)
+    with pytest.raises(TypeError):
+        rows[0].metrics["time_ms"] *= 1000
+    rows[1].summary.metrics.clear()
+    rows[2].provenance.shape.clear()
+    for row in rows:
+        row.to_json()["metrics"].clear()
+    assert lookups(ledger)["rows"] == 1 and _fields(view.get_many(specs)) == expected == _fresh(ledger.path, specs)[0]
 
 
 def test_every_write_of_the_scope_between_two_lookups_changes_the_answer(ledger_path, lookups):

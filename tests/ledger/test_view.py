@@ -1,11 +1,14 @@
 """View.get under a GPU key the ledger has never held rows of: an error naming the keys it holds, not None."""
 
+import msgspec
 import pytest
 
 from kprof.errors import UnknownGpuKeyError, UsageError
 from kprof.ledger import _codec
 from kprof import synth
-from kprof.ledger.build import retraction
+from kprof.ledger.build import failed, retraction
+
+OLDER = msgspec.structs.replace(synth.CONTRACT, timing="another method")  # another contract, same revision
 
 
 def test_get_under_an_unknown_gpu_key_names_the_keys_held(ledger):
@@ -66,3 +69,17 @@ def test_a_row_of_a_newer_profiler_revision_is_not_stale_to_an_older_kprof(ledge
     assert rows[1].provenance.profiler_revision == 0  # the older row, though the newer one was measured later
     assert [(r.status, r.provenance.profiler_revision) for r in view.rows()] == [("stale", 0)]
     assert [r.status for r in synth.view(ledger, revision=3).get_many([synth.spec(0)])] == ["stale"]
+
+
+def test_rows_give_one_row_per_shape_as_get_many_does(ledger):
+    """Stale means only rows of an older revision or contract exist: a shape with a row of this contract (ok or
+    failed) is that row alone; a shape with several older rows is the newest measured of them."""
+    ledger.append([synth.event(0), synth.event(0, revision=0)])  # ok, and an older row of the same shape
+    ledger.append([failed(synth.event(1).provenance, "oom", "out of memory"), synth.event(1, revision=0)])
+    ledger.append([synth.event(2, revision=0), synth.event(2, contract=OLDER, seed=1)])  # two older rows
+    view = synth.view(ledger)
+    specs = [synth.spec(i) for i in range(3)]
+    answers = [(r.spec, r.status, r.event_id) for r in view.get_many(specs)]
+    assert [a[1] for a in answers] == ["ok", "failed", "stale"]
+    assert answers[2][2] == _codec.event_id(_codec.encode(synth.event(2, contract=OLDER, seed=1)))  # the newest
+    assert sorted((r.spec["m"], r.status, r.event_id) for r in view.rows()) == [(s["m"], st, e) for s, st, e in answers]
