@@ -10,10 +10,10 @@ import weakref
 
 import lmdb
 
-from ..errors import LedgerError
+from ..errors import IntegrityError, LedgerError
 
 _live: "weakref.WeakSet" = weakref.WeakSet()  # every open Ledger of this process
-_envs: dict[str, list] = {}  # realpath -> [env, users]
+_envs: dict[str, list] = {}  # realpath -> [env, users, (st_dev, st_ino) of the file it maps, page size]
 _reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}  # this process's reads: id -> (env, txn, thread)
 GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
 CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
@@ -32,7 +32,7 @@ _inherited_handles: list = []
 def _forget_after_fork() -> None:
     for ledger in list(_live):
         ledger._forked = True
-    _inherited_handles.extend([env for env, _users in _envs.values()] + [txn for _env, txn, _t in _reads.values()])
+    _inherited_handles.extend([entry[0] for entry in _envs.values()] + [txn for _env, txn, _t in _reads.values()])
     _inherited.update(_envs)
     _envs.clear()
     _reads.clear()
@@ -68,6 +68,32 @@ def _write_txn(env: lmdb.Environment, path: str, fn):
 
 def _read_only_file(path: str) -> LedgerError:
     return LedgerError(f"ledger {path} is read-only for this user; open it read-only or fix its permissions")
+
+
+def _identity(path: str) -> tuple:
+    """(device, inode, size) of the file at `path`; () where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return st.st_dev, st.st_ino, st.st_size
+
+
+def _check_file(path: str, real: str, entry: list) -> None:
+    """Before each read (one stat): the file at the path is still the one the environment maps (not replaced in
+    place), and not shorter than the pages LMDB uses (a read past its end would fault: SIGBUS)."""
+    env, _users, identity, psize = entry
+    now = _identity(real)
+    if now[:2] != identity:
+        raise LedgerError(f"ledger {path} was replaced or removed since this process opened it; open it again (add "
+                          f"rows to a ledger in use with `kprof merge` instead of replacing the file)")
+    have, need = now[2], 2 * psize  # first LMDB's two meta pages, which say how many pages it uses
+    if have >= need:
+        need = (env.info()["last_pgno"] + 1) * psize
+        if have >= need or (_identity(real) or now)[2] >= need:  # read again: a writer may have grown it since
+            return
+    raise IntegrityError(f"ledger {path} is truncated: {have} bytes on disk, its header says {need}; run `kprof "
+                         f"audit` for the full report, and restore the file from a copy")
 
 
 def _release(real: str, env: lmdb.Environment) -> None:

@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -19,11 +20,12 @@ import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
-from ._env import (CREATE_WAIT_S, _FORK_FIX, _change_map, _envs, _inherited, _live, _read_only_file, _reads, _release,
-                   _write_txn)
+from ._env import (CREATE_WAIT_S, _FORK_FIX, _change_map, _check_file, _envs, _identity, _inherited, _live,
+                   _read_only_file, _reads, _release, _write_txn)
 from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
 from ._path import _recognize, _without_lock, default_path, ledger_path
+from ._resolve import resolve
 from ._verify import event as verified_event, reading
 from ._reducer import ScopeEntry, history_entry, opened, pack_seq, seq_of
 from .events import Failed, Measured, Retracted
@@ -55,7 +57,7 @@ class Ledger:
         self.path, self.env, self.readonly = path, env, readonly
         self.real_path = os.path.realpath(path)  # as resolved at opening: the process may change directory
         self._pid, self._forked, self._closed = os.getpid(), False, False
-        self._temporary: str | None = None  # the directory of an upgraded copy this reader reads (`_reading_copy`)
+        self._entry, self._temporary = _envs[self.real_path], None  # see `_check_file`; `_reading_copy` sets the other
         self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
         self.memo = Memo()  # the answers of recent bulk lookups, each valid while its view root stands
         _live.add(self)
@@ -65,6 +67,8 @@ class Ledger:
              map_size: int = DEFAULT_MAP_SIZE, readahead: bool = False) -> "Ledger":
         """Opens (or, unless readonly, creates) the ledger file; `readahead` suits whole-file scans, not lookups."""
         path = ledger_path(path)
+        if type(map_size) is not int or not 0 < map_size < 1 << 63:
+            raise UsageError(f"map_size={map_size!r} is not a size in bytes; pass a positive int, or omit it (1 << 34)")
         deadline = time.monotonic() + CREATE_WAIT_S
         while True:
             try:
@@ -84,40 +88,41 @@ class Ledger:
         if real in _inherited:
             raise LedgerError(f"ledger {path} was open in the parent when this process was forked, and LMDB "
                               f"cannot open it again in a forked child; {_FORK_FIX}")
-        shared = _envs.get(real)
-        if shared is not None:
-            if not cls._initialize(path, shared[0], readonly):
-                raise LedgerError(f"ledger {path} is of an older format and cannot be upgraded here, and this process "
-                                  f"holds it open; close it, or read a copy")
-            shared[1] += 1
-            ledger = cls(path, shared[0], readonly)
+        entry = _envs.get(real)  # this process's environment of the file: [env, users, (device, inode), page size]
+        if entry is not None and entry[2] != _identity(real)[:2]:  # replaced in place: close the earlier file's
+            if any(env is entry[0] for env, _txn, _thread in list(_reads.values())):
+                raise LedgerError(f"ledger {path} was replaced while this process reads the earlier file; end those "
+                                  f"reads (finish iterating view.rows() or iter_log()), then open it again")
+            entry[0].close()
+            del _envs[real]
+            entry[2] = None
+            entry = None
+        if entry is None:
+            # Writable where the file allows, so that a reader and a writer in one process share it (Ledger enforces it)
+            lock = not (readonly and _without_lock(path))
+            env_readonly = readonly and (not lock or not os.access(path, os.W_OK))
             try:
-                ledger._check_meta()
-            except BaseException:
-                ledger.close()
-                raise
-            return ledger
-        # Writable where the file allows, so that a reader and a writer in one process share it (Ledger enforces it).
-        lock = not (readonly and _without_lock(path))
-        env_readonly = readonly and (not lock or not os.access(path, os.W_OK))
-        try:
-            env = lmdb.open(path, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
-                            lock=lock, sync=True, metasync=True, readahead=readahead, max_readers=510)
-        except lmdb.InvalidError:
-            raise IntegrityError(f"ledger {path} is damaged: LMDB finds its header invalid; restore the file from "
-                                 f"a copy") from None
-        except lmdb.Error as exc:
-            raise LedgerError(f"cannot open ledger {path}: {exc}; check the path and its permissions") from None
+                entry = [lmdb.open(path, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
+                                   lock=lock, sync=True, metasync=True, readahead=readahead, max_readers=510), 0,
+                         _identity(real)[:2], 0]
+            except lmdb.InvalidError:
+                raise IntegrityError(f"ledger {path} is damaged: LMDB finds its header invalid; restore the file from "
+                                     f"a copy") from None
+            except lmdb.Error as exc:
+                if lock and os.path.exists(path + "-lock") and not os.access(path + "-lock", os.R_OK | os.W_OK):
+                    raise LedgerError(f"cannot open ledger {path}: this user cannot write its lock file {path}-lock, "
+                                      f"where LMDB registers every reader; have its owner make it writable (chmod "
+                                      f"a+rw), or read a copy of the ledger") from None
+                raise LedgerError(f"cannot open ledger {path}: {exc}; check the path and its permissions") from None
+        env, users = entry[0], entry[1]
         try:
             try:
-                # A truncated file would fault (SIGBUS) on the first read past its end: refuse it before reading.
-                need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-                if (have := os.path.getsize(path)) < need:
-                    raise IntegrityError(f"ledger {path} is truncated: {have} bytes on disk, its header says {need}; "
-                                         f"run `kprof audit` for the full report, and restore the file from a copy")
-                if not cls._initialize(path, env, readonly):
+                entry[3] = entry[3] or env.stat()["psize"]
+                _check_file(path, real, entry)  # a truncated file would fault (SIGBUS) on the first read past its end
+                if not cls._initialize(path, env, readonly) and not users:  # (a shared one is current: opened so)
                     return cls._reading_copy(path, real, env, map_size)
-                _envs[real] = [env, 1]
+                entry[1] += 1
+                _envs[real] = entry
                 ledger = cls(path, env, readonly)
                 ledger._check_meta()
             except lmdb.NotFoundError:  # no kprof sub-databases: a writer creating the file has not committed yet
@@ -135,13 +140,14 @@ class Ledger:
                 raise IntegrityError(f"ledger {path} is damaged ({exc}); run `kprof audit --db {path}` and restore "
                                      f"from a copy") from None
         except BaseException:
-            _release(real, env)
+            if not users or entry[1] > users:  # a new environment, or this open's use of a shared one
+                _release(real, env)
             raise
         return ledger
 
     @classmethod
     def _reading_copy(cls, path: str, real: str, env: lmdb.Environment, map_size: int) -> "Ledger":
-        """A reader of an older file: LMDB's snapshot copy, upgraded in a temp dir removed at close."""
+        """An older file's reader: LMDB's snapshot copy, upgraded in a temp dir removed at close, collection or exit."""
         copy = tempfile.mkdtemp(prefix="kprof-upgraded-")
         try:
             env.copy(os.path.join(copy, "ledger.db"))
@@ -150,7 +156,8 @@ class Ledger:
         except BaseException:
             shutil.rmtree(copy, ignore_errors=True)
             raise
-        ledger.path, ledger.readonly, ledger._temporary = path, True, copy
+        ledger.path, ledger.readonly, pid = path, True, os.getpid()  # a forked child leaves its parent's copy alone
+        ledger._temporary = weakref.finalize(ledger, lambda: os.getpid() == pid and shutil.rmtree(copy, True))
         return ledger
 
     @staticmethod
@@ -192,15 +199,12 @@ class Ledger:
         if raw is None:
             raise IntegrityError(f"{self.path} is an LMDB file but not a kprof ledger (no format version)")
         found = _version(raw)
-        if found < 1:
-            raise IntegrityError(f"{self.path}: its format version is damaged ({raw.hex()[:32]} is not a version "
-                                 f"number); run `kprof audit` for the full report, and restore the file from a copy")
         if found > _codec.FORMAT_VERSION:
             raise LedgerVersionError(self.path, found, _codec.FORMAT_VERSION)
-        if found < _codec.FORMAT_VERSION:  # opening upgrades an older file: one still older is damage
-            raise IntegrityError(f"{self.path}: its format version says {found} after the file was upgraded to "
-                                 f"{_codec.FORMAT_VERSION}: the version is damaged; run `kprof audit` for the full "
-                                 f"report, and restore the file from a copy")
+        if found < _codec.FORMAT_VERSION:  # not a version number, or older after opening upgraded the file: damage
+            raise IntegrityError(f"{self.path}: its format version is damaged ({raw.hex()[:32]} is not version "
+                                 f"{_codec.FORMAT_VERSION}); run `kprof audit` for the full report, and restore the "
+                                 f"file from a copy")
         self.format_version = found
 
     def _guard(self) -> None:
@@ -213,8 +217,9 @@ class Ledger:
 
     @contextmanager
     def read(self) -> Iterator[lmdb.Transaction]:
-        """A consistent snapshot for as long as the block lasts."""
+        """A consistent snapshot for as long as the block lasts, of the file now at the path (see _check_file)."""
         self._guard()
+        _check_file(self.path, self.real_path, self._entry)
         while True:
             try:
                 txn = self.env.begin(buffers=False)
@@ -315,9 +320,8 @@ class Ledger:
         from .view import View
 
         if contract is None or args_type is None:
-            raise UsageError(f"Ledger.view({table!r}, {backend!r}, ...) needs the contract and the KernelArgs type; "
-                             f"call kprof.api.view(ledger, {table!r}, {backend!r}, gpu_key), which takes them from "
-                             f"the registry")
+            raise UsageError(f"Ledger.view({table!r}, {backend!r}, ...) needs the registry's contract and KernelArgs "
+                             f"type; call kprof.api.view(ledger, {table!r}, {backend!r}, gpu_key), which takes both")
         return View(self, table, backend, gpu_key, contract=contract, args_type=args_type)
 
     def rebuild_views(self) -> int:
@@ -326,15 +330,13 @@ class Ledger:
 
     def resolve(self, ref: str):
         """Finds an event by citation (`kprof.<hex>`), event id or key (hex, any unique prefix of ≥ 8 chars)."""
-        from ._resolve import resolve
-
         return resolve(self, ref)
 
     def close(self) -> None:
         if not self._forked and os.getpid() == self._pid and not self._closed:
             _release(self.real_path, self.env)
             if self._temporary:
-                shutil.rmtree(self._temporary, ignore_errors=True)
+                self._temporary()
         self._closed = True
         _live.discard(self)
 

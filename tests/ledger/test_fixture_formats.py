@@ -1,9 +1,12 @@
 """Every committed ledger format stays readable: opening a file of an older format rebuilds its views from the log
 (one transaction; events and log untouched), after which it answers exactly as when it was built and audits clean."""
 
+import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import lmdb
 import msgspec
@@ -155,3 +158,25 @@ def test_an_older_file_that_cannot_be_written_is_read_through_an_upgraded_copy(t
     assert os.listdir(temp) == []
     with open(path, "rb") as f:
         assert f.read() == before
+
+
+def test_an_upgraded_copy_goes_when_its_reader_is_collected_or_the_process_exits(tmp_path, monkeypatch):
+    """A reader never closed (a simulator's, perf_api's cached ledgers) leaves no upgraded copy behind."""
+    from kprof.ledger import store
+
+    path, _ = _copy(tmp_path, 3)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(store.tempfile, "tempdir", str(temp))
+    led = Ledger.open(path, readonly=True)
+    assert _answers(led) and len(os.listdir(temp)) == 1
+    del led
+    gc.collect()
+    assert os.listdir(temp) == []
+    script = ("import sys\nfrom kprof import synth\nfrom kprof.ledger import Ledger\n"
+              "held = Ledger.open(sys.argv[1], readonly=True)\nsynth.view(held).get_many([synth.spec(0)])\n"
+              "import os, tempfile\nprint(len(os.listdir(tempfile.gettempdir())))\n")
+    done = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": str(temp)})
+    assert done.returncode == 0 and done.stdout == "1\n", done.stderr  # the copy, while the reader is open
+    assert os.listdir(temp) == []

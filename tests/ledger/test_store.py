@@ -3,6 +3,9 @@ growth and resolving citations. How events change the views is test_reducer's.""
 
 import os
 import random
+import re
+import subprocess
+import sys
 
 import lmdb
 import msgspec
@@ -127,3 +130,66 @@ def test_resolve_by_citation_key_and_prefix(ledger):
         ledger.resolve("kprof.00000000000000000000")
 
 
+
+
+@pytest.mark.parametrize("how", ["os.replace", "rm and create"])
+def test_a_ledger_replaced_in_place_is_read_anew_and_the_earlier_reader_refuses(tmp_path, ledger_path, how):
+    """A file replaced at the path is another file: a new open reads it, not the environment this process holds on
+    the earlier one, and a reader of the earlier one says so instead of answering from it."""
+    specs = [synth.spec(i) for i in range(5)]
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 2)))
+    held = Ledger.open(ledger_path, readonly=True)
+    view = synth.view(held)
+    assert view.count_missing(specs) == 3
+    if how == "os.replace":
+        with Ledger.open(str(tmp_path / "new.db")) as led:
+            led.append(list(synth.events(0, 5)))
+        os.replace(tmp_path / "new.db", ledger_path)
+    else:
+        os.remove(ledger_path)
+        with Ledger.open(ledger_path) as led:
+            led.append(list(synth.events(0, 5)))
+    with Ledger.open(ledger_path, readonly=True) as fresh:
+        assert synth.view(fresh).count_missing(specs) == 0
+    with pytest.raises(LedgerError, match=f"ledger {ledger_path} was replaced or removed since this process opened "
+                                          f"it; open it again"):
+        view.count_missing(specs)
+    held.close()
+
+
+def test_a_file_truncated_under_a_live_reader_is_an_integrity_error_not_a_crash(tmp_path, ledger_path):
+    """A reader whose environment is open (a second open shares it, as perf_api's cached views do) checks the file's
+    length before each read: reading past its end would kill the process (SIGBUS). In a child, so that a crash
+    fails the test instead of ending it."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 50)))
+    script = ("import os, sys\nfrom kprof import synth\nfrom kprof.errors import IntegrityError\n"
+              "from kprof.ledger import Ledger\n"
+              "held = Ledger.open(sys.argv[1], readonly=True)\nview = synth.view(held)\n"
+              "assert view.count_missing([synth.spec(0)]) == 0\nos.truncate(sys.argv[1], 8192)\n"
+              "for call in (lambda: view.count_missing([synth.spec(1)]), lambda: Ledger.open(sys.argv[1], "
+              "readonly=True)):\n"
+              "    try:\n        call()\n    except IntegrityError as exc:\n        print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", script, ledger_path], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all(re.fullmatch(f"ledger {re.escape(ledger_path)} is truncated: 8192 bytes on disk, "
+                                                f"its header says [0-9]+; run `kprof audit` for the full report, and "
+                                                f"restore the file from a copy", line) for line in lines), lines
+
+
+def test_a_lock_file_this_user_cannot_write_is_named(ledger_path, monkeypatch):
+    Ledger.open(ledger_path).close()
+    os.chmod(ledger_path + "-lock", 0o444)
+    real_access = os.access
+
+    def as_another_user(path, *args, **kw):  # what LMDB says where the lock file is another user's, read-only
+        raise lmdb.Error(f"{path}: Permission denied")
+
+    monkeypatch.setattr(lmdb, "open", as_another_user)
+    monkeypatch.setattr(os, "access", lambda p, mode: False if p == ledger_path + "-lock" else real_access(p, mode))
+    with pytest.raises(LedgerError, match=f"cannot open ledger {ledger_path}: this user cannot write its lock file "
+                                          f"{ledger_path}-lock, where LMDB registers every reader; have its owner "
+                                          f"make it writable"):
+        Ledger.open(ledger_path, readonly=True)
