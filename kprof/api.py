@@ -34,8 +34,8 @@ from .runners.registry import METRICS, lookup
 from .method import effective_entry, resolve_gpu_key
 from .specs import ShapeCodec, spec_list, validate
 
-__all__ = ["resolve_gpu_key", "effective_entry", "view", "count_missing", "query", "run", "CountResult", "QueryResult",
-           "Mode"]
+__all__ = ["resolve_gpu_key", "effective_entry", "check_gpu_key", "view", "count_missing", "query", "run",
+           "CountResult", "QueryResult", "Mode"]
 
 Mode = Literal["query", "jit", "force", "fresh"]
 
@@ -88,7 +88,15 @@ def view(ledger: Ledger, table: str, backend: str, gpu_key: str, *, timer: str |
         raise UsageError(f"api.view takes an open Ledger, not {type(ledger).__name__} {ledger!r}; open one first: "
                          f"with Ledger.open(path, readonly=True) as ledger: view = api.view(ledger, ...)")
     entry = effective_entry(lookup(table, backend), timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
-    return ledger.view(table, backend, gpu_key, entry.contract, entry.args)
+    return ledger.view(table, backend, check_gpu_key(gpu_key), entry.contract, entry.args)
+
+
+def check_gpu_key(gpu_key) -> str:
+    """A GPU key as a view takes it: a non-empty str (None, an int or "" would read every spec as missing)."""
+    if not isinstance(gpu_key, str) or not gpu_key.strip():
+        raise UsageError(f"GPU key {gpu_key!r} is not a GPU key; pass one as a non-empty str, as `kprof scopes` lists "
+                         f"them (for torch-cpu, this machine's CPU model)")
+    return gpu_key
 
 
 def _open_for_read(db: str, missing_ok: bool = False) -> Ledger | None:

@@ -18,6 +18,9 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False) 
     """The GPU key: --gpu-name when given, else the name of the device the entry measures on. `measures`: the caller
     measures here, so a missing GPU is not mended by --gpu-name (which only names rows)."""
     if gpu_name is not None:
+        if not isinstance(gpu_name, str):
+            raise UsageError(f"--gpu-name {gpu_name!r} is not a GPU key ({type(gpu_name).__name__}); pass it as a "
+                             f"str, e.g. gpu_name='NVIDIA H200', or omit it to use this machine's device")
         if not gpu_name.strip():
             raise UsageError("--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200', or omit it")
         return gpu_name

@@ -3,71 +3,113 @@
     from kprof import perf_api
     row = perf_api.get_single_gemm(backend="torch", gpu_key="NVIDIA H200", m=1, n=8192, k=1024, dtype="bf16")
     n = perf_api.count_single_gemm([{...}, ...], backend="torch", gpu_key="NVIDIA H200")
+    prefill = perf_api.get_single_gemm(backend="torch", gpu_key="NVIDIA H200", power="loaded", m=4096, ...)
 
 `get_<table>` returns the ok Row, or None for a spec that is missing, stale or failed; a GPU key for which the
 ledger has never held a row of that table/backend raises UnknownGpuKeyError (exit 2), naming the GPU keys it holds
 (`kprof.api.scopes()` and `kprof scopes` list them all). `count_<table>` counts the specs without an ok row
-(every spec, under a GPU key not yet measured). Ledgers and views are opened once per (db, table, backend,
-gpu_key) and reused: a lookup costs one key hash and one B-tree read. Nothing here imports torch, cupti or pynvml.
+(every spec, under a GPU key not yet measured). Both read the rows of one timing method: `timer`, `l2`,
+`cuda_graph` and `power` choose it as in `kprof.api` (each defaulting to its KPROF_* variable; see
+`kprof.method.effective_entry`). Ledgers and views are opened once per (db, table, backend, gpu_key, method) and
+reused while the same file is at the path (a file replaced there is opened again); a lookup costs one key hash and
+one B-tree read. The ledgers are closed at exit. Nothing here imports torch, cupti or pynvml.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from typing import Any, Callable
 
+from .api import check_gpu_key
+from .errors import SpecError
 from .ledger import Ledger, ledger_path
 from .ledger.view import Row, View
+from .method import effective_entry, resolve_gpu_key
 from .runners.registry import entries, lookup
 
 __all__: list[str] = ["view_for", "close_all"]
 
 _lock = threading.Lock()
-_ledgers: dict[str, Ledger] = {}
+_ledgers: dict[str, tuple[Ledger, tuple]] = {}  # realpath -> (ledger, (st_dev, st_ino) of the file it opened)
 _views: dict[tuple, View] = {}
+_ARGUMENTS = ("backend", "gpu_key", "db", "timer", "l2", "cuda_graph", "power")
 
 
-def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | None = None) -> View:
-    """The cached read view of (table, backend, gpu_key) in the ledger at db ($KPROF_DB, ./profile.db)."""
-    from .api import effective_entry, resolve_gpu_key
+def _identity(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return st.st_dev, st.st_ino
 
-    entry = effective_entry(lookup(table, backend))
-    if gpu_key is None:
-        gpu_key = resolve_gpu_key(entry, None)
-    path = os.path.realpath(ledger_path(db))
+
+def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | None = None, *, timer: str | None = None,
+             l2: str | None = None, cuda_graph: bool | None = None, power: str | None = None) -> View:
+    """The cached read view of (table, backend, gpu_key) in the ledger at db ($KPROF_DB, ./profile.db), timed by
+    `timer`/`l2`/`cuda_graph`/`power` (see `kprof.method.effective_entry`); gpu_key None: this machine's device."""
+    entry = effective_entry(lookup(table, backend), timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
+    given = ledger_path(db)
+    path = os.path.realpath(given)
+    cached = (path, table, backend, gpu_key, entry.contract)  # gpu_key None: the view holds the key resolved once
     with _lock:
-        view = _views.get((path, table, backend, gpu_key))
+        held = _ledgers.get(path)
+        if held is not None and held[1] != _identity(path):  # replaced in place: read the file there now
+            _drop(path)
+        view = _views.get(cached)
         if view is None:
-            ledger = _ledgers.get(path)
-            if ledger is None:
-                ledger = _ledgers[path] = Ledger.open(path, readonly=True)
-            view = _views[(path, table, backend, gpu_key)] = ledger.view(table, backend, gpu_key, entry.contract,
-                                                                         entry.args)
+            if path not in _ledgers:
+                identity = _identity(path)  # before opening: a file replaced meanwhile is opened again next time
+                _ledgers[path] = (Ledger.open(given, readonly=True), identity)
+            key = resolve_gpu_key(entry, None) if gpu_key is None else check_gpu_key(gpu_key)
+            view = _views[cached] = _ledgers[path][0].view(table, backend, key, entry.contract, entry.args)
     return view
+
+
+def _drop(path: str) -> None:
+    """Closes the ledger at `path` and forgets its views."""
+    _ledgers.pop(path)[0].close()
+    for cached in [cached for cached in _views if cached[0] == path]:
+        del _views[cached]
 
 
 def close_all() -> None:
     with _lock:
-        for ledger in _ledgers.values():
-            ledger.close()
-        _ledgers.clear()
-        _views.clear()
+        for path in list(_ledgers):
+            _drop(path)
+
+
+atexit.register(close_all)
 
 
 def _make(table: str) -> tuple[Callable, Callable]:
-    def get(*, backend: str, gpu_key: str | None = None, db: str | None = None, **spec: Any) -> Row | None:
-        return view_for(table, backend, gpu_key, db).get(**spec)
+    def get(*, backend: str, gpu_key: str | None = None, db: str | None = None, timer: str | None = None,
+            l2: str | None = None, cuda_graph: bool | None = None, power: str | None = None,
+            **spec: Any) -> Row | None:
+        return view_for(table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power).get(**spec)
 
-    def count(specs: list[dict], *, backend: str, gpu_key: str | None = None, db: str | None = None) -> int:
-        return view_for(table, backend, gpu_key, db).count_missing(specs)
+    def count(specs: list[dict], *, backend: str, gpu_key: str | None = None, db: str | None = None,
+              timer: str | None = None, l2: str | None = None, cuda_graph: bool | None = None,
+              power: str | None = None) -> int:
+        view = view_for(table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
+        try:
+            return view.count_missing(specs)
+        except SpecError as exc:  # an argument of this call inside a spec: say where it goes
+            if exc.field not in _ARGUMENTS:
+                raise
+            raise SpecError(f'field "{exc.field}" is not a KernelArgs field of {table}; pass {exc.field}= to '
+                            f'count_{table} once, not in the specs', index=exc.index, field=exc.field,
+                            value=exc.value) from None
 
     get.__name__ = get.__qualname__ = f"get_{table}"
     count.__name__ = count.__qualname__ = f"count_{table}"
     get.__doc__ = (f"The ok row of one {table} spec (keyword arguments: its KernelArgs), or None (missing, stale "
-                   f"or failed); UnknownGpuKeyError, naming the GPU keys held, where the ledger has no {table} rows "
-                   f"of this backend and GPU key.")
-    count.__doc__ = f"How many of the {table} specs have no ok row (missing, stale or failed)."
+                   f"or failed) under the timing method timer/l2/cuda_graph/power (as in kprof.api); "
+                   f"UnknownGpuKeyError, naming the GPU keys held, where the ledger has no {table} rows of this "
+                   f"backend and GPU key.")
+    count.__doc__ = (f"How many of the {table} specs have no ok row (missing, stale or failed) under the timing "
+                     f"method timer/l2/cuda_graph/power (as in kprof.api).")
     return get, count
 
 

@@ -1,27 +1,38 @@
-"""kprof.perf_api: a GPU key the ledger has never held rows of raises, naming the ones it holds; counts still count."""
+"""kprof.perf_api: a GPU key the ledger has never held rows of raises, naming the ones it holds; counts still count;
+the views it caches read the rows of the timing method asked for, of the file now at the path."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 
 from kprof import perf_api
-from kprof.errors import UnknownGpuKeyError
+from kprof.errors import LedgerError, SpecError, UnknownGpuKeyError, UsageError
 from kprof.ledger import KeyMaker, Ledger, ShapeCodec
 from kprof.ledger.build import measured
 from kprof.ledger.events import Method, Stats
+from kprof.method import effective_entry
 from kprof.runners.registry import lookup
 
 SPEC = {"m": 32, "n": 32, "k": 32, "dtype": "fp32"}
 
 
-@pytest.fixture
-def db(tmp_path):
-    entry = lookup("single_gemm", "torch-cpu")
-    keys = KeyMaker(entry.table, entry.backend, "Known CPU", entry.contract, ShapeCodec(entry.args))
-    stats = Stats(n=3, median=0.1, p10=0.1, p90=0.1, mean=0.1, stdev=0.0, cv=0.0, min=0.1, max=0.1)
-    metrics = {"time_ms": 0.1, "tflops": 1.0, "memory_bandwidth_gbps": 1.0, "energy_j": None}
-    path = str(tmp_path / "profile.db")
+def _write(path: str, time_ms: float = 0.1, backend: str = "torch-cpu", gpu_key: str = "Known CPU", **method) -> str:
+    """A ledger at path holding one row of SPEC, timed `time_ms`, under the timing method `method`."""
+    entry = effective_entry(lookup("single_gemm", backend), **method)
+    keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
+    stats = Stats(n=3, median=time_ms, p10=time_ms, p90=time_ms, mean=time_ms, stdev=0.0, cv=0.0, min=time_ms,
+                  max=time_ms)
+    metrics = {"time_ms": time_ms, "tflops": 1.0, "memory_bandwidth_gbps": 1.0, "energy_j": None}
     with Ledger.open(path) as led:
         led.append([measured(keys.provenance(SPEC), metrics, stats, Method(timer="cpu"))])
-    yield path
+    return path
+
+
+@pytest.fixture
+def db(tmp_path):
+    yield _write(str(tmp_path / "profile.db"))
     perf_api.close_all()
 
 
@@ -40,3 +51,61 @@ def test_count_under_an_unknown_gpu_key_counts_every_spec_missing(db):
     specs = [SPEC, {**SPEC, "m": 64}]
     assert perf_api.count_single_gemm(specs, backend="torch-cpu", gpu_key="AMD EPYC", db=db) == 2
     assert perf_api.count_single_gemm(specs, backend="torch-cpu", gpu_key="Known CPU", db=db) == 1
+
+
+def test_each_timing_method_reads_its_own_rows(db, monkeypatch):
+    """A simulator reads decode (sustained) and prefill (loaded) rows in one process; KPROF_TIMER changing between
+    two calls changes the rows read too."""
+    for power, time_ms in (("sustained", 1.0), ("loaded", 2.0)):
+        _write(db, time_ms, "torch", "Known GPU", power=power, timer="events")
+    _write(db, 3.0, "torch", "Known GPU", power="loaded")  # timer cupti
+    get = perf_api.get_single_gemm
+    assert get(backend="torch", gpu_key="Known GPU", db=db, timer="events", **SPEC).metrics["time_ms"] == 1.0
+    assert get(backend="torch", gpu_key="Known GPU", db=db, timer="events", power="loaded",
+               **SPEC).metrics["time_ms"] == 2.0
+    monkeypatch.setenv("KPROF_TIMER", "events")
+    assert get(backend="torch", gpu_key="Known GPU", db=db, **SPEC).metrics["time_ms"] == 1.0
+    monkeypatch.setenv("KPROF_POWER", "loaded")
+    assert get(backend="torch", gpu_key="Known GPU", db=db, **SPEC).metrics["time_ms"] == 2.0
+    monkeypatch.delenv("KPROF_TIMER")
+    assert get(backend="torch", gpu_key="Known GPU", db=db, **SPEC).metrics["time_ms"] == 3.0
+    assert perf_api.count_single_gemm([SPEC], backend="torch", gpu_key="Known GPU", db=db, l2="warm") == 1
+    assert perf_api.view_for("single_gemm", "torch", "Known GPU", db, cuda_graph=False).contract.timing == (
+        "cupti;l2=cold;eager;power=loaded")
+
+
+def test_a_ledger_replaced_in_place_is_read_anew(db, tmp_path):
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC).metrics["time_ms"] == 0.1
+    os.replace(_write(str(tmp_path / "new.db"), 0.5), db)
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC).metrics["time_ms"] == 0.5
+    assert perf_api.count_single_gemm([SPEC], backend="torch-cpu", gpu_key="Known CPU", db=db) == 0
+
+
+def test_the_gpu_key_of_this_machine_is_resolved_once_per_view(db, monkeypatch):
+    calls = []
+    monkeypatch.setattr(perf_api, "resolve_gpu_key", lambda entry, name: calls.append(name) or "Known CPU")
+    for _ in range(3):
+        assert perf_api.get_single_gemm(backend="torch-cpu", db=db, **SPEC) is not None
+    assert calls == [None]
+
+
+def test_a_dangling_link_a_gpu_key_not_a_str_and_arguments_inside_a_spec_are_named(db, tmp_path):
+    with pytest.raises(UsageError, match="GPU key 3 is not a GPU key; pass one as a non-empty str"):
+        perf_api.get_single_gemm(backend="torch-cpu", gpu_key=3, db=db, **SPEC)
+    os.symlink(tmp_path / "nothing.db", tmp_path / "link.db")
+    with pytest.raises(LedgerError, match="is a symbolic link to nothing"):
+        perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=str(tmp_path / "link.db"), **SPEC)
+    with pytest.raises(SpecError, match='spec 0: field "backend" is not a KernelArgs field of single_gemm; pass '
+                                        'backend= to count_single_gemm once, not in the specs'):
+        perf_api.count_single_gemm([{**SPEC, "backend": "torch-cpu"}], backend="torch-cpu", db=db)
+
+
+def test_the_cached_ledgers_are_closed_at_exit(db):
+    """(An exit handler registered before perf_api's runs after it: it sees what perf_api left open.)"""
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print(len(sys.modules['kprof.perf_api']._ledgers), 'held at exit'))\n"
+              "from kprof import perf_api\n"
+              "print(perf_api.count_single_gemm([dict(m=32, n=32, k=32, dtype='fp32')], backend='torch-cpu', "
+              "gpu_key='Known CPU', db=sys.argv[1]))\n")
+    done = subprocess.run([sys.executable, "-c", script, db], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "0\n0 held at exit\n"), done.stderr

@@ -30,9 +30,8 @@ def _by_prefix(txn, db, prefix_hex: str) -> list[bytes]:
 
 def resolve(ledger, ref: str) -> Resolved:
     """The event or key `ref` names, its history and its current event, every event re-hashed (see _verify)."""
-    text = ref.strip().lower()
-    if text.startswith("kprof."):
-        text = text[len("kprof."):]
+    text = ref.strip().lower() if isinstance(ref, str) else ""  # not a str: refused below, naming it
+    text = text.removeprefix("kprof.")
     if len(text) < 8 or any(c not in "0123456789abcdef" for c in text):
         raise UsageError(f"{ref!r} is not a citation, event id or key; pass `kprof.<hex>` or at least 8 hex digits")
     dbs, path = ledger.dbs, ledger.path

@@ -273,6 +273,28 @@ def test_the_python_api_names_a_db_that_is_not_a_path_and_a_view_of_no_ledger(tm
     assert os.listdir(tmp_path) == []
 
 
+def test_the_python_api_names_arguments_of_the_wrong_type(tmp_path, h, local_gpu):
+    db = str(tmp_path / "p.db")
+    h.append(db, h.make_event(SPEC, local_gpu))
+    before = _files(tmp_path)
+    for call in (api.query, api.count_missing, api.run):
+        with pytest.raises(UsageError, match=r"--gpu-name 3 is not a GPU key \(int\); pass it as a str"):
+            call(h.GEMM, h.CPU, [SPEC], gpu_name=3, db=db)
+    with pytest.raises(UsageError, match="None is not a citation, event id or key; pass `kprof.<hex>`"):
+        api.show(None, db=db)
+    for size in (-1, 0, "x", 1.5, 1 << 64):
+        with pytest.raises(UsageError, match=f"map_size={re.escape(repr(size))} is not a size in bytes; pass a "
+                                             f"positive int"):
+            Ledger.open(db, readonly=True, map_size=size)
+    with Ledger.open(db, readonly=True) as ledger:
+        for key in (None, 3, "", " "):  # each would answer "missing" for the ok spec
+            with pytest.raises(UsageError, match=f"GPU key {re.escape(repr(key))} is not a GPU key; pass one as a "
+                                                 f"non-empty str, as `kprof scopes` lists them"):
+                api.view(ledger, h.GEMM, h.CPU, key)
+        assert api.view(ledger, h.GEMM, h.CPU, local_gpu).get_many([SPEC])[0].status == "ok"
+    assert _files(tmp_path) == before
+
+
 def test_a_blank_kprof_db_is_named_as_such(tmp_path, capsys, h, refused, monkeypatch):
     monkeypatch.setenv("KPROF_DB", "  ")
     for verb in [*READ_VERBS, "run"]:
