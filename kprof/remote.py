@@ -3,14 +3,17 @@ returned as a segment and merged into the local ledger as it arrives.
 
     res = run_remote("single_gemm", "torch", specs, remote="h200", output_dir="runs/r1", gpu_name="NVIDIA H200")
 
-The remotes and their executors are kprof.runners.remote. The output directory holds `segments/` (each returned
-segment, named by its content), `remote-run.json` (where and how it ran, what each segment merged) and, on a
-conflict, `merge-report.json`: a conflicting segment merges nothing and the run exits 3. `fresh` mode merges
-nothing at all.
+The remotes and their executors are kprof.runners.remote. The run claims the keys it sends (kprof.runners.claims),
+so a concurrent run, local or remote, skips them, and waits for the keys another run holds. The output directory
+holds `segments/` (each returned segment that checks out, as chunk-N.kseg), `refused/` (what a worker returned that
+is not a segment of its chunk's keys: chunk-N.bin, never merged), `remote-run.json` (where and how it ran, what each
+chunk returned and merged) and, on a conflict, `merge-report.json`: a conflicting segment merges nothing and the
+run exits 3. `fresh` mode merges nothing at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -24,12 +27,13 @@ from .api import QueryResult, _empty_root, _fresh_result, _keys, _prepare, _quer
 from .errors import MergeConflict, UsageError
 from .ledger import Ledger
 from .ledger._codec import encode, event_decoder, event_id
-from .ledger.events import Measured, Origin
+from .ledger.events import Failed, Measured, Origin
 from .runners import remote as _remotes
 from .merge import segment
 from .runners.chunk import Chunk
+from .runners.claims import Claims
 from .runners.registry import lookup
-from .runners.fill import to_measure
+from .runners.fill import WAIT_S, _still_wanted, to_measure
 from .runners.remote_config import CONFIG, load_remote
 
 __all__ = ["RemoteResult", "run_remote"]
@@ -52,23 +56,49 @@ class RemoteResult(QueryResult):
         return doc
 
 
-def _segment_events(path: str) -> list:
-    from .merge import segment
+def _received(output_dir: str, j: int, data: Any, keys: set) -> tuple[str, list]:
+    """Chunk j's returned data, checked before anything of it is used: bytes making a whole segment whose events are
+    all of the chunk's keys. Stored as segments/chunk-J.kseg (the path and its events); anything else raises
+    UsageError saying why, and its bytes (if any) are kept as refused/chunk-J.bin, out of segments/."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise UsageError(f"the worker returned {type(data).__name__}, not a segment's bytes")
+    name = f"chunk-{j:04d}"
+    staged = os.path.join(output_dir, "segments", f"{name}.kseg.part")  # not a .kseg: `kprof merge DIR` skips it
+    with open(staged, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        try:
+            events = [event_decoder.decode(e) for e in segment.read(staged)]
+        except msgspec.DecodeError as exc:
+            raise UsageError(f"an event of the segment does not decode ({exc})") from None
+        foreign = [ev for ev in events if type(ev) not in (Measured, Failed) or ev.key not in keys]
+        if foreign:
+            raise UsageError(f"the segment holds {len(foreign)} event(s) of keys the chunk did not ask for (or not a "
+                             f"measurement); none of it is merged")
+    except UsageError as exc:
+        kept = os.path.join(output_dir, "refused", f"{name}.bin")
+        os.makedirs(os.path.dirname(kept), exist_ok=True)
+        os.replace(staged, kept)
+        raise UsageError(str(exc).replace(staged, kept)) from None
+    path = os.path.join(output_dir, "segments", f"{name}.kseg")
+    os.replace(staged, path)
+    return path, events
 
-    return [event_decoder.decode(data) for data in segment.read(path)]
 
-
-def _store(directory: str, data: bytes) -> str:
-    """The segment's bytes at the name kprof.merge.segment gives its content in DIR."""
-    named = segment.named(directory, data[-32:])
-    if not os.path.exists(named):
-        tmp = f"{named}.part"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, named)
-    return named
+def _refuse_spec_timeout(target) -> None:
+    """KPROF_SPEC_TIMEOUT_S is kept by the local pool, which kills the worker process a spec hangs in; a remote
+    chunk is measured in the engine's one process, where no spec can be stopped, so a remote run refuses it rather
+    than ignore it."""
+    env_vars = ((target.ray.runtime_env if target.kind == "ray" and target.ray else None) or {}).get("env_vars")
+    there = "KPROF_SPEC_TIMEOUT_S" in (env_vars if isinstance(env_vars, dict) else {})
+    if there or os.environ.get("KPROF_SPEC_TIMEOUT_S", "").strip():
+        bound = ("each job's time limit, launch.slurm.time, bounds a chunk" if target.kind == "slurm" else
+                 "Ray bounds no task: stop a hung run with Ctrl-C")
+        raise UsageError(f"KPROF_SPEC_TIMEOUT_S is set{' in launch.ray.runtime_env' if there else ''}, but a remote "
+                         f"run measures each chunk in one process, where no spec can be stopped ({bound}); unset "
+                         f"KPROF_SPEC_TIMEOUT_S, or run locally")
 
 
 def _check_output_dir(output_dir: str | None) -> str:
@@ -110,6 +140,7 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     if mode not in ("jit", "force", "fresh"):
         raise UsageError(f"mode {mode!r} is not one of jit, force, fresh")
     target = load_remote(remote, config, list(remote_set))
+    _refuse_spec_timeout(target)
     output_dir = _check_output_dir(output_dir)
     method = dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     if lookup(table, backend).device == "cuda" and gpu_name is None:  # this machine's GPU, if any, is not remote's
@@ -128,7 +159,6 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
         ledger_id, before_root, before_rows = "", _empty_root(entry, gpu_key), [None] * len(canonical)
     spec_keys = [_keys(entry, gpu_key).key(s) for s in canonical]
     todo = to_measure(spec_keys, before_rows, mode)  # one measurement per key, as in api.run
-    parents = {r.key: r.event_id for r in before_rows if r is not None and r.event_id is not None}
 
     executor = _remotes.executor_for(target, entry.device, output_dir) if todo else None
     try:
@@ -136,62 +166,57 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     except BaseException:
         executor.close()
         raise
-    seg_dir = os.path.join(output_dir, "segments")
-    os.makedirs(seg_dir)
+    os.makedirs(os.path.join(output_dir, "segments"))
     record: dict[str, Any] = {
         "remote": target.name, "config": os.path.abspath(target.path), "kind": target.kind,
         "overrides": list(remote_set),
         "launch": msgspec.to_builtins(target.ray if target.kind == "ray" else target.slurm),
         "kprof_version": __version__, "table": table, "backend": backend, "gpu_name": gpu_key, "mode": mode,
-        "db": db, "command": command, "started_at": started_at, "specs": len(canonical), "measured": len(todo),
+        "db": db, "command": command, "started_at": started_at, "specs": len(canonical), "measured": 0,
         "chunks": [], "segments": [], "merged": {"added": 0, "existing": 0}, "conflicts": 0, "merge_report": None}
     record_path = os.path.join(output_dir, "remote-run.json")
-    report: dict | None = None
-    fresh: dict[bytes, Any] = {}
-    errored: dict[bytes, dict] = {}
+    run = _Run(output_dir, db, mode, record, progress)
     try:
         if executor is not None:
             if not exists and mode != "fresh":
                 with Ledger.open(db) as ledger:  # created now, so that the events name the ledger they are for
                     ledger_id = ledger.ledger_id
             origin = Origin(ledger_id=ledger_id, run_id=uuid.uuid4().hex, host=socket.gethostname(), command=command)
-            parts = [todo[j::n] for j in range(n)]  # round robin: sorted specs spread their sizes over the workers
-            chunks = [Chunk.of(entry, gpu_key, [canonical[i] for i in part],
-                               [parents.get(spec_keys[i]) for i in part], origin) for part in parts]
-            record["chunks"] = [{"index": j, "specs": len(p), "status": "submitted"} for j, p in enumerate(parts)]
-            done = 0
-            for j, data in executor.submit(chunks):
-                chunk_doc = record["chunks"][j]
-                path = _store(seg_dir, data)
-                chunk_doc.update(segment=path, status="returned")
-                record["segments"].append(path)
-                try:
-                    events = _segment_events(path)
-                except UsageError as exc:  # a damaged segment: nothing of it is used
-                    chunk_doc.update(status="damaged", error=str(exc))
-                    continue
-                chunk_doc["events"] = len(events)
-                for ev in events:
-                    if type(ev) is not Measured and getattr(ev, "error_kind", None) is not None:
-                        errored[ev.key] = {"kind": ev.error_kind, "message": ev.message}
-                    fresh[ev.key] = ev
-                if mode == "fresh":
-                    chunk_doc["status"] = "fresh"
-                else:
-                    report = _merge(db, path, output_dir, chunk_doc, record, report)
-                done += 1
-                if progress:
-                    progress(done, len(chunks), chunk_doc)
+            with contextlib.ExitStack() as stack:
+                # Claimed as the local pool claims (kprof.runners.claims): a concurrent run skips what this one sends
+                claims = None if mode == "fresh" else stack.enter_context(Claims(db, origin.run_id))
+                pending = todo
+                while pending:
+                    rows = before_rows
+                    batch, waiting = pending, []
+                    if claims is not None:
+                        mine, held = claims.take([spec_keys[i] for i in pending])
+                        with Ledger.open(db, readonly=True) as ledger:
+                            rows = ledger.view(table, backend, gpu_key, entry.contract, entry.args).query(
+                                canonical)[1]
+                        batch = [i for i in pending if spec_keys[i] in set(mine)
+                                 and _still_wanted(mode, rows[i], before_rows[i])]
+                        waiting = [i for i in pending if spec_keys[i] in held]
+                        claims.drop(set(mine) - {spec_keys[i] for i in batch})  # another run measured them meanwhile
+                    if batch:
+                        parts = [batch[j::n] for j in range(min(n, len(batch)))]  # round robin: sizes spread out
+                        chunks = [Chunk.of(entry, gpu_key, [canonical[i] for i in part],
+                                           [rows[i].event_id if rows[i] is not None else None for i in part], origin)
+                                  for part in parts]
+                        run.send(executor, chunks, [{spec_keys[i] for i in part} for part in parts], claims)
+                    pending = waiting
+                    if pending:
+                        time.sleep(WAIT_S)
         else:
             record["engine"] = {"engine": target.kind, "note": "nothing to measure: nothing was submitted"}
     finally:
         if executor is not None:
-            for j, message in executor.failures.items():
-                record["chunks"][j].update(status="failed", error=message)
+            run.failed(executor)
             record["engine"] = executor.describe()
             executor.close()
         record["seconds"] = round(time.perf_counter() - started, 3)
         _write_json(record_path, record)
+    fresh, errored = run.fresh, run.errored
 
     if mode == "fresh":
         res = _fresh_result(entry, canonical, gpu_key, db, [fresh.get(k) for k in spec_keys], spec_keys, before_root)
@@ -210,11 +235,67 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     out.view_root_before = before_root.hex()
     out.exit_code = 3 if record["conflicts"] else 1 if out.missing_count else 0
     out.seconds = time.perf_counter() - started
-    out.measured = len(todo)
+    out.measured = record["measured"]
     out.record, out.record_path, out.merge_report = record, record_path, record["merge_report"]
     out.failures = [f"chunk {c['index']} ({c['specs']} specs): {c['status']}: {c['error']}"
                     for c in record["chunks"] if c.get("error")]
     return out
+
+
+class _Run:
+    """What the chunks of one remote run come back to: each returned segment checked, stored and merged as it
+    arrives, its keys' claims then ended; remote-run.json's chunks, segments and merge counts."""
+
+    def __init__(self, output_dir: str, db: str, mode: str, record: dict, progress):
+        self.output_dir, self.db, self.mode, self.record, self.progress = output_dir, db, mode, record, progress
+        self.report: dict | None = None
+        self.fresh: dict[bytes, Any] = {}
+        self.errored: dict[bytes, dict] = {}
+        self.keys: list[set] = []  # per chunk: its keys
+        self.claims = None
+        self.done = 0
+
+    def send(self, executor, chunks: list[Chunk], keys: list[set], claims) -> None:
+        record, first = self.record, len(self.record["chunks"])
+        record["chunks"] += [{"index": first + j, "specs": len(c.specs), "status": "submitted"}
+                             for j, c in enumerate(chunks)]
+        record["measured"] += sum(len(c.specs) for c in chunks)
+        self.keys += keys
+        self.claims = claims
+        for j, data in executor.submit(chunks, first):
+            chunk_doc = record["chunks"][j]
+            try:
+                path, events = _received(self.output_dir, j, data, self.keys[j])
+            except UsageError as exc:  # bad data: nothing of it is used
+                chunk_doc.update(status="refused", error=str(exc))
+                self._end(j, chunk_doc)
+                continue
+            chunk_doc.update(segment=path, status="returned", events=len(events))
+            record["segments"].append(path)
+            for ev in events:
+                if type(ev) is not Measured:
+                    self.errored[ev.key] = {"kind": ev.error_kind, "message": ev.message}
+                self.fresh[ev.key] = ev
+            if self.mode == "fresh":
+                chunk_doc["status"] = "fresh"
+            else:
+                self.report = _merge(self.db, path, self.output_dir, chunk_doc, record, self.report)
+            self._end(j, chunk_doc)
+        self.failed(executor)
+
+    def failed(self, executor) -> None:
+        """The chunks the engine failed (its .failures), recorded, their claims ended."""
+        for j, message in executor.failures.items():
+            if self.record["chunks"][j]["status"] == "submitted":
+                self.record["chunks"][j].update(status="failed", error=message)
+                self._end(j, self.record["chunks"][j])
+
+    def _end(self, j: int, chunk_doc: dict) -> None:
+        if self.claims is not None:
+            self.claims.drop(self.keys[j])
+        self.done += 1
+        if self.progress:
+            self.progress(self.done, len(self.record["chunks"]), chunk_doc)
 
 
 def _merge(db: str, path: str, output_dir: str, chunk_doc: dict, record: dict, report: dict | None) -> dict | None:

@@ -50,9 +50,21 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
         emit_json(res.to_json())
     else:
         results_table(res)
-        engine = res.record.get("engine", {})
-        where = engine.get("address") or engine.get("cluster") or ""
-        console().print(f"measured {res.measured} spec(s) on remote {remote} ({engine.get('engine')} {where}) in "
-                        f"{res.seconds:.1f} s; {res.record['merged']['added']} event(s) merged; record "
-                        f"{res.record_path}", markup=False)
+        console().print(_summary(res, remote), markup=False)
     return res.exit_code
+
+
+def _summary(res, remote: str) -> str:
+    """The run's last line: what was sent where, what came back, what was merged."""
+    record = res.record
+    engine = record.get("engine", {})
+    where = " ".join(str(w) for w in (engine.get("engine"), engine.get("address") or engine.get("cluster")) if w)
+    merged = f"{record['merged']['added']} event(s) merged; record {res.record_path}"
+    chunks = record["chunks"]
+    if not chunks:
+        return f"nothing to measure: no spec sent to remote {remote} ({where}); {merged}"
+    lost = [c for c in chunks if c["status"] not in ("merged", "fresh", "conflict")]  # failed or refused
+    back = res.measured - sum(c["specs"] for c in lost)
+    failed = f", {len(lost)} of {len(chunks)} chunk(s) failed (see above)" if lost else ""
+    return (f"measured {back} of {res.measured} spec(s) on remote {remote} ({where}) in {res.seconds:.1f} s{failed}; "
+            f"{merged}")

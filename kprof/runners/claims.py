@@ -9,6 +9,7 @@ removes the file. Claiming is atomic across runs: it happens under `<ledger>-cla
     with Claims(db_path, run_id) as claims:
         mine, held = claims.take(keys)   # mine: now claimed by this run; held: key -> the run that holds it
         ...                              # measure mine; wait for held (take them again later)
+        claims.drop(done)                # ends the claims of keys measured (or given up) before the run ends
 
 A run measures its own claims, then takes the held keys again until none is held: a key whose holder finished
 is read from the ledger (measured by the other run), one whose holder died without measuring it is measured
@@ -61,6 +62,18 @@ class Claims:
             pass
         self._own.close()
         self._own = None
+
+    def drop(self, keys) -> None:
+        """Ends this run's claims of `keys` (measured, or given up), keeping its others: another run may take them."""
+        gone = self.claimed.intersection(keys)
+        if not gone or self._own is None:
+            return
+        with self._lock():
+            self.claimed -= gone
+            self._own.seek(0)
+            self._own.truncate()
+            self._own.write("".join(k.hex() + "\n" for k in self.claimed))
+            self._own.flush()
 
     def _lock(self):
         f = open(os.path.join(self.dir, "lock"), "a")

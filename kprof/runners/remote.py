@@ -9,10 +9,12 @@ A remote is one entry of the untracked `remote.yaml` (`remote.example.yaml` list
 chunks (kprof.runners.chunk: specs in, a segment out) and nothing else:
 
     executor.workers() -> int                       how many chunks to split the work into
-    executor.submit(chunks) -> iter of (i, bytes)   each chunk's segment, as it completes (failures: .failures)
+    executor.submit(chunks, first) -> iter of (i, data)  chunk i's returned data (first + its position), as it
+                                                    completes (failures: .failures, {i: the reason})
     executor.describe() -> dict                     engine, address or cluster, job ids, hosts, GPUs
 
-RayExecutor keeps one actor per GPU (or per CPU slot for CPU backends); SlurmExecutor submits one submitit job per
+RayExecutor runs each chunk as a Ray task on a GPU (or a CPU slot for CPU backends), as many at once as the cluster
+has free; SlurmExecutor submits one submitit job per
 chunk, as one job array. Scheduling, retries and placement are the engine's: kprof only splits and merges.
 """
 
@@ -26,7 +28,7 @@ from ..errors import UsageError
 from .chunk import Chunk, chunk_entry, chunk_segment
 from .remote_config import EXAMPLE, Remote, where
 
-__all__ = ["executor_for", "RayExecutor", "SlurmExecutor", "run_chunk"]
+__all__ = ["executor_for", "RayExecutor", "SlurmExecutor", "run_chunk", "job_reason"]
 
 # ---- the worker side --------------------------------------------------------------------------------------------
 
@@ -50,17 +52,14 @@ def run_chunk(data: bytes) -> tuple[bytes, dict]:
                      "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
-class _RayWorker:
-    """One Ray actor: measures the chunks it is given, one at a time, on its GPU (or CPU slot)."""
+def _ray_chunk(data: bytes) -> tuple[bytes, dict]:
+    """One Ray task: measures one chunk on the GPU (or CPU slot) Ray gave it."""
+    import ray
 
-    def measure(self, data: bytes) -> tuple[bytes, dict]:
-        import ray
-
-        segment, info = run_chunk(data)
-        context = ray.get_runtime_context()
-        info.update(gpus=[str(g) for g in ray.get_gpu_ids()], actor=context.get_actor_id(),
-                    node=context.get_node_id())
-        return segment, info
+    segment, info = run_chunk(data)
+    context = ray.get_runtime_context()
+    info.update(gpus=[str(g) for g in ray.get_gpu_ids()], task=context.get_task_id(), node=context.get_node_id())
+    return segment, info
 
 
 # ---- executors --------------------------------------------------------------------------------------------------
@@ -70,7 +69,7 @@ def _gpus(settings_value: int | None, device: str) -> int:
 
 
 class RayExecutor:
-    """Chunks on Ray actors, one per GPU (gpus_per_worker each) or per CPU slot (CPU backends)."""
+    """Chunks as Ray tasks, each on a GPU (gpus_per_worker each) or a CPU slot (CPU backends)."""
 
     def __init__(self, remote: Remote, device: str):
         import ray
@@ -93,7 +92,7 @@ class RayExecutor:
                                  f"cluster, or fix launch.ray.address in {remote.path}") from None
         self.failures: dict[int, str] = {}
         self.infos: dict[int, dict] = {}
-        self.actors: list = []
+        self.pending: dict = {}  # ObjectRef -> chunk number, of the tasks not finished
 
     def workers(self) -> int:
         if self.remote.workers is not None:
@@ -102,20 +101,22 @@ class RayExecutor:
         slots = int(resources.get("GPU", 0) // self.gpus) if self.gpus else int(resources.get("CPU", 0))
         if slots < 1:
             raise UsageError(f"remote {self.remote.name!r}: the Ray cluster has {resources.get('GPU', 0)} GPU(s) for "
-                             f"actors of {self.gpus}; add GPUs or lower launch.ray.gpus_per_worker")
+                             f"tasks of {self.gpus}; add GPUs or lower launch.ray.gpus_per_worker")
         return slots
 
-    def submit(self, chunks: list[Chunk]) -> Iterator[tuple[int, bytes]]:
+    def submit(self, chunks: list[Chunk], first: int = 0) -> Iterator[tuple[int, bytes]]:
+        """Each chunk as one Ray task (chunk i is numbered first + i): Ray runs as many at once as the cluster has
+        free GPUs (CPU slots) and starts the next as one finishes, so every chunk runs whatever `workers` is. A
+        task is not retried: a chunk that kills its worker fails, as a local worker's spec does."""
         ray = self._ray
         from ray.exceptions import RayError
 
-        actor = ray.remote(_RayWorker).options(num_cpus=1, num_gpus=self.gpus,
-                                               runtime_env=self.settings.runtime_env or None)
-        self.actors = [actor.remote() for _ in range(min(len(chunks), self.workers()))]
-        pending = {self.actors[i % len(self.actors)].measure.remote(c.encode()): i for i, c in enumerate(chunks)}
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            i = pending.pop(done[0])
+        task = ray.remote(_ray_chunk).options(num_cpus=1, num_gpus=self.gpus, max_retries=0,
+                                              runtime_env=self.settings.runtime_env or None)
+        self.pending = {task.remote(c.encode()): first + i for i, c in enumerate(chunks)}
+        while self.pending:
+            done, _ = ray.wait(list(self.pending), num_returns=1)
+            i = self.pending.pop(done[0])
             try:
                 segment, self.infos[i] = ray.get(done[0])
             except RayError as exc:  # the chunk's worker failed: the others go on
@@ -132,9 +133,9 @@ class RayExecutor:
         return doc | _placement(self.infos)
 
     def close(self) -> None:
-        for a in self.actors:
-            self._ray.kill(a)
-        self.actors = []
+        for ref in self.pending:  # the run stopped early (an interrupt): its chunks still queued or running go
+            self._ray.cancel(ref, force=True)
+        self.pending = {}
         if self.owned:
             self._ray.shutdown()
 
@@ -154,7 +155,12 @@ class SlurmExecutor:
             raise UsageError(f"{where(remote.path, remote.name, 'launch.slurm.gpus_per_node')} is 0 and the "
                              f"backend measures on a CUDA GPU; set it to 1")
         self.folder = s.folder or os.path.join(output_dir, "submitit")
-        self.executor = submitit.AutoExecutor(folder=self.folder, cluster=s.cluster)
+        try:
+            self.executor = submitit.AutoExecutor(folder=self.folder, cluster=s.cluster)
+        except RuntimeError as exc:  # no Slurm here: submitit finds no `srun`
+            raise UsageError(f"remote {remote.name!r}: cannot submit to Slurm from this machine ({exc}); run where "
+                             f"Slurm is, or set launch.slurm.cluster: local (in {remote.path}, or --remote-set "
+                             f"launch.slurm.cluster=local) to test on this machine") from None
         params = dict(timeout_min=s.time, gpus_per_node=self.gpus, nodes=1, tasks_per_node=1, name="kprof")
         if s.cluster == "slurm":
             params.update(slurm_partition=s.partition, **({"slurm_account": s.account} if s.account else {}))
@@ -166,17 +172,16 @@ class SlurmExecutor:
     def workers(self) -> int:
         return self.remote.workers or 1
 
-    def submit(self, chunks: list[Chunk]) -> Iterator[tuple[int, bytes]]:
+    def submit(self, chunks: list[Chunk], first: int = 0) -> Iterator[tuple[int, bytes]]:
         jobs = self.executor.map_array(run_chunk, [c.encode() for c in chunks])
-        self.job_ids = [str(j.job_id) for j in jobs]
-        index = {id(j): i for i, j in enumerate(jobs)}
+        self.job_ids += [str(j.job_id) for j in jobs]
+        index = {id(j): first + i for i, j in enumerate(jobs)}
         for job in self._submitit.helpers.as_completed(jobs, poll_frequency=self.POLL_S):
             i = index[id(job)]
             try:
                 segment, self.infos[i] = job.result()
             except Exception as exc:  # noqa: BLE001 - a failed or cancelled job: the others go on
-                lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-                self.failures[i] = f"job {job.job_id}: {lines[-1] if lines else type(exc).__name__}"
+                self.failures[i] = f"job {job.job_id}: {job_reason(exc)}"
                 continue
             self.infos[i]["job_id"] = str(job.job_id)
             yield i, segment
@@ -190,6 +195,20 @@ class SlurmExecutor:
 
     def close(self) -> None:
         pass
+
+
+def job_reason(exc: BaseException) -> str:
+    """Why a submitit job failed, from the error submitit raises for it: the last line of the job's traceback (the
+    exception it raised: a UsageError's message, a time limit's UncompletedJobError), or the line saying it left
+    no result ("has not produced any output (state: ...)"), not the log lines and paths submitit appends."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in lines:
+        if "has not produced any output" in ln:
+            return ln
+    rules = [n for n, ln in enumerate(lines) if set(ln) == {"-"}]
+    if len(rules) >= 2 and rules[1] > rules[0] + 1:  # "failed during processing with trace:", the trace between rules
+        return lines[rules[1] - 1]
+    return lines[0] if lines else type(exc).__name__
 
 
 def _placement(infos: dict[int, dict]) -> dict:

@@ -58,11 +58,11 @@ class _Field(msgspec.Struct, frozen=True):
 # Every settable field, by its dotted name: the name in remote.yaml (nested) and in --remote-set KEY=VALUE.
 FIELDS: dict[str, _Field] = {
     "kind": _Field("str", "the engine", choices=("ray", "slurm")),
-    "workers": _Field("int", "how many chunks (Ray actors or Slurm jobs)", minimum=1),
+    "workers": _Field("int", "how many chunks (Ray tasks or Slurm jobs)", minimum=1),
     "launch.ray.address": _Field("str", 'the cluster: "local", "auto" or "ray://HOST:10001"'),
     "launch.ray.num_cpus": _Field("int", 'CPUs of a cluster started here (address "local" only)', minimum=1),
-    "launch.ray.gpus_per_worker": _Field("int", "GPUs per actor (0 for CPU backends)", minimum=0),
-    "launch.ray.runtime_env": _Field("mapping", "Ray runtime_env of the actors, e.g. {env_vars: {A: b}}"),
+    "launch.ray.gpus_per_worker": _Field("int", "GPUs per task (0 for CPU backends)", minimum=0),
+    "launch.ray.runtime_env": _Field("mapping", "Ray runtime_env of the tasks, e.g. {env_vars: {A: b}}"),
     "launch.slurm.partition": _Field("str", "the Slurm partition"),
     "launch.slurm.gpus_per_node": _Field("int", "GPUs each job asks for (0 for CPU backends)", minimum=0),
     "launch.slurm.time": _Field("int", "each job's time limit in minutes", minimum=1),

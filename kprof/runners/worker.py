@@ -7,6 +7,7 @@ stay outside the timed closure; the check runs before any timing, so a wrong ker
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from typing import Callable, Iterable, Iterator
@@ -112,6 +113,8 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             event = measured(prov, metrics, _record(Stats, stats), method,
                              environment=_record(Environment, env), origin=origin, parent=parent)
         except Exception as exc:  # any failure of one spec is recorded, and the others go on
+            if _stopped_by_engine(exc):
+                raise
             kind = classify(exc)
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             event = failed(prov, kind, detail[:2000], environment=_record(Environment, env), origin=origin,
@@ -119,6 +122,14 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             device.recover()
         case = None
         yield Outcome(index, event, time.perf_counter() - started, timed)
+
+
+def _stopped_by_engine(exc: BaseException) -> bool:
+    """Whether `exc` is a job engine stopping this process, not the spec failing: submitit's time-limit (or
+    preemption) signal handler raises UncompletedJobError inside whatever the job runs. The chunk fails with it;
+    no row says the kernel crashed. (submitit is looked up, never imported: only its jobs raise it.)"""
+    utils = sys.modules.get("submitit.core.utils")
+    return utils is not None and isinstance(exc, utils.UncompletedJobError)
 
 
 def _fits_in_memory(runner, spec) -> None:

@@ -137,3 +137,37 @@ def test_a_bad_spec_is_refused_before_anything_is_written(remote_yaml, db):
                        output_dir="out", json=True)
     assert exit_code(info.value) == 2 and "spec 0" in str(info.value)
     assert not os.path.exists("out") and not os.path.exists(db)
+
+
+@pytest.mark.parametrize("where", ["environment", "runtime_env"])
+def test_a_spec_timeout_is_refused_naming_what_bounds_a_remote_chunk(remote_yaml, db, monkeypatch, where):
+    """KPROF_SPEC_TIMEOUT_S is kept by the local pool only (it kills the worker a spec hangs in): a remote run
+    refuses it, here or in the Ray tasks' environment, rather than wait forever on a hung spec."""
+    if where == "environment":
+        monkeypatch.setenv("KPROF_SPEC_TIMEOUT_S", "30")
+        remote_yaml(GOOD.replace("slurm1", "r"))
+        assert "launch.slurm.time" in _refused(db)
+    remote_yaml(GOOD.replace("ray1", "r"))
+    overrides = ["launch.ray.runtime_env={env_vars: {KPROF_SPEC_TIMEOUT_S: '30'}}"] if where == "runtime_env" else []
+    message = _refused(db, remote_set=overrides)
+    assert message.startswith("KPROF_SPEC_TIMEOUT_S is set") and "no spec can be stopped" in message
+    assert ("in launch.ray.runtime_env" in message) == (where == "runtime_env")
+
+
+def test_slurm_on_a_machine_without_slurm_is_a_usage_error(remote_yaml, db, monkeypatch, tmp_path):
+    pytest.importorskip("submitit")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no srun here
+    remote_yaml(GOOD.replace("slurm1", "r"))
+    message = _refused(db)
+    assert message.startswith("remote 'r': cannot submit to Slurm from this machine") and "srun" in message
+    assert "launch.slurm.cluster: local" in message and "\n" not in message
+
+
+def test_the_remote_extra_installs_the_ray_client():
+    """A ray:// address connects through Ray Client, which the plain `ray` package lacks (Ray's docs: "Ray Client
+    requires pip package ray[client]")."""
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert any(r.replace(" ", "").startswith("ray[client]") for r in extras["remote"]), extras["remote"]

@@ -108,9 +108,9 @@ def test_a_conflict_merges_nothing_of_its_segment_and_exits_3(ray_cluster, remot
         executor = real(remote, device, output_dir)
         submit = executor.submit
 
-        def submit_while_the_ledger_changes(chunks):
+        def submit_while_the_ledger_changes(chunks, first=0):
             h.hand_row(db, SPECS[0], GPU, time_ms=123.0)
-            yield from submit(chunks)
+            yield from submit(chunks, first)
 
         executor.submit = submit_while_the_ledger_changes
         return executor
@@ -138,7 +138,8 @@ def test_submitit_local_executor_measures_ships_and_merges(remote_yaml, db, caps
                         json=False, command="kprof run --remote sub")
     captured = capsys.readouterr()
     assert rc == 0
-    assert "4 of 4 ok, 0 missing" in captured.out and "on remote sub (submitit local)" in captured.out
+    assert "4 of 4 ok, 0 missing" in captured.out
+    assert "measured 4 of 4 spec(s) on remote sub (submitit local) in " in captured.out
     assert "4 event(s) merged; record out/remote-run.json" in captured.out
     assert captured.err.count("chunk ") == 2 and "merged" in captured.err
     with open("out/results.json") as f:  # the run's snapshot, as `run --output-dir` writes it
@@ -151,3 +152,167 @@ def test_submitit_local_executor_measures_ships_and_merges(remote_yaml, db, caps
     assert engine["hosts"] and engine["folder"] == "logs/submitit"
     assert record["merged"] == {"added": 4, "existing": 0} and [c["status"] for c in record["chunks"]] == ["merged"] * 2
     assert len(os.listdir("out/segments")) == 2
+
+
+def test_more_chunks_than_the_cluster_has_slots_all_run(ray_cluster, remote_yaml, db):
+    """workers=4 on a 2-CPU cluster: the chunks past the two free slots start as the first ones finish (they once
+    waited forever for slots held by finished workers)."""
+    remote_yaml(RAY)
+    res = run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", remote_set=["workers=4"], output_dir="out")
+    assert res.exit_code == 0 and [r["status"] for r in res.results] == ["ok"] * 4
+    record = _record()
+    assert [c["status"] for c in record["chunks"]] == ["merged"] * 4 and record["merged"]["added"] == 4
+    assert sorted(os.listdir("out/segments")) == [f"chunk-000{j}.kseg" for j in range(4)]
+
+
+class _InProcess:
+    """An executor measuring each chunk here (run_chunk, as a worker would) and returning `tamper(j, segment)`."""
+
+    def __init__(self, workers=2, tamper=lambda j, seg: seg, during=lambda j: None):
+        self.n, self.tamper, self.during = workers, tamper, during
+        self.failures, self.infos = {}, {}
+
+    def workers(self):
+        return self.n
+
+    def submit(self, chunks, first=0):
+        for j, chunk in enumerate(chunks, first):
+            self.during(j)
+            segment, self.infos[j] = remote_module.run_chunk(chunk.encode())
+            yield j, self.tamper(j, segment)
+
+    def describe(self):
+        return {"engine": "in-process"}
+
+    def close(self):
+        pass
+
+
+def _in_process(monkeypatch, executor):
+    monkeypatch.setattr(remote_module, "executor_for", lambda remote, device, output_dir: executor)
+
+
+def _other_segment() -> bytes:
+    """A good segment of a spec the run does not ask for."""
+    from kprof.ledger.events import Origin
+    from kprof.runners.chunk import Chunk
+    from kprof.runners.registry import lookup
+
+    chunk = Chunk.of(lookup("single_gemm", "torch-cpu"), GPU, [{"m": 2, "n": 8, "k": 8, "dtype": "fp32"}], None,
+                     Origin())
+    return remote_module.run_chunk(chunk.encode())[0]
+
+
+@pytest.mark.parametrize("returned, why", [
+    (lambda seg: b"", "not a kprof segment"),
+    (lambda seg: None, "the worker returned NoneType, not a segment's bytes"),
+    (lambda seg: b"hello world" * 10, "not a kprof segment"),
+    (lambda seg: seg[: len(seg) // 2], "truncated"),
+    (lambda seg: _other_segment(), "event(s) of keys the chunk did not ask for"),
+], ids=["empty", "none", "junk", "truncated", "foreign"])
+def test_what_is_not_a_segment_of_the_chunks_keys_is_refused_and_kept_apart(remote_yaml, db, capsys, monkeypatch,
+                                                                            returned, why):
+    remote_yaml(RAY)
+    _in_process(monkeypatch, _InProcess(tamper=lambda j, seg: returned(seg) if j == 1 else seg))
+    res = run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out")
+    record = _record()
+    assert [c["status"] for c in record["chunks"]] == ["merged", "refused"] and why in record["chunks"][1]["error"]
+    assert res.exit_code == 1 and [r["status"] for r in res.results] == ["ok", "missing", "ok", "missing"]
+    assert res.failures == [f"chunk 1 (2 specs): refused: {record['chunks'][1]['error']}"]
+    assert os.listdir("out/segments") == ["chunk-0000.kseg"] and record["segments"] == ["out/segments/chunk-0000.kseg"]
+    kept = [] if "NoneType" in why else ["chunk-0001.bin"]  # the bytes refused, for inspection
+    assert (os.listdir("out/refused") if os.path.exists("out/refused") else []) == kept
+    args = ["query", "single_gemm", "--backend", "torch-cpu", "--db", db, "--json", "--spec",
+            json.dumps({"m": 2, "n": 8, "k": 8, "dtype": "fp32"})]
+    assert main(args) == 0 and json.loads(capsys.readouterr().out)["results"][0]["status"] == "missing"
+    assert main(["merge", "out/segments", "--db", "again.db", "--output-dir", "m"]) == 0  # segments/ merges
+
+
+def test_a_run_skips_the_keys_another_run_holds_and_ends_its_claims_as_chunks_merge(remote_yaml, db, monkeypatch, h):
+    """Another run holds the first spec's key: this run sends the other three, waits, and reads the row the other
+    run stored. While it runs, the keys it sent are held; each chunk's are free once it merged."""
+    from kprof.runners.claims import Claims
+
+    remote_yaml(RAY)
+    from kprof.api import _keys, _prepare
+
+    entry, canonical, gpu_key, _ = _prepare("single_gemm", "torch-cpu", SPECS, None, db, {})
+    keys = [_keys(entry, gpu_key).key(s) for s in canonical]
+    other = Claims(db, "other").__enter__()
+    assert other.take([keys[0]]) == ([keys[0]], {})
+    seen = []
+
+    def during(j):
+        with Claims(db, f"probe{j}") as probe:
+            seen.append(sorted(k for k in probe.take(keys)[1]))
+        if j == 1:  # the other run stores its row and ends
+            h.hand_row(db, SPECS[0], GPU, time_ms=123.0)
+            other.release()
+
+    _in_process(monkeypatch, _InProcess(during=during))
+    res = run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out")
+    assert res.exit_code == 0 and res.measured == 3 and _record()["measured"] == 3
+    assert res.results[0]["metrics"]["time_ms"] == 123.0  # the other run's row, not measured twice
+    # chunk 0 (specs 1 and 3) about to run: every key held, by the two runs; chunk 1 (spec 2) about to run: chunk
+    # 0's keys are free again
+    assert seen == [sorted(keys), sorted([keys[0], keys[2]])]
+    with Claims(db, "after") as probe:
+        assert probe.take(keys)[1] == {}  # the run ended its claims
+
+
+def test_a_failed_submitit_job_reports_its_reason_and_the_summary_says_so(remote_yaml, db, capsys):
+    """Both jobs refuse their chunk (the rows are keyed by another CPU): each failure names the worker's reason, not
+    the log path submitit's error text ends with; the summary counts what came back."""
+    remote_yaml(RAY)
+    rc = run_remote_cli("single_gemm", "torch-cpu", SPECS, remote="sub", remote_set=[], output_dir="out",
+                        gpu_name="Another CPU", json=False, command="kprof run --remote sub")
+    captured = capsys.readouterr()
+    assert rc == 1
+    failures = [ln for ln in captured.err.splitlines() if ln.startswith("error: chunk ") and ": failed: job " in ln]
+    assert len(failures) == 2
+    assert all("UsageError: this worker's CPU is" in ln and "--gpu-name" in ln for ln in failures), failures
+    assert "measured 0 of 4 spec(s) on remote sub (submitit local) in " in captured.out
+    assert ", 2 of 2 chunk(s) failed (see above); 0 event(s) merged" in captured.out
+
+
+def test_nothing_to_measure_says_so(remote_yaml, db, capsys, h):
+    remote_yaml(RAY)
+    for spec in SPECS:
+        h.hand_row(db, spec, GPU)
+    rc = run_remote_cli("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out", json=False)
+    assert rc == 0
+    assert "nothing to measure: no spec sent to remote ray (ray); 0 event(s) merged; record out/remote-run.json" \
+        in capsys.readouterr().out
+
+
+def test_a_time_limit_fails_the_chunk_and_stores_no_crash_row(monkeypatch):
+    """submitit's time-limit signal handler raises UncompletedJobError in whatever the job runs: it stops the chunk
+    (the job fails with it), not a spec (no `failed` row of kind crash is made)."""
+    submitit = pytest.importorskip("submitit")
+    from kprof.ledger.events import Origin
+    from kprof.runners import worker
+    from kprof.runners.chunk import Chunk
+    from kprof.runners.registry import lookup
+
+    def time_limit(runner, spec):
+        raise submitit.core.utils.UncompletedJobError("Job not requeued because: timed-out and not checkpointable.")
+
+    monkeypatch.setattr(worker, "_fits_in_memory", time_limit)
+    chunk = Chunk.of(lookup("single_gemm", "torch-cpu"), GPU, SPECS[:2], None, Origin())
+    with pytest.raises(submitit.core.utils.UncompletedJobError, match="timed-out"):
+        remote_module.run_chunk(chunk.encode())
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("Job (task=0) failed during processing with trace:\n----------------------\nTraceback (most recent call last):\n"
+     '  File "x.py", line 1, in f\nsubmitit.core.utils.UncompletedJobError: Job not requeued because: timed-out and '
+     "not checkpointable.\n\n----------------------\nYou can check full logs with 'job.stderr(0)' and "
+     "'job.stdout(0)'or at paths:\n  - logs/17144_0_log.err\n  - logs/17144_0_log.out",
+     "submitit.core.utils.UncompletedJobError: Job not requeued because: timed-out and not checkpointable."),
+    ("Job 17144 (task: 0) with path logs/17144_0_result.pkl\nhas not produced any output (state: NO PROCESS AND NO "
+     "RESULT)\nError stream produced:\n----------------------------------------\nsubmitit INFO (2025-01-01) - "
+     "Loading pickle: logs/17144_submitted.pkl",
+     "has not produced any output (state: NO PROCESS AND NO RESULT)"),
+])
+def test_a_job_reason_is_the_line_that_says_why(text, reason):
+    assert remote_module.job_reason(RuntimeError(text)) == reason
