@@ -41,6 +41,24 @@ def _progress():
     return bar, update, watch
 
 
+def _busy_host_note(table: str, backend: str, measured: int, load_before: float) -> str | None:
+    """A CPU row times the host, and other work on it slows every sample alike (their spread does not show it: a
+    2-core host under load read GEMMs 10x slow with a small spread). Where the load average passed the cores
+    while rows were timed, say so: the rows' notes carry it (host_busy), but a user reads the table."""
+    import os
+
+    from ..runners.registry import lookup
+
+    if not measured or lookup(table, backend).device != "cpu":
+        return None
+    load, cores = max(load_before, os.getloadavg()[0]), os.cpu_count() or 1
+    if load <= cores:
+        return None
+    return (f"note: the host's load average ({load:.1f}) passed its {cores} cores while these {measured} CPU row(s) "
+            f"were timed: other work slowed them (their notes say host_busy); measure again on a quieter host with "
+            f"`kprof run --force`")
+
+
 def _devices_line(pool: dict | None) -> str | None:
     """Where the run measured, as one line: the devices, and whether a variable forced them past the idle guard."""
     if not pool or not (pool.get("devices") or pool.get("skipped")):
@@ -93,7 +111,7 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
 
     command = "kprof " + shlex.join(invocation)
     bar, update, watch = _progress()
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), _load()
     options = dict(mode=mode, gpu_name=gpu_name, db=db, command=command, timer=timer, l2=l2, cuda_graph=cuda_graph,
                    power=power, conflict_dir=output_dir)
     if bar:
@@ -115,4 +133,13 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
                         markup=False)
     if devices:  # where it ran: a log line, on stderr in either mode
         console(stderr=True).print(devices, markup=False)
+    busy = _busy_host_note(table, backend, res.measured, load_before)
+    if busy:
+        console(stderr=True).print(busy, markup=False)
     return res.exit_code
+
+
+def _load() -> float:
+    import os
+
+    return os.getloadavg()[0]

@@ -357,3 +357,15 @@ def test_a_run_over_a_stale_row_stores_its_measurement_with_the_stale_row_as_par
     assert row["status"] == "ok" and row["error"] is None, row
     assert _history(capsys, ledger_path, row["citation"])["event"]["parent"] == _codec.event_id(
         _codec.encode(old)).hex()
+
+
+@pytest.mark.parametrize("load, noted", [(99.0, True), (0.0, False)])
+def test_cpu_rows_timed_on_a_busy_host_are_named_in_a_note(ledger_path, capsys, h, monkeypatch, load, noted):
+    """A CPU row times the host: where its load passed the cores, stderr says so (the table alone looked fine)."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
+                 "--json"]) == 0
+    err = capsys.readouterr().err
+    assert ("note: the host's load average (99.0) passed its" in err and "1 CPU row(s)" in err) == noted
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path]) == 0
+    assert "note: the host's load" not in capsys.readouterr().err  # nothing measured: nothing to say
