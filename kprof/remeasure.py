@@ -137,13 +137,25 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
 
 def _measure(by_entry: dict[tuple, list], tolerance: float) -> list[Drift]:
     """Each (entry, stored row) measured again, grouped by scope, as a Drift."""
+    from .errors import SpecError
     from .runners.worker import measure_specs
+    from .specs import validate
 
     out: list[Drift] = []
-    for (_t, _b, gpu_key), items in by_entry.items():
-        entry = items[0][0]
+    for (_t, _b, gpu_key), held in by_entry.items():
+        entry = held[0][0]
+        items = []
+        for e, row in held:  # a row stored before its backend refused its spec (fp8 on torch-cpu) fails alone
+            try:
+                validate(entry.args, [row.spec])
+            except SpecError as exc:
+                out.append(Drift(entry.table, entry.backend, row.spec, row.citation, row.metrics["time_ms"], None,
+                                 None, False, f"not re-measurable: backend {entry.backend} now refuses this "
+                                                f"spec ({exc})"))
+            else:
+                items.append((e, row))
         specs = [row.spec for _e, row in items]
-        for outcome in measure_specs(entry, specs, gpu_key):
+        for outcome in measure_specs(entry, specs, gpu_key) if items else ():
             _e, row = items[outcome.index]
             old = row.metrics["time_ms"]
             event = outcome.event

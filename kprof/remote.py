@@ -81,7 +81,8 @@ def _received(output_dir: str, j: int, data: Any, keys: set) -> tuple[str, list]
         kept = os.path.join(output_dir, "refused", f"{name}.bin")
         os.makedirs(os.path.dirname(kept), exist_ok=True)
         os.replace(staged, kept)
-        raise UsageError(str(exc).replace(staged, kept)) from None
+        message = str(exc).replace(staged, kept)
+        raise UsageError(message if kept in message else f"{message}; its bytes are kept as {kept}") from None
     path = os.path.join(output_dir, "segments", f"{name}.kseg")
     os.replace(staged, path)
     return path, events

@@ -109,3 +109,19 @@ def test_the_cached_ledgers_are_closed_at_exit(db):
               "gpu_key='Known CPU', db=sys.argv[1]))\n")
     done = subprocess.run([sys.executable, "-c", script, db], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "0\n0 held at exit\n"), done.stderr
+
+
+@pytest.mark.parametrize("call, said", [
+    (dict(backend="torch-cpu", timer="x"), "timer='x' applies to CUDA backends; "),
+    (dict(backend="torch-cpu", power="loaded"), "omit power, or pass a CUDA backend"),
+    (dict(backend="torch", gpu_key="NVIDIA H200", timer="bogus"), "timer='bogus' is not one of cupti, events; e.g. "
+                                                                  "timer='cupti', or omit it"),
+    (dict(backend="torch", gpu_key="NVIDIA H200", cuda_graph="yes"), "cuda_graph='yes' is not a bool; pass "
+                                                                     "cuda_graph=True or cuda_graph=False"),
+])
+def test_a_bad_method_argument_is_named_as_the_python_keyword(db, call, said):
+    """The method checks are shared with the verbs, whose messages name flags; a Python caller reads the keyword
+    arguments it passed instead (no `--timer` in a message to code that has no command line)."""
+    with pytest.raises(UsageError) as caught:
+        perf_api.get_single_gemm(db=db, **call, **SPEC)
+    assert said in str(caught.value) and "--" not in str(caught.value).split("`")[0]

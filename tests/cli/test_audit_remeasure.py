@@ -91,6 +91,34 @@ def test_a_failed_remeasurement_is_a_failure_not_a_drift(h, capsys, local_gpu, m
     assert "0 drifted past 5.0%, 1 failed to measure" in out and "FAIL " in out and "DRIFT" not in out
 
 
+def test_a_stored_row_its_backend_now_refuses_fails_alone(h, capsys, local_gpu):
+    """An ok fp8 row of torch-cpu (stored before that backend refused fp8 at validation) cannot be re-measured:
+    it is counted as failed, with the reason, and the audit goes on with the other rows (exit 1, not 2)."""
+    import kprof.runners.gemm as gemm
+    from kprof.ledger import KeyMaker, ShapeCodec
+    from kprof.ledger.build import measured
+    from kprof.ledger.events import Method, Stats
+    from kprof.runners.registry import lookup
+
+    contract = lookup(h.GEMM, h.CPU).contract  # same fields, so the same key as the wider CUDA args give
+    prov = KeyMaker(h.GEMM, h.CPU, local_gpu, contract, ShapeCodec(gemm.SingleGemmArgs)).provenance(
+        h.gemm(16, 16, 16, "fp8_e4m3"))
+    stats = Stats(n=1, median=0.5, p10=0.5, p90=0.5, mean=0.5, stdev=0.0, cv=0.0, min=0.5, max=0.5, samples=[0.5])
+    metrics = {"time_ms": 0.5, "tflops": 1.0, "memory_bandwidth_gbps": 2.0, "energy_j": None}
+    h.append("p.db", measured(prov, metrics, stats, Method(timer="cpu", l2="warm")))
+    _run(h, capsys, h.gemm(32, 32, 32))
+    assert main(["audit", "--remeasure", "5", "--tolerance", "100", "--db", "p.db", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["checked"], doc["failed"], doc["drifted"]) == (2, 1, 0)
+    bad = next(r for r in doc["rows"] if r["spec"]["dtype"] == "fp8_e4m3")
+    good = next(r for r in doc["rows"] if r["spec"]["dtype"] == "fp32")
+    assert bad["new_ms"] is None and "now refuses this spec" in bad["error"] and "fp8_e4m3" in bad["error"]
+    assert good["ok"] and good["new_ms"] > 0
+    assert main(["audit", "--remeasure", "5", "--tolerance", "100", "--db", "p.db"]) == 1
+    out = capsys.readouterr().out
+    assert "-> no time (not re-measurable" in out and "None" not in out
+
+
 def test_remeasure_rejects_bad_counts(h, capsys):
     _run(h, capsys, h.gemm())
     assert main(["audit", "--remeasure", "0", "--db", "p.db"]) == 2

@@ -222,6 +222,7 @@ def test_what_is_not_a_segment_of_the_chunks_keys_is_refused_and_kept_apart(remo
     assert os.listdir("out/segments") == ["chunk-0000.kseg"] and record["segments"] == ["out/segments/chunk-0000.kseg"]
     kept = [] if "NoneType" in why else ["chunk-0001.bin"]  # the bytes refused, for inspection
     assert (os.listdir("out/refused") if os.path.exists("out/refused") else []) == kept
+    assert all(os.path.join("out", "refused", name) in record["chunks"][1]["error"] for name in kept)  # named
     args = ["query", "single_gemm", "--backend", "torch-cpu", "--db", db, "--json", "--spec",
             json.dumps({"m": 2, "n": 8, "k": 8, "dtype": "fp32"})]
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["results"][0]["status"] == "missing"
