@@ -1,7 +1,7 @@
 """Claims: concurrent `run`s on one ledger never measure the same key twice.
 
 A run claims the keys it is about to measure before measuring them. Its claims live in a file of its own,
-`<ledger>-claims/<run id>.claim` (the keys, hex, one per line), which it holds under an exclusive `flock` for
+`<ledger>-claims/<run id>.claim` (the keys, hex, one per line; `-` before a key ends its claim), which it holds under an exclusive `flock` for
 as long as it runs. The kernel releases that lock when the process ends however it ends (a kill included), so
 a claim is alive exactly while its holder is: another run that can take the lock has found a dead holder, and
 removes the file. Claiming is atomic across runs: it happens under `<ledger>-claims/lock`.
@@ -11,9 +11,9 @@ removes the file. Claiming is atomic across runs: it happens under `<ledger>-cla
         ...                              # measure mine; wait for held (take them again later)
         claims.drop(done)                # ends the claims of keys measured (or given up) before the run ends
 
-A run measures its own claims, then takes the held keys again until none is held: a key whose holder finished
-is read from the ledger (measured by the other run), one whose holder died without measuring it is measured
-here. Claims never enter the ledger file: they say who is measuring, not what was measured.
+A run measures its own claims, ending each as its row is stored, then takes the held keys again until none is
+held: a key whose holder finished it is read from the ledger (measured by the other run), one whose holder died
+without measuring it is measured here. A run that waits holds no claims, so two runs never wait for each other. Claims never enter the ledger file: they say who is measuring, not what was measured.
 """
 
 from __future__ import annotations
@@ -68,11 +68,9 @@ class Claims:
         gone = self.claimed.intersection(keys)
         if not gone or self._own is None:
             return
-        with self._lock():
+        with self._lock():  # appended, not rewritten: a run ends each of its many claims as it stores the row
             self.claimed -= gone
-            self._own.seek(0)
-            self._own.truncate()
-            self._own.write("".join(k.hex() + "\n" for k in self.claimed))
+            self._own.write("".join("-" + k.hex() + "\n" for k in gone))
             self._own.flush()
 
     def _lock(self):
@@ -97,11 +95,12 @@ class Claims:
                 except OSError as e:
                     if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                         raise
-                    run = name[: -len(".claim")]
+                    keys: dict[bytes, bool] = {}  # key -> still claimed, by this file's lines in order
                     for line in f:
                         line = line.strip()
                         if line:
-                            held[bytes.fromhex(line)] = run
+                            keys[bytes.fromhex(line.lstrip("-"))] = not line.startswith("-")
+                    held.update((k, name[: -len(".claim")]) for k, live in keys.items() if live)
                     continue
                 os.unlink(path)  # we got the lock: its holder is gone, and so are its claims
         return held

@@ -230,6 +230,7 @@ class _State:
                                                                                          self.before[i])]
                 waiting = [i for i in pending if spec_keys[i] in held]
                 self.waited.update(held)
+                self.claims.drop(mine_set - {spec_keys[i] for i in batch})  # another run measured them meanwhile
             else:
                 rows, batch, waiting = self.before, pending, []
             parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
@@ -270,6 +271,8 @@ class _State:
                           f"stored"}
         else:
             self.ledger.append([res.event])  # one commit per spec: a crash keeps what was finished
+        if self.claims is not None:  # stored (or given up): a run waiting for it reads it now, not when this one ends
+            self.claims.drop([k])
         if self.progress:
             self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index])
 

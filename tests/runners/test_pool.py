@@ -318,3 +318,51 @@ def test_a_spec_time_limit_sends_the_specs_to_workers_and_is_kept(tmp_path, caps
     row = json.loads(out)["results"][0]
     assert row["error"]["kind"] == "timeout", row
     assert "in this process" not in err
+
+
+def test_a_dropped_claim_is_read_per_run(tmp_path):
+    """A run ends a claim by a line of its own file; a key another run claimed after it stays that run's."""
+    from kprof.runners.claims import Claims
+
+    db = str(tmp_path / "p.db")
+    with Claims(db, "first") as first, Claims(db, "second") as second, Claims(db, "third") as third:
+        assert first.take([b"k1", b"k2"]) == ([b"k1", b"k2"], {})
+        first.drop([b"k1"])
+        assert second.take([b"k1", b"k2"]) == ([b"k1"], {b"k2": "first"})
+        assert third.take([b"k1", b"k2"]) == ([], {b"k1": "second", b"k2": "first"})
+        second.drop([b"k1"])
+        first.take([b"k1"])  # claimed again after its own drop
+        assert third.take([b"k1"]) == ([], {b"k1": "first"})
+
+
+@pytest.mark.slow
+def test_a_run_waiting_for_a_key_holds_none_it_has_stored(tmp_path):
+    """Run X stores its key, then waits for a key run Y holds while Y waits for X's: X's stored key is no longer
+    claimed (it used to stay claimed until X ended, so the two runs waited for each other for ever)."""
+    from kprof.ledger import KeyMaker, ShapeCodec
+    from kprof.measure.env import cpu_model
+    from kprof.runners.claims import Claims
+    from kprof.runners.registry import lookup
+
+    db = str(tmp_path / "p.db")
+    entry = lookup("single_gemm", "torch-cpu")
+    keys = KeyMaker(entry.table, entry.backend, cpu_model(), entry.contract, ShapeCodec(entry.args))
+    specs = [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}, {"m": 16, "n": 8, "k": 8, "dtype": "fp32"}]
+    k1, k2 = (keys.key(entry.args(**s)) for s in specs)
+    env = dict(os.environ, KPROF_TIME_BUDGET_S="0.02", KPROF_DB=db)
+    with Claims(db, "y") as y:
+        assert y.take([k2]) == ([k2], {})
+        x = subprocess.Popen([sys.executable, "-m", "kprof", "run", "single_gemm", "--backend", "torch-cpu",
+                              "--spec", json.dumps(specs[0]), "--spec", json.dumps(specs[1]), "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and x.poll() is None and not (os.path.exists(db) and _events(tmp_path)):
+            time.sleep(0.1)
+        while time.monotonic() < deadline and x.poll() is None and y.take([k1])[1]:  # taken only once k1 is stored
+            time.sleep(0.1)
+        assert x.poll() is None  # x waits for k2 ...
+        assert len(_events(tmp_path)) == 1 and y.take([k1])[1] == {}  # ... holding no claim on the k1 it stored
+        y.drop([k1])
+    out, err = x.communicate(timeout=120)  # y ended without measuring k2: x measures it
+    assert x.returncode == 0, err
+    assert json.loads(out)["missing_count"] == 0 and len(_events(tmp_path)) == 2
