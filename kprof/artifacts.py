@@ -5,7 +5,9 @@ snapshot, a file, a path through a file, one that cannot be created or written) 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 
 import msgspec
 
@@ -74,16 +76,24 @@ def write_snapshot(path: str, request: dict, result: dict, meta: dict, args_orde
 
 
 def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[str]) -> list[str]:
+    """Every file is made in a staging directory inside `path`, then renamed into place: a run interrupted while it
+    writes (the plot takes a second) leaves no part of a snapshot, which would refuse the same command again."""
     docs = {"request.json": request, "results.json": result, "curve.json": curve(result, args_order),
             "job.meta.json": meta}
-    written = []
-    for name, doc in docs.items():
-        _write_once(os.path.join(path, name), msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
-        written.append(name)
-    png = _plot(docs["curve.json"], os.path.join(path, "curve.png"))
-    if png:
-        written.append("curve.png")
-    return written
+    staging = tempfile.mkdtemp(prefix=".snapshot-", dir=path)
+    try:
+        for name, doc in docs.items():
+            _write_once(os.path.join(staging, name), msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
+        written = [*docs, *(["curve.png"] if _plot(docs["curve.json"], os.path.join(staging, "curve.png")) else [])]
+        for name in written:
+            os.rename(os.path.join(staging, name), os.path.join(path, name))
+        return written
+    except OSError as exc:
+        if exc.filename and os.path.dirname(exc.filename) == staging:  # named where it was to go
+            exc.filename = os.path.join(path, os.path.basename(exc.filename))
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _plot(c: dict, path: str) -> bool:

@@ -276,6 +276,32 @@ def test_output_dir_reuse_is_refused_before_any_work(tmp_path, ledger_path, caps
     assert {n: h.digest(out_dir / n) for n in os.listdir(out_dir)} == files_before
 
 
+def test_a_run_interrupted_while_its_snapshot_is_written_leaves_none_and_runs_again(tmp_path, ledger_path, capsys,
+                                                                                      h, monkeypatch):
+    """Ctrl-C while the plot is drawn (matplotlib's import takes a second) left the JSON files of a snapshot, so the
+    same command, which the interrupt's note says to run again, was refused: the snapshot appears whole or not at
+    all."""
+    from kprof import artifacts
+
+    out_dir = tmp_path / "snap"
+    plot = artifacts._plot
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifacts, "_plot", interrupted)
+    argv = ["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path, "--output-dir",
+            str(out_dir), "--json"]
+    assert main(argv) == 130
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().err
+    assert os.listdir(out_dir) == [] and _last_seq(ledger_path) == 1
+    monkeypatch.setattr(artifacts, "_plot", plot)
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert {"request.json", "results.json", "curve.json", "job.meta.json"} <= set(os.listdir(out_dir))
+    assert not [n for n in os.listdir(out_dir) if n.startswith(".")] and _last_seq(ledger_path) == 1
+
+
 def test_output_dir_that_is_a_file_is_refused(tmp_path, ledger_path, capsys, h):
     target = tmp_path / "file"
     target.write_text("x")
