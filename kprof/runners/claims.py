@@ -36,18 +36,34 @@ class Claims:
         self.claimed: set[bytes] = set()
 
     def __enter__(self) -> "Claims":
+        self.check()
         try:
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
-            raise UsageError(f"cannot make {self.dir}, where concurrent runs record the keys they measure "
-                             f"({e.strerror}); run where the ledger's directory is writable, or copy the ledger "
-                             f"to one") from None
+            raise UsageError(f"cannot make {self._where} ({e.strerror}); run where the ledger's directory is "
+                             f"writable, or copy the ledger to one") from None
         # Made and locked under the directory's lock: between the two, another run would take our unlocked file
         # for a dead run's and remove it, and our claims with it.
-        with self._lock():
-            self._own = open(self.path, "a+")
-            fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own new file: never contended
+        try:
+            with self._lock():
+                self._own = open(self.path, "a+")
+                fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own new file: never contended
+        except OSError as e:
+            raise UsageError(f"cannot use {self._where}: {e.filename}: {e.strerror}; fix or remove {e.filename} "
+                             f"(no rows are kept there)") from None
         return self
+
+    @property
+    def _where(self) -> str:
+        return f"{self.dir}, where concurrent runs on the ledger record the keys they measure"
+
+    def check(self) -> None:
+        """Refuses, creating nothing, a claims directory that is a file or whose lock is a directory: a run calls
+        it before it creates a ledger."""
+        for path, directory in ((self.dir, True), (os.path.join(self.dir, "lock"), False)):
+            if os.path.lexists(path) and os.path.isdir(path) != directory:
+                raise UsageError(f"cannot use {self._where}: {path} is {'not ' if directory else ''}a directory; fix "
+                                 f"or remove {path} (no rows are kept there)")
 
     def __exit__(self, *exc) -> None:
         self.release()

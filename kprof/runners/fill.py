@@ -180,12 +180,15 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     with contextlib.ExitStack() as stack:
         order = sorted(levels)
         first = stack.enter_context(workers_for(order[0]))  # a device that cannot measure: refused, nothing written
+        if mode != "fresh":
+            from .claims import Claims
+
+            claims = Claims(db, origin.run_id)
+            claims.check()  # a claims directory it cannot use is refused before a ledger is created
         ledger = None if mode == "fresh" else stack.enter_context(Ledger.open(db))
         if ledger is not None:
             origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
-            from .claims import Claims
-
-            state.claims = stack.enter_context(Claims(ledger.path, origin.run_id))
+            state.claims = stack.enter_context(claims)
         state.ledger, state.origin = ledger, origin
         for n in order:
             if n == order[0]:

@@ -557,3 +557,17 @@ def test_a_collective_without_a_gpu_names_its_own_cpu_backend(tmp_path, capsys, 
                   "backend nccl measures on a CUDA GPU", "or use backend gloo")
     assert "torch-cpu" not in err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("make", ["file", "lock_dir"])
+def test_a_claims_directory_a_run_cannot_use_is_refused_before_a_ledger_is_made(tmp_path, h, refused, make):
+    """`<db>-claims` a file, or its lock a directory: one line naming it, exit 2, and no ledger created (the ledger
+    used to be created first, then the run refused; a lock that was a directory was a traceback)."""
+    if make == "file":
+        (tmp_path / "p.db-claims").write_text("")
+        needle = "cannot use p.db-claims, where concurrent runs on the ledger record the keys they measure: p.db-claims is not a directory"
+    else:
+        (tmp_path / "p.db-claims" / "lock").mkdir(parents=True)
+        needle = "p.db-claims/lock is a directory; fix or remove p.db-claims/lock"
+    refused(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(SPEC), "--db", "p.db"], needle)
+    assert not os.path.exists(tmp_path / "p.db") and not os.path.exists(tmp_path / "p.db-lock")
