@@ -18,6 +18,7 @@ without measuring it is measured here. A run that waits holds no claims, so two 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -76,7 +77,8 @@ class Claims:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-        self._own.close()
+        with contextlib.suppress(OSError):  # data a full disk refused is not flushed again
+            self._own.close()
         self._own = None
 
     def drop(self, keys) -> None:
@@ -86,8 +88,15 @@ class Claims:
             return
         with self._lock():  # appended, not rewritten: a run ends each of its many claims as it stores the row
             self.claimed -= gone
-            self._own.write("".join("-" + k.hex() + "\n" for k in gone))
+            self._record("".join("-" + k.hex() + "\n" for k in gone))
+
+    def _record(self, lines: str) -> None:
+        try:
+            self._own.write(lines)
             self._own.flush()
+        except OSError as e:
+            raise UsageError(f"cannot record this run's claims in {self.path} ({e.strerror}); every row stored before "
+                             f"stays in the ledger: free space (or fix the directory) and run again") from None
 
     def _lock(self):
         f = open(os.path.join(self.dir, "lock"), "a")
@@ -114,7 +123,7 @@ class Claims:
                     keys: dict[bytes, bool] = {}  # key -> still claimed, by this file's lines in order
                     for line in f:
                         line = line.strip()
-                        if line:
+                        with contextlib.suppress(ValueError):  # a line a full disk cut short
                             keys[bytes.fromhex(line.lstrip("-"))] = not line.startswith("-")
                     held.update((k, name[: -len(".claim")]) for k, live in keys.items() if live)
                     continue
@@ -129,7 +138,6 @@ class Claims:
             mine = [k for k in keys if k not in held]
             new = [k for k in dict.fromkeys(mine) if k not in self.claimed]
             if new:
-                self._own.write("".join(k.hex() + "\n" for k in new))
-                self._own.flush()
+                self._record("".join(k.hex() + "\n" for k in new))
                 self.claimed.update(new)
         return mine, {k: held[k] for k in keys if k in held}

@@ -366,3 +366,23 @@ def test_a_run_waiting_for_a_key_holds_none_it_has_stored(tmp_path):
     out, err = x.communicate(timeout=120)  # y ended without measuring k2: x measures it
     assert x.returncode == 0, err
     assert json.loads(out)["missing_count"] == 0 and len(_events(tmp_path)) == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_claim_a_full_disk_refuses_is_a_usage_error_and_other_runs_read_past_it(tmp_path):
+    """A full disk used to be an OSError traceback from the claim file's flush (and again from its close); a run
+    reading a claim file a full disk cut short mid-line skips that line."""
+    from kprof.errors import UsageError
+    from kprof.runners.claims import Claims
+
+    db = str(tmp_path / "p.db")
+    with Claims(db, "other") as other, Claims(db, "full") as full:
+        other.take([b"k1"])
+        other._own.write("-k")  # a line cut short
+        other._own.flush()
+        full._own.close()
+        full._own = open("/dev/full", "a")  # every write: No space left on device
+        with pytest.raises(UsageError, match=r"cannot record this run's claims in .*full\.claim \(No space left"):
+            full.take([b"k2"])
+        assert full.claimed == set()
+    assert not os.path.exists(f"{db}-claims/full.claim")
