@@ -262,11 +262,14 @@ class _State:
         elif res.segment is not None:
             from ..merge.merge import merge_into
 
+            report_dir = self.conflict_dir or tempfile.mkdtemp(prefix="kprof-")  # for a conflict's merge-report.json
             try:
-                merge_into(self.ledger, [res.segment], self.conflict_dir or tempfile.mkdtemp(prefix="kprof-"))
+                merge_into(self.ledger, [res.segment], report_dir)
             except MergeConflict as exc:
                 errored[k] = {"kind": "conflict", "message": str(exc)}
             os.unlink(res.segment)
+            if report_dir != self.conflict_dir and not os.listdir(report_dir):  # no report: not one dir per spec left
+                os.rmdir(report_dir)
         elif (now := self._row_now(res.index)) != self.parents.get(res.index):
             # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it
             errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "

@@ -386,3 +386,14 @@ def test_a_claim_a_full_disk_refuses_is_a_usage_error_and_other_runs_read_past_i
             full.take([b"k2"])
         assert full.claimed == set()
     assert not os.path.exists(f"{db}-claims/full.claim")
+
+
+@pytest.mark.slow
+def test_a_pool_run_leaves_no_temporary_directory(tmp_path):
+    """Each worker's segment was merged with a new empty temporary directory for a conflict report, never removed:
+    one left in the temporary directory per spec measured."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code, doc, err = _run(tmp_path, _specs(*["ok"] * 4), TMPDIR=str(tmp))
+    assert code == 0 and doc["missing_count"] == 0, err
+    assert [n for n in os.listdir(tmp) if n.startswith("kprof-")] == []
