@@ -14,6 +14,7 @@ MAX_RESTARTS times in a row is given up; the specs left when no device remains f
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -75,19 +76,21 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
     except Exception as exc:  # noqa: BLE001 - a device that cannot measure says why, and the parent decides
         conn.send(("refused", type(exc).__name__, str(exc)))
         return
-    conn.send(("ready", msgspec.msgpack.encode(_record(Environment, device.env))))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            return
-        if message is None:
-            return
-        chunk = Chunk.decode(message)
-        for outcome, data in measure_chunk(chunk, device):
-            path = segment.write(spool, [data], chunk.origin.ledger_id, 1)
-            conn.send(("event", outcome.index, path, data, outcome.seconds, outcome.timed_seconds))
-        conn.send(("idle",))
+    path = None
+    try:
+        conn.send(("ready", msgspec.msgpack.encode(_record(Environment, device.env))))
+        while (message := conn.recv()) is not None:
+            chunk = Chunk.decode(message)
+            for outcome, data in measure_chunk(chunk, device):
+                path = segment.write(spool, [data], chunk.origin.ledger_id, 1)
+                conn.send(("event", outcome.index, path, data, outcome.seconds, outcome.timed_seconds))
+                path = None
+            conn.send(("idle",))
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone (killed): end without a traceback,
+        with contextlib.suppress(OSError):  # and leave no segment that nothing will merge (the last removes the spool)
+            if path is not None:
+                os.unlink(path)
+            os.rmdir(spool)
 
 
 class _Worker:

@@ -397,3 +397,22 @@ def test_a_pool_run_leaves_no_temporary_directory(tmp_path):
     code, doc, err = _run(tmp_path, _specs(*["ok"] * 4), TMPDIR=str(tmp))
     assert code == 0 and doc["missing_count"] == 0, err
     assert [n for n in os.listdir(tmp) if n.startswith("kprof-")] == []
+
+
+@pytest.mark.slow
+def test_workers_of_a_killed_run_end_quietly_and_leave_no_segment(tmp_path):
+    """SIGKILL of the run: its workers, finding no parent to send their next event to, printed a BrokenPipeError
+    traceback each on the run's stderr and left the spool of segments in the temporary directory."""
+    import signal
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = _run(tmp_path, _specs(*["slow"] * 12), wait=False, TMPDIR=str(tmp))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not os.path.exists(tmp_path / "p.db") or len(_events(tmp_path)) < 2):
+        time.sleep(0.2)
+    p.kill()
+    _out, err = p.communicate(timeout=60)  # the workers hold its stderr until they end
+    assert p.returncode == -signal.SIGKILL
+    assert "Traceback" not in err, err
+    assert os.listdir(tmp) == []
