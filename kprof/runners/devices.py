@@ -21,7 +21,7 @@ from ..errors import UsageError
 from ..settings import env_alias
 from .registry import Entry
 
-__all__ = ["Device", "Devices", "usable_devices", "need_of", "pool_mode", "groups"]
+__all__ = ["Device", "Devices", "usable_devices", "need_of", "pool_mode", "cpu_workers", "groups"]
 
 
 class Device(NamedTuple):
@@ -55,6 +55,16 @@ def pool_mode() -> str:
     return raw
 
 
+def cpu_workers() -> int:
+    """KPROF_CPU_WORKERS: the worker slots of a CPU backend (default 1), from 1 to this machine's cores."""
+    raw = os.environ.get("KPROF_CPU_WORKERS", "1") or "1"
+    cores = os.cpu_count() or 1
+    if not raw.isdigit() or not 1 <= int(raw) <= cores:
+        raise UsageError(f"KPROF_CPU_WORKERS={raw!r} is not a whole number from 1 to this machine's {cores} "
+                         f"core(s); e.g. KPROF_CPU_WORKERS={min(2, cores)}")
+    return int(raw)
+
+
 def need_of(entry: Entry, spec: dict) -> int:
     """Devices one spec needs: the spec's `gpus_arg` field (a collective's world size) where the entry names one,
     else the entry's `gpus`. CPU slots are not counted: a CPU spec needs one."""
@@ -81,12 +91,7 @@ def _parse_forced(name: str) -> list[int]:
 def usable_devices(entry: Entry, gpu_key: str) -> Devices:
     """The devices a run of `entry` may use on this host (see the module docstring)."""
     if entry.device != "cuda":
-        raw = os.environ.get("KPROF_CPU_WORKERS", "1") or "1"
-        cores = os.cpu_count() or 1
-        if not raw.isdigit() or not 1 <= int(raw) <= cores:
-            raise UsageError(f"KPROF_CPU_WORKERS={raw!r} is not a whole number from 1 to this machine's {cores} "
-                             f"core(s); e.g. KPROF_CPU_WORKERS={min(2, cores)}")
-        return Devices([Device(f"cpu{i}", None) for i in range(int(raw))], None, [])
+        return Devices([Device(f"cpu{i}", None) for i in range(cpu_workers())], None, [])
     from ..measure.nvml import NvmlError, gpu_inventory
 
     forced = _forced_var()

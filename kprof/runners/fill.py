@@ -94,9 +94,10 @@ def check_settings() -> None:
     from . import _ranks, environments, pool
     from ..measure.stats import StopRule
     from .cuda_device import capped_sample_s, energy_window_s
-    from .devices import _forced_var, _parse_forced
+    from .devices import _forced_var, _parse_forced, cpu_workers, pool_mode
 
     StopRule.from_env()
+    pool_mode(), cpu_workers()
     energy_window_s(), capped_sample_s(), pool.timeouts(), _ranks.start_s(), _ranks.step_s()
     if (forced := _forced_var()) is not None:
         _parse_forced(forced)

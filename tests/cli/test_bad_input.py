@@ -247,6 +247,19 @@ def test_every_run_setting_is_checked_on_the_cpu_too(name, value, tmp_path, caps
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("name, value", [("KPROF_POOL", "maybe"), ("KPROF_CPU_WORKERS", "0"),
+                                         ("KPROF_CPU_WORKERS", "two"), ("KPROF_TIMER", "bogus")])
+def test_a_bad_setting_is_refused_even_when_every_row_is_stored(name, value, tmp_path, capsys, h, refused,
+                                                                local_gpu, monkeypatch):
+    """The pool's settings were read only when a spec was measured: a run whose rows were all stored exited 0 with
+    KPROF_POOL=maybe, and the same command failed on the next spec that was missing."""
+    h.append("p.db", h.make_event(SPEC, local_gpu))
+    before = _files(tmp_path)
+    monkeypatch.setenv(name, value)
+    refused(_run_into("snap", h, "p.db"), f"{name}={value!r} is not")
+    assert _files(tmp_path) == before
+
+
 # ---- the Python API's arguments ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("specs, needle", [(None, "got NoneType"), ("m=1", "got str"), (5, "got int"),
