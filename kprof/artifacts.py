@@ -41,9 +41,9 @@ def curve(result: dict, args_order: list[str]) -> dict:
     fixed = {a: specs[0][a] for a in args_order if a not in varying} if specs else {}
     points = []
     for r in result["results"]:
-        point = {a: r["spec"][a] for a in varying}
-        point.update({"status": r["status"], "citation": r["citation"]})
-        point.update(r["metrics"] or {})
+        point = dict(r["metrics"] or {})
+        # the axes last: a comm row's metric message_size_bytes (a float) must not stand for the spec's int
+        point.update({"status": r["status"], "citation": r["citation"]}, **{a: r["spec"][a] for a in varying})
         points.append(point)
     return {"table": result["table"], "backend": result["backend"], "gpu_name": result["gpu_name"],
             "axes": varying, "x": varying[0] if varying else None, "y": varying[1] if len(varying) > 1 else None,
@@ -142,7 +142,7 @@ def plot_series(c: dict) -> tuple[str | None, str, dict[str, list]]:
         return x, metric, {}
     if comm:
         rest = sorted((a for a in c["axes"] if a != x), key=lambda a: a != "world_size")  # world size first
-        ok = [{**p, x: int(p[x])} for p in ok]  # a point's size is the metric's copy (a float)
+        ok = [{**p, x: int(p[x])} for p in ok]  # one size for every point: the metric's copy (a float)
     else:
         rest = ([c["y"]] if c["y"] else []) + c["facets"]
     series: dict[str, list] = {}

@@ -249,3 +249,19 @@ def test_nccl_rows_on_the_pool(tmp_path, capsys):
 def _run_nccl(capsys, table, spec, db) -> dict:
     main(["run", table, "--backend", "nccl", "--spec", json.dumps(spec), "--db", db, "--json"])
     return json.loads(capsys.readouterr().out)
+
+
+def test_curve_points_keep_the_spec_size_not_the_metric_copy():
+    """A comm row's metrics repeat message_size_bytes as a float: curve.json's points took it (4096.0) in place of the
+    spec's axis value (4096), so a point no longer matched its spec."""
+    specs = [{"message_size_bytes": s, "dtype": "fp32", "world_size": 2} for s in (SMALL, LARGE)]
+    result = {"table": "all_reduce", "backend": "gloo", "gpu_name": "cpu", "results": [
+        {"spec": s, "status": "ok", "citation": f"kprof.{i:016x}",
+         "metrics": {"time_ms": 1.0, "algbw_gbps": 1.0, "busbw_gbps": 1.0,
+                     "message_size_bytes": float(s["message_size_bytes"]), "energy_j": None}}
+        for i, s in enumerate(specs)]}
+    curve = artifacts.curve(result, ["message_size_bytes", "dtype", "world_size"])
+    sizes = [p["message_size_bytes"] for p in curve["points"]]
+    assert sizes == [SMALL, LARGE] and all(type(v) is int for v in sizes)
+    assert json.loads(msgspec.json.encode(curve))["points"][0]["message_size_bytes"] == SMALL
+    assert artifacts.plot_series(curve)[2] == {"all": [(SMALL, 1.0), (LARGE, 1.0)]}
