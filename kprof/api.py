@@ -135,9 +135,6 @@ def _row_json(row: Row, family: str, spec: dict) -> dict:
     doc = row.to_json()
     doc["spec"] = spec
     doc["metrics"] = _ordered(doc["metrics"], family)
-    if doc["provenance"] is not None:
-        prov = row.provenance
-        doc["provenance"] = {f: getattr(prov, f) for f in prov.__struct_fields__}
     return doc
 
 

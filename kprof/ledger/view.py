@@ -83,7 +83,7 @@ class Row(msgspec.Struct, frozen=True, gc=False):
                 "event": self.event_id.hex() if self.event_id else None, "citation": self.citation,
                 "metrics": None if metrics is None else dict(metrics),
                 "stats": None if stats is None else msgspec.to_builtins(stats),
-                "provenance": None if self._base is None else msgspec.to_builtins(self.provenance),
+                "provenance": None if self._base is None else msgspec.structs.asdict(self.provenance),
                 "measured_at": self.measured_at,
                 "error": {"kind": s.error_kind, "message": s.message} if s is not None and s.error_kind else None}
 

@@ -66,7 +66,7 @@ def _report(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: l
         if mine_m and theirs_m and mine_m.get("time_ms") and theirs_m.get("time_ms") is not None:
             diff = theirs_m["time_ms"] / mine_m["time_ms"] - 1
         rows.append({"key": c["key"].hex(), "segment": c["segment"], "index": c["index"],
-                     "provenance": msgspec.to_builtins(theirs.provenance),
+                     "provenance": msgspec.structs.asdict(theirs.provenance),  # defaults too
                      "current": {"event": c["current"].hex(), "segment": None if origin is None else paths[origin[0]],
                                  "index": None if origin is None else origin[1], "kind": type(here).__name__.lower(),
                                  "parent": here.parent.hex() if here.parent else None, "metrics": mine_m},

@@ -269,6 +269,9 @@ def test_a_conflict_merges_nothing_and_reports_both_events(tmp_path):
     assert row["incoming"]["event"] == _eid(synth.event(4, seed=3)).hex()
     mine, their = synth.event(4).metrics["time_ms"], synth.event(4, seed=3).metrics["time_ms"]
     assert row["time_ms_relative_difference"] == pytest.approx(their / mine - 1)
+    # every provenance field, defaults included: a revision-1 row's profiler_revision was left out of the report
+    assert row["provenance"] == msgspec.structs.asdict(synth.event(4).provenance)
+    assert row["provenance"]["profiler_revision"] == 1
 
 
 def test_segments_that_conflict_with_each_other_are_named_and_leave_no_new_ledger(tmp_path, capsys):
