@@ -76,7 +76,7 @@ class QueryResult(msgspec.Struct):
 
 def _prepare(table, backend, specs, gpu_name, db, method: dict, measures: bool = False):
     entry = effective_entry(lookup(table, backend), **method)
-    canonical = validate(entry.args, spec_list(specs))
+    canonical = validate(entry.args, spec_list(specs), entry.table)
     return entry, canonical, resolve_gpu_key(entry, gpu_name, measures and gpu_name is None), ledger_path(db)
 
 

@@ -147,7 +147,7 @@ def _measure(by_entry: dict[tuple, list], tolerance: float) -> list[Drift]:
         items = []
         for e, row in held:  # a row stored before its backend refused its spec (fp8 on torch-cpu) fails alone
             try:
-                validate(entry.args, [row.spec])
+                validate(entry.args, [row.spec], entry.table)
             except SpecError as exc:
                 out.append(Drift(entry.table, entry.backend, row.spec, row.citation, row.metrics["time_ms"], None,
                                  None, False, f"not re-measurable: backend {entry.backend} now refuses this "

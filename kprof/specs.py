@@ -188,8 +188,9 @@ class ShapeCodec:
     an int field takes an int only; a float (even 64.0) or a bool is a SpecError naming the field.
     """
 
-    def __init__(self, args_type: type[msgspec.Struct], *, strict: bool = False):
+    def __init__(self, args_type: type[msgspec.Struct], *, strict: bool = False, name: str | None = None):
         self.args_type = args_type
+        self.name = name or args_type.__name__  # what messages call the specs' kind: the table, where known
         self.strict = strict
         info = msgspec.inspect.type_info(args_type)
         fields = sorted(info.fields, key=lambda f: f.name)
@@ -273,11 +274,11 @@ class ShapeCodec:
         if text.startswith("Object contains unknown field"):
             name = text.split("`")[1]
             fix = "pass --backend instead" if name == "backend" else f"use only {self._table_fields()}"
-            return SpecError(f'field "{name}" is not a KernelArgs field of {self.args_type.__name__}; {fix}',
+            return SpecError(f'field "{name}" is not a KernelArgs field of {self.name}; {fix}',
                              index=index, field=name, value=spec.get(name))
         if text.startswith("Object missing required field"):
             name = text.split("`")[1]
-            return SpecError(f'field "{name}" is missing; a {self.args_type.__name__} spec needs '
+            return SpecError(f'field "{name}" is missing; a {self.name} spec needs '
                              f'{self._table_fields()}', index=index, field=name)
         if not name:  # a rule across fields (from __post_init__)
             return SpecError(f"{text}; fix the values", index=index)
@@ -292,9 +293,9 @@ class ShapeCodec:
                          field=name, value=value)
 
 
-def validate(args_type, raw: list[Any]) -> list[dict]:
-    """The specs as canonical dicts in KernelArgs field order; raises SpecError naming index and field."""
-    codec = ShapeCodec(args_type, strict=True)  # 64.0 or 1e3 for an int field is refused, not read as 64 or 1000
+def validate(args_type, raw: list[Any], table: str | None = None) -> list[dict]:
+    """The specs as canonical dicts in KernelArgs field order; raises SpecError naming index, field and `table`."""
+    codec = ShapeCodec(args_type, strict=True, name=table)  # 64.0 or 1e3 for an int field is refused, not read as 64 or 1000
     shapes, _exact = codec.to_shapes(raw)
     names = codec.field_names
     out = []

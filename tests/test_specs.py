@@ -96,7 +96,8 @@ def test_attention_gqa_valid_spec_is_accepted(capsys, empty_db):
 
 ERRORS = {
     "unknown field": ([A, {**A, "foo": 1}], ["spec 1", '"foo"', "use only {m, n, k, dtype}"]),
-    "backend field": ([A, {**A, "backend": "torch-cpu"}], ["spec 1", '"backend"', "pass --backend instead"]),
+    "backend field": ([A, {**A, "backend": "torch-cpu"}],  # the table, not the runner's Struct (CpuGemmArgs)
+                      ['spec 1: field "backend" is not a KernelArgs field of single_gemm; pass --backend instead']),
     "wrong type": ([A, {**A, "m": "32"}], ["spec 1", '"m"', "Expected `int`", "use an integer greater than 0"]),
     "bool for int": ([A, {**A, "k": True}], ["spec 1", 'field "k" = true is a bool; use an integer greater than 0']),
     "non-integral float": ([A, {**A, "n": 32.5}], ["spec 1", 'field "n" = 32.5 is a float; use an integer greater '
@@ -109,7 +110,8 @@ ERRORS = {
     "zero size": ([{**A, "k": 0}, A], ["spec 0", '"k"', "use an integer greater than 0"]),
     "unknown dtype": ([A, B, {**A, "dtype": "fp64"}], ["spec 2", '"dtype"', "fp64",
                                                        "use one of bf16, fp16, fp32\n"]),  # the CPU's: no fp8
-    "missing field": ([A, {"m": 1, "n": 1, "dtype": "fp32"}], ["spec 1", '"k"', "missing", "{m, n, k, dtype}"]),
+    "missing field": ([A, {"m": 1, "n": 1, "dtype": "fp32"}],
+                      ['spec 1: field "k" is missing; a single_gemm spec needs {m, n, k, dtype}']),
     "not an object": ([A, [1, 2]], ["spec 1", "expected a JSON object of {m, n, k, dtype}"]),
     "malformed json": ([A, '{"m": 32, "n": 48,'], ["spec 1", "--spec is not valid JSON", "write it as a JSON object"]),
 }

@@ -135,7 +135,7 @@ def _entry_and_spec(table: str, backend: str, spec: Any):
         import msgspec
 
         spec = msgspec.structs.asdict(spec)
-    return entry, validate(entry.args, [spec])[0]
+    return entry, validate(entry.args, [spec], entry.table)[0]
 
 
 def _gpu_key(entry, gpu_name: str | None) -> str:
