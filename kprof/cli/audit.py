@@ -27,7 +27,7 @@ def audit(*, db: Db = None, json: Json = False,
               f"core, up to 8, here {JOBS})."))] = None,
           remeasure: Annotated[int | None, Parameter(name="--remeasure", converter=whole, help=(
               "Instead: re-measure N random current rows of this machine's device and report their drift "
-              "(exit 1 when any drifts past --tolerance). Writes nothing."))] = None,
+              "(exit 1 when any drifts past --tolerance or fails to measure). Writes nothing."))] = None,
           tolerance: Annotated[float | None, Parameter(name="--tolerance", help=(
               "Relative drift allowed by --remeasure (default 0.05)."))] = None,
           timer: _remeasure_only(Timer) = None, l2: _remeasure_only(L2) = None,

@@ -536,6 +536,15 @@ def test_export_and_measure_have_help_of_their_own(capsys):
     assert "The one spec to measure" in out and "repeatable" not in out
 
 
+def test_help_says_what_the_verbs_do(capsys):
+    """run's --output-dir help left out the curve.png it writes; audit's said --remeasure exits 1 on a drift only,
+    where a row that fails to measure exits 1 too."""
+    assert main(["run", "--help"]) == 0
+    assert "curve.png" in capsys.readouterr().out
+    assert main(["audit", "--help"]) == 0
+    assert "fails to measure" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("form", [["--specs", "-"], ["--specs=-"]])
 def test_specs_from_stdin_is_refused_as_such(form, tmp_path, capsys, h, refused):
     refused(["query", h.GEMM, "--backend", h.CPU, *form, "--db", "p.db"],
