@@ -289,6 +289,8 @@ class ShapeCodec:
             fix = "use one of " + ", ".join(map(str, ftype.values))
         elif isinstance(ftype, msgspec.inspect.IntType) and ftype.gt is not None:
             fix = self._int_fix(name)
+        elif isinstance(ftype, msgspec.inspect.BoolType):
+            fix = "use true or false (JSON booleans)"
         return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; {fix}', index=index,
                          field=name, value=value)
 

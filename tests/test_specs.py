@@ -224,6 +224,16 @@ def test_neither_spec_nor_specs(capsys, db):
     _no_db(db)
 
 
+@pytest.mark.parametrize("causal", [1, "yes", None])
+def test_a_bool_field_given_another_type_says_to_use_a_json_boolean(causal, capsys, db):
+    """The fix read "fix the value", which names no value that would do."""
+    assert main(["run", "attention_prefill", "--backend", "torch-cpu", *_spec({**PREFILL, "causal": causal}),
+                 "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert 'spec 0: field "causal"' in err and "Expected `bool`" in err and "use true or false" in err
+    _no_db(db)
+
+
 @pytest.mark.parametrize("table, spec", [
     ("attention_prefill", {**PREFILL, "num_heads": 6, "num_kv_heads": 4}),
     ("attention_decode", {"batch": 1, "kv_len": 8, "num_heads": 5, "num_kv_heads": 2, "head_dim": 8,
