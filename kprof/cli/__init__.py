@@ -16,7 +16,7 @@ __all__ = ["app", "main"]
 # negative_iterable="": no list flag gets cyclopts' `--empty-NAME` twin (`--empty-spec --specs FILE` was accepted and
 # every verb's help listed them): an empty list is never a request kprof takes.
 app = App(name="kprof", help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
-          version=__version__, exit_on_error=False, print_error=True, result_action="return_value",
+          version=__version__, exit_on_error=False, print_error=False, result_action="return_value",
           default_parameter=Parameter(negative_iterable=""))
 # Verbs by import string, with their help here too, so `kprof --help` lists every verb without importing it.
 VERBS = [
@@ -97,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         result = app(argv)
-    except CycloptsError:
-        return 2  # cyclopts has printed the parse error
+    except CycloptsError as exc:  # one line, as every other usage error (cyclopts' own is a multi-line panel)
+        from ._render import error
+
+        verb = next((a for a in argv if a in {name for name, _t, _h in VERBS}), None)
+        said = str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc)
+        error(f"{said}; see `kprof {verb + ' ' if verb else ''}--help`")
+        return 2
     except (KeyboardInterrupt, SystemExit) as exc:
         code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code
         if code not in (130, 143):  # a plain exit of a verb's own

@@ -536,6 +536,22 @@ def test_export_and_measure_have_help_of_their_own(capsys):
     assert "The one spec to measure" in out and "repeatable" not in out
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["run", "single_gemm", "--backend", "torch-cpu", "--spec", "{}", "--force", "--fresh"],
+     "error: Invalid values for group Mode. Mutually exclusive arguments: {--force, --fresh}; see `kprof run --help`"),
+    (["query", "single_gemm", "--backend", "torch-cpu", "--bogus"], "error: Unknown option: --bogus; see `kprof query --help`"),
+    (["audit", "--jobs"], 'error: Command "audit" parameter --jobs requires an argument; see `kprof audit --help`'),
+    (["nosuch"], 'error: Unknown command "nosuch"'),
+    (["list", "--json=3"], 'error: Invalid value for --json: unable to convert "3" into bool; see `kprof list --help`')])
+def test_a_parse_error_is_one_line_as_every_usage_error(argv, said, tmp_path, capsys):
+    """cyclopts printed its parse errors as a multi-line panel with no fix; they are now one `error:` line, as the
+    other usage errors are, pointing at the verb's help."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(said) and err.count("\n") == 1 and "╭" not in err, err
+    assert os.listdir(tmp_path) == []
+
+
 def test_help_says_what_the_verbs_do(capsys):
     """run's --output-dir help left out the curve.png it writes; audit's said --remeasure exits 1 on a drift only,
     where a row that fails to measure exits 1 too."""
