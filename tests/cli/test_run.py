@@ -64,6 +64,14 @@ def test_jit_measures_a_repeated_spec_once(ledger_path, capsys, h):
     assert len({r["event"] for r in doc["results"]}) == 1
 
 
+def test_a_metric_that_does_not_apply_is_null_as_the_readme_says(ledger_path, capsys, h):
+    """A copy's tflops and a CPU row's energy_j are null, in the family's order of metrics."""
+    r = _run(capsys, h, ledger_path, {"bytes": 4096}, table="memcpy")["results"][0]
+    assert list(r["metrics"]) == ["time_ms", "tflops", "memory_bandwidth_gbps", "energy_j"]
+    assert r["metrics"]["tflops"] is None and r["metrics"]["energy_j"] is None
+    assert r["metrics"]["time_ms"] > 0 and r["metrics"]["memory_bandwidth_gbps"] > 0
+
+
 def test_run_result_has_the_query_contract(ledger_path, capsys, h):
     doc = _run(capsys, h, ledger_path, h.gemm())
     assert list(doc) == ["table", "backend", "gpu_name", "db", "mode", "count", "missing_count", "view_root",
