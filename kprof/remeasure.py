@@ -14,6 +14,7 @@ were never timed that way.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -29,7 +30,7 @@ class Drift(NamedTuple):
     backend: str
     spec: dict
     citation: str
-    stored_ms: float
+    stored_ms: float | None  # None when the stored row holds no positive time
     new_ms: float | None  # None when the re-measurement failed
     drift: float | None  # new / stored - 1
     ok: bool
@@ -146,12 +147,18 @@ def _measure(by_entry: dict[tuple, list], tolerance: float) -> list[Drift]:
         entry = held[0][0]
         items = []
         for e, row in held:  # a row stored before its backend refused its spec (fp8 on torch-cpu) fails alone
+            stored = row.metrics.get("time_ms")
+            if not (isinstance(stored, float) and 0 < stored < math.inf):  # a merged row may hold any float
+                out.append(Drift(entry.table, entry.backend, row.spec, row.citation, None, None, None, False,
+                                 f"not comparable: the stored time_ms is {stored}, not a positive time; "
+                                 f"`kprof show {row.citation}` shows where the row came from"))
+                continue
             try:
                 validate(entry.args, [row.spec], entry.table)
             except SpecError as exc:
-                out.append(Drift(entry.table, entry.backend, row.spec, row.citation, row.metrics["time_ms"], None,
+                out.append(Drift(entry.table, entry.backend, row.spec, row.citation, stored, None,
                                  None, False, f"not re-measurable: backend {entry.backend} now refuses this "
-                                                f"spec ({exc})"))
+                                              f"spec ({exc})"))
             else:
                 items.append((e, row))
         specs = [row.spec for _e, row in items]

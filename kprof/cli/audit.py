@@ -89,6 +89,7 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> i
             drift = f"{r.drift:+.2%}" if r.drift is not None else r.error
             mark = "ok" if r.ok else "DRIFT" if r.error is None else "FAIL"
             now = "no time" if r.new_ms is None else f"{r.new_ms:.4g} ms"
-            out.print(f"  {mark:5} {r.table}/{r.backend} {r.spec} {r.stored_ms:.4g} ms -> {now} ({drift}) "
+            stored = "no time" if r.stored_ms is None else f"{r.stored_ms:.4g} ms"
+            out.print(f"  {mark:5} {r.table}/{r.backend} {r.spec} {stored} -> {now} ({drift}) "
                       f"{r.citation}", markup=False)
     return 1 if report.drifted or report.failed else 0

@@ -136,3 +136,22 @@ def test_a_flag_of_the_other_mode_is_refused_not_ignored(h, capsys, refused):
             "drop --tolerance")
     refused(["audit", "--tolerance", "0.1", "--db", "p.db"], "--tolerance applies")
     assert main(["audit", "--jobs", "1", "--db", "p.db"]) == 0
+
+
+def test_a_stored_row_without_a_positive_time_fails_alone(h, capsys, local_gpu):
+    """A row merged from elsewhere may hold any float, or none: a time of 0 or null cannot be compared (no
+    division by it, no traceback). It is counted as failed, naming the stored value, and not measured; the other
+    rows are checked as ever."""
+    for m, time_ms in ((16, 0.0), (24, None), (40, float("nan"))):
+        event = h.make_event(h.gemm(m, 16, 16), local_gpu)
+        h.append("p.db", msgspec.structs.replace(event, metrics={**event.metrics, "time_ms": time_ms}))
+    h.append("p.db", h.make_event(h.gemm(32, 32, 32), local_gpu, time_ms=0.5))
+    assert main(["audit", "--remeasure", "5", "--tolerance", "1000", "--db", "p.db", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["checked"], doc["failed"], doc["drifted"]) == (4, 3, 0)
+    bad = sorted((r["spec"]["m"], r["error"]) for r in doc["rows"] if r["error"])
+    assert [m for m, _ in bad] == [16, 24, 40]
+    assert all("not a positive time" in e for _, e in bad) and "is 0.0," in bad[0][1] and "is None," in bad[1][1]
+    assert main(["audit", "--remeasure", "5", "--tolerance", "1000", "--db", "p.db"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("no time -> no time (not comparable") == 3 and "3 failed to measure" in out
