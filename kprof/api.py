@@ -295,7 +295,9 @@ def _event_json(seq, eid, event, current) -> dict:
 
 def show(ref: str, *, db: str | None = None) -> dict:
     """What `kprof show` prints: the row a citation, event id or key (or a unique hex prefix of 8+) names, as
-    {ref, resolved_as, key, current, event, history}; every event in it re-hashed to its id on the way."""
+    {ref, resolved_as, key, current, status, revision, event, history}; every event in it re-hashed to its id on
+    the way. `status` is the key's row (ok, failed, stale, retracted), `revision` the profiler revision this kprof
+    measures its table and backend at."""
     ledger = Ledger.open(ledger_path(db), readonly=True)
     try:
         found = ledger.resolve(ref)
@@ -303,5 +305,29 @@ def show(ref: str, *, db: str | None = None) -> dict:
         ledger.close()
     history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]
     chosen = next((h for h in history if h["event"] == (found.event_id or b"").hex()), None)
+    current = next((h for h in history if h["current"]), None)
     return {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
-            "current": found.current.hex() if found.current else None, "event": chosen, "history": history}
+            "current": found.current.hex() if found.current else None, "status": _key_status(current),
+            "revision": _revision(current), "event": chosen, "history": history}
+
+
+def _revision(current: dict | None) -> int | None:
+    """The profiler revision this kprof measures the current row's table and backend at (None: none current, or
+    a table or backend it does not know)."""
+    if current is None:
+        return None
+    try:
+        return lookup(current["provenance"]["table"], current["provenance"]["backend"]).contract.profiler_revision
+    except UsageError:
+        return None
+
+
+def _key_status(current: dict | None) -> str:
+    """The key's row: retracted (no current event), stale (of an older profiler revision than this kprof's: query
+    reads it as stale, or missing), else ok or failed."""
+    if current is None:
+        return "retracted"
+    revision = _revision(current)
+    if revision is not None and current["provenance"]["profiler_revision"] < revision:
+        return "stale"
+    return "ok" if current["type"] == "measured" else "failed"

@@ -34,11 +34,15 @@ def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event 
         return 0
     out = console()
     out.print(f"key {doc['key']}", markup=False)
+    for line in _about(doc):
+        out.print(line, markup=False)
     if chosen is not None:
         prov = chosen.get("provenance") or {}
         out.print("provenance: " + ", ".join(f"{k}={v}" for k, v in prov.items()), markup=False)
         if chosen["type"] == "measured":
             out.print("metrics: " + ", ".join(f"{k}={v}" for k, v in chosen["metrics"].items()), markup=False)
+        elif chosen["type"] == "failed":
+            out.print(f"error: {chosen['error_kind']}: {chosen['message']}", markup=False)
     from rich.table import Column, Table
 
     # The citations are printed whole at any width, to be copied back into `kprof show`: the other columns fold,
@@ -56,6 +60,39 @@ def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event 
     out.print(table)
     return 0
 
+
+def _about(doc: dict) -> list[str]:
+    """Which event the provenance and metrics below are of (a superseded one is named as such), the key's row
+    status as `query` reads it, and the event's parent, in this ledger or not."""
+    chosen, history, status = doc["event"], doc["history"], doc["status"]
+    current = next((h for h in history if h["current"]), None)
+    lines = []
+    if chosen is not None:
+        retracted_by = {h["target"]: h for h in history if h["type"] == "retracted"}
+        by = retracted_by.get(chosen["event"])
+        state = ("current" if chosen["current"] else
+                 f"retracts kprof.{chosen['target'][:16]}: {chosen['reason']}" if chosen["type"] == "retracted" else
+                 f"retracted by {by['citation']}: {by['reason']}" if by else
+                 f"superseded: the key's current event is {current['citation']}" if current else "superseded")
+        lines.append(f"event {chosen['citation']} (seq {chosen['seq']}, {chosen['type']}): {state}")
+        if chosen.get("parent"):
+            seqs = {h["event"]: h["seq"] for h in history}
+            where = f"seq {seqs[chosen['parent']]}" if chosen["parent"] in seqs else "not in this key's history here"
+            lines.append(f"parent kprof.{chosen['parent'][:16]} ({where})")
+    if status == "stale":
+        prov = current["provenance"]
+        lines.append(f"row: stale (profiler revision {prov['profiler_revision']}; this kprof measures "
+                     f"{prov['table']}/{prov['backend']} at revision {doc['revision']}; query reads it as stale "
+                     f"where its spec has no row of that revision)")
+    elif doc["revision"] is not None and current["provenance"]["profiler_revision"] > doc["revision"]:
+        lines.append(f"row: {status} (profiler revision {current['provenance']['profiler_revision']}, newer than this "
+                     f"kprof's {doc['revision']}: its query reads it as missing; read it with a kprof that measures "
+                     f"that revision)")
+    elif status == "retracted":
+        lines.append("row: none (every measurement of this key is retracted; query reads it as missing)")
+    else:
+        lines.append(f"row: {status}")
+    return lines
 
 
 def _show_measure(ref: str, dirs: list[str] | None, json: bool) -> int:

@@ -62,3 +62,58 @@ def test_the_history_shows_whole_citations_on_an_80_column_terminal(ledger_path,
     assert main(["show", key, "--db", ledger_path]) == 0
     out = buf.getvalue()
     assert "…" not in out and len(citations) == 3 and all(c in out for c in citations)
+
+
+def _shown(h, capsys, ref, db="p.db"):
+    assert main(["show", ref, "--db", db]) == 0
+    text = capsys.readouterr().out
+    assert main(["show", ref, "--db", db, "--json"]) == 0
+    return text, json.loads(capsys.readouterr().out)
+
+
+def test_show_says_which_event_its_metrics_are_of_and_its_parent(h, capsys, local_gpu):
+    """The metrics of a superseded event were printed as if they were the row's: the event shown is named, with
+    its state (current, superseded, retracted) and its parent (in this ledger, or not)."""
+    from kprof.ledger.build import retraction
+
+    old = h.make_event(h.gemm(), local_gpu, time_ms=0.5)
+    (old_id,) = h.append("p.db", old)
+    (new_id,) = h.append("p.db", h.make_event(h.gemm(), local_gpu, time_ms=0.7, parent=old_id))
+    text, doc = _shown(h, capsys, f"kprof.{old_id.hex()[:16]}")
+    assert f"event kprof.{old_id.hex()[:16]} (seq 1, measured): superseded: the key's current event is " \
+           f"kprof.{new_id.hex()[:16]}" in text and "time_ms=0.5" in text
+    assert "row: ok" in text and doc["status"] == "ok" and doc["revision"] == 1
+    text, doc = _shown(h, capsys, old.key.hex())
+    assert f"event kprof.{new_id.hex()[:16]} (seq 2, measured): current" in text
+    assert f"parent kprof.{old_id.hex()[:16]} (seq 1)" in text and doc["event"]["parent"] == old_id.hex()
+    (r_id,) = h.append("p.db", retraction(new_id, old.key, "wrong host"))
+    text, _doc = _shown(h, capsys, f"kprof.{new_id.hex()[:16]}")
+    assert f"retracted by kprof.{r_id.hex()[:16]}: wrong host" in text
+    text, _doc = _shown(h, capsys, f"kprof.{r_id.hex()[:16]}")
+    assert f"(seq 3, retracted): retracts kprof.{new_id.hex()[:16]}: wrong host" in text
+    (orphan,) = h.append("p.db", h.make_event(h.gemm(64), local_gpu, parent=b"\x11" * 32))
+    text, _doc = _shown(h, capsys, f"kprof.{orphan.hex()[:16]}")
+    assert "parent kprof.1111111111111111 (not in this key's history here)" in text
+
+
+def test_show_gives_the_rows_status_stale_failed_retracted(h, capsys, local_gpu):
+    """`query` said stale or failed; `show` of the same citation did not say so."""
+    from kprof.ledger.build import retraction
+
+    (stale,) = h.append("p.db", h.make_event(h.gemm(32), local_gpu, revision=0))
+    (fail,) = h.append("p.db", h.make_event(h.gemm(48), local_gpu, kind="failed"))
+    text, doc = _shown(h, capsys, f"kprof.{stale.hex()[:16]}")
+    assert doc["status"] == "stale" and doc["revision"] == 1
+    assert "row: stale (profiler revision 0; this kprof measures single_gemm/torch-cpu at revision 1;" in text
+    (newer,) = h.append("p.db", h.make_event(h.gemm(64), local_gpu, revision=2))
+    text, doc = _shown(h, capsys, f"kprof.{newer.hex()[:16]}")  # query reads it as missing: show said "row: ok"
+    assert doc["status"] == "ok" and "row: ok (profiler revision 2, newer than this kprof's 1: its query reads it " \
+                                      "as missing" in text
+    text, doc = _shown(h, capsys, f"kprof.{fail.hex()[:16]}")
+    assert doc["status"] == "failed" and "row: failed" in text and "error: crash: segfault in the kernel" in text
+    key = bytes.fromhex(doc["key"])
+    h.append("p.db", retraction(fail, key, "flaky host"))
+    text, doc = _shown(h, capsys, key.hex())
+    assert doc["status"] == "retracted" and doc["current"] is None and doc["event"] is None
+    assert "row: none (every measurement of this key is retracted" in text
+
