@@ -288,7 +288,11 @@ def _builtins(obj):
 
 
 def _event_json(seq, eid, event, current) -> dict:
-    doc = {"seq": seq, "event": eid.hex(), "citation": citation(eid), "current": eid == current}
+    """An event as `show --json` lists it: its fields, and `canonical`, the hex of its stored bytes (the event id is
+    their hash; the fields alone cannot give it back: a field at its default value may or may not be in them)."""
+    data = encode(event)  # the stored bytes: a ledger takes an event only in its canonical form
+    doc = {"seq": seq, "event": eid.hex(), "citation": citation(eid), "current": eid == current,
+           "canonical": data.hex() if event_id(data) == eid else None}
     doc.update(_builtins(event))
     return doc
 

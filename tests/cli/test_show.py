@@ -2,7 +2,7 @@ import json
 
 from kprof.cli import main
 from kprof.ledger import Ledger
-from kprof import synth
+from kprof import api, synth
 from kprof.ledger.build import failed
 
 
@@ -117,3 +117,30 @@ def test_show_gives_the_rows_status_stale_failed_retracted(h, capsys, local_gpu)
     assert doc["status"] == "retracted" and doc["current"] is None and doc["event"] is None
     assert "row: none (every measurement of this key is retracted" in text
 
+
+def test_every_id_and_key_show_prints_can_be_recomputed_from_it(h, capsys, local_gpu):
+    """An auditor recomputes each event id from `show --json`: blake3 of the tagged canonical bytes it prints
+    (`canonical`), which decode to the fields it prints; and the key from the provenance printed. The fields alone
+    could not give the id back: make_event leaves Method.budget_s out of the bytes, and the JSON prints it (0.0)."""
+    import msgspec
+    from blake3 import blake3
+
+    from kprof.ledger.build import retraction
+    from kprof.ledger.events import Event, Provenance
+
+    (first,) = h.append("p.db", h.make_event(h.gemm(), local_gpu))
+    (fail,) = h.append("p.db", h.make_event(h.gemm(), local_gpu, kind="failed", parent=first))
+    key = h.make_event(h.gemm(), local_gpu).key
+    h.append("p.db", retraction(fail, key, "flaky host"))
+    _text, doc = _shown(h, capsys, key.hex())
+    assert [e["type"] for e in doc["history"]] == ["measured", "failed", "retracted"]
+    for e in doc["history"]:
+        data = bytes.fromhex(e["canonical"])
+        assert blake3(b"kprof/event/v1\x00" + data).hexdigest() == e["event"]
+        shown = {k: v for k, v in e.items() if k not in ("seq", "event", "citation", "current", "canonical")}
+        assert api._builtins(msgspec.msgpack.decode(data, type=Event)) == shown  # the fields are those bytes'
+        if "provenance" in e:
+            prov = msgspec.msgpack.encode(msgspec.convert(e["provenance"], Provenance))
+            assert blake3(b"kprof/key/v1\x00" + prov).hexdigest() == e["key"] == key.hex()
+    measured = doc["history"][0]
+    assert measured["method"]["budget_s"] == 0.0 and b"budget_s" not in bytes.fromhex(measured["canonical"])
