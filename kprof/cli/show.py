@@ -13,7 +13,7 @@ from ._render import console, emit_json
 
 
 def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event id or a key, or a unique "
-                                        "prefix of at least 8 hex digits; or a measure artifact's citation "
+                                        "prefix of 8 to 64 hex digits; or a measure artifact's citation "
                                         "(kmeasure.<hex>).")], *,
          db: Db = None, json: Json = False,
          search_dir: Annotated[list[str] | None, Parameter(name="--dir", consume_multiple=False, help=(

@@ -32,8 +32,8 @@ def resolve(ledger, ref: str) -> Resolved:
     """The event or key `ref` names, its history and its current event, every event re-hashed (see _verify)."""
     text = ref.strip().lower() if isinstance(ref, str) else ""  # not a str: refused below, naming it
     text = text.removeprefix("kprof.")
-    if len(text) < 8 or any(c not in "0123456789abcdef" for c in text):
-        raise UsageError(f"{ref!r} is not a citation, event id or key; pass `kprof.<hex>` or at least 8 hex digits")
+    if not 8 <= len(text) <= 64 or any(c not in "0123456789abcdef" for c in text):  # an id or key: 64 hex digits
+        raise UsageError(f"{ref!r} is not a citation, event id or key; pass `kprof.<hex>` or 8 to 64 hex digits")
     dbs, path = ledger.dbs, ledger.path
     with _verify.reading(path, "the file"), ledger.read() as txn:
         with _verify.reading(path, "events"):

@@ -144,3 +144,14 @@ def test_every_id_and_key_show_prints_can_be_recomputed_from_it(h, capsys, local
             assert blake3(b"kprof/key/v1\x00" + prov).hexdigest() == e["key"] == key.hex()
     measured = doc["history"][0]
     assert measured["method"]["budget_s"] == 0.0 and b"budget_s" not in bytes.fromhex(measured["canonical"])
+
+
+def test_a_reference_longer_than_an_id_is_refused_as_such(h, capsys, local_gpu):
+    """An id or key has 64 hex digits: a longer reference (a pasted id with a stray digit) was "nothing in the
+    ledger matches; check the --db", sending the auditor to the wrong place."""
+    (eid,) = h.append("p.db", h.make_event(h.gemm(), local_gpu))
+    assert main(["show", eid.hex(), "--db", "p.db"]) == 0
+    capsys.readouterr()
+    assert main(["show", eid.hex() + "0", "--db", "p.db"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a citation, event id or key" in err and "8 to 64 hex digits" in err
