@@ -77,6 +77,8 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> i
     from ..remeasure import remeasure
 
     report = remeasure(db, n, tolerance, **method)
+    if not report.candidates:
+        _nothing_to_remeasure(report)
     if json:
         emit_json(report.to_json())
     else:
@@ -93,3 +95,15 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> i
             out.print(f"  {mark:5} {r.table}/{r.backend} {r.spec} {stored} -> {now} ({drift}) "
                       f"{r.citation}", markup=False)
     return 1 if report.drifted or report.failed else 0
+
+
+def _nothing_to_remeasure(report) -> None:
+    """A note on stderr where no row could be drawn: a ledger of other machines' rows re-measured nothing, and its
+    "0 drifted" read as a check passed. The exit stays 0 (no row drifted or failed), as `query`'s does."""
+    from .. import api
+
+    others = sorted({s.gpu_name for s in api.scopes(report.db)} - set(report.gpu_keys))
+    held = f"; it holds rows of {', '.join(repr(k) for k in others)}: re-measure them on that machine" if others else ""
+    console(stderr=True).print(f"note: nothing re-measured: {report.db} holds no current ok row of this machine's "
+                               f"{' or '.join(repr(k) for k in report.gpu_keys) or 'devices'} under the timing "
+                               f"method asked for{held}", markup=False)

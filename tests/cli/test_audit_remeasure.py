@@ -155,3 +155,16 @@ def test_a_stored_row_without_a_positive_time_fails_alone(h, capsys, local_gpu):
     assert main(["audit", "--remeasure", "5", "--tolerance", "1000", "--db", "p.db"]) == 1
     out = capsys.readouterr().out
     assert out.count("no time -> no time (not comparable") == 3 and "3 failed to measure" in out
+
+
+def test_nothing_to_remeasure_is_said(h, capsys, local_gpu):
+    """A ledger of another machine's rows (or of only failed and stale ones here) re-measured nothing and printed
+    "0 drifted", exit 0, as if a check had passed: a note on stderr says nothing was re-measured and whose rows
+    the ledger holds. The exit stays 0: no row drifted or failed."""
+    h.append("p.db", h.make_event(h.gemm(), "Another CPU"), h.make_event(h.gemm(48), local_gpu, kind="failed"),
+             h.make_event(h.gemm(64), local_gpu, revision=0))
+    assert main(["audit", "--remeasure", "3", "--db", "p.db", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["candidates"] == 0
+    assert "note: nothing re-measured: p.db holds no current ok row of this machine's" in captured.err
+    assert "it holds rows of 'Another CPU'" in captured.err
