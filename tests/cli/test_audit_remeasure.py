@@ -12,8 +12,25 @@ def _run(h, capsys, *specs):
     capsys.readouterr()
 
 
-def test_remeasure_reports_each_row_and_writes_nothing(h, capsys, local_gpu):
-    _run(h, capsys, h.gemm(32, 32, 32), h.gemm(48, 48, 48), h.gemm(64, 64, 64))
+def _set_times(monkeypatch, time_ms: float) -> None:
+    """Re-measurements stay real, their times set: a CPU time on a busy host is no pass/fail criterion (a 32^3 GEMM
+    read 0.007 ms once and 16 ms the next time)."""
+    import kprof.runners.worker as worker
+
+    real = worker.measure_specs
+
+    def set_times(entry, specs, gpu_key, **kw):
+        for out in real(entry, specs, gpu_key, **kw):
+            m = dict(out.event.metrics, time_ms=time_ms)
+            yield msgspec.structs.replace(out, event=msgspec.structs.replace(out.event, metrics=m))
+
+    monkeypatch.setattr(worker, "measure_specs", set_times)
+
+
+def test_remeasure_reports_each_row_and_writes_nothing(h, capsys, local_gpu, monkeypatch):
+    for spec in (h.gemm(32, 32, 32), h.gemm(48, 48, 48), h.gemm(64, 64, 64)):
+        h.append("p.db", h.make_event(spec, local_gpu, time_ms=0.5))
+    _set_times(monkeypatch, 0.6)
     before = h.digest("p.db")
     assert main(["audit", "--remeasure", "2", "--tolerance", "100", "--db", "p.db", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -91,7 +108,7 @@ def test_a_failed_remeasurement_is_a_failure_not_a_drift(h, capsys, local_gpu, m
     assert "0 drifted past 5.0%, 1 failed to measure" in out and "FAIL " in out and "DRIFT" not in out
 
 
-def test_a_stored_row_its_backend_now_refuses_fails_alone(h, capsys, local_gpu):
+def test_a_stored_row_its_backend_now_refuses_fails_alone(h, capsys, local_gpu, monkeypatch):
     """An ok fp8 row of torch-cpu (stored before that backend refused fp8 at validation) cannot be re-measured:
     it is counted as failed, with the reason, and the audit goes on with the other rows (exit 1, not 2)."""
     import kprof.runners.gemm as gemm
@@ -106,7 +123,8 @@ def test_a_stored_row_its_backend_now_refuses_fails_alone(h, capsys, local_gpu):
     stats = Stats(n=1, median=0.5, p10=0.5, p90=0.5, mean=0.5, stdev=0.0, cv=0.0, min=0.5, max=0.5, samples=[0.5])
     metrics = {"time_ms": 0.5, "tflops": 1.0, "memory_bandwidth_gbps": 2.0, "energy_j": None}
     h.append("p.db", measured(prov, metrics, stats, Method(timer="cpu", l2="warm")))
-    _run(h, capsys, h.gemm(32, 32, 32))
+    h.append("p.db", h.make_event(h.gemm(32, 32, 32), local_gpu, time_ms=0.5))
+    _set_times(monkeypatch, 0.5)
     assert main(["audit", "--remeasure", "5", "--tolerance", "100", "--db", "p.db", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert (doc["checked"], doc["failed"], doc["drifted"]) == (2, 1, 0)
@@ -138,7 +156,7 @@ def test_a_flag_of_the_other_mode_is_refused_not_ignored(h, capsys, refused):
     assert main(["audit", "--jobs", "1", "--db", "p.db"]) == 0
 
 
-def test_a_stored_row_without_a_positive_time_fails_alone(h, capsys, local_gpu):
+def test_a_stored_row_without_a_positive_time_fails_alone(h, capsys, local_gpu, monkeypatch):
     """A row merged from elsewhere may hold any float, or none: a time of 0 or null cannot be compared (no
     division by it, no traceback). It is counted as failed, naming the stored value, and not measured; the other
     rows are checked as ever."""
@@ -146,6 +164,7 @@ def test_a_stored_row_without_a_positive_time_fails_alone(h, capsys, local_gpu):
         event = h.make_event(h.gemm(m, 16, 16), local_gpu)
         h.append("p.db", msgspec.structs.replace(event, metrics={**event.metrics, "time_ms": time_ms}))
     h.append("p.db", h.make_event(h.gemm(32, 32, 32), local_gpu, time_ms=0.5))
+    _set_times(monkeypatch, 0.5)
     assert main(["audit", "--remeasure", "5", "--tolerance", "1000", "--db", "p.db", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert (doc["checked"], doc["failed"], doc["drifted"]) == (4, 3, 0)
