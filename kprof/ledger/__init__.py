@@ -7,9 +7,6 @@ from .keys import KeyMaker, ShapeCodec, provenance_key
 from .store import AppendResult, Ledger, default_path, ledger_path
 from .view import STATUSES, Row, View, citation
 
-__all__ = [
-    "AppendResult", "Contract", "ERROR_KINDS", "Environment", "Event", "Failed", "KeyMaker", "Ledger",
-    "Measured", "Method", "Origin", "Provenance", "Retracted", "Row", "STATUSES", "ShapeCodec", "Stats", "View",
-    "citation", "default_path", "ledger_path", "provenance_key",
-]
-
+__all__ = ["AppendResult", "Contract", "ERROR_KINDS", "Environment", "Event", "Failed", "KeyMaker", "Ledger",
+           "Measured", "Method", "Origin", "Provenance", "Retracted", "Row", "STATUSES", "ShapeCodec", "Stats", "View",
+           "citation", "default_path", "ledger_path", "provenance_key"]

@@ -105,9 +105,11 @@ class Ledger:
                 entry = [lmdb.open(path, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
                                    lock=lock, sync=True, metasync=True, readahead=readahead, max_readers=510), 0,
                          _identity(real)[:2], 0]
-            except lmdb.InvalidError:
-                raise IntegrityError(f"ledger {path} is damaged: LMDB finds its header invalid; restore the file from "
-                                     f"a copy") from None
+            except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:  # the header's version, or the lock file's
+                lock_file = f" (or its lock file: remove {path}-lock while no process has the ledger open)" * (
+                    isinstance(exc, lmdb.VersionMismatchError))
+                raise IntegrityError(f"ledger {path} is damaged: LMDB finds its header invalid{lock_file}; restore "
+                                     f"the file from a copy") from None
             except lmdb.Error as exc:
                 if lock and os.path.exists(path + "-lock") and not os.access(path + "-lock", os.R_OK | os.W_OK):
                     raise LedgerError(f"cannot open ledger {path}: this user cannot write its lock file {path}-lock, "

@@ -180,3 +180,24 @@ def test_a_damaged_scope_entry_is_refused_not_read_as_another_view_root(h, rows,
     assert main(_verbs(h, db, specs, "")["query"]) == 3
     out, err = capsys.readouterr()
     assert out == "" and sid.hex() in err and "kprof audit" in err, err
+
+
+def test_a_damaged_header_version_is_integrity_damage_not_a_path_error(h, rows, capsys):
+    """A flipped bit in the LMDB version of the file's header (right after its magic number) read as "cannot open
+    ledger ...: MDB_VERSION_MISMATCH; check the path and its permissions", exit 2, from every verb, `kprof audit`
+    included: it is damage (exit 3), and the audit reports it as a finding."""
+    from kprof.ledger._path import _MAGIC_AT
+
+    db, specs, eids = rows
+    with open(db, "r+b") as f:
+        f.seek(_MAGIC_AT + 4)  # the version, after the magic number
+        version = f.read(1)
+        f.seek(_MAGIC_AT + 4)
+        f.write(bytes([version[0] ^ 0x01]))  # 1 -> 0: another version, not garbage
+    for verb, argv in _verbs(h, db, specs, f"kprof.{eids[0].hex()[:16]}").items():
+        assert main(argv) == 3, verb
+        err = capsys.readouterr().err
+        assert "is damaged: LMDB finds its header invalid" in err and "restore the file from a copy" in err, verb
+    assert main(["audit", "--db", db, "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert not doc["ok"] and doc["counts"] == {"structure": 1} and "header invalid" in doc["findings"][0]
