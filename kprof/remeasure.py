@@ -45,6 +45,7 @@ class RemeasureReport(NamedTuple):
     candidates: int  # current ok rows of the local device
     rows: list[Drift]
     seconds: float
+    seed: int = 0  # the draw's: the same seed on the same ledger draws the same rows
 
     @property
     def drifted(self) -> int:
@@ -58,7 +59,7 @@ class RemeasureReport(NamedTuple):
 
     def to_json(self) -> dict:
         return {"db": self.db, "gpu_keys": self.gpu_keys, "tolerance": self.tolerance, "candidates": self.candidates,
-                "checked": len(self.rows), "drifted": self.drifted, "failed": self.failed,
+                "seed": self.seed, "checked": len(self.rows), "drifted": self.drifted, "failed": self.failed,
                 "seconds": round(self.seconds, 3),
                 "rows": [r._asdict() for r in self.rows]}
 
@@ -101,6 +102,10 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
         raise UsageError(f"--tolerance {tolerance}: give a relative tolerance such as 0.05 (5%)")
     if not os.path.isfile(db):
         raise UsageError(f"no ledger file at {db}; pass --db or set KPROF_DB")
+    if seed is None:
+        seed = random.SystemRandom().randrange(1 << 32)  # reported, so the draw can be replayed with --seed
+    elif type(seed) is not int or seed < 0:
+        raise UsageError(f"--seed {seed!r}: give a whole number >= 0, e.g. the seed a report gave")
     started = time.perf_counter()
     method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
     explicit = any(v is not None for v in method.values())
@@ -132,7 +137,7 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance)}
     out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
-                           time.perf_counter() - started)
+                           time.perf_counter() - started, seed)
 
 
 

@@ -30,6 +30,9 @@ def audit(*, db: Db = None, json: Json = False,
               "(exit 1 when any drifts past --tolerance or fails to measure). Writes nothing."))] = None,
           tolerance: Annotated[float | None, Parameter(name="--tolerance", help=(
               "Relative drift allowed by --remeasure (default 0.05)."))] = None,
+          seed: Annotated[int | None, Parameter(name="--seed", converter=whole, help=(
+              "With --remeasure: the seed of the random draw of rows; the report gives the one used, so the same "
+              "rows can be drawn again (default: a new one each time)."))] = None,
           timer: _remeasure_only(Timer) = None, l2: _remeasure_only(L2) = None,
           cuda_graph: _remeasure_only(CudaGraph) = None, power: _remeasure_only(Power) = None) -> int:
     """Recompute every event id and key, check the log, rebuild the views and compare; exit 3 on any finding.
@@ -38,8 +41,8 @@ def audit(*, db: Db = None, json: Json = False,
     if remeasure is not None:  # a flag of the other mode is refused, not ignored
         if jobs is not None:
             raise UsageError(f"--jobs {jobs} applies to the audit, which --remeasure replaces; drop --jobs")
-        return _remeasure(ledger_path(db), remeasure, 0.05 if tolerance is None else tolerance, json, method)
-    _no_method_without_remeasure({**method, "tolerance": tolerance})
+        return _remeasure(ledger_path(db), remeasure, 0.05 if tolerance is None else tolerance, json, method, seed)
+    _no_method_without_remeasure({**method, "tolerance": tolerance, "seed": seed})
     report = run_audit(ledger_path(db), JOBS if jobs is None else jobs)
     report = report._replace(findings=[_in_audit(line) for line in report.findings])
     if json:
@@ -63,20 +66,20 @@ def _in_audit(finding: str) -> str:
 
 
 def _no_method_without_remeasure(method: dict) -> None:
-    """The audit itself checks every row whatever its method, so a method flag (or --tolerance) alone would be
+    """The audit itself checks every row whatever its method, so a method flag (or --tolerance, --seed) alone would be
     silently ignored: refuse it instead."""
     given = [f"--{'no-' if value is False else ''}{name.replace('_', '-')}" for name, value in method.items()
-             if value is not None]  # the method flags, and --tolerance
+             if value is not None]  # the method flags, --tolerance and --seed
     if given:
-        why = "" if given[0] == "--tolerance" else " (the audit checks the rows of every timing method)"
+        why = "" if given[0] in ("--tolerance", "--seed") else " (the audit checks the rows of every timing method)"
         raise UsageError(f"{given[0]} applies to `kprof audit --remeasure N` only{why}; add --remeasure N, or drop "
                          f"{given[0]}")
 
 
-def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> int:
+def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict, seed: int | None) -> int:
     from ..remeasure import remeasure
 
-    report = remeasure(db, n, tolerance, **method)
+    report = remeasure(db, n, tolerance, **method, seed=seed)
     if not report.candidates:
         _nothing_to_remeasure(report)
     if json:
@@ -86,7 +89,7 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict) -> i
         out.print(f"re-measured {len(report.rows)} of {report.candidates} current row(s) of "
                   f"{', '.join(report.gpu_keys) or 'no local device'}: {report.drifted} drifted past "
                   f"{report.tolerance:.1%}{f', {report.failed} failed to measure' if report.failed else ''} "
-                  f"({report.seconds:.1f} s)", markup=False)
+                  f"({report.seconds:.1f} s; --seed {report.seed})", markup=False)
         for r in report.rows:
             drift = f"{r.drift:+.2%}" if r.drift is not None else r.error
             mark = "ok" if r.ok else "DRIFT" if r.error is None else "FAIL"

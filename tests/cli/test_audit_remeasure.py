@@ -187,3 +187,26 @@ def test_nothing_to_remeasure_is_said(h, capsys, local_gpu):
     assert json.loads(captured.out)["candidates"] == 0
     assert "note: nothing re-measured: p.db holds no current ok row of this machine's" in captured.err
     assert "it holds rows of 'Another CPU'" in captured.err
+
+
+def test_the_draw_of_rows_can_be_replayed_with_its_seed(h, capsys, local_gpu, monkeypatch):
+    """An auditor could not re-measure the rows a report drew again: the CLI had no seed. The report now gives the
+    seed it drew with, and --seed draws the same rows of the same ledger."""
+    for m in range(16, 16 + 8 * 8, 8):
+        h.append("p.db", h.make_event(h.gemm(m), local_gpu, time_ms=0.5))
+    _set_times(monkeypatch, 0.5)
+
+    def drawn(*extra):
+        assert main(["audit", "--remeasure", "3", "--db", "p.db", "--json", *extra]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        return doc["seed"], sorted(r["citation"] for r in doc["rows"])
+
+    seed, rows = drawn()
+    assert isinstance(seed, int) and drawn("--seed", str(seed)) == (seed, rows)
+    assert drawn("--seed", "5") == drawn("--seed", "5")
+    assert main(["audit", "--remeasure", "1", "--seed", "5", "--db", "p.db"]) == 0
+    assert "--seed 5)" in capsys.readouterr().out
+    assert main(["audit", "--seed", "5", "--db", "p.db"]) == 2
+    assert "--seed applies to `kprof audit --remeasure N` only" in capsys.readouterr().err
+    assert main(["audit", "--remeasure", "1", "--seed", "-1", "--db", "p.db"]) == 2
+    assert "--seed -1: give a whole number >= 0" in capsys.readouterr().err

@@ -511,7 +511,7 @@ def test_every_integer_flag_of_every_verb_is_strict():
             if int in (base, *typing.get_args(base)):
                 assert any(isinstance(a, Parameter) and a.converter is whole for a in args[1:]), (verb, param)
                 found.append((verb, param))
-    assert sorted(found) == [("audit", "jobs"), ("audit", "remeasure"), ("export", "since")]
+    assert sorted(found) == [("audit", "jobs"), ("audit", "remeasure"), ("audit", "seed"), ("export", "since")]
 
 
 @pytest.mark.parametrize("verb", [verb for verb, _t, _h in VERBS])
