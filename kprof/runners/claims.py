@@ -30,7 +30,7 @@ __all__ = ["Claims"]
 
 class Claims:
     def __init__(self, db_path: str, run_id: str):
-        self.dir = f"{db_path}-claims"
+        self.dir = f"{os.path.realpath(db_path)}-claims"  # one directory for every name of the file (a link too)
         self.run_id = run_id
         self.path = os.path.join(self.dir, f"{run_id}.claim")
         self._own = None

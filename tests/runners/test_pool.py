@@ -335,6 +335,20 @@ def test_a_dropped_claim_is_read_per_run(tmp_path):
         assert third.take([b"k1"]) == ([], {b"k1": "first"})
 
 
+def test_two_names_of_one_ledger_share_its_claims(tmp_path, monkeypatch):
+    """A run through a link to the ledger, or through a relative path, claims in the same place as a run through
+    the file's own path: otherwise both would measure the same key."""
+    from kprof.runners.claims import Claims
+
+    db = str(tmp_path / "p.db")
+    os.symlink(db, tmp_path / "link.db")
+    monkeypatch.chdir(tmp_path)
+    with Claims(db, "first") as first, Claims("link.db", "second") as second:
+        assert first.take([b"k1"]) == ([b"k1"], {})
+        assert second.take([b"k1"]) == ([], {b"k1": "first"})
+    assert not os.path.exists(tmp_path / "link.db-claims")
+
+
 @pytest.mark.slow
 def test_a_run_waiting_for_a_key_holds_none_it_has_stored(tmp_path):
     """Run X stores its key, then waits for a key run Y holds while Y waits for X's: X's stored key is no longer
