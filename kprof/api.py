@@ -139,7 +139,7 @@ def _row_json(row: Row, family: str, spec: dict) -> dict:
 
 
 def _keys(entry, gpu_key: str) -> KeyMaker:
-    return KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
+    return KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
 
 
 def _empty_root(entry, gpu_key: str) -> bytes:

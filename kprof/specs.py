@@ -297,7 +297,7 @@ class ShapeCodec:
 
 def validate(args_type, raw: list[Any], table: str | None = None) -> list[dict]:
     """The specs as canonical dicts in KernelArgs field order; raises SpecError naming index, field and `table`."""
-    codec = ShapeCodec(args_type, strict=True, name=table)  # 64.0 or 1e3 for an int field is refused, not read as 64 or 1000
+    codec = ShapeCodec(args_type, strict=True, name=table)  # 64.0 or 1e3 for an int field: refused, not 64 or 1000
     shapes, _exact = codec.to_shapes(raw)
     names = codec.field_names
     out = []

@@ -125,3 +125,10 @@ def test_a_bad_method_argument_is_named_as_the_python_keyword(db, call, said):
     with pytest.raises(UsageError) as caught:
         perf_api.get_single_gemm(db=db, **call, **SPEC)
     assert said in str(caught.value) and "--" not in str(caught.value).split("`")[0]
+
+
+def test_a_bad_spec_names_the_table_not_the_runners_struct(db):
+    with pytest.raises(SpecError, match=r'field "dtype" is missing; a single_gemm spec needs \{m, n, k, dtype\}'):
+        perf_api.count_single_gemm([{"m": 1, "n": 1, "k": 1}], backend="torch-cpu", db=db)
+    with pytest.raises(SpecError, match='field "z" is not a KernelArgs field of single_gemm; use only'):
+        perf_api.get_single_gemm(backend="torch-cpu", db=db, **SPEC, z=3)

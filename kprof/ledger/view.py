@@ -94,7 +94,7 @@ class View:
 
     def __init__(self, ledger, table: str, backend: str, gpu_key: str, contract: Contract, args_type: type):
         self.ledger, self.table, self.backend, self.gpu_key, self.contract = ledger, table, backend, gpu_key, contract
-        self.shapes = ShapeCodec(args_type, strict=True)  # as every spec input: 64.0 for an int field is refused
+        self.shapes = ShapeCodec(args_type, strict=True, name=table)  # as every spec input: 64.0 for an int is refused
         self.keys = KeyMaker(table, backend, gpu_key, contract, self.shapes)
         self.scope = self.keys.scope
         self._contract_id = contract_id(self.keys.base)

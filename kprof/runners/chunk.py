@@ -71,7 +71,7 @@ def measure_chunk(chunk: Chunk, device=None) -> Iterator[tuple[Any, bytes]]:
     from .worker import measure_specs
 
     entry = chunk_entry(chunk)
-    keys = KeyMaker(entry.table, entry.backend, chunk.gpu_key, entry.contract, ShapeCodec(entry.args))
+    keys = KeyMaker(entry.table, entry.backend, chunk.gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
     parents = {keys.key(s): p for s, p in zip(chunk.specs, chunk.parents) if p is not None}
     for outcome in measure_specs(entry, chunk.specs, chunk.gpu_key, origin=chunk.origin, parents=parents,
                                  device=device):

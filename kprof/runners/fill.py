@@ -107,7 +107,7 @@ def check_settings() -> None:
 def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin: Origin, *,
          progress: Callable[[int, int, dict], None] | None = None,
          watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None) -> Filled:
-    keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args))
+    keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
     spec_keys = [keys.key(s) for s in canonical]
 
     def view_of(ledger):
