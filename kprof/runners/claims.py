@@ -1,10 +1,10 @@
 """Claims: concurrent `run`s on one ledger never measure the same key twice.
 
 A run claims the keys it is about to measure before measuring them. Its claims live in a file of its own,
-`<ledger>-claims/<run id>.claim` (the keys, hex, one per line; `-` before a key ends its claim), which it holds under an exclusive `flock` for
-as long as it runs. The kernel releases that lock when the process ends however it ends (a kill included), so
-a claim is alive exactly while its holder is: another run that can take the lock has found a dead holder, and
-removes the file. Claiming is atomic across runs: it happens under `<ledger>-claims/lock`.
+`<ledger>-claims/<run id>.claim` (the keys, hex, one per line; `-` before a key ends its claim), which it holds
+under an exclusive `flock` for as long as it runs. The kernel releases that lock when the process ends however it
+ends (a kill included), so a claim is alive exactly while its holder is: another run that can take the lock has
+found a dead holder, and removes the file. Claiming is atomic across runs: it happens under `<ledger>-claims/lock`.
 
     with Claims(db_path, run_id) as claims:
         mine, held = claims.take(keys)   # mine: now claimed by this run; held: key -> the run that holds it
@@ -13,7 +13,9 @@ removes the file. Claiming is atomic across runs: it happens under `<ledger>-cla
 
 A run measures its own claims, ending each as its row is stored, then takes the held keys again until none is
 held: a key whose holder finished it is read from the ledger (measured by the other run), one whose holder died
-without measuring it is measured here. A run that waits holds no claims, so two runs never wait for each other. Claims never enter the ledger file: they say who is measuring, not what was measured.
+without measuring it is measured here. A run that waits holds no claims, so two runs never wait for each other.
+Claims never enter the ledger file: they say who is measuring, not what was measured. The directory is the one
+beside the file's real path, so every name of a ledger (a link, a relative path) shares it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = ["Claims"]
 class Claims:
     def __init__(self, db_path: str, run_id: str):
         self.dir = f"{os.path.realpath(db_path)}-claims"  # one directory for every name of the file (a link too)
+        self.named = f"{db_path}-claims"  # as messages name it: by the name the user gave
         self.run_id = run_id
         self.path = os.path.join(self.dir, f"{run_id}.claim")
         self._own = None
@@ -50,21 +53,25 @@ class Claims:
                 self._own = open(self.path, "a+")
                 fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own new file: never contended
         except OSError as e:
-            raise UsageError(f"cannot use {self._where}: {e.filename}: {e.strerror}; fix or remove {e.filename} "
+            bad = self._named(e.filename)
+            raise UsageError(f"cannot use {self._where}: {bad}: {e.strerror}; fix or remove {bad} "
                              f"(no rows are kept there)") from None
         return self
 
     @property
     def _where(self) -> str:
-        return f"{self.dir}, where concurrent runs on the ledger record the keys they measure"
+        return f"{self.named}, where concurrent runs on the ledger record the keys they measure"
+
+    def _named(self, path) -> str:
+        return self.named + str(path)[len(self.dir):] if str(path).startswith(self.dir) else str(path)
 
     def check(self) -> None:
         """Refuses, creating nothing, a claims directory that is a file or whose lock is a directory: a run calls
         it before it creates a ledger."""
         for path, directory in ((self.dir, True), (os.path.join(self.dir, "lock"), False)):
             if os.path.lexists(path) and os.path.isdir(path) != directory:
-                raise UsageError(f"cannot use {self._where}: {path} is {'not ' if directory else ''}a directory; fix "
-                                 f"or remove {path} (no rows are kept there)")
+                raise UsageError(f"cannot use {self._where}: {self._named(path)} is {'not ' if directory else ''}a "
+                                 f"directory; fix or remove {self._named(path)} (no rows are kept there)")
 
     def __exit__(self, *exc) -> None:
         self.release()
@@ -95,8 +102,9 @@ class Claims:
             self._own.write(lines)
             self._own.flush()
         except OSError as e:
-            raise UsageError(f"cannot record this run's claims in {self.path} ({e.strerror}); every row stored before "
-                             f"stays in the ledger: free space (or fix the directory) and run again") from None
+            raise UsageError(f"cannot record this run's claims in {self._named(self.path)} ({e.strerror}); every row "
+                             f"stored before stays in the ledger: free space (or fix the directory) and run "
+                             f"again") from None
 
     def _lock(self):
         f = open(os.path.join(self.dir, "lock"), "a")
