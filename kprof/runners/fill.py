@@ -267,21 +267,30 @@ class _State:
             try:
                 merge_into(self.ledger, [res.segment], report_dir)
             except MergeConflict as exc:
-                errored[k] = {"kind": "conflict", "message": str(exc)}
+                if self._wanted_now(res.index):
+                    errored[k] = {"kind": "conflict", "message": str(exc)}
             os.unlink(res.segment)
             if report_dir != self.conflict_dir and not os.listdir(report_dir):  # no report: not one dir per spec left
                 os.rmdir(report_dir)
         elif (now := self._row_now(res.index)) != self.parents.get(res.index):
-            # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it
-            errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
-                          f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement was not "
-                          f"stored"}
+            # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it;
+            # an error only where that row is not one the mode asked for (a failed row, or a retraction)
+            if self._wanted_now(res.index):
+                errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
+                              f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement was "
+                              f"not stored"}
         else:
             self.ledger.append([res.event])  # one commit per spec: a crash keeps what was finished
         if self.claims is not None:  # stored (or given up): a run waiting for it reads it now, not when this one ends
             self.claims.drop([k])
         if self.progress:
             self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index])
+
+    def _wanted_now(self, i: int) -> bool:
+        """Whether spec i still lacks the row its mode asks for, as the ledger holds it now: a row another writer
+        stored while this run measured the key (an ok row, for jit; a new one, for force) is the answer asked for,
+        so this run's measurement, not stored, is no error."""
+        return _still_wanted(self.mode, self.view_of(self.ledger).query([self.canonical[i]])[1][0], self.before[i])
 
     def _row_now(self, i: int) -> bytes | None:
         """The event id of spec i's row as the ledger holds it now (ok, failed or stale; None where missing): what

@@ -6,6 +6,7 @@ import pytest
 
 from kprof.cli import main
 from kprof.ledger import Ledger, _codec
+from kprof.runners.registry import lookup
 
 FP8 = {"m": 32, "n": 32, "k": 32, "dtype": "fp8_e4m3"}  # a CUDA-only dtype: the CPU backend refuses the spec
 HUGE = {"m": 1 << 40, "n": 32, "k": 32, "dtype": "fp32"}  # 128 TiB of inputs on any machine: an oom row
@@ -335,17 +336,22 @@ def test_job_meta_command_records_the_invocation(tmp_path, ledger_path, capsys, 
     assert events and all(ev.origin.command == command for ev in events)
 
 
+@pytest.mark.parametrize("merged", ["ok", "failed"])
 def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_refused(tmp_path, capsys, h,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, merged, local_gpu):
     """A merge (which takes no claims) lands a row for a key this run is measuring: as in the pool's path, the
-    run's event would supersede a row it never saw, so it is a conflict and not stored. The merged row stands, the
-    ledger audits clean, and it merges back into the team's ledger without conflict."""
+    run's event would supersede a row it never saw, so it is not stored. The merged row stands, the ledger audits
+    clean, and it merges back into the team's ledger without conflict. An ok merged row is the row a jit run asks
+    for: the spec reads ok (exit 0); a failed one leaves the spec without it: `error`, kind conflict (exit 1)."""
     import kprof.runners.fill as fill
     from kprof.merge.merge import export, merge_into
 
     spec_x, spec_y = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}, {"m": 5, "n": 32, "k": 32, "dtype": "fp32"}
     team, mine = str(tmp_path / "team.db"), str(tmp_path / "mine.db")
-    _run(capsys, h, team, spec_x)
+    if merged == "ok":
+        _run(capsys, h, team, spec_x)
+    else:
+        h.append(team, h.make_event(spec_x, local_gpu, kind="failed"))
     seg = str(tmp_path / "team.kseg")
     export(team, seg)
     keep = fill._State._keep
@@ -356,13 +362,20 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
         return keep(self, res, errored)
 
     monkeypatch.setattr(fill._State, "_keep", keep_after_a_merge)
-    out = _run(capsys, h, mine, spec_x, spec_y, rc=1)
+    out = _run(capsys, h, mine, spec_x, spec_y, rc=0 if merged == "ok" else 1)
     by_m = {r["spec"]["m"]: r for r in out["results"]}
     assert by_m[5]["status"] == "ok"
-    assert by_m[3]["status"] == "error" and by_m[3]["error"]["kind"] == "conflict"  # this run's measurement
-    assert "the key's row changed while it was measured" in by_m[3]["error"]["message"]
+    with Ledger.open(team, readonly=True) as led:
+        entry = lookup("single_gemm", h.CPU)
+        team_event = led.view("single_gemm", h.CPU, local_gpu, entry.contract, entry.args).query([spec_x])[1][0]
+        team_event = team_event.event_id.hex()
+    if merged == "ok":
+        assert by_m[3]["status"] == "ok" and by_m[3]["event"] == team_event  # the merged row, not this run's
+    else:
+        assert by_m[3]["status"] == "error" and by_m[3]["error"]["kind"] == "conflict"  # this run's measurement
+        assert "the key's row changed while it was measured" in by_m[3]["error"]["message"]
     assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(spec_x), "--db", mine, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "ok"  # the merged row stands
+    assert json.loads(capsys.readouterr().out)["results"][0]["event"] == team_event  # the merged row stands
     assert _last_seq(mine) == 2
     assert main(["audit", "--db", mine]) == 0
     back = str(tmp_path / "mine.kseg")
