@@ -161,6 +161,8 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     spec_keys = [_keys(entry, gpu_key).key(s) for s in canonical]
     todo = to_measure(spec_keys, before_rows, mode)  # one measurement per key, as in api.run
 
+    if todo and mode != "fresh":
+        Claims(db, "check").check()  # a claims directory it cannot use: refused before a ledger or a job is made
     executor = _remotes.executor_for(target, entry.device, output_dir) if todo else None
     try:
         n = max(1, min(executor.workers(), len(todo))) if executor is not None else 0  # may refuse: nothing written

@@ -317,3 +317,18 @@ def test_a_time_limit_fails_the_chunk_and_stores_no_crash_row(monkeypatch):
 ])
 def test_a_job_reason_is_the_line_that_says_why(text, reason):
     assert remote_module.job_reason(RuntimeError(text)) == reason
+
+
+def test_a_claims_directory_it_cannot_use_is_refused_before_a_ledger_or_a_job(remote_yaml, db, monkeypatch):
+    """As a local run: `<db>-claims` a file is one line naming it, before the ledger is created or an engine
+    started."""
+    from kprof.errors import UsageError
+
+    remote_yaml(RAY)
+    started = []
+    monkeypatch.setattr(remote_module, "executor_for", lambda *a: started.append(a))
+    with open(f"{db}-claims", "w"):
+        pass
+    with pytest.raises(UsageError, match="-claims is not a directory; fix or remove"):
+        run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out")
+    assert started == [] and not os.path.exists(db)
