@@ -327,11 +327,12 @@ def _revision(current: dict | None) -> int | None:
 
 
 def _key_status(current: dict | None) -> str:
-    """The key's row: retracted (no current event), stale (of an older profiler revision than this kprof's: query
-    reads it as stale, or missing), else ok or failed."""
+    """The key's row: retracted (no current event), stale (a measured row of an older profiler revision than this
+    kprof's: query reads it as stale, or missing), else ok or failed (a failed row of an older revision too, which
+    query reads as missing: a stale row is a measurement)."""
     if current is None:
         return "retracted"
     revision = _revision(current)
-    if revision is not None and current["provenance"]["profiler_revision"] < revision:
+    if revision is not None and current["provenance"]["profiler_revision"] < revision and current["type"] == "measured":
         return "stale"
     return "ok" if current["type"] == "measured" else "failed"

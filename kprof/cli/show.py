@@ -84,6 +84,9 @@ def _about(doc: dict) -> list[str]:
         lines.append(f"row: stale (profiler revision {prov['profiler_revision']}; this kprof measures "
                      f"{prov['table']}/{prov['backend']} at revision {doc['revision']}; query reads it as stale "
                      f"where its spec has no row of that revision)")
+    elif doc["revision"] is not None and current["provenance"]["profiler_revision"] < doc["revision"]:
+        lines.append(f"row: {status} (profiler revision {current['provenance']['profiler_revision']}, older than this "
+                     f"kprof's {doc['revision']}: its query reads it as missing, and `run` measures it again)")
     elif doc["revision"] is not None and current["provenance"]["profiler_revision"] > doc["revision"]:
         lines.append(f"row: {status} (profiler revision {current['provenance']['profiler_revision']}, newer than this "
                      f"kprof's {doc['revision']}: its query reads it as missing; read it with a kprof that measures "

@@ -116,6 +116,12 @@ def test_show_gives_the_rows_status_stale_failed_retracted(h, capsys, local_gpu)
     text, doc = _shown(h, capsys, key.hex())
     assert doc["status"] == "retracted" and doc["current"] is None and doc["event"] is None
     assert "row: none (every measurement of this key is retracted" in text
+    (old_fail,) = h.append("p.db", h.make_event(h.gemm(80), local_gpu, kind="failed", revision=0))
+    text, doc = _shown(h, capsys, f"kprof.{old_fail.hex()[:16]}")  # show said stale; query says missing
+    assert doc["status"] == "failed" and "row: failed (profiler revision 0, older than this kprof's 1: its query " \
+                                          "reads it as missing" in text
+    assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(80)), "--db", "p.db", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "missing"
 
 
 def test_every_id_and_key_show_prints_can_be_recomputed_from_it(h, capsys, local_gpu):
