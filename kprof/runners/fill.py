@@ -73,18 +73,26 @@ class _InProcess:
     def __exit__(self, *exc):
         pass
 
-    def measure(self, items, origin: Origin, failed_event, watch=None):
+    def measure(self, items, origin: Origin, failed_event, watch=None, wanted=None):
         from .worker import measure_specs
 
         parents = {self.spec_keys[i]: parent for i, _spec, parent in items if parent is not None}
         label = getattr(self.device, "name", "cpu")
-        if watch and items:
-            watch(label, items[0][1])
-        for outcome in measure_specs(self.entry, [spec for _i, spec, _p in items], self.gpu_key, origin=origin,
-                                     parents=parents, device=self.device):
-            yield Result(items[outcome.index][0], outcome.event, None, outcome.seconds, outcome.timed_seconds, label)
-            if watch:
-                watch(label, items[outcome.index + 1][1] if outcome.index + 1 < len(items) else None)
+        taken = []  # the items handed to measure_specs, in its order: outcome.index counts them
+
+        def specs():  # lazily: each item is checked once the one before it is stored
+            for item in items:
+                if wanted is None or wanted(item[0]):
+                    taken.append(item)
+                    if watch:
+                        watch(label, item[1])
+                    yield item[1]
+
+        for outcome in measure_specs(self.entry, specs(), self.gpu_key, origin=origin, parents=parents,
+                                     device=self.device):
+            yield Result(taken[outcome.index][0], outcome.event, None, outcome.seconds, outcome.timed_seconds, label)
+        if watch:
+            watch(label, None)
 
 
 def check_settings() -> None:
@@ -246,7 +254,8 @@ class _State:
                 return failed(keys.provenance(canonical[i], i), kind, message[:2000], environment=environment,
                               origin=origin, parent=parent_of.get(i))
 
-            for res in workers.measure(items, origin, failed_event, self.watch):
+            wanted = self._wanted_now if self.claims is not None else None  # fresh writes nothing: no check
+            for res in workers.measure(items, origin, failed_event, self.watch, wanted):
                 self._keep(res, errored)
             pending = waiting
             if pending:
@@ -287,10 +296,14 @@ class _State:
             self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index])
 
     def _wanted_now(self, i: int) -> bool:
-        """Whether spec i still lacks the row its mode asks for, as the ledger holds it now: a row another writer
-        stored while this run measured the key (an ok row, for jit; a new one, for force) is the answer asked for,
-        so this run's measurement, not stored, is no error."""
-        return _still_wanted(self.mode, self.view_of(self.ledger).query([self.canonical[i]])[1][0], self.before[i])
+        """Whether spec i still lacks the row its mode asks for, as the ledger holds it now. A row another writer (a
+        merge, which takes no claims) stored since the run took the key (an ok row, for jit; a new one, for force) is
+        the answer asked for: asked just before the spec is measured, the run skips it and ends its claim; asked
+        after, this run's measurement, not stored, is no error."""
+        wanted = _still_wanted(self.mode, self.view_of(self.ledger).query([self.canonical[i]])[1][0], self.before[i])
+        if not wanted and self.claims is not None:
+            self.claims.drop([self.spec_keys[i]])
+        return wanted
 
     def _row_now(self, i: int) -> bytes | None:
         """The event id of spec i's row as the ledger holds it now (ok, failed or stale; None where missing): what

@@ -247,10 +247,11 @@ class Pool:
         self.workers[i] = _Worker(self._ctx, w.device, self._args)
 
     def measure(self, items: list[tuple[int, dict, bytes | None]], origin: Origin, failed_event: Callable,
-                watch: Callable[[str, dict | None], None] | None = None) -> Iterator[Result]:
+                watch: Callable[[str, dict | None], None] | None = None,
+                wanted: Callable[[int], bool] | None = None) -> Iterator[Result]:
         """Measures `items` ((index, canonical spec, parent event id)) across the workers, yielding each Result as
         it arrives. `failed_event(index, kind, message, environment)` makes the event of a spec whose worker died
-        or hung."""
+        or hung; `wanted(index)`, asked as an item is sent, False skips it (no Result)."""
         queue = list(reversed(items))
         done: list[Result] = []
         outstanding = len(items)
@@ -271,8 +272,12 @@ class Pool:
 
         while outstanding:
             for w in self.workers:
-                if w.state == "ready" and w.item is None and queue:
+                item = None
+                while w.state == "ready" and w.item is None and queue and item is None:
                     item = queue.pop()
+                    if wanted is not None and not wanted(item[0]):  # another writer stored its row meanwhile
+                        item, outstanding = None, outstanding - 1
+                if item is not None:
                     chunk = Chunk(self.entry.table, self.entry.backend, self.entry.contract, self.gpu_key,
                                   [item[1]], [item[2]], origin, item[0])
                     w.send(chunk, item)

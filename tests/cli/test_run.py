@@ -416,3 +416,33 @@ def test_cpu_rows_timed_on_a_busy_host_are_named_in_a_note(ledger_path, capsys, 
     assert ("note: the host's load average (99.0) passed its" in err and "1 CPU row(s)" in err) == noted
     assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path]) == 0
     assert "note: the host's load" not in capsys.readouterr().err  # nothing measured: nothing to say
+
+
+@pytest.mark.parametrize("pool", ["off", "on"])
+def test_a_spec_whose_row_a_merge_stored_before_the_run_reached_it_is_not_measured(tmp_path, capsys, h, monkeypatch,
+                                                                                    pool):
+    """A merge lands the team's row of spec y while the run measures spec x: the run checks y's row just before it
+    would measure it, finds the row it asks for, and skips it (its claim ended), in this process and on the pool."""
+    import kprof.runners.fill as fill
+    from kprof.merge.merge import export, merge_into
+
+    monkeypatch.setenv("KPROF_POOL", pool)
+    spec_x, spec_y = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}, {"m": 5, "n": 32, "k": 32, "dtype": "fp32"}
+    team, mine = str(tmp_path / "team.db"), str(tmp_path / "mine.db")
+    team_event = _run(capsys, h, team, spec_y)["results"][0]["event"]
+    seg = str(tmp_path / "team.kseg")
+    export(team, seg)
+    keep, measured = fill._State._keep, []
+
+    def keep_then_merge(self, res, errored):
+        measured.append(self.canonical[res.index]["m"])
+        keep(self, res, errored)
+        if self.canonical[res.index]["m"] == 3:
+            merge_into(self.ledger, [seg], str(tmp_path))
+
+    monkeypatch.setattr(fill._State, "_keep", keep_then_merge)
+    out = _run(capsys, h, mine, spec_x, spec_y)
+    by_m = {r["spec"]["m"]: r for r in out["results"]}
+    assert measured == [3] and out["missing_count"] == 0  # y was not measured
+    assert by_m[3]["status"] == "ok" and by_m[5]["status"] == "ok" and by_m[5]["event"] == team_event
+    assert _last_seq(mine) == 2 and main(["audit", "--db", mine]) == 0
