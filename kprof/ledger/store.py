@@ -99,20 +99,20 @@ class Ledger:
             entry = None
         if entry is None:
             # Writable where the file allows, so that a reader and a writer in one process share it (Ledger enforces it)
-            lock = not (readonly and _without_lock(path))
+            lock = not (readonly and _without_lock(real))  # `<real path>-lock`: one for every name of the file
             env_readonly = readonly and (not lock or not os.access(path, os.W_OK))
             try:
-                entry = [lmdb.open(path, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
+                entry = [lmdb.open(real, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
                                    lock=lock, sync=True, metasync=True, readahead=readahead, max_readers=510), 0,
                          _identity(real)[:2], 0]
             except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:  # the header's version, or the lock file's
-                lock_file = f" (or its lock file: remove {path}-lock while no process has the ledger open)" * (
+                lock_file = f" (or its lock file: remove {real}-lock while no process has the ledger open)" * (
                     isinstance(exc, lmdb.VersionMismatchError))
                 raise IntegrityError(f"ledger {path} is damaged: LMDB finds its header invalid{lock_file}; restore "
                                      f"the file from a copy") from None
             except lmdb.Error as exc:
-                if lock and os.path.exists(path + "-lock") and not os.access(path + "-lock", os.R_OK | os.W_OK):
-                    raise LedgerError(f"cannot open ledger {path}: this user cannot write its lock file {path}-lock, "
+                if lock and os.path.exists(real + "-lock") and not os.access(real + "-lock", os.R_OK | os.W_OK):
+                    raise LedgerError(f"cannot open ledger {path}: this user cannot write its lock file {real}-lock, "
                                       f"where LMDB registers every reader; have its owner make it writable (chmod "
                                       f"a+rw), or read a copy of the ledger") from None
                 raise LedgerError(f"cannot open ledger {path}: {exc}; check the path and its permissions") from None
