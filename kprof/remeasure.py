@@ -140,7 +140,6 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
                            time.perf_counter() - started, seed)
 
 
-
 def _measure(by_entry: dict[tuple, list], tolerance: float) -> list[Drift]:
     """Each (entry, stored row) measured again, grouped by scope, as a Drift."""
     from .errors import SpecError
@@ -151,7 +150,7 @@ def _measure(by_entry: dict[tuple, list], tolerance: float) -> list[Drift]:
     for (_t, _b, gpu_key), held in by_entry.items():
         entry = held[0][0]
         items = []
-        for e, row in held:  # a row stored before its backend refused its spec (fp8 on torch-cpu) fails alone
+        for e, row in held:  # a row that cannot be compared or re-measured fails alone; the others are measured
             stored = row.metrics.get("time_ms")
             if not (isinstance(stored, float) and 0 < stored < math.inf):  # a merged row may hold any float
                 out.append(Drift(entry.table, entry.backend, row.spec, row.citation, None, None, None, False,

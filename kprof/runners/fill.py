@@ -254,7 +254,7 @@ class _State:
                 return failed(keys.provenance(canonical[i], i), kind, message[:2000], environment=environment,
                               origin=origin, parent=parent_of.get(i))
 
-            wanted = self._wanted_now if self.claims is not None else None  # fresh writes nothing: no check
+            wanted = self._to_measure if self.claims is not None else None  # fresh writes nothing: no check
             for res in workers.measure(items, origin, failed_event, self.watch, wanted):
                 self._keep(res, errored)
             pending = waiting
@@ -275,16 +275,17 @@ class _State:
             report_dir = self.conflict_dir or tempfile.mkdtemp(prefix="kprof-")  # for a conflict's merge-report.json
             try:
                 merge_into(self.ledger, [res.segment], report_dir)
-            except MergeConflict as exc:
-                if self._wanted_now(res.index):
+            except MergeConflict as exc:  # an error only where the row another writer stored is not one asked for
+                if _still_wanted(self.mode, self._row_now(res.index), self.before[res.index]):
                     errored[k] = {"kind": "conflict", "message": str(exc)}
             os.unlink(res.segment)
             if report_dir != self.conflict_dir and not os.listdir(report_dir):  # no report: not one dir per spec left
                 os.rmdir(report_dir)
-        elif (now := self._row_now(res.index)) != self.parents.get(res.index):
+        elif (row := self._row_now(res.index)).event_id != self.parents.get(res.index):
             # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it;
             # an error only where that row is not one the mode asked for (a failed row, or a retraction)
-            if self._wanted_now(res.index):
+            if _still_wanted(self.mode, row, self.before[res.index]):
+                now = row.event_id
                 errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
                               f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement was "
                               f"not stored"}
@@ -295,20 +296,19 @@ class _State:
         if self.progress:
             self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index])
 
-    def _wanted_now(self, i: int) -> bool:
-        """Whether spec i still lacks the row its mode asks for, as the ledger holds it now. A row another writer (a
-        merge, which takes no claims) stored since the run took the key (an ok row, for jit; a new one, for force) is
-        the answer asked for: asked just before the spec is measured, the run skips it and ends its claim; asked
-        after, this run's measurement, not stored, is no error."""
-        wanted = _still_wanted(self.mode, self.view_of(self.ledger).query([self.canonical[i]])[1][0], self.before[i])
-        if not wanted and self.claims is not None:
-            self.claims.drop([self.spec_keys[i]])
-        return wanted
+    def _to_measure(self, i: int) -> bool:
+        """Asked just before spec i is measured: whether it still lacks the row its mode asks for. A row another
+        writer (a merge, which takes no claims) stored since the run took the key (an ok row, for jit; a new one,
+        for force) is the answer asked for: the spec is skipped and its claim ended."""
+        if _still_wanted(self.mode, self._row_now(i), self.before[i]):
+            return True
+        self.claims.drop([self.spec_keys[i]])
+        return False
 
-    def _row_now(self, i: int) -> bytes | None:
-        """The event id of spec i's row as the ledger holds it now (ok, failed or stale; None where missing): what
-        `fill` took as its event's parent when it took the key."""
-        return self.view_of(self.ledger).query([self.canonical[i]])[1][0].event_id
+    def _row_now(self, i: int):
+        """Spec i's row as the ledger holds it now (ok, failed, stale or missing); its event id is what `fill` took
+        as its event's parent when it took the key."""
+        return self.view_of(self.ledger).query([self.canonical[i]])[1][0]
 
 
 def _still_wanted(mode: str, row, before) -> bool:
