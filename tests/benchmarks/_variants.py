@@ -42,9 +42,11 @@ def cuda(name: str):
     return torch
 
 
-def time_variants(calls: dict, between: dict, variants: tuple, rounds: int) -> tuple[dict, dict]:
+def time_variants(calls: dict, between: dict, variants: tuple, rounds: int,
+                  kernel_filter: dict | None = None) -> tuple[dict, dict]:
     """({name: {variant: [median µs of each round]}}, {name: kernel names}): each call timed with each variant's
-    preamble (`between[name][variant]`), every variant once per round, the rounds interleaved."""
+    preamble (`between[name][variant]`), every variant once per round, the rounds interleaved. `kernel_filter`:
+    {name: regex}, only the call's kernels whose names match are summed."""
     from kprof.measure.gpu_timer import time_gpu
     from kprof.measure.stats import StopRule
 
@@ -55,7 +57,8 @@ def time_variants(calls: dict, between: dict, variants: tuple, rounds: int) -> t
     for r in range(rounds):
         for name, fn in calls.items():
             for v in variants:
-                timing = time_gpu(fn, rule, timer="cupti", cold_l2=True, warm=between[name][v])
+                timing = time_gpu(fn, rule, timer="cupti", cold_l2=True, warm=between[name][v],
+                                  kernel_filter=(kernel_filter or {}).get(name))
                 medians[name][v].append(statistics.median(timing.samples_ms) * 1e3)
                 kernels[name] = list(timing.kernels)
         log(f"round {r + 1}/{rounds} done in {time.perf_counter() - started:.0f} s")

@@ -37,6 +37,44 @@ def test_each_variant_writes_the_input_as_it_says():
     assert torch.equal(x, before)
 
 
+def test_the_variants_that_take_other_apart_leave_the_input_as_the_row_does():
+    case = pc.build(3, 64, "cpu")
+    x = case.inputs[0]
+    steps = pc.hooks(case, 32)
+    before = x.clone()
+    tiny = inspect.getclosurevars(steps["tiny"]).nonlocals
+    tiny["tout"].zero_()
+    steps["tiny"]()  # the input rewritten, a small GEMM of its own operands
+    assert torch.equal(x, before) and torch.equal(tiny["tout"], tiny["ta"] @ tiny["tw"])
+    assert tiny["tw"].numel() * tiny["tw"].element_size() < 1 << 20  # its bytes: not a weight stream
+    stream = inspect.getclosurevars(steps["stream"]).nonlocals
+    steps["stream"]()  # the GEMM's weight bytes read whole, by a reduction
+    gemm = inspect.getclosurevars(steps["other"]).nonlocals
+    assert stream["weight_words"].data_ptr() == gemm["w"].data_ptr()
+    assert stream["weight_words"].numel() * stream["weight_words"].element_size() == gemm["w"].numel() * 2
+    assert int(stream["total"]) == int(stream["weight_words"].to(torch.int64).sum())
+    assert torch.equal(x, before)
+    light = inspect.getclosurevars(steps["other+1"]).nonlocals
+    steps["other+1"]()
+    steps["other+gap"]()  # no GPU: the spin is skipped, the rest runs
+    assert int(light["one"]) == 1 and torch.equal(x, before)
+    version = x._version
+    steps["stream+own"]()  # the stream, then the input rewritten: the same bytes
+    assert torch.equal(x, before) and x._version > version
+    steps["producer+own"]()  # the GEMM's output, rewritten unchanged
+    assert torch.equal(x, gemm["a"] @ gemm["w"])
+
+
+def test_the_first_kernel_filter_selects_one_name_only():
+    import re
+
+    pattern = pc.first_kernel(["void silu_kernel<(a)>", "void mul_kernel<b>"])
+    assert re.search(pattern, "void silu_kernel<(a)>") and not re.search(pattern, "void mul_kernel<b>")
+    assert not re.search(pattern, "void silu_kernel<(a)>_and_more")
+    with pytest.raises(ValueError, match="first of the kernels"):
+        pc.first_kernel(["k", "k"])
+
+
 def test_the_cases_are_decode_sized_and_valid():
     for name, (tokens, hidden, k, in_model, row) in pc.CASES.items():
         assert 1 <= tokens <= 128 and hidden > k > 0, name
