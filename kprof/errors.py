@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "KprofError",
     "UsageError",
+    "SettingError",
     "SpecError",
     "UnknownGpuKeyError",
     "LedgerError",
@@ -26,6 +27,18 @@ class UsageError(KprofError):
     """Bad input from the caller: nothing was written."""
 
     exit_code = 2
+
+
+class SettingError(UsageError):
+    """A bad timing-method or GPU-key setting, worded twice: for Python callers (str(exc)), naming the keyword
+    arguments they passed (`timer='x'`), and for the verbs (`cli`), naming their flags (`--timer x`)."""
+
+    def __init__(self, python: str, cli: str | None = None):
+        super().__init__(python)
+        self.cli = python if cli is None else cli
+
+    def __reduce__(self):  # pickled across processes with both wordings
+        return type(self), (str(self), self.cli)
 
 
 class SpecError(UsageError):

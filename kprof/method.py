@@ -1,6 +1,7 @@
 """The method and the GPU key a request measures and reads with: `effective_entry` (the timing method of CUDA
 rows, from --timer/--l2/--cuda-graph/--power or their KPROF_* defaults) and `resolve_gpu_key`. Below both
-`kprof.api` and `kprof.ceilings`, which each need them."""
+`kprof.api` and `kprof.ceilings`, which each need them. A bad setting is a SettingError worded twice: with the
+keyword arguments of the Python API (`timer='x'`) and with the verbs' flags (`--timer x`)."""
 
 from __future__ import annotations
 
@@ -8,32 +9,64 @@ import os
 
 import msgspec
 
-from .errors import UsageError
+from .errors import SettingError, UsageError
 from .runners.registry import Entry
 
 __all__ = ["effective_entry", "resolve_gpu_key"]
 
 
-def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False) -> str:
+_FLAGS = {"timer": "--timer", "l2": "--l2", "power": "--power", "cuda_graph": "--cuda-graph",
+          "gpu_name": "--gpu-name", "gpu_key": "--gpu-name"}
+_NOTHING = object()
+
+
+def _as_flag(name: str, value=_NOTHING, typed: bool = False) -> str:
+    """A setting as a verb's flag: `--timer x`, `--cuda-graph`/`--no-cuda-graph`; `typed`: the value as the caller
+    gave it (its repr)."""
+    flag = _FLAGS[name]
+    if value is _NOTHING:
+        return flag
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    shown = repr(value) if typed or (isinstance(value, str) and " " in value) else value
+    return f"{flag} {shown}"
+
+
+def _as_keyword(name: str, value=_NOTHING, typed: bool = False) -> str:
+    """A setting as a keyword argument of the Python API: `timer='x'`, `cuda_graph=True`."""
+    return name if value is _NOTHING else f"{name}={value!r}"
+
+
+def _refused(say) -> SettingError:
+    """`say(arg)` words the message, `arg(name, value=..., typed=False)` naming a setting; it is worded for both."""
+    return SettingError(say(_as_keyword), cli=say(_as_flag))
+
+
+def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False, keyword: str = "gpu_name") -> str:
     """The GPU key: --gpu-name when given, else the name of the device the entry measures on. `measures`: the caller
-    measures here, so a missing GPU is not mended by --gpu-name (which only names rows)."""
+    measures here, so a missing GPU is not mended by --gpu-name (which only names rows). `keyword`: the Python
+    argument that carries it, for the messages (perf_api's is gpu_key)."""
     if gpu_name is not None:
         if not isinstance(gpu_name, str):
-            raise UsageError(f"--gpu-name {gpu_name!r} is not a GPU key ({type(gpu_name).__name__}); pass it as a "
-                             f"str, e.g. gpu_name='NVIDIA H200', or omit it to use this machine's device")
+            raise _refused(lambda arg: f"{arg(keyword, gpu_name, typed=True)} is not a GPU key "
+                                       f"({type(gpu_name).__name__}); pass it as a str, e.g. "
+                                       f"{arg(keyword, 'NVIDIA H200')}, or omit it to use this machine's device")
         if not gpu_name.strip():
-            raise UsageError("--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200', or omit it")
+            raise _refused(lambda arg: f"{arg(keyword)} is empty; pass the GPU key, e.g. "
+                                       f"{arg(keyword, 'NVIDIA H200')}, or omit it")
         return gpu_name
     if entry.device == "cuda":
         from .measure.device_name import local_gpu_name
 
         name = local_gpu_name()
         if name is None and measures:
-            raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and none is visible here; run on a "
-                             f"machine with one (--gpu-name only names the rows){_on_cpu(entry)}")
+            raise _refused(lambda arg: f"backend {entry.backend} measures on a CUDA GPU and none is visible here; "
+                                       f"run on a machine with one ({arg(keyword)} only names the rows)"
+                                       f"{_on_cpu(entry)}")
         if name is None:
-            raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and none is visible here; pass "
-                             f"--gpu-name (e.g. --gpu-name 'NVIDIA H200') to read the rows of another machine")
+            raise _refused(lambda arg: f"backend {entry.backend} measures on a CUDA GPU and none is visible here; "
+                                       f"pass {arg(keyword)} (e.g. {arg(keyword, 'NVIDIA H200')}) to read the rows "
+                                       f"of another machine")
         return name
     from .measure.env import cpu_model
 
@@ -48,11 +81,11 @@ def _on_cpu(entry: Entry) -> str:
     return f", or use backend {twins[0]}" if twins else ""
 
 
-# The CUDA timing method's settings: (flag, environment variable, allowed values, default).
-_TIMER = ("--timer", "KPROF_TIMER", ("cupti", "events"), "cupti")
-_L2 = ("--l2", "KPROF_L2", ("cold", "warm"), "cold")
-_GRAPH = ("--cuda-graph", "KPROF_CUDA_GRAPH", ("0", "1"), "0")
-_POWER = ("--power", "KPROF_POWER", ("sustained", "loaded"), "sustained")  # kprof.runners.catalog.POWER_STATES
+# The CUDA timing method's settings: (keyword, environment variable, allowed values, default).
+_TIMER = ("timer", "KPROF_TIMER", ("cupti", "events"), "cupti")
+_L2 = ("l2", "KPROF_L2", ("cold", "warm"), "cold")
+_GRAPH = ("cuda_graph", "KPROF_CUDA_GRAPH", ("0", "1"), "0")
+_POWER = ("power", "KPROF_POWER", ("sustained", "loaded"), "sustained")  # kprof.runners.catalog.POWER_STATES
 
 
 def _from_env(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -64,13 +97,13 @@ def _from_env(name: str, allowed: tuple[str, ...], default: str) -> str:
 
 def _choice(setting: tuple, given: str | None) -> str:
     """An explicit value wins over the environment variable, which wins over the default."""
-    flag, env, allowed, default = setting
+    name, env, allowed, default = setting
     if given is None:
         return _from_env(env, allowed, default)
     value = given.strip().lower() if isinstance(given, str) else given
     if value not in allowed:
-        raise UsageError(f"{flag} {given!r} is not one of {', '.join(allowed)}; e.g. {flag} {default}, or omit "
-                         f"it to use ${env} (default {default})")
+        raise _refused(lambda arg: f"{arg(name, given, typed=True)} is not one of {', '.join(allowed)}; e.g. "
+                                   f"{arg(name, default)}, or omit it to use ${env} (default {default})")
     return value
 
 
@@ -78,8 +111,9 @@ def _graph(given: bool | None) -> bool:
     if given is None:
         return _choice(_GRAPH, None) == "1"
     if not isinstance(given, bool):  # a truthy string such as "0" must not silently select graphs
-        raise UsageError(f"--cuda-graph {given!r} is not a bool; pass --cuda-graph or --no-cuda-graph "
-                         f"(cuda_graph=True/False), or omit it to use $KPROF_CUDA_GRAPH (default 0)")
+        raise _refused(lambda arg: f"{arg('cuda_graph', given, typed=True)} is not a bool; pass "
+                                   f"{arg('cuda_graph', True)} or {arg('cuda_graph', False)}, or omit it to use "
+                                   f"$KPROF_CUDA_GRAPH (default 0)")
     return given
 
 
@@ -95,20 +129,20 @@ def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: 
     def plain(given: str) -> str:  # a value as typed: a CUDA-only or unknown one is refused with the CPU's reason
         return given.strip().lower() if isinstance(given, str) else given
 
-    asked = []
+    asked = []  # (setting, value)
     if timer is not None:  # no CUDA timer is the CPU's
-        asked.append(f"--timer {plain(timer)}")
+        asked.append(("timer", plain(timer)))
     if l2 is not None and plain(l2) != cpu_l2:
-        asked.append(f"--l2 {plain(l2)}")
+        asked.append(("l2", plain(l2)))
     if cuda_graph is not None and _graph(cuda_graph) != cpu_graph:
-        asked.append("--cuda-graph")
+        asked.append(("cuda_graph", cuda_graph))
     if power is not None and plain(power) != _POWER[3]:  # no heavy GEMMs heat a CPU before its calls
-        asked.append(f"--power {plain(power)}")
+        asked.append(("power", plain(power)))
     if asked:
-        flag = asked[0]
-        raise UsageError(f"{flag} applies to CUDA backends; {entry.backend} is timed by wall clock ({cpu_timer}, "
-                         f"L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls back to back); omit "
-                         f"{flag.split()[0]}, or pass a CUDA backend (see `kprof list`)")
+        name, value = asked[0]
+        raise _refused(lambda arg: f"{arg(name, value)} applies to CUDA backends; {entry.backend} is timed by wall "
+                                   f"clock ({cpu_timer}, L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls "
+                                   f"back to back); omit {arg(name)}, or pass a CUDA backend (see `kprof list`)")
 
 
 def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = None,

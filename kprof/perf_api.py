@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import threading
 from typing import Any, Callable
 
 from .api import check_gpu_key
-from .errors import SpecError, UsageError
+from .errors import SpecError
 from .ledger import Ledger, ledger_path
 from .ledger.view import Row, View
 from .method import effective_entry, resolve_gpu_key
@@ -50,10 +49,7 @@ def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | Non
              l2: str | None = None, cuda_graph: bool | None = None, power: str | None = None) -> View:
     """The cached read view of (table, backend, gpu_key) in the ledger at db ($KPROF_DB, ./profile.db), timed by
     `timer`/`l2`/`cuda_graph`/`power` (see `kprof.method.effective_entry`); gpu_key None: this machine's device."""
-    try:
-        entry = effective_entry(lookup(table, backend), timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
-    except UsageError as exc:
-        raise _in_python_words(exc) from None
+    entry = effective_entry(lookup(table, backend), timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     given = ledger_path(db)
     path = os.path.realpath(given)
     cached = (path, table, backend, gpu_key, entry.contract)  # gpu_key None: the view holds the key resolved once
@@ -66,33 +62,9 @@ def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | Non
             if path not in _ledgers:
                 identity = _identity(path)  # before opening: a file replaced meanwhile is opened again next time
                 _ledgers[path] = (Ledger.open(given, readonly=True), identity)
-            try:
-                key = resolve_gpu_key(entry, None) if gpu_key is None else check_gpu_key(gpu_key)
-            except UsageError as exc:
-                raise _in_python_words(exc) from None
+            key = resolve_gpu_key(entry, None, keyword="gpu_key") if gpu_key is None else check_gpu_key(gpu_key)
             view = _views[cached] = _ledgers[path][0].view(table, backend, key, entry.contract, entry.args)
     return view
-
-
-_FLAG = re.compile(r"--(no-cuda-graph|cuda-graph|gpu-name|timer|l2|power)\b( (?:'[^']*'|[\w.-]+)(?=[\s,;)]|$))?")
-_KEYWORD = {"gpu-name": "gpu_key", "timer": "timer", "l2": "l2", "power": "power"}
-
-
-def _in_python_words(exc: UsageError) -> UsageError:
-    """The shared method and GPU-key checks speak the verbs' flags; a Python caller passed keyword arguments, so
-    the message names those (`--timer x` -> `timer='x'`, `--gpu-name` -> `gpu_key`). The same error, reworded."""
-
-    def keyword(m: re.Match) -> str:
-        flag, value = m.group(1), (m.group(2) or "").strip()
-        if flag in ("cuda-graph", "no-cuda-graph"):  # a switch: a word after it is not its value
-            if value.startswith("'"):
-                return f"cuda_graph={value}"
-            return f"cuda_graph={flag == 'cuda-graph'}{m.group(2) or ''}"
-        value = value if value.startswith("'") or not value else repr(value)
-        return f"{_KEYWORD[flag]}={value}" if value else _KEYWORD[flag]
-
-    exc.args = (_FLAG.sub(keyword, str(exc)),) + exc.args[1:]
-    return exc
 
 
 def _drop(path: str) -> None:

@@ -83,7 +83,7 @@ def test_a_ledger_replaced_in_place_is_read_anew(db, tmp_path):
 
 def test_the_gpu_key_of_this_machine_is_resolved_once_per_view(db, monkeypatch):
     calls = []
-    monkeypatch.setattr(perf_api, "resolve_gpu_key", lambda entry, name: calls.append(name) or "Known CPU")
+    monkeypatch.setattr(perf_api, "resolve_gpu_key", lambda entry, name, **_: calls.append(name) or "Known CPU")
     for _ in range(3):
         assert perf_api.get_single_gemm(backend="torch-cpu", db=db, **SPEC) is not None
     assert calls == [None]

@@ -9,7 +9,7 @@ from cyclopts import App, Parameter
 from cyclopts.exceptions import CycloptsError
 
 from .. import __version__
-from ..errors import KprofError
+from ..errors import KprofError, SettingError
 
 __all__ = ["app", "main"]
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except KprofError as exc:
         from ._render import error
 
-        error(str(exc))
+        error(exc.cli if isinstance(exc, SettingError) else str(exc))
         return exc.exit_code
     except Exception as exc:
         if not _ledger_failure(exc):

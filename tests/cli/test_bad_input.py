@@ -291,7 +291,8 @@ def test_the_python_api_names_arguments_of_the_wrong_type(tmp_path, h, local_gpu
     h.append(db, h.make_event(SPEC, local_gpu))
     before = _files(tmp_path)
     for call in (api.query, api.count_missing, api.run):
-        with pytest.raises(UsageError, match=r"--gpu-name 3 is not a GPU key \(int\); pass it as a str"):
+        with pytest.raises(UsageError, match=r"^gpu_name=3 is not a GPU key \(int\); pass it as a str, e.g. "
+                                             r"gpu_name='NVIDIA H200'"):
             call(h.GEMM, h.CPU, [SPEC], gpu_name=3, db=db)
     with pytest.raises(UsageError, match="None is not a citation, event id or key; pass `kprof.<hex>`"):
         api.show(None, db=db)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kprof import api
 from kprof.api import effective_entry
 from kprof.cli import main
 from kprof.errors import UsageError
@@ -211,14 +212,41 @@ def test_the_api_passes_the_method_through(h):
     assert api.count_missing("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", timer="events").missing_count == 0
     row = api.query("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", timer="events").results[0]
     assert row["status"] == "ok" and row["provenance"]["timing"] == "events;l2=cold;eager"
-    with pytest.raises(UsageError, match="--cuda-graph '0' is not a bool"):
+    with pytest.raises(UsageError, match="^cuda_graph='0' is not a bool; pass cuda_graph=True or cuda_graph=False"):
         api.query("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", cuda_graph="0")
     h.append("p.db", _event_under(NORM, H200, power="loaded"))
     assert api.count_missing("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", power="loaded").missing_count == 0
     row = api.query("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", power="loaded").results[0]
     assert row["status"] == "ok" and row["provenance"]["timing"] == "cupti;l2=cold;eager;power=loaded"
-    with pytest.raises(UsageError, match="--power 'prefill' is not one of sustained, loaded"):
+    with pytest.raises(UsageError, match="^power='prefill' is not one of sustained, loaded; e.g. power='sustained'"):
         api.count_missing("rms_norm", "torch", [NORM], gpu_name=H200, db="p.db", power="prefill")
+
+
+def test_one_mistake_is_said_in_flags_to_the_verbs_and_in_keywords_to_python(tmp_path, monkeypatch, capsys, h):
+    """The verbs and the Python API share the method checks; each caller reads the names it typed."""
+    monkeypatch.chdir(tmp_path)
+    h.append("p.db", _event_under(NORM, H200))
+    for typed, python, cli in (
+            (dict(timer="nsys"), "timer='nsys' is not one of cupti, events; e.g. timer='cupti'",
+             "--timer 'nsys' is not one of cupti, events; e.g. --timer cupti"),
+            (dict(cuda_graph="yes"), "cuda_graph='yes' is not a bool; pass cuda_graph=True or cuda_graph=False",
+             None),
+            (dict(gpu_name=" "), "gpu_name is empty; pass the GPU key, e.g. gpu_name='NVIDIA H200'",
+             "--gpu-name is empty; pass the GPU key, e.g. --gpu-name 'NVIDIA H200'")):
+        args = {"gpu_name": H200, **typed}
+        with pytest.raises(UsageError) as caught:
+            api.count_missing("rms_norm", "torch", [NORM], db="p.db", **args)
+        assert str(caught.value).startswith(python) and "--" not in str(caught.value)
+        if cli is None:  # a switch on the command line: no value to mistype
+            continue
+        flag, value = next(iter(typed.items()))
+        argv = ["count-missing", "rms_norm", "--backend", "torch", *h.spec_args(NORM), "--db", "p.db",
+                "--gpu-name", H200] + ([f"--{flag.replace('_', '-')}", value] if flag != "gpu_name" else [])
+        if flag == "gpu_name":
+            argv[argv.index("--gpu-name") + 1] = value
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert cli in err and "=" not in err.split(";")[0], err
 
 
 BAD = [(["--timer", "nsys"], "--timer 'nsys' is not one of cupti, events; e.g. --timer cupti"),
@@ -429,3 +457,13 @@ def test_remeasure_measures_the_rows_of_the_power_state_given(h, capsys, monkeyp
     monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [])
     assert main(["audit", "--remeasure", "1", "--db", "p.db", "--power", "loaded"]) == 2
     assert "--power loaded re-measures CUDA rows and no CUDA GPU is visible" in capsys.readouterr().err
+
+
+def test_a_setting_error_keeps_both_wordings_across_processes():
+    import pickle
+
+    from kprof.errors import SettingError
+
+    exc = pickle.loads(pickle.dumps(SettingError("timer='x' is bad", cli="--timer 'x' is bad")))
+    assert (type(exc), str(exc), exc.cli, exc.exit_code) == (SettingError, "timer='x' is bad", "--timer 'x' is bad", 2)
+    assert SettingError("only one").cli == "only one"
