@@ -42,10 +42,10 @@ GpuName = Annotated[str | None, Parameter(name="--gpu-name", help="GPU key of th
                                           "never a device selector). Default: the local device's name.")]
 Table = Annotated[str, Parameter(help="The table, e.g. single_gemm (see `kprof list`).")]
 Backend = Annotated[str, Parameter(name="--backend", help="The backend, e.g. torch-cpu (see `kprof list`).")]
-Spec = Annotated[list[str] | None, Parameter(name="--spec", consume_multiple=False,
+Spec = Annotated[list[str] | None, Parameter(name="--spec", consume_multiple=False, metavar="JSON",
                                              help="One spec as a JSON object of the table's KernelArgs; repeatable.")]
 # allow_leading_hyphen: `--specs -` reaches the spec loader, which says stdin is not read (not "requires an argument").
-Specs = Annotated[str | None, Parameter(name="--specs", allow_leading_hyphen=True, help=(
+Specs = Annotated[str | None, Parameter(name="--specs", allow_leading_hyphen=True, metavar="FILE", help=(
     "A file of specs: a JSON object, a JSON list, {\"specs\": [...]}, or JSONL (a file: not stdin or a pipe)."))]
 OutputDir = Annotated[str | None, Parameter(name="--output-dir", help="Write request.json, results.json, "
                                             "curve.json, job.meta.json (and curve.png, with matplotlib) there, "

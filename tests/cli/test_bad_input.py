@@ -535,6 +535,11 @@ def test_export_and_measure_have_help_of_their_own(capsys):
     assert main(["measure", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "The one spec to measure" in out and "repeatable" not in out
+    assert "--spec JSON The one spec" in out and "STR..." not in out  # one JSON object, not several strings
+    for verb in ("run", "query", "count-missing"):
+        assert main([verb, "--help"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "--spec JSON One spec" in out and "--specs FILE" in out and "STR..." not in out, verb
 
 
 @pytest.mark.parametrize("argv, said", [
