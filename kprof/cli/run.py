@@ -86,8 +86,10 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         remote: Annotated[str | None, Parameter(help=(
             "Run on this remote of ./remote.yaml (Ray or Slurm; remote.example.yaml lists the fields): needs "
             "--output-dir, refuses --db; the rows merge into $KPROF_DB or ./profile.db."))] = None,
-        remote_set: Annotated[list[str] | None, Parameter(name="--remote-set", help=(
-            "KEY=VALUE changing the remote's settings for this call, e.g. launch.slurm.time=30."))] = None) -> int:
+        remote_set: Annotated[list[str] | None, Parameter(name="--remote-set", consume_multiple=False,
+                                                          metavar="KEY=VALUE", help=(
+            "Change one of the remote's settings for this call, e.g. launch.slurm.time=30; repeatable."))] = None
+        ) -> int:
     """Profile the specs that are missing (or all with --force / --fresh), then report every row."""
     started_at = _dt.datetime.now(_dt.timezone.utc)
     raw = read_specs(spec, specs)

@@ -23,3 +23,11 @@ def test_remote_set_without_remote_is_refused(capsys, tmp_path):
     assert main(["run", "single_gemm", "--backend", "torch-cpu", *SPEC, "--remote-set", "launch.slurm.time=5"]) == 2
     assert "--remote NAME" in capsys.readouterr().err
     assert not (tmp_path / "profile.db").exists()
+
+
+def test_remote_set_takes_one_value_so_the_table_after_it_is_the_table(capsys, tmp_path):
+    """--remote-set is repeatable, one KEY=VALUE each: a positional table after it is not swallowed as a second."""
+    assert main(["run", "--backend", "torch-cpu", "--remote-set", "launch.slurm.time=5", "single_gemm", *SPEC]) == 2
+    assert "error: --remote-set 'launch.slurm.time=5' changes a remote's settings; give --remote NAME" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "profile.db").exists()
