@@ -25,9 +25,13 @@ def test_remote_set_without_remote_is_refused(capsys, tmp_path):
     assert not (tmp_path / "profile.db").exists()
 
 
-def test_remote_set_takes_one_value_so_the_table_after_it_is_the_table(capsys, tmp_path):
-    """--remote-set is repeatable, one KEY=VALUE each: a positional table after it is not swallowed as a second."""
-    assert main(["run", "--backend", "torch-cpu", "--remote-set", "launch.slurm.time=5", "single_gemm", *SPEC]) == 2
+
+def test_remote_set_is_one_key_value_per_flag_in_help_and_use(capsys, tmp_path):
+    assert main(["run", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--remote-set KEY=VALUE Change one of the remote's settings" in out and "repeatable" in out
+    assert main(["run", "--backend", "torch-cpu", "--remote-set", "launch.slurm.time=5", "--remote-set",
+                 "launch.slurm.gpus=1", "single_gemm", *SPEC]) == 2
     assert "error: --remote-set 'launch.slurm.time=5' changes a remote's settings; give --remote NAME" in \
         capsys.readouterr().err
     assert not (tmp_path / "profile.db").exists()
