@@ -32,6 +32,11 @@ class Outcome(msgspec.Struct, frozen=True):
     timed_seconds: float  # of which inside the timed loop
 
 
+# How an allocation failure reads: CUDA's caching allocator, and torch's CPU allocator (a RuntimeError) where memory
+# is limited (a ulimit, a container, strict overcommit): "can't allocate memory", "not enough memory" before 2.x.
+_OOM_TEXT = ("out of memory", "can't allocate memory", "not enough memory")
+
+
 def classify(exc: BaseException) -> str:
     """The error kind of a failed measurement."""
     name = type(exc).__name__
@@ -41,7 +46,7 @@ def classify(exc: BaseException) -> str:
     if isinstance(exc, (Unsupported, NotImplementedError)) or "not implemented for" in text \
             or "not supported" in text:
         return "unsupported"
-    if name in ("OutOfMemoryError", "MemoryError") or "out of memory" in text:
+    if name in ("OutOfMemoryError", "MemoryError") or any(m in text for m in _OOM_TEXT):
         return "oom"
     if isinstance(exc, TimeoutError):
         return "timeout"

@@ -158,6 +158,13 @@ def test_classify():
     assert classify(RuntimeError('"addmm" not implemented for \'Half\'')) == "unsupported"
     assert classify(MemoryError()) == "oom"
     assert classify(RuntimeError("CUDA out of memory. Tried to allocate")) == "oom"
+    # torch's CPU allocator where memory is limited (ulimit, container): a RuntimeError, not an OutOfMemoryError
+    assert classify(RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                 "memory: you tried to allocate 8589934592 bytes. Error code 12")) == "oom"
+    assert classify(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 64 bytes.")) == "oom"
+    with pytest.raises(RuntimeError) as refused:  # the allocator's own refusal, as a limited host gives it
+        torch.empty(1 << 60, dtype=torch.uint8)
+    assert classify(refused.value) == "oom"
     assert classify(TimeoutError()) == "timeout"
     assert classify(ValueError("boom")) == "crash"
 
