@@ -98,18 +98,21 @@ def test_split_collectives_need_whole_parts_per_rank():
 
 # ---- the oracle, without processes -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("n, dtype", [(4, "fp32"), (8, "bf16"), (23, "fp16")])  # the last two: exact sums, at the edge
 @pytest.mark.parametrize("table", TABLES)
-def test_each_rank_oracle_accepts_the_collective_and_rejects_a_wrong_one(table, monkeypatch):
-    """Rank 1 of 4, with torch.distributed's call replaced by a stand-in that computes what the other ranks would
-    have sent (correct) or gets the chunk order or the sum wrong."""
+def test_each_rank_oracle_accepts_the_collective_and_rejects_a_wrong_one(table, n, dtype, monkeypatch):
+    """Rank 1 of n, with torch.distributed's call replaced by a stand-in that computes what the other ranks would
+    have sent (correct) or gets the chunk order or the sum wrong (rank 0's part missing: 1/36 of a bf16 sum over 8
+    ranks, under a rounding tolerance, caught because such sums are exact)."""
     import torch
     import torch.distributed as dist
 
-    n, rank = 4, 1
-    spec = msgspec.convert({"message_size_bytes": 4 * 4 * 6, "dtype": "fp32", "world_size": n},
+    from kprof.runners._args import DTYPE_BYTES
+
+    rank, c = 1, 6  # c: elements per rank's part
+    spec = msgspec.convert({"message_size_bytes": DTYPE_BYTES[dtype] * n * c, "dtype": dtype, "world_size": n},
                            comm.COLLECTIVES[table].args)
-    c = 6  # elements per rank's part
-    ranks_in = [torch.tensor([(r + 1) * ((i % 7) + 1) for i in range(4 * c)], dtype=torch.float32) for r in range(n)]
+    ranks_in = [torch.tensor([(r + 1) * ((i % 7) + 1) for i in range(n * c)], dtype=torch.float32) for r in range(n)]
 
     def right(*args):
         if table == "all_reduce":
