@@ -18,7 +18,7 @@ import msgspec
 
 from ..errors import KprofError
 
-__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_close", "torch_dtype", "bind", "algorithm_notes"]
+__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_close", "check_rows", "torch_dtype", "bind", "algorithm_notes"]
 
 
 class WrongResult(KprofError):
@@ -70,6 +70,7 @@ def torch_dtype(name: str):
 
 # Relative Frobenius-norm error allowed against an fp64 oracle, by the kernel's dtype. Loose enough for
 # the dtype's rounding over long reductions, tight enough that a wrong layout or scale cannot pass.
+CHECK_ELEMENTS = 1 << 22  # elements of an oracle's operand checked at once (fp64: 32 MiB per temporary)
 TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 2e-2, "fp8_e4m3": 8e-2}
 
 
@@ -83,6 +84,15 @@ def check_close(got, ref, dtype: str, what: str) -> None:
     if err > TOLERANCE[dtype]:
         raise WrongResult(f"{what}: relative error {err:.3g} against the fp64 oracle exceeds {TOLERANCE[dtype]} "
                           f"for {dtype}")
+
+
+def check_rows(got, ref_of, dtype: str, what: str) -> None:
+    """check_close over blocks of `got`'s rows, each against `ref_of(start, end)`, the fp64 oracle of those rows: the
+    oracle's fp64 temporaries stay within CHECK_ELEMENTS whatever the spec's size (whole, a large norm's are several
+    times its input: an allocation past the host's memory, which the OOM killer answers, on the CPU)."""
+    step = max(1, CHECK_ELEMENTS // max(1, got[0].numel()))
+    for start in range(0, got.shape[0], step):
+        check_close(got[start:start + step], ref_of(start, start + step), dtype, what)
 
 
 def algorithm_notes(case) -> dict[str, str]:

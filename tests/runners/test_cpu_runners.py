@@ -414,3 +414,62 @@ def test_a_cpu_row_carries_the_hosts_load_and_says_when_other_work_shared_the_co
         assert notes["host_load_1m"] == f"{load:.2f}"
         assert ("host_busy" in notes) is busy and (not busy or notes["host_busy"] == "load 7.25 over 2 cores: other "
                                                    "work shared them")
+
+
+@pytest.mark.parametrize("entry", CPU, ids=IDS)
+def test_a_wrong_last_row_fails_the_check_when_the_oracle_works_in_blocks(entry, monkeypatch):
+    """The oracles work in blocks (of rows, or of GEMM's k) within CHECK_ELEMENTS: a kernel wrong only in its output's
+    last row (a tail bug) still fails, in whatever block holds it."""
+    import kprof.runners._case as case_module
+    import kprof.runners.gemm as gemm
+
+    monkeypatch.setattr(case_module, "CHECK_ELEMENTS", 64)
+    monkeypatch.setattr(gemm, "CHECK_ELEMENTS", 64)
+    _spec_, case = _case(entry, "fp32")
+    case.check()  # right, block by block
+    module, name = CALLABLE[entry.table]
+    real = getattr(module, name)
+
+    def tail_bug(*a, **kw):
+        out = real(*a, **kw)
+        out.view(-1, out.shape[-1])[-1].mul_(1.5)  # in place, as above
+        return out
+
+    monkeypatch.setattr(module, name, tail_bug)
+    with pytest.raises(WrongResult, match="relative error"):
+        case.check()
+
+
+_ORACLE_PEAK = """
+import json, resource, sys
+import msgspec, torch
+from kprof.runners.registry import lookup
+torch.set_num_threads(1)
+entry = lookup(sys.argv[1], "torch-cpu")
+case = entry.load_runner()().build(msgspec.convert(json.loads(sys.argv[2]), entry.args), "cpu")
+case.fn()  # the kernel's own allocations, before the peak is read
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+case.check()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.parametrize("table, spec", [
+    # the fp64 scores of every query were [seq_len, seq_len]: 512 MiB per pair here, 8 GiB at 32k tokens
+    ("attention_prefill", {"batch": 1, "seq_len": 8192, "num_heads": 1, "num_kv_heads": 1, "head_dim": 16,
+                           "causal": True, "dtype": "fp32"}),
+    # the whole input in fp64, and its temporaries: 4x to 10x the input
+    ("rms_norm", {"tokens": 4096, "hidden": 8192, "dtype": "bf16"}),
+    ("silu_mul", {"tokens": 4096, "hidden": 4096, "dtype": "bf16"}),
+    ("single_gemm", {"m": 16, "n": 10240, "k": 10240, "dtype": "fp32"}),  # B in fp64: twice B, 4x a bf16 B
+])
+def test_the_oracle_checks_a_large_spec_in_bounded_memory(table, spec):
+    """On the CPU an allocation past the host's memory is answered by the OOM killer, with no row and no message:
+    the oracle's own temporaries must not grow with the spec (the growth of a fresh process's peak resident memory
+    over the build's peak, in bytes)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ORACLE_PEAK, table, msgspec.json.encode(spec).decode()],
+                          capture_output=True, text=True, check=True)
+    assert int(done.stdout) < 200 * 2**20, (table, int(done.stdout) / 2**20)
