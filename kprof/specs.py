@@ -278,7 +278,8 @@ class ShapeCodec:
                              index=index, field=name, value=spec.get(name))
         if text.startswith("Object missing required field"):
             name = text.split("`")[1]
-            return SpecError(f'field "{name}" is missing; a {self.name} spec needs '
+            article = "an" if self.name[:1] in "aeiou" else "a"  # an all_reduce spec, a single_gemm spec
+            return SpecError(f'field "{name}" is missing; {article} {self.name} spec needs '
                              f'{self._table_fields()}', index=index, field=name)
         if not name:  # a rule across fields (from __post_init__)
             return SpecError(f"{text}; fix the values", index=index)

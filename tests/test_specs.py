@@ -359,3 +359,14 @@ def test_strict_reading_keeps_the_canonical_keys_of_valid_specs():
     for spec in (A, B, C, dict(reversed(A.items()))):
         assert strict.key(spec) == loose.key(spec) == loose.key({**spec, "m": float(spec["m"])})
         assert validate(entry.args, [spec]) == [{f: spec[f] for f in ("m", "n", "k", "dtype")}]
+
+
+def test_a_missing_field_names_the_table_with_its_article():
+    from kprof.errors import SpecError
+    from kprof.runners.registry import lookup
+    from kprof.specs import validate
+
+    for table, backend, article in (("all_reduce", "gloo", "an"), ("single_gemm", "torch-cpu", "a")):
+        entry = lookup(table, backend)
+        with pytest.raises(SpecError, match=f"is missing; {article} {table} spec needs"):
+            validate(entry.args, [{}], entry.table)
