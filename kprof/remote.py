@@ -32,6 +32,7 @@ from .runners import remote as _remotes
 from .merge import segment
 from .runners.chunk import Chunk
 from .runners.claims import Claims
+from .runners.devices import need_of
 from .runners.registry import lookup
 from .runners.fill import WAIT_S, _still_wanted, to_measure
 from .runners.remote_config import CONFIG, load_remote
@@ -163,7 +164,8 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
 
     if todo and mode != "fresh":
         Claims(db, "check").check()  # a claims directory it cannot use: refused before a ledger or a job is made
-    executor = _remotes.executor_for(target, entry.device, output_dir) if todo else None
+    need = max((need_of(entry, canonical[i]) for i in todo), default=1)  # a Slurm job (Ray task) asks for that many
+    executor = _remotes.executor_for(target, entry.device, output_dir, need) if todo else None
     try:
         n = max(1, min(executor.workers(), len(todo))) if executor is not None else 0  # may refuse: nothing written
     except BaseException:

@@ -64,21 +64,31 @@ def _ray_chunk(data: bytes) -> tuple[bytes, dict]:
 
 # ---- executors --------------------------------------------------------------------------------------------------
 
-def _gpus(settings_value: int | None, device: str) -> int:
-    return settings_value if settings_value is not None else (1 if device == "cuda" else 0)
+def _gpus(remote: Remote, field: str, device: str, need: int) -> int:
+    """The GPUs a chunk asks for: the field's value, else what the specs need (`need`: the most one spec of the run
+    needs, a collective's world_size; 0 for CPU backends). A CUDA value below `need` is refused: every chunk asking
+    for fewer GPUs than its spec measures on would fail it with `need N idle GPU(s), found M`."""
+    settings = remote.ray if field.startswith("launch.ray") else remote.slurm
+    value = getattr(settings, field.rsplit(".", 1)[1])
+    if device != "cuda":
+        return value if value is not None else 0
+    if value is None:
+        return need
+    if value < need:
+        raise UsageError(f"{where(remote.path, remote.name, field)} is {value} and a spec of this run needs {need} "
+                         f"GPU(s); set it to {need} or leave it out (a chunk then asks for the GPUs "
+                         f"its specs need)")
+    return value
 
 
 class RayExecutor:
     """Chunks as Ray tasks, each on a GPU (gpus_per_worker each) or a CPU slot (CPU backends)."""
 
-    def __init__(self, remote: Remote, device: str):
+    def __init__(self, remote: Remote, device: str, need: int = 1):
         import ray
 
         self.remote, self.settings, self._ray = remote, remote.ray, ray
-        self.gpus = _gpus(self.settings.gpus_per_worker, device)
-        if device == "cuda" and self.gpus == 0:
-            raise UsageError(f"{where(remote.path, remote.name, 'launch.ray.gpus_per_worker')} is 0 and the backend "
-                             f"measures on a CUDA GPU; set it to 1")
+        self.gpus = _gpus(remote, "launch.ray.gpus_per_worker", device, need)
         self.owned = not ray.is_initialized()  # a connection made here is closed here; one made before is reused
         if self.owned:
             address = self.settings.address
@@ -145,15 +155,12 @@ class SlurmExecutor:
 
     POLL_S = 1.0  # submitit's Slurm watcher rate-limits its sacct calls itself
 
-    def __init__(self, remote: Remote, device: str, output_dir: str):
+    def __init__(self, remote: Remote, device: str, output_dir: str, need: int = 1):
         import submitit
 
         self.remote, self.settings, self._submitit = remote, remote.slurm, submitit
         s = self.settings
-        self.gpus = _gpus(s.gpus_per_node, device)
-        if device == "cuda" and self.gpus == 0:
-            raise UsageError(f"{where(remote.path, remote.name, 'launch.slurm.gpus_per_node')} is 0 and the "
-                             f"backend measures on a CUDA GPU; set it to 1")
+        self.gpus = _gpus(remote, "launch.slurm.gpus_per_node", device, need)
         self.folder = s.folder or os.path.join(output_dir, "submitit")
         try:
             self.executor = submitit.AutoExecutor(folder=self.folder, cluster=s.cluster)
@@ -216,12 +223,13 @@ def _placement(infos: dict[int, dict]) -> dict:
             "gpus": [{"chunk": i, **info} for i, info in sorted(infos.items())]}
 
 
-def executor_for(remote: Remote, device: str, output_dir: str):
-    """The executor of the remote's kind, connected (a Ray cluster joined or started; submitit configured)."""
+def executor_for(remote: Remote, device: str, output_dir: str, need: int = 1):
+    """The executor of the remote's kind, connected (a Ray cluster joined or started; submitit configured). `need`:
+    the most GPUs one spec of the run needs (a collective's world_size), what each chunk asks for by default."""
     if remote.kind == "ray":
         if remote.ray is None:
             raise UsageError(f"{where(remote.path, remote.name, 'launch.ray')} is missing; add it ({EXAMPLE})")
-        return RayExecutor(remote, device)
+        return RayExecutor(remote, device, need)
     if remote.slurm is None:
         raise UsageError(f"{where(remote.path, remote.name, 'launch.slurm')} is missing; add it ({EXAMPLE})")
-    return SlurmExecutor(remote, device, output_dir)
+    return SlurmExecutor(remote, device, output_dir, need)

@@ -25,14 +25,14 @@ EXAMPLE = "remote.example.yaml lists every field"
 class RaySettings(msgspec.Struct, frozen=True):
     address: str  # "local" (start a cluster here), "auto" (the running one), or "ray://host:10001"
     num_cpus: int | None = None  # only with "local"
-    gpus_per_worker: int | None = None  # None: 1 for CUDA backends, 0 for CPU ones
+    gpus_per_worker: int | None = None  # None: what the specs need (CUDA), 0 (CPU)
     runtime_env: dict = {}
 
 
 class SlurmSettings(msgspec.Struct, frozen=True):
     time: int  # minutes per job
     partition: str | None = None  # required with cluster "slurm"
-    gpus_per_node: int | None = None  # GPUs each job asks for; None: 1 for CUDA backends, 0 for CPU ones
+    gpus_per_node: int | None = None  # GPUs each job asks for; None: what the specs need (CUDA), 0 (CPU)
     account: str | None = None
     folder: str | None = None  # submitit's logs and pickles; default OUTPUT_DIR/submitit
     cluster: str = "slurm"  # slurm | local (submitit's LocalExecutor) | debug (in this process)

@@ -104,8 +104,8 @@ def test_a_conflict_merges_nothing_of_its_segment_and_exits_3(ray_cluster, remot
     remote_yaml(RAY)
     real = remote_module.executor_for
 
-    def racing(remote, device, output_dir):
-        executor = real(remote, device, output_dir)
+    def racing(remote, device, output_dir, need):
+        executor = real(remote, device, output_dir, need)
         submit = executor.submit
 
         def submit_while_the_ledger_changes(chunks, first=0):
@@ -189,7 +189,7 @@ class _InProcess:
 
 
 def _in_process(monkeypatch, executor):
-    monkeypatch.setattr(remote_module, "executor_for", lambda remote, device, output_dir: executor)
+    monkeypatch.setattr(remote_module, "executor_for", lambda remote, device, output_dir, need: executor)
 
 
 def _other_segment() -> bytes:
