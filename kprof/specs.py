@@ -142,7 +142,12 @@ def parse_specs_file(path: str) -> list[Any]:
         if len(lines) < 2:
             raise SpecError(f"--specs {path} is not valid JSON or JSONL ({exc}); fix the file") from None
         doc = [_decode(ln, f"--specs {path} line {n + 1}", n) for n, ln in enumerate(lines)]
-    if isinstance(doc, dict) and set(doc) == {"specs"}:
+    if isinstance(doc, dict) and isinstance(doc.get("specs"), list):
+        extra = sorted(set(doc) - {"specs"})
+        if extra:  # read as one spec, it would be refused for its field "specs", which is not the mistake
+            fix = "pass --backend instead" if "backend" in extra else "remove it; the specs are the list alone"
+            raise SpecError(f'--specs {path}: a {{"specs": [...]}} document holds only "specs", and it also has '
+                            f'"{extra[0]}"; {fix}', field=extra[0])
         doc = doc["specs"]
     if isinstance(doc, dict):
         doc = [doc]

@@ -615,3 +615,16 @@ def test_a_claims_directory_a_run_cannot_use_is_refused_before_a_ledger_is_made(
         needle = "p.db-claims/lock is a directory; fix or remove p.db-claims/lock"
     refused(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(SPEC), "--db", "p.db"], needle)
     assert not os.path.exists(tmp_path / "p.db") and not os.path.exists(tmp_path / "p.db-lock")
+
+
+@pytest.mark.parametrize("extra, said", [({"backend": "torch-cpu"}, '"backend"; pass --backend instead'),
+                                         ({"table": "single_gemm"}, '"table"; remove it; the specs are the list')])
+@pytest.mark.parametrize("verb", ["run", "query"])
+def test_a_specs_document_with_keys_beside_specs_names_them(verb, extra, said, tmp_path, capsys, h):
+    """{"specs": [...], "backend": ...} was read as one spec and refused for its field "specs", the one key that
+    is right."""
+    (tmp_path / "specs.json").write_text(json.dumps({"specs": [SPEC], **extra}))
+    assert main([verb, h.GEMM, "--backend", h.CPU, "--specs", "specs.json", "--db", "p.db"]) == 2
+    err = capsys.readouterr().err
+    assert f'--specs specs.json: a {{"specs": [...]}} document holds only "specs", and it also has {said}' in err
+    assert os.listdir(tmp_path) == ["specs.json"]
