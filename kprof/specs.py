@@ -183,6 +183,18 @@ def read_specs(spec: list[str] | None, specs: str | None) -> list[Any]:
     return parse_spec_texts(spec) if spec else parse_specs_file(specs)
 
 
+def _scalar(value):
+    """A numpy (or other array library's) scalar as the Python value it holds (`.item()`): a simulator's specs often
+    come from arrays, and np.int64 is no int to msgspec, while np.float64 is a float that strict reading must refuse
+    for an int field as it refuses 64.0. Any other value as it is."""
+    if type(value) in (int, float, str, bool) or not callable(getattr(value, "item", None)):
+        return value
+    try:
+        return value.item()
+    except (TypeError, ValueError):  # not one value (an array of several): msgspec names its type
+        return value
+
+
 class ShapeCodec:
     """Validates specs against one KernelArgs Struct and makes their canonical shapes (the key's last part).
 
@@ -235,11 +247,11 @@ class ShapeCodec:
     def _slow_to_shape(self, spec, index):
         if not isinstance(spec, Mapping):
             raise SpecError(f"expected a JSON object of {self._table_fields()}, got {type(spec).__name__}", index=index)
-        fixed = dict(spec)
+        fixed = {name: _scalar(value) for name, value in spec.items()}  # np.int64(64) is 64, np.float64(64.0) a float
         for name in self._int_fields & fixed.keys():
             value = fixed[name]
             if self.strict and type(value) in (float, bool):
-                raise self._not_an_int(name, value, index)
+                raise self._not_an_int(name, value, index, given=spec[name])
             if isinstance(value, float) and math.isfinite(value) and value.is_integer():
                 fixed[name] = int(value)
         try:
@@ -261,15 +273,16 @@ class ShapeCodec:
         return ((t.gt is None or value > t.gt) and (t.ge is None or value >= t.ge) and (t.lt is None or value < t.lt)
                 and (t.le is None or value <= t.le))
 
-    def _not_an_int(self, name: str, value, index) -> SpecError:
-        """A float or bool given for an int field (strict): named as JSON wrote it, with the int meant."""
+    def _not_an_int(self, name: str, value, index, given=None) -> SpecError:
+        """A float or bool given for an int field (strict): named as JSON wrote it, with the int meant; the error's
+        `value` is the one `given` (a numpy scalar, where one was)."""
         kind = "bool" if type(value) is bool else "float"
         example = ""
         if kind == "float" and math.isfinite(value) and value.is_integer() and self._in_bounds(name, int(value)):
             example = f', e.g. "{name}": {int(value)}'
         shown = msgspec.json.encode(value).decode() if math.isfinite(value) else repr(value)
         return SpecError(f'field "{name}" = {shown} is a {kind}; {self._int_fix(name)}{example}', index=index,
-                         field=name, value=value)
+                         field=name, value=value if given is None else given)
 
     def _explain(self, exc: msgspec.ValidationError, spec: dict, index) -> SpecError:
         text = str(exc)

@@ -370,3 +370,28 @@ def test_a_missing_field_names_the_table_with_its_article():
         entry = lookup(table, backend)
         with pytest.raises(SpecError, match=f"is missing; {article} {table} spec needs"):
             validate(entry.args, [{}], entry.table)
+
+
+def test_numpy_scalars_read_as_the_python_values_they_hold(empty_db):
+    """A simulator's specs often come from arrays: np.int64(32) is the int 32 (the same key), np.bool_ a bool, and
+    np.float64(32.0), a float subclass, is refused for an int field as 32.0 is."""
+    np = pytest.importorskip("numpy")
+    from kprof import api
+    from kprof.errors import SpecError
+    from kprof.ledger import KeyMaker, ShapeCodec
+    from kprof.runners.registry import lookup
+    from kprof.specs import validate
+
+    entry = lookup("single_gemm", "torch-cpu")
+    keys = KeyMaker(entry.table, entry.backend, "gpu", entry.contract, ShapeCodec(entry.args, strict=True))
+    arrayed = {"m": np.int64(32), "n": np.int32(48), "k": np.uint16(64), "dtype": np.str_("fp32")}
+    assert keys.key(arrayed) == keys.key(A)
+    assert validate(entry.args, [arrayed]) == [A]
+    assert api.count_missing("single_gemm", "torch-cpu", [arrayed], db=empty_db).missing == [A]
+    prefill = lookup("attention_prefill", "torch-cpu")
+    assert validate(prefill.args, [{**PREFILL, "causal": np.True_}]) == [PREFILL]
+    for value, needle in ((np.float64(32.0), 'field "m" = 32.0 is a float'), (np.True_, 'field "m" = true is a bool')):
+        with pytest.raises(SpecError, match=needle) as info:
+            api.query("single_gemm", "torch-cpu", [A, {**A, "m": value}], db=empty_db)
+        assert (info.value.index, info.value.field, info.value.value) == (1, "m", value)
+        assert type(info.value.value) is type(value)
