@@ -11,8 +11,9 @@ ledger has never held a row of that table/backend raises UnknownGpuKeyError (exi
 (every spec, under a GPU key not yet measured). Both read the rows of one timing method: `timer`, `l2`,
 `cuda_graph` and `power` choose it as in `kprof.api` (each defaulting to its KPROF_* variable; see
 `kprof.method.effective_entry`). Ledgers and views are opened once per (db, table, backend, gpu_key, method) and
-reused while the same file is at the path (a file replaced there is opened again); a lookup costs one key hash and
-one B-tree read. The ledgers are closed at exit. Nothing here imports torch, cupti or pynvml.
+reused while the same file is at the path (a file replaced there is opened again, as is an older-format file, read
+from an upgraded copy, once a writer has written it); a lookup costs one key hash and one B-tree read. The ledgers
+are closed at exit. Nothing here imports torch, cupti or pynvml.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .runners.registry import entries, lookup
 __all__: list[str] = ["view_for", "close_all"]
 
 _lock = threading.Lock()
-_ledgers: dict[str, tuple[Ledger, tuple]] = {}  # realpath -> (ledger, (st_dev, st_ino) of the file it opened)
+_ledgers: dict[str, tuple[Ledger, tuple]] = {}  # realpath -> (ledger, _identity of the file it opened)
 _views: dict[tuple, View] = {}
 _ARGUMENTS = ("backend", "gpu_key", "db", "timer", "l2", "cuda_graph", "power")
 
@@ -42,7 +43,15 @@ def _identity(path: str) -> tuple:
         st = os.stat(path)
     except OSError:
         return ()
-    return st.st_dev, st.st_ino
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _stands(path: str, ledger: Ledger, identity: tuple) -> bool:
+    """Whether a cached ledger still reads the file at `path`: the same file (not replaced in place), and where it
+    reads an upgraded copy of an older-format file (which holds the file as it was when opened), one not written
+    since (a writer upgrades the file in place, then appends)."""
+    now = _identity(path)
+    return now == identity if ledger.real_path != path else now[:2] == identity[:2]
 
 
 def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | None = None, *, timer: str | None = None,
@@ -55,8 +64,13 @@ def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | Non
     cached = (path, table, backend, gpu_key, entry.contract)  # gpu_key None: the view holds the key resolved once
     with _lock:
         held = _ledgers.get(path)
-        if held is not None and held[1] != _identity(path):  # replaced in place: read the file there now
+        if held is not None and not _stands(path, *held):  # replaced in place, or an older file written: read it now
+            identity = _identity(path)
+            # Opened before the earlier file is closed: the open refuses while a read of this process (another
+            # thread's) is in that file, which closing it would end under the read; otherwise the open closes it.
+            fresh = Ledger.open(given, readonly=True)
             _drop(path)
+            _ledgers[path] = (fresh, identity)
         view = _views.get(cached)
         if view is None:
             if path not in _ledgers:

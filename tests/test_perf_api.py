@@ -4,6 +4,10 @@ the views it caches read the rows of the timing method asked for, of the file no
 import os
 import subprocess
 import sys
+import threading
+
+import lmdb
+import msgspec
 
 import pytest
 
@@ -79,6 +83,51 @@ def test_a_ledger_replaced_in_place_is_read_anew(db, tmp_path):
     os.replace(_write(str(tmp_path / "new.db"), 0.5), db)
     assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC).metrics["time_ms"] == 0.5
     assert perf_api.count_single_gemm([SPEC], backend="torch-cpu", gpu_key="Known CPU", db=db) == 0
+
+
+def test_a_replacement_met_while_another_thread_reads_the_earlier_file_leaves_that_read_whole(db, tmp_path):
+    """Reopening a replaced file must not close the earlier one under another thread's read (its rows would read as
+    a damaged ledger): the call that finds it replaced is refused, and once that read ends the new file is read."""
+    view = perf_api.view_for("single_gemm", "torch-cpu", "Known CPU", db)
+    rows, read, replaced, got = view.rows(), threading.Event(), threading.Event(), []
+
+    def reader():
+        got.append(next(rows))
+        read.set()
+        replaced.wait()
+        got.extend(rows)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    read.wait()
+    os.replace(_write(str(tmp_path / "new.db"), 0.5), db)
+    try:
+        with pytest.raises(LedgerError, match="was replaced while this process reads the earlier file"):
+            perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC)
+    finally:
+        replaced.set()
+        thread.join()
+    assert [row.metrics["time_ms"] for row in got] == [0.1]
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC).metrics["time_ms"] == 0.5
+
+
+def test_an_older_format_ledger_written_since_it_was_read_is_read_anew(db):
+    """A reader of an older-format file reads an upgraded copy, the file as it was: once a writer has upgraded the
+    file and added rows, the next call reads them (a simulator's process outlives many runs)."""
+    env = lmdb.open(db, subdir=False, max_dbs=16)
+    with env.begin(write=True) as txn:  # the file now says it is of the previous format (its views rebuild alike)
+        txn.put(b"format_version", msgspec.msgpack.encode(3), db=env.open_db(b"meta", txn=txn, create=False))
+    env.close()
+    others = [{**SPEC, "m": m} for m in range(64, 264)]
+    assert perf_api.count_single_gemm([SPEC, *others], backend="torch-cpu", gpu_key="Known CPU", db=db) == 200
+    entry = effective_entry(lookup("single_gemm", "torch-cpu"))
+    keys = KeyMaker(entry.table, entry.backend, "Known CPU", entry.contract, ShapeCodec(entry.args))
+    stats = Stats(n=3, median=0.2, p10=0.2, p90=0.2, mean=0.2, stdev=0.0, cv=0.0, min=0.2, max=0.2)
+    with Ledger.open(db) as led:  # a writer: upgrades the file in place, then appends
+        led.append([measured(keys.provenance(s), {"time_ms": 0.2}, stats, Method(timer="cpu")) for s in others])
+    assert perf_api.count_single_gemm([SPEC, *others], backend="torch-cpu", gpu_key="Known CPU", db=db) == 0
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **others[0]).metrics == {
+        "time_ms": 0.2}
 
 
 def test_the_gpu_key_of_this_machine_is_resolved_once_per_view(db, monkeypatch):
