@@ -54,6 +54,19 @@ def _change_map(env: lmdb.Environment, path: str, size: int) -> None:
     env.set_mapsize(size)
 
 
+def _begin(env: lmdb.Environment, path: str) -> lmdb.Transaction:
+    """A read, in the map size another process grew the map to; with no reader slot left, dead readers' are freed."""
+    while True:
+        try:
+            return env.begin()
+        except lmdb.MapResizedError:
+            _change_map(env, path, 0)
+        except lmdb.ReadersFullError:
+            if not env.reader_check():
+                raise LedgerError(f"ledger {path} has {env.max_readers()} reads open at once, over every process, "
+                                  f"LMDB's most; end some (read from fewer threads or processes)") from None
+
+
 def _write_txn(env: lmdb.Environment, path: str, fn):
     """fn(txn) in one write transaction, retried after growing a full map or adopting another process's size."""
     while True:

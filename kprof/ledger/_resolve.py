@@ -49,11 +49,8 @@ def resolve(ledger, ref: str) -> Resolved:
             raise UsageError(f"{ref!r} is ambiguous in {path}; give more hex digits")
         kind, raw = found[0]
         with _verify.reading(path, "events"):
-            if kind == "event":
-                event = _verify.event(path, raw, txn.get(raw, db=dbs["events"]))
-                key, eid = event.key, raw
-            else:
-                key, eid = raw, None
+            event = _verify.event(path, raw, txn.get(raw, db=dbs["events"])) if kind == "event" else None
+            key, eid = (raw, None) if event is None else (event.key, raw)
             with _verify.reading(path, "history"):
                 seqs = ledger.history_of(txn, key)
             history = [(seq, hid, _verify.event(path, hid, txn.get(hid, db=dbs["events"]), key))
@@ -67,8 +64,7 @@ def _check_neighbours(txn, db, path: str, prefix_hex: str) -> None:
     """Where no event id has the prefix, the ids either side must hash from their bytes: an id damaged in place
     would otherwise read as "no such event"."""
     even = prefix_hex[: len(prefix_hex) // 2 * 2]
-    cursor = txn.cursor(db)
-    items = []
+    cursor, items = txn.cursor(db), []
     if cursor.set_range(bytes.fromhex(even)):
         items.append(cursor.item())
         if cursor.prev():

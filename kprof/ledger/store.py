@@ -20,8 +20,8 @@ import msgspec
 
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
-from ._env import (CREATE_WAIT_S, _FORK_FIX, _change_map, _check_file, _envs, _identity, _inherited, _live,
-                   _read_only_file, _reads, _release, _write_txn)
+from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identity, _inherited, _live, _read_only_file,
+                   _reads, _release, _write_txn)
 from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
 from ._path import _recognize, _without_lock, default_path, ledger_path
@@ -166,7 +166,7 @@ class Ledger:
     def _initialize(path: str, env: lmdb.Environment, readonly: bool) -> bool:
         """Makes a new file a ledger, upgrades an older one (writers); False for a reader of an older file."""
         if readonly:
-            with env.begin() as txn:  # not a write transaction: a reader of a current file never waits for a writer
+            with _begin(env, path) as txn:  # a read: a reader of a current file never waits for a writer
                 found = _version(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
             # an older file is read from an upgraded copy (`_reading_copy`): a reader never writes the file
             return found is None or not 1 <= found < _codec.FORMAT_VERSION
@@ -222,12 +222,7 @@ class Ledger:
         """A consistent snapshot for as long as the block lasts, of the file now at the path (see _check_file)."""
         self._guard()
         _check_file(self.path, self.real_path, self._entry)
-        while True:
-            try:
-                txn = self.env.begin(buffers=False)
-                break
-            except lmdb.MapResizedError:
-                _change_map(self.env, self.path, 0)  # another process grew the map: adopt its size
+        txn = _begin(self.env, self.path)
         _reads[id(txn)] = (self.env, txn, threading.get_ident())
         try:
             yield txn
@@ -260,8 +255,7 @@ class Ledger:
     def append(self, events: Iterable) -> AppendResult:
         """Appends a batch atomically, skipping events already present. A batch with a key that its provenance does
         not hash to is refused whole, before anything is written."""
-        prepared = self._prepare(events)
-        return self.write(lambda txn: append_events(txn, self.dbs, prepared))
+        return self.append_checked(self._prepare(events))
 
     def append_batches(self, batches: Iterable[Iterable]) -> list[AppendResult]:
         """`append` per batch, each in its own transaction, in order; one AppendResult per batch. A refused batch
@@ -296,9 +290,8 @@ class Ledger:
 
     def history_of(self, txn, key: bytes) -> list[tuple[int, bytes]]:
         """(seq, event id) of every event of a key, oldest first."""
-        log = self.dbs["log"]
         entry = history_entry(key, txn.get(key, db=self.dbs["history"]))
-        return [(seq, txn.get(pack_seq(seq), db=log)) for seq in entry.seqs]
+        return [(seq, txn.get(pack_seq(seq), db=self.dbs["log"])) for seq in entry.seqs]
 
     def iter_log(self, txn=None) -> Iterator[tuple[int, bytes, bytes]]:
         """(seq, event id, event bytes) in log order, from one snapshot."""

@@ -111,8 +111,7 @@ class View:
             unknown = row.status == "missing" and self._entry(txn) is None
         if unknown:
             with _verify.reading(self.ledger.path, "scopes"):
-                known = sorted((g, rows) for t, b, g, rows in self.ledger.scopes()
-                               if (t, b) == (self.table, self.backend))
+                known = sorted((g, n) for t, b, g, n in self.ledger.scopes() if (t, b) == (self.table, self.backend))
             raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, known)
         return row if row.status == "ok" else None
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kprof.errors import LedgerError
 from kprof.ledger import Ledger, _codec
 from kprof import synth
 from kprof.ledger.audit import audit
@@ -437,3 +438,31 @@ def test_a_forked_child_is_told_to_use_a_spawned_process(tmp_path):
     reopened = result["child"]["reopened"]
     assert reopened["raised"] == "LedgerError", reopened
     assert "forked child" in reopened["message"] and "spawn" in reopened["message"]
+
+
+# ---- 6. reader slots ------------------------------------------------------------------------------------
+
+
+def test_reader_slots_of_processes_killed_reading_are_freed_and_a_full_table_is_named(tmp_path):
+    """Each read open, in any process, holds a slot of the lock file's reader table. A process killed while reading
+    leaves its slots behind while the file stays open elsewhere: a read that finds none left frees those first. Where
+    the reads are alive, the read is refused as a usage error, never taken for a damaged ledger."""
+    path = _new_ledger(tmp_path / "slots.db", 10)
+    with Ledger.open(path, readonly=True) as ledger:  # keeps the lock file's table as it is, for the processes after
+        slots = ledger.env.max_readers()
+        hog = ("import lmdb, os, signal, sys\n"
+               "env = lmdb.open(sys.argv[1], subdir=False, readonly=True, max_dbs=16, max_readers=int(sys.argv[2]))\n"
+               "held = [env.begin() for _ in range(int(sys.argv[2]))]\n"
+               "os.kill(os.getpid(), signal.SIGKILL)\n")
+        done = subprocess.run([*PY, "-c", hog, str(path), str(slots)], env=_env(), capture_output=True, timeout=120)
+        assert done.returncode == -signal.SIGKILL, done.stderr
+        view = synth.view(ledger)
+        assert [row.status for row in view.get_many([synth.spec(0), synth.spec(99)])] == ["ok", "missing"]
+        held = [ledger.env.begin() for _ in range(slots)]
+        with pytest.raises(LedgerError, match=f"has {slots} reads open at once, over every process, LMDB's most; "
+                                              r"end some \(read from fewer threads or processes\)"):
+            view.get_many([synth.spec(1)])
+        for txn in held:
+            txn.abort()
+        del held, txn  # (py-lmdb frees an ended read's slot with the object)
+        assert view.get(**synth.spec(1)).ok
