@@ -327,7 +327,7 @@ def test_fill_rows_asks_kprof_for_the_power_state_it_names(tmp_path):
     assert list(rows) == [ms.row_key("rms_norm", spec, "loaded")]
     (row,) = rows.values()
     assert row["status"] == "error" and row["power"] == "loaded"
-    assert "--power loaded applies to CUDA backends" in row["error"]
+    assert "power='loaded' applies to CUDA backends" in row["error"]  # model_step calls kprof.api: keywords
     assert not (tmp_path / "p.db").exists()
 
 
