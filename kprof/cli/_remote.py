@@ -33,9 +33,9 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
     t0 = time.perf_counter()
     progress = None
     if not json:
-        def progress(done, total, chunk):
-            console(stderr=True).print(f"chunk {done}/{total}: {chunk['specs']} spec(s), {chunk['status']}",
-                                       markup=False)
+        def progress(done, total, chunk):  # named by its index, as remote-run.json and the failure lines name it
+            console(stderr=True).print(f"chunk {chunk['index']}: {chunk['specs']} spec(s), {chunk['status']} "
+                                       f"({done} of {total} chunk(s) done)", markup=False)
 
     res = run_remote(table, backend, raw_specs, remote=remote, remote_set=list(remote_set), output_dir=output_dir,
                      mode=mode, gpu_name=gpu_name, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power,

@@ -142,6 +142,9 @@ def test_submitit_local_executor_measures_ships_and_merges(remote_yaml, db, caps
     assert "measured 4 of 4 spec(s) on remote sub (submitit local) in " in captured.out
     assert "4 event(s) merged; record out/remote-run.json" in captured.out
     assert captured.err.count("chunk ") == 2 and "merged" in captured.err
+    # each progress line names its chunk by the index remote-run.json and the failure lines use
+    assert sorted(ln.split(":")[0] for ln in captured.err.splitlines()) == ["chunk 0", "chunk 1"]
+    assert "(2 of 2 chunk(s) done)" in captured.err
     with open("out/results.json") as f:  # the run's snapshot, as `run --output-dir` writes it
         results = json.load(f)
     assert [r["status"] for r in results["results"]] == ["ok"] * 4
@@ -272,6 +275,10 @@ def test_a_failed_submitit_job_reports_its_reason_and_the_summary_says_so(remote
     failures = [ln for ln in captured.err.splitlines() if ln.startswith("error: chunk ") and ": failed: job " in ln]
     assert len(failures) == 2
     assert all("UsageError: this worker's CPU is" in ln and "--gpu-name" in ln for ln in failures), failures
+    # the progress lines and the failure lines name the chunks alike (progress said `chunk 2/2` of chunk 1)
+    progress = [ln for ln in captured.err.splitlines() if ln.startswith("chunk ")]
+    assert sorted(ln.split(":")[0] for ln in progress) == ["chunk 0", "chunk 1"], progress
+    assert sorted(ln.split(" (")[0] for ln in failures) == ["error: chunk 0", "error: chunk 1"]
     assert "measured 0 of 4 spec(s) on remote sub (submitit local) in " in captured.out
     assert ", 2 of 2 chunk(s) failed (see above); 0 event(s) merged" in captured.out
 
