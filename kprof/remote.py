@@ -218,7 +218,10 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
         if executor is not None:
             run.failed(executor)
             record["engine"] = executor.describe()
-            executor.close()
+            for j in executor.close():  # an interrupt: what was still queued or running is stopped, and merges nothing
+                if record["chunks"][j]["status"] == "submitted":
+                    record["chunks"][j].update(status="cancelled", error="the run was interrupted; the engine's job "
+                                                                         "was cancelled")
         record["seconds"] = round(time.perf_counter() - started, 3)
         _write_json(record_path, record)
     fresh, errored = run.fresh, run.errored

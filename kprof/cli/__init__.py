@@ -71,6 +71,9 @@ def _terminated(signum, _frame):
 def _interrupted_note(argv: list[str]) -> str:
     """What an interrupt left, by verb: every commit is whole, so only the verbs that write have more to say."""
     verb = next((a for a in argv if not a.startswith("-")), "")
+    if verb == "run" and any(a == "--remote" or a.startswith("--remote=") for a in argv):
+        return ("every chunk merged before it stays in the ledger, and the engine's unfinished jobs were cancelled; "
+                "the same command with a new --output-dir sends only what is missing")
     if verb in ("run", "calibrate"):
         return ("every row stored before it stays in the ledger, and nothing half-written does; the same command "
                 "again measures only what is missing")

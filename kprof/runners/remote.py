@@ -12,6 +12,8 @@ chunks (kprof.runners.chunk: specs in, a segment out) and nothing else:
     executor.submit(chunks, first) -> iter of (i, data)  chunk i's returned data (first + its position), as it
                                                     completes (failures: .failures, {i: the reason})
     executor.describe() -> dict                     engine, address or cluster, job ids, hosts, GPUs
+    executor.close() -> list[int]                   stops the chunks still queued or running (an interrupt); their
+                                                    numbers
 
 RayExecutor runs each chunk as a Ray task on a GPU (or a CPU slot for CPU backends), as many at once as the cluster
 has free; SlurmExecutor submits one submitit job per
@@ -142,12 +144,14 @@ class RayExecutor:
             doc["job_ids"] = [ray.get_runtime_context().get_job_id()]
         return doc | _placement(self.infos)
 
-    def close(self) -> None:
+    def close(self) -> list[int]:
+        stopped = sorted(self.pending.values())
         for ref in self.pending:  # the run stopped early (an interrupt): its chunks still queued or running go
             self._ray.cancel(ref, force=True)
         self.pending = {}
         if self.owned:
             self._ray.shutdown()
+        return stopped
 
 
 class SlurmExecutor:
@@ -175,6 +179,7 @@ class SlurmExecutor:
         self.failures: dict[int, str] = {}
         self.infos: dict[int, dict] = {}
         self.job_ids: list[str] = []
+        self.pending: dict[int, object] = {}  # chunk number -> its job, of the jobs not finished
 
     def workers(self) -> int:
         return self.remote.workers or 1
@@ -183,8 +188,10 @@ class SlurmExecutor:
         jobs = self.executor.map_array(run_chunk, [c.encode() for c in chunks])
         self.job_ids += [str(j.job_id) for j in jobs]
         index = {id(j): first + i for i, j in enumerate(jobs)}
+        self.pending.update((first + i, j) for i, j in enumerate(jobs))
         for job in self._submitit.helpers.as_completed(jobs, poll_frequency=self.POLL_S):
             i = index[id(job)]
+            self.pending.pop(i, None)
             try:
                 segment, self.infos[i] = job.result()
             except Exception as exc:  # noqa: BLE001 - a failed or cancelled job: the others go on
@@ -200,8 +207,14 @@ class SlurmExecutor:
                "folder": self.folder, "job_ids": self.job_ids}
         return doc | _placement(self.infos)
 
-    def close(self) -> None:
-        pass
+    def close(self) -> list[int]:
+        """Cancels the jobs not finished (the run stopped early: an interrupt), as Ray's tasks are: left running, they
+        measured specs that no run merges, and that the next run measures again."""
+        stopped = sorted(self.pending)
+        for job in self.pending.values():
+            job.cancel(check=False)
+        self.pending = {}
+        return stopped
 
 
 def job_reason(exc: BaseException) -> str:

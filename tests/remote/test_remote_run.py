@@ -188,7 +188,7 @@ class _InProcess:
         return {"engine": "in-process"}
 
     def close(self):
-        pass
+        return []
 
 
 def _in_process(monkeypatch, executor):
@@ -281,6 +281,39 @@ def test_a_failed_submitit_job_reports_its_reason_and_the_summary_says_so(remote
     assert sorted(ln.split(" (")[0] for ln in failures) == ["error: chunk 0", "error: chunk 1"]
     assert "measured 0 of 4 spec(s) on remote sub (submitit local) in " in captured.out
     assert ", 2 of 2 chunk(s) failed (see above); 0 event(s) merged" in captured.out
+
+
+def test_an_interrupted_submitit_run_cancels_its_jobs_and_says_how_to_resume(remote_yaml, db, capsys, monkeypatch):
+    """Ctrl-C while the jobs run: they are cancelled, as Ray's tasks are (they ran on, measuring specs no run would
+    merge and the next run measured again), remote-run.json says so, and the line names a new --output-dir (the
+    same command is refused: the directory holds this run's remote-run.json)."""
+    submitit = pytest.importorskip("submitit")
+    remote_yaml(RAY)
+    jobs = []
+    real_map_array = submitit.AutoExecutor.map_array
+
+    def map_array(self, fn, *iterables):
+        jobs.extend(real_map_array(self, fn, *iterables))
+        return jobs
+
+    def interrupted(jobs, poll_frequency):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", map_array)
+    monkeypatch.setattr(submitit.helpers, "as_completed", interrupted)
+    args = ["run", "single_gemm", "--backend", "torch-cpu", "--remote", "sub", "--output-dir", "out"]
+    for spec in SPECS:
+        args += ["--spec", json.dumps(spec)]
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "the same command with a new --output-dir" in err, err
+    assert len(jobs) == 2
+    for job in jobs:  # cancelled: no job returns its chunk
+        with pytest.raises(Exception):
+            job.result()
+    record = _record()
+    assert [c["status"] for c in record["chunks"]] == ["cancelled"] * 2 and record["merged"]["added"] == 0
 
 
 def test_nothing_to_measure_says_so(remote_yaml, db, capsys, h):
