@@ -278,9 +278,10 @@ class _State:
             except MergeConflict as exc:  # an error only where the row another writer stored is not one asked for
                 if _still_wanted(self.mode, self._row_now(res.index), self.before[res.index]):
                     errored[k] = {"kind": "conflict", "message": str(exc)}
-            os.unlink(res.segment)
-            if report_dir != self.conflict_dir and not os.listdir(report_dir):  # no report: not one dir per spec left
-                os.rmdir(report_dir)
+            finally:  # an interrupt too: no report, so not one dir per spec (or per interrupted run) left
+                os.unlink(res.segment)
+                if report_dir != self.conflict_dir and not os.listdir(report_dir):
+                    os.rmdir(report_dir)
         elif (row := self._row_now(res.index)).event_id != self.parents.get(res.index):
             # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it;
             # an error only where that row is not one the mode asked for (a failed row, or a retraction)

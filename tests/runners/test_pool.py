@@ -430,3 +430,26 @@ def test_workers_of_a_killed_run_end_quietly_and_leave_no_segment(tmp_path):
     assert p.returncode == -signal.SIGKILL
     assert "Traceback" not in err, err
     assert os.listdir(tmp) == []
+
+
+def test_an_interrupt_while_a_segment_merges_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) while a worker's segment was merged left the temporary directory made for a conflict's
+    report behind: one `kprof-*` directory per interrupted run."""
+    import tempfile
+
+    from kprof import api
+    from kprof.merge import merge as merge_module
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setenv("KPROF_POOL", "on")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(merge_module, "merge_into", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        api.run("single_gemm", "torch-cpu", [{"m": 4, "n": 4, "k": 4, "dtype": "fp32"}], db=str(tmp_path / "p.db"))
+    assert os.listdir(tmp) == []
+
