@@ -176,8 +176,8 @@ class Pool:
         self.close()
 
     def close(self) -> None:
-        for w in self.workers:
-            w.stop(kill=w.state == "busy")
+        for w in self.workers:  # one still starting has measured nothing: not waited for (an interrupt during start)
+            w.stop(kill=w.state in ("busy", "starting"))
         self.workers = []
         shutil.rmtree(self._spool, ignore_errors=True)
 

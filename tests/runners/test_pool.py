@@ -453,3 +453,29 @@ def test_an_interrupt_while_a_segment_merges_leaves_no_temporary_directory(tmp_p
         api.run("single_gemm", "torch-cpu", [{"m": 4, "n": 4, "k": 4, "dtype": "fp32"}], db=str(tmp_path / "p.db"))
     assert os.listdir(tmp) == []
 
+
+def test_an_interrupt_while_the_workers_start_stops_them_at_once(monkeypatch):
+    """Ctrl-C while the workers prepared their devices: each was asked to stop and waited for (up to 10 s) until it
+    had finished starting; a worker that measured nothing is killed."""
+    import signal
+
+    from kprof.runners import pool as pool_module
+    from kprof.runners.devices import Device
+    from kprof.runners.registry import lookup
+
+    made = []
+
+    class Recorded(pool_module._Worker):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    def interrupted(self, timeout, on_event):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool_module, "_Worker", Recorded)
+    monkeypatch.setattr(pool_module.Pool, "_poll", interrupted)
+    pool = pool_module.Pool(lookup("single_gemm", "torch-cpu"), "cpu", [Device("cpu0", None), Device("cpu1", None)])
+    with pytest.raises(KeyboardInterrupt):
+        pool.__enter__()
+    assert [w.process.exitcode for w in made] == [-signal.SIGKILL] * 2
