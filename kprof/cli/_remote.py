@@ -7,7 +7,7 @@ import datetime as _dt
 import time
 
 from ..errors import UsageError
-from ._render import console, emit_json, error, results_table
+from ._render import console, emit_json, error, results_table, stdout_to_stderr
 
 __all__ = ["run_remote_cli"]
 
@@ -37,9 +37,10 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
             console(stderr=True).print(f"chunk {chunk['index']}: {chunk['specs']} spec(s), {chunk['status']} "
                                        f"({done} of {total} chunk(s) done)", markup=False)
 
-    res = run_remote(table, backend, raw_specs, remote=remote, remote_set=list(remote_set), output_dir=output_dir,
-                     mode=mode, gpu_name=gpu_name, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power,
-                     command=command, progress=progress)
+    with stdout_to_stderr(json):  # a worker's output, which Ray forwards to this process's stdout, too
+        res = run_remote(table, backend, raw_specs, remote=remote, remote_set=list(remote_set), output_dir=output_dir,
+                         mode=mode, gpu_name=gpu_name, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power,
+                         command=command, progress=progress)
     snapshot(output_dir, res, raw_specs, started_at=started_at, seconds=time.perf_counter() - t0, command=command)
     for line in res.failures:
         error(line)

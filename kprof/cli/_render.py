@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from collections import Counter
 
@@ -13,6 +15,30 @@ _json = msgspec.json.Encoder()  # keys in the order the contract lists them
 def emit_json(doc) -> None:
     sys.stdout.buffer.write(msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(on: bool = True):
+    """While a --json verb works, what anything else writes to stdout (a runner's print, a worker process's, Ray's
+    forwarded worker logs, a C library's write to descriptor 1) goes to stderr: stdout holds the document alone.
+    Descriptor 1 itself is pointed at stderr, so the processes started meanwhile inherit it."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no descriptor 1 or 2 (closed): Python's own stdout is still redirected
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def console(stderr: bool = False):

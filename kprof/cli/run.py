@@ -14,7 +14,7 @@ from cyclopts import Group, Parameter, validators
 from .. import api
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Power, Spec, Specs, Table, Timer
-from ._render import console, emit_json, results_table
+from ._render import console, emit_json, results_table, stdout_to_stderr
 
 modes = Group("Mode", validator=validators.MutuallyExclusive())
 
@@ -116,11 +116,12 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
     t0, load_before = time.perf_counter(), _load()
     options = dict(mode=mode, gpu_name=gpu_name, db=db, command=command, timer=timer, l2=l2, cuda_graph=cuda_graph,
                    power=power, conflict_dir=output_dir)
-    if bar:
-        with bar:
-            res = api.run(table, backend, raw, progress=update, watch=watch, **options)
-    else:
-        res = api.run(table, backend, raw, **options)
+    with stdout_to_stderr(json):  # stdout is the document's alone
+        if bar:
+            with bar:
+                res = api.run(table, backend, raw, progress=update, watch=watch, **options)
+        else:
+            res = api.run(table, backend, raw, **options)
     devices = _devices_line(res.pool)
     doc = res.to_json()
     if output_dir is not None:

@@ -1,6 +1,7 @@
 """A runner of the pool tests (KPROF_RUNNERS=faulty_runner, with this folder on PYTHONPATH): a spec's `act` says
 how its measurement goes. `ok` times a small CPU loop; `slow` first sleeps (runs overlap); `die` SIGKILLs its own
-worker while it measures; `hang` never returns; `fail` raises (a failed row). Table `faulty`, backend `cpu`, and
+worker while it measures; `hang` never returns; `fail` raises (a failed row); `chatty` writes to stdout, as a
+library may (a print, and a write to file descriptor 1, as C code does). Table `faulty`, backend `cpu`, and
 `faulty_gpu` / `cuda2`: an entry whose every spec needs two GPUs."""
 
 import os
@@ -16,7 +17,7 @@ from kprof.runners.registry import Entry, register
 
 class FaultyArgs(KernelArgs, frozen=True):
     n: Size
-    act: Literal["ok", "slow", "die", "hang", "fail"] = "ok"
+    act: Literal["ok", "slow", "die", "hang", "fail", "chatty"] = "ok"
 
 
 class Faulty:
@@ -27,6 +28,9 @@ class Faulty:
             time.sleep(3600)
         if spec.act == "slow":
             time.sleep(0.5)
+        if spec.act == "chatty":
+            print(f"a runner's own print, spec n={spec.n}", flush=True)
+            os.write(1, b"a library's own write to fd 1\n")
         if spec.act == "fail":
             raise RuntimeError(f"spec n={spec.n} fails on purpose")
 

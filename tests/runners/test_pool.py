@@ -479,3 +479,18 @@ def test_an_interrupt_while_the_workers_start_stops_them_at_once(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         pool.__enter__()
     assert [w.process.exitcode for w in made] == [-signal.SIGKILL] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_json_stdout_holds_the_document_alone_whatever_the_runners_print(tmp_path, workers):
+    """--json's stdout is one JSON document: what a runner or a library writes to stdout, in this process (one CPU
+    slot) or in a worker, went there before it and the document did not parse; it goes to stderr."""
+    path = tmp_path / "specs.json"
+    path.write_text(_specs("chatty", "chatty", "ok"))
+    cmd = [sys.executable, "-m", "kprof", "run", "faulty", "--backend", "cpu", "--specs", str(path), "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path, KPROF_CPU_WORKERS=workers),
+                       cwd=tmp_path, timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["missing_count"] == 0
+    assert "a runner's own print, spec n=1000" in p.stderr and "a library's own write to fd 1" in p.stderr
