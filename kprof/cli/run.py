@@ -3,6 +3,7 @@ write nothing). Exit 1 when rows remain missing or errored."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import shlex
 import sys
@@ -19,10 +20,14 @@ from ._render import console, emit_json, results_table, stdout_to_stderr
 modes = Group("Mode", validator=validators.MutuallyExclusive())
 
 
+PROGRESS_EVERY_S = 60.0  # off a terminal (a log file), one progress line a minute at most
+
+
 def _progress():
-    """A rich progress display (only on a terminal): the run's total, and one line per worker with its spec."""
+    """A rich progress display on a terminal: the run's total, and one line per worker with its spec. Off one (a log
+    of a long fill), a line on stderr at most every PROGRESS_EVERY_S: done of total, the rate and the time left."""
     if not sys.stderr.isatty():
-        return None, None, None
+        return None, _progress_lines(), None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
@@ -39,6 +44,26 @@ def _progress():
         bar.update(lines[worker], description=f"  {worker}: {spec if spec is not None else 'idle'}")
 
     return bar, update, watch
+
+
+def _progress_lines():
+    started = last = time.monotonic()
+
+    def update(done, count, spec):
+        nonlocal last
+        now = time.monotonic()
+        if done >= count or now - last < PROGRESS_EVERY_S:
+            return
+        last, rate = now, done / max(now - started, 1e-9)
+        console(stderr=True).print(f"progress: {done} of {count} spec(s) done in {_clock(now - started)} "
+                                   f"({rate * 60:.1f}/min); about {_clock((count - done) / rate)} left", markup=False)
+
+    return update
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
 
 
 def _busy_host_note(table: str, backend: str, measured: int, load_before: float) -> str | None:
@@ -116,12 +141,8 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
     t0, load_before = time.perf_counter(), _load()
     options = dict(mode=mode, gpu_name=gpu_name, db=db, command=command, timer=timer, l2=l2, cuda_graph=cuda_graph,
                    power=power, conflict_dir=output_dir)
-    with stdout_to_stderr(json):  # stdout is the document's alone
-        if bar:
-            with bar:
-                res = api.run(table, backend, raw, progress=update, watch=watch, **options)
-        else:
-            res = api.run(table, backend, raw, **options)
+    with stdout_to_stderr(json), bar or contextlib.nullcontext():  # stdout is the document's alone
+        res = api.run(table, backend, raw, progress=update, watch=watch, **options)
     devices = _devices_line(res.pool)
     doc = res.to_json()
     if output_dir is not None:

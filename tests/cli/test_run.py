@@ -446,3 +446,18 @@ def test_a_spec_whose_row_a_merge_stored_before_the_run_reached_it_is_not_measur
     assert measured == [3] and out["missing_count"] == 0  # y was not measured
     assert by_m[3]["status"] == "ok" and by_m[5]["status"] == "ok" and by_m[5]["event"] == team_event
     assert _last_seq(mine) == 2 and main(["audit", "--db", mine]) == 0
+
+
+def test_a_run_off_a_terminal_reports_its_progress_on_stderr(ledger_path, capsys, h, monkeypatch):
+    """A long fill whose stderr is a log (nohup, a batch job) said nothing until it ended: off a terminal, a line
+    at most every PROGRESS_EVERY_S says how many specs are done of how many, the rate and the time left."""
+    from kprof.cli import run as run_module
+
+    monkeypatch.setattr(run_module, "PROGRESS_EVERY_S", 0.0)
+    specs = [h.gemm(), h.gemm(n=48), h.gemm(k=16)]
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["missing_count"] == 0
+    lines = [ln for ln in err.splitlines() if ln.startswith("progress: ")]
+    assert [ln.split(" spec(s)")[0] for ln in lines] == ["progress: 1 of 3", "progress: 2 of 3"], err
+    assert all("/min); about " in ln and ln.endswith(" left") for ln in lines)
