@@ -177,6 +177,10 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     levels: dict[int, list[int]] = {}  # devices per spec -> the specs needing that many, each level its own workers
     for i in todo:
         levels.setdefault(need_of(entry, canonical[i]), []).append(i)
+    if not info["in_process"]:  # a level starts no more workers than it has specs: a device left idle was not used
+        used = {label for n, its in levels.items() for g in groups(devices.devices, n)[:len(its)]
+                for label in g.label.split("+")}
+        info["devices"] = [d.label for d in devices.devices if d.label in used]
 
     def workers_for(n: int):
         if info["in_process"]:

@@ -298,6 +298,7 @@ def test_cpu_workers_are_bounded_by_the_cores_and_by_the_specs(tmp_path, monkeyp
     spec = {"m": 4, "n": 4, "k": 4, "dtype": "fp32"}
     res = api.run("single_gemm", "torch-cpu", [spec], db=str(tmp_path / "p.db"))
     assert res.exit_code == 0 and [len(d) for d in started] == [1]
+    assert res.pool["devices"] == ["cpu0"]  # as the run says and job.meta.json records it: cpu1 was not used
 
 
 def test_a_spec_time_limit_sends_the_specs_to_workers_and_is_kept(tmp_path, capsys, monkeypatch):
