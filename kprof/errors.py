@@ -12,6 +12,8 @@ __all__ = [
     "LedgerVersionError",
     "IntegrityError",
     "SnapshotError",
+    "OutputError",
+    "OutputClosed",
     "MergeConflict",
     "exit_code",
 ]
@@ -114,6 +116,19 @@ class MergeConflict(KprofError):
 class SnapshotError(KprofError):
     """`run --output-dir` could not write its snapshot after the run's rows were stored (the directory was
     checked before any work, so only a change since, or a full disk, gets here)."""
+
+
+class OutputError(KprofError):
+    """stdout could not take a verb's output (a full disk, an I/O error): exit 2. What the verb stored stays."""
+
+    exit_code = 2
+
+
+class OutputClosed(OutputError):
+    """stdout's reader went away before the output was written (`kprof query ... | head -1`): nothing is said (the
+    reader wants no more) and the exit is 141, as a shell reports a writer that SIGPIPE ended."""
+
+    exit_code = 141
 
 
 def exit_code(error: BaseException) -> int:

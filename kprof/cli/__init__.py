@@ -83,9 +83,17 @@ def _interrupted_note(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity."""
+    """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143: an
+    interrupt; 141: the reader of stdout left)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     invocation[:] = argv
+    from ._render import guarded
+
+    with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     for stream in (sys.stdout, sys.stderr):  # a non-UTF-8 terminal shows what it cannot encode as escapes, not a crash
         if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and \
                 hasattr(stream, "reconfigure"):
@@ -118,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     except KprofError as exc:
         from ._render import error
 
-        error(exc.cli if isinstance(exc, SettingError) else str(exc))
+        if str(exc):  # OutputClosed says nothing: the reader of stdout went away
+            error(exc.cli if isinstance(exc, SettingError) else str(exc))
         return exc.exit_code
     except Exception as exc:
         if not _ledger_failure(exc):

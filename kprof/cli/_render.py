@@ -3,18 +3,98 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 from collections import Counter
 
 import msgspec
 
+from ..errors import OutputClosed, OutputError
+
 _json = msgspec.json.Encoder()  # keys in the order the contract lists them
 
 
 def emit_json(doc) -> None:
-    sys.stdout.buffer.write(msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
-    sys.stdout.flush()
+    data = memoryview(msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
+    out = sys.stdout
+    try:
+        out.flush()
+        while data:  # a write cut short by a reader that left returns its count; the next one raises
+            data = data[out.buffer.write(data):]
+        out.buffer.flush()
+    except OSError as exc:
+        _stdout_failed(out, exc)
+
+
+def _stdout_failed(stream, exc: OSError):
+    """A verb's output could not be written: stdout is pointed at os.devnull (so the interpreter's last flush at exit
+    does not fail again, with a traceback) and the failure is raised as OutputError, one line (exit 2), or, where the
+    reader went away (a closed pipe), OutputClosed (nothing said, exit 141)."""
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # no descriptor: a test's captured stream
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+    if exc.errno == errno.EPIPE:
+        raise OutputClosed("") from None
+    raise OutputError(f"could not write the output to stdout ({exc.strerror or exc}); what the verb stored stays "
+                      f"(a run's rows are in the ledger: `kprof query` reads them); send stdout elsewhere") from None
+
+
+class _Guarded:
+    """sys.stdout or sys.stderr while a verb runs (see `guarded`), passing everything through but failed writes."""
+
+    def __init__(self, stream, answer: bool):
+        self._stream, self._answer, self._lost = stream, answer, False
+
+    def write(self, text):
+        if self._lost:
+            return len(text)
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            return self._failed(exc, len(text))
+
+    def flush(self):
+        if not self._lost:
+            try:
+                self._stream.flush()
+            except OSError as exc:
+                self._failed(exc, 0)
+
+    def _failed(self, exc: OSError, count: int) -> int:
+        if self._answer:
+            _stdout_failed(self._stream, exc)
+        self._lost = True  # stderr: its later lines are dropped too
+        return count
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guarded():
+    """While a verb runs: a failed write of stdout (the verb's answer: a full disk, a reader that went away) raises
+    OutputError, reported as one line instead of a traceback; a failed write of stderr (notes, progress, error lines)
+    is dropped, as a lost log line must not fail a verb or stop a run. Standard descriptors closed by the caller
+    (`>&-`) are first opened on os.devnull, so no file the verb opens (the ledger) takes their number and receives
+    what is written to them."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: fd
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Guarded(sys.stdout, True), _Guarded(sys.stderr, False)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 @contextlib.contextmanager

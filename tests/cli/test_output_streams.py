@@ -1,0 +1,116 @@
+"""Where the output cannot go: a reader that left (`| head -1`), a full disk (/dev/full), a closed descriptor (`>&-`).
+No traceback in any case: one line and exit 2 for a failed answer, nothing and exit 141 for a reader gone, and a lost
+note on stderr never changes a verb's outcome."""
+
+import errno
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kprof.cli import main
+
+GEMM = {"m": 32, "n": 32, "k": 32, "dtype": "fp32"}
+SCRIPT = "import sys; from kprof.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _query(db, *extra):
+    return ["query", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps(GEMM), "--db", db, *extra]
+
+
+@pytest.fixture
+def db(tmp_path, h, local_gpu):
+    path = str(tmp_path / "profile.db")
+    h.append(path, h.make_event(GEMM, local_gpu))
+    return path
+
+
+def _kprof(argv, *, shell_redirect="", **kwargs) -> subprocess.CompletedProcess:
+    """kprof as a real process; `shell_redirect` (e.g. `>&-`) is applied to it by sh."""
+    cmd = [sys.executable, "-c", SCRIPT, *argv]
+    if shell_redirect:
+        cmd = ["sh", "-c", f'exec "$@" {shell_redirect}', "sh", *cmd]
+    return subprocess.run(cmd, timeout=120, env=dict(os.environ), **kwargs)
+
+
+@pytest.mark.parametrize("extra", [(), ("--json",)])
+def test_a_reader_that_left_ends_the_verb_quietly_with_141(db, extra):
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: every write fails with EPIPE
+    try:
+        done = _kprof(_query(db, *extra), stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_help_to_a_reader_that_left_is_quiet_too():
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = _kprof(["query", "--help"], stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [("--json",), (), ("scopes",), ("--help",)])
+def test_a_full_stdout_is_one_error_line_and_exit_2(db, argv):
+    argv = ["scopes", "--db", db] if argv == ("scopes",) else _query(db, *argv)
+    with open("/dev/full", "w") as full:
+        done = _kprof(argv, stdout=full, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: could not write the output to stdout (No space left on device); ")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_a_closed_stdout_is_as_dev_null(db):
+    done = _kprof(_query(db), shell_redirect=">&-", stderr=subprocess.PIPE, text=True)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_a_closed_stderr_loses_the_notes_not_the_outcome(db, tmp_path):
+    # a note on stderr (no row under this GPU key) and a usage error's line: neither can be written
+    noted = _kprof(_query(db, "--gpu-name", "Other GPU", "--json"), shell_redirect="2>&-", capture_output=False,
+                   stdout=subprocess.PIPE, text=True)
+    assert noted.returncode == 0 and json.loads(noted.stdout)["missing_count"] == 1
+    refused = _kprof(["query", "single_gemm", "--backend", "nope", "--spec", json.dumps(GEMM), "--db", db],
+                     shell_redirect="2>&-", stdout=subprocess.PIPE, text=True)
+    assert refused.returncode == 2
+    # a run stores its rows and prints its devices line to stderr: closed, the run still succeeds
+    ran = _kprof(["run", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps({**GEMM, "m": 8}), "--db", db],
+                 shell_redirect="2>&-", stdout=subprocess.PIPE, text=True)
+    assert ran.returncode == 0 and "1 of 1 ok" in ran.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_stderr_keeps_the_exit_code(db):
+    with open("/dev/full", "w") as full:
+        done = _kprof(["query", "single_gemm", "--backend", "nope", "--spec", json.dumps(GEMM), "--db", db],
+                      stdout=subprocess.PIPE, stderr=full)
+    assert done.returncode == 2
+
+
+class _Failing(io.StringIO):
+    def __init__(self, code):
+        super().__init__()
+        self.code = code
+        self.buffer = self
+
+    def write(self, data):
+        raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize(("code", "rc"), [(errno.ENOSPC, 2), (errno.EIO, 2), (errno.EPIPE, 141)])
+@pytest.mark.parametrize("extra", [(), ("--json",)])
+def test_in_process_a_failed_write_of_stdout_is_an_exit_code_not_a_traceback(db, capsys, monkeypatch, code, rc,
+                                                                              extra):
+    monkeypatch.setattr(sys, "stdout", _Failing(code))
+    assert main(_query(db, *extra)) == rc
+    err = capsys.readouterr().err
+    assert err == "" if rc == 141 else err.startswith(f"error: could not write the output to stdout "
+                                                      f"({os.strerror(code)}); ")
