@@ -12,12 +12,12 @@ from ._options import Db, Json
 from ._render import console, emit_json
 
 
-def show(ref: Annotated[str, Parameter(help="A citation (kprof.<hex>), an event id or a key, or a unique "
+def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an event id or a key, or a unique "
                                         "prefix of 8 to 64 hex digits; or a measure artifact's citation "
-                                        "(kmeasure.<hex>).")], *,
+                                        "(`kmeasure.<hex>`).")], *,
          db: Db = None, json: Json = False,
          search_dir: Annotated[list[str] | None, Parameter(name="--dir", consume_multiple=False, help=(
-             "Where to look for a kmeasure.<hex> citation: a `kprof measure` output directory, or a directory "
+             "Where to look for a `kmeasure.<hex>` citation: a `kprof measure` output directory, or a directory "
              "holding some; repeatable. Default: ./measure_*/ and the current directory."))] = None) -> int:
     """Show a row's provenance, metrics and full history; or what a measure artifact is and where it lies."""
     if ref.strip().lower().startswith("kmeasure."):

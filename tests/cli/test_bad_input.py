@@ -628,3 +628,25 @@ def test_a_specs_document_with_keys_beside_specs_names_them(verb, extra, said, t
     err = capsys.readouterr().err
     assert f'--specs specs.json: a {{"specs": [...]}} document holds only "specs", and it also has {said}' in err
     assert os.listdir(tmp_path) == ["specs.json"]
+
+
+def test_no_help_text_loses_a_placeholder(capsys):
+    """The help texts are markdown: `kprof.<hex>` outside backticks read as an HTML tag and vanished (`kprof show
+    --help` said "A citation (kprof.)"). Every <placeholder> in a verb's parameter help is printed."""
+    import inspect
+    import re
+    import typing
+
+    from kprof.cli import VERBS, app
+
+    for verb, _target, _help in VERBS:
+        helps = [meta.help for p in inspect.signature(app[verb].default_command).parameters.values()
+                 for meta in getattr(typing.get_type_hints(app[verb].default_command, include_extras=True)
+                                     .get(p.name), "__metadata__", ()) if getattr(meta, "help", None)]
+        assert main([verb, "--help"]) == 0
+        out = "".join(capsys.readouterr().out.split())
+        for placeholder in {p for text in helps for p in re.findall(r"<[a-z]+>", text)}:
+            assert placeholder in out, (verb, placeholder)
+    assert main(["show", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "A citation (kprof.<hex>)" in out and "(kmeasure.<hex>)" in out and "a kmeasure.<hex> citation" in out
