@@ -24,10 +24,14 @@ def list_(*, json: Json = False, environments: Environments = False) -> int:
     if json:
         emit_json({"count": len(docs), "entries": docs})
         return 0
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table("table", "backend", "kernel_kind", "args", "metric_family", "subprocess_env", "get_fn / count_fn",
-                  "profiler_revision")
+    # Nothing is cut on a narrow terminal (rich's default ends a cell with "…"): cells fold, and the table and backend
+    # names, which every other verb takes, are printed whole.
+    whole = {"table": max(len(d["table"]) for d in docs), "backend": max(len(d["backend"]) for d in docs)}
+    table = Table(*(Column(name, overflow="fold", min_width=whole.get(name)) for name in (
+        "table", "backend", "kernel_kind", "args", "metric_family", "subprocess_env", "get_fn / count_fn",
+        "profiler_revision")))
     for d in docs:
         table.add_row(d["table"], d["backend"], d["kernel_kind"], ", ".join(d["args"]), d["metric_family"],
                       d["subprocess_env"], f"{d['get_fn']}\n{d['count_fn']}", str(d["contract"]["profiler_revision"]))

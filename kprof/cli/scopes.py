@@ -19,9 +19,12 @@ def scopes(*, db: Db = None, json: Json = False) -> int:
     if not found:
         out.print(f"ledger {path} holds no rows; `kprof run` fills it", markup=False)
         return 0
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table("table", "backend", "gpu_name", "rows", title=f"scopes of {path}")
+    # Nothing is cut on a narrow terminal (rich's default ends a cell with "…"): these are the names to pass back.
+    whole = {"table": max(len(s.table) for s in found), "backend": max(len(s.backend) for s in found)}
+    table = Table(*(Column(name, overflow="fold", min_width=whole.get(name))
+                    for name in ("table", "backend", "gpu_name", "rows")), title=f"scopes of {path}")
     for s in found:
         table.add_row(s.table, s.backend, s.gpu_name, str(s.rows))
     out.print(table)

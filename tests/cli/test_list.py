@@ -68,3 +68,19 @@ def test_list_human_table_shows_every_pair(capsys):
 def test_list_writes_no_db(tmp_path, capsys):
     assert main(["list", "--json"]) == 0
     assert list(tmp_path.iterdir()) == []  # cwd is tmp_path: no ./profile.db appeared
+
+
+@pytest.mark.parametrize("width", [40, 80])
+def test_a_narrow_terminal_cuts_no_table_or_backend_name(capsys, monkeypatch, width):
+    """At 80 columns `kprof list` printed `all_ga…` and `torch-…`: the names every other verb takes were cut."""
+    import sys
+
+    from rich.console import Console
+
+    monkeypatch.setattr("kprof.cli.list_.console", lambda: Console(file=sys.stdout, width=width, soft_wrap=True))
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    cells = [[c.strip() for c in line.split("│")[1:3]] for line in out.splitlines() if line.startswith("│")]
+    for e in entries():
+        assert [e.table, e.backend] in cells

@@ -81,3 +81,19 @@ def test_default_db_is_kprof_db_then_cwd(tmp_path, monkeypatch, capsys, h):
     monkeypatch.setenv("KPROF_DB", str(other))
     assert main(["scopes", "--json"]) == 0
     assert [s["gpu_name"] for s in json.loads(capsys.readouterr().out)["scopes"]] == ["Other GPU"]
+
+
+def test_a_narrow_terminal_cuts_no_name(tmp_path, capsys, h, monkeypatch):
+    """At 40 columns `kprof scopes` printed `single_…`, `torch-c…`: the names to pass back were cut."""
+    import sys
+
+    from rich.console import Console
+
+    db = str(tmp_path / "p.db")
+    h.append(db, h.make_event(h.gemm(), "NVIDIA H200 NVL"))
+    monkeypatch.setattr("kprof.cli.scopes.console", lambda: Console(file=sys.stdout, width=40, soft_wrap=True))
+    assert main(["scopes", "--db", db]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.split("│")[1:4]] for line in out.splitlines() if line.startswith("│")]
+    assert "…" not in out and rows[0][:2] == ["single_gemm", "torch-cpu"]
+    assert " ".join(r[2] for r in rows).split() == ["NVIDIA", "H200", "NVL"]
