@@ -294,6 +294,12 @@ def _event_json(seq, eid, event, current) -> dict:
     doc = {"seq": seq, "event": eid.hex(), "citation": citation(eid), "current": eid == current,
            "canonical": data.hex() if event_id(data) == eid else None}
     doc.update(_builtins(event))
+    if doc.get("metrics") is not None:  # in the family's order, as `query` lists them (the stored map is sorted)
+        try:
+            doc["metrics"] = _ordered(doc["metrics"], lookup(doc["provenance"]["table"],
+                                                             doc["provenance"]["backend"]).metric_family)
+        except UsageError:  # a table or backend this kprof does not know: as stored
+            pass
     return doc
 
 

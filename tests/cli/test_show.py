@@ -161,3 +161,14 @@ def test_a_reference_longer_than_an_id_is_refused_as_such(h, capsys, local_gpu):
     assert main(["show", eid.hex() + "0", "--db", "p.db"]) == 2
     err = capsys.readouterr().err
     assert "is not a citation, event id or key" in err and "8 to 64 hex digits" in err
+
+
+def test_show_lists_the_metrics_in_the_order_query_does(h, capsys, local_gpu):
+    """show printed the stored, key-sorted metrics (energy_j, memory_bandwidth_gbps, tflops, time_ms) where query
+    lists the family's order (time_ms first); both now list them as the contract does."""
+    (eid,) = h.append("p.db", h.make_event(h.gemm(), local_gpu))
+    text, doc = _shown(h, capsys, f"kprof.{eid.hex()[:16]}")
+    order = ["time_ms", "tflops", "memory_bandwidth_gbps", "energy_j"]
+    assert list(doc["event"]["metrics"]) == order and list(doc["history"][0]["metrics"]) == order
+    assert "metrics: time_ms=0.5, tflops=1.0, memory_bandwidth_gbps=2.0, energy_j=None" in text
+    assert h.read_json(capsys, "query", "p.db", h.gemm())["results"][0]["metrics"] == doc["event"]["metrics"]
