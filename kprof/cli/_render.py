@@ -91,10 +91,15 @@ def guarded():
                 setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Guarded(sys.stdout, True), _Guarded(sys.stderr, False)
+    # COLUMNS=0 (or any value not a width) made rich print nothing, every answer and error line lost, and the help a
+    # traceback: such a value is set aside while the verb runs, and a terminal's own size is used.
+    sizes = {name: os.environ.pop(name) for name in ("COLUMNS", "LINES")
+             if not os.environ.get(name, "1").strip().isdigit() or int(os.environ.get(name, "1")) < 1}
     try:
         yield
     finally:
         sys.stdout, sys.stderr = saved
+        os.environ.update(sizes)
 
 
 @contextlib.contextmanager

@@ -114,3 +114,38 @@ def test_in_process_a_failed_write_of_stdout_is_an_exit_code_not_a_traceback(db,
     err = capsys.readouterr().err
     assert err == "" if rc == 141 else err.startswith(f"error: could not write the output to stdout "
                                                       f"({os.strerror(code)}); ")
+
+
+@pytest.mark.parametrize("columns", ["0", "abc", "-3"])
+def test_a_columns_setting_that_is_no_width_is_set_aside(capsys, monkeypatch, columns):
+    """COLUMNS=0 made rich print nothing (on a terminal every answer and error line was lost) and the help a
+    ValueError traceback."""
+    monkeypatch.setenv("COLUMNS", columns)
+    assert main(["--help"]) == 0
+    assert "Usage: kprof COMMAND" in capsys.readouterr().out
+    assert os.environ["COLUMNS"] == columns  # put back
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_on_a_terminal_columns_0_still_prints_the_error_line(db):
+    import pty
+
+    main_fd, term = pty.openpty()
+    try:
+        env = dict(os.environ, COLUMNS="0")
+        proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "query", "single_gemm", "--backend", "nope", "--spec",
+                                 json.dumps(GEMM), "--db", db], stdin=term, stdout=term, stderr=term, env=env)
+        os.close(term)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(main_fd, 65536)
+            except OSError:  # the terminal's other end closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=120) == 2
+    finally:
+        os.close(main_fd)
+    assert "table 'single_gemm' has no backend 'nope'" in out.decode()
