@@ -35,7 +35,14 @@ def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = Non
     # The timing the rows were stored under, from the rows themselves: the ceilings are read back under it.
     timing = next((doc["provenance"]["timing"] for r in results for doc in r.results if doc.get("provenance")),
                   None)
-    return results, ceilings(backend, results[0].gpu_name, db=results[0].db, timing=timing)
+    # Every row is given its fractions of the final ceilings: each run annotated its rows before the later tables
+    # were measured, citing ceilings since replaced.
+    found = ceilings(backend, results[0].gpu_name, db=results[0].db, timing=timing)
+    for r in results:
+        for doc in r.results:
+            doc.pop("ceiling", None)
+        annotate(r.results, found)
+    return results, found
 
 
 def complete(backend: str, results: list, found: list[Ceiling]) -> bool:

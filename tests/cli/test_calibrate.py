@@ -148,6 +148,23 @@ def test_calibrate_measures_every_shape_once_and_the_ceiling_is_their_max(h, cap
     assert all(r["citation"] not in {x["citation"] for x in c.rows} for a, c in zip(found, refound) for r in a.rows)
 
 
+def test_calibrate_gives_its_rows_fractions_of_the_ceilings_it_reports(h, capsys, local_gpu):
+    """Each table's run annotated its rows before the next table was measured: under --force, the GEMM rows cited
+    the copies' ceiling from before (an event now superseded) at fractions of its value, not of the one reported."""
+    old = h.append("p.db", *[_row(x, table="memcpy", gpu=local_gpu, gbps=1e6) for x in CPU_COPIES])
+    assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", "--json", "--force"]) == 0
+    cal = json.loads(capsys.readouterr().out)
+    ceiling = {c["metric"]: c for c in cal["ceilings"]}
+    assert ceiling["memory_bandwidth_gbps"]["value"] < 1e6  # the copies measured again replaced the old rows
+    assert len(cal["rows"]) == len(CEILING_SPECS["cpu"]) and all(r["status"] == "ok" for r in cal["rows"])
+    for row in cal["rows"]:
+        got = row["ceiling"]
+        assert got["citations"] == {m: ceiling[m]["citation"] for m in got["fraction"]}
+        assert got["fraction"] == {m: pytest.approx(row["metrics"][m] / ceiling[m]["value"]) for m in got["fraction"]}
+        assert not set(got["citations"].values()) & {"kprof." + i.hex()[:16] for i in old}
+        assert "above_ceiling" not in got  # the set's own rows are at most their maximum
+
+
 def test_the_ceiling_is_the_max_wherever_it_lies_in_the_set(h):
     specs = CPU_GEMMS
     events = [_row(specs[0], tflops=3.0, env=_env(1500, 1700, 690.0, ["power_cap"])),
