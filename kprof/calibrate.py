@@ -22,7 +22,8 @@ def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = Non
     Returns (one run result per table, the ceilings now in the ledger under that method)."""
     from . import api
 
-    from .method import resolve_gpu_key
+    from .method import effective_entry, resolve_gpu_key
+    from .runners.registry import lookup
 
     entry = lookup_any(backend)
     resolve_gpu_key(entry, gpu_name, measures=True)  # no device to measure on: said of `backend`, not of the base
@@ -32,11 +33,11 @@ def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = Non
     results = [api.run(table, base, specs, mode="force" if force else "jit", gpu_name=gpu_name, db=db,
                        command=command, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
                for table, specs in tables.items()]
-    # The timing the rows were stored under, from the rows themselves: the ceilings are read back under it.
-    timing = next((doc["provenance"]["timing"] for r in results for doc in r.results if doc.get("provenance")),
-                  None)
-    # Every row is given its fractions of the final ceilings: each run annotated its rows before the later tables
-    # were measured, citing ceilings since replaced.
+    # The ceilings are read back under the method the rows were measured with (the one asked for, not one read
+    # off the rows: where every row errored, none says it), and every row is given its fractions of the final
+    # ceilings: each run annotated its rows before the later tables were measured, citing ceilings since replaced.
+    timing = effective_entry(lookup(next(iter(tables)), base), timer=timer, l2=l2, cuda_graph=cuda_graph,
+                             power=power).contract.timing
     found = ceilings(backend, results[0].gpu_name, db=results[0].db, timing=timing)
     for r in results:
         for doc in r.results:

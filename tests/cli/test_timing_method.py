@@ -467,3 +467,25 @@ def test_a_setting_error_keeps_both_wordings_across_processes():
     exc = pickle.loads(pickle.dumps(SettingError("timer='x' is bad", cli="--timer 'x' is bad")))
     assert (type(exc), str(exc), exc.cli, exc.exit_code) == (SettingError, "timer='x' is bad", "--timer 'x' is bad", 2)
     assert SettingError("only one").cli == "only one"
+
+
+def test_calibrate_reads_back_the_ceilings_of_the_method_given_when_every_row_errored(h, monkeypatch):
+    """The ceilings were read under the timing found on the first row with a provenance: where every row errored
+    (no idle GPU, say) none had one, and `calibrate --timer events` reported the cupti ceilings as its own."""
+    from kprof import calibrate as cal
+    from kprof.api import QueryResult
+
+    h.append("p.db", *[_event_under(x, H200, table=t) for s in cal.CEILING_SETS["cuda"] for t, x in s.members])
+    assert {c.metric for c in cal.ceilings("torch", H200, db="p.db")} == {"tflops", "memory_bandwidth_gbps"}
+
+    def all_errored(table, backend, specs, **kw):
+        docs = [{"spec": s, "status": "error", "error": {"kind": "crash", "message": "need 1 idle GPU(s), found 0"},
+                 "provenance": None} for s in specs]
+        return QueryResult(table, backend, H200, "p.db", "jit", len(docs), len(docs), "", docs)
+
+    monkeypatch.setattr("kprof.measure.device_name.visible_gpus", lambda *a, **k: [H200])
+    monkeypatch.setattr(api, "run", all_errored)
+    results, found = cal.calibrate("torch", db="p.db", timer="events")
+    assert found == [] and not cal.complete("torch", results, found)
+    _results, found = cal.calibrate("torch", db="p.db")  # the default method's ceilings are still read back
+    assert {c.metric for c in found} == {"tflops", "memory_bandwidth_gbps"}
