@@ -27,14 +27,18 @@ ceiling of no particular dtype. Without an fp8 set, fp8 rows read 170 % of the b
 What `query --json` adds to each ok compute row once the ceilings exist (`annotate`):
 
     ceiling: {fraction: {tflops: row / ceiling, memory_bandwidth_gbps: ...},
+              values: {metric: the ceiling},
               citations: {metric: citation of the row holding the ceiling},
               method: {metric: how the ceiling was measured, in one line},
-              above_ceiling: true}
+              above_ceiling: true, why: {metric: why the row may beat it, and what to do}}
 
-`above_ceiling` is present (and true) only when a fraction exceeds 1: the row beat every row of the
-calibration set (a shape outside the set that runs faster, a faster dtype, or a calibration taken in another
-thermal state). Such a fraction is reported as it is, never capped, and never silently. Reading ceilings
-imports no measurement library. This module reads them; `kprof.calibrate` measures them.
+`above_ceiling` and `why` are present only when a fraction exceeds 1: the row beat every row of the
+calibration set. Such a fraction is reported as it is, never capped, and never silently: `why` names the first
+of these the row and the ceiling show (`_why`): a set measured in part; a dtype no set holds (a CPU's bf16 rows
+against its fp32 set); a working set smaller than any of the set's, which a cache serves (a CPU's rows are
+timed warm, and its bandwidth ceiling is memory's); else a calibration measured in another state (clocks,
+power, other work on the host) or a shape faster than the set's. Reading ceilings imports no measurement
+library. This module reads them; `kprof.calibrate` measures them.
 """
 
 from __future__ import annotations
@@ -266,6 +270,9 @@ def _method(s: CeilingSet, timing: str, found: list, events: list, best: tuple, 
            "at": _label(best[0], best[1].spec), "timing": timing, "timers_seen": sorted(timers),
            "clocks": {k: _span(v) for k, v in sorted(clocks.items())}, "throttle": sorted(throttle),
            "power_limit_w": sorted(limits), "stop_reasons": sorted(stops)}
+    moved = [b for _t, row in found for b in [_bytes(row.metrics or {}, s.metric)] if b]
+    if moved:
+        out["bytes_per_call"] = _span(moved)
     if scaled:
         top = sorted(clocks.get("sm_max_mhz", []))
         out["clock_scaled"] = (f"{len(scaled)} of {len(found)} rows' {s.metric} x the max SM clock"
@@ -316,9 +323,9 @@ def _shares(metrics: dict, by: dict[str, Ceiling]) -> dict[str, float] | None:
 
 
 def annotate(results: list[dict], found: list[Ceiling]) -> None:
-    """Adds `ceiling` to each ok row (a query result document) that has a metric with a ceiling: fractions,
-    the citation of each ceiling, how each was measured, and `above_ceiling: true` when a fraction exceeds 1.
-    Rows are left exactly as they were when no ceiling exists (see the module docstring)."""
+    """Adds `ceiling` to each ok row (a query result document) that has a metric with a ceiling: fractions, each
+    ceiling's value and citation, how each was measured, and, when a fraction exceeds 1, `above_ceiling: true`
+    with `why` (see the module docstring). Rows are left exactly as they were when no ceiling exists."""
     if not found:
         return
     for doc in results:
@@ -326,8 +333,46 @@ def annotate(results: list[dict], found: list[Ceiling]) -> None:
         share = _shares(doc["metrics"], by) if doc.get("status") == "ok" and doc.get("metrics") else None
         if share is None:
             continue
-        ceiling = {"fraction": share, "citations": {m: by[m].citation for m in share},
+        ceiling = {"fraction": share, "values": {m: by[m].value for m in share},
+                   "citations": {m: by[m].citation for m in share},
                    "method": {m: (by[m].method or {}).get("summary", "") for m in share}}
-        if any(v > 1.0 for v in share.values()):
+        above = {m: _why(doc, by[m]) for m, v in share.items() if v > 1.0}
+        if above:
             ceiling["above_ceiling"] = True
+            ceiling["why"] = above
         doc["ceiling"] = ceiling
+
+
+def _why(doc: dict, c: Ceiling) -> str:
+    """Why a row may beat the ceiling `c`, from what the row and the ceiling say: a set measured in part, a dtype
+    the set does not hold, a working set smaller than any of the set's (a cache serves it), else a state other
+    than the calibration's; each with what to do."""
+    method = c.method or {}
+    if method.get("measured", 0) < method.get("of", 0):
+        return (f"the ceiling is the max over {method['measured']} of its {method['of']} shapes; `kprof calibrate` "
+                f"measures the rest")
+    dtype = (doc.get("spec") or {}).get("dtype")
+    held = sorted({x["spec"]["dtype"] for x in c.shapes if "dtype" in x["spec"]})
+    if c.metric == "tflops" and dtype and held and dtype not in held:
+        return (f"a {dtype} row, bounded by the ceiling of {'/'.join(held)} GEMMs: no calibration set is of "
+                f"{dtype}, whose arithmetic may run faster")
+    moved, least = _bytes(doc.get("metrics") or {}, c.metric), (method.get("bytes_per_call") or [None])[0]
+    if moved is not None and least and moved < least:
+        warm = "l2=warm" in ((doc.get("provenance") or {}).get("timing") or "")
+        return (f"moves {_size(moved)} a call, less than any row of the set ({_size(least)}): a cache can serve a "
+                f"working set that small{', and this row is timed with warm caches' if warm else ''}; the ceiling "
+                f"is memory's")
+    return (f"faster than every row of the set as it was measured ({method.get('summary', c.citation)}): the set "
+            f"was measured in another state (clocks, power, other work on the host), or does not hold a shape "
+            f"this fast; `kprof calibrate --force` measures it again")
+
+
+def _bytes(metrics: dict, metric: str) -> float | None:
+    """Bytes a call moves, from a row's bandwidth and time (None: not a bandwidth, or not both given)."""
+    if metric != "memory_bandwidth_gbps" or not metrics.get(metric) or not metrics.get("time_ms"):
+        return None
+    return metrics[metric] * metrics["time_ms"] * 1e6
+
+
+def _size(n: float) -> str:
+    return f"{n / (1 << 30):.3g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.3g} MiB"

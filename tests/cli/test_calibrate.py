@@ -26,13 +26,13 @@ CPU_COPIES = [spec for t, spec in CPU_BYTES.members if t == "memcpy"]
 
 
 def _row(spec, *, table="single_gemm", backend="torch-cpu", gpu=GPU, timing=None, tflops=1.0, gbps=1.0,
-         env=Environment(), parent=None):
+         env=Environment(), parent=None, time_ms=1.0):
     """A measured event of `spec` with the given metrics (and, for a CUDA backend, the given timing string)."""
     entry = lookup(table, backend)
     contract = entry.contract if timing is None else msgspec.structs.replace(entry.contract, timing=timing)
     prov = KeyMaker(table, backend, gpu, contract, ShapeCodec(entry.args)).provenance(spec)
     stats = Stats(n=3, median=1.0, p10=1.0, p90=1.0, mean=1.0, stdev=0.0, cv=0.0, min=1.0, max=1.0)
-    metrics = {"time_ms": 1.0, "tflops": tflops, "memory_bandwidth_gbps": gbps, "energy_j": None}
+    metrics = {"time_ms": time_ms, "tflops": tflops, "memory_bandwidth_gbps": gbps, "energy_j": None}
     return measured(prov, metrics, stats, Method(timer="cpu", l2="warm", stop_reason="converged"), environment=env,
                     parent=parent)
 
@@ -249,6 +249,42 @@ def test_a_row_above_a_ceiling_is_flagged_never_capped(h):
     assert plain["status"] == "ok" and "ceiling" not in plain
 
 
+def test_a_row_above_a_ceiling_says_why(h):
+    """`above_ceiling` alone left a user to guess why a row beat the calibration set (a CPU's 1 MiB copy read 4.5
+    times the bandwidth ceiling): `why` names the cause the row and the ceiling show, and `values` each ceiling,
+    so a fraction can be checked against the row `citations` names."""
+    others = _above_ceiling_ledger(h)
+
+    def ceiling_of(table, spec):
+        (doc,) = api.query(table, h.CPU, [spec], gpu_name=GPU, db="p.db").results
+        return doc["ceiling"]
+
+    above = ceiling_of("single_gemm", others[1])  # 8.4 TFLOP/s over the set's 7.0, in the state it was measured
+    assert above["values"] == {"tflops": 7.0, "memory_bandwidth_gbps": 20.0}
+    assert set(above["why"]) == {"tflops"}
+    assert above["why"]["tflops"].startswith("faster than every row of the set as it was measured (max over 3/3 "
+                                             "shapes (at single_gemm 768x768x768)")
+    assert "`kprof calibrate --force` measures it again" in above["why"]["tflops"]
+    assert "why" not in ceiling_of("single_gemm", others[0])
+
+    small = {"bytes": 1 << 20}  # 0.477 MiB a call at 50 GB/s (its time, 0.01 ms, is made up)
+    h.append("p.db", _row(small, table="memcpy", gbps=50.0, time_ms=0.01))
+    assert ceiling_of("memcpy", small)["why"] == {  # 3 of the 4 shapes: the matrix-vector product is missing
+        "memory_bandwidth_gbps": "the ceiling is the max over 3 of its 4 shapes; `kprof calibrate` measures the rest"}
+    (matvec,) = [x for t, x in CPU_BYTES.members if t == "single_gemm"]
+    h.append("p.db", _row(matvec, gbps=5.0, tflops=0.001))  # 4.77 MiB a call: the least of the set
+    why = ceiling_of("memcpy", small)["why"]["memory_bandwidth_gbps"]
+    assert why == ("moves 0.477 MiB a call, less than any row of the set (4.77 MiB): a cache can serve a working set "
+                   "that small, and this row is timed with warm caches; the ceiling is memory's")
+    assert ceiling_of("single_gemm", others[1])["why"]["tflops"].startswith("faster than every row")
+
+    bf16 = h.gemm(64, 64, 64, dtype="bf16")
+    h.append("p.db", _row(bf16, tflops=9.0, gbps=0.1))
+    assert ceiling_of("single_gemm", bf16)["why"] == {"tflops": "a bf16 row, bounded by the ceiling of fp32 GEMMs: "
+                                                                "no calibration set is of bf16, whose arithmetic may "
+                                                                "run faster"}
+
+
 def test_query_json_flags_a_row_above_a_ceiling(h, capsys):
     others = _above_ceiling_ledger(h)
     doc = h.read_json(capsys, "query", "p.db", *others, extra=["--gpu-name", GPU])
@@ -310,6 +346,7 @@ def test_a_row_is_bounded_by_the_ceiling_of_its_own_dtype(h):
     found, (fp8, other) = shares()
     assert [(c.metric, c.dtype) for c in found] == [("tflops", None)]
     assert fp8["fraction"]["tflops"] == pytest.approx(900.0 / top) and fp8["above_ceiling"] is True
+    assert fp8["why"]["tflops"].startswith("a fp8_e4m3 row, bounded by the ceiling of bf16 GEMMs")
     assert other["fraction"]["tflops"] == pytest.approx(500.0 / top) and "above_ceiling" not in other
 
     fp8_ids = h.append("p.db", *[_row(x, backend="torch", tflops=1200.0 + i)
