@@ -12,7 +12,8 @@ set (`CEILING_SETS`), every row measured the same way: the timing method of this
 named), one row per shape, found again by its table and spec. A `Ceiling` names the row holding the maximum
 (its citation), the whole set and which of it is in the ledger, and how the set was measured: the rows'
 timing string and, read from the rows' own events, the SM clock range, power, temperature and throttle
-reasons seen (`method`; `method["summary"]` is the same in one line).
+reasons seen, or on the CPU the host's load average and the rows timed while it passed the cores (`method`;
+`method["summary"]` is the same in one line).
 
 The arithmetic ceiling is taken at the max SM clock: each GEMM row's TFLOP/s times the device's max SM clock
 over the clock it was timed at, where its event says both (`_clock_scale`; `method["clock_scaled"]`). The set's
@@ -250,7 +251,7 @@ def _method(s: CeilingSet, timing: str, found: list, events: list, best: tuple, 
     """How a ceiling's rows were measured, from their events: timing, the range over the rows of each clock
     and power reading their environments hold, every throttle reason seen, the stop reasons."""
     clocks: dict[str, list[float]] = {}
-    throttle, stops, limits, timers = set(), set(), set(), set()
+    throttle, stops, limits, timers, loads, busy = set(), set(), set(), set(), [], 0
     for e in events:
         env = getattr(e, "environment", None)
         if env is not None:
@@ -263,6 +264,11 @@ def _method(s: CeilingSet, timing: str, found: list, events: list, best: tuple, 
         if m is not None:
             stops.add(m.stop_reason)
             timers.add(f"{m.timer};l2={m.l2};{'graph' if m.graph else 'eager'}")
+            try:  # a CPU row's host load: other work on the host slows every sample alike
+                loads.append(float(m.notes["host_load_1m"]))
+            except (KeyError, ValueError):
+                pass
+            busy += "host_busy" in m.notes
     measured = [(t, dict(row.spec)) for t, row in found]
     out = {"set": f"max of {s.metric} over {s.about}: {', '.join(_label(t, x) for t, x in s.members)}",
            "measured": len(found), "of": len(s.members),
@@ -270,6 +276,8 @@ def _method(s: CeilingSet, timing: str, found: list, events: list, best: tuple, 
            "at": _label(best[0], best[1].spec), "timing": timing, "timers_seen": sorted(timers),
            "clocks": {k: _span(v) for k, v in sorted(clocks.items())}, "throttle": sorted(throttle),
            "power_limit_w": sorted(limits), "stop_reasons": sorted(stops)}
+    if loads:
+        out["host_load_1m"], out["host_busy"] = _span(loads), busy
     moved = [b for _t, row in found for b in [_bytes(row.metrics or {}, s.metric)] if b]
     if moved:
         out["bytes_per_call"] = _span(moved)
@@ -297,6 +305,10 @@ def _summary(m: dict) -> str:
         parts.append(f"{lo:.0f}-{hi:.0f} W")
     if m["throttle"]:
         parts.append("throttle " + ",".join(m["throttle"]))
+    if m.get("host_load_1m"):
+        lo, hi = m["host_load_1m"]
+        busy = f", busy over {m['host_busy']} row(s)" if m["host_busy"] else ""
+        parts.append(f"host load {lo:.2f}-{hi:.2f}{busy}")
     return "; ".join(parts)
 
 

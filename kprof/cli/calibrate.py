@@ -46,6 +46,8 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
             unit = "TFLOP/s" if c.metric == "tflops" else "GB/s"
             of = f" ({c.dtype} rows)" if c.dtype else ""
             out.print(f"{c.metric}{of}: {_figure(c.value)} {unit}  ({c.table} {c.spec}, {c.citation})", markup=False)
+            if (c.method or {}).get("summary"):
+                out.print(f"  {c.method['summary']}", markup=False)
         for r in rows:
             if r["status"] != "ok":
                 out.print(f"{r['spec']}: {r['status']} {r.get('error') or ''}", markup=False)

@@ -26,14 +26,15 @@ CPU_COPIES = [spec for t, spec in CPU_BYTES.members if t == "memcpy"]
 
 
 def _row(spec, *, table="single_gemm", backend="torch-cpu", gpu=GPU, timing=None, tflops=1.0, gbps=1.0,
-         env=Environment(), parent=None, time_ms=1.0):
+         env=Environment(), parent=None, time_ms=1.0, notes=None):
     """A measured event of `spec` with the given metrics (and, for a CUDA backend, the given timing string)."""
     entry = lookup(table, backend)
     contract = entry.contract if timing is None else msgspec.structs.replace(entry.contract, timing=timing)
     prov = KeyMaker(table, backend, gpu, contract, ShapeCodec(entry.args)).provenance(spec)
     stats = Stats(n=3, median=1.0, p10=1.0, p90=1.0, mean=1.0, stdev=0.0, cv=0.0, min=1.0, max=1.0)
     metrics = {"time_ms": time_ms, "tflops": tflops, "memory_bandwidth_gbps": gbps, "energy_j": None}
-    return measured(prov, metrics, stats, Method(timer="cpu", l2="warm", stop_reason="converged"), environment=env,
+    return measured(prov, metrics, stats, Method(timer="cpu", l2="warm", stop_reason="converged", notes=notes or {}),
+                    environment=env,
                     parent=parent)
 
 
@@ -187,6 +188,31 @@ def test_the_ceiling_is_the_max_wherever_it_lies_in_the_set(h):
     h.append("p.db", _row(specs[1], tflops=2.0, parent=ids[1]))
     (c,) = ceilings(h.CPU, GPU, db="p.db")
     assert (c.value, c.spec, c.citation) == (5.0, specs[2], "kprof." + ids[2].hex()[:16])
+
+
+def test_a_cpu_ceiling_says_the_host_load_it_was_measured_under(h, capsys, monkeypatch):
+    """On the CPU the state that matters is the host's load (other work slows every sample alike): a ceiling
+    measured on a busy host said nothing of it, and calibrate's text output said nothing of how any was measured."""
+    busy = {"host_load_1m": "3.10", "host_busy": "load 3.10 over 2 cores: other work shared them"}
+    h.append("p.db", _row(CPU_GEMMS[0], tflops=3.0, notes={"host_load_1m": "0.40"}),
+             _row(CPU_GEMMS[1], tflops=7.0, notes=busy), _row(CPU_GEMMS[2], tflops=5.0))
+    (c,) = ceilings(h.CPU, GPU, db="p.db")
+    assert (c.method["host_load_1m"], c.method["host_busy"]) == ([0.4, 3.1], 1)
+    assert c.method["summary"].endswith("; host load 0.40-3.10, busy over 1 row(s)")
+    h.append("p.db", *[_row(x, table="memcpy", gbps=10.0, notes={"host_load_1m": "0.50"}) for x in CPU_COPIES])
+    by = {c.metric: c for c in ceilings(h.CPU, GPU, db="p.db")}
+    assert (by["memory_bandwidth_gbps"].method["host_load_1m"], by["memory_bandwidth_gbps"].method["host_busy"]) == \
+        ([0.5, 0.5], 0)
+    assert by["memory_bandwidth_gbps"].method["summary"].endswith("; host load 0.50-0.50")
+
+    from kprof.cli import calibrate as verb
+
+    monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([], list(by.values())))
+    monkeypatch.setattr(verb, "complete", lambda *a: True)
+    assert main(["calibrate", "--backend", "torch-cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "  " + by["tflops"].method["summary"]
+    assert lines[3] == "  " + by["memory_bandwidth_gbps"].method["summary"]
 
 
 def test_a_partly_measured_set_says_what_is_missing(h):
