@@ -48,15 +48,20 @@ class Claims:
                              f"writable, or copy the ledger to one") from None
         # Made and locked under the directory's lock: between the two, another run would take our unlocked file
         # for a dead run's and remove it, and our claims with it.
+        with self._using(), self._lock():
+            self._own = open(self.path, "a+")
+            fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own new file: never contended
+        return self
+
+    @contextlib.contextmanager
+    def _using(self):
+        """What the directory refuses (its permissions, a file of it unreadable or in the way): one line naming it."""
         try:
-            with self._lock():
-                self._own = open(self.path, "a+")
-                fcntl.flock(self._own, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our own new file: never contended
+            yield
         except OSError as e:
             bad = self._named(e.filename)
             raise UsageError(f"cannot use {self._where}: {bad}: {e.strerror}; fix or remove {bad} "
                              f"(no rows are kept there)") from None
-        return self
 
     @property
     def _where(self) -> str:
@@ -80,10 +85,8 @@ class Claims:
         """Ends every claim of this run (the file goes, then the lock with it)."""
         if self._own is None:
             return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(OSError):  # where it cannot go (the directory made read-only), its lock still ends
+            os.unlink(self.path)  # with close: another run finds it dead and removes it
         with contextlib.suppress(OSError):  # data a full disk refused is not flushed again
             self._own.close()
         self._own = None
@@ -93,7 +96,7 @@ class Claims:
         gone = self.claimed.intersection(keys)
         if not gone or self._own is None:
             return
-        with self._lock():  # appended, not rewritten: a run ends each of its many claims as it stores the row
+        with self._using(), self._lock():  # appended, not rewritten: a run ends each claim as it stores its row
             self.claimed -= gone
             self._record("".join("-" + k.hex() + "\n" for k in gone))
 
@@ -118,9 +121,9 @@ class Claims:
             if not name.endswith(".claim") or name == os.path.basename(self.path):
                 continue
             path = os.path.join(self.dir, name)
-            try:
-                f = open(path)
-            except FileNotFoundError:
+            try:  # read as text whatever it holds: a line that is not a key is skipped below
+                f = open(path, errors="replace")
+            except (FileNotFoundError, IsADirectoryError):  # gone meanwhile, or a directory: no run's claims
                 continue
             with f:
                 try:
@@ -131,7 +134,7 @@ class Claims:
                     keys: dict[bytes, bool] = {}  # key -> still claimed, by this file's lines in order
                     for line in f:
                         line = line.strip()
-                        with contextlib.suppress(ValueError):  # a line a full disk cut short
+                        with contextlib.suppress(ValueError):  # a line a full disk cut short, or garbage
                             keys[bytes.fromhex(line.lstrip("-"))] = not line.startswith("-")
                     held.update((k, name[: -len(".claim")]) for k, live in keys.items() if live)
                     continue
@@ -141,7 +144,7 @@ class Claims:
     def take(self, keys) -> tuple[list[bytes], dict[bytes, str]]:
         """Claims every key of `keys` no live run holds: (the keys claimed now, in order, including those this run
         held already; {key: holder run id} for the others)."""
-        with self._lock():
+        with self._using(), self._lock():
             held = self._held_by_others()
             mine = [k for k in keys if k not in held]
             new = [k for k in dict.fromkeys(mine) if k not in self.claimed]

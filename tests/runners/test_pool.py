@@ -350,6 +350,45 @@ def test_two_names_of_one_ledger_share_its_claims(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "link.db-claims")
 
 
+def test_a_live_claim_file_of_garbage_and_a_directory_named_as_a_claim_are_read_past(tmp_path):
+    """A live run's claim file holding bytes that are not text, and a directory named `*.claim`, were an uncaught
+    UnicodeDecodeError and IsADirectoryError in every other run's take (a traceback, exit 1): the garbage lines
+    are skipped, the file's keys stay its run's, and the directory (no run's claims) is left alone."""
+    import fcntl
+
+    from kprof.runners.claims import Claims
+
+    db = str(tmp_path / "p.db")
+    os.makedirs(f"{db}-claims/odd.claim")
+    with open(f"{db}-claims/live.claim", "wb") as live:
+        live.write(b"\xf9\xfe\x00garbage\n" + b"k1".hex().encode() + b"\n\xff\n")
+        live.flush()
+        fcntl.flock(live, fcntl.LOCK_EX)  # its run is alive
+        with Claims(db, "mine") as mine:
+            assert mine.take([b"k1", b"k2"]) == ([b"k2"], {b"k1": "live"})
+    assert os.path.isdir(f"{db}-claims/odd.claim")
+
+
+def test_a_claims_directory_that_goes_mid_run_is_one_usage_error(tmp_path):
+    """`<db>-claims` replaced by a file (or made unreadable) while a run holds claims: take and drop raised an
+    uncaught OSError (a traceback); now one UsageError naming it, and the run's end does not raise again."""
+    import shutil
+
+    from kprof.errors import UsageError
+    from kprof.runners.claims import Claims
+
+    db = str(tmp_path / "p.db")
+    claims = Claims(db, "r").__enter__()
+    claims.take([b"k1"])
+    shutil.rmtree(f"{db}-claims")
+    (tmp_path / "p.db-claims").write_text("")
+    for call in (lambda: claims.take([b"k2"]), lambda: claims.drop([b"k1"])):
+        with pytest.raises(UsageError, match=r"cannot use .*p\.db-claims, where concurrent runs .*: .*p\.db-claims"
+                                             r"/lock: Not a directory; fix or remove"):
+            call()
+    claims.release()
+
+
 @pytest.mark.slow
 def test_a_run_waiting_for_a_key_holds_none_it_has_stored(tmp_path):
     """Run X stores its key, then waits for a key run Y holds while Y waits for X's: X's stored key is no longer
