@@ -53,8 +53,7 @@ def provenance_key(provenance: Provenance) -> bytes:
 
 
 def provenance_prefix(provenance_without_shape: Provenance) -> bytes:
-    """The bytes before the shape (the last field) in a provenance's encoding: prefix + encode(shape) equals
-    encode(provenance), as a test holds."""
+    """The bytes of a provenance's encoding before its shape (its last field): these + encode(shape) == the whole."""
     data = encode(msgspec.structs.replace(provenance_without_shape, shape={"": 0}))
     tail = encode({"": 0})
     assert data.endswith(tail)  # internal invariant of the encoding, not input validation

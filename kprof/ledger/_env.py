@@ -13,7 +13,7 @@ import lmdb
 from ..errors import IntegrityError, LedgerError
 
 _live: "weakref.WeakSet" = weakref.WeakSet()  # every open Ledger of this process
-_envs: dict[str, list] = {}  # realpath -> [env, users, (st_dev, st_ino) of the file it maps, page size]
+_envs: dict[str, list] = {}  # realpath -> [env, users, (st_dev, st_ino) of the file it maps, page size, of its lock]
 _reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}  # this process's reads: id -> (env, txn, thread)
 GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
 CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
@@ -67,12 +67,14 @@ def _begin(env: lmdb.Environment, path: str) -> lmdb.Transaction:
                                   f"LMDB's most; end some (read from fewer threads or processes)") from None
 
 
-def _write_txn(env: lmdb.Environment, path: str, fn):
-    """fn(txn) in one write transaction, retried after growing a full map or adopting another process's size."""
+def _write_txn(env: lmdb.Environment, path: str, fn, check=lambda: None):
+    """fn(txn), then check(), in one write transaction; retried after growing a full map or adopting another's size."""
     while True:
         try:
             with env.begin(write=True) as txn:
-                return fn(txn)
+                done = fn(txn)
+                check()
+                return done
         except lmdb.MapFullError:
             _change_map(env, path, env.info()["map_size"] * 2)
         except lmdb.MapResizedError:
@@ -93,13 +95,14 @@ def _identity(path: str) -> tuple:
 
 
 def _check_file(path: str, real: str, entry: list) -> None:
-    """Before each read (one stat): the file at the path is still the one the environment maps (not replaced in
-    place), and not shorter than the pages LMDB uses (a read past its end would fault: SIGBUS)."""
-    env, _users, identity, psize = entry
+    """Before each read and commit: the file and its lock file are those LMDB opened (a writer through a new lock would
+    commit over this one's commits), and the file is not shorter than the pages LMDB uses (a read there: SIGBUS)."""
+    env, _users, identity, psize, lock = entry
     now = _identity(real)
-    if now[:2] != identity:
-        raise LedgerError(f"ledger {path} was replaced or removed since this process opened it; open it again (add "
-                          f"rows to a ledger in use with `kprof merge` instead of replacing the file)")
+    if now[:2] != identity or _identity(real + "-lock")[:2] != lock:
+        what = f"ledger {path}" if now[:2] != identity else f"the lock file {real}-lock of ledger {path}"
+        raise LedgerError(f"{what} was replaced or removed since this process opened it; open it again (add rows to "
+                          f"a ledger in use with `kprof merge`, never by replacing it or removing its lock file)")
     have, need = now[2], 2 * psize  # first LMDB's two meta pages, which say how many pages it uses
     if have >= need:
         need = (env.info()["last_pgno"] + 1) * psize

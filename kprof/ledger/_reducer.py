@@ -111,8 +111,7 @@ def damaged_entry(db: str, key: bytes, why: str) -> IntegrityError:
 
 
 def opened(db: str, key: bytes, raw: bytes, record_type: type):
-    """The `record_type` record that the sealed value `raw` of `key` holds; IntegrityError naming the entry where its
-    digest fails or it does not decode."""
+    """The `record_type` record the sealed value `raw` of `key` holds; IntegrityError naming it where it fails."""
     try:
         sealed = _sealed.decode(raw)
         if seal_digest(key, sealed.body) != sealed.digest:

@@ -61,8 +61,7 @@ def resolve(ledger, ref: str) -> Resolved:
 
 
 def _check_neighbours(txn, db, path: str, prefix_hex: str) -> None:
-    """Where no event id has the prefix, the ids either side must hash from their bytes: an id damaged in place
-    would otherwise read as "no such event"."""
+    """Where no event id has the prefix, the ids either side must hash from their bytes (else damage reads as none)."""
     even = prefix_hex[: len(prefix_hex) // 2 * 2]
     cursor, items = txn.cursor(db), []
     if cursor.set_range(bytes.fromhex(even)):

@@ -104,7 +104,7 @@ class Ledger:
             try:
                 entry = [lmdb.open(real, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
                                    lock=lock, sync=True, metasync=True, readahead=readahead, max_readers=510), 0,
-                         _identity(real)[:2], 0]
+                         _identity(real)[:2], 0, _identity(real + "-lock")[:2]]
             except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:  # the header's version, or the lock file's
                 lock_file = f" (or its lock file: remove {real}-lock while no process has the ledger open)" * (
                     isinstance(exc, lmdb.VersionMismatchError))
@@ -246,11 +246,11 @@ class Ledger:
             return msgspec.msgpack.decode(self._get("meta", b"last_seq"), type=int)
 
     def write(self, fn):
-        """Runs fn(txn) in one write transaction; grows the map and retries when it is full."""
+        """Runs fn(txn) in one write transaction, committed only where `_check_file` passes; grows a full map."""
         self._guard()
         if self.readonly:
             raise LedgerError(f"ledger {self.path} was opened read-only; open it with readonly=False to write")
-        return _write_txn(self.env, self.path, fn)
+        return _write_txn(self.env, self.path, fn, lambda: _check_file(self.path, self.real_path, self._entry))
 
     def append(self, events: Iterable) -> AppendResult:
         """Appends a batch atomically, skipping events already present. A batch with a key that its provenance does

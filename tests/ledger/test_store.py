@@ -132,6 +132,48 @@ def test_resolve_by_citation_key_and_prefix(ledger):
 
 
 
+_APPEND = "import sys; from kprof import synth; from kprof.ledger import Ledger; " \
+          "Ledger.open(sys.argv[1]).append(list(synth.events(int(sys.argv[2]), int(sys.argv[2]) + 2)))"
+
+
+def test_a_writer_whose_lock_file_was_removed_refuses_to_commit_over_another_writer(tmp_path):
+    """`<ledger>-lock` removed while a writer has the ledger open (a `git clean -X`, a clean-up script): the next
+    process makes a new one, and LMDB's write lock no longer excludes the two. The first writer's commit landed on
+    the other's, whose rows were lost (two writers through the two locks lost every row and left the file damaged);
+    now a commit checks the lock file is still the one opened, and the first writer refuses, writing nothing."""
+    path = str(tmp_path / "l.db")
+    with Ledger.open(path) as held:
+        held.append(list(synth.events(0, 2)))
+        os.remove(path + "-lock")
+
+        def during(txn):  # another process appends through a lock file of its own, while this write is open
+            subprocess.run([sys.executable, "-c", _APPEND, path, "10"], check=True, timeout=120)
+            txn.put(b"last_seq", _codec.encode(99), db=held.dbs["meta"])
+
+        with pytest.raises(LedgerError, match=f"the lock file {re.escape(path)}-lock of ledger {re.escape(path)} was "
+                                              f"replaced or removed since this process opened it; open it again"):
+            held.write(during)
+        with pytest.raises(LedgerError, match="lock file .* was replaced or removed"):
+            synth.view(held).count_missing([synth.spec(0)])
+    with Ledger.open(path, readonly=True) as fresh:
+        assert fresh.last_seq == 4 and synth.view(fresh).count_missing([synth.spec(i) for i in (0, 1, 10, 11)]) == 0
+    assert audit(path).ok
+
+
+def test_a_writer_of_a_ledger_replaced_in_place_refuses_to_append(tmp_path, ledger_path):
+    """A writer went on committing into the file it opened after another was moved to its path: every row it then
+    reported stored was in a file no name reached any more (lost). Its appends refuse now, as its reads did."""
+    with Ledger.open(ledger_path) as held:
+        held.append(list(synth.events(0, 2)))
+        with Ledger.open(str(tmp_path / "new.db")) as other:
+            other.append(list(synth.events(5, 6)))
+        os.replace(tmp_path / "new.db", ledger_path)
+        with pytest.raises(LedgerError, match="was replaced or removed since this process opened it"):
+            held.append(list(synth.events(2, 4)))
+    with Ledger.open(ledger_path, readonly=True) as fresh:
+        assert fresh.last_seq == 1
+
+
 @pytest.mark.parametrize("how", ["os.replace", "rm and create"])
 def test_a_ledger_replaced_in_place_is_read_anew_and_the_earlier_reader_refuses(tmp_path, ledger_path, how):
     """A file replaced at the path is another file: a new open reads it, not the environment this process holds on
