@@ -1,5 +1,4 @@
-"""The ledger: immutable events keyed by provenance, an LMDB store, materialized views, replay, audit. Importing this
-package never imports torch, cupti or pynvml."""
+"""The ledger: events keyed by provenance, an LMDB store, views, replay, audit. It imports no torch, cupti or pynvml."""
 
 from .events import (ERROR_KINDS, Contract, Environment, Event, Failed, Measured, Method, Origin, Provenance,
                      Retracted, Stats)

@@ -45,18 +45,22 @@ def _not_a_ledger(path: str, what: str, damaged: str = "") -> LedgerError:
                        f"file{fix}")
 
 
-def _recognize(path: str, deadline: float) -> None:
-    """Refuses an existing path that cannot be a ledger (a directory, device or pipe, empty file, file without
-    LMDB's magic number), creating nothing. A damaged LMDB file passes, for the open to name the damage (exit 3)."""
+def _recognize(path: str, deadline: float, readonly: bool) -> None:
+    """Refuses, creating nothing, a path that cannot be a ledger (a directory, device or pipe, empty file, file without
+    LMDB's magic number; a writer's of several hard links). A damaged LMDB file passes: the open names it (exit 3)."""
     try:
-        mode = os.stat(path).st_mode
+        st = os.stat(path)
     except OSError as exc:
         raise LedgerError(f"cannot open ledger {path}: {exc.strerror}; check the path and its permissions") from None
-    if stat.S_ISDIR(mode):
+    if stat.S_ISDIR(st.st_mode):
         raise LedgerError(f"ledger path {path} is a directory, not a kprof ledger; pass the ledger file, e.g. "
                           f"{os.path.join(path, 'profile.db')}")
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         raise _not_a_ledger(path, "not a regular file: a device, pipe or socket")
+    if st.st_nlink > 1 and not readonly:  # LMDB's lock file is `<name>-lock`: one per name, where writers exclude
+        raise LedgerError(f"ledger {path} has {st.st_nlink} hard links, each name with a lock file of its own: writers "
+                          f"through two names would commit over each other's rows; keep one name (remove the other "
+                          f"links, or `cp` the file; a symbolic link shares the lock)")
     while os.path.getsize(path) == 0:  # until `deadline`, a writer creating the file may not have written its header
         if time.monotonic() > deadline:
             raise _not_a_ledger(path, "an empty file, 0 bytes", "the file was truncated")

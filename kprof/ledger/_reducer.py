@@ -11,9 +11,8 @@ Views (rebuildable from the log), every value a named msgspec Struct encoded as 
   retracted    target event id -> retraction event id
   scopes       scope id -> Sealed(ScopeEntry): the scope's names, row count, root accumulator and contract ids
 
-A key's current row is its latest non-retracted attempt, measured or failed (a failure retracted brings the
-earlier good row back). The view root is an additive multiset hash over (key, current event id): O(1) per change,
-independent of the order rows arrived in."""
+A key's current row is its latest non-retracted attempt, measured or failed (a retracted failure brings the earlier
+good row back). The view root, an additive multiset hash of (key, current event id), is O(1) per change, any order."""
 
 from __future__ import annotations
 

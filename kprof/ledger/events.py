@@ -187,9 +187,8 @@ EventHead = Union[MeasuredHead, FailedHead, Retracted]
 
 
 class MeasuredAudit(msgspec.Struct, frozen=True, gc=False, tag="measured"):
-    """A measured event as the audit reads it: the provenance as its stored bytes (hashed for the key), and
-    nothing the views do not use (decoding method, environment, origin and samples doubled the decoding's cost;
-    the event id's check covers their bytes)."""
+    """A measured event as the audit reads it: the provenance as its stored bytes (hashed for the key), and nothing
+    the views do not use (method, environment, origin and samples doubled the decoding's cost; the id covers them)."""
 
     key: bytes
     provenance: msgspec.Raw

@@ -79,7 +79,7 @@ class Ledger:
     @classmethod
     def _open(cls, path: str, readonly: bool, map_size: int, readahead: bool, deadline: float) -> "Ledger":
         if os.path.exists(path):
-            _recognize(path, deadline)
+            _recognize(path, deadline, readonly)
         elif os.path.islink(path):  # to nothing (it does not exist): LMDB would create `<path>-lock`, then fail
             raise LedgerError(f"ledger path {path} is a symbolic link to nothing (dangling, or a loop); fix the link")
         elif readonly:

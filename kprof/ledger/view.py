@@ -1,8 +1,7 @@
 """The read API simulators use: one scope's current rows, looked up by spec (`kprof.api.view(ledger, table, backend,
 gpu_key)` makes one; the README's Python read API shows its calls). Every row a lookup returns is verified (see
-_verify): a damaged ledger gives an IntegrityError (exit 3), never a wrong answer. The same specs asked again (a
-simulator's loop) are answered from the ledger's memo of verified answers while the view root they were read under
-stands (see _memo)."""
+_verify): a damaged ledger gives an IntegrityError (exit 3), never a wrong answer. The same specs asked again are
+answered from the ledger's memo of verified answers while the view root they were read under stands (see _memo)."""
 
 from __future__ import annotations
 

@@ -174,6 +174,25 @@ def test_a_writer_of_a_ledger_replaced_in_place_refuses_to_append(tmp_path, ledg
         assert fresh.last_seq == 1
 
 
+def test_a_writer_refuses_a_ledger_of_several_hard_links_and_a_reader_reads_it(tmp_path):
+    """Two hard links to one ledger are two names, each with a lock file of its own (`<name>-lock`): two writers, one
+    through each, did not exclude each other, and their commits overwrote each other's (every row lost, the file left
+    damaged). A writer through any name of such a file refuses now, naming the fix; a reader reads it."""
+    path = str(tmp_path / "a.db")
+    with Ledger.open(path) as led:
+        led.append(list(synth.events(0, 2)))
+    os.link(path, tmp_path / "b.db")
+    for name in (path, str(tmp_path / "b.db")):
+        with pytest.raises(LedgerError, match=f"ledger {re.escape(name)} has 2 hard links, each name with a lock file "
+                                              f"of its own: .*; keep one name"):
+            Ledger.open(name)
+        with Ledger.open(name, readonly=True) as reader:
+            assert reader.last_seq == 2
+    os.remove(tmp_path / "b.db")
+    with Ledger.open(path) as led:
+        assert led.append(list(synth.events(2, 3))).last_seq == 3
+
+
 @pytest.mark.parametrize("how", ["os.replace", "rm and create"])
 def test_a_ledger_replaced_in_place_is_read_anew_and_the_earlier_reader_refuses(tmp_path, ledger_path, how):
     """A file replaced at the path is another file: a new open reads it, not the environment this process holds on
