@@ -128,8 +128,7 @@ class Shard:
                 self.found.add("structure", f"{name}: header counts {expected} entries, walk found {seen}")
 
     def log(self, txn) -> tuple[dict[bytes, int], int, int]:
-        """(event id -> seq of every logged event, last_seq, log entries walked). The log's keys must be the
-        sequence numbers 1..last_seq in order, each event logged once."""
+        """(event id -> seq, last_seq, log entries walked); the log's keys must be 1..last_seq, each event once."""
         report, last_seq = self._report, self._meta(txn)
         seqs, expect, walked = {}, 1, 0
         try:

@@ -1,5 +1,5 @@
-"""Writing a ledger: the reducer's Store over one LMDB write transaction, events in their canonical form, and the
-rebuild of the views. `kprof.ledger.store` writes through these."""
+"""Writing a ledger (`kprof.ledger.store` writes through these): the reducer's Store over one write transaction,
+events in their canonical form, and the rebuild of the views."""
 
 from __future__ import annotations
 
@@ -107,8 +107,7 @@ def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
 
 
 def append_events(txn, dbs: dict, prepared) -> AppendResult:
-    """Appends any batch (repeats, re-measurements, retractions) through `Reducer.apply`. What it reads (its event
-    ids, its keys' rows and histories) is read ahead in sorted passes."""
+    """Appends any batch (repeats, re-measurements, retractions) through `Reducer.apply`, reading ahead, sorted."""
     seq = msgspec.msgpack.decode(txn.get(b"last_seq", db=dbs["meta"]))
     reducer = Reducer(TxnStore(txn, dbs))
     store, added, existing = reducer.store, [], []

@@ -142,8 +142,7 @@ Event = Union[Measured, Failed, Retracted]
 
 
 class Summary(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """What a reader needs of a current row, stored in the `current` view: a lookup decodes one short flat array,
-    not the whole event (environment, raw samples)."""
+    """What a reader needs of a current row (the `current` view): one short flat array to decode, not the event."""
 
     metrics: dict[str, float | None] | None
     measured_at: float

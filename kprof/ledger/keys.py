@@ -18,8 +18,7 @@ provenance_key = _codec.provenance_key
 
 
 class KeyMaker:
-    """Keys of one (table, backend, gpu_key, contract): the provenance bytes before the shape are hashed once, so a
-    key costs a shape's encoding and a copy of that hasher taking it."""
+    """Keys of one (table, backend, gpu_key, contract): the provenance before the shape is hashed once, then copied."""
 
     def __init__(self, table: str, backend: str, gpu_key: str, contract: Contract, shapes: ShapeCodec):
         self.table, self.backend, self.gpu_key, self.contract, self.shapes = table, backend, gpu_key, contract, shapes

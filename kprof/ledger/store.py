@@ -139,6 +139,8 @@ class Ledger:
             except lmdb.ReadonlyError:
                 raise _read_only_file(path) from None
             except lmdb.Error as exc:
+                if "mdb_txn_commit" in str(exc):  # creating or upgrading it, refused by a full disk: not damage
+                    raise
                 raise IntegrityError(f"ledger {path} is damaged ({exc}); run `kprof audit --db {path}` and restore "
                                      f"from a copy") from None
         except BaseException:
@@ -155,8 +157,11 @@ class Ledger:
             env.copy(os.path.join(copy, "ledger.db"))
             _release(real, env)
             ledger = cls.open(os.path.join(copy, "ledger.db"), map_size=map_size)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(copy, ignore_errors=True)
+            if isinstance(exc, lmdb.Error):  # the copy, or its upgrade, refused: the temporary directory is full
+                raise LedgerError(f"cannot read ledger {path} (an older format) from its upgraded copy: writing it in "
+                                  f"{os.path.dirname(copy)} failed ({exc}); free space there, or set TMPDIR") from None
             raise
         ledger.path, ledger.readonly, pid = path, True, os.getpid()  # a forked child leaves its parent's copy alone
         ledger._temporary = weakref.finalize(ledger, lambda: os.getpid() == pid and shutil.rmtree(copy, True))
@@ -253,8 +258,7 @@ class Ledger:
         return _write_txn(self.env, self.path, fn, lambda: _check_file(self.path, self.real_path, self._entry))
 
     def append(self, events: Iterable) -> AppendResult:
-        """Appends a batch atomically, skipping events already present. A batch with a key that its provenance does
-        not hash to is refused whole, before anything is written."""
+        """Appends a batch atomically, skipping events present; a key not its provenance's hash refuses it whole."""
         return self.append_checked(self._prepare(events))
 
     def append_batches(self, batches: Iterable[Iterable]) -> list[AppendResult]:

@@ -417,6 +417,46 @@ def test_a_write_past_the_file_size_limit_is_named_and_keeps_earlier_rows(tmp_pa
     assert audit.returncode == 0 and json.loads(audit.stdout)["events"] == 1
 
 
+_LIMITED = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2); "
+            "from kprof.cli import main; sys.exit(main(sys.argv[2:]))")  # a file size limit: as a full disk fails
+
+
+def test_a_full_disk_while_run_creates_the_ledger_is_named_not_called_damage(tmp_path):
+    """The first commit, which makes a new file a ledger, refused by a full disk (here `ulimit -f`) read as damage:
+    "ledger p.db is damaged ... restore from a copy", exit 3. It is the full disk's message now, exit 2."""
+    import lmdb
+
+    db = str(tmp_path / "p.db")
+    lmdb.open(db, subdir=False, max_readers=510).close()  # its lock file at full size (past the limit below)
+    os.remove(db)
+    proc = subprocess.run([sys.executable, "-c", _LIMITED, "8192", "run", "single_gemm", "--backend", "torch-cpu",
+                           "--spec", '{"m": 8, "n": 64, "k": 64, "dtype": "fp32"}', "--db", db],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "writing the ledger failed" in proc.stderr and "ulimit -f" in proc.stderr
+    assert "damaged" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("verb", ["scopes", "audit"])
+def test_a_reader_of_an_older_format_whose_temporary_copy_cannot_be_written_says_where(tmp_path, verb):
+    """A reader of an older format reads an upgraded copy it makes in the temporary directory; that copy refused
+    (a full temporary directory, here `ulimit -f`) read as damage to the ledger ("restore from a copy", exit 3, and
+    audit's finding). It names the temporary directory now, exit 2, and the ledger is unchanged."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    db = tmp_path / "v3.db"
+    shutil.copy(os.path.join(root, "fixtures", "ledgers", "synthetic-v3.db"), db)
+    before = db.read_bytes()
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+    proc = subprocess.run([sys.executable, "-c", _LIMITED, str(os.path.getsize(db) // 2), verb, "--db", str(db)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot read ledger {db} (an older format) from its upgraded copy: writing it in {tmp_path / 'tmp'} " \
+           f"failed (" in proc.stderr
+    assert "free space there, or set TMPDIR" in proc.stderr and "damaged" not in proc.stderr
+    assert db.read_bytes() == before and os.listdir(tmp_path / "tmp") == []
+
+
 @pytest.mark.parametrize("verb, exc, code, note", [
     ("run", KeyboardInterrupt(), 130, "interrupted (Ctrl-C): every row stored before it stays in the ledger"),
     ("run", SystemExit(143), 143, "interrupted (SIGTERM): every row stored before it stays in the ledger"),
