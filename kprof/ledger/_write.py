@@ -1,5 +1,4 @@
-"""Writing a ledger (`kprof.ledger.store` writes through these): the reducer's Store over one write transaction,
-events in their canonical form, and the rebuild of the views."""
+"""Writing a ledger, for `store`: the reducer's Store over a write transaction, canonical events, the views' rebuild."""
 
 from __future__ import annotations
 

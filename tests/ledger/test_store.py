@@ -174,6 +174,22 @@ def test_a_writer_of_a_ledger_replaced_in_place_refuses_to_append(tmp_path, ledg
         assert fresh.last_seq == 1
 
 
+@pytest.mark.parametrize("readonly", [True, False])
+def test_a_lock_file_that_is_a_directory_is_named(tmp_path, readonly):
+    """`<ledger>-lock` a directory: LMDB's error named the ledger file ("p.db: Is a directory"), which is a file."""
+    path = str(tmp_path / "p.db")
+    with Ledger.open(path) as led:
+        led.append(list(synth.events(0, 1)))
+    os.remove(path + "-lock")
+    os.mkdir(path + "-lock")
+    with pytest.raises(LedgerError, match=f"cannot open ledger {re.escape(path)}: its lock file {re.escape(path)}-lock "
+                                          f"is a directory: remove it"):
+        Ledger.open(path, readonly=readonly)
+    os.rmdir(path + "-lock")
+    with Ledger.open(path, readonly=True) as led:
+        assert led.last_seq == 1
+
+
 def test_a_writer_refuses_a_ledger_of_several_hard_links_and_a_reader_reads_it(tmp_path):
     """Two hard links to one ledger are two names, each with a lock file of its own (`<name>-lock`): two writers, one
     through each, did not exclude each other, and their commits overwrote each other's (every row lost, the file left
