@@ -174,7 +174,6 @@ class Ledger:
         if readonly:
             with _begin(env, path) as txn:  # a read: a reader of a current file never waits for a writer
                 found = _version(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
-            # an older file is read from an upgraded copy (`_reading_copy`): a reader never writes the file
             return found is None or not 1 <= found < _codec.FORMAT_VERSION
 
         def work(txn):

@@ -177,11 +177,10 @@ class View:
         """(status, key, event id, summary, base) of each canonical shape's row: the Row fields after `spec`."""
         keys = self.keys.keys_of(shapes)
         values = self._verified(txn, keys)
-        base = self.keys.base
         statuses = ["missing" if v is None else "ok" if v.kind == MEASURED else "failed" for v in values]
         eids = [None if v is None else v.event_id for v in values]
         summaries = [None if v is None else v.summary for v in values]
-        bases = [None if v is None else base for v in values]
+        bases = [None if v is None else self.keys.base for v in values]
         entry = self._entry(txn)
         if entry is not None and entry.contracts != [self._contract_id]:  # else no spec can be stale
             for i in [i for i, v in enumerate(values) if v is None]:  # may have a row of another contract
@@ -199,6 +198,8 @@ class View:
                 continue
             with _verify.reading(path, "events"):
                 prov = _verify.event(path, row.event_id, txn.get(row.event_id, db=self._events), key).provenance
+            if _codec.provenance_key(prov) != key:  # fields this kprof lacks dropped (a newer kprof's row): not ours
+                continue
             if prov.contract == self.contract:
                 return "ok" if row.kind == MEASURED else "failed", key, row.event_id, row.summary, prov
             if row.kind == MEASURED and prov.profiler_revision <= self.contract.profiler_revision and (

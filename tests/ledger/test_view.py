@@ -94,3 +94,32 @@ def test_a_rows_json_names_every_provenance_field_defaults_included(ledger):
     assert doc == msgspec.structs.asdict(row.provenance) and doc["profiler_revision"] == 1
     doc["shape"].clear()  # a copy: the next read is whole
     assert synth.view(ledger).get_many([synth.spec(0)])[0].to_json()["provenance"]["shape"] == synth.spec(0)
+
+
+def _newer_kprofs(event, **fields):
+    """(event as the views read it, bytes, id) of `event` as a newer kprof writes it: its provenance holding fields
+    this kprof does not know (its key hashes them; this kprof's decoding drops them)."""
+    doc = msgspec.msgpack.decode(_codec.encode(event))
+    doc["provenance"].update(fields)
+    doc["key"] = _codec.key_of(msgspec.msgpack.encode(doc["provenance"]))
+    doc["metrics"]["time_ms"] *= 3  # a row timed another way
+    data = msgspec.msgpack.encode(doc)
+    return _codec.event_decoder.decode(data), data, _codec.event_id(data)
+
+
+def test_a_row_whose_provenance_has_fields_this_kprof_lacks_is_not_read_as_its_row(ledger):
+    """A newer kprof's row (a provenance field added, e.g. the power state, at its non-default value) decodes here
+    with that field dropped, into this kprof's contract: `get_many` and `rows()` read it as this spec's ok row (its
+    time 3x) while `missing` counted the spec missing. Its key is not the one its decoded provenance hashes to: it
+    is not this kprof's row, as a row of a newer profiler revision is not (missing, or stale where an older exists)."""
+    ledger.append_checked([_newer_kprofs(synth.event(0), power="loaded")])
+    ledger.append_checked([_newer_kprofs(synth.event(1), power="loaded")])
+    ledger.append([synth.event(1, revision=0)])
+    view = synth.view(ledger)
+    specs = [synth.spec(0), synth.spec(1)]
+    rows = view.get_many(specs)
+    assert [r.status for r in rows] == ["missing", "stale"] and rows[1].provenance.profiler_revision == 0
+    assert view.get(**synth.spec(0)) is None and view.missing(specs) == specs
+    assert [(r.status, r.provenance.profiler_revision) for r in view.rows()] == [("stale", 0)]
+    ledger.append([synth.event(0)])  # this kprof's own row of the spec: read as ever
+    assert synth.view(ledger).get(**synth.spec(0)).metrics["time_ms"] == synth.event(0).metrics["time_ms"]
