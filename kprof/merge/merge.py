@@ -196,9 +196,10 @@ def _checked(part: _Part) -> tuple[list[_Seen], list[bytes]]:
         try:
             event = decode(data)
         except msgspec.MsgspecError as exc:
-            raise SegmentError(f"{path}: event {i} does not decode ({exc})") from None
+            raise SegmentError(f"{path}: event {i} {_newer(data, None) or f'does not decode ({exc})'}") from None
         if encode(event) != data:
-            raise SegmentError(f"{path}: event {i} is not in canonical form (not written by kprof)")
+            why = _newer(data, event) or "is not in canonical form (not written by kprof)"
+            raise SegmentError(f"{path}: event {i} {why}")
         kind = type(event)
         if kind is Retracted:
             out.append(_Seen(kind, event.key, event.target))
@@ -208,6 +209,35 @@ def _checked(part: _Part) -> tuple[list[_Seen], list[bytes]]:
                                f"provenance does not hash to (forged)")
         out.append(_Seen(kind, event.key, event.parent))
     return out, list(map(_codec.event_id, part.run.events))
+
+
+_FIX = "a newer kprof wrote it; upgrade kprof to merge it (nothing was merged)"
+
+
+def _newer(data: bytes, event) -> str | None:
+    """What in an event's bytes this kprof's schema lacks, where a newer kprof added it (an event kind; fields, in
+    any record of the event), said with the fix; None where nothing is unknown (the bytes are damaged or forged)."""
+    try:
+        doc = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if event is None:
+        kind = doc.get("type") if isinstance(doc, dict) else None
+        known = kind in ("measured", "failed", "retracted") or not isinstance(kind, str)
+        return None if known else f"is of a kind this kprof does not know ({kind!r}): {_FIX}"
+    unknown = _unknown_fields(doc, event)
+    return f"holds fields this kprof does not know ({', '.join(unknown)}): {_FIX}" if unknown else None
+
+
+def _unknown_fields(doc, record, at: str = "") -> list[str]:
+    """The names in a record's decoded bytes that its Struct does not declare, nested records included."""
+    found = []
+    for name, value in doc.items() if isinstance(doc, dict) else ():
+        if name not in record.__struct_fields__ and name != record.__struct_config__.tag_field:
+            found.append(at + name)
+        elif isinstance(value, dict) and isinstance(getattr(record, name, None), msgspec.Struct):
+            found += _unknown_fields(value, getattr(record, name), f"{at}{name}.")
+    return found
 
 
 class _Check:

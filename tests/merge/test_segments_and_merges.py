@@ -5,6 +5,7 @@ leave a report; a fast-forward merges; re-merging is a no-op; disjoint ledgers m
 import hashlib
 import json
 import os
+import re
 
 import msgspec
 import pytest
@@ -249,6 +250,50 @@ def test_reordered_and_forged_segments_are_rejected(tmp_path, source):
     with pytest.raises(SegmentError, match="forged"):
         merge([fake], target)
     assert _digest(target) == before
+
+
+NEWER = "a newer kprof wrote it; upgrade kprof to merge it (nothing was merged)"
+
+
+def _as_a_newer_kprof_writes(event, at: tuple = (), **fields) -> bytes:
+    """The event's bytes with fields this kprof does not know added (in the record at path `at`), as a newer kprof
+    appends them; the key rehashed where they went into the provenance."""
+    doc = msgspec.msgpack.decode(_codec.encode(event))
+    record = doc
+    for name in at:
+        record = record[name]
+    record.update(fields)
+    doc["key"] = _codec.key_of(msgspec.msgpack.encode(doc["provenance"]))
+    return msgspec.msgpack.encode(doc)
+
+
+@pytest.mark.parametrize(("at", "fields", "named"), [
+    ((), {"thermal_state": "hot"}, "thermal_state"),
+    (("provenance",), {"power": "loaded"}, "provenance.power"),
+    (("method",), {"sweeps": 3, "clock": "max"}, "method.sweeps, method.clock"),
+])
+def test_a_segment_of_a_newer_kprof_is_refused_naming_its_unknown_fields(tmp_path, at, fields, named):
+    """An event with fields this kprof's schema lacks was refused as "not in canonical form (not written by
+    kprof)", which reads as a forgery; it names the fields and the fix (a newer kprof wrote it), nothing merged."""
+    target = _ledger(tmp_path / "t.db", synth.events(100, 101))
+    before = _digest(target)
+    seg = str(tmp_path / "newer.kseg")
+    segment.write(seg, [_codec.encode(synth.event(6)), _as_a_newer_kprof_writes(synth.event(7), at, **fields)])
+    said = f"{seg}: event 1 holds fields this kprof does not know ({named}): {NEWER}"
+    with pytest.raises(SegmentError, match=f"^{re.escape(said)}$"):
+        merge([seg], target)
+    assert _digest(target) == before
+
+
+def test_a_segment_holding_an_event_kind_this_kprof_does_not_know_says_so(tmp_path):
+    doc = msgspec.msgpack.decode(_codec.encode(synth.event(7)))
+    doc["type"] = "annotated"
+    seg = str(tmp_path / "newer.kseg")
+    segment.write(seg, [msgspec.msgpack.encode(doc)])
+    said = f"{seg}: event 0 is of a kind this kprof does not know ('annotated'): {NEWER}"
+    with pytest.raises(SegmentError, match=f"^{re.escape(said)}$"):
+        merge([seg], str(tmp_path / "t.db"))
+    assert not os.path.exists(tmp_path / "t.db")
 
 
 def test_a_conflict_merges_nothing_and_reports_both_events(tmp_path):
