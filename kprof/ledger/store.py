@@ -6,8 +6,6 @@ a reader or a crash sees all of a batch or none of it. LMDB serializes writers a
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -18,6 +16,7 @@ from typing import Iterable, Iterator
 import lmdb
 import msgspec
 
+from .. import _scratch
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
 from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identity, _inherited, _live, _read_only_file,
@@ -152,20 +151,20 @@ class Ledger:
 
     @classmethod
     def _reading_copy(cls, path: str, real: str, env: lmdb.Environment, map_size: int) -> "Ledger":
-        """An older file's reader: LMDB's snapshot copy, upgraded in a temp dir removed at close, collection or exit."""
-        copy = tempfile.mkdtemp(prefix="kprof-upgraded-")
+        """An older file's reader: LMDB's snapshot copy, upgraded in a temp dir removed at close, collection or exit
+        (or, where the process is killed, by the next process making one: see kprof._scratch)."""
+        copy, remove = _scratch.make("kprof-upgraded-copy-")
         try:
             env.copy(os.path.join(copy, "ledger.db"))
             _release(real, env)
             ledger = cls.open(os.path.join(copy, "ledger.db"), map_size=map_size)
         except BaseException as exc:
-            shutil.rmtree(copy, ignore_errors=True)
+            remove()
             if isinstance(exc, lmdb.Error):  # the copy, or its upgrade, refused: the temporary directory is full
                 raise LedgerError(f"cannot read ledger {path} (an older format) from its upgraded copy: writing it in "
                                   f"{os.path.dirname(copy)} failed ({exc}); free space there, or set TMPDIR") from None
             raise
-        ledger.path, ledger.readonly, pid = path, True, os.getpid()  # a forked child leaves its parent's copy alone
-        ledger._temporary = weakref.finalize(ledger, lambda: os.getpid() == pid and shutil.rmtree(copy, True))
+        ledger.path, ledger.readonly, ledger._temporary = path, True, weakref.finalize(ledger, remove)
         return ledger
 
     @staticmethod

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import lmdb
 import msgspec
@@ -142,7 +143,7 @@ def test_an_older_file_that_cannot_be_written_is_read_through_an_upgraded_copy(t
         before = f.read()
     temp = tmp_path / "temp"
     temp.mkdir()
-    monkeypatch.setattr(store.tempfile, "tempdir", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     real_access = os.access
     monkeypatch.setattr(store.os, "access", lambda p, mode: False if p == path and mode == os.W_OK
                         else real_access(p, mode))
@@ -167,7 +168,7 @@ def test_an_upgraded_copy_goes_when_its_reader_is_collected_or_the_process_exits
     path, _ = _copy(tmp_path, 3)
     temp = tmp_path / "temp"
     temp.mkdir()
-    monkeypatch.setattr(store.tempfile, "tempdir", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     led = Ledger.open(path, readonly=True)
     assert _answers(led) and len(os.listdir(temp)) == 1
     del led
@@ -179,4 +180,41 @@ def test_an_upgraded_copy_goes_when_its_reader_is_collected_or_the_process_exits
     done = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "TMPDIR": str(temp)})
     assert done.returncode == 0 and done.stdout == "1\n", done.stderr  # the copy, while the reader is open
+    assert os.listdir(temp) == []
+
+
+def test_the_upgraded_copy_of_a_killed_reader_goes_when_the_next_reader_opens(tmp_path, monkeypatch):
+    """A reader killed by SIGKILL (the OOM killer, `timeout -s KILL`) runs no cleanup: its upgraded copy, as large as
+    the ledger, stayed in the temporary directory for good, one per killed reader. The next reader's open removes
+    it; the copy of a reader still alive in another process is left alone."""
+    from kprof import _scratch
+
+    path, _ = _copy(tmp_path, 3)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setattr(_scratch, "SETTLE_S", -1.0)  # every copy old enough to be judged by its lock alone
+    reader = ("import os, signal, sys\nfrom kprof import synth\nfrom kprof.ledger import Ledger\n"
+              "held = Ledger.open(sys.argv[1], readonly=True)\nsynth.view(held).get_many([synth.spec(0)])\n"
+              "print('open', flush=True)\nif sys.argv[2] == 'kill': os.kill(os.getpid(), signal.SIGKILL)\n"
+              "sys.stdin.read()\n")
+    env = {**os.environ, "TMPDIR": str(temp)}
+    killed = subprocess.run([sys.executable, "-c", reader, path, "kill"], capture_output=True, text=True, timeout=60,
+                            env=env)
+    assert killed.returncode == -9 and killed.stdout == "open\n", killed.stderr
+    left = os.listdir(temp)
+    assert len(left) == 1  # the killed reader's copy
+    alive = subprocess.Popen([sys.executable, "-c", reader, path, "hold"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert alive.stdout.readline() == "open\n"
+        held = set(os.listdir(temp)) - set(left)
+        led = Ledger.open(path, readonly=True)
+        assert _answers(led)
+        mine = set(os.listdir(temp)) - held
+        assert len(mine) == 1 and not mine & set(left)  # the killed reader's copy gone, the live reader's kept
+        led.close()
+        assert set(os.listdir(temp)) == held
+    finally:
+        alive.communicate("", timeout=60)
     assert os.listdir(temp) == []

@@ -1,0 +1,60 @@
+"""Scratch directories that go with the process that made them: removed when it lets go of one, and, where it was
+killed before it could (SIGKILL, the OOM killer: no cleanup runs), by the next process that makes one. A live owner
+holds a shared `flock` on its directory, which the kernel releases when the process ends however it ends; a
+directory that no process holds is left over. No kprof imports."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+
+__all__ = ["make"]
+
+# A directory younger than this is never taken for left over: its owner may be between making and locking it.
+SETTLE_S = 60.0
+
+
+def make(prefix: str) -> tuple[str, object]:
+    """(a new directory under the temporary directory, the function that removes it): removal happens once, and only
+    in the process that made it (a forked child calling it lets its parent's directory be). Left-over directories of
+    the same prefix are removed first."""
+    _sweep(prefix)
+    path = tempfile.mkdtemp(prefix=prefix)
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # held while the process lives (or until removed); forked children share it
+    pid, done = os.getpid(), []
+
+    def remove() -> None:
+        if not done:
+            done.append(True)
+            if os.getpid() == pid:
+                shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
+
+    return path, remove
+
+
+def _sweep(prefix: str) -> None:
+    """Removes the directories of `prefix` under the temporary directory that no live process holds."""
+    root = tempfile.gettempdir()
+    try:
+        names = [name for name in os.listdir(root) if name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # gone, another user's, or not a directory
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime > SETTLE_S:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused (OSError) while its owner holds it
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
