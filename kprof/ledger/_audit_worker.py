@@ -16,6 +16,7 @@ from ._reducer import REBUILT, Reducer, ScopeEntry, Store, opened, seq_of
 from .events import EventAudit, EventKey, Provenance, Retracted, RetractedKey
 
 MAX_LISTED = 50  # findings listed per check; all are counted
+_NEWER = "(damaged, or a newer kprof's fields: audit it with that kprof)"
 RANGED = ("current", "history", "failures")  # views keyed by the row key
 WALKED_WHERE_READ = RANGED + ("log", "events")  # not walked again by `structure`
 key_decoder = msgspec.msgpack.Decoder(EventKey)  # the key only: picks an event's shard without decoding the rest
@@ -202,10 +203,10 @@ class Shard:
                     continue
                 if prov is not None:
                     canonical = encode(prov)
-                    if key_of(canonical) != event.key:
+                    if key_of(canonical) != event.key and key_of(bytes(event.provenance)) != event.key:
                         add("keys", f"event {eid.hex()[:16]}: key {event.key.hex()[:16]} does not match its provenance")
-                    if canonical != bytes(event.provenance):
-                        add("events", f"event {eid.hex()[:16]}: its provenance is not in canonical form")
+                    if canonical != bytes(event.provenance):  # or holds fields this kprof lacks: `canonical` drops them
+                        add("events", f"event {eid.hex()[:16]}: its provenance is not in canonical form {_NEWER}")
                     event = msgspec.structs.replace(event, provenance=prov)  # the reducer reads its fields
                 if seq is None:
                     unlogged += 1
