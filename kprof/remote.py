@@ -14,7 +14,6 @@ run exits 3. `fresh` mode merges nothing at all.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import time
@@ -118,10 +117,11 @@ def _check_output_dir(output_dir: str | None) -> str:
 
 
 def _write_json(path: str, doc: dict) -> None:
+    """The document as JSON (msgspec's: NaN and infinities as null, never the bare NaN the standard module writes,
+    which no strict parser reads), written whole or not at all."""
     tmp = f"{path}.part"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-        f.write("\n")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(doc, enc_hook=str), indent=1) + b"\n")
     os.replace(tmp, path)
 
 

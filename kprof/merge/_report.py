@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import msgspec
@@ -23,9 +22,8 @@ def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: li
     where = os.path.join(out, "merge-report.json")
     try:
         os.makedirs(out, exist_ok=True)
-        with open(where, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
+        with open(where, "wb") as f:  # msgspec's JSON: a NaN metric as null, never a bare NaN
+            f.write(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
         told = f"the conflicts are in {where}"
     except OSError as exc:  # the report is lost, the refusal is not
         told = f"their report could not be written to {where} ({exc.strerror}); give --output-dir"

@@ -372,3 +372,29 @@ def test_a_claims_directory_it_cannot_use_is_refused_before_a_ledger_or_a_job(re
     with pytest.raises(UsageError, match="-claims is not a directory; fix or remove"):
         run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out")
     assert started == [] and not os.path.exists(db)
+
+
+def test_the_remote_record_and_a_merge_report_are_strict_json_with_a_nan_in_them(tmp_path, monkeypatch):
+    """The standard module writes a NaN as a bare NaN, which no strict JSON parser reads; kprof's records hold a
+    metric's NaN as null, as every other JSON kprof writes."""
+    import json
+
+    import pytest
+
+    from kprof.errors import MergeConflict
+    from kprof.merge import _report
+    from kprof.remote import _write_json
+
+    def strict(path):
+        with open(path) as f:
+            return json.load(f, parse_constant=lambda name: pytest.fail(f"{path} holds a bare {name}"))
+
+    _write_json(str(tmp_path / "remote-run.json"), {"chunks": [{"index": 0, "seconds": float("nan")}]})
+    assert strict(tmp_path / "remote-run.json") == {"chunks": [{"index": 0, "seconds": None}]}
+    row = {"key": "ab" * 32, "segment": "s.kseg",
+           "current": {"segment": None, "parent": None, "event": "cd" * 32, "time_ms": float("inf")},
+           "incoming": {"event": "ef" * 32, "time_ms": float("nan")}}
+    monkeypatch.setattr(_report, "_report", lambda *a: {"keys": [row]})
+    with pytest.raises(MergeConflict):
+        _report.refuse(None, "p.db", [], [], str(tmp_path))
+    assert strict(tmp_path / "merge-report.json")["keys"][0]["incoming"]["time_ms"] is None
