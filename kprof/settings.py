@@ -9,7 +9,11 @@ from typing import Callable
 
 from .errors import UsageError
 
-__all__ = ["env_number", "env_alias", "env_ordered"]
+__all__ = ["env_number", "env_alias", "env_ordered", "MAX_SECONDS"]
+
+# The most seconds any KPROF_*_S setting may hold: a week. Far more is a typo or a "never", and past ~1e9 s the
+# waits that take it overflow (OverflowError from select and timedelta) rather than wait.
+MAX_SECONDS = 7 * 24 * 3600
 
 
 def env_number(name: str, what: str, valid: Callable[[float], bool], example: str) -> float | None:

@@ -138,10 +138,11 @@ class StopRule:
     def from_env(cls) -> "StopRule":
         """The default rule, with KPROF_TIME_BUDGET_S (seconds per spec) and KPROF_TARGET_CI (relative
         half-width of the median's CI) overriding the budget and the target when set."""
-        from ..settings import env_number
+        from ..settings import MAX_SECONDS, env_number
 
         kw = {}
-        budget = env_number("KPROF_TIME_BUDGET_S", "a number of seconds > 0", lambda v: v > 0, "1")
+        budget = env_number("KPROF_TIME_BUDGET_S", f"a number of seconds > 0 and at most {MAX_SECONDS} (a week)",
+                            lambda v: 0 < v <= MAX_SECONDS, "1")
         if budget is not None:
             kw["budget_s"] = budget
         target = env_number("KPROF_TARGET_CI", "a relative half-width between 0 and 1", lambda v: 0 < v < 1, "0.005")

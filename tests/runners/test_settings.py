@@ -15,10 +15,13 @@ def test_env_seconds(monkeypatch):
     assert env_seconds("KPROF_X_S", 3.0) == 3.0
     monkeypatch.setenv("KPROF_X_S", "0.5")
     assert env_seconds("KPROF_X_S", 3.0) == 0.5
-    for bad in ("0", "-1", "soon", "nan", "inf"):
+    for bad in ("0", "-1", "soon", "nan", "inf", "1e300", "604801"):  # past a week: a wait's select overflows by 1e10
         monkeypatch.setenv("KPROF_X_S", bad)
-        with pytest.raises(UsageError, match=r"KPROF_X_S=.* is not a number of seconds > 0; e.g. KPROF_X_S=3"):
+        with pytest.raises(UsageError, match=r"KPROF_X_S=.* is not a number of seconds > 0 and at most 604800 "
+                                             r"\(a week\); e.g. KPROF_X_S=3"):
             env_seconds("KPROF_X_S", 3.0)
+    monkeypatch.setenv("KPROF_X_S", "604800")
+    assert env_seconds("KPROF_X_S", 3.0) == 604800.0
     monkeypatch.setenv("KPROF_X_S", "0")
     assert env_seconds("KPROF_X_S", 3.0, zero_ok=True) == 0.0
     monkeypatch.setenv("KPROF_X_S", "-0.1")

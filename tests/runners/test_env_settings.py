@@ -1,0 +1,45 @@
+"""Every KPROF_* variable a run reads, table-driven: a bad value is refused before anything is measured or written
+(exit 2, naming the variable), and the README documents every variable the package reads."""
+
+import pathlib
+import re
+
+import pytest
+
+from kprof.errors import UsageError
+
+ROOT = pathlib.Path(__file__).parent.parent.parent
+
+# (variable, bad values): each refused by the check every run makes first, on any backend.
+SECONDS = ("abc", "-1", "nan", "inf", "1e400", "1e300")
+BAD = [
+    ("KPROF_SPEC_TIMEOUT_S", SECONDS + ("0",)),
+    ("KPROF_WORKER_START_S", SECONDS + ("0",)),
+    ("KPROF_RANK_START_S", SECONDS + ("0",)),
+    ("KPROF_RANK_STEP_S", SECONDS + ("0",)),
+    ("KPROF_ENERGY_S", SECONDS),
+    ("KPROF_CAPPED_SAMPLE_S", SECONDS + ("0",)),
+    ("KPROF_CAPPED_MAX_SAMPLE_S", SECONDS + ("0",)),
+    ("KPROF_TIME_BUDGET_S", SECONDS + ("0",)),
+    ("KPROF_TARGET_CI", ("abc", "0", "1", "-0.1", "nan", "inf", "1e300")),
+    ("KPROF_CPU_WORKERS", ("abc", "0", "-1", "1.5", "nan", "100000")),
+    ("KPROF_POOL", ("maybe", "1", " ")),
+    ("KPROF_PROFILE_GPUS", ("a", "-1", "0,0", ",")),
+    ("KPROF_SKIP_ENV_CHECK", ("yes", "true", "2")),
+    ("KPROF_TIMER", ("bogus",)),
+    ("KPROF_L2", ("hot",)),
+    ("KPROF_CUDA_GRAPH", ("yes", "2")),
+    ("KPROF_POWER", ("max",)),
+]
+
+
+@pytest.mark.parametrize("name,bad", [(n, b) for n, values in BAD for b in values])
+def test_a_bad_value_is_refused_before_a_cpu_run_writes(name, bad, tmp_path, monkeypatch):
+    from kprof import api
+
+    monkeypatch.setenv(name, bad)
+    db = tmp_path / "p.db"
+    with pytest.raises(UsageError, match=re.escape(name)):
+        api.run("single_gemm", "torch-cpu", [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], db=str(db))
+    assert not any(tmp_path.iterdir())
+
