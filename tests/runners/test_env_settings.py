@@ -43,3 +43,12 @@ def test_a_bad_value_is_refused_before_a_cpu_run_writes(name, bad, tmp_path, mon
         api.run("single_gemm", "torch-cpu", [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], db=str(db))
     assert not any(tmp_path.iterdir())
 
+
+
+def test_the_readme_documents_every_variable_the_package_reads():
+    read = set()
+    for path in (ROOT / "kprof").rglob("*.py"):
+        read |= set(re.findall(r"\bKPROF_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    readme = (ROOT / "README.md").read_text()
+    missing = sorted(name for name in read if name not in readme)
+    assert not missing, f"variables kprof reads that README.md does not name: {missing}"
