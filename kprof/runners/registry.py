@@ -39,6 +39,9 @@ def _load_plugins() -> None:
     import os
 
     for name in filter(None, (n.strip() for n in os.environ.get("KPROF_RUNNERS", "").split(","))):
+        if name.startswith("."):  # importlib would raise a TypeError: a relative name has no package to be under
+            raise UsageError(f"KPROF_RUNNERS names module {name!r}, a relative name; give its full dotted name "
+                             f"(e.g. mypkg.kernels)")
         try:
             importlib.import_module(name)
         except ImportError as e:

@@ -52,3 +52,12 @@ def test_the_readme_documents_every_variable_the_package_reads():
     readme = (ROOT / "README.md").read_text()
     missing = sorted(name for name in read if name not in readme)
     assert not missing, f"variables kprof reads that README.md does not name: {missing}"
+
+
+@pytest.mark.parametrize("value", [".kernels", "..x", "kprof, .kernels"])
+def test_a_relative_runners_module_is_refused_by_name(value, monkeypatch):
+    from kprof.runners import registry
+
+    monkeypatch.setenv("KPROF_RUNNERS", value)
+    with pytest.raises(UsageError, match=r"KPROF_RUNNERS names module '\.+[a-z]+', a relative name; give its full "):
+        registry._load_plugins()
