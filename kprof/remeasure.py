@@ -106,6 +106,9 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
         seed = random.SystemRandom().randrange(1 << 32)  # reported, so the draw can be replayed with --seed
     elif type(seed) is not int or seed < 0:
         raise UsageError(f"--seed {seed!r}: give a whole number >= 0, e.g. the seed a report gave")
+    from .runners.fill import check_settings
+
+    check_settings()  # every KPROF_* setting, as a run checks them: a bad one refused before anything is measured
     started = time.perf_counter()
     method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
     explicit = any(v is not None for v in method.values())

@@ -3,6 +3,7 @@
 import json
 
 import msgspec
+import pytest
 
 from kprof.cli import main
 
@@ -143,6 +144,19 @@ def test_remeasure_rejects_bad_counts(h, capsys):
     assert "--remeasure 0" in capsys.readouterr().err
     assert main(["audit", "--remeasure", "1", "--tolerance", "-1", "--db", "p.db"]) == 2
     assert "--tolerance -1" in capsys.readouterr().err
+
+
+def test_a_bad_setting_is_refused_before_anything_is_measured(h, capsys, monkeypatch):
+    """Every KPROF_* setting, checked as `kprof run` checks it: a CUDA-only one too, on CPU rows (it was ignored)."""
+    import kprof.runners.worker as worker
+
+    _run(h, capsys, h.gemm())
+    monkeypatch.setattr(worker, "measure_specs", lambda *a, **kw: pytest.fail("measured"))
+    for name, bad in (("KPROF_ENERGY_S", "lots"), ("KPROF_SPEC_TIMEOUT_S", "-1"), ("KPROF_CPU_WORKERS", "x")):
+        monkeypatch.setenv(name, bad)
+        assert main(["audit", "--remeasure", "1", "--db", "p.db"]) == 2
+        assert f"{name}={bad!r} is not" in capsys.readouterr().err
+        monkeypatch.delenv(name)
 
 
 def test_a_flag_of_the_other_mode_is_refused_not_ignored(h, capsys, refused):
