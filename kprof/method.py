@@ -91,7 +91,8 @@ _POWER = ("power", "KPROF_POWER", ("sustained", "loaded"), "sustained")  # kprof
 def _from_env(name: str, allowed: tuple[str, ...], default: str) -> str:
     value = os.environ.get(name, default).strip().lower() or default
     if value not in allowed:
-        raise UsageError(f"{name}={value!r} is not one of {', '.join(allowed)}; e.g. {name}={default}")
+        raise UsageError(f"{name}={os.environ[name]!r} is not one of {', '.join(allowed)}; e.g. {name}={default}, or "
+                         f"unset it")
     return value
 
 

@@ -61,3 +61,14 @@ def test_a_relative_runners_module_is_refused_by_name(value, monkeypatch):
     monkeypatch.setenv("KPROF_RUNNERS", value)
     with pytest.raises(UsageError, match=r"KPROF_RUNNERS names module '\.+[a-z]+', a relative name; give its full "):
         registry._load_plugins()
+
+
+@pytest.mark.parametrize("name,raw", [("KPROF_TIMER", " NSYS "), ("KPROF_L2", "Hot"), ("KPROF_POWER", "MAX\t")])
+def test_a_bad_method_variable_is_quoted_as_set(name, raw, monkeypatch):
+    """The message quotes the value as the user set it, not as kprof folded it (' NSYS ' read as 'nsys')."""
+    from kprof.method import effective_entry
+    from kprof.runners.registry import lookup
+
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(UsageError, match=re.escape(f"{name}={raw!r} is not one of ") + r".*, or unset it$"):
+        effective_entry(lookup("single_gemm", "torch"))
