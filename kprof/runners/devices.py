@@ -49,17 +49,20 @@ class Devices(NamedTuple):
 
 
 def pool_mode() -> str:
-    raw = os.environ.get("KPROF_POOL", "auto") or "auto"
-    if raw not in ("auto", "on", "off"):
-        raise UsageError(f"KPROF_POOL={raw!r} is not one of auto, on, off (off: measure in this process)")
-    return raw
+    raw = os.environ.get("KPROF_POOL", "")
+    mode = raw.strip().lower() or "auto"  # read as KPROF_TIMER is: blank is unset, ` On` is on
+    if mode not in ("auto", "on", "off"):
+        raise UsageError(f"KPROF_POOL={raw!r} is not one of auto, on, off (off: measure in this process), or unset it")
+    return mode
 
 
 def cpu_workers() -> int:
     """KPROF_CPU_WORKERS: the worker slots of a CPU backend (default 1), from 1 to this machine's cores."""
-    raw = os.environ.get("KPROF_CPU_WORKERS", "1") or "1"
+    raw = os.environ.get("KPROF_CPU_WORKERS", "")
     cores = os.cpu_count() or 1
-    if not raw.isdigit() or not 1 <= int(raw) <= cores:
+    if not raw.strip():  # blank is unset, as for every numeric setting
+        return 1
+    if not raw.strip().isdecimal() or not 1 <= int(raw) <= cores:  # isdigit() takes "²", which int() refuses
         raise UsageError(f"KPROF_CPU_WORKERS={raw!r} is not a whole number from 1 to this machine's {cores} "
                          f"core(s); e.g. KPROF_CPU_WORKERS={min(2, cores)}")
     return int(raw)

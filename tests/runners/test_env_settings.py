@@ -22,8 +22,8 @@ BAD = [
     ("KPROF_CAPPED_MAX_SAMPLE_S", SECONDS + ("0",)),
     ("KPROF_TIME_BUDGET_S", SECONDS + ("0",)),
     ("KPROF_TARGET_CI", ("abc", "0", "1", "-0.1", "nan", "inf", "1e300")),
-    ("KPROF_CPU_WORKERS", ("abc", "0", "-1", "1.5", "nan", "100000")),
-    ("KPROF_POOL", ("maybe", "1", " ")),
+    ("KPROF_CPU_WORKERS", ("abc", "0", "-1", "1.5", "nan", "100000", "\u00b2")),
+    ("KPROF_POOL", ("maybe", "1")),
     ("KPROF_PROFILE_GPUS", ("a", "-1", "0,0", ",")),
     ("KPROF_SKIP_ENV_CHECK", ("yes", "true", "2")),
     ("KPROF_TIMER", ("bogus",)),
@@ -72,3 +72,15 @@ def test_a_bad_method_variable_is_quoted_as_set(name, raw, monkeypatch):
     monkeypatch.setenv(name, raw)
     with pytest.raises(UsageError, match=re.escape(f"{name}={raw!r} is not one of ") + r".*, or unset it$"):
         effective_entry(lookup("single_gemm", "torch"))
+
+
+@pytest.mark.parametrize("name,raw,read", [("KPROF_POOL", " ", "auto"), ("KPROF_POOL", " On ", "on"),
+                                           ("KPROF_POOL", "OFF", "off"), ("KPROF_CPU_WORKERS", " ", 1),
+                                           ("KPROF_CPU_WORKERS", " 1\n", 1)])
+def test_pool_settings_read_blank_and_spacing_as_the_others_do(name, raw, read, monkeypatch):
+    """Blank is unset and surrounding spaces (and, for a word, case) do not matter, as for KPROF_TIMER and the
+    seconds: KPROF_POOL=' ' and KPROF_CPU_WORKERS=' 1' were refused while KPROF_TIMER=' ' was the default."""
+    from kprof.runners.devices import cpu_workers, pool_mode
+
+    monkeypatch.setenv(name, raw)
+    assert (pool_mode if name == "KPROF_POOL" else cpu_workers)() == read
