@@ -143,6 +143,9 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
         raise UsageError(f"mode {mode!r} is not one of jit, force, fresh")
     target = load_remote(remote, config, list(remote_set))
     _refuse_spec_timeout(target)
+    from .runners.fill import check_settings
+
+    check_settings(here=False)  # the workers inherit them: a bad one would fail every chunk after the jobs start
     output_dir = _check_output_dir(output_dir)
     method = dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     if lookup(table, backend).device == "cuda" and gpu_name is None:  # this machine's GPU, if any, is not remote's

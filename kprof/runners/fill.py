@@ -95,17 +95,20 @@ class _InProcess:
             watch(label, None)
 
 
-def check_settings() -> None:
+def check_settings(*, here: bool = True) -> None:
     """Every number a run reads from the environment, checked on any backend before anything is measured or
     written: a value no backend could use (text for seconds, a negative window) is refused even where it would not
-    apply, rather than found when it first does."""
+    apply, rather than found when it first does. `here=False` (a remote run, whose workers inherit them) leaves out
+    the bounds of this machine (KPROF_CPU_WORKERS up to its cores)."""
     from . import _ranks, environments, pool
     from ..measure.stats import StopRule
     from .cuda_device import capped_sample_s, energy_window_s
     from .devices import _forced_var, _parse_forced, cpu_workers, pool_mode
 
     StopRule.from_env()
-    pool_mode(), cpu_workers()
+    pool_mode()
+    if here:
+        cpu_workers()
     energy_window_s(), capped_sample_s(), pool.timeouts(), _ranks.start_s(), _ranks.step_s()
     if (forced := _forced_var()) is not None:
         _parse_forced(forced)

@@ -398,3 +398,19 @@ def test_the_remote_record_and_a_merge_report_are_strict_json_with_a_nan_in_them
     with pytest.raises(MergeConflict):
         _report.refuse(None, "p.db", [], [], str(tmp_path))
     assert strict(tmp_path / "merge-report.json")["keys"][0]["incoming"]["time_ms"] is None
+
+
+@pytest.mark.parametrize("name,bad", [("KPROF_TIME_BUDGET_S", "abc"), ("KPROF_ENERGY_S", "-1"),
+                                      ("KPROF_RANK_STEP_S", "1e300")])
+def test_a_bad_setting_is_refused_before_anything_is_submitted(name, bad, remote_yaml, db, monkeypatch):
+    """The workers inherit this environment (a Slurm job, submitit's local executor): a bad KPROF_* value is refused
+    as a local run refuses it, before the output directory or a job is made, not found by every chunk."""
+    remote_yaml(RAY)
+    monkeypatch.setenv(name, bad)
+    from kprof.errors import UsageError
+
+    with pytest.raises(UsageError, match=f"{name}={bad!r} is not"):
+        run_remote_cli("single_gemm", "torch-cpu", [dict(s) for s in SPECS], remote="sub", remote_set=[],
+                       output_dir="out", mode="force", gpu_name=None, db=None, timer=None, l2=None, cuda_graph=None,
+                       power=None, json=False, command="kprof run --remote sub")
+    assert not os.path.exists("out") and not os.path.exists(db) and not os.path.exists("logs")
