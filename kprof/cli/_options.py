@@ -35,6 +35,18 @@ def whole(type_, tokens) -> int:
     raise UsageError(f"{flag} {token.value!r} is not a whole number; pass an integer{example}")
 
 
+def number(example: str):
+    """The converter of a float flag, `example` its fix (`--duration-s 10`): a decimal number only, refused in one
+    line naming the flag and the value as typed (cyclopts' own said "unable to convert" and pointed at --help)."""
+    def convert(type_, tokens) -> float:
+        token = tokens[-1]
+        if re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", token.value.strip()):
+            return float(token.value)
+        flag = token.keyword or "the value"
+        raise UsageError(f"{flag} {token.value!r} is not a number; pass a decimal number, e.g. {flag} {example}")
+    return convert
+
+
 Db = Annotated[str | None, Parameter(name="--db", validator=_db_given,
                                      help="Ledger file. Default: $KPROF_DB, else ./profile.db.")]
 Json = Annotated[bool, Parameter(name="--json", negative="", help="Print one JSON document on stdout.")]

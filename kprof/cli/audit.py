@@ -11,7 +11,7 @@ from ..ledger import ledger_path
 from ..ledger._verify import AUDIT
 from ..ledger.audit import JOBS
 from ..ledger.audit import audit as run_audit
-from ._options import L2, CudaGraph, Db, Json, Power, Timer, whole
+from ._options import L2, CudaGraph, Db, Json, Power, Timer, number, whole
 from ._render import console, emit_json
 
 
@@ -28,7 +28,7 @@ def audit(*, db: Db = None, json: Json = False,
           remeasure: Annotated[int | None, Parameter(name="--remeasure", converter=whole, help=(
               "Instead: re-measure N random current rows of this machine's device and report their drift "
               "(exit 1 when any drifts past --tolerance or fails to measure). Writes nothing."))] = None,
-          tolerance: Annotated[float | None, Parameter(name="--tolerance", help=(
+          tolerance: Annotated[float | None, Parameter(name="--tolerance", converter=number("0.05"), help=(
               "Relative drift allowed by --remeasure (default 0.05)."))] = None,
           seed: Annotated[int | None, Parameter(name="--seed", converter=whole, help=(
               "With --remeasure: the seed of the random draw of rows; the report gives the one used, so the same "

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 from cyclopts import Parameter
 
 from ..errors import KprofError, UsageError
-from ._options import Backend, GpuName, Json, Table, _db_given
+from ._options import Backend, GpuName, Json, Table, _db_given, number
 from ._render import console, emit_json
 
 __all__ = ["measure", "diagnose"]
@@ -39,9 +39,9 @@ MeasureDir = Annotated[str | None, Parameter(name="--output-dir", help=(
 
 
 def measure(table: Table, *, backend: Backend, spec: MeasureSpec = None, output_dir: MeasureDir = None,
-            duration_s: Annotated[float, Parameter(name="--duration-s", help=(
+            duration_s: Annotated[float, Parameter(name="--duration-s", converter=number("10"), help=(
                 "Seconds of the window: every launch in it is recorded."))] = 10.0,
-            telemetry_hz: Annotated[float, Parameter(name="--telemetry-hz", help=(
+            telemetry_hz: Annotated[float, Parameter(name="--telemetry-hz", converter=number("20"), help=(
                 "NVML readings per second (clocks, power, temperature, utilization, throttle reasons, energy), "
                 "on a background thread."))] = 20.0,
             no_clear_l2: Annotated[bool, Parameter(name="--no-clear-l2", negative="", help=(

@@ -555,6 +555,40 @@ def test_every_integer_flag_of_every_verb_is_strict():
     assert sorted(found) == [("audit", "jobs"), ("audit", "remeasure"), ("audit", "seed"), ("export", "since")]
 
 
+@pytest.mark.parametrize("argv, shown, fix", [
+    (["measure", "single_gemm", "--backend", "torch", "--spec", "{}", "--duration-s", "ten"], "--duration-s 'ten'",
+     "e.g. --duration-s 10"),
+    (["measure", "single_gemm", "--backend", "torch", "--spec", "{}", "--telemetry-hz", "1_0"],
+     "--telemetry-hz '1_0'", "e.g. --telemetry-hz 20"),
+    (["audit", "--remeasure", "1", "--tolerance", "5%"], "--tolerance '5%'", "e.g. --tolerance 0.05"),
+])
+def test_a_float_flag_refuses_text_naming_the_flag_and_the_value(argv, shown, fix, tmp_path, refused):
+    """cyclopts said `Invalid value for --duration-s: unable to convert "ten" into float`: no fix, unlike every
+    other bad value."""
+    refused(argv, f"{shown} is not a number; pass a decimal number", fix)
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_float_flag_of_every_verb_is_strict():
+    import importlib
+    import typing
+
+    from cyclopts import Parameter
+
+    found = []
+    for verb, target, _help in VERBS:
+        module, name = target.split(":")
+        for param, hint in typing.get_type_hints(getattr(importlib.import_module(module), name),
+                                                 include_extras=True).items():
+            args = typing.get_args(hint)
+            base = args[0] if typing.get_origin(hint) is typing.Annotated else hint
+            if float in (base, *typing.get_args(base)):
+                assert any(isinstance(a, Parameter) and getattr(a.converter, "__qualname__", "").startswith(
+                    "number.") for a in args[1:]), (verb, param)
+                found.append((verb, param))
+    assert sorted(found) == [("audit", "tolerance"), ("measure", "duration_s"), ("measure", "telemetry_hz")]
+
+
 @pytest.mark.parametrize("verb", [verb for verb, _t, _h in VERBS])
 def test_no_verb_has_negative_list_flags(verb, capsys):
     assert main([verb, "--help"]) == 0

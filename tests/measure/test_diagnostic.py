@@ -432,7 +432,7 @@ def gpu_here(monkeypatch):
 @pytest.mark.parametrize("argv, needle", [
     (_measure("--duration-s", "0"), "--duration-s 0.0 is not a window length"),
     (_measure("--duration-s", "-3"), "--duration-s -3.0 is not a window length"),
-    (_measure("--duration-s", "nan"), "is not a window length"),
+    (_measure("--duration-s", "nan"), "--duration-s 'nan' is not a number; pass a decimal number"),
     (_measure("--telemetry-hz", "0"), "--telemetry-hz 0.0 is not a sampling rate"),
     (_measure("--telemetry-hz", "5000"), "is not a sampling rate"),
     (_measure("--spec", json.dumps(GEMM_SPEC)), "exactly one spec and 2 --spec were given"),
