@@ -82,6 +82,25 @@ def _interrupted_note(argv: list[str]) -> str:
     return "nothing was left half-written"
 
 
+def _missing(exc: Exception, argv: list[str]) -> str | None:
+    """A required argument left out, worded by what it is (cyclopts named a positional TABLE as `--table`, which
+    reads as a flag to add): `TABLE is missing: the table, e.g. single_gemm ...`; None for any other error."""
+    from cyclopts.exceptions import MissingArgumentError
+
+    argument = getattr(exc, "argument", None)
+    if not isinstance(exc, MissingArgumentError) or argument is None:
+        return None
+    names = [n for n in argument.parameter.name or () if n.startswith("-")]
+    helps = (argument.parameter.help or "").rstrip(".")
+    what = f": {helps[:1].lower()}{helps[1:]}" if helps else ""
+    given = next((n for n in names if n in argv or any(a.startswith(n + "=") for a in argv)), None)
+    if given:
+        return f"{given} needs a value{what}"
+    if argument.field_info.kind is argument.field_info.POSITIONAL_OR_KEYWORD:
+        return f"{argument.field_info.name.upper()} is missing{what}"
+    return f"{'/'.join(sorted(names, key=len)) or argument.field_info.name} is missing{what}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143: an
     interrupt; 141: the reader of stdout left)."""
@@ -112,7 +131,8 @@ def _main(argv: list[str]) -> int:
         from ._render import error
 
         verb = next((a for a in argv if a in {name for name, _t, _h in VERBS}), None)
-        said = str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc)
+        said = _missing(exc, argv) or (str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...")
+                                       else str(exc))
         error(f"{said}; see `kprof {verb + ' ' if verb else ''}--help`")
         return 2
     except (KeyboardInterrupt, SystemExit) as exc:

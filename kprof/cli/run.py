@@ -10,14 +10,26 @@ import sys
 import time
 from typing import Annotated
 
-from cyclopts import Group, Parameter, validators
+from cyclopts import Group, Parameter
 
 from .. import api
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Power, Spec, Specs, Table, Timer
 from ._render import console, emit_json, results_table, stdout_to_stderr
 
-modes = Group("Mode", validator=validators.MutuallyExclusive())
+
+
+def _one_mode(arguments) -> None:
+    """--force and --fresh together are refused, saying what each does (cyclopts' own validator said "Invalid values
+    for group Mode. Mutually exclusive arguments")."""
+    if len([a for a in arguments if a.has_tokens]) > 1:
+        from ..errors import UsageError
+
+        raise UsageError("--force and --fresh cannot be combined: --force re-measures every spec and stores the new "
+                         "rows, --fresh measures every spec and writes nothing; pass one of them")
+
+
+modes = Group("Mode", validator=_one_mode)
 
 
 PROGRESS_EVERY_S = 60.0  # off a terminal (a log file), one progress line a minute at most

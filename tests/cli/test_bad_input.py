@@ -618,9 +618,10 @@ def test_export_and_measure_have_help_of_their_own(capsys):
 
 @pytest.mark.parametrize("argv, said", [
     (["run", "single_gemm", "--backend", "torch-cpu", "--spec", "{}", "--force", "--fresh"],
-     "error: Invalid values for group Mode. Mutually exclusive arguments: {--force, --fresh}; see `kprof run --help`"),
+     "error: --force and --fresh cannot be combined: --force re-measures every spec and stores the new rows, "
+     "--fresh measures every spec and writes nothing; pass one of them"),
     (["query", "single_gemm", "--backend", "torch-cpu", "--bogus"], "error: Unknown option: --bogus; see `kprof query --help`"),
-    (["audit", "--jobs"], 'error: Command "audit" parameter --jobs requires an argument; see `kprof audit --help`'),
+    (["audit", "--jobs"], "error: --jobs needs a value: shard processes the audit runs"),
     (["nosuch"], 'error: Unknown command "nosuch"'),
     (["list", "--json=3"], 'error: Invalid value for --json: unable to convert "3" into bool; see `kprof list --help`')])
 def test_a_parse_error_is_one_line_as_every_usage_error(argv, said, tmp_path, capsys):
@@ -629,6 +630,24 @@ def test_a_parse_error_is_one_line_as_every_usage_error(argv, said, tmp_path, ca
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(said) and err.count("\n") == 1 and "╭" not in err, err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["query"], "error: TABLE is missing: the table, e.g. single_gemm (see `kprof list`); see `kprof query --help`"),
+    (["measure"], "error: TABLE is missing: the table, e.g. single_gemm"),
+    (["query", "single_gemm"], "error: --backend is missing: the backend, e.g. torch-cpu (see `kprof list`)"),
+    (["count-missing", "single_gemm", "--backend"], "error: --backend needs a value: the backend, e.g. torch-cpu"),
+    (["show"], "error: REF is missing: a citation (`kprof.<hex>`), an event id or a key"),
+    (["merge"], "error: SEGMENTS is missing: segment files to merge"),
+    (["export"], "error: -o/--output is missing: the new segment file"),
+    (["export", "-o"], "error: -o needs a value: the new segment file")])
+def test_a_required_argument_left_out_is_named_as_the_usage_line_names_it(argv, said, tmp_path, capsys):
+    """cyclopts said `Command "query" parameter --table requires an argument` for a query with no table: a
+    positional TABLE read as a flag to add, and nothing said what it takes."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(said) and err.count("\n") == 1, err
     assert os.listdir(tmp_path) == []
 
 
