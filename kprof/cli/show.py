@@ -18,7 +18,8 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
          db: Db = None, json: Json = False,
          search_dir: Annotated[list[str] | None, Parameter(name="--dir", consume_multiple=False, help=(
              "Where to look for a `kmeasure.<hex>` citation: a `kprof measure` output directory, or a directory "
-             "holding some; repeatable. Default: ./measure_*/ and the current directory."))] = None) -> int:
+             "holding some; repeatable. Default: the current directory and the directories directly in "
+             "it."))] = None) -> int:
     """Show a row's provenance, metrics and full history; or what a measure artifact is and where it lies."""
     if ref.strip().lower().startswith("kmeasure."):
         return _show_measure(ref, search_dir, json)

@@ -158,8 +158,9 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
             if isinstance(entry, dict) and str(entry.get("blake3", "")).startswith(hexpart):
                 found[os.path.join(os.path.dirname(summary_path), name)] = (name, summary_path, doc, entry)
     if not found:
-        raise UsageError(f"no measure output in {', '.join(where)} lists {ref!r}; pass --dir with the measure "
-                         f"output directory (or the directory holding it)")
+        raise UsageError(f"no measure output in {', '.join(where)} or the directories directly in "
+                         f"{'it' if len(where) == 1 else 'them'} lists {ref!r}; pass --dir with the measure output "
+                         f"directory (or the directory holding it)")
     if len(found) > 1:
         raise UsageError(f"{ref!r} is ambiguous: {', '.join(sorted(found))} match; give more hex digits")
     path, (name, summary_path, doc, entry) = next(iter(found.items()))

@@ -555,7 +555,8 @@ def test_show_resolves_every_artifact_citation(capsys):
 
 def test_show_refuses_unknown_ambiguous_and_changed_artifacts(capsys, tmp_path, refused):
     s = _output("a")
-    refused(["show", "kmeasure.0000000000000000", "--dir", "a"], "no measure output in a lists")
+    refused(["show", "kmeasure.0000000000000000", "--dir", "a"],
+            "no measure output in a or the directories directly in it lists")
     refused(["show", "kmeasure.0000000000000000", "--dir", "nosuch"], "--dir nosuch: no such directory")
     refused(["show", "kmeasure.0000000000000000", "--dir", "a/summary.json"], "--dir a/summary.json: not a directory")
     refused(["show", "kmeasure.xyz"], "is not a measure citation")
@@ -570,6 +571,19 @@ def test_show_refuses_unknown_ambiguous_and_changed_artifacts(capsys, tmp_path, 
     assert "was changed after it was written" in capsys.readouterr().err
     with pytest.raises(IntegrityError):
         find_artifact(cite, ["a"])
+
+
+def test_show_without_dir_looks_one_level_down_as_its_help_says(capsys, refused, monkeypatch):
+    """The help said `Default: ./measure_*/ and the current directory` where any directory directly in it is
+    searched, and the README said its subdirectories, where one two levels down is not."""
+    s = _output("runs/gemm")
+    cite = s["summary_citation"]
+    refused(["show", cite], "no measure output in . or the directories directly in it lists", "pass --dir")
+    monkeypatch.chdir("runs")
+    assert main(["show", cite]) == 0 and "gemm/summary.json" in capsys.readouterr().out
+    assert main(["show", "--help"]) == 0
+    said = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "Default: the current directory and the directories directly in it." in said
 
 
 def test_show_of_a_measure_citation_imports_no_torch(tmp_path):
