@@ -32,7 +32,8 @@ VERBS = [
     ("audit", "kprof.cli.audit:audit",
      "Verify every event id and key, the log, the views and the file structure (exit 3 on damage)."),
     ("calibrate", "kprof.cli.calibrate:calibrate",
-     "Measure the device's ceilings (large GEMM, large copy) into the ledger; query reports fractions of them."),
+     "Measure the device's ceilings (the best of large GEMMs, of large copies) into the ledger; `query --json` "
+     "gives each ok row's fraction of them."),
     ("measure", "kprof.cli.measure:measure",
      "Diagnose one spec: a sustained CUPTI window of every launch beside NVML telemetry, with plots. Never writes "
      "the ledger."),

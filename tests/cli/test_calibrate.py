@@ -433,3 +433,13 @@ def test_the_text_output_shows_a_cpu_ceiling_to_four_significant_digits(h, capsy
     assert main(["calibrate", "--backend", "torch-cpu"]) == 0
     out = capsys.readouterr().out
     assert "tflops: 0.04571 TFLOP/s" in out and "memory_bandwidth_gbps: 4,812.3 GB/s" in out
+
+
+def test_the_help_says_only_query_json_gives_the_fractions(capsys):
+    """The help said `query reports fractions of them`, where query's table shows none: only --json's `ceiling`."""
+    from kprof.cli import main
+
+    for argv in (["--help"], ["calibrate", "--help"]):
+        assert main(argv) == 0
+        said = " ".join(capsys.readouterr().out.replace("│", " ").split())
+        assert "query --json gives each ok row's fraction of them" in said, said
