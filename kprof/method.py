@@ -141,7 +141,10 @@ def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: 
         asked.append(("power", plain(power)))
     if asked:
         name, value = asked[0]
-        raise _refused(lambda arg: f"{arg(name, value)} applies to CUDA backends; {entry.backend} is timed by wall "
+        allowed = {s[0]: s[2] for s in (_TIMER, _L2, _POWER)}.get(name, (value,))
+        # A value no backend takes (--l2 hot) is not said to apply to CUDA backends: it applies to none.
+        what = "applies to CUDA backends" if value in allowed else f"is not one of {', '.join(allowed)} on any backend"
+        raise _refused(lambda arg: f"{arg(name, value)} {what}; {entry.backend} is timed by wall "
                                    f"clock ({cpu_timer}, L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls "
                                    f"back to back); omit {arg(name)}, or pass a CUDA backend (see `kprof list`)")
 

@@ -161,7 +161,8 @@ def test_the_cached_ledgers_are_closed_at_exit(db):
 
 
 @pytest.mark.parametrize("call, said", [
-    (dict(backend="torch-cpu", timer="x"), "timer='x' applies to CUDA backends; "),
+    (dict(backend="torch-cpu", timer="x"), "timer='x' is not one of cupti, events on any backend; "),
+    (dict(backend="torch-cpu", timer="events"), "timer='events' applies to CUDA backends; "),
     (dict(backend="torch-cpu", power="loaded"), "omit power, or pass a CUDA backend"),
     (dict(backend="torch", gpu_key="NVIDIA H200", timer="bogus"), "timer='bogus' is not one of cupti, events; e.g. "
                                                                   "timer='cupti', or omit it"),

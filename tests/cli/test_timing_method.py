@@ -279,15 +279,19 @@ def test_a_bad_flag_value_refuses_remeasure(h, capsys, flags, message):
     (["--timer", "events"], "--timer events"), (["--timer", "cupti"], "--timer cupti"),
     (["--l2", "cold"], "--l2 cold"), (["--cuda-graph"], "--cuda-graph"),
     (["--power", "loaded"], "--power loaded"), (["--power", "LOADED", "--l2", "warm"], "--power loaded"),
-    # a value no backend takes gets the CPU's reason too: suggesting a CUDA value would only be refused next
-    (["--timer", "cpu-wall"], "--timer cpu-wall"), (["--l2", "bogus"], "--l2 bogus"),
+    # a value no backend takes gets the CPU's reason too (suggesting a CUDA value would only be refused next), but
+    # is not said to apply to CUDA backends: it applies to none
+    (["--timer", "cpu-wall"], "--timer cpu-wall is not one of cupti, events on any backend"),
+    (["--l2", "bogus"], "--l2 bogus is not one of cold, warm on any backend"),
+    (["--power", "hot"], "--power hot is not one of sustained, loaded on any backend"),
 ])
 @pytest.mark.parametrize("verb", ["run", "query", "count-missing", "calibrate"])
 def test_a_cpu_backend_refuses_a_cuda_method(h, capsys, tmp_path, verb, flags, shown):
     table = [] if verb == "calibrate" else [h.GEMM, *h.spec_args(h.gemm())]
     assert main([verb, *table, "--backend", h.CPU, "--db", "p.db", *flags]) == 2
     err = capsys.readouterr().err
-    assert f"{shown} applies to CUDA backends; torch-cpu is timed by wall clock (cpu-wall" in err
+    said = shown if " on any backend" in shown else f"{shown} applies to CUDA backends"
+    assert f"{said}; torch-cpu is timed by wall clock (cpu-wall" in err
     assert not (tmp_path / "p.db").exists()
 
 
