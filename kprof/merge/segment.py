@@ -188,7 +188,8 @@ def _opened(path: str) -> BinaryIO:
 def _header(f: BinaryIO) -> tuple[SegmentHeader, bytes]:
     magic = f.read(len(MAGIC))
     if magic != MAGIC:
-        raise SegmentError("not a kprof segment: it does not begin with KPROFSEG")
+        raise SegmentError("not a kprof segment: it does not begin with KPROFSEG; give a .kseg file `kprof export` "
+                           "wrote (a ledger is merged by exporting it first)")
     size = int.from_bytes(_exact(f, _LEN, "the header's length", len(MAGIC)), "big")
     if size > 4096:
         raise SegmentError(f"the header's length ({size} bytes) is damaged")

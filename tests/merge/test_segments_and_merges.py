@@ -540,3 +540,13 @@ def test_a_segment_is_readable_as_a_file_open_makes_it(tmp_path):
 def test_a_segment_in_a_directory_that_does_not_exist_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="cannot write segment .*No such file or directory"):
         segment.write(str(tmp_path / "no" / "x.kseg"), _events_bytes(1), count=1)
+
+
+def test_a_ledger_given_to_merge_is_refused_with_the_fix(tmp_path, source, refused):
+    """`kprof merge other.db` said only `not a kprof segment: it does not begin with KPROFSEG`."""
+    path, _seg = source
+    target = _ledger(tmp_path / "t.db", synth.events(100, 105))
+    before = _digest(target)
+    refused(["merge", path, "--db", target], f"segment {path}: not a kprof segment",
+            "give a .kseg file `kprof export` wrote (a ledger is merged by exporting it first)")
+    assert _digest(target) == before
