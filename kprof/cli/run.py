@@ -13,18 +13,16 @@ from typing import Annotated
 from cyclopts import Group, Parameter
 
 from .. import api
+from ..errors import UsageError
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Power, Spec, Specs, Table, Timer
 from ._render import console, emit_json, results_table, stdout_to_stderr
-
 
 
 def _one_mode(arguments) -> None:
     """--force and --fresh together are refused, saying what each does (cyclopts' own validator said "Invalid values
     for group Mode. Mutually exclusive arguments")."""
     if len([a for a in arguments if a.has_tokens]) > 1:
-        from ..errors import UsageError
-
         raise UsageError("--force and --fresh cannot be combined: --force re-measures every spec and stores the new "
                          "rows, --fresh measures every spec and writes nothing; pass one of them")
 
@@ -139,8 +137,6 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
                               mode=mode, gpu_name=gpu_name, db=db, timer=timer, l2=l2, cuda_graph=cuda_graph,
                               power=power, json=json, command="kprof " + shlex.join(invocation))
     if remote_set:
-        from ..errors import UsageError
-
         raise UsageError(f"--remote-set {remote_set[0]!r} changes a remote's settings; give --remote NAME with it")
     if output_dir is not None:
         from ..artifacts import check_output_dir
