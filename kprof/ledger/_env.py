@@ -14,22 +14,22 @@ from ..errors import IntegrityError, LedgerError
 
 _live: "weakref.WeakSet" = weakref.WeakSet()  # every open Ledger of this process
 _envs: dict[str, list] = {}  # realpath -> [env, users, (st_dev, st_ino) of the file it maps, page size, of its lock]
+_lock = threading.RLock()  # held by each Ledger's open and close: never two environments of a file, nor a wrong count
 _reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}  # this process's reads: id -> (env, txn, thread)
 GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
 CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
 
-# Files whose environment a forked child inherited. The child can neither use it, nor open the file again (one
-# environment per file per process), nor close it: closing aborts the inherited transactions, which frees the
-# parent's reader slots in the shared lock file and leaves the parent's snapshots unprotected from writers.
+# Files whose environment a forked child inherited: it may not use, reopen or close it (closing aborts the inherited
+# transactions, which frees the parent's reader slots in the lock file: its snapshots unprotected from writers).
 _inherited: set[str] = set()
 _FORK_FIX = "open the ledger in a spawned process (multiprocessing 'spawn' or 'forkserver', or a subprocess)"
-# The child's copies of the parent's environments and read transactions, held so that it never uses or closes them.
-# Freeing them at exit is harmless: py-lmdb 1.7 checks the process id before it aborts or closes a handle, and LMDB
-# 0.9.23 keeps a forked child's close off the parent's reader slots.
+# The child's copies of the parent's environments and reads, held, never used or closed. Freed at exit harmlessly:
+# py-lmdb (1.7) checks the process id before it aborts or closes one; LMDB (0.9.23) keeps it off the parent's slots.
 _inherited_handles: list = []
 
 
 def _forget_after_fork() -> None:
+    _lock.release()  # taken by the fork (below): no open or release of another thread was under way
     for ledger in list(_live):
         ledger._forked = True
     _inherited_handles.extend([entry[0] for entry in _envs.values()] + [txn for _env, txn, _t in _reads.values()])
@@ -38,7 +38,7 @@ def _forget_after_fork() -> None:
     _reads.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+os.register_at_fork(before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_forget_after_fork)
 
 
 def _change_map(env: lmdb.Environment, path: str, size: int) -> None:
@@ -113,7 +113,7 @@ def _check_file(path: str, real: str, entry: list) -> None:
 
 
 def _release(real: str, env: lmdb.Environment) -> None:
-    shared = _envs.get(real)
+    shared = _envs.get(real)  # (the caller holds _lock)
     if shared is not None and shared[0] is env:
         shared[1] -= 1
         if shared[1] > 0:

@@ -1,10 +1,9 @@
 """The answers of a ledger's recent bulk lookups, for a reader that asks for the same specs again and again.
 
-An answer depends only on the request's canonical shapes and the scope's current rows, which its view root names
-(see `_reducer`: any append, re-measurement or retraction changes it). An answer is kept under a digest of the
-shapes, stamped with the root its snapshot read (and the count of `rebuild_views` repairs, which rewrite views
-without an event): a lookup reading the same stamp gets it back exactly; the first reading another drops the
-view's answers. Bounded: `max_specs` specs in all (a larger request is never kept), `MAX_ENTRIES` requests, LRU."""
+An answer depends only on the request's canonical shapes and the scope's current rows, named by its view root (any
+append, re-measurement or retraction changes it) and the count of `rebuild_views` repairs: kept under a digest of the
+shapes with that stamp, it is given back to a lookup reading the same stamp; one reading another drops the view's
+answers. Bounded: `max_specs` specs in all (a larger request is never kept), `MAX_ENTRIES` requests, LRU."""
 
 from __future__ import annotations
 

@@ -77,9 +77,8 @@ def _recognize(path: str, deadline: float, readonly: bool) -> None:
 
 def _without_lock(path: str) -> bool:
     """Whether a read-only open must do without LMDB's lock file: there is none and this user cannot create it (a
-    read-only directory, a copy on a share). Its reader table keeps writers off a reader's pages, so going without is
-    safe only while no writer commits: every process that opens the file keeps its lock file, so none has it open
-    now, and a writer would have to create it where this user cannot (even then, row digests make a reused page an
-    integrity error, not a wrong row). A lock file this user cannot open may have a writer: refused, as LMDB does."""
+    read-only directory, a share). Safe only while no writer commits (its reader table keeps writers off a reader's
+    pages): each process opening the file keeps the lock file, so none has it open, and a writer would create it where
+    this user cannot (a reused page is an integrity error by the row digests). One this user cannot open is refused."""
     directory = os.path.dirname(os.path.abspath(path))
     return not os.path.lexists(path + "-lock") and not os.access(directory, os.W_OK)

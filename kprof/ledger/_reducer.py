@@ -1,12 +1,10 @@
 """The one place that says how an event changes the views: append, rebuild and audit all apply events here.
 
 Views (rebuildable from the log), every value a named msgspec Struct encoded as a msgpack array:
-  current      key -> Sealed(CurrentRow(kind, event id, Summary)): the row a reader sees, sealed with a digest of
-               the key and the row's bytes that every read checks (`opened`, `_verify.rows`)
+  current      key -> Sealed(CurrentRow(kind, event id, Summary)): a reader's row, sealed by a digest of key and bytes
   scope_index  scope id (16) + shape id (16) + key -> b"": every key ever seen in a scope, by shape
-  history      key -> HistoryEntry(status, seqs): the kind of the key's current row ("m", "f", or "-": every attempt
-               retracted) and the seq of each of its events. A key damaged out of `current` does not read as
-               missing while its history says it has a row
+  history      key -> HistoryEntry(status, seqs): its current row's kind ("m", "f", "-": all retracted) and events'
+               seqs; a key damaged out of `current` is not missing while its history says it has a row
   failures     key -> event id of the key's latest non-retracted failure
   retracted    target event id -> retraction event id
   scopes       scope id -> Sealed(ScopeEntry): the scope's names, row count, root accumulator and contract ids

@@ -1,7 +1,6 @@
-"""Verified reads. A `current` value is trusted once its seal's digest, recomputed over the key looked up and the
-row's bytes, matches; a key `current` does not hold is missing only where `history` agrees, so one damaged byte in
-either tree cannot turn a row into a missing one. Any LMDB error, decode error or failed check becomes an
-IntegrityError naming the key or sub-database (exit 3), never a traceback or a wrong answer."""
+"""Verified reads. A `current` value is trusted once its seal's digest over the key looked up and the row's bytes
+matches; a key `current` lacks is missing only where `history` agrees (one damaged byte cannot make a row missing).
+Any LMDB, decode or check error is an IntegrityError naming the key or sub-database (exit 3), never a wrong answer."""
 
 from __future__ import annotations
 

@@ -73,9 +73,8 @@ class TxnStore:
 
 
 def canonical(event, index: int):
-    """(the event as the ledger reads it back, its canonical bytes): as it decodes, checked against the schema (msgspec
-    Structs do not validate when built), each value of its field's type (an int for a float field becomes a float).
-    So appending what `ledger.event` returns is a no-op, and nothing is stored that the ledger could not read back."""
+    """(the event as the ledger reads it back, its canonical bytes), checked against the schema (msgspec Structs do not
+    validate when built) as it decodes: appending what `ledger.event` returns is a no-op; nothing unreadable is kept."""
     data = _codec.encode(event)
     try:
         stored = _codec.event_decoder.decode(data)

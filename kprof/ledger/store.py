@@ -1,7 +1,6 @@
-"""The LMDB ledger: one file (`subdir=False`) plus its lock file, with named sub-databases: `events` (event id ->
-canonical event bytes), `log` (seq, 8 bytes big-endian -> event id), `meta` (format version, ledger id, last
-sequence) and the views of `_reducer`. An append writes its events, the log and every view in one write transaction:
-a reader or a crash sees all of a batch or none of it. LMDB serializes writers across processes with its lock file."""
+"""The LMDB ledger: one file (`subdir=False`) and its lock file (LMDB's: writers of all processes take turns), with
+sub-databases `events` (event id -> bytes), `log` (seq, 8 bytes big-endian -> event id), `meta` (version, ledger id,
+last seq) and `_reducer`'s views. An append writes all in one write transaction: a reader or crash sees all or none."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ import msgspec
 from .. import _scratch
 from ..errors import IntegrityError, LedgerError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
-from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identity, _inherited, _live, _read_only_file,
-                   _reads, _release, _write_txn)
+from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identity, _inherited, _live, _lock,
+                   _read_only_file, _reads, _release, _write_txn)
 from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
 from ._path import _recognize, _without_lock, default_path, ledger_path
@@ -71,7 +70,8 @@ class Ledger:
         deadline = time.monotonic() + CREATE_WAIT_S
         while True:
             try:
-                return cls._open(path, readonly, map_size, readahead, deadline)
+                with _lock:  # one thread at a time opens or releases an environment (one per file in a process)
+                    return cls._open(path, readonly, map_size, readahead, deadline)
             except _Creating:
                 time.sleep(0.01)
 
@@ -332,7 +332,8 @@ class Ledger:
 
     def close(self) -> None:
         if not self._forked and os.getpid() == self._pid and not self._closed:
-            _release(self.real_path, self.env)
+            with _lock:
+                _release(self.real_path, self.env)
             if self._temporary:
                 self._temporary()
         self._closed = True

@@ -1,7 +1,6 @@
-"""The read API simulators use: one scope's current rows, looked up by spec (`kprof.api.view(ledger, table, backend,
-gpu_key)` makes one; the README's Python read API shows its calls). Every row a lookup returns is verified (see
-_verify): a damaged ledger gives an IntegrityError (exit 3), never a wrong answer. The same specs asked again are
-answered from the ledger's memo of verified answers while the view root they were read under stands (see _memo)."""
+"""The read API simulators use: one scope's current rows by spec (`kprof.api.view(ledger, table, backend, gpu_key)`;
+see the README's Python read API). Every row is verified (_verify): a damaged ledger is an IntegrityError (exit 3),
+never a wrong answer. Specs asked again are answered from the ledger's memo while their view root stands (_memo)."""
 
 from __future__ import annotations
 
@@ -101,9 +100,8 @@ class View:
         self._memo_id = _codec.encode(self.keys.base)  # names this view's answers in the ledger's memo
 
     def get(self, **spec) -> Row | None:
-        """The ok row for one spec, or None when it is missing, stale or failed. A scope the ledger never held raises
-        UnknownGpuKeyError naming the GPU keys it holds (a mistyped key would read as missing rows; the bulk calls
-        answer "missing", as a caller asks them before anything is measured)."""
+        """The ok row for one spec, or None (missing, stale or failed). A scope never held raises UnknownGpuKeyError
+        naming the GPU keys held (a mistyped key); bulk calls answer "missing", asked before anything is measured."""
         shapes, exact = self.shapes.to_shapes([spec])
         with self._read() as txn:
             row = Row(self._spec_dicts([spec], shapes, exact)[0], *(column[0] for column in self._columns(txn, shapes)))

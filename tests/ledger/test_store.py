@@ -6,6 +6,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 
 import lmdb
 import msgspec
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from kprof.errors import IntegrityError, LedgerError, LedgerVersionError, UsageError
 from kprof.ledger import Ledger
 from kprof import synth
-from kprof.ledger import _codec
+from kprof.ledger import _codec, store
 from kprof.ledger.audit import audit
 from kprof.ledger.build import failed, retraction
 
@@ -270,3 +271,57 @@ def test_a_lock_file_this_user_cannot_write_is_named(ledger_path, monkeypatch):
                                           f"{ledger_path}-lock, where LMDB registers every reader; have its owner "
                                           f"make it writable"):
         Ledger.open(ledger_path, readonly=True)
+
+
+# ---- threads: one environment per file, opened and released under one lock -------------------------------------
+
+
+def test_two_threads_opening_one_file_at_once_share_one_environment(ledger_path, monkeypatch):
+    """LMDB allows one environment per file in a process: a thread opening the file while another one's open is under
+    way must wait for it and share its environment, not open a second (lmdb refuses it: one open failed)."""
+    Ledger.open(ledger_path).close()
+    real_open, second = lmdb.open, threading.Event()
+    calls: list[str] = []
+
+    def open_slowly(*args, **kwargs):  # the first open waits (a while) for a second thread's open to reach LMDB
+        calls.append(threading.current_thread().name)
+        second.set() if len(calls) > 1 else second.wait(2)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", open_slowly)
+    opened, errors = {}, []
+
+    def reader(name):
+        try:
+            opened[name] = Ledger.open(ledger_path, readonly=True)
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(name,), name=name) for name in "ab"]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    try:
+        assert errors == [] and calls == calls[:1] and opened["a"].env is opened["b"].env
+    finally:
+        [led.close() for led in opened.values()]
+
+
+def test_a_thread_closing_the_last_user_of_a_file_never_closes_it_under_another_threads_open(ledger_path, monkeypatch):
+    """A close that released the file's environment while another thread's open had found it shared (and not yet
+    counted itself) closed it under that open, which read as a damaged ledger (exit 3)."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 3)))
+    first = Ledger.open(ledger_path, readonly=True)
+    real_check, closer = store._check_file, threading.Thread(target=first.close)
+
+    def close_meanwhile(*args):  # the second open, its environment found: the first ledger closes now (or waits)
+        if not closer.is_alive() and closer.ident is None:
+            closer.start()
+            closer.join(2)
+        return real_check(*args)
+
+    monkeypatch.setattr(store, "_check_file", close_meanwhile)
+    with Ledger.open(ledger_path, readonly=True) as second:
+        closer.join()
+        assert synth.view(second).count_missing([synth.spec(i) for i in range(5)]) == 2
+    assert os.path.realpath(ledger_path) not in store._envs
