@@ -225,13 +225,19 @@ class Ledger:
     def read(self) -> Iterator[lmdb.Transaction]:
         """A consistent snapshot for as long as the block lasts, of the file now at the path (see _check_file)."""
         self._guard()
-        _check_file(self.path, self.real_path, self._entry)
-        txn = _begin(self.env, self.path)
-        _reads[id(txn)] = (self.env, txn, threading.get_ident())
+        txn = None
         try:
+            _check_file(self.path, self.real_path, self._entry)
+            txn = _begin(self.env, self.path)
+            _reads[id(txn)] = (self.env, txn, threading.get_ident())
             yield txn
+        except (lmdb.Error, IntegrityError):  # LMDB's "closed object" (as damage, where a reading() said so)
+            if self._closed:
+                raise LedgerError(f"ledger {self.path} was closed during this read (view.rows() or iter_log() not "
+                                  f"finished, or another thread's close); close a ledger after its reads") from None
+            raise
         finally:
-            if os.getpid() == self._pid:  # a forked child never aborts its copy (see _env._inherited_handles)
+            if txn is not None and os.getpid() == self._pid:  # a forked child never aborts its copy (_env)
                 _reads.pop(id(txn), None)
                 txn.abort()
 
@@ -317,6 +323,7 @@ class Ledger:
         registry: `kprof.api.view(ledger, table, backend, gpu_key)` takes both from the registry entry)."""
         from .view import View
 
+        self._guard()
         if contract is None or args_type is None:
             raise UsageError(f"Ledger.view({table!r}, {backend!r}, ...) needs the registry's contract and KernelArgs "
                              f"type; call kprof.api.view(ledger, {table!r}, {backend!r}, gpu_key), which takes both")
@@ -331,12 +338,12 @@ class Ledger:
         return resolve(self, ref)
 
     def close(self) -> None:
-        if not self._forked and os.getpid() == self._pid and not self._closed:
-            with _lock:
+        with _lock:  # closed first: a read under way in another thread says so; two threads closing release once
+            release, self._closed = not self._forked and os.getpid() == self._pid and not self._closed, True
+            if release:
                 _release(self.real_path, self.env)
-            if self._temporary:
-                self._temporary()
-        self._closed = True
+                if self._temporary:
+                    self._temporary()
         _live.discard(self)
 
     def __enter__(self):

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -172,6 +173,53 @@ def test_append_after_close_raises_ledger_error(ledger_path):
         led.last_seq
     with Ledger.open(ledger_path, readonly=True) as again:
         assert again.last_seq == 1
+
+
+CLOSED_DURING = "was closed during this read .*; close a ledger after its reads"
+
+
+def test_a_read_under_way_when_its_ledger_closes_says_so_not_damage(ledger_path, monkeypatch):
+    """Rows still iterated after close (here or in another thread), or a read another thread's close overtakes once
+    begun, met LMDB's "closed object" error and read as a damaged ledger (exit 3); a view of a closed ledger was
+    made. Each now says the ledger was closed, and how to use it."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 3)))
+    led = Ledger.open(ledger_path, readonly=True)
+    view, rows = synth.view(led), synth.view(led).rows()
+    assert next(rows).status == "ok"
+    led.close()
+    with pytest.raises(LedgerError, match=CLOSED_DURING):
+        next(rows)
+    with pytest.raises(LedgerError, match=f"ledger {ledger_path} is closed; open it again with Ledger.open"):
+        synth.view(led)
+    led = Ledger.open(ledger_path, readonly=True)
+    view, check = synth.view(led), store._check_file
+    monkeypatch.setattr(store, "_check_file", lambda *args: (led.close(), check(*args)))  # a close, once begun
+    with pytest.raises(LedgerError, match=CLOSED_DURING):
+        view.get_many([synth.spec(0)])
+    assert os.path.realpath(ledger_path) not in store._envs
+    assert all(env is not led.env for env, *_ in store._reads.values())
+
+
+def test_two_threads_closing_one_ledger_release_its_environment_once(ledger_path, monkeypatch):
+    """Both closes released the shared environment, the second another ledger's use of it: closed under that one."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 3)))
+    shared, other = Ledger.open(ledger_path, readonly=True), Ledger.open(ledger_path, readonly=True)
+    release, second = store._release, threading.Event()
+
+    def release_slowly(*args):  # the first release waits (a while) for the other thread's to begin
+        second.set() if second.is_set() or threading.current_thread().name == "b" else second.wait(2)
+        return release(*args)
+
+    monkeypatch.setattr(store, "_release", release_slowly)
+    threads = [threading.Thread(target=shared.close, name=name) for name in "ab"]
+    threads[0].start()
+    threads[1].start()
+    [thread.join() for thread in threads]
+    assert synth.view(other).count_missing([synth.spec(i) for i in range(5)]) == 2
+    other.close()
+    assert os.path.realpath(ledger_path) not in store._envs
 
 
 # ---- 5. fork safety: a child never ends its parent's read transactions ---------------------------------------
