@@ -4,7 +4,9 @@ import stat
 
 import pytest
 
+from kprof import api
 from kprof.cli import main
+from kprof.errors import SettingError
 from kprof.ledger import Ledger, _codec
 from kprof.runners.registry import lookup
 
@@ -183,8 +185,19 @@ def test_gpu_name_of_another_device_is_refused_before_any_work(tmp_path, ledger_
     assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
                  "--gpu-name", "NVIDIA H200", "--output-dir", str(tmp_path / "snap")]) == 2
     err = capsys.readouterr().err
-    assert "NVIDIA H200" in err and local_gpu in err
+    assert f"--gpu-name 'NVIDIA H200' differs from the device this run would measure on ({local_gpu!r}); omit " \
+           f"--gpu-name, or run on a machine with that device" in err
     assert os.listdir(tmp_path) == []  # no db, no snapshot
+
+
+def test_a_python_caller_is_told_of_another_devices_gpu_name_by_its_keyword(tmp_path, ledger_path, local_gpu):
+    """api.run's refusal named the verb's flag (--gpu-name) to a caller who passed gpu_name=."""
+    with pytest.raises(SettingError) as err:
+        api.run("single_gemm", "torch-cpu", [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], gpu_name="NVIDIA H200",
+                db=ledger_path)
+    assert str(err.value) == (f"gpu_name='NVIDIA H200' differs from the device this run would measure on "
+                              f"({local_gpu!r}); omit gpu_name, or run on a machine with that device")
+    assert os.listdir(tmp_path) == []
 
 
 def test_gpu_name_of_the_local_device_is_accepted(ledger_path, capsys, h, local_gpu):
