@@ -9,6 +9,7 @@ __all__ = [
     "SpecError",
     "UnknownGpuKeyError",
     "LedgerError",
+    "LedgerPathError",
     "LedgerVersionError",
     "IntegrityError",
     "SnapshotError",
@@ -78,6 +79,11 @@ class LedgerError(UsageError):
     path or the call is what is wrong, and nothing was written."""
 
     exit_code = 2
+
+
+class LedgerPathError(SettingError, LedgerError):
+    """The ledger path (`db`) names no ledger (nothing there, not a ledger, empty): worded twice, as a SettingError,
+    naming the keyword (`db=...`) for Python callers and the flag (`--db`) for the verbs."""
 
 
 class Uncreated(LedgerError):

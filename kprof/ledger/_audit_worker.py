@@ -1,7 +1,6 @@
-"""One shard of an audit, run in a process of the audit's pool (`main`): a damaged page that faults the reader kills
-only that process, which the audit reports. Shard s of n owns the row keys whose first byte b has b * n // 256 == s,
-and their events: it recomputes their ids and keys, replays them in log order through the Reducer (the one code that
-says how an event changes the views) and compares its part of every view; the parent sums the scope accumulators."""
+"""One audit shard, in a process of the audit's pool (`main`): a damaged page faulting the reader kills only it.
+Shard s of n owns the row keys whose first byte b has b * n // 256 == s and their events: it recomputes their ids and
+keys, replays them in log order through the Reducer, compares its part of every view (the parent sums accumulators)."""
 
 from __future__ import annotations
 

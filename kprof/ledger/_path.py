@@ -8,7 +8,7 @@ import stat
 import sys
 import time
 
-from ..errors import LedgerError, UsageError
+from ..errors import LedgerError, LedgerPathError, UsageError
 
 __all__ = ["default_path", "ledger_path"]
 
@@ -16,6 +16,7 @@ __all__ = ["default_path", "ledger_path"]
 # its 16-byte page header: all that is read of LMDB's format, enough to tell its files from text, SQLite or noise.
 _LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, sys.byteorder)
 _MAGIC_AT = 16
+_DB = (("db=", "'profile.db'"), ("--db ", "profile.db"))  # the ledger's path as a Python keyword, and as a verb's flag
 
 
 def default_path() -> str:
@@ -34,15 +35,15 @@ def ledger_path(db: str | os.PathLike | None = None) -> str:
         raise UsageError(f"db={db!r} is not a path ({type(db).__name__}); pass the ledger file's path as a str")
     path = os.fspath(db)
     if not path.strip():
-        raise UsageError(f"--db {path!r} is empty; pass the ledger file (e.g. --db profile.db), or omit --db to use "
-                         f"$KPROF_DB, else ./profile.db")
+        raise LedgerPathError(*(f"{db}{path!r} is empty; pass the ledger file (e.g. {db}{eg}), or omit {db.strip('= ')}"
+                                f" to use $KPROF_DB, else ./profile.db" for db, eg in _DB))
     return path
 
 
-def _not_a_ledger(path: str, what: str, damaged: str = "") -> LedgerError:
+def _not_a_ledger(path: str, what: str, damaged: str = "") -> LedgerPathError:
     fix = f"; if it held a ledger, {damaged}: restore it from a copy" if damaged else ""
-    return LedgerError(f"{path} is not a kprof ledger ({what}); check that --db (or $KPROF_DB) names the ledger "
-                       f"file{fix}")
+    return LedgerPathError(*(f"{path} is not a kprof ledger ({what}); check that {db.strip(' =')} (or $KPROF_DB) names "
+                             f"the ledger file{fix}" for db, _eg in _DB))
 
 
 def _recognize(path: str, deadline: float, readonly: bool) -> None:

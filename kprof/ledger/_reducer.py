@@ -191,9 +191,8 @@ class Store:
 
 
 class Reducer:
-    """Applies events (full records or their heads: see events.KIND) to a Store; scope entries are flushed once
-    per batch. What it reads back (a key's row and history, a scope's entry) is checked as a reader checks it: a
-    write into a damaged ledger fails with an IntegrityError naming the entry, and its transaction is aborted."""
+    """Applies events (records or their heads: events.KIND) to a Store; scope entries are flushed once per batch.
+    What it reads back is checked as a reader checks it: a write into a damaged ledger is an IntegrityError, aborted."""
 
     def __init__(self, store: Store):
         self.store = store

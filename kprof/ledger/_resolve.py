@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..errors import UsageError
+from ..errors import SettingError, UsageError
 from . import _verify
 
 
@@ -44,7 +44,8 @@ def resolve(ledger, ref: str) -> Resolved:
         if not found:
             with _verify.reading(path, "events"):
                 _check_neighbours(txn, dbs["events"], path, text)
-            raise UsageError(f"nothing in {path} matches {ref!r}; check the --db and the reference")
+            raise SettingError(*(f"nothing in {path} matches {ref!r}; check {db} and the reference"
+                                 for db in ("db", "the --db")))
         if len(found) > 1:
             raise UsageError(f"{ref!r} is ambiguous in {path}; give more hex digits")
         kind, raw = found[0]

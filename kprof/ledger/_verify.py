@@ -57,9 +57,8 @@ def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
 
 
 def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histories: dict | None = None) -> list:
-    """Per key, None or its verified current row: a CurrentRow, or with `summaries=False` a RowHead. `histories`
-    receives each key without a current row and its stored history value (a merge asks whether the key has
-    events). The checks run over whole columns in C-level maps; a column that fails is walked to name the row."""
+    """Per key, None or its verified current row (a CurrentRow; with `summaries=False` a RowHead). `histories` takes
+    each key without one and its history value (a merge asks). Checks run per column; a failing one names the row."""
     with reading(path, "current"):
         stored = values(txn.cursor(dbs["current"]), keys)
     found = [i for i, v in enumerate(stored) if v is not None]

@@ -16,7 +16,7 @@ import lmdb
 import msgspec
 
 from .. import _scratch
-from ..errors import IntegrityError, LedgerError, LedgerVersionError, Uncreated, UsageError
+from ..errors import IntegrityError, LedgerError, LedgerPathError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
 from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identity, _inherited, _live, _lock,
                    _read_only_file, _reads, _release, _write_txn)
@@ -82,7 +82,8 @@ class Ledger:
         elif os.path.islink(path):  # to nothing (it does not exist): LMDB would create `<path>-lock`, then fail
             raise LedgerError(f"ledger path {path} is a symbolic link to nothing (dangling, or a loop); fix the link")
         elif readonly:
-            raise LedgerError(f"no ledger at {path}; pass --db or set KPROF_DB, or `kprof run` to create one")
+            raise LedgerPathError(*(f"no ledger at {path}; pass {db} or set KPROF_DB, or `kprof run` to create one"
+                                    for db in ("db=...", "--db")))
         real = os.path.realpath(path)
         if real in _inherited:
             raise LedgerError(f"ledger {path} was open in the parent when this process was forked, and LMDB "

@@ -47,14 +47,23 @@ def test_a_db_that_does_not_exist_is_a_usage_error_for_the_read_verbs(verb, tmp_
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("read", [api.query, api.count_missing])
-def test_the_python_api_raises_the_same_usage_error(read, tmp_path):
-    with pytest.raises(UsageError, match="no ledger at .*profle.db; pass --db or set KPROF_DB"):
-        read("single_gemm", "torch-cpu", [SPEC], db=str(tmp_path / "profle.db"))
-    assert os.listdir(tmp_path) == []
-    with pytest.raises(UsageError, match="--db '' is empty"):
-        read("single_gemm", "torch-cpu", [SPEC], db="")
-    assert os.listdir(tmp_path) == []
+@pytest.mark.parametrize("read", [api.query, api.count_missing, api.scopes, api.show])
+def test_the_python_api_raises_the_same_usage_error_naming_its_keyword(read, tmp_path):
+    """A Python caller passes db=, not --db: the refusals said "pass --db" to it."""
+    def call(db):
+        args = {api.scopes: (), api.show: ("kprof.0123456789abcdef",)}.get(read, ("single_gemm", "torch-cpu", [SPEC]))
+        return read(*args, db=db)
+
+    with pytest.raises(LedgerError, match=r"^no ledger at .*profle.db; pass db=\.\.\. or set KPROF_DB, or "):
+        call(str(tmp_path / "profle.db"))
+    for db in ("", " "):
+        with pytest.raises(UsageError, match=f"^db={db!r} is empty; pass the ledger file \\(e.g. db='profile.db'\\), "
+                                             f"or omit db to use \\$KPROF_DB"):
+            call(db)
+    (tmp_path / "notes.txt").write_text("not a ledger")
+    with pytest.raises(LedgerError, match=r"not an LMDB file\); check that db \(or \$KPROF_DB\) names the ledger file"):
+        call(str(tmp_path / "notes.txt"))
+    assert os.listdir(tmp_path) == ["notes.txt"]
 
 
 def test_run_fresh_still_needs_no_ledger(tmp_path, capsys, h):

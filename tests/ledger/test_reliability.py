@@ -349,7 +349,7 @@ def test_truncated_file_gives_a_clear_error(pristine, tmp_path, size):
     assert DAMAGE.search(text), f"kprof audit does not say the file is truncated or damaged:\n{text}"
 
     opened = _run_helper("open", path, cwd=tmp_path)
-    assert opened.get("error") in ("IntegrityError", "LedgerError"), opened
+    assert opened.get("error") in ("IntegrityError", "LedgerError", "LedgerPathError"), opened
     assert opened["exit_code"] in (2, 3)
     assert DAMAGE.search(opened["message"]), opened
 
@@ -397,7 +397,7 @@ def test_a_file_that_is_not_lmdb_gives_a_clear_error(tmp_path):
     assert code in (2, 3), text
     assert DAMAGE.search(text), text
     opened = _run_helper("open", path, cwd=tmp_path)
-    assert opened.get("error") in ("IntegrityError", "LedgerError"), opened
+    assert opened.get("error") in ("IntegrityError", "LedgerError", "LedgerPathError"), opened
     assert DAMAGE.search(opened["message"]), opened
 
 
