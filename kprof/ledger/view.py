@@ -31,9 +31,8 @@ def citation(eid: bytes) -> str:
 
 
 class Row(msgspec.Struct, frozen=True, gc=False):
-    """One spec's answer: status, and for ok / stale / failed rows the summary of the event behind it (the full
-    event, environment and raw samples, is `ledger.event(row.event_id)`). The summary and provenance are shared with
-    the ledger's memo (see _memo), so what a Row hands out is read-only (`metrics`) or a copy (`summary`)."""
+    """One spec's answer: status, and for ok / stale / failed rows its event's summary (the event, with environment and
+    samples, is `ledger.event(row.event_id)`). Shared with the memo: `metrics` is read-only, `summary` a copy."""
 
     spec: dict[str, Any]
     status: str
@@ -75,6 +74,10 @@ class Row(msgspec.Struct, frozen=True, gc=False):
         when = None if s is None else _dt.datetime.fromtimestamp(s.measured_at, _dt.timezone.utc)
         return when and when.isoformat(timespec="seconds")
 
+    def __repr__(self) -> str:  # what a reader asks for: not the key's bytes, the raw samples or the provenance
+        time_ms = "" if self.metrics is None else f", time_ms={self.metrics.get('time_ms')!r}"
+        return f"Row(spec={self.spec!r}, status={self.status!r}, citation={self.citation!r}{time_ms})"
+
     def to_json(self) -> dict:
         s, stats, metrics = self._summary, self.stats, self.metrics
         return {"spec": self.spec, "status": self.status, "key": self.key.hex(),
@@ -87,8 +90,7 @@ class Row(msgspec.Struct, frozen=True, gc=False):
 
 
 class View:
-    """The current rows of one (table, backend, gpu_key) under one contract. The caller supplies the contract and
-    the KernelArgs type (the ledger knows no registry). Each call reads one consistent snapshot."""
+    """The current rows of one (table, backend, gpu_key) under the caller's contract; each call reads one snapshot."""
 
     def __init__(self, ledger, table: str, backend: str, gpu_key: str, contract: Contract, args_type: type):
         self.ledger, self.table, self.backend, self.gpu_key, self.contract = ledger, table, backend, gpu_key, contract
@@ -188,8 +190,7 @@ class View:
         return statuses, keys, eids, summaries, bases
 
     def _pick(self, txn, keys: list[bytes], rows: list) -> tuple | None:
-        """(status, key, event id, summary, provenance) of a shape's answer among its current rows (None: missing):
-        this contract's (ok or failed), else the newest measured of another contract of this or an older revision."""
+        """(status, key, event id, summary, provenance) or None: this contract's row, else the newest stale one."""
         path, best = self.ledger.path, None
         for key, row in zip(keys, rows):
             if row is None:
@@ -217,8 +218,7 @@ class View:
         return keys
 
     def rows(self) -> Iterator[Row]:
-        """Every current row of the scope, one per shape, as get_many answers it: this contract's (ok or failed),
-        else the newest measured row of another contract of this or an older profiler revision, as stale."""
+        """Every current row of the scope, one per shape, as get_many answers it (see `_pick`; others' read stale)."""
         with self._read() as txn:
             indexed = self._indexed(txn, self.scope)  # sorted: the keys of one shape are adjacent
             keys = [k[32:] for k in indexed]

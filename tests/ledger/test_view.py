@@ -123,3 +123,13 @@ def test_a_row_whose_provenance_has_fields_this_kprof_lacks_is_not_read_as_its_r
     assert [(r.status, r.provenance.profiler_revision) for r in view.rows()] == [("stale", 0)]
     ledger.append([synth.event(0)])  # this kprof's own row of the spec: read as ever
     assert synth.view(ledger).get(**synth.spec(0)).metrics["time_ms"] == synth.event(0).metrics["time_ms"]
+
+
+def test_a_rows_repr_says_what_a_reader_asks_for_not_its_internals(ledger):
+    """A Row's repr was msgspec's: the key and event id as raw bytes, the summary with its 16 raw samples and the
+    provenance (about 1.5 KB a row), which buried a list of rows printed at a prompt or in a log."""
+    ledger.append([synth.event(0)])
+    ok, missing = synth.view(ledger).get_many([synth.spec(0), synth.spec(1)])
+    time_ms = synth.event(0).metrics["time_ms"]
+    assert repr(ok) == (f"Row(spec={synth.spec(0)!r}, status='ok', citation={ok.citation!r}, time_ms={time_ms!r})")
+    assert repr(missing) == f"Row(spec={synth.spec(1)!r}, status='missing', citation=None)"
