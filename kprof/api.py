@@ -49,6 +49,10 @@ class CountResult(msgspec.Struct):
     missing_count: int
     missing: list[dict]
 
+    def to_json(self) -> dict:
+        """The document `kprof count-missing --json` prints."""
+        return msgspec.to_builtins(self)
+
 
 class QueryResult(msgspec.Struct):
     table: str
@@ -260,6 +264,10 @@ class Scope(msgspec.Struct, frozen=True):
     backend: str
     gpu_name: str
     rows: int
+
+    def to_json(self) -> dict:
+        """One entry of `kprof scopes --json`'s "scopes"."""
+        return msgspec.to_builtins(self)
 
 
 def scopes(db: str | None = None) -> list[Scope]:

@@ -16,8 +16,7 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
                             cuda_graph=cuda_graph, power=power)
     _unknown_gpu_key(res)
     if json:
-        emit_json({"table": res.table, "backend": res.backend, "gpu_name": res.gpu_name, "db": res.db,
-                   "count": res.count, "missing_count": res.missing_count, "missing": res.missing})
+        emit_json(res.to_json())
     else:
         console().print(f"{res.missing_count} of {res.count} {table}/{backend} spec(s) missing for "
                         f"{res.gpu_name!r} in {res.db}", markup=False)

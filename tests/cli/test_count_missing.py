@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from kprof import api
 from kprof.cli import main
 
 
@@ -29,6 +30,18 @@ def test_empty_db_all_missing(ledger_path, capsys, h, local_gpu):
     assert list(doc) == ["table", "backend", "gpu_name", "db", "count", "missing_count", "missing"]
     assert doc == {"table": "single_gemm", "backend": "torch-cpu", "gpu_name": local_gpu, "db": ledger_path,
                    "count": 3, "missing_count": 3, "missing": specs}
+
+
+def test_the_python_result_gives_the_json_the_verb_prints(ledger_path, capsys, h, local_gpu):
+    """CountResult had no to_json while its peer QueryResult (and Scope's peers) had one: a Python caller rebuilt the
+    verb's document by hand."""
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu))
+    specs = [h.gemm(), h.gemm(m=64)]
+    doc = api.count_missing("single_gemm", h.CPU, specs, db=ledger_path).to_json()
+    assert list(doc) == ["table", "backend", "gpu_name", "db", "count", "missing_count", "missing"]
+    assert doc == _count(capsys, h, ledger_path, *specs)
+    assert [s.to_json() for s in api.scopes(ledger_path)] == [
+        {"table": "single_gemm", "backend": h.CPU, "gpu_name": local_gpu, "rows": 1}]
 
 
 def test_after_run_nothing_missing(ledger_path, capsys, h):
