@@ -9,7 +9,8 @@ scope whose GPU key is the local device's (the CUDA GPU's name for CUDA backends
 torch-cpu), under the contract this process measures with (timer included), so each row is re-measured
 exactly the way it was measured. An explicit CUDA timing method (`timer`, `l2`, `cuda_graph`, `power`, the
 verb's --timer/--l2/--cuda-graph/--power) picks the CUDA rows of that method and leaves the CPU's rows out: they
-were never timed that way.
+were never timed that way. With KPROF_SPEC_TIMEOUT_S set, the rows are measured in a spawned worker that is
+killed past it (the row fails as `timeout`), as `run` bounds a spec; without it, in this process.
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
         seed = random.SystemRandom().randrange(1 << 32)  # reported, so the draw can be replayed with --seed
     elif type(seed) is not int or seed < 0:
         raise UsageError(f"--seed {seed!r}: give a whole number >= 0, e.g. the seed a report gave")
-    from .runners.fill import check_settings
+    from .runners.fill import check_settings, spec_time_limit
 
     check_settings()  # every KPROF_* setting, as a run checks them: a bad one refused before anything is measured
+    timed = spec_time_limit()  # KPROF_SPEC_TIMEOUT_S set: each scope's specs go to a worker it bounds, as in `run`
     started = time.perf_counter()
     method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
     explicit = any(v is not None for v in method.values())
@@ -134,17 +136,39 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     by_entry: dict[tuple, list] = {}
     for entry, gpu_key, row in chosen:
         by_entry.setdefault((entry.table, entry.backend, gpu_key), []).append((entry, row))
-    out = _measure(by_entry, tolerance)
+    out = _measure(by_entry, tolerance, timed)
     drifted = {d.citation for d in out if d.drift is not None and not d.ok}
     again = {k: [(e, r) for e, r in items if r.citation in drifted] for k, items in by_entry.items()}
-    confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance)}
+    confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance, timed)}
     out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
                            time.perf_counter() - started, seed)
 
 
-def _measure(by_entry: dict[tuple, list], tolerance: float) -> list[Drift]:
-    """Each (entry, stored row) measured again, grouped by scope, as a Drift."""
+def _in_worker(entry, specs: list, gpu_key: str):
+    """(index, event) of each spec, measured in a spawned worker on this process's device (CUDA device 0, or the
+    CPU) that the pool kills past KPROF_SPEC_TIMEOUT_S: that spec fails as `timeout` and a fresh worker takes the
+    rest, as in `run`. Its one-event segments stay in the pool's scratch directory, removed with it."""
+    from .ledger.build import failed
+    from .ledger.events import Origin
+    from .ledger.keys import KeyMaker
+    from .runners.devices import Device
+    from .runners.pool import Pool
+    from .specs import ShapeCodec
+
+    keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
+
+    def failed_event(i, kind, message, environment):
+        return failed(keys.provenance(specs[i], i), kind, message[:2000], environment=environment)
+
+    with Pool(entry, gpu_key, [Device("cpu" if entry.device == "cpu" else "cuda:0", None)]) as pool:
+        for res in pool.measure([(i, spec, None) for i, spec in enumerate(specs)], Origin(), failed_event):
+            yield res.index, res.event
+
+
+def _measure(by_entry: dict[tuple, list], tolerance: float, timed: bool = False) -> list[Drift]:
+    """Each (entry, stored row) measured again, grouped by scope, as a Drift; `timed`: in a worker, bounded by
+    KPROF_SPEC_TIMEOUT_S."""
     from .errors import SpecError
     from .runners.worker import measure_specs
     from .specs import validate
@@ -169,10 +193,13 @@ def _measure(by_entry: dict[tuple, list], tolerance: float) -> list[Drift]:
             else:
                 items.append((e, row))
         specs = [row.spec for _e, row in items]
-        for outcome in measure_specs(entry, specs, gpu_key) if items else ():
-            _e, row = items[outcome.index]
+        if not items:
+            continue
+        outcomes = _in_worker(entry, specs, gpu_key) if timed else (
+            (o.index, o.event) for o in measure_specs(entry, specs, gpu_key))
+        for index, event in outcomes:
+            _e, row = items[index]
             old = row.metrics["time_ms"]
-            event = outcome.event
             if hasattr(event, "metrics"):
                 new = event.metrics["time_ms"]
                 drift = new / old - 1

@@ -27,7 +27,8 @@ def audit(*, db: Db = None, json: Json = False,
               f"core, up to 8, here {JOBS})."))] = None,
           remeasure: Annotated[int | None, Parameter(name="--remeasure", converter=whole, help=(
               "Instead: re-measure N random current rows of this machine's device and report their drift "
-              "(exit 1 when any drifts past --tolerance or fails to measure). Writes nothing."))] = None,
+              "(exit 1 when any drifts past --tolerance or fails to measure). Writes nothing. KPROF_SPEC_TIMEOUT_S "
+              "bounds each, in a worker, as it bounds a run's spec."))] = None,
           tolerance: Annotated[float | None, Parameter(name="--tolerance", converter=number("0.05"), help=(
               "Relative drift allowed by --remeasure (default 0.05)."))] = None,
           seed: Annotated[int | None, Parameter(name="--seed", converter=whole, help=(

@@ -33,7 +33,7 @@ from .devices import Device, Devices, groups, need_of, pool_mode, usable_devices
 from .pool import Pool, Result
 from .registry import Entry
 
-__all__ = ["fill", "Filled", "to_measure"]
+__all__ = ["fill", "Filled", "to_measure", "check_settings", "spec_time_limit"]
 
 WAIT_S = 0.5  # between looks at keys another run is measuring
 
@@ -115,6 +115,17 @@ def check_settings(*, here: bool = True) -> None:
     environments.skipped()
 
 
+def spec_time_limit() -> bool:
+    """Whether KPROF_SPEC_TIMEOUT_S is set. A spec's time limit is kept by killing the worker that runs it: set, it
+    sends the specs to workers (`run`, `audit --remeasure`); with KPROF_POOL=off, which measures in this process, it
+    is refused."""
+    timed = bool(os.environ.get("KPROF_SPEC_TIMEOUT_S", "").strip())
+    if timed and pool_mode() == "off":
+        raise UsageError("KPROF_SPEC_TIMEOUT_S is set, but KPROF_POOL=off measures in this process, where no spec "
+                         "can be stopped; unset one of them")
+    return timed
+
+
 def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin: Origin, *,
          progress: Callable[[int, int, dict], None] | None = None,
          watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None) -> Filled:
@@ -149,11 +160,7 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
 
     # 2. the devices
     pmode = pool_mode()
-    # A spec's time limit is kept by killing the worker that runs it: set, it sends the specs to workers.
-    timed = bool(os.environ.get("KPROF_SPEC_TIMEOUT_S", "").strip())
-    if timed and pmode == "off":
-        raise UsageError("KPROF_SPEC_TIMEOUT_S is set, but KPROF_POOL=off measures in this process, where no spec "
-                         "can be stopped; unset one of them")
+    timed = spec_time_limit()
     devices: Devices | None = None
     if pmode != "off":
         devices = usable_devices(entry, gpu_key)

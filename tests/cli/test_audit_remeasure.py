@@ -224,3 +224,44 @@ def test_the_draw_of_rows_can_be_replayed_with_its_seed(h, capsys, local_gpu, mo
     assert "--seed applies to `kprof audit --remeasure N` only" in capsys.readouterr().err
     assert main(["audit", "--remeasure", "1", "--seed", "-1", "--db", "p.db"]) == 2
     assert "--seed -1: give a whole number >= 0" in capsys.readouterr().err
+
+
+def test_a_spec_time_limit_bounds_a_hung_remeasurement_as_it_bounds_a_run(h, capsys, local_gpu, monkeypatch):
+    """KPROF_SPEC_TIMEOUT_S was ignored: the rows were measured in this process, where a hung kernel hung the audit
+    for good. Set, each row is measured in a worker that is killed past it (the row fails as `timeout`, the others
+    are measured), as `run` does; with KPROF_POOL=off as well it is refused before anything is measured."""
+    import os
+    import sys
+
+    from kprof.runners import registry
+
+    runners = os.path.join(os.path.dirname(__file__), "..", "runners")
+    registry.entries()  # the catalog first: a registry that is not empty is taken as loaded
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))  # the test's runner leaves with the test
+    monkeypatch.syspath_prepend(runners)  # spawned workers get this process's sys.path, and import KPROF_RUNNERS
+    monkeypatch.setenv("KPROF_RUNNERS", "faulty_runner")
+    monkeypatch.delitem(sys.modules, "faulty_runner", raising=False)  # imported afresh, into the copy
+    import faulty_runner
+
+    try:
+        _time_limit_bounds_remeasure(h, capsys, local_gpu, monkeypatch, faulty_runner)
+    finally:  # not left imported: a later test's KPROF_RUNNERS import must register it again
+        sys.modules.pop("faulty_runner", None)
+
+
+def _time_limit_bounds_remeasure(h, capsys, local_gpu, monkeypatch, faulty_runner):
+    def here(*_args):  # this process is never where the spec is measured: a hang here could not be stopped
+        raise RuntimeError("measured in the calling process")
+
+    monkeypatch.setattr(faulty_runner.Faulty, "build", here)
+    h.append("p.db", h.make_event({"n": 1000, "act": "hang"}, local_gpu, table="faulty", backend="cpu"),
+             h.make_event({"n": 1001, "act": "ok"}, local_gpu, table="faulty", backend="cpu"))
+    monkeypatch.setenv("KPROF_SPEC_TIMEOUT_S", "1")
+    monkeypatch.setenv("KPROF_POOL", "off")
+    assert main(["audit", "--remeasure", "2", "--db", "p.db"]) == 2
+    assert "KPROF_SPEC_TIMEOUT_S is set, but KPROF_POOL=off" in capsys.readouterr().err
+    monkeypatch.delenv("KPROF_POOL")
+    assert main(["audit", "--remeasure", "2", "--tolerance", "1000", "--db", "p.db", "--json"]) == 1
+    rows = {r["spec"]["act"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["hang"]["error"].startswith("timeout: no result within 1 s (KPROF_SPEC_TIMEOUT_S)"), rows["hang"]
+    assert rows["ok"]["error"] is None and rows["ok"]["new_ms"] > 0
