@@ -66,12 +66,15 @@ _TAIL = 1500  # characters of a rank's log quoted in a failure
 
 def start_s() -> float:
     """Seconds the ranks may take to start (KPROF_RANK_START_S)."""
-    return env_seconds("KPROF_RANK_START_S", START_S)
+    return env_seconds("KPROF_RANK_START_S", START_S, least=10.0,
+                       why="the ranks import torch and initialize torch.distributed first, so no rank would start")
 
 
 def step_s() -> float:
     """Seconds a rank may take to answer one step (KPROF_RANK_STEP_S)."""
-    return env_seconds("KPROF_RANK_STEP_S", STEP_S)
+    return env_seconds("KPROF_RANK_STEP_S", STEP_S, least=1.0,
+                       why="a step is a batch of collectives and a barrier across the ranks, so every step would "
+                           "time out")
 
 
 class RankError(KprofError):

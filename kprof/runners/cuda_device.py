@@ -67,7 +67,8 @@ def _placed_copy(torch, t, offset: int):
 
 def energy_window_s() -> float:
     """Seconds of back-to-back calls behind each row's energy_j (KPROF_ENERGY_S; 0 turns energy off)."""
-    return env_seconds("KPROF_ENERGY_S", ENERGY_S, zero_ok=True)
+    return env_seconds("KPROF_ENERGY_S", ENERGY_S, zero_ok=True, least=0.2,
+                       why="NVML's energy counter steps about every 0.1 s and the fit needs two steps")
 
 
 def capped_sample_s() -> tuple[float, float]:

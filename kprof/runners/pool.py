@@ -39,6 +39,7 @@ __all__ = ["Pool", "Result"]
 MAX_RESTARTS = 3
 SPEC_TIMEOUT_S = 900.0
 START_TIMEOUT_S = 600.0  # a worker's import of torch, CUDA context and first-use wake
+LEAST_SPEC_S, LEAST_START_S = 1.0, 10.0  # less is refused: no spec, no worker start, could fit in it
 
 
 class Result(NamedTuple):
@@ -129,7 +130,10 @@ class _Worker:
 
 def timeouts() -> tuple[float, float]:
     """(seconds a spec may take, seconds a worker may take to start): KPROF_SPEC_TIMEOUT_S, KPROF_WORKER_START_S."""
-    return env_seconds("KPROF_SPEC_TIMEOUT_S", SPEC_TIMEOUT_S), env_seconds("KPROF_WORKER_START_S", START_TIMEOUT_S)
+    return (env_seconds("KPROF_SPEC_TIMEOUT_S", SPEC_TIMEOUT_S, least=LEAST_SPEC_S,
+                        why="a spec's build, check and timing take longer, so every spec would time out"),
+            env_seconds("KPROF_WORKER_START_S", START_TIMEOUT_S, least=LEAST_START_S,
+                        why="a worker imports torch and prepares its device first, so no worker would start"))
 
 
 class Pool:

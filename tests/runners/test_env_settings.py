@@ -13,11 +13,11 @@ ROOT = pathlib.Path(__file__).parent.parent.parent
 # (variable, bad values): each refused by the check every run makes first, on any backend.
 SECONDS = ("abc", "-1", "nan", "inf", "1e400", "1e300")
 BAD = [
-    ("KPROF_SPEC_TIMEOUT_S", SECONDS + ("0",)),
-    ("KPROF_WORKER_START_S", SECONDS + ("0",)),
-    ("KPROF_RANK_START_S", SECONDS + ("0",)),
-    ("KPROF_RANK_STEP_S", SECONDS + ("0",)),
-    ("KPROF_ENERGY_S", SECONDS),
+    ("KPROF_SPEC_TIMEOUT_S", SECONDS + ("0", "1e-9", "0.5")),
+    ("KPROF_WORKER_START_S", SECONDS + ("0", "0.000001", "9")),
+    ("KPROF_RANK_START_S", SECONDS + ("0", "1e-9", "9")),
+    ("KPROF_RANK_STEP_S", SECONDS + ("0", "1e-9", "0.5")),
+    ("KPROF_ENERGY_S", SECONDS + ("1e-9", "0.1")),
     ("KPROF_CAPPED_SAMPLE_S", SECONDS + ("0",)),
     ("KPROF_CAPPED_MAX_SAMPLE_S", SECONDS + ("0",)),
     ("KPROF_TIME_BUDGET_S", SECONDS + ("0",)),
@@ -43,6 +43,32 @@ def test_a_bad_value_is_refused_before_a_cpu_run_writes(name, bad, tmp_path, mon
         api.run("single_gemm", "torch-cpu", [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], db=str(db))
     assert not any(tmp_path.iterdir())
 
+
+# (variable, a positive value too small for anything to finish in it, the least accepted, the default): 1e-9 timed
+# out every spec and 0.000001 dropped every worker, each with a message that named neither the value nor the fix.
+TOO_SMALL = [("KPROF_SPEC_TIMEOUT_S", "1e-9", "1", "900"), ("KPROF_WORKER_START_S", "0.000001", "10", "600"),
+             ("KPROF_RANK_START_S", "0.5", "10", "300"), ("KPROF_RANK_STEP_S", "0.01", "1", "300"),
+             ("KPROF_ENERGY_S", "0.05", "0.2", "0.25")]
+
+
+@pytest.mark.parametrize("name,tiny,least,default", TOO_SMALL)
+def test_a_positive_value_too_small_to_use_names_the_value_the_bound_and_the_fix(name, tiny, least, default,
+                                                                                 monkeypatch, capsys, tmp_path):
+    from kprof.cli import main
+
+    monkeypatch.setenv(name, tiny)
+    db = tmp_path / "p.db"
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", '{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}',
+                 "--db", str(db)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {name}={tiny!r} is below {least} s, the least kprof accepts: "), line
+    assert line.endswith(f"set {'0 to turn it off, or ' if name == 'KPROF_ENERGY_S' else ''}{least} or more "
+                         f"(default {default}), or unset it"), line
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setenv(name, least)  # the bound itself is taken
+    from kprof.runners.fill import check_settings
+
+    check_settings()
 
 
 def test_the_readme_documents_every_variable_the_package_reads():

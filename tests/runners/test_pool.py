@@ -304,17 +304,24 @@ def test_cpu_workers_are_bounded_by_the_cores_and_by_the_specs(tmp_path, monkeyp
 def test_a_spec_time_limit_sends_the_specs_to_workers_and_is_kept(tmp_path, capsys, monkeypatch):
     """A CPU run is measured in the calling process, where no spec can be stopped: with KPROF_SPEC_TIMEOUT_S set
     it goes to a worker, which is killed past the limit (the spec fails as `timeout`); with KPROF_POOL=off as well
-    it is refused before anything is written."""
+    it is refused before anything is written. (A hung spec: a limit under 1 s is refused.)"""
     from kprof.cli import main
 
+    monkeypatch.syspath_prepend(HERE)  # the spawned worker gets this sys.path and imports KPROF_RUNNERS
+    monkeypatch.setenv("KPROF_RUNNERS", "faulty_runner")
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", {})
+    monkeypatch.delitem(sys.modules, "faulty_runner", raising=False)
     db = str(tmp_path / "p.db")
-    spec = '{"m": 1536, "n": 1536, "k": 1536, "dtype": "fp32"}'
-    monkeypatch.setenv("KPROF_SPEC_TIMEOUT_S", "0.05")
+    spec = '{"n": 1000, "act": "hang"}'
+    monkeypatch.setenv("KPROF_SPEC_TIMEOUT_S", "1")
     monkeypatch.setenv("KPROF_POOL", "off")
-    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", db]) == 2
-    assert "KPROF_POOL=off" in capsys.readouterr().err and not os.path.exists(db)
-    monkeypatch.delenv("KPROF_POOL")
-    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", db, "--json"]) == 1
+    try:
+        assert main(["run", "faulty", "--backend", "cpu", "--spec", spec, "--db", db]) == 2
+        assert "KPROF_POOL=off" in capsys.readouterr().err and not os.path.exists(db)
+        monkeypatch.delenv("KPROF_POOL")
+        assert main(["run", "faulty", "--backend", "cpu", "--spec", spec, "--db", db, "--json"]) == 1
+    finally:  # not left imported: a later KPROF_RUNNERS import into an empty registry must register it again
+        sys.modules.pop("faulty_runner", None)
     out, err = capsys.readouterr()
     row = json.loads(out)["results"][0]
     assert row["error"]["kind"] == "timeout", row
