@@ -414,3 +414,26 @@ def test_a_bad_setting_is_refused_before_anything_is_submitted(name, bad, remote
                        output_dir="out", mode="force", gpu_name=None, db=None, timer=None, l2=None, cuda_graph=None,
                        power=None, json=False, command="kprof run --remote sub")
     assert not os.path.exists("out") and not os.path.exists(db) and not os.path.exists("logs")
+
+
+@pytest.mark.parametrize("name,bad", [("KPROF_TIME_BUDGET_S", "abc"), ("KPROF_ENERGY_S", "-1"),
+                                      ("KPROF_WORKER_START_S", "0.000001"), ("KPROF_TIMER", "bogus"),
+                                      ("KPROF_ENERGY_S", 0.25)])
+def test_a_bad_setting_in_the_ray_tasks_env_vars_is_refused_before_anything_is_submitted(name, bad, remote_yaml, db,
+                                                                                          monkeypatch):
+    """launch.ray.runtime_env's env_vars were passed to the tasks unchecked: a KPROF_* value a local run refuses
+    failed only on the cluster, in every chunk. It is checked as the local one is, naming where it was given."""
+    from kprof.errors import UsageError
+
+    remote_yaml(RAY)
+    monkeypatch.delenv(name, raising=False)
+    value = repr(bad) if isinstance(bad, str) else bad
+    with pytest.raises(UsageError) as info:
+        run_remote_cli("single_gemm", "torch-cpu", [dict(s) for s in SPECS], remote="ray",
+                       remote_set=[f"launch.ray.runtime_env={{env_vars: {{{name}: {value}}}}}"], output_dir="out",
+                       mode="force", gpu_name=None, db=None, timer=None, l2=None, cuda_graph=None, power=None,
+                       json=False, command="kprof run --remote ray")
+    message = str(info.value)
+    assert message.startswith("launch.ray.runtime_env env_vars") and name in message and repr(bad) in message
+    assert name not in os.environ  # the check leaves this process's environment as it was
+    assert not os.path.exists("out") and not os.path.exists(db) and not os.path.exists("logs")
