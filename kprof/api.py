@@ -257,19 +257,13 @@ def _fresh_result(entry, canonical, gpu_key, db, events, spec_keys: list[bytes],
 
 class Scope(msgspec.Struct, frozen=True):
     """One (table, backend, GPU key) a ledger holds. `gpu_name` is the key that `query(gpu_name=...)`,
-    `perf_api.get_<table>(gpu_key=...)` and `Ledger.view` take. `ok`, `stale` and `failed` count specs, each as
-    `query` reads it under the default timing method (KPROF_TIMER etc.): one spec is counted once, whatever rows
-    of other profiler revisions or timing methods it holds beside its row (None for a table or backend this kprof
-    does not know). `rows` counts current rows, one per key: a spec measured at two profiler revisions or with two
-    timing methods holds two."""
+    `perf_api.get_<table>(gpu_key=...)` and `Ledger.view` take; `rows` counts its current rows of any status (ok,
+    failed, or of another profiler revision or timing method, which read as stale)."""
 
     table: str
     backend: str
     gpu_name: str
     rows: int
-    ok: int | None = None
-    stale: int | None = None
-    failed: int | None = None
 
     def to_json(self) -> dict:
         """One entry of `kprof scopes --json`'s "scopes"."""
@@ -280,17 +274,7 @@ def scopes(db: str | None = None) -> list[Scope]:
     """Every scope of the ledger at db ($KPROF_DB, else ./profile.db), sorted by table, backend and GPU key: what
     it holds and under which GPU keys to read it. A file that does not exist is a LedgerError (exit 2)."""
     with Ledger.open(ledger_path(db), readonly=True) as ledger:
-        return [Scope(*s, *_spec_counts(ledger, *s[:3])) for s in sorted(ledger.scopes())]
-
-
-def _spec_counts(ledger: Ledger, table: str, backend: str, gpu_key: str) -> tuple:
-    """(ok, stale, failed): the scope's specs `query` reads as each (the others it reads as missing)."""
-    try:
-        lookup(table, backend)
-    except UsageError:  # a table or backend this kprof does not know: whose specs cannot be read here
-        return None, None, None
-    statuses = [row.status for row in view(ledger, table, backend, gpu_key).rows()]
-    return statuses.count("ok"), statuses.count("stale"), statuses.count("failed")
+        return [Scope(*s) for s in sorted(ledger.scopes())]
 
 
 __all__ += ["scopes", "Scope"]

@@ -51,7 +51,7 @@ def test_readme_python_read_api_runs_after_the_first_command(tmp_path, monkeypat
     finally:
         perf_api.close_all()
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "single_gemm torch-cpu README test CPU 8 0 0"
+    assert lines[0] == "single_gemm torch-cpu README test CPU 8"
     assert lines[1].endswith(" README test CPU") and " kprof." in lines[1]
     assert lines[-1] == "0"
 

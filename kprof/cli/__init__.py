@@ -23,9 +23,7 @@ VERBS = [
     ("list", "kprof.cli.list_:list_",
      "List every table/backend pair with its args, kernel kind, metric family, env and read functions."),
     ("scopes", "kprof.cli.scopes:scopes",
-     "List every table/backend/GPU key the ledger holds: the GPU keys to read rows under, and how many specs "
-     "`query` reads as ok, stale and failed in each (one count per spec, under the default timing method; "
-     "--json's rows counts current rows, one per key)."),
+     "List every table/backend/GPU key the ledger holds, with its row count: the GPU keys to read rows under."),
     ("count-missing", "kprof.cli.read:count_missing", "Count the specs without an ok row. Read-only: never profiles."),
     ("query", "kprof.cli.read:query",
      "Read the rows of the given specs. Read-only: never profiles; missing rows exit 0."),

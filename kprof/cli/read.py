@@ -43,11 +43,8 @@ def _unknown_gpu_key(res) -> None:
     JSON and its exit 0 stay as the contract says; `kprof export` refuses such a key instead."""
     if not res.count or res.missing_count < res.count:
         return
-    from ..ledger import Ledger
-
-    with Ledger.open(res.db, readonly=True) as ledger:  # the names alone: api.scopes reads every row to count specs
-        held = sorted((g, n) for t, b, g, n in ledger.scopes() if (t, b) == (res.table, res.backend))
-    if held and all(g != res.gpu_name for g, _n in held):
-        keys = ", ".join(f"{g!r} ({n} row{'s' if n != 1 else ''})" for g, n in held)
+    held = [s for s in api.scopes(res.db) if (s.table, s.backend) == (res.table, res.backend)]
+    if held and all(s.gpu_name != res.gpu_name for s in held):
+        keys = ", ".join(f"{s.gpu_name!r} ({s.rows} row{'s' if s.rows != 1 else ''})" for s in held)
         console(stderr=True).print(f"note: {res.db} has no {res.table}/{res.backend} rows for GPU key "
                                    f"{res.gpu_name!r}; it holds: {keys}", markup=False)

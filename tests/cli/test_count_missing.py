@@ -41,7 +41,7 @@ def test_the_python_result_gives_the_json_the_verb_prints(ledger_path, capsys, h
     assert list(doc) == ["table", "backend", "gpu_name", "db", "count", "missing_count", "missing"]
     assert doc == _count(capsys, h, ledger_path, *specs)
     assert [s.to_json() for s in api.scopes(ledger_path)] == [
-        {"table": "single_gemm", "backend": h.CPU, "gpu_name": local_gpu, "rows": 1, "ok": 1, "stale": 0, "failed": 0}]
+        {"table": "single_gemm", "backend": h.CPU, "gpu_name": local_gpu, "rows": 1}]
 
 
 def test_after_run_nothing_missing(ledger_path, capsys, h):

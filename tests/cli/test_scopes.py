@@ -1,5 +1,4 @@
-"""`kprof scopes` and `kprof.api.scopes`: every (table, backend, GPU key) of a ledger with its rows, and its specs
-as `query` reads them (ok, stale, failed)."""
+"""`kprof scopes` and `kprof.api.scopes`: every (table, backend, GPU key) of a ledger with its row count."""
 
 import json
 import os
@@ -25,9 +24,8 @@ def _fill(h, db, gpu):
 
 
 def _expected(gpu):
-    """(table, backend, gpu_name, rows, ok, stale, failed) of each scope _fill makes."""
-    return sorted([["memcpy", "torch-cpu", gpu, 0, 0, 0, 0], ["rms_norm", "torch-cpu", gpu, 1, 1, 0, 0],
-                   ["single_gemm", "torch-cpu", gpu, 4, 2, 1, 1], ["single_gemm", "torch-cpu", H200, 1, 1, 0, 0]])
+    return sorted([["memcpy", "torch-cpu", gpu, 0], ["rms_norm", "torch-cpu", gpu, 1],
+                   ["single_gemm", "torch-cpu", gpu, 4], ["single_gemm", "torch-cpu", H200, 1]])
 
 
 def test_json_lists_every_scope_sorted_with_its_rows(ledger_path, capsys, h, local_gpu):
@@ -35,7 +33,7 @@ def test_json_lists_every_scope_sorted_with_its_rows(ledger_path, capsys, h, loc
     assert main(["scopes", "--db", ledger_path, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert list(doc) == ["db", "scopes"] and doc["db"] == ledger_path
-    assert [list(s) for s in doc["scopes"]] == [["table", "backend", "gpu_name", "rows", "ok", "stale", "failed"]] * 4
+    assert [list(s) for s in doc["scopes"]] == [["table", "backend", "gpu_name", "rows"]] * 4
     assert [list(s.values()) for s in doc["scopes"]] == _expected(local_gpu)
 
 
@@ -43,40 +41,7 @@ def test_python_call_gives_the_same_scopes(ledger_path, h, local_gpu):
     _fill(h, ledger_path, local_gpu)
     found = api.scopes(ledger_path)
     assert all(type(s) is api.Scope for s in found)
-    assert [[s.table, s.backend, s.gpu_name, s.rows, s.ok, s.stale, s.failed] for s in found] == _expected(local_gpu)
-
-
-def test_a_spec_with_a_stale_row_beside_its_current_one_counts_once(ledger_path, capsys, h, local_gpu):
-    """One spec measured at an older profiler revision and again at this one holds two current rows (two keys);
-    `scopes` read 2 where `query` answers one ok spec. The spec counts are what query reads; rows stays the keys."""
-    h.append(ledger_path, h.make_event(h.gemm(), local_gpu, revision=0), h.make_event(h.gemm(), local_gpu),
-             h.make_event(h.gemm(m=8), local_gpu, revision=0), h.make_event(h.gemm(m=16), local_gpu, revision=0),
-             h.make_event(h.gemm(m=16), local_gpu, kind="failed"))
-    statuses = [r["status"] for r in h.read_json(capsys, "query", ledger_path, h.gemm(), h.gemm(m=8), h.gemm(m=16),
-                                                 extra=["--gpu-name", local_gpu])["results"]]
-    assert statuses == ["ok", "stale", "failed"]
-    assert main(["scopes", "--db", ledger_path, "--json"]) == 0
-    (scope,) = json.loads(capsys.readouterr().out)["scopes"]
-    assert (scope["ok"], scope["stale"], scope["failed"], scope["rows"]) == (1, 1, 1, 5)
-    assert main(["scopes", "--db", ledger_path]) == 0
-    lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
-    assert [[c.strip() for c in line.strip("│").split("│")][3:] for line in lines if line.startswith("│")] == [
-        ["1", "1", "1"]]
-
-
-def test_a_table_this_kprof_does_not_know_has_no_spec_counts(ledger_path, capsys, h, local_gpu):
-    """Its specs cannot be read here (no KernelArgs, no contract): counted as unknown, not as 0 ok."""
-    import msgspec
-
-    from kprof.ledger.build import measured
-    event = h.make_event(h.gemm(), local_gpu)
-    prov = msgspec.structs.replace(event.provenance, table="someone_elses")
-    h.append(ledger_path, measured(prov, event.metrics, event.stats, event.method))
-    (scope,) = api.scopes(ledger_path)
-    assert (scope.table, scope.rows, scope.ok, scope.stale, scope.failed) == ("someone_elses", 1, None, None, None)
-    assert main(["scopes", "--db", ledger_path]) == 0
-    out = capsys.readouterr().out
-    assert "│ ?" in out and "? a table or backend this kprof does not know" in out
+    assert [[s.table, s.backend, s.gpu_name, s.rows] for s in found] == _expected(local_gpu)
 
 
 def test_human_output_is_a_table_and_a_total(ledger_path, capsys, h):
@@ -85,11 +50,10 @@ def test_human_output_is_a_table_and_a_total(ledger_path, capsys, h):
     assert main(["scopes", "--db", ledger_path]) == 0
     lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
     rows = [[cell.strip() for cell in line.strip("│").split("│")] for line in lines if line.startswith("│")]
-    assert rows == [["single_gemm", "torch-cpu", H200, "2", "0", "0"],
-                    ["single_gemm", "torch-cpu", "Some CPU", "1", "0", "0"]]
+    assert rows == [["single_gemm", "torch-cpu", H200, "2"], ["single_gemm", "torch-cpu", "Some CPU", "1"]]
     assert lines[0].strip() == f"scopes of {ledger_path}"
-    assert lines[-1] == ("2 scope(s), spec(s) 3 ok, 0 stale, 0 failed (stale and failed read as missing); "
-                         "read one with --gpu-name (query, count-missing) or gpu_key= (kprof.perf_api)")
+    assert lines[-1] == ("2 scope(s), 3 row(s); read one with --gpu-name (query, count-missing) or gpu_key= "
+                         "(kprof.perf_api)")
 
 
 def test_an_empty_ledger_has_no_scopes(ledger_path, capsys):
