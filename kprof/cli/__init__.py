@@ -23,7 +23,8 @@ VERBS = [
     ("list", "kprof.cli.list_:list_",
      "List every table/backend pair with its args, kernel kind, metric family, env and read functions."),
     ("scopes", "kprof.cli.scopes:scopes",
-     "List every table/backend/GPU key the ledger holds, with its row count: the GPU keys to read rows under."),
+     "List every table/backend/GPU key the ledger holds, with its current rows (one per key: a spec measured under "
+     "two profiler revisions or timing methods has two): the GPU keys to read rows under."),
     ("count-missing", "kprof.cli.read:count_missing", "Count the specs without an ok row. Read-only: never profiles."),
     ("query", "kprof.cli.read:query",
      "Read the rows of the given specs. Read-only: never profiles; missing rows exit 0."),

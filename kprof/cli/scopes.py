@@ -9,7 +9,8 @@ from ._render import console, emit_json
 
 
 def scopes(*, db: Db = None, json: Json = False) -> int:
-    """List every table/backend/GPU key of the ledger with its number of rows."""
+    """List every table/backend/GPU key of the ledger with its current rows, one per key (a spec measured under two
+    profiler revisions or timing methods has two; `count-missing` says how many of given specs are missing)."""
     found = api.scopes(db)
     path = ledger_path(db)
     if json:
