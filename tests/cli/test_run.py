@@ -324,6 +324,95 @@ def test_a_run_interrupted_while_its_snapshot_is_written_leaves_none_and_runs_ag
     assert not [n for n in os.listdir(out_dir) if n.startswith(".")] and _last_seq(ledger_path) == 1
 
 
+class _Killed(BaseException):
+    """The process ends here: no except or cleanup of the writer's runs (a SIGKILL), only the kernel's release of
+    its flocks, which closing the fd does."""
+
+
+SNAPSHOT_FILES = {"request.json", "results.json", "curve.json", "job.meta.json"}
+
+
+def _snapshot_of_two_rows(out_dir) -> None:
+    from kprof import artifacts
+
+    result = {"table": "single_gemm", "backend": "torch-cpu", "gpu_name": "cpu", "results": [
+        {"spec": {"m": m, "n": 8, "k": 8, "dtype": "fp32"}, "status": "ok", "citation": f"kprof.{m:016x}",
+         "metrics": {"time_ms": 0.1 * m}} for m in (8, 16)]}
+    artifacts.write_snapshot(str(out_dir), {"specs": []}, result, {"command": "kprof run"}, ["m", "n", "k", "dtype"])
+
+
+def _killed_at(monkeypatch, out_dir, kill_at: int) -> set[str]:
+    """The files a snapshot write killed at its rename number `kill_at` (from 0) left in out_dir."""
+    from kprof import artifacts
+
+    rename, calls = os.rename, []
+
+    def killed(src, dst):
+        calls.append(dst)
+        if len(calls) > kill_at:
+            raise _Killed
+        rename(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "rename", killed)
+        m.setattr(artifacts.shutil, "rmtree", lambda *a, **kw: None)  # no cleanup runs in a killed process
+        try:
+            _snapshot_of_two_rows(out_dir)
+        except _Killed:
+            pass
+    return {n for n in os.listdir(out_dir) if not n.startswith(".")}
+
+
+@pytest.mark.parametrize("kill_at", [0, 1, 2, 3])
+@pytest.mark.parametrize("held", [[], ["segments"]])
+def test_a_snapshot_killed_among_its_renames_is_whole_or_absent_and_written_again(tmp_path, monkeypatch, kill_at,
+                                                                                 held):
+    """A SIGKILL between the renames of the snapshot's files into --output-dir left part of a snapshot, which
+    refused the same command again ("already holds a snapshot"). A new (empty) directory gets the whole snapshot
+    in one rename of its staging folder, so a kill leaves none; one holding other files (a remote run's segments/)
+    may be left with part of one beside the staging folder, which the next write removes. Either way the command
+    runs again, and a leftover staging folder is neither a snapshot nor left behind."""
+    from kprof.errors import UsageError
+
+    out_dir = tmp_path / "snap"
+    out_dir.mkdir()
+    for name in held:
+        (out_dir / name).mkdir()
+    left = _killed_at(monkeypatch, out_dir, kill_at) - set(held)
+    whole = SNAPSHOT_FILES | {"curve.png"}
+    if not held:
+        assert left in (set(), whole), left  # whole or not at all
+    if left == whole:  # the kill came after the last rename: that snapshot stands, and refuses a second
+        with pytest.raises(UsageError, match="already holds a snapshot"):
+            _snapshot_of_two_rows(out_dir)
+    else:
+        _snapshot_of_two_rows(out_dir)
+    assert set(os.listdir(out_dir)) == whole | set(held)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging folder left, beside it or in it
+
+
+def test_a_staging_folder_a_live_writer_holds_is_let_be(tmp_path):
+    """A writer of a snapshot into the directory holds its staging folder (a flock; one open of it here stands for
+    another process, as flocks of two opens conflict): it is not taken for a killed write's leftover (its files
+    stay), and is no snapshot (the directory is not refused). Let go, it is a leftover, and removed."""
+    import fcntl
+
+    from kprof import artifacts
+
+    out_dir = tmp_path / "snap"
+    (out_dir / ".snapshot-live").mkdir(parents=True)
+    (out_dir / ".snapshot-live" / "curve.json").write_text("{}")
+    fd = os.open(out_dir / ".snapshot-live", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        artifacts.check_output_dir(str(out_dir))
+        assert os.listdir(out_dir / ".snapshot-live") == ["curve.json"]
+    finally:
+        os.close(fd)
+    artifacts.check_output_dir(str(out_dir))
+    assert os.listdir(out_dir) == []
+
+
 def test_output_dir_that_is_a_file_is_refused(tmp_path, ledger_path, capsys, h):
     target = tmp_path / "file"
     target.write_text("x")
