@@ -1,6 +1,6 @@
 """`run --output-dir DIR`: request.json, results.json, curve.json, job.meta.json (and curve.png), each
-written once and made read-only, whole or not at all (see `_write`). A directory the snapshot could not be written to (one that already holds a
-snapshot, a file, a path through a file, one that cannot be created or written) is refused before any work."""
+written once and made read-only (see `_write`). A directory the snapshot could not be written to (one that already
+holds a snapshot, a file, a path through a file, one that cannot be created or written) is refused before any work."""
 
 from __future__ import annotations
 
@@ -31,13 +31,7 @@ def check_output_dir(path: str) -> None:
     _outdir.check_output_dir(path, (*SNAPSHOT, "curve.png"), "a snapshot")
 
 
-_STAGING = ".snapshot-"  # a staging folder's name starts so: in the output directory, or `.<its name>` before it
-
-
-def _staging_prefixes(path: str) -> list[tuple[str, str]]:
-    """(directory, name prefix) of the staging folders a snapshot of `path` is written in: beside it, and in it."""
-    path = os.path.abspath(path)
-    return [(os.path.dirname(path), f".{os.path.basename(path)}{_STAGING}"), (path, _STAGING)]
+_STAGING = ".snapshot-"  # a staging folder's name, in the output directory, starts so
 
 
 def _hold(staging: str, wait: bool = True) -> int | None:
@@ -60,24 +54,23 @@ def _drop_unfinished(path: str) -> None:
     in `path` that still holds files was killed among its renames: the snapshot files it had renamed into `path`
     go too (none was there before it: the write checked that). An empty one had renamed every file: the snapshot
     stays."""
-    for where, prefix in _staging_prefixes(path):
-        try:
-            names = [n for n in os.listdir(where) if n.startswith(prefix)]
-        except OSError:
+    try:
+        names = [n for n in os.listdir(path) if n.startswith(_STAGING)]
+    except OSError:
+        return
+    for name in names:
+        staging = os.path.join(path, name)
+        fd = _hold(staging, wait=False)
+        if fd is None:
             continue
-        for name in names:
-            staging = os.path.join(where, name)
-            fd = _hold(staging, wait=False)
-            if fd is None:
-                continue
-            try:
-                left = os.listdir(staging)
-                for done in (n for n in (*SNAPSHOT, "curve.png") if left and where == path and n not in left):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(path, done))
-                shutil.rmtree(staging, ignore_errors=True)
-            finally:
-                os.close(fd)
+        try:
+            left = os.listdir(staging)
+            for done in (n for n in (*SNAPSHOT, "curve.png") if left and n not in left):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(path, done))
+            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _write_once(path: str, data: bytes) -> None:
@@ -129,28 +122,22 @@ def write_snapshot(path: str, request: dict, result: dict, meta: dict, args_orde
 
 
 def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[str]) -> list[str]:
-    """Every file is made in a staging folder, held by a flock while it is written: a run interrupted or killed
-    while it writes (the plot takes a second) leaves no part of a snapshot, which would refuse the same command
-    again. Where `path` is empty (a new directory), the folder is made beside it and renamed onto it as the last
-    step: the snapshot appears whole or not at all. Where `path` holds other files (a remote run's segments), the
-    folder is made in it and each file renamed out of it; a kill among those renames leaves the folder, with the
-    files not yet renamed, and the next check of `path` removes what it had renamed (`_drop_unfinished`)."""
+    """Every file is made in a staging folder inside `path`, held by a flock while it is written, then renamed into
+    place: a run interrupted while it writes (the plot takes a second) leaves no part of a snapshot, which would
+    refuse the same command again. A kill among the renames leaves the folder, with the files not yet renamed, and
+    the next check of `path` removes it and what it had renamed (`_drop_unfinished`). (Staging beside `path` and
+    renaming the folder onto it would be one step, but fails after the rows are stored where the parent is
+    read-only or `path` is a mount point.)"""
     docs = {"request.json": request, "results.json": result, "curve.json": curve(result, args_order),
             "job.meta.json": meta}
-    whole = not os.path.islink(path) and not os.listdir(path)
-    where, prefix = _staging_prefixes(path)[0 if whole else 1]
-    staging = tempfile.mkdtemp(prefix=prefix, dir=where)
+    staging = tempfile.mkdtemp(prefix=_STAGING, dir=path)
     fd = _hold(staging)
     try:
         for name, doc in docs.items():
             _write_once(os.path.join(staging, name), msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
         written = [*docs, *(["curve.png"] if _plot(docs["curve.json"], os.path.join(staging, "curve.png")) else [])]
-        if whole:
-            os.chmod(staging, stat.S_IMODE(os.stat(path).st_mode))  # mkdtemp's 0700 would stand for the directory's
-            os.rename(staging, path)  # onto the empty directory, in one step
-        else:
-            for name in written:
-                os.rename(os.path.join(staging, name), os.path.join(path, name))
+        for name in written:
+            os.rename(os.path.join(staging, name), os.path.join(path, name))
         return written
     except OSError as exc:
         if exc.filename and os.path.dirname(exc.filename) == staging:  # named where it was to go
