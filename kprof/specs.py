@@ -291,7 +291,8 @@ class ShapeCodec:
             name = text.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
         if text.startswith("Object contains unknown field"):
             name = text.split("`")[1]
-            fix = "pass --backend instead" if name == "backend" else f"use only {self._table_fields()}"
+            fix = ("give the backend on its own instead (--backend; backend= in Python)" if name == "backend"
+                   else f"use only {self._table_fields()}")
             return SpecError(f'field "{name}" is not a KernelArgs field of {self.name}; {fix}',
                              index=index, field=name, value=spec.get(name))
         if text.startswith("Object missing required field"):

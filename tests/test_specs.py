@@ -97,7 +97,7 @@ def test_attention_gqa_valid_spec_is_accepted(capsys, empty_db):
 ERRORS = {
     "unknown field": ([A, {**A, "foo": 1}], ["spec 1", '"foo"', "use only {m, n, k, dtype}"]),
     "backend field": ([A, {**A, "backend": "torch-cpu"}],  # the table, not the runner's Struct (CpuGemmArgs)
-                      ['spec 1: field "backend" is not a KernelArgs field of single_gemm; pass --backend instead']),
+                      ['spec 1: field "backend" is not a KernelArgs field of single_gemm; give the backend on its own instead (--backend; backend= in Python)']),
     "wrong type": ([A, {**A, "m": "32"}], ["spec 1", '"m"', "Expected `int`", "use an integer greater than 0"]),
     "bool for int": ([A, {**A, "k": True}], ["spec 1", 'field "k" = true is a bool; use an integer greater than 0']),
     "non-integral float": ([A, {**A, "n": 32.5}], ["spec 1", 'field "n" = 32.5 is a float; use an integer greater '

@@ -62,7 +62,7 @@ def test_int_given_as_integral_float_normalizes_to_the_same_key():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"m": 1, "n": 2, "k": 3, "dtype": "bf16", "backend": "torch"}, 'spec 7: field "backend" is not a KernelArgs field of SynthArgs; pass --backend instead'),
+    ({"m": 1, "n": 2, "k": 3, "dtype": "bf16", "backend": "torch"}, 'spec 7: field "backend" is not a KernelArgs field of SynthArgs; give the backend on its own instead (--backend; backend= in Python)'),
     ({"m": 1, "n": 2, "k": 3, "dtype": "bf16", "q": 1}, 'spec 7: field "q" is not a KernelArgs field of SynthArgs; use only {m, n, k, dtype}'),
     ({"m": 1, "n": 2, "dtype": "bf16"}, 'spec 7: field "k" is missing'),
     ({"m": "1", "n": 2, "k": 3, "dtype": "bf16"}, 'spec 7: field "m" = \'1\': Expected `int`, got `str`'),
