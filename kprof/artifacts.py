@@ -52,14 +52,17 @@ def _hold(staging: str, wait: bool = True) -> int | None:
 def _drop_unfinished(path: str) -> None:
     """Removes the staging folders of `path`'s snapshot that no live writer holds: a write killed before its end. One
     in `path` that still holds files was killed among its renames: the snapshot files it had renamed into `path`
-    go too (none was there before it: the write checked that). An empty one had renamed every file: the snapshot
-    stays."""
+    go too (none was there before it: the write checked that). An empty one is let be: a writer locks its folder
+    before it writes a file, so an empty unlocked one may be a live writer's, and holds no part of a snapshot."""
     try:
         names = [n for n in os.listdir(path) if n.startswith(_STAGING)]
     except OSError:
         return
     for name in names:
         staging = os.path.join(path, name)
+        with contextlib.suppress(OSError):
+            if not os.listdir(staging):  # empty: maybe a live writer's, made but not yet locked; no part of anything
+                continue
         fd = _hold(staging, wait=False)
         if fd is None:
             continue

@@ -411,6 +411,18 @@ def test_a_staging_folder_a_live_writer_holds_is_let_be(tmp_path):
     assert os.listdir(out_dir) == []
 
 
+def test_an_empty_staging_folder_is_let_be(tmp_path):
+    """A writer makes its staging folder, then locks it, then writes: an empty unlocked folder may be a live writer's
+    between the two, and taking it would fail that writer after its rows are stored. It holds no part of a snapshot:
+    it is let be, and the directory is not refused."""
+    from kprof import artifacts
+
+    out_dir = tmp_path / "snap"
+    (out_dir / ".snapshot-new").mkdir(parents=True)
+    artifacts.check_output_dir(str(out_dir))
+    assert os.listdir(out_dir) == [".snapshot-new"]
+
+
 def test_output_dir_that_is_a_file_is_refused(tmp_path, ledger_path, capsys, h):
     target = tmp_path / "file"
     target.write_text("x")
