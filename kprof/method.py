@@ -149,6 +149,12 @@ def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: 
                                    f"back to back); omit {arg(name)}, or pass a CUDA backend (see `kprof list`)")
 
 
+def check_method_env() -> None:
+    """KPROF_TIMER, KPROF_L2, KPROF_CUDA_GRAPH and KPROF_POWER: a value no backend could use is a UsageError."""
+    for setting in (_TIMER, _L2, _GRAPH, _POWER):
+        _from_env(*setting[1:])
+
+
 def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = None,
                     cuda_graph: bool | None = None, power: str | None = None) -> Entry:
     """The entry with the timing method this process measures and reads with. On a CUDA backend each setting
@@ -161,8 +167,7 @@ def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = 
     another, and a query reads the rows of the method it names. A CPU entry keeps its one method: the
     environment variables do not apply to it and an explicit other method is refused. A variable's value that no
     backend could use is refused on every backend, even where a flag or the CPU's one method overrides it."""
-    for setting in (_TIMER, _L2, _GRAPH, _POWER):
-        _from_env(*setting[1:])
+    check_method_env()
     if entry.device != "cuda":
         _refuse_on_cpu(entry, timer, l2, cuda_graph, power)
         return entry

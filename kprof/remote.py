@@ -106,29 +106,25 @@ def _check_task_env(target) -> None:
     """The KPROF_* values of launch.ray.runtime_env's env_vars, which the Ray tasks see over the environment they
     inherit: checked as this machine's are (`check_settings`, the timing-method variables), before anything is
     submitted, not found by every chunk on the cluster."""
-    from .method import _GRAPH, _L2, _POWER, _TIMER, _from_env
+    from unittest import mock
+
+    from .method import check_method_env
     from .runners.fill import check_settings
 
     env_vars = ((target.ray.runtime_env if target.kind == "ray" and target.ray else None) or {}).get("env_vars")
     given = {k: v for k, v in (env_vars if isinstance(env_vars, dict) else {}).items() if str(k).startswith("KPROF_")}
+    if not given:  # the local values were checked already
+        return
     for name, value in given.items():
         if not isinstance(value, str):
             raise UsageError(f"launch.ray.runtime_env env_vars {name} is {value!r}, not a string; Ray's env_vars take "
                              f"strings: quote it ({name}: '{value}')")
-    saved = {name: os.environ.get(name) for name in given}
-    os.environ.update(given)
     try:
-        check_settings(here=False)
-        for _arg, name, allowed, default in (_TIMER, _L2, _GRAPH, _POWER):
-            _from_env(name, allowed, default)
+        with mock.patch.dict(os.environ, given):  # the checks read the environment; it is put back as it was
+            check_settings(here=False)
+            check_method_env()
     except UsageError as exc:
         raise UsageError(f"launch.ray.runtime_env env_vars: {exc}") from None
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _check_output_dir(output_dir: str | None) -> str:

@@ -311,8 +311,9 @@ def _warm_cupti(torch, session, call, flush):
     # had its record's timestamps fall past the synchronized window (CUPTI's GPU clock, converted to the host's, can
     # be a few µs off, and a call's kernel ends a few µs before its synchronize returns). A window holding a kernel
     # that correlation lacks means work launched outside the pushed id: then the windows are the attribution.
-    if _uniform(cor) and all(set(w) <= set(c) for c, w in zip(cor, win)):
-        late = sum(set(w) != set(c) for c, w in zip(cor, win))
+    pairs = [(set(c), set(w)) for c, w in zip(cor, win)]
+    if _uniform(cor) and all(w <= c for c, w in pairs):
+        late = sum(w != c for c, w in pairs)
         why = (f"{late} of {len(ids)} warm-up windows lacked a kernel that external correlation attributed (its "
                f"timestamps past the window)") if late else ""
         return cor, "external_correlation", why, per_call_s
