@@ -21,7 +21,7 @@ import random
 import time
 from typing import NamedTuple
 
-from .errors import UsageError
+from .errors import LedgerPathError, UsageError
 
 __all__ = ["remeasure", "Drift", "RemeasureReport"]
 
@@ -102,7 +102,7 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     if not 0 < tolerance < 1e6:
         raise UsageError(f"--tolerance {tolerance}: give a relative tolerance such as 0.05 (5%)")
     if not os.path.isfile(db):
-        raise UsageError(f"no ledger file at {db}; pass --db or set KPROF_DB")
+        raise LedgerPathError(*(f"no ledger file at {db}; pass {flag} or set KPROF_DB" for flag in ("db=...", "--db")))
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 32)  # reported, so the draw can be replayed with --seed
     elif type(seed) is not int or seed < 0:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import lmdb
 
 from .._children import in_processes
-from ..errors import IntegrityError, LedgerError, UsageError
+from ..errors import IntegrityError, LedgerPathError, UsageError
 from . import _audit_worker
 from ._reducer import ScopeTotals, seal
 from .store import Ledger
@@ -93,7 +93,7 @@ def audit(path: str, jobs: int = JOBS) -> AuditReport:
     if type(jobs) is not int or not 1 <= jobs <= 256:
         raise UsageError(f"--jobs {jobs!r}: the audit runs 1 to 256 shard processes; pass e.g. --jobs {JOBS}")
     if not os.path.lexists(path):  # anything else that is not a ledger (a directory, a device) Ledger.open names
-        raise LedgerError(f"no ledger file at {path}; pass --db or set KPROF_DB")
+        raise LedgerPathError(*(f"no ledger file at {path}; pass {db} or set KPROF_DB" for db in ("db=...", "--db")))
     try:
         Ledger.open(path, readonly=True).close()
     except IntegrityError as exc:  # a file damaged past opening (truncated, header or format version damaged)

@@ -107,7 +107,7 @@ class CudaDevice:
     def __init__(self, entry: Entry, gpu_key: str, environment):
         import torch
 
-        from ..errors import UsageError
+        from ..errors import SettingError, UsageError
         from ..measure.nvml import gpu_environment
 
         if not torch.cuda.is_available():
@@ -118,7 +118,8 @@ class CudaDevice:
                              f"none; run on a GPU machine{f', or use backend {twins[0]}' if twins else ''}")
         actual = torch.cuda.get_device_name(0)
         if actual != gpu_key:
-            raise UsageError(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit --gpu-name")
+            raise SettingError(*(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit {name}"
+                                 for name in ("gpu_name=", "--gpu-name")))
         torch.cuda.set_device(0)
         self.torch = torch
         from .catalog import parse_timing, timing_power

@@ -45,7 +45,20 @@ def test_audit_reports_altered_event_bytes(ledger_path, capsys):
 
 def test_audit_of_missing_file_is_a_usage_error(tmp_path, capsys):
     assert main(["audit", "--db", str(tmp_path / "none.db")]) == 2
-    assert "no ledger file at" in capsys.readouterr().err
+    assert "; pass --db or set KPROF_DB" in capsys.readouterr().err
+    assert main(["audit", "--remeasure", "1", "--db", str(tmp_path / "none.db")]) == 2
+    assert "; pass --db or set KPROF_DB" in capsys.readouterr().err
+    assert not (tmp_path / "none.db").exists()
+
+
+def test_audit_and_remeasure_of_missing_file_speak_to_python_callers(tmp_path):
+    from kprof.errors import LedgerPathError
+    from kprof.ledger.audit import audit
+    from kprof.remeasure import remeasure
+
+    for call in (audit, lambda path: remeasure(path, 1)):
+        with pytest.raises(LedgerPathError, match=r"no ledger file at .*none\.db; pass db=\.\.\. or set KPROF_DB"):
+            call(str(tmp_path / "none.db"))
     assert not (tmp_path / "none.db").exists()
 
 
