@@ -227,6 +227,9 @@ def measure_energy(fn: Callable[[], object], *, seconds: float = 1.0, sync: Call
                         two_read_j_per_call=(c1 - c0) / window / 1000 * window / calls)  # 2read's arithmetic: equal to it
 
 
+_JUDGED_S = 0.18  # the least stretch of counter steps a fit holds: about two steps of NVML's counter
+
+
 def _last_over(polls: list[tuple[float, int]], since: float, limit_w: float,
                min_gap: float = 0.09) -> float | None:
     """The host time of the last counter step after `since` that ends an interval (of at least `min_gap` s, about
@@ -249,7 +252,8 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
                    index: int = 0, counter: Callable[[], int] | None = None, calls_per_step: int = 1,
                    chunk_s: float = 0.02, poll_s: float = 0.002, ramp_s: float = 0.03,
                    power_limit_w: float | None = None, over_limit: float = 0.03,
-                   max_s: float = 2.0) -> tuple[EnergyResult, object]:
+                   max_s: float = 2.0, min_steps: int = 3,
+                   settled_fit_s: float | None = None) -> tuple[EnergyResult, object]:
     """Energy per call over one back-to-back run that first settles the GPU, then goes on until it spans `span_s`:
     the settle's steady part is part of the energy window, not a separate run before it.
 
@@ -267,16 +271,33 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
     `over_limit` above the limit, the fit moves past it and the run goes on, as long as the fit can still span
     `fit_s` within `max_s` in all (a kernel still over the limit then is fitted over its last `fit_s`). The same
     8192^3 GEMM drew 746 W over a fit that began 0.3 s in, and 691 W over a 5 s window: 5 % more energy a call.
+    The cap's controller does not hold the limit at once either: past the draw over it, the power falls to 510-650 W
+    before it returns (2048x4096x4096 and 8192^3, run 75), so a fit that starts after the settle spans
+    `settled_fit_s` (default `fit_s`) to average what a longer window reads.
+    The fit spans at least `min_steps` counter steps, its window lengthened to hold them (within `max_s`): two
+    steps are one interval, its ends timed to a poll each (about 5 ms of 98), too loose a power for 5 %.
     Energy per call = power x time per step / calls_per_step. Returns (EnergyResult, settle's result)."""
     if not span_s > 0:
         raise UsageError(f"the energy span must be positive, got {span_s} s")
     with CounterPolls(counter or _energy_counter(index), poll_s) as polls:
         c0, t0, n0 = polls.read(), time.perf_counter(), run.enqueued
         settled = settle(run) if settle is not None else None
-        fit_from = time.perf_counter() if settle is not None and fit_after_settle(settled) else t0 + ramp_s
+        if settle is not None and fit_after_settle(settled):
+            fit_from, fit_s = time.perf_counter(), fit_s if settled_fit_s is None else settled_fit_s
+        else:
+            fit_from = t0 + ramp_s
         limit = None if power_limit_w is None else power_limit_w * (1 + over_limit)
+        width = max(0.02, 10 * poll_s)
+
+        def short() -> bool:  # the fit is not yet as long as asked, or holds too few steps to fit and judge
+            now = time.perf_counter()
+            if now - t0 < span_s or now - fit_from < fit_s:
+                return True
+            steps = tick_points(polls.polls[:], fit_from, math.inf, width)
+            return now - t0 < max_s and (len(steps) < min_steps or steps[-1].t - steps[0].t < _JUDGED_S)
+
         while True:
-            while time.perf_counter() - t0 < span_s or time.perf_counter() - fit_from < fit_s:
+            while short():
                 run(chunk_s)
             over = None if limit is None else _last_over(polls.polls, fit_from, limit)
             if over is None or over + fit_s - t0 > max_s:  # the fit keeps fit_s, within max_s

@@ -25,6 +25,9 @@ __all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstabl
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
 ENERGY_S = 0.25
+# A power-capped kernel's energy is fitted over this long from the end of its settle: the cap's controller swings
+# the power over and under the limit for about a second (run 75) before a longer window's mean.
+CAPPED_ENERGY_FIT_S = 1.0
 # Rows rotate over this many allocations of their weights at most, within this many bytes of copies.
 MAX_COPIES = 16
 COPY_BYTES = 2 << 30
@@ -227,7 +230,7 @@ class CudaDevice:
         run = BackToBack.on_cuda(torch, calls_fn, per_call * per_replay)
         result, settled = settled_energy(run, span_s=self.energy_s, settle=state.settle if state else None,
                                          fit_after_settle=lambda _settled: state.capped, calls_per_step=per_replay,
-                                         power_limit_w=self.env.power_limit_w)
+                                         power_limit_w=self.env.power_limit_w, settled_fit_s=CAPPED_ENERGY_FIT_S)
         warm = {}
         if settled is not None:
             warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}

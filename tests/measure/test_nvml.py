@@ -375,6 +375,44 @@ def test_settled_energy_waits_out_a_draw_over_the_power_limit():
     assert r.fit_from_s < 0.2 and r.power_w == pytest.approx(705.0, rel=0.03)  # the fit was not moved on
 
 
+def test_settled_energy_fits_three_counter_steps_or_more():
+    """NVML's counter steps about every 98 ms on an H200: a 0.25 s window past a 30 ms ramp holds two steps, one
+    interval timed to a poll at each end (3-7 % off a 5 s window there). The window grows to fit three, as the
+    over-limit check judges whole intervals; a counter that steps too rarely still stops at max_s."""
+    from kprof.measure.nvml import settled_energy
+
+    for start in (0.0, 0.05):
+        run = _back_to_back(lambda: time.sleep(0.001), 0.001)
+        counter = FakeCounter(power_w=700.0, tick=0.098)
+        counter.base -= start  # the counter's phase against the window's start
+        r, _ = settled_energy(run, span_s=0.25, counter=counter)
+        assert r.ticks >= 3 and r.method == "nvml-energy-fit", r
+        assert r.window_s < 0.25 + 3 * 0.098 + 0.1, r
+        assert r.power_w == pytest.approx(700.0, rel=0.03)
+    run = _back_to_back(lambda: time.sleep(0.001), 0.001)
+    r, _ = settled_energy(run, span_s=0.1, counter=FakeCounter(tick=0.2), max_s=0.3)
+    assert r.window_s < 0.3 + 0.1, r
+
+
+def test_settled_energy_of_a_capped_kernel_fits_settled_fit_s():
+    """The cap's controller swings a capped kernel's power over and under the limit for about a second: a fit that
+    starts after the settle spans settled_fit_s, here 900 W for 0.15 s, 500 W for 0.15 s, then 700 W."""
+    from kprof.measure.nvml import settled_energy
+
+    class Swing(FakeCounter):
+        def __call__(self) -> int:
+            t = math.floor(max(0.0, time.perf_counter() - self.base - self.lag) / self.tick) * self.tick
+            mj = 900 * min(t, 0.15) + 500 * min(max(t - 0.15, 0), 0.15) + 700 * max(t - 0.3, 0)
+            return int(1000 * mj) + 10**9
+
+    for fit_s, settled_fit_s, near in ((0.2, None, False), (0.2, 0.8, True)):
+        run = _back_to_back(lambda: time.sleep(0.001), 0.001)
+        r, _ = settled_energy(run, span_s=0.2, settle=lambda run_chunk: "capped", fit_after_settle=lambda s: True,
+                              fit_s=fit_s, settled_fit_s=settled_fit_s, counter=Swing(tick=0.03, lag=0.0))
+        assert r.window_s >= (settled_fit_s or fit_s), r
+        assert (r.power_w == pytest.approx(700.0, rel=0.05)) is near, r
+
+
 def test_settled_energy_errors():
     from kprof.measure.nvml import settled_energy
 
