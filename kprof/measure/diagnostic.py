@@ -56,7 +56,8 @@ DRIFT_BINS = 50
 
 
 class DiagnosticError(KprofError):
-    """The diagnostic could not measure (the kernel failed to build, check or run): nothing was written."""
+    """The diagnostic could not measure (the kernel failed to build, check or run) or write its output: nothing
+    was written."""
 
 
 # --- records --------------------------------------------------------------------------------------------------

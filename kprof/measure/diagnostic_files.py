@@ -8,9 +8,12 @@ citation that `kprof show kmeasure.<hex>` makes.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import shutil
 import stat
+import tempfile
 from typing import Sequence
 
 import msgspec
@@ -18,11 +21,13 @@ from blake3 import blake3
 
 from ..errors import IntegrityError, UsageError
 from ._nvml_telemetry import TelemetrySample
-from .diagnostic import ARTIFACTS, FORMAT, TOKEN_HEX, TOKEN_PREFIX, Launches, Window, check_output_dir, reason_labels
+from .diagnostic import (ARTIFACTS, FORMAT, TOKEN_HEX, TOKEN_PREFIX, DiagnosticError, Launches, Window,
+                         check_output_dir, reason_labels)
 
 __all__ = ["runtimes_csv", "telemetry_csv", "token_of", "write_outputs", "find_artifact", "default_dirs"]
 
 _json = msgspec.json.Encoder(order="deterministic")
+_STAGING = ".measure-"  # a staging folder's name, in the output directory, starts so
 
 
 # --- files --------------------------------------------------------------------------------------------------
@@ -69,13 +74,51 @@ def _write_once(path: str, data: bytes) -> None:
 def write_outputs(path: str, window: Window, summary: dict, *, plots: bool = True) -> dict:
     """Writes runtimes.csv, telemetry.csv, the two plots (when matplotlib imports) and summary.json into `path`,
     each once and read-only; summary.json gets `artifacts` ({name: {citation, blake3, bytes, what}}) and `plots`.
-    Returns the summary as written, with `summary_citation` (summary.json's own, which it cannot hold) added."""
+    Returns the summary as written, with `summary_citation` (summary.json's own, which it cannot hold) added.
+
+    The files are made in a staging folder inside `path` and renamed into place once all are written: a write
+    interrupted (Ctrl-C while the plots render) or refused (a full disk) leaves no part of an output, which would
+    refuse the same command again. A failed write is a DiagnosticError naming the file; nothing of it is left."""
     check_output_dir(path)
-    os.makedirs(path, exist_ok=True)
+    staging = None
+    try:
+        os.makedirs(path, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=_STAGING, dir=path)
+        summary, written = _write_staged(staging, window, summary, plots)
+        check_output_dir(path)  # another writer may have finished there since: never overwrite its files
+        _place(staging, path, written)
+        return summary
+    except OSError as exc:
+        name = os.path.basename(exc.filename) if exc.filename else ""
+        where = f" ({os.path.join(path, name)})" if name in ARTIFACTS else ""
+        raise DiagnosticError(f"cannot write the measure output in --output-dir {path}: {exc.strerror or exc}"
+                              f"{where}; nothing of it was written: free space or fix the directory, and measure "
+                              f"again") from None
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _place(staging: str, path: str, names: list[str]) -> None:
+    """Renames the staged files into `path`; one that fails (or an interrupt among them) takes back those placed."""
+    placed: list[str] = []
+    try:
+        for name in names:
+            os.rename(os.path.join(staging, name), os.path.join(path, name))
+            placed.append(name)
+    except BaseException:
+        for name in placed:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(path, name))
+        raise
+
+
+def _write_staged(staging: str, window: Window, summary: dict, plots: bool) -> tuple[dict, list[str]]:
+    """(the summary as written, the files written in order, summary.json last) in the folder `staging`."""
     artifacts: dict[str, dict] = {}
 
     def keep(name: str, data: bytes) -> None:
-        _write_once(os.path.join(path, name), data)
+        _write_once(os.path.join(staging, name), data)
         citation, digest = token_of(data)
         artifacts[name] = {"citation": citation, "blake3": digest, "bytes": len(data), "what": ARTIFACTS[name]}
 
@@ -85,9 +128,9 @@ def write_outputs(path: str, window: Window, summary: dict, *, plots: bool = Tru
     summary["plots"] = _plots(window, summary, keep) if plots else {"skipped": "plots not asked for"}
     summary["artifacts"] = artifacts
     data = msgspec.json.format(_json.encode(summary), indent=2) + b"\n"
-    _write_once(os.path.join(path, "summary.json"), data)
+    _write_once(os.path.join(staging, "summary.json"), data)
     summary["summary_citation"], _digest = token_of(data)
-    return summary
+    return summary, [*artifacts, "summary.json"]
 
 
 def _plots(window: Window, summary: dict, keep) -> dict:

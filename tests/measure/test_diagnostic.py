@@ -472,6 +472,40 @@ def test_an_output_dir_holding_an_output_is_refused_before_any_work(capsys, gpu_
     assert _files(tmp_path) == before and len(gpu_here) == 1
 
 
+def test_an_interrupted_or_failed_write_leaves_no_part_of_an_output(monkeypatch, capsys, gpu_here):
+    """The files were written one by one into --output-dir: Ctrl-C while the plots rendered left runtimes.csv and
+    telemetry.csv there (the verb said "nothing was left half-written") and the same command was then refused as
+    holding an output; a full disk at summary.json was a traceback, with the same leftovers."""
+    from kprof.measure import _diagnostic_plots, diagnostic_files
+
+    render, write_once = _diagnostic_plots.render, diagnostic_files._write_once
+
+    def interrupted(window, summary):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_diagnostic_plots, "render", interrupted)
+    assert main(_measure("--output-dir", "w")) == 130
+    assert "nothing was left half-written" in capsys.readouterr().err
+    assert os.listdir("w") == []
+    monkeypatch.setattr(_diagnostic_plots, "render", render)
+
+    def disk_full(path, data):
+        if path.endswith("summary.json"):
+            raise OSError(28, "No space left on device", path)
+        write_once(path, data)
+
+    monkeypatch.setattr(diagnostic_files, "_write_once", disk_full)
+    assert main(_measure("--output-dir", "w")) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the measure output in --output-dir w: No space left on device "
+                          "(w/summary.json); nothing of it was written") and "Traceback" not in err
+    assert os.listdir("w") == []
+    monkeypatch.setattr(diagnostic_files, "_write_once", write_once)
+    assert main(_measure("--output-dir", "w")) == 0  # the same command, once the disk has room
+    assert sorted(os.listdir("w")) == ["durations.png", "runtimes.csv", "summary.json", "telemetry.csv",
+                                       "telemetry.png"]
+
+
 def _row(db: str, time_ms: float, gpu="Fake GPU") -> None:
     from kprof.ledger import KeyMaker, Ledger, ShapeCodec
     from kprof.ledger.build import measured
