@@ -181,9 +181,14 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
         raise UsageError(f"--dir {absent[0]}: {what}; pass the `kprof measure` output directory (or the "
                          f"directory holding it)")
     found: dict[str, tuple[str, str, dict, dict]] = {}  # artifact path -> (name, summary path, summary, entry)
+    unreadable: list[str] = []
     for summary_path in _summaries(where):
-        with open(summary_path, "rb") as f:
-            data = f.read()
+        try:
+            with open(summary_path, "rb") as f:
+                data = f.read()
+        except OSError as e:  # a dangling link, a folder of that name, no permission: not one that can be shown
+            unreadable.append(f"{summary_path}: {e.strerror}")
+            continue
         try:
             doc = msgspec.json.decode(data)
         except msgspec.DecodeError:
@@ -201,9 +206,10 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
             if isinstance(entry, dict) and str(entry.get("blake3", "")).startswith(hexpart):
                 found[os.path.join(os.path.dirname(summary_path), name)] = (name, summary_path, doc, entry)
     if not found:
+        skipped = f" (could not read {'; '.join(unreadable)})" if unreadable else ""
         raise UsageError(f"no measure output in {', '.join(where)} or the directories directly in "
-                         f"{'it' if len(where) == 1 else 'them'} lists {ref!r}; pass --dir with the measure output "
-                         f"directory (or the directory holding it)")
+                         f"{'it' if len(where) == 1 else 'them'} lists {ref!r}{skipped}; pass --dir with the measure "
+                         f"output directory (or the directory holding it)")
     if len(found) > 1:
         raise UsageError(f"{ref!r} is ambiguous: {', '.join(sorted(found))} match; give more hex digits")
     path, (name, summary_path, doc, entry) = next(iter(found.items()))

@@ -607,6 +607,19 @@ def test_show_refuses_unknown_ambiguous_and_changed_artifacts(capsys, tmp_path, 
         find_artifact(cite, ["a"])
 
 
+def test_show_passes_over_a_summary_json_it_cannot_read(capsys, refused):
+    """show reads every ./*/summary.json: a dangling link or a folder of that name in any directory beside the
+    output was a traceback (FileNotFoundError, IsADirectoryError) whatever the citation."""
+    s = _output("measure_single_gemm_torch")
+    os.makedirs("other/summary.json")
+    os.makedirs("linked")
+    os.symlink("gone.json", "linked/summary.json")
+    assert main(["show", s["summary_citation"]]) == 0
+    assert "measure_single_gemm_torch/summary.json" in capsys.readouterr().out
+    refused(["show", "kmeasure.0000000000000000"], "(could not read linked/summary.json: No such file or directory; "
+            "other/summary.json: Is a directory)")
+
+
 def test_show_without_dir_looks_one_level_down_as_its_help_says(capsys, refused, monkeypatch):
     """The help said `Default: ./measure_*/ and the current directory` where any directory directly in it is
     searched, and the README said its subdirectories, where one two levels down is not."""
