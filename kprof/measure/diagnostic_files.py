@@ -211,6 +211,9 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
                          f"{'it' if len(where) == 1 else 'them'} lists {ref!r}{skipped}; pass --dir with the measure "
                          f"output directory (or the directory holding it)")
     if len(found) > 1:
+        if len({entry["blake3"] for *_, entry in found.values()}) == 1:  # copies: no digit tells them apart
+            raise UsageError(f"{ref!r} names the same bytes in {', '.join(sorted(found))}: no more hex digits tell "
+                             f"them apart; pass --dir with the directory of the one to show")
         raise UsageError(f"{ref!r} is ambiguous: {', '.join(sorted(found))} match; give more hex digits")
     path, (name, summary_path, doc, entry) = next(iter(found.items()))
     if name != "summary.json":

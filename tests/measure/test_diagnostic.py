@@ -595,9 +595,10 @@ def test_show_refuses_unknown_ambiguous_and_changed_artifacts(capsys, tmp_path, 
     refused(["show", "kmeasure.0000000000000000", "--dir", "a/summary.json"], "--dir a/summary.json: not a directory")
     refused(["show", "kmeasure.xyz"], "is not a measure citation")
     refused(["show", "kprof.0123456789abcdef", "--dir", "a"], "--dir is where kmeasure")
-    _output("b")  # the same recording: identical bytes, two paths
+    _output("b")  # the same recording: identical bytes, two paths, which more hex digits cannot tell apart
     cite = s["artifacts"]["runtimes.csv"]["citation"]
-    refused(["show", cite, "--dir", "a", "--dir", "b"], "is ambiguous")
+    refused(["show", cite, "--dir", "a", "--dir", "b"], f"{cite!r} names the same bytes in a/runtimes.csv, "
+            "b/runtimes.csv: no more hex digits tell them apart; pass --dir with the directory of the one to show")
     path = tmp_path / "a" / "runtimes.csv"
     path.chmod(0o644)
     path.write_text(path.read_text().replace(",0\n", ",1\n", 1))
