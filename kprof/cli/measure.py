@@ -23,11 +23,19 @@ from typing import Annotated, Any
 from cyclopts import Parameter
 
 from ..errors import KprofError, UsageError
-from ._options import Backend, GpuName, Json, Table, _db_given, number
+from ._options import Json, Table, _db_given, number
 from ._render import console, emit_json
 
 __all__ = ["measure", "diagnose"]
 
+# measure's own --backend and --gpu-name: the shared ones name torch-cpu, which measure refuses, and a GPU key as a
+# filter, where measure's must be the GPU it runs on
+MeasureBackend = Annotated[str, Parameter(name="--backend", help=(
+    "The backend, a CUDA one timed by CUPTI, e.g. torch (see `kprof list`); a CPU backend or a collective is "
+    "refused."))]
+MeasureGpuName = Annotated[str | None, Parameter(name="--gpu-name", help=(
+    "GPU key of the ledger row compared; it must be the name of the GPU measured on (CUDA device 0). Default: that "
+    "name."))]
 MeasureDb = Annotated[str | None, Parameter(name="--db", validator=_db_given, help=(
     "Ledger whose row of this spec the window is compared with, read-only (never written). Default: $KPROF_DB, "
     "else ./profile.db; no file there: nothing is compared."))]
@@ -38,7 +46,7 @@ MeasureDir = Annotated[str | None, Parameter(name="--output-dir", help=(
     "Default: ./measure_TABLE_BACKEND."))]
 
 
-def measure(table: Table, *, backend: Backend, spec: MeasureSpec = None, output_dir: MeasureDir = None,
+def measure(table: Table, *, backend: MeasureBackend, spec: MeasureSpec = None, output_dir: MeasureDir = None,
             duration_s: Annotated[float, Parameter(name="--duration-s", converter=number("10"), help=(
                 "Seconds of the window: every launch in it is recorded."))] = 10.0,
             telemetry_hz: Annotated[float, Parameter(name="--telemetry-hz", converter=number("20"), help=(
@@ -48,8 +56,10 @@ def measure(table: Table, *, backend: Backend, spec: MeasureSpec = None, output_
                 "Launch back to back with a warm L2 (a continuous window, for sustained power and clock drift). "
                 "Default: a cold L2 before each launch, exactly as rows are timed."))] = False,
             cuda_graph: Annotated[bool, Parameter(name="--cuda-graph", negative="", help=(
-                "Replay the kernel from a CUDA graph, so slow host dispatch does not leave the GPU idle."))] = False,
-            gpu_name: GpuName = None, db: MeasureDb = None, json: Json = False) -> int:
+                "Replay the kernel from a CUDA graph. With --no-clear-l2 a replay holds >= 100 µs of launches, so "
+                "slow host dispatch does not leave the GPU idle; with a cold L2 each replay is swept first, as a "
+                "graph row is."))] = False,
+            gpu_name: MeasureGpuName = None, db: MeasureDb = None, json: Json = False) -> int:
     """Measure one spec over a sustained window with NVML telemetry beside it (never writes the ledger)."""
     from ..specs import parse_spec_texts
 

@@ -619,6 +619,11 @@ def test_export_and_measure_have_help_of_their_own(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "The one spec to measure" in out and "repeatable" not in out
     assert "--spec JSON The one spec" in out and "STR..." not in out  # one JSON object, not several strings
+    # its --backend example is one it takes (the shared help named torch-cpu, which it refuses), its --gpu-name the
+    # GPU it runs on, not a filter
+    said = " ".join(out.replace("│", " ").split())
+    assert "e.g. torch (see kprof list); a CPU backend or a collective is refused" in said and "torch-cpu" not in said
+    assert "it must be the name of the GPU measured on" in said and "filter" not in said
     for verb in ("run", "query", "count-missing"):
         assert main([verb, "--help"]) == 0
         out = " ".join(capsys.readouterr().out.split())
