@@ -125,7 +125,8 @@ def record_window(case, *, duration_s: float, telemetry_hz: float, clear_l2: boo
     errors: dict[str, str] = {}
     notes = {"timer": "cupti", "attribution": "stream order, sequence learned in synchronized windows",
              "l2": "read-sweep" if clear_l2 else "warm", "launch": "graph" if graph else "eager",
-             "weights": "one allocation (rows rotate over up to four)"}
+             "weights": "one allocation of the inputs (a CUDA row's time is the mean over up to 16 placements of "
+                        "its weights and decode-sized activations: its notes' input_copies, activation_copies)"}
     pattern = re.compile(case.kernel_filter) if case.kernel_filter else None
     if pattern is not None:
         notes["kernel_filter"] = case.kernel_filter

@@ -378,6 +378,9 @@ def test_record_window_cold_eager_on_a_fake_gpu(fake_gpu):
     assert set(w.launches.idle_before[1:]) == {3 * 700}  # before the sweep, the rewrite and the GEMM each
     assert w.busy_ns == n * (30_000 + 2_000 + 1_600_000)
     assert w.notes["l2"] == "read-sweep" and w.notes["invocations_per_replay"] == "1"
+    from kprof.runners.cuda_device import MAX_COPIES  # the note said four, the count before revision 4
+
+    assert f"up to {MAX_COPIES} placements" in w.notes["weights"]
     assert len(w.samples) >= 3 and w.samples[0].t <= 0.001 and w.samples[0].energy_mj is not None
     assert w.samples[0].reasons == 0x4 and w.telemetry_errors == {}
     assert w.energy is not None and w.energy[3] > w.energy[1]
