@@ -135,6 +135,9 @@ def _entry_and_spec(table: str, backend: str, spec: Any):
         raise UsageError(f"{table}/{backend} is timed by wall clock on the CPU, not by CUPTI; measure records CUDA "
                          f"kernels: pass a CUDA backend such as --backend torch (see `kprof list`)")
     if isinstance(spec, list):
+        if not spec:
+            raise UsageError(f"the spec is an empty list; pass one JSON object of {table}'s KernelArgs "
+                             f"{{{', '.join(entry.args.__struct_fields__)}}}")
         if len(spec) != 1:
             raise UsageError(f"measure takes exactly one spec and was given a batch of {len(spec)}; measure them one "
                              f"at a time, or use `kprof run` for a batch")
