@@ -273,8 +273,9 @@ def _render(doc: dict) -> None:
                                              else None))
     row = s["ledger"]
     if row.get("compared"):
-        t.add_row("ledger row", f"{row['citation']}: {row['time_ms'] * 1e3:.4g} µs ({row['method']}); window median / "
-                                f"row = {_fmt(row.get('window_over_row'), '.4f')}")
+        other = "" if row.get("same_method") else ", not this window's method: not comparable as equals"
+        t.add_row("ledger row", f"{row['citation']}: {row['time_ms'] * 1e3:.4g} µs ({row['method']}{other}); window "
+                                f"median / row = {_fmt(row.get('window_over_row'), '.4f')}")
     else:
         t.add_row("ledger row", row.get("why") or row.get("error") or "-")
     if "skipped" in s["plots"]:

@@ -552,6 +552,12 @@ def test_measure_writes_the_outputs_and_compares_with_the_ledger_row_read_only(c
     assert gpu_here[-1][-2:] == (False, True)
     assert s2["ledger"]["compared"] is True and s2["ledger"]["same_method"] is False
     assert s2["mode"]["l2"] == "warm" and s2["mode"]["graph"] is True
+    # the text said the ratio to a row of another method as if the two were alike
+    assert main(_measure("--output-dir", "w3", "--no-clear-l2")) == 0
+    said = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "(cupti;l2=cold;eager, not this window's method: not comparable as equals); window median / row" in said
+    assert main(_measure("--output-dir", "w4")) == 0
+    assert "not this window's method" not in capsys.readouterr().out
 
 
 def test_measure_without_a_ledger_says_nothing_was_compared(capsys, gpu_here):
