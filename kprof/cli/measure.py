@@ -48,7 +48,8 @@ MeasureDir = Annotated[str | None, Parameter(name="--output-dir", help=(
 
 def measure(table: Table, *, backend: MeasureBackend, spec: MeasureSpec = None, output_dir: MeasureDir = None,
             duration_s: Annotated[float, Parameter(name="--duration-s", converter=number("10"), help=(
-                "Seconds of the window: every launch in it is recorded."))] = 10.0,
+                "Seconds of the window: every launch in it is recorded (at most 10 million CUPTI records; a "
+                "longer window of a fast kernel is refused, naming the length that fits)."))] = 10.0,
             telemetry_hz: Annotated[float, Parameter(name="--telemetry-hz", converter=number("20"), help=(
                 "NVML readings per second (clocks, power, temperature, utilization, throttle reasons, energy), "
                 "on a background thread."))] = 20.0,

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import time
 
+from ..errors import SettingError
 from ._nvml_telemetry import Telemetry
 from ._l2 import activations_rewrite
 from ._sampling import side_warmup
@@ -39,6 +41,9 @@ UNROLL_BYTES = 512 << 20  # ... whose counted bytes (an upper bound on their out
 BATCH_S = 0.01  # host wall time of one batch of launches between CUDA events
 IN_FLIGHT = 3  # batches queued ahead of the GPU at most
 TIME_HOST_S = 0.02  # the host loop is timed over at least this long before the window
+# CUPTI's kernel records of a window are held in memory until it ends (about 200 bytes each as Python records): a
+# window that would record more is refused before it starts, naming the longest --duration-s this kernel allows.
+MAX_RECORDS = 10_000_000
 
 
 def _energy_reader(index: int, errors: dict[str, str]):
@@ -158,7 +163,8 @@ def record_window(case, *, duration_s: float, telemetry_hz: float, clear_l2: boo
             raise TimerError(f"a replay of {unroll} invocations launched {len(names)} kernels, not {unroll} repeats of "
                              f"one invocation's sequence; measure without --cuda-graph")
         notes.update(invocations_per_replay=str(unroll))
-        batch = _batch(torch, prefix, call)
+        batch, per_s = _batch(torch, prefix, call)
+        _check_records(duration_s, per_s, len(pre) + len(names))
         notes["batch"] = str(batch)
         torch.cuda.synchronize()
         session.collect()  # the warm-up's and the host timing's records are not the window's
@@ -189,8 +195,20 @@ def record_window(case, *, duration_s: float, telemetry_hz: float, clear_l2: boo
                   kernels=one, prefix=pre if unroll == 1 else (), notes=notes)
 
 
-def _batch(torch, prefix, call) -> int:
-    """Launches per batch: about BATCH_S of the host loop, timed back to back over TIME_HOST_S."""
+def _check_records(duration_s: float, per_s: float, kernels: int) -> None:
+    """Refuses a window whose kernel records (one launch every per_s, `kernels` records each) would pass MAX_RECORDS."""
+    expected = duration_s / per_s * kernels
+    if expected > MAX_RECORDS:
+        longest = max(1, math.floor(MAX_RECORDS / kernels * per_s))
+        raise SettingError(*(
+            f"{flag}{duration_s:g} of this kernel would record about {expected:,.0f} CUPTI kernel records (a launch "
+            f"every {per_s * 1e6:.1f} µs, {kernels} kernel{'s' if kernels != 1 else ''} each), over the "
+            f"{MAX_RECORDS:,} a window holds in memory; use {flag}{longest} or less" for flag in ("duration_s=",
+                                                                                             "--duration-s ")))
+
+
+def _batch(torch, prefix, call) -> tuple[int, float]:
+    """(launches per batch: about BATCH_S of the host loop, seconds a launch), timed back to back over TIME_HOST_S."""
     t = time.perf_counter()
     k = 0
     while k < 5 or time.perf_counter() - t < TIME_HOST_S:
@@ -200,7 +218,7 @@ def _batch(torch, prefix, call) -> int:
         k += 1
     torch.cuda.synchronize()
     per = (time.perf_counter() - t) / k
-    return max(1, min(100_000, round(BATCH_S / per)))
+    return max(1, min(100_000, round(BATCH_S / per))), per
 
 
 def _run(torch, prefix, call, batch: int, host0: float, duration_s: float) -> int:

@@ -24,7 +24,7 @@ from bisect import bisect_left
 from operator import itemgetter
 from typing import NamedTuple, Sequence
 
-from ..errors import KprofError, UsageError
+from ..errors import KprofError, SettingError, UsageError
 from ._attribution import TimerError
 from ._nvml_telemetry import TelemetrySample
 from ._reasons import decode_reasons
@@ -45,7 +45,7 @@ ARTIFACTS = {
                     "the window's zero; idle: GPU idle since the previous launch, the sweep excluded)",
     "telemetry.csv": "NVML telemetry: t_s, sm_mhz, mem_mhz, power_w, temp_c, util_pct, reasons, reason_labels, "
                      "energy_mj, read_ms",
-    "durations.png": "plot: each launch's kernel time over the window, and the GPU's busy share",
+    "durations.png": "plot: each launch's kernel time over the window, and the GPU's idle share between launches",
     "telemetry.png": "plot: power, SM and memory clocks, temperature and throttle reasons over the window",
     "summary.json": "summary: per-launch statistics, drift, throttle time by reason, power, energy per launch, "
                     "sampling coverage, the ledger row compared",
@@ -89,23 +89,27 @@ class Window(NamedTuple):
 # --- arguments --------------------------------------------------------------------------------------------------
 
 def check_window_args(duration_s, telemetry_hz, *, allow_off: bool = False) -> tuple[float, float]:
-    """(duration_s, telemetry_hz) as floats, or UsageError. `allow_off`: telemetry_hz 0 turns the sampler off (the
-    Python API's, for checking the sampler's own overhead; the CLI refuses it)."""
-    def number(value, flag) -> float:
+    """(duration_s, telemetry_hz) as floats, or a SettingError worded for Python callers (`duration_s=0`) and for the
+    verb (`--duration-s 0`). `allow_off`: telemetry_hz 0 turns the sampler off (the Python API's, for checking the
+    sampler's own overhead; the CLI refuses it)."""
+    def refuse(name: str, value, why: str, example: str):
+        shown = f"{value:g}" if type(value) is float else repr(value)  # 0, not the 0.0 the flag's converter made
+        return SettingError(f"{name}={shown} {why}; pass e.g. {name}={example}",
+                            f"--{name.replace('_', '-')} {shown} {why}; pass e.g. --{name.replace('_', '-')} {example}")
+
+    def number(value, name, example) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UsageError(f"{flag} {value!r} is not a number")
+            raise refuse(name, value, "is not a number", example)
         return float(value)
 
-    d = number(duration_s, "--duration-s")
+    d = number(duration_s, "duration_s", "10")
     if not (math.isfinite(d) and 0 < d <= MAX_DURATION_S):
-        raise UsageError(f"--duration-s {duration_s} is not a window length in (0, {MAX_DURATION_S:g}] seconds; "
-                         f"pass e.g. --duration-s 10")
-    hz = number(telemetry_hz, "--telemetry-hz")
+        raise refuse("duration_s", d, f"is not a window length in (0, {MAX_DURATION_S:g}] seconds", "10")
+    hz = number(telemetry_hz, "telemetry_hz", "20")
     if allow_off and hz == 0:
         return d, 0.0
     if not (math.isfinite(hz) and 0 < hz <= MAX_TELEMETRY_HZ):
-        raise UsageError(f"--telemetry-hz {telemetry_hz} is not a sampling rate in (0, {MAX_TELEMETRY_HZ:g}] Hz; "
-                         f"pass e.g. --telemetry-hz 20")
+        raise refuse("telemetry_hz", hz, f"is not a sampling rate in (0, {MAX_TELEMETRY_HZ:g}] Hz", "20")
     return d, hz
 
 

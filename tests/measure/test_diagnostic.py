@@ -16,6 +16,7 @@ import re
 import stat
 import subprocess
 import sys
+import time
 import types
 
 import msgspec
@@ -190,11 +191,18 @@ def test_window_args_are_checked():
     assert check_window_args(10, 20) == (10.0, 20.0)
     assert check_window_args(1.5, 0, allow_off=True) == (1.5, 0.0)
     for bad in (0, -1, math.nan, math.inf, 4000, True, "10"):
-        with pytest.raises(UsageError, match="--duration-s"):
+        with pytest.raises(UsageError, match="^duration_s=") as exc:  # a Python caller's keyword; the verb's flag
             check_window_args(bad, 20)
+        assert exc.value.cli.startswith("--duration-s ") and "e.g. --duration-s 10" in exc.value.cli
     for bad in (0, -5, 2000, math.nan):
-        with pytest.raises(UsageError, match="--telemetry-hz"):
+        with pytest.raises(UsageError, match="^telemetry_hz=") as exc:
             check_window_args(10, bad)
+        assert exc.value.cli.startswith("--telemetry-hz ")
+    with pytest.raises(UsageError) as exc:  # shown as given: 0, not the 0.0 the flag's float converter made of it
+        check_window_args(0.0, 20)
+    assert exc.value.cli.startswith("--duration-s 0 is not a window length") and str(exc.value).startswith("duration_s=0 ")
+    with pytest.raises(UsageError, match=r"^duration_s='10' is not a number; pass e\.g\. duration_s=10$"):
+        check_window_args("10", 20)
 
 
 # ---- summary and files -----------------------------------------------------------------------------------------
@@ -399,6 +407,29 @@ def test_record_window_warm_graph_unrolls_small_kernels(fake_gpu):
     assert cold.notes["invocations_per_replay"] == "1" and cold.prefix == (SWEEP, WARM)
 
 
+def test_record_window_refuses_a_window_too_long_to_hold_before_it_starts(fake_gpu):
+    """CUPTI's records stay in memory until the window ends: an hour of a fast kernel (one launch every few µs on
+    this fake GPU's host loop, three records each) would hold billions. Refused at once, naming a length that fits."""
+    from kprof.errors import SettingError
+
+    t = time.perf_counter()
+    with pytest.raises(SettingError, match=r"^duration_s=3600 of this kernel would record about [\d,]+ CUPTI kernel "
+                                           r"records .* over the 10,000,000 a window holds in memory; use duration_s=\d+ "
+                                           r"or less") as exc:
+        _diagnostic_window.record_window(_case(fake_gpu), duration_s=3600.0, telemetry_hz=0.0)
+    assert exc.value.cli.startswith("--duration-s 3600 of this kernel") and time.perf_counter() - t < 60
+    longest = int(exc.value.cli.rsplit("--duration-s ", 1)[1].split()[0])
+    w = _diagnostic_window.record_window(_case(fake_gpu), duration_s=0.02, telemetry_hz=0.0)  # a short one runs
+    assert len(w.launches.duration) > 0 and 0.02 < longest < 3600
+
+
+def test_check_records_bounds():
+    _diagnostic_window._check_records(10.0, 10e-6, 3)  # 3M records: kept
+    with pytest.raises(UsageError, match=r"about 40,000,000 CUPTI kernel records \(a launch every 1\.0 µs, 4 "
+                                         r"kernels each\).*use duration_s=2 or less"):
+        _diagnostic_window._check_records(10.0, 1e-6, 4)
+
+
 def test_record_window_refuses_a_callable_whose_kernels_change(fake_gpu):
     names = iter(["a", "b", "a", "b", "a", "b", "a", "b"])
     case = _case(fake_gpu)
@@ -433,10 +464,10 @@ def gpu_here(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (_measure("--duration-s", "0"), "--duration-s 0.0 is not a window length"),
-    (_measure("--duration-s", "-3"), "--duration-s -3.0 is not a window length"),
+    (_measure("--duration-s", "0"), "--duration-s 0 is not a window length"),
+    (_measure("--duration-s", "-3"), "--duration-s -3 is not a window length"),
     (_measure("--duration-s", "nan"), "--duration-s 'nan' is not a number; pass a decimal number"),
-    (_measure("--telemetry-hz", "0"), "--telemetry-hz 0.0 is not a sampling rate"),
+    (_measure("--telemetry-hz", "0"), "--telemetry-hz 0 is not a sampling rate"),
     (_measure("--telemetry-hz", "5000"), "is not a sampling rate"),
     (_measure("--spec", json.dumps(GEMM_SPEC)), "exactly one spec and 2 --spec were given"),
     (_measure(spec=[GEMM_SPEC, {**GEMM_SPEC, "m": 1}]), "was given a batch of 2"),
