@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator
 
 import lmdb
@@ -54,7 +54,7 @@ class Ledger:
     def __init__(self, path: str, env: lmdb.Environment, readonly: bool):
         self.path, self.env, self.readonly = path, env, readonly
         self.real_path = os.path.realpath(path)  # as resolved at opening: the process may change directory
-        self._pid, self._forked, self._closed = os.getpid(), False, False
+        self._pid, self._forked, self._closed, self._writing = os.getpid(), False, False, threading.RLock()  # see write
         self._entry, self._temporary = _envs[self.real_path], None  # see `_check_file`; `_reading_copy` sets the other
         self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
         self.memo = Memo()  # the answers of recent bulk lookups, each valid while its view root stands
@@ -195,10 +195,8 @@ class Ledger:
 
         try:
             _write_txn(env, path, work)
-        except lmdb.ReadonlyError:
-            if not readonly:
-                raise _read_only_file(path) from None
-            return False
+        except lmdb.ReadonlyError:  # (a reader returned above)
+            raise _read_only_file(path) from None
         return True
 
     def _check_meta(self) -> None:
@@ -258,10 +256,11 @@ class Ledger:
 
     def write(self, fn):
         """Runs fn(txn) in one write transaction, committed only where `_check_file` passes; grows a full map."""
-        self._guard()
-        if self.readonly:
-            raise LedgerError(f"ledger {self.path} was opened read-only; open it with readonly=False to write")
-        return _write_txn(self.env, self.path, fn, lambda: _check_file(self.path, self.real_path, self._entry))
+        with nullcontext() if self._forked else self._writing:  # a close waits for it (LMDB's environment closed
+            self._guard()  # under a write failed it with a raw error, or hung the close)
+            if self.readonly:
+                raise LedgerError(f"ledger {self.path} was opened read-only; open it with readonly=False to write")
+            return _write_txn(self.env, self.path, fn, lambda: _check_file(self.path, self.real_path, self._entry))
 
     def append(self, events: Iterable) -> AppendResult:
         """Appends a batch atomically, skipping events present; a key not its provenance's hash refuses it whole."""
@@ -339,7 +338,7 @@ class Ledger:
         return resolve(self, ref)
 
     def close(self) -> None:
-        with _lock:  # closed first: a read under way in another thread says so; two threads closing release once
+        with nullcontext() if self._forked else self._writing, _lock:  # after any write; closed first: reads say so
             release, self._closed = not self._forked and os.getpid() == self._pid and not self._closed, True
             if release:
                 _release(self.real_path, self.env)

@@ -201,6 +201,32 @@ def test_a_read_under_way_when_its_ledger_closes_says_so_not_damage(ledger_path,
     assert all(env is not led.env for env, *_ in store._reads.values())
 
 
+def test_a_close_in_another_thread_waits_for_the_write_under_way(ledger_path, monkeypatch):
+    """Another thread's close during an append closed LMDB's environment under the write transaction: the append
+    failed with LMDB's raw "closed object" error (read by the CLI as a damaged ledger), and at times the close hung
+    for good. The close now waits for the write to commit; the next write is told the ledger is closed."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 3)))
+    led, append, release, releasing = Ledger.open(ledger_path), store.append_events, store._release, threading.Event()
+    closer = threading.Thread(target=led.close)
+
+    def closed_meanwhile(*args):  # the events are written in the transaction; another thread closes the ledger
+        done = append(*args)
+        closer.start()
+        releasing.wait(1)  # the close would release the environment now, under this write: it waits instead
+        return done
+
+    monkeypatch.setattr(store, "append_events", closed_meanwhile)
+    monkeypatch.setattr(store, "_release", lambda *args: (releasing.set(), release(*args)))
+    assert led.append(list(synth.events(3, 6))).last_seq == 6
+    closer.join(10)
+    assert not closer.is_alive() and releasing.is_set() and os.path.realpath(ledger_path) not in store._envs
+    with pytest.raises(LedgerError, match="is closed"):
+        led.append(list(synth.events(6, 9)))
+    with Ledger.open(ledger_path, readonly=True) as again:
+        assert again.last_seq == 6
+
+
 def test_two_threads_closing_one_ledger_release_its_environment_once(ledger_path, monkeypatch):
     """Both closes released the shared environment, the second another ledger's use of it: closed under that one."""
     with Ledger.open(ledger_path) as led:
