@@ -262,9 +262,9 @@ class Ledger:
                 raise LedgerError(f"ledger {self.path} was opened read-only; open it with readonly=False to write")
             return _write_txn(self.env, self.path, fn, lambda: _check_file(self.path, self.real_path, self._entry))
 
-    def append(self, events: Iterable) -> AppendResult:
+    def append(self, events: Iterable, *, before=lambda txn: None) -> AppendResult:
         """Appends a batch atomically, skipping events present; a key not its provenance's hash refuses it whole."""
-        return self.append_checked(self._prepare(events))
+        return self.append_checked(self._prepare(events), before=before)
 
     def append_batches(self, batches: Iterable[Iterable]) -> list[AppendResult]:
         """`append` per batch, each in its own transaction, in order; one AppendResult per batch. A refused batch
@@ -287,9 +287,9 @@ class Ledger:
                                      f"provenance hashes to another key; build events with kprof.ledger.build")
         return prepared
 
-    def append_checked(self, prepared: list[tuple]) -> AppendResult:
+    def append_checked(self, prepared: list[tuple], *, before=lambda txn: None) -> AppendResult:
         """`append` of (event, canonical bytes, event id) triples already checked (a merge's verified segment)."""
-        return self.write(lambda txn: append_events(txn, self.dbs, prepared))
+        return self.write(lambda txn: before(txn) or append_events(txn, self.dbs, prepared))  # before: under the lock
 
     def event(self, eid: bytes):
         """The stored event `eid`, its bytes re-hashed (IntegrityError where they do not hash to it), or None."""

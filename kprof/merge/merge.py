@@ -21,8 +21,11 @@ consecutive events at a time (kprof.merge.segment.runs: the file read and hashed
 2. Write, only where the check found nothing: the segments are read again and appended a batch of BATCH events
    per transaction, through the ledger's own append. Each run of a batch must hash to the digest the check took of
    it: a file changed since stops the merge before that batch. The bytes being those the check hashed, their ids
-   are the check's, and they are decoded only as far as the views need. A merge stopped half way (a kill, a full
-   disk, a changed file) has written a verified prefix of a conflict-free merge; merging again completes it.
+   are the check's, and they are decoded only as far as the views need. Where another writer committed since the
+   check (a run storing a row, another merge: the ledger's last sequence number moved), the check is made again in
+   the batch's transaction, under the write lock, so a row stored in between is held against as any other. A merge
+   stopped half way (a kill, a full disk, a changed file) has written a verified prefix of a conflict-free merge;
+   merging again completes it.
    BATCH trades memory for disk writes: events of random ids land on random pages of every tree, and a
    transaction writes each page it touches once, so fewer, larger transactions write fewer pages (at 300,000
    events into 300,000: 10,000 a transaction wrote 3.9 pages an event, 50,000 2.3). LMDB holds a transaction's
@@ -35,6 +38,7 @@ conflicting key: both events, their metrics, the relative difference of time_ms)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Iterator, NamedTuple
@@ -254,6 +258,7 @@ class _Check:
         self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
         self.conflicts: list[dict] = []
         self.events = 0
+        self.last_seq: int | None = None  # the ledger's last event as checked (None: no ledger)
         # per batch, what the write pass must find again (each run's digest) and the ids the check computed
         self.batch_digests: list[list[bytes]] = []
         self.batch_ids: list[list[bytes]] = []
@@ -338,18 +343,25 @@ def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) 
     return _merge_into(ledger, ordered(paths), output_dir)
 
 
-def _check(ledger: Ledger | None, paths: list[str]) -> _Check:
-    """Pass 1 over the segments, against the ledger (None: one not created yet, where no key has a row)."""
+def _check(ledger: Ledger | None, paths: list[str], txn=None) -> _Check:
+    """Pass 1 over the segments, against the ledger (None: one not created yet, where no key has a row), as a read
+    of it finds it (or as `txn` does)."""
     if ledger is None:
         check = _Check(None, None)
         for parts in _batches(paths):
             check.batch(parts)
         return check
-    with ledger.read() as txn:
+    with ledger.read() if txn is None else contextlib.nullcontext(txn) as txn:
         check = _Check(ledger, txn)
+        check.last_seq = _last_seq(ledger, txn)
         for parts in _batches(paths):
             check.batch(parts)
     return check
+
+
+def _last_seq(ledger: Ledger, txn) -> int:
+    with _verify.reading(ledger.path, "meta"):
+        return msgspec.msgpack.decode(txn.get(b"last_seq", db=ledger.dbs["meta"]), type=int)
 
 
 def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None) -> tuple[int, int]:
@@ -358,6 +370,17 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None) -> tup
     if check.conflicts:
         refuse(ledger, ledger.path, check.conflicts, paths, output_dir)
     added = existing = 0
+    seq = check.last_seq  # the ledger's state the check holds for this merge's batches
+
+    def still_checked(txn) -> None:
+        """Under the write lock, before a batch is written: where another writer committed since the check (a run's
+        row, another merge), the segments are checked again against the ledger as it now is; a conflict now found
+        merges nothing more (without this, a row stored in between was superseded as if it had been no conflict)."""
+        if _last_seq(ledger, txn) != seq:
+            again = _check(ledger, paths, txn)
+            if again.conflicts:
+                refuse(ledger, ledger.path, again.conflicts, paths, output_dir)
+
     for n, parts in enumerate(_batches(paths)):
         verified = check.batch_digests[n] if n < len(check.batch_digests) else None
         if [part.run.digest for part in parts] != verified:  # a file changed since the check: stop before this batch
@@ -366,6 +389,6 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None) -> tup
         # The bytes are those the check decoded whole and hashed: decoded as far as the views need, with its ids.
         datas = [data for part in parts for data in part.run.events]
         heads = list(map(_head_decoder.decode, datas))
-        result = ledger.append_checked(list(zip(heads, datas, check.batch_ids[n])))
-        added, existing = added + len(result.added), existing + len(result.existing)
+        result = ledger.append_checked(list(zip(heads, datas, check.batch_ids[n])), before=still_checked)
+        added, existing, seq = added + len(result.added), existing + len(result.existing), result.last_seq
     return added, existing

@@ -319,6 +319,45 @@ def test_a_conflict_merges_nothing_and_reports_both_events(tmp_path):
     assert row["provenance"]["profiler_revision"] == 1
 
 
+@pytest.mark.parametrize("between", ["another row", "the same segment"])
+def test_a_row_another_writer_stores_between_the_check_and_the_write_is_held_against(tmp_path, monkeypatch,
+                                                                                      between):
+    """The check read the ledger in one transaction and the merge wrote in another: a row another writer (a run, a
+    merge) stored for one of its keys in between was superseded by the incoming event, no conflict said, and the
+    run that stored it read a row that was no longer current. The write now checks again where the ledger moved: a
+    conflict merges nothing; the same events stored meanwhile (the same segment merged at once) are no conflict."""
+    ours = _ledger(tmp_path / "ours.db", synth.events(0, 10))
+    theirs_db = _ledger(tmp_path / "theirs.db", [*synth.events(20, 25), synth.event(30)])
+    seg = str(tmp_path / "theirs.kseg")
+    export(theirs_db, seg)
+    append, interfered = Ledger.append_checked, []
+
+    def stored_between(self, prepared, **kwargs):  # the merge's first write: another writer commits just before it
+        if not interfered:
+            interfered.append(between)
+            if between == "another row":
+                self.append([synth.event(30, seed=3)])
+            else:
+                merge([seg], ours)
+        return append(self, prepared, **kwargs)
+
+    monkeypatch.setattr(Ledger, "append_checked", stored_between)
+    out = tmp_path / "out"
+    if between == "another row":
+        with pytest.raises(MergeConflict, match="1 incoming event"):
+            merge([seg], ours, output_dir=str(out))
+        report = json.loads((out / "merge-report.json").read_text())
+        assert report["keys"][0]["current"]["event"] == _eid(synth.event(30, seed=3)).hex()
+        assert report["keys"][0]["incoming"]["event"] == _eid(synth.event(30)).hex()
+        with Ledger.open(ours, readonly=True) as led:
+            assert led.last_seq == 11  # the other writer's row stands; nothing of the segment was merged
+            assert synth.view(led).get(**synth.spec(30)).event_id == _eid(synth.event(30, seed=3))
+    else:
+        assert (merge([seg], ours).existing, _answers(ours)) == (6, _answers(_ledger(tmp_path / "both.db", [
+            *synth.events(0, 10), *synth.events(20, 25), synth.event(30)])))
+    assert audit(ours).ok
+
+
 def test_segments_that_conflict_with_each_other_are_named_and_leave_no_new_ledger(tmp_path, capsys):
     """Two segments re-measuring one row, neither from the other, merged into a ledger not created yet: the
     conflict is named as one between the segments (both paths), the report carries both events' kinds, metrics and
@@ -440,11 +479,11 @@ def test_a_merge_stopped_half_way_leaves_a_verified_prefix_and_merging_again_com
     target = str(tmp_path / "t.db")
     real, calls = Ledger.append_checked, []
 
-    def dies_on_the_second_batch(self, prepared):
+    def dies_on_the_second_batch(self, prepared, **kwargs):
         calls.append(len(prepared))
         if len(calls) == 2:
             raise KeyboardInterrupt  # a kill, as far as the merge can tell
-        return real(self, prepared)
+        return real(self, prepared, **kwargs)
 
     monkeypatch.setattr(Ledger, "append_checked", dies_on_the_second_batch)
     with pytest.raises(KeyboardInterrupt):
