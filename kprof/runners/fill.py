@@ -296,16 +296,17 @@ class _State:
                 os.unlink(res.segment)
                 if report_dir != self.conflict_dir and not os.listdir(report_dir):
                     os.rmdir(report_dir)
-        elif (row := self._row_now(res.index)).event_id != self.parents.get(res.index):
-            # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps it;
-            # an error only where that row is not one the mode asked for (a failed row, or a retraction)
-            if _still_wanted(self.mode, row, self.before[res.index]):
-                now = row.event_id
-                errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
-                              f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement was "
-                              f"not stored"}
         else:
-            self.ledger.append([res.event])  # one commit per spec: a crash keeps what was finished
+            try:  # one commit per spec: a crash keeps what was finished
+                self.ledger.append([res.event], before=lambda _txn: self._unchanged(res.index))
+            except _RowChanged as changed:
+                # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps
+                # it; an error only where that row is not one the mode asked for (a failed row, or a retraction)
+                if _still_wanted(self.mode, changed.row, self.before[res.index]):
+                    now = changed.row.event_id
+                    errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
+                                  f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement "
+                                  f"was not stored"}
         if self.claims is not None:  # stored (or given up): a run waiting for it reads it now, not when this one ends
             self.claims.drop([k])
         if self.progress:
@@ -320,10 +321,24 @@ class _State:
         self.claims.drop([self.spec_keys[i]])
         return False
 
+    def _unchanged(self, i: int) -> None:
+        """Raises _RowChanged where spec i's row is no longer the one it was measured against (its event's parent).
+        Asked under the write lock, before the event is written: no other writer can store a row in between."""
+        if (row := self._row_now(i)).event_id != self.parents.get(i):
+            raise _RowChanged(row)
+
     def _row_now(self, i: int):
         """Spec i's row as the ledger holds it now (ok, failed, stale or missing); its event id is what `fill` took
         as its event's parent when it took the key."""
         return self.view_of(self.ledger).query([self.canonical[i]])[1][0]
+
+
+class _RowChanged(Exception):
+    """A key's row changed while its spec was measured (`_State._unchanged`): the measurement is not stored."""
+
+    def __init__(self, row):
+        super().__init__()
+        self.row = row
 
 
 def _still_wanted(mode: str, row, before) -> bool:

@@ -497,6 +497,35 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
         assert merge_into(led, [back], str(tmp_path)) == (1, 1)
 
 
+def test_a_row_merged_between_the_runs_check_of_its_key_and_its_append_stands(tmp_path, capsys, h, local_gpu,
+                                                                               monkeypatch):
+    """The run read its key's row, then appended its event in another transaction: a merge that stored the team's row
+    in between was superseded by this run's event, which named no parent, as if the merged row had never been. The
+    row is now read again under the write lock, and the merged row stands."""
+    from kprof.merge.merge import export, merge_into
+
+    spec_x = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}
+    team, mine = str(tmp_path / "team.db"), str(tmp_path / "mine.db")
+    team_event = _run(capsys, h, team, spec_x)["results"][0]["event"]
+    seg = str(tmp_path / "team.kseg")
+    export(team, seg)
+    append, merged = Ledger.append, []
+
+    def merged_just_before(self, events, **kwargs):  # the run's append: a merge commits first
+        if not merged:
+            merged.append(merge_into(self, [seg], str(tmp_path)))
+        return append(self, events, **kwargs)
+
+    monkeypatch.setattr(Ledger, "append", merged_just_before)
+    out = _run(capsys, h, mine, spec_x)
+    assert merged == [(1, 0)]
+    assert out["results"][0]["status"] == "ok" and out["results"][0]["event"] == team_event
+    monkeypatch.undo()
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(spec_x), "--db", mine, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["event"] == team_event
+    assert _last_seq(mine) == 1 and main(["audit", "--db", mine]) == 0
+
+
 def test_where_a_run_measured_is_a_log_line_on_stderr_in_either_mode(tmp_path, capsys, h):
     spec = {"m": 7, "n": 32, "k": 32, "dtype": "fp32"}
     for extra in ((), ("--json",)):
