@@ -13,7 +13,8 @@ import lmdb
 from ..errors import IntegrityError, LedgerError
 
 _live: "weakref.WeakSet" = weakref.WeakSet()  # every open Ledger of this process
-_envs: dict[str, list] = {}  # realpath -> [env, users, (st_dev, st_ino) of the file it maps, page size, of its lock]
+_envs: dict[str, list] = {}  # realpath -> [env, users, (dev, ino) of the file it maps, page size, of its lock, dbs]
+# (dbs: handles opened once: py-lmdb opens one in a write transaction, which waits for writers with the GIL held)
 _lock = threading.RLock()  # held by each Ledger's open and close: never two environments of a file, nor a wrong count
 _reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}  # this process's reads: id -> (env, txn, thread)
 GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
@@ -97,7 +98,7 @@ def _identity(path: str) -> tuple:
 def _check_file(path: str, real: str, entry: list) -> None:
     """Before each read and commit: the file and its lock file are those LMDB opened (a writer through a new lock would
     commit over this one's commits), and the file is not shorter than the pages LMDB uses (a read there: SIGBUS)."""
-    env, _users, identity, psize, lock = entry
+    env, _users, identity, psize, lock, _dbs = entry
     now = _identity(real)
     if now[:2] != identity or _identity(real + "-lock")[:2] != lock:
         what = f"ledger {path}" if now[:2] != identity else f"the lock file {real}-lock of ledger {path}"

@@ -56,7 +56,7 @@ class Ledger:
         self.real_path = os.path.realpath(path)  # as resolved at opening: the process may change directory
         self._pid, self._forked, self._closed, self._writing = os.getpid(), False, False, threading.RLock()  # see write
         self._entry, self._temporary = _envs[self.real_path], None  # see `_check_file`; `_reading_copy` sets the other
-        self.dbs = {name: env.open_db(name.encode(), create=False) for name in DBS}
+        self.dbs = self._entry[5] = self._entry[5] or {n: env.open_db(n.encode(), create=False) for n in DBS}  # once
         self.memo = Memo()  # the answers of recent bulk lookups, each valid while its view root stands
         _live.add(self)
 
@@ -104,7 +104,7 @@ class Ledger:
             try:
                 entry = [lmdb.open(real, subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4, map_size=map_size,
                                    lock=lock, sync=True, metasync=True, readahead=readahead, max_readers=510), 0,
-                         _identity(real)[:2], 0, _identity(real + "-lock")[:2]]
+                         _identity(real)[:2], 0, _identity(real + "-lock")[:2], None]
             except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:  # the header's version, or the lock file's
                 lock_file = f" (or its lock file: remove {real}-lock while no process has the ledger open)" * (
                     isinstance(exc, lmdb.VersionMismatchError))

@@ -227,6 +227,32 @@ def test_a_close_in_another_thread_waits_for_the_write_under_way(ledger_path, mo
         assert again.last_seq == 6
 
 
+def test_a_ledger_opened_while_another_thread_writes_it_opens_at_once(tmp_path, ledger_path):
+    """Each Ledger opened its sub-databases through py-lmdb's own write transaction, which waits for the file's writer
+    holding the GIL: opened in one thread while another wrote the file (through the environment they share), it
+    deadlocked the process (here, in a helper process: the writer inside its transaction waits for the GIL, and the
+    opener, holding it, for the writer). The handles are now opened once per environment."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 3)))
+    proc = _python(f"""
+        import threading
+        from kprof import synth
+        from kprof.ledger import Ledger, store
+
+        led, append, seen = Ledger.open({ledger_path!r}), store.append_events, []
+
+        def open_meanwhile(*args):  # inside the write transaction: another thread opens the ledger and reads it
+            reader = threading.Thread(target=lambda: seen.append(Ledger.open({ledger_path!r}, readonly=True).last_seq))
+            reader.start()
+            reader.join()
+            return append(*args)
+
+        store.append_events = open_meanwhile
+        print(led.append(list(synth.events(3, 6))).last_seq, seen)
+    """, tmp_path, timeout=120)
+    assert proc.stdout.split() == ["6", "[3]"]  # the reader's snapshot: before the write it ran inside
+
+
 def test_two_threads_closing_one_ledger_release_its_environment_once(ledger_path, monkeypatch):
     """Both closes released the shared environment, the second another ledger's use of it: closed under that one."""
     with Ledger.open(ledger_path) as led:
