@@ -70,9 +70,13 @@ def _terminated(signum, _frame):
     raise SystemExit(128 + signum)
 
 
-def _interrupted_note(argv: list[str]) -> str:
-    """What an interrupt left, by verb: every commit is whole, so only the verbs that write have more to say."""
+def _interrupted_note(argv: list[str], exc: BaseException) -> str:
+    """What an interrupt left, by verb: every commit is whole, so only the verbs that write have more to say (a
+    merge of several batches says which it committed, as a note on the interrupt)."""
     verb = next((a for a in argv if not a.startswith("-")), "")
+    for raised in (exc, exc.__context__):  # cyclopts ends a Ctrl-C as SystemExit(130), raised while handling it
+        if getattr(raised, "__notes__", None):
+            return raised.__notes__[-1]
     if verb == "run" and any(a == "--remote" or a.startswith("--remote=") for a in argv):
         return ("every chunk merged before it stays in the ledger, and the engine's unfinished jobs were cancelled; "
                 "the same command with a new --output-dir sends only what is missing")
@@ -143,7 +147,7 @@ def _main(argv: list[str]) -> int:
             raise
         from ._render import error
 
-        error(f"interrupted ({'Ctrl-C' if code == 130 else 'SIGTERM'}): {_interrupted_note(argv)}")
+        error(f"interrupted ({'Ctrl-C' if code == 130 else 'SIGTERM'}): {_interrupted_note(argv, exc)}")
         return code
     except KprofError as exc:
         from ._render import error

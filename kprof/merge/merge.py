@@ -381,14 +381,33 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None) -> tup
             if again.conflicts:
                 refuse(ledger, ledger.path, again.conflicts, paths, output_dir)
 
-    for n, parts in enumerate(_batches(paths)):
-        verified = check.batch_digests[n] if n < len(check.batch_digests) else None
-        if [part.run.digest for part in parts] != verified:  # a file changed since the check: stop before this batch
-            raise SegmentError(f"{parts[0].path} changed while it was merged ({added + existing} event(s) before "
-                               f"the change were merged); merge it again")
-        # The bytes are those the check decoded whole and hashed: decoded as far as the views need, with its ids.
-        datas = [data for part in parts for data in part.run.events]
-        heads = list(map(_head_decoder.decode, datas))
-        result = ledger.append_checked(list(zip(heads, datas, check.batch_ids[n])), before=still_checked)
-        added, existing, seq = added + len(result.added), existing + len(result.existing), result.last_seq
+    try:
+        for n, parts in enumerate(_batches(paths)):
+            verified = check.batch_digests[n] if n < len(check.batch_digests) else None
+            if [part.run.digest for part in parts] != verified:  # a file changed since the check: stop before it
+                raise SegmentError(f"{parts[0].path} changed while it was merged ({added + existing} event(s) before "
+                                   f"the change were merged); merge it again")
+            # The bytes are those the check decoded whole and hashed: decoded as far as the views need, with its ids.
+            datas = [data for part in parts for data in part.run.events]
+            heads = list(map(_head_decoder.decode, datas))
+            result = ledger.append_checked(list(zip(heads, datas, check.batch_ids[n])), before=still_checked)
+            added, existing, seq = added + len(result.added), existing + len(result.existing), result.last_seq
+    except (KeyboardInterrupt, SystemExit) as exc:  # a merge of several batches: say what it left (the CLI does)
+        if len(check.batch_ids) > 1 and (done := _stored_batches(ledger, check.batch_ids)):
+            exc.add_note(f"the first {done} of the merge's {check.events} event(s) are in the ledger (whole batches "
+                         f"of {BATCH}, each checked), the rest are not, and nothing half-written is; the same merge "
+                         f"again merges the rest")
+        raise
     return added, existing
+
+
+def _stored_batches(ledger: Ledger, batch_ids: list[list[bytes]]) -> int:
+    """The events of a merge's batches the ledger holds, counted from the first (they commit whole and in order): read
+    from the ledger, since an interrupt can come between a batch's commit and the count of it."""
+    done = 0
+    with ledger.read() as txn:
+        for ids in batch_ids:
+            if txn.get(ids[-1], db=ledger.dbs["events"]) is None:
+                break
+            done += len(ids)
+    return done

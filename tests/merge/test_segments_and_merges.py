@@ -496,6 +496,41 @@ def test_a_merge_stopped_half_way_leaves_a_verified_prefix_and_merging_again_com
     assert (result.added, result.existing) == (6, 4) and _answers(target) == _answers(src)
 
 
+@pytest.mark.parametrize("commit", ["before", "after"])
+def test_an_interrupted_merge_of_several_batches_says_which_it_merged(tmp_path, monkeypatch, capsys, commit):
+    """Ctrl-C (or SIGTERM) of a merge of more than one batch said "a merge is all or nothing: the ledger holds none
+    of its events" while it held every batch committed before; it now says how many, read from the ledger (the
+    interrupt can come between a batch's commit and the merge's count of it)."""
+    import kprof.merge.merge as m
+
+    monkeypatch.setattr(m, "BATCH", 4)
+    src = _ledger(tmp_path / "src.db", synth.events(0, 10))
+    seg = str(tmp_path / "s.kseg")
+    export(src, seg)
+    target = str(tmp_path / "t.db")
+    real, calls = Ledger.append_checked, []
+
+    def interrupted_at_the_second_batch(self, prepared, **kwargs):
+        calls.append(len(prepared))
+        if len(calls) == 2 and commit == "before":
+            raise KeyboardInterrupt
+        done = real(self, prepared, **kwargs)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr(Ledger, "append_checked", interrupted_at_the_second_batch)
+    assert main(["merge", seg, "--db", target]) == 130
+    held = 4 if commit == "before" else 8
+    assert f"interrupted (Ctrl-C): the first {held} of the merge's 10 event(s) are in the ledger" in \
+           capsys.readouterr().err
+    with Ledger.open(target, readonly=True) as led:
+        assert led.last_seq == held
+    monkeypatch.setattr(Ledger, "append_checked", real)
+    assert main(["merge", seg, "--db", target, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["added"] == 10 - held and _answers(target) == _answers(src)
+
+
 def test_a_directory_of_content_named_segments_is_shared_by_merging_all_of_it(tmp_path):
     """Export into a directory names each segment by its digest; merging every segment of the directory into any
     ledger gives the rows of all the ledgers that exported there (the way a team shares rows through git)."""
