@@ -180,10 +180,12 @@ class Pool:
         self.close()
 
     def close(self) -> None:
-        for w in self.workers:  # one still starting has measured nothing: not waited for (an interrupt during start)
-            w.stop(kill=w.state in ("busy", "starting"))
-        self.workers = []
-        shutil.rmtree(self._spool, ignore_errors=True)
+        try:
+            for w in self.workers:  # one still starting has measured nothing: not waited for (an interrupt in start)
+                w.stop(kill=w.state in ("busy", "starting"))
+        finally:  # an interrupt while a worker is waited for (up to 10 s) too: the spool went with the run's end
+            self.workers = []
+            shutil.rmtree(self._spool, ignore_errors=True)
 
     def _drop(self, w: _Worker, why: str) -> None:
         w.state = "dead"

@@ -528,6 +528,27 @@ def test_an_interrupt_while_the_workers_start_stops_them_at_once(monkeypatch):
     assert [w.process.exitcode for w in made] == [-signal.SIGKILL] * 2
 
 
+def test_an_interrupt_while_the_workers_are_stopped_leaves_no_spool(monkeypatch):
+    """SIGTERM (or Ctrl-C) while the run waited for its workers to stop, once every row was stored, left the spool of
+    segments, an empty `kprof-pool-*` directory, in the temporary directory for good."""
+    from kprof.runners import pool as pool_module
+    from kprof.runners.devices import Device
+    from kprof.runners.registry import lookup
+
+    def interrupted(self, kill=False):
+        raise SystemExit(143)
+
+    pool = pool_module.Pool(lookup("single_gemm", "torch-cpu"), "cpu", [Device("cpu0", None)]).__enter__()
+    workers = list(pool.workers)
+    monkeypatch.setattr(pool_module._Worker, "stop", interrupted)
+    with pytest.raises(SystemExit):
+        pool.close()
+    monkeypatch.undo()
+    assert not os.path.exists(pool._spool) and pool.workers == []
+    for w in workers:  # a daemon: the run's end would take it
+        w.stop(kill=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_json_stdout_holds_the_document_alone_whatever_the_runners_print(tmp_path, workers):
