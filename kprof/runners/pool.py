@@ -18,14 +18,13 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import shutil
-import tempfile
 import time
 from multiprocessing.connection import wait
 from typing import Callable, Iterator, NamedTuple
 
 import msgspec
 
+from .. import _scratch
 from ..errors import UsageError
 from ..ledger._codec import event_decoder
 from ..ledger.events import Environment, Event, Origin
@@ -146,7 +145,8 @@ class Pool:
     def __init__(self, entry: Entry, gpu_key: str, devices: list[Device]):
         self.entry, self.gpu_key, self.devices = entry, gpu_key, list(devices)
         self._ctx = multiprocessing.get_context("spawn")
-        self._spool = tempfile.mkdtemp(prefix="kprof-pool-")
+        # held by this process while it lives: a spool its run was killed away from (SIGKILL) the next pool removes
+        self._spool, self._remove_spool = _scratch.make("kprof-pool-")
         self._args = (entry.table, entry.backend, msgspec.msgpack.encode(entry.contract), gpu_key, self._spool)
         self.workers: list[_Worker] = []
         self.dropped: list[dict] = []  # devices given up: {device, why}
@@ -185,7 +185,7 @@ class Pool:
                 w.stop(kill=w.state in ("busy", "starting"))
         finally:  # an interrupt while a worker is waited for (up to 10 s) too: the spool went with the run's end
             self.workers = []
-            shutil.rmtree(self._spool, ignore_errors=True)
+            self._remove_spool()
 
     def _drop(self, w: _Worker, why: str) -> None:
         w.state = "dead"

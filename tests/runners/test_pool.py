@@ -562,3 +562,31 @@ def test_json_stdout_holds_the_document_alone_whatever_the_runners_print(tmp_pat
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["missing_count"] == 0
     assert "a runner's own print, spec n=1000" in p.stderr and "a library's own write to fd 1" in p.stderr
+
+
+def test_a_spool_left_by_a_killed_run_is_removed_by_the_next_pool(tmp_path, monkeypatch):
+    """SIGKILL of a run's whole process group left its spool (an empty `kprof-pool-*` directory, or one holding a
+    segment nothing will merge) in the temporary directory for good. The next pool removes a spool no live process
+    holds; a live one (held by its run) stays."""
+    import tempfile
+
+    from kprof import _scratch
+    from kprof.runners import pool as pool_module
+    from kprof.runners.devices import Device
+    from kprof.runners.registry import lookup
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    left = tmp_path / "kprof-pool-killed"
+    left.mkdir()
+    (left / "segment.kseg").write_bytes(b"never merged")
+    old = time.time() - 2 * _scratch.SETTLE_S
+    os.utime(left, (old, old))
+    live, remove_live = _scratch.make("kprof-pool-")  # another run's, held while it lives
+    os.utime(live, (old, old))
+    pool = pool_module.Pool(lookup("single_gemm", "torch-cpu"), "cpu", [Device("cpu0", None)])
+    try:
+        assert not left.exists() and os.path.isdir(live) and os.path.isdir(pool._spool)
+    finally:
+        pool.close()
+        remove_live()
+    assert os.listdir(tmp_path) == []
