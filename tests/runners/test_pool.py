@@ -568,6 +568,7 @@ def test_a_spool_left_by_a_killed_run_is_removed_by_the_next_pool(tmp_path, monk
     """SIGKILL of a run's whole process group left its spool (an empty `kprof-pool-*` directory, or one holding a
     segment nothing will merge) in the temporary directory for good. The next pool removes a spool no live process
     holds; a live one (held by its run) stays."""
+    import fcntl
     import tempfile
 
     from kprof import _scratch
@@ -581,12 +582,15 @@ def test_a_spool_left_by_a_killed_run_is_removed_by_the_next_pool(tmp_path, monk
     (left / "segment.kseg").write_bytes(b"never merged")
     old = time.time() - 2 * _scratch.SETTLE_S
     os.utime(left, (old, old))
-    live, remove_live = _scratch.make("kprof-pool-")  # another run's, held while it lives
+    live = tmp_path / "kprof-pool-live"  # another run's, held (as _scratch holds it) while it lives
+    live.mkdir()
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_SH)
     os.utime(live, (old, old))
     pool = pool_module.Pool(lookup("single_gemm", "torch-cpu"), "cpu", [Device("cpu0", None)])
     try:
         assert not left.exists() and os.path.isdir(live) and os.path.isdir(pool._spool)
     finally:
         pool.close()
-        remove_live()
-    assert os.listdir(tmp_path) == []
+        os.close(held)
+    assert os.listdir(tmp_path) == ["kprof-pool-live"]
