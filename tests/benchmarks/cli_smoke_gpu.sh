@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The verbs a user types on a GPU machine, end to end through the CLI: run, query (an 80-column table), calibrate,
-# audit, audit --remeasure, count-missing, export and merge into a second ledger. Logs to $OUT/cli_smoke.log.
+# audit, audit --remeasure, count-missing, export and merge into a second ledger, measure (and one refused).
+# Logs to $OUT/cli_smoke.log.
 set -u
 py=${PYTHON:-python3}
 db=$OUT/smoke.db
@@ -17,5 +18,8 @@ step() { echo "== $*"; "$@"; echo "   exit $?"; }
   step $py -m kprof export -o "$OUT/smoke.kseg" --db "$db"
   step $py -m kprof merge "$OUT/smoke.kseg" --db "$OUT/smoke2.db"
   step $py -m kprof scopes --db "$OUT/smoke2.db"
+  step $py -m kprof measure single_gemm --backend torch --spec '{"m":64,"n":4096,"k":4096,"dtype":"bf16"}' --duration-s 2 --output-dir "$OUT/measure" --db "$db"
+  # an hour of a 10 µs kernel replayed warm would hold about 360 million CUPTI records: refused (exit 2) before it starts
+  step $py -m kprof measure single_gemm --backend torch --spec '{"m":1,"n":4096,"k":4096,"dtype":"bf16"}' --duration-s 3600 --no-clear-l2 --cuda-graph --output-dir "$OUT/measure_long"
 } > "$OUT/cli_smoke.log" 2>&1
 grep -E "^== |exit " "$OUT/cli_smoke.log" | paste - - | sed 's/ *exit/  -> exit/'
