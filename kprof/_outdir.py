@@ -1,13 +1,18 @@
-"""Output directories written once: the checks made before any work, so a refusal leaves nothing behind."""
+"""Output directories written once: the checks made before any work, so a refusal leaves nothing behind; and the
+staging folder inside one that its files are written in, then renamed from, so an interrupted write leaves no part."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
 import tempfile
+from typing import Iterator
 
 from .errors import UsageError
 
-__all__ = ["check_output_dir"]
+__all__ = ["check_output_dir", "staged", "drop_unfinished"]
 
 _FIX = "pass a new directory (it is created if absent)"
 
@@ -40,3 +45,59 @@ def check_output_dir(path: str, names, what: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".kprof-probe-", dir=ancestor))
     except OSError as exc:
         raise UsageError(f"--output-dir {path} cannot be created in {ancestor} ({exc.strerror}); {_FIX}") from None
+
+
+@contextlib.contextmanager
+def staged(path: str, prefix: str) -> Iterator[str]:
+    """A new staging folder `prefix*` inside `path`, held by an exclusive flock while the block writes in it (the kernel
+    lets go when the process ends, however it ends), removed after. The block renames its files into `path`; a kill
+    among those renames leaves the folder with the files not yet renamed, for `drop_unfinished` to take back."""
+    staging = tempfile.mkdtemp(prefix=prefix, dir=path)
+    fd = _hold(staging)
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
+
+
+def _hold(staging: str, wait: bool = True) -> int | None:
+    """An fd holding an exclusive flock on `staging`, or None where a live writer holds it, or it is gone."""
+    try:
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def drop_unfinished(path: str, prefix: str, names) -> None:
+    """Removes the staging folders `prefix*` of `path` that no live writer holds: a write killed before its end. One
+    that still holds files was killed among its renames: the files of `names` it had renamed into `path` go too
+    (none was there before it: the write checked that). An empty one is let be: a writer locks its folder before it
+    writes a file, so an empty unlocked one may be a live writer's, and holds no part of an output."""
+    try:
+        found = [n for n in os.listdir(path) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in found:
+        staging = os.path.join(path, name)
+        with contextlib.suppress(OSError):
+            if not os.listdir(staging):  # empty: maybe a live writer's, made but not yet locked; no part of anything
+                continue
+        fd = _hold(staging, wait=False)
+        if fd is None:
+            continue
+        try:
+            left = os.listdir(staging)
+            for done in (n for n in names if left and n not in left):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(path, done))
+            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            os.close(fd)

@@ -4,12 +4,8 @@ holds a snapshot, a file, a path through a file, one that cannot be created or w
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import shutil
 import stat
-import tempfile
 
 import msgspec
 
@@ -26,54 +22,12 @@ _json = msgspec.json.Encoder(order="deterministic")
 def check_output_dir(path: str) -> None:
     """Refuses a directory the snapshot could not be written to. Creates nothing: a run refused after this (a bad
     spec, an unknown backend) leaves nothing behind; `write_snapshot` creates the directory. What a write killed
-    before its end left (`_drop_unfinished`) is removed first: it is no snapshot, and must not refuse the command."""
-    _drop_unfinished(path)
+    before its end left (`_outdir.drop_unfinished`) is removed first: it is no snapshot, and must not refuse the command."""
+    _outdir.drop_unfinished(path, _STAGING, (*SNAPSHOT, "curve.png"))
     _outdir.check_output_dir(path, (*SNAPSHOT, "curve.png"), "a snapshot")
 
 
 _STAGING = ".snapshot-"  # a staging folder's name, in the output directory, starts so
-
-
-def _hold(staging: str, wait: bool = True) -> int | None:
-    """An fd holding an exclusive flock on `staging` (the kernel lets go when its process ends, however it ends), or
-    None where a live writer holds it, or it is gone."""
-    try:
-        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _drop_unfinished(path: str) -> None:
-    """Removes the staging folders of `path`'s snapshot that no live writer holds: a write killed before its end. One
-    in `path` that still holds files was killed among its renames: the snapshot files it had renamed into `path`
-    go too (none was there before it: the write checked that). An empty one is let be: a writer locks its folder
-    before it writes a file, so an empty unlocked one may be a live writer's, and holds no part of a snapshot."""
-    try:
-        names = [n for n in os.listdir(path) if n.startswith(_STAGING)]
-    except OSError:
-        return
-    for name in names:
-        staging = os.path.join(path, name)
-        with contextlib.suppress(OSError):
-            if not os.listdir(staging):  # empty: maybe a live writer's, made but not yet locked; no part of anything
-                continue
-        fd = _hold(staging, wait=False)
-        if fd is None:
-            continue
-        try:
-            left = os.listdir(staging)
-            for done in (n for n in (*SNAPSHOT, "curve.png") if left and n not in left):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(path, done))
-            shutil.rmtree(staging, ignore_errors=True)
-        finally:
-            os.close(fd)
 
 
 def _write_once(path: str, data: bytes) -> None:
@@ -128,28 +82,23 @@ def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[
     """Every file is made in a staging folder inside `path`, held by a flock while it is written, then renamed into
     place: a run interrupted while it writes (the plot takes a second) leaves no part of a snapshot, which would
     refuse the same command again. A kill among the renames leaves the folder, with the files not yet renamed, and
-    the next check of `path` removes it and what it had renamed (`_drop_unfinished`). (Staging beside `path` and
+    the next check of `path` removes it and what it had renamed (`_outdir.drop_unfinished`). (Staging beside `path` and
     renaming the folder onto it would be one step, but fails after the rows are stored where the parent is
     read-only or `path` is a mount point.)"""
     docs = {"request.json": request, "results.json": result, "curve.json": curve(result, args_order),
             "job.meta.json": meta}
-    staging = tempfile.mkdtemp(prefix=_STAGING, dir=path)
-    fd = _hold(staging)
-    try:
-        for name, doc in docs.items():
-            _write_once(os.path.join(staging, name), msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
-        written = [*docs, *(["curve.png"] if _plot(docs["curve.json"], os.path.join(staging, "curve.png")) else [])]
-        for name in written:
-            os.rename(os.path.join(staging, name), os.path.join(path, name))
-        return written
-    except OSError as exc:
-        if exc.filename and os.path.dirname(exc.filename) == staging:  # named where it was to go
-            exc.filename = os.path.join(path, os.path.basename(exc.filename))
-        raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if fd is not None:
-            os.close(fd)
+    with _outdir.staged(path, _STAGING) as staging:
+        try:
+            for name, doc in docs.items():
+                _write_once(os.path.join(staging, name), msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
+            written = [*docs, *(["curve.png"] if _plot(docs["curve.json"], os.path.join(staging, "curve.png")) else [])]
+            for name in written:
+                os.rename(os.path.join(staging, name), os.path.join(path, name))
+            return written
+        except OSError as exc:
+            if exc.filename and os.path.dirname(exc.filename) == staging:  # named where it was to go
+                exc.filename = os.path.join(path, os.path.basename(exc.filename))
+            raise
 
 
 def _plot(c: dict, path: str) -> bool:

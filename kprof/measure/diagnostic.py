@@ -51,6 +51,7 @@ ARTIFACTS = {
                     "sampling coverage, the ledger row compared",
 }
 PLOTS = ("durations.png", "telemetry.png")
+STAGING = ".measure-"  # the outputs are written in a staging folder inside --output-dir whose name starts so
 EDGE = 0.1  # drift compares the first and the last 10 % of the window
 DRIFT_BINS = 50
 
@@ -115,9 +116,11 @@ def check_window_args(duration_s, telemetry_hz, *, allow_off: bool = False) -> t
 
 def check_output_dir(path: str) -> None:
     """Refuses a directory the artifacts could not be written to, before any work; creates nothing. A directory
-    that already holds a measure output is refused: outputs are immutable, like run snapshots."""
-    from .._outdir import check_output_dir as check
+    that already holds a measure output is refused: outputs are immutable, like run snapshots. What a write killed
+    before its end left (a staging folder, and the files it had renamed) is removed first: it is no output."""
+    from .._outdir import check_output_dir as check, drop_unfinished
 
+    drop_unfinished(path, STAGING, ARTIFACTS)
     check(path, ARTIFACTS, "a measure output")
 
 

@@ -11,23 +11,21 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import shutil
 import stat
-import tempfile
 from typing import Sequence
 
 import msgspec
 from blake3 import blake3
 
+from .._outdir import staged
 from ..errors import IntegrityError, UsageError
 from ._nvml_telemetry import TelemetrySample
-from .diagnostic import (ARTIFACTS, FORMAT, TOKEN_HEX, TOKEN_PREFIX, DiagnosticError, Launches, Window,
+from .diagnostic import (ARTIFACTS, FORMAT, STAGING, TOKEN_HEX, TOKEN_PREFIX, DiagnosticError, Launches, Window,
                          check_output_dir, reason_labels)
 
 __all__ = ["runtimes_csv", "telemetry_csv", "token_of", "write_outputs", "find_artifact", "default_dirs"]
 
 _json = msgspec.json.Encoder(order="deterministic")
-_STAGING = ".measure-"  # a staging folder's name, in the output directory, starts so
 
 
 # --- files --------------------------------------------------------------------------------------------------
@@ -80,23 +78,19 @@ def write_outputs(path: str, window: Window, summary: dict, *, plots: bool = Tru
     interrupted (Ctrl-C while the plots render) or refused (a full disk) leaves no part of an output, which would
     refuse the same command again. A failed write is a DiagnosticError naming the file; nothing of it is left."""
     check_output_dir(path)
-    staging = None
     try:
         os.makedirs(path, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=_STAGING, dir=path)
-        summary, written = _write_staged(staging, window, summary, plots)
-        check_output_dir(path)  # another writer may have finished there since: never overwrite its files
-        _place(staging, path, written)
-        return summary
+        with staged(path, STAGING) as staging:  # held while written: a kill leaves it for the next check to remove
+            summary, written = _write_staged(staging, window, summary, plots)
+            check_output_dir(path)  # another writer may have finished there since: never overwrite its files
+            _place(staging, path, written)
+            return summary
     except OSError as exc:
         name = os.path.basename(exc.filename) if exc.filename else ""
         where = f" ({os.path.join(path, name)})" if name in ARTIFACTS else ""
         raise DiagnosticError(f"cannot write the measure output in --output-dir {path}: {exc.strerror or exc}"
                               f"{where}; nothing of it was written: free space or fix the directory, and measure "
                               f"again") from None
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _place(staging: str, path: str, names: list[str]) -> None:

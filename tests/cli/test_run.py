@@ -343,7 +343,7 @@ def _snapshot_of_two_rows(out_dir) -> None:
 
 def _killed_at(monkeypatch, out_dir, kill_at: int) -> set[str]:
     """The files a snapshot write killed at its rename number `kill_at` (from 0) left in out_dir."""
-    from kprof import artifacts
+    from kprof import _outdir
 
     rename, calls = os.rename, []
 
@@ -355,7 +355,7 @@ def _killed_at(monkeypatch, out_dir, kill_at: int) -> set[str]:
 
     with monkeypatch.context() as m:
         m.setattr(os, "rename", killed)
-        m.setattr(artifacts.shutil, "rmtree", lambda *a, **kw: None)  # no cleanup runs in a killed process
+        m.setattr(_outdir.shutil, "rmtree", lambda *a, **kw: None)  # no cleanup runs in a killed process
         try:
             _snapshot_of_two_rows(out_dir)
         except _Killed:

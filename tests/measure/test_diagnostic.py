@@ -507,6 +507,34 @@ def test_an_output_dir_holding_an_output_is_refused_before_any_work(capsys, gpu_
     assert _files(tmp_path) == before and len(gpu_here) == 1
 
 
+def test_a_write_killed_among_its_renames_is_taken_back_by_the_next_check(tmp_path):
+    """A measure SIGKILLed while it renamed its files into --output-dir left the staging folder (with the files not
+    yet renamed) and part of an output, which refused the same command again for good ("already holds a measure
+    output"). The next check removes both, as a run's snapshot check does; a staging folder a live writer holds,
+    and an empty one, are let be."""
+    import fcntl
+
+    out = tmp_path / "m"
+    out.mkdir()
+    killed = out / (diagnostic.STAGING + "killed")
+    killed.mkdir()
+    (killed / "summary.json").write_text("{}")  # not yet renamed
+    (out / "runtimes.csv").write_text("launch\n")  # renamed before the kill
+    (out / "notes.txt").write_text("the user's")  # not the writer's: kept
+    live = out / (diagnostic.STAGING + "live")
+    live.mkdir()
+    (live / "runtimes.csv").write_text("launch\n")
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    empty = out / (diagnostic.STAGING + "empty")
+    empty.mkdir()
+    try:
+        diagnostic.check_output_dir(str(out))
+    finally:
+        os.close(held)
+    assert sorted(os.listdir(out)) == sorted([live.name, empty.name, "notes.txt"])
+
+
 def test_an_interrupted_or_failed_write_leaves_no_part_of_an_output(monkeypatch, capsys, gpu_here):
     """The files were written one by one into --output-dir: Ctrl-C while the plots rendered left runtimes.csv and
     telemetry.csv there (the verb said "nothing was left half-written") and the same command was then refused as
