@@ -14,9 +14,10 @@ __all__ = ["refuse"]
 
 
 def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: list[str],
-           output_dir: str | None) -> None:
+           output_dir: str | None, merged: int = 0) -> None:
     """Writes the conflicts' report to `output_dir` (default: the working directory) and raises MergeConflict, saying
-    which conflicts are with the ledger's rows and which between the segments (`ledger` None: not created yet)."""
+    which conflicts are with the ledger's rows and which between the segments (`ledger` None: not created yet).
+    `merged`: the events earlier batches of this merge stored (a conflict found when a later batch was written)."""
     out = output_dir or "."
     report = _report(ledger, db_path, conflicts, paths)
     where = os.path.join(out, "merge-report.json")
@@ -32,13 +33,16 @@ def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: li
     said = [f"{n} incoming event(s) conflict with the ledger's current rows" for n in [len(rows) - between] if n]
     said += [f"{n} event(s) of the segments conflict with each other (re-measurements of one row, neither of the "
              f"other)" for n in [between] if n]
+    done = "nothing was merged" if not merged else (
+        f"the first {merged} event(s) were merged (whole batches, each checked, before another writer stored the row "
+        f"in conflict), nothing after them")
     first, now, came = rows[0], rows[0]["current"], rows[0]["incoming"]
     here = f"of {now['segment']}" if now["segment"] else "here"
     # A ledger's row stays its latest attempt: the row a re-measurement held here re-measured cannot be merged after it.
     late = (f"; it is the parent of the row {here}, which a ledger cannot take after the row: merge the segments "
             f"into a ledger that holds neither, or leave it out") if now["parent"] == came["event"] else ""
     raise MergeConflict(f"{' and '.join(said)} (first: key {first['key'][:16]}, current {now['event'][:16]} {here}, "
-                        f"incoming {came['event'][:16]} of {first['segment']}{late}); nothing was merged; {told}",
+                        f"incoming {came['event'][:16]} of {first['segment']}{late}); {done}; {told}",
                         report)
 
 

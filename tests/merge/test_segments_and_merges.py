@@ -358,6 +358,32 @@ def test_a_row_another_writer_stores_between_the_check_and_the_write_is_held_aga
     assert audit(ours).ok
 
 
+def test_a_conflict_found_at_a_later_batch_says_what_the_earlier_batches_merged(tmp_path, monkeypatch):
+    """A merge of several batches whose later batch meets a row another writer stored after the check said "nothing
+    was merged" while its earlier batches were in the ledger: it now says how many."""
+    import kprof.merge.merge as m
+
+    monkeypatch.setattr(m, "BATCH", 4)
+    ours = _ledger(tmp_path / "ours.db", synth.events(0, 3))
+    theirs_db = _ledger(tmp_path / "theirs.db", [*synth.events(20, 29), synth.event(30)])
+    seg = str(tmp_path / "theirs.kseg")
+    export(theirs_db, seg)
+    append, calls = Ledger.append_checked, []
+
+    def stored_before_the_last_batch(self, prepared, **kwargs):
+        calls.append(len(prepared))
+        if len(calls) == 3:  # two batches (8 events) merged; another writer re-measures the last batch's key
+            self.append([synth.event(30, seed=3)])
+        return append(self, prepared, **kwargs)
+
+    monkeypatch.setattr(Ledger, "append_checked", stored_before_the_last_batch)
+    with pytest.raises(MergeConflict, match=r"the first 8 event\(s\) were merged \(whole batches, each checked"):
+        merge([seg], ours, output_dir=str(tmp_path / "out"))
+    with Ledger.open(ours, readonly=True) as led:
+        assert led.last_seq == 3 + 8 + 1
+    assert audit(ours).ok
+
+
 def test_segments_that_conflict_with_each_other_are_named_and_leave_no_new_ledger(tmp_path, capsys):
     """Two segments re-measuring one row, neither from the other, merged into a ledger not created yet: the
     conflict is named as one between the segments (both paths), the report carries both events' kinds, metrics and
