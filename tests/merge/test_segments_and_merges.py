@@ -495,14 +495,19 @@ def test_a_segment_replaced_between_the_two_passes_merges_nothing(tmp_path, monk
     assert len(calls) == 2 and _answers(target) == before
 
 
-def test_a_merge_stopped_half_way_leaves_a_verified_prefix_and_merging_again_completes_it(tmp_path, monkeypatch):
+def _ten_events_in_batches_of_four(tmp_path, monkeypatch) -> tuple[str, str, str]:
+    """(a ledger of 10 events, its segment, a target path not created yet), merges writing batches of 4 events."""
     import kprof.merge.merge as m
 
     monkeypatch.setattr(m, "BATCH", 4)
     src = _ledger(tmp_path / "src.db", synth.events(0, 10))
     seg = str(tmp_path / "s.kseg")
     export(src, seg)
-    target = str(tmp_path / "t.db")
+    return src, seg, str(tmp_path / "t.db")
+
+
+def test_a_merge_stopped_half_way_leaves_a_verified_prefix_and_merging_again_completes_it(tmp_path, monkeypatch):
+    src, seg, target = _ten_events_in_batches_of_four(tmp_path, monkeypatch)
     real, calls = Ledger.append_checked, []
 
     def dies_on_the_second_batch(self, prepared, **kwargs):
@@ -527,13 +532,7 @@ def test_an_interrupted_merge_of_several_batches_says_which_it_merged(tmp_path, 
     """Ctrl-C (or SIGTERM) of a merge of more than one batch said "a merge is all or nothing: the ledger holds none
     of its events" while it held every batch committed before; it now says how many, read from the ledger (the
     interrupt can come between a batch's commit and the merge's count of it)."""
-    import kprof.merge.merge as m
-
-    monkeypatch.setattr(m, "BATCH", 4)
-    src = _ledger(tmp_path / "src.db", synth.events(0, 10))
-    seg = str(tmp_path / "s.kseg")
-    export(src, seg)
-    target = str(tmp_path / "t.db")
+    src, seg, target = _ten_events_in_batches_of_four(tmp_path, monkeypatch)
     real, calls = Ledger.append_checked, []
 
     def interrupted_at_the_second_batch(self, prepared, **kwargs):
