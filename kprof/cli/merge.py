@@ -21,7 +21,7 @@ def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help=(
            db: Db = None, json: Json = False) -> int:
     """Write the ledger's events (of one table, backend or GPU key where given) to a new segment file."""
     from ..ledger import ledger_path
-    from ..merge.merge import export as run_export
+    from ..merge.export import export as run_export
 
     done = run_export(db, output, table=table, backend=backend, gpu_name=gpu_name, since=since)
     doc = {"db": ledger_path(db), "segment": done.path, "ledger_id": done.ledger_id, "events": done.events}

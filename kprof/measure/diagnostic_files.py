@@ -19,9 +19,10 @@ from blake3 import blake3
 
 from .._outdir import staged
 from ..errors import IntegrityError, UsageError
+from ._diagnostic_telemetry import reason_labels
 from ._nvml_telemetry import TelemetrySample
 from .diagnostic import (ARTIFACTS, FORMAT, STAGING, TOKEN_HEX, TOKEN_PREFIX, DiagnosticError, Launches, Window,
-                         check_output_dir, reason_labels)
+                         check_output_dir)
 
 __all__ = ["runtimes_csv", "telemetry_csv", "token_of", "write_outputs", "find_artifact", "default_dirs"]
 

@@ -1,1 +1,1 @@
-"""Segments and conflict-checked merges: `kprof export`, `kprof merge` (see kprof.merge.merge)."""
+"""Segments and conflict-checked merges: `kprof export`, `kprof merge` (see kprof.merge.export and kprof.merge.merge)."""

@@ -1,6 +1,5 @@
-"""Export a ledger's events to a segment, and merge segments into a ledger, conflict-checked and all-or-nothing.
+"""Merge segments (`kprof.merge.export` writes them) into a ledger, conflict-checked and all-or-nothing.
 
-    kprof export --table single_gemm --backend torch --gpu-name "NVIDIA H200" -o h200.kseg
     kprof merge h200.kseg other.kseg --db profile.db --output-dir merge-out
 
 Merging runs in two streamed passes over the segments (neither is ever held whole), each reading runs of RUN
@@ -54,17 +53,11 @@ from ._order import ordered
 from ._report import refuse
 from .segment import SegmentError
 
-__all__ = ["export", "merge", "merge_into", "Exported", "MergeResult", "BATCH"]
+__all__ = ["merge", "merge_into", "MergeResult", "BATCH"]
 
 BATCH = 50_000  # events per write transaction (see the module docstring)
 RUN = 10_000  # events per run: read, hashed, checked and looked up as one
 _head_decoder = msgspec.msgpack.Decoder(EventHead)  # what the views need of an event; samples etc. skipped
-
-
-class Exported(NamedTuple):
-    path: str | None  # the segment written (named by its content in a directory); None: no event to export
-    ledger_id: str
-    events: int
 
 
 class MergeResult(NamedTuple):
@@ -76,83 +69,6 @@ class MergeResult(NamedTuple):
 
     def to_json(self) -> dict:
         return self._asdict()
-
-
-def export(db: str | None, output: str, *, table: str | None = None, backend: str | None = None,
-           gpu_name: str | None = None, since: int = 0) -> Exported:
-    """Writes the ledger's events of sequence > `since` (of one table, backend and GPU key where given) to a new
-    segment, in log order, from one snapshot. A retraction goes where the event it retracts would. `output` an existing
-    directory: the segment is named by its content there (see kprof.merge.segment.write).
-
-    Refused before anything is written: an output that cannot be written (UsageError), filters that match none of
-    the ledger's scopes (UsageError, naming the scopes it holds), and any event whose bytes do not hash to its id
-    (IntegrityError: a damaged event is never passed on, where a merge would store it under a new id)."""
-    if since < 0:
-        raise UsageError(f"--since {since}: give a sequence number >= 0 (0: from the first event)")
-    _check_output(output)
-    with Ledger.open(db, readonly=True) as ledger:
-        _check_filters(ledger, table, backend, gpu_name)
-        if since > ledger.last_seq:
-            raise UsageError(f"--since {since}: the ledger's last event is seq {ledger.last_seq}; give a sequence "
-                             f"number up to it (events after it are exported)")
-        with ledger.read() as txn:
-            events_db = ledger.dbs["events"]
-            chosen: list[bytes] = []
-
-            def wanted(prov) -> bool:
-                return ((table is None or prov.table == table) and (backend is None or prov.backend == backend)
-                        and (gpu_name is None or prov.gpu_key == gpu_name))
-
-            with _verify.reading(ledger.path, "log"):
-                for seq, eid, data in ledger.iter_log(txn):
-                    if seq <= since:
-                        continue
-                    event = _verify.event(ledger.path, eid, data)
-                    if type(event) is Retracted:  # in the scope of the event it retracts
-                        target = txn.get(event.target, db=events_db)
-                        event = None if target is None else _verify.event(ledger.path, event.target, target)
-                        if event is None or type(event) is Retracted:
-                            continue
-                    if wanted(event.provenance):
-                        chosen.append(eid)
-            if not chosen:  # nothing to share: no empty segment to commit or merge
-                return Exported(None, ledger.ledger_id, 0)
-            if output.endswith(("/", os.sep)):  # a directory, by its trailing separator: made where it is not yet
-                os.makedirs(output, exist_ok=True)
-            # The same snapshot: the bytes written are those just checked.
-            written = segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id,
-                                    len(chosen))
-        return Exported(written, ledger.ledger_id, len(chosen))
-
-
-def _check_output(output: str) -> None:
-    """Refuses a segment path that cannot be written: empty, or in a directory that is missing or not writable (an
-    existing directory is written into, an existing file refused by segment.write)."""
-    fix = "give a new file path in a writable directory, or a directory (ending in /)"
-    if not output.strip():
-        raise UsageError(f"-o {output!r} is empty; {fix}")
-    where = output if os.path.isdir(output) else os.path.dirname(os.path.abspath(output))  # "rows/": its parent
-    if not os.path.isdir(where):
-        what = "is not a directory" if os.path.lexists(where) else "does not exist"
-        raise UsageError(f"-o {output}: {where} {what}; {fix}")
-    if not os.access(where, os.W_OK | os.X_OK):
-        raise UsageError(f"-o {output}: the directory {where} is not writable for this user; {fix}")
-
-
-def _check_filters(ledger: Ledger, table: str | None, backend: str | None, gpu_name: str | None) -> None:
-    """Refuses filters no scope of the ledger matches (a mistyped name would export an empty segment)."""
-    if table is None and backend is None and gpu_name is None:
-        return
-    with _verify.reading(ledger.path, "scopes"):
-        scopes = ledger.scopes()
-    if any((table is None or t == table) and (backend is None or b == backend) and (gpu_name is None or g == gpu_name)
-           for t, b, g, _rows in scopes):
-        return
-    asked = ", ".join(f"{name} {value!r}" for name, value in (("--table", table), ("--backend", backend),
-                                                              ("--gpu-name", gpu_name)) if value is not None)
-    held = "; ".join(f"{t} / {b} / {g}" for t, b, g, _rows in sorted(scopes)) or "no scopes (it is empty)"
-    raise UsageError(f"no events in {ledger.path} match {asked}; it holds (table / backend / GPU key): {held}. "
-                     f"Fix the filter (`kprof scopes` lists them)")
 
 
 class _Part(NamedTuple):

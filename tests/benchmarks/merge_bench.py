@@ -65,7 +65,8 @@ def _memory() -> dict:
 
 
 def _child(args) -> int:
-    from kprof.merge.merge import export, merge
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge
 
     t = time.perf_counter()
     if args.child == "export":

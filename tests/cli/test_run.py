@@ -456,7 +456,8 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
     clean, and it merges back into the team's ledger without conflict. An ok merged row is the row a jit run asks
     for: the spec reads ok (exit 0); a failed one leaves the spec without it: `error`, kind conflict (exit 1)."""
     import kprof.runners.fill as fill
-    from kprof.merge.merge import export, merge_into
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge_into
 
     spec_x, spec_y = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}, {"m": 5, "n": 32, "k": 32, "dtype": "fp32"}
     team, mine = str(tmp_path / "team.db"), str(tmp_path / "mine.db")
@@ -502,7 +503,8 @@ def test_a_row_merged_between_the_runs_check_of_its_key_and_its_append_stands(tm
     """The run read its key's row, then appended its event in another transaction: a merge that stored the team's row
     in between was superseded by this run's event, which named no parent, as if the merged row had never been. The
     row is now read again under the write lock, and the merged row stands."""
-    from kprof.merge.merge import export, merge_into
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge_into
 
     spec_x = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}
     team, mine = str(tmp_path / "team.db"), str(tmp_path / "mine.db")
@@ -565,7 +567,8 @@ def test_a_spec_whose_row_a_merge_stored_before_the_run_reached_it_is_not_measur
     """A merge lands the team's row of spec y while the run measures spec x: the run checks y's row just before it
     would measure it, finds the row it asks for, and skips it (its claim ended), in this process and on the pool."""
     import kprof.runners.fill as fill
-    from kprof.merge.merge import export, merge_into
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge_into
 
     monkeypatch.setenv("KPROF_POOL", pool)
     spec_x, spec_y = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}, {"m": 5, "n": 32, "k": 32, "dtype": "fp32"}

@@ -27,8 +27,8 @@ from kprof.cli import main
 from kprof.errors import IntegrityError, UsageError
 from kprof.measure import _diagnostic_window, diagnostic
 from kprof.measure._attribution import TimerError
-from kprof.measure.diagnostic import (Window, check_window_args, drift, energy_summary, launch_stats, segment,
-                                      summarize_window, telemetry_summary, throttle_time)
+from kprof.measure._diagnostic_telemetry import energy_summary, telemetry_summary, throttle_time
+from kprof.measure.diagnostic import Window, check_window_args, drift, launch_stats, segment, summarize_window
 from kprof.measure.diagnostic_files import find_artifact, write_outputs
 from kprof.measure.nvml import TelemetrySample
 

@@ -17,7 +17,8 @@ from kprof import synth
 from kprof.ledger.audit import audit
 from kprof.ledger.build import retraction
 from kprof.merge import segment
-from kprof.merge.merge import export, merge
+from kprof.merge.export import export
+from kprof.merge.merge import merge
 from kprof.merge.segment import SegmentError
 
 SPECS = [synth.spec(i) for i in range(60)]
