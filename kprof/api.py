@@ -31,7 +31,7 @@ from .ledger.events import Measured, Origin, summary_of
 from .ledger.keys import KeyMaker
 from .ledger.view import Row, citation
 from .runners.registry import METRICS, lookup
-from .method import _refused, effective_entry, resolve_gpu_key
+from .method import effective_entry, refused, resolve_gpu_key
 from .specs import ShapeCodec, spec_list, validate
 
 __all__ = ["resolve_gpu_key", "effective_entry", "check_gpu_key", "view", "count_missing", "query", "run",
@@ -208,7 +208,7 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
     if gpu_name is not None:
         local = resolve_gpu_key(entry, None, measures=True)
         if local != gpu_name:
-            raise _refused(lambda arg: f"{arg('gpu_name', gpu_name, typed=True)} differs from the device this run "
+            raise refused(lambda arg: f"{arg('gpu_name', gpu_name, typed=True)} differs from the device this run "
                                        f"would measure on ({local!r}); omit {arg('gpu_name')}, or run on a machine "
                                        f"with that device")
     from .runners.fill import check_settings, fill

@@ -12,7 +12,7 @@ import msgspec
 from .errors import SettingError, UsageError
 from .runners.registry import Entry
 
-__all__ = ["effective_entry", "resolve_gpu_key"]
+__all__ = ["effective_entry", "resolve_gpu_key", "check_method_env", "refused"]
 
 
 _FLAGS = {"timer": "--timer", "l2": "--l2", "power": "--power", "cuda_graph": "--cuda-graph",
@@ -37,7 +37,7 @@ def _as_keyword(name: str, value=_NOTHING, typed: bool = False) -> str:
     return name if value is _NOTHING else f"{name}={value!r}"
 
 
-def _refused(say) -> SettingError:
+def refused(say) -> SettingError:
     """`say(arg)` words the message, `arg(name, value=..., typed=False)` naming a setting; it is worded for both."""
     return SettingError(say(_as_keyword), cli=say(_as_flag))
 
@@ -48,11 +48,11 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False, 
     argument that carries it, for the messages (perf_api's is gpu_key)."""
     if gpu_name is not None:
         if not isinstance(gpu_name, str):
-            raise _refused(lambda arg: f"{arg(keyword, gpu_name, typed=True)} is not a GPU key "
+            raise refused(lambda arg: f"{arg(keyword, gpu_name, typed=True)} is not a GPU key "
                                        f"({type(gpu_name).__name__}); pass it as a str, e.g. "
                                        f"{arg(keyword, 'NVIDIA H200')}, or omit it to use this machine's device")
         if not gpu_name.strip():
-            raise _refused(lambda arg: f"{arg(keyword)} is empty; pass the GPU key, e.g. "
+            raise refused(lambda arg: f"{arg(keyword)} is empty; pass the GPU key, e.g. "
                                        f"{arg(keyword, 'NVIDIA H200')}, or omit it")
         return gpu_name
     if entry.device == "cuda":
@@ -60,11 +60,11 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False, 
 
         name = local_gpu_name()
         if name is None and measures:
-            raise _refused(lambda arg: f"backend {entry.backend} measures on a CUDA GPU and none is visible here; "
+            raise refused(lambda arg: f"backend {entry.backend} measures on a CUDA GPU and none is visible here; "
                                        f"run on a machine with one ({arg(keyword)} only names the rows)"
                                        f"{_on_cpu(entry)}")
         if name is None:
-            raise _refused(lambda arg: f"backend {entry.backend} measures on a CUDA GPU and none is visible here; "
+            raise refused(lambda arg: f"backend {entry.backend} measures on a CUDA GPU and none is visible here; "
                                        f"pass {arg(keyword)} (e.g. {arg(keyword, 'NVIDIA H200')}) to read the rows "
                                        f"of another machine")
         return name
@@ -103,7 +103,7 @@ def _choice(setting: tuple, given: str | None) -> str:
         return _from_env(env, allowed, default)
     value = given.strip().lower() if isinstance(given, str) else given
     if value not in allowed:
-        raise _refused(lambda arg: f"{arg(name, given, typed=True)} is not one of {', '.join(allowed)}; e.g. "
+        raise refused(lambda arg: f"{arg(name, given, typed=True)} is not one of {', '.join(allowed)}; e.g. "
                                    f"{arg(name, default)}, or omit it to use ${env} (default {default})")
     return value
 
@@ -112,7 +112,7 @@ def _graph(given: bool | None) -> bool:
     if given is None:
         return _choice(_GRAPH, None) == "1"
     if not isinstance(given, bool):  # a truthy string such as "0" must not silently select graphs
-        raise _refused(lambda arg: f"{arg('cuda_graph', given, typed=True)} is not a bool; pass "
+        raise refused(lambda arg: f"{arg('cuda_graph', given, typed=True)} is not a bool; pass "
                                    f"{arg('cuda_graph', True)} or {arg('cuda_graph', False)}, or omit it to use "
                                    f"$KPROF_CUDA_GRAPH (default 0)")
     return given
@@ -144,7 +144,7 @@ def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: 
         allowed = {s[0]: s[2] for s in (_TIMER, _L2, _POWER)}.get(name, (value,))
         # A value no backend takes (--l2 hot) is not said to apply to CUDA backends: it applies to none.
         what = "applies to CUDA backends" if value in allowed else f"is not one of {', '.join(allowed)} on any backend"
-        raise _refused(lambda arg: f"{arg(name, value)} {what}; {entry.backend} is timed by wall "
+        raise refused(lambda arg: f"{arg(name, value)} {what}; {entry.backend} is timed by wall "
                                    f"clock ({cpu_timer}, L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls "
                                    f"back to back); omit {arg(name)}, or pass a CUDA backend (see `kprof list`)")
 
