@@ -5,12 +5,11 @@ keyword arguments of the Python API (`timer='x'`) and with the verbs' flags (`--
 
 from __future__ import annotations
 
-import os
-
 import msgspec
 
 from .errors import SettingError, UsageError
 from .runners.registry import Entry
+from .settings import environ
 
 __all__ = ["effective_entry", "resolve_gpu_key", "check_method_env", "refused"]
 
@@ -89,9 +88,9 @@ _POWER = ("power", "KPROF_POWER", ("sustained", "loaded"), "sustained")  # kprof
 
 
 def _from_env(name: str, allowed: tuple[str, ...], default: str) -> str:
-    value = os.environ.get(name, default).strip().lower() or default
+    value = environ().get(name, default).strip().lower() or default
     if value not in allowed:
-        raise UsageError(f"{name}={os.environ[name]!r} is not one of {', '.join(allowed)}; e.g. {name}={default}, or "
+        raise UsageError(f"{name}={environ()[name]!r} is not one of {', '.join(allowed)}; e.g. {name}={default}, or "
                          f"unset it")
     return value
 

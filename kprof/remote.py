@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from . import settings
 from .api import QueryResult, _empty_root, _fresh_result, _keys, _prepare, _query
 from .errors import MergeConflict, UsageError
 from .ledger import Ledger
@@ -106,8 +107,6 @@ def _check_task_env(target) -> None:
     """The KPROF_* values of launch.ray.runtime_env's env_vars, which the Ray tasks see over the environment they
     inherit: checked as this machine's are (`check_settings`, the timing-method variables), before anything is
     submitted, not found by every chunk on the cluster."""
-    from unittest import mock
-
     from .method import check_method_env
     from .runners.fill import check_settings
 
@@ -120,7 +119,7 @@ def _check_task_env(target) -> None:
             raise UsageError(f"launch.ray.runtime_env env_vars {name} is {value!r}, not a string; Ray's env_vars take "
                              f"strings: quote it ({name}: '{value}')")
     try:
-        with mock.patch.dict(os.environ, given):  # the checks read the environment; it is put back as it was
+        with settings.given(given):  # the checks read these over this machine's environment, in this thread only
             check_settings(here=False)
             check_method_env()
     except UsageError as exc:

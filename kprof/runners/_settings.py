@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from ..errors import UsageError
-from ..settings import MAX_SECONDS, env_number
+from ..settings import MAX_SECONDS, env_number, environ
 
 __all__ = ["env_seconds"]
 
@@ -19,6 +17,6 @@ def env_seconds(name: str, default: float, *, zero_ok: bool = False, least: floa
                        f"{default:g}")
     if value is not None and 0 < value < least:
         off = "0 to turn it off, or " if zero_ok else ""
-        raise UsageError(f"{name}={os.environ[name]!r} is below {least:g} s, the least kprof accepts: {why}; set {off}"
+        raise UsageError(f"{name}={environ()[name]!r} is below {least:g} s, the least kprof accepts: {why}; set {off}"
                          f"{least:g} or more (default {default:g}), or unset it")
     return default if value is None else value

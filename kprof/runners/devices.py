@@ -18,7 +18,7 @@ import os
 from typing import NamedTuple
 
 from ..errors import UsageError
-from ..settings import env_alias
+from ..settings import env_alias, environ
 from .registry import Entry
 
 __all__ = ["Device", "Devices", "usable_devices", "need_of", "pool_mode", "cpu_workers", "groups"]
@@ -42,14 +42,14 @@ class Devices(NamedTuple):
     def sentence(self) -> str:
         used = ", ".join(d.label for d in self.devices) or "none"
         if self.forced:
-            return (f"devices: {used}, forced by {self.forced}={os.environ.get(self.forced)!r} (the idle guard was "
+            return (f"devices: {used}, forced by {self.forced}={environ().get(self.forced)!r} (the idle guard was "
                     f"bypassed)")
         skipped = "; ".join(f"{s['gpu']} skipped: {s['why']}" for s in self.skipped)
         return f"devices: {used}" + (f" ({skipped})" if skipped else "")
 
 
 def pool_mode() -> str:
-    raw = os.environ.get("KPROF_POOL", "")
+    raw = environ().get("KPROF_POOL", "")
     mode = raw.strip().lower() or "auto"  # read as KPROF_TIMER is: blank is unset, ` On` is on
     if mode not in ("auto", "on", "off"):
         raise UsageError(f"KPROF_POOL={raw!r} is not one of auto, on, off (off: measure in this process), or unset it")
@@ -58,7 +58,7 @@ def pool_mode() -> str:
 
 def cpu_workers() -> int:
     """KPROF_CPU_WORKERS: the worker slots of a CPU backend (default 1), from 1 to this machine's cores."""
-    raw = os.environ.get("KPROF_CPU_WORKERS", "")
+    raw = environ().get("KPROF_CPU_WORKERS", "")
     cores = os.cpu_count() or 1
     if not raw.strip():  # blank is unset, as for every numeric setting
         return 1
@@ -81,7 +81,7 @@ def _forced_var() -> str | None:
 
 
 def _parse_forced(name: str) -> list[int]:
-    raw = os.environ[name]
+    raw = environ()[name]
     try:
         ordinals = [int(x) for x in raw.split(",") if x.strip()]
     except ValueError:
@@ -110,7 +110,7 @@ def usable_devices(entry: Entry, gpu_key: str) -> Devices:
         if inventory is not None:
             beyond = [o for o in ordinals if o >= len(inventory)]
             if beyond:
-                raise UsageError(f"{forced}={os.environ[forced]!r} names GPU {beyond[0]}, but this process sees "
+                raise UsageError(f"{forced}={environ()[forced]!r} names GPU {beyond[0]}, but this process sees "
                                  f"{len(inventory)} GPU(s) (ordinals 0-{len(inventory) - 1})")
             return Devices([Device(f"gpu{o}", inventory[o].uuid or str(o)) for o in ordinals], forced, [])
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

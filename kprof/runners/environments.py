@@ -15,12 +15,13 @@ torch (torch.version.cuda), and only when torch is installed.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 
 import msgspec
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from ..settings import environ
 
 __all__ = ["Package", "Environment", "ENVIRONMENTS", "DEFAULT", "CUDA", "lookup", "check", "require", "SKIP_VAR"]
 
@@ -113,7 +114,7 @@ def check(name: str, *, timer: str | None = None) -> list[str]:
 def skipped() -> bool:
     """Whether KPROF_SKIP_ENV_CHECK=1 asks to skip the check; a value other than 0, 1 or unset is a UsageError (a
     `true` or `yes` would otherwise check silently)."""
-    raw = os.environ.get(SKIP_VAR, "").strip()
+    raw = environ().get(SKIP_VAR, "").strip()
     if raw not in ("", "0", "1"):
         from ..errors import UsageError
 

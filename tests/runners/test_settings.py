@@ -1,5 +1,7 @@
 """Seconds read from the environment (kprof.runners._settings): defaults, bad values named, and 0 where it means off."""
 
+import os
+
 import pytest
 
 from kprof.errors import UsageError
@@ -101,3 +103,32 @@ def test_a_cuda_backend_without_a_gpu_names_its_tables_cpu_backend(monkeypatch):
         with pytest.raises(UsageError, match=f"backend {backend} measures on a CUDA GPU .*; run on a GPU machine, or "
                                              f"use backend {twin}$"):
             CudaDevice(lookup(table, backend), "NVIDIA H200", None)
+
+
+def test_settings_given_over_the_environment_are_read_in_this_thread_only(monkeypatch):
+    """A remote run checks its tasks' env_vars by reading the settings with them given over this machine's; the check
+    patched os.environ for the whole process, where another thread reading a setting meanwhile saw the remote value."""
+    import threading
+
+    from kprof import settings
+    from kprof.method import check_method_env
+
+    monkeypatch.setenv("KPROF_ENERGY_S", "0.5")
+    monkeypatch.delenv("KPROF_TIMER", raising=False)
+    inside, seen = threading.Event(), {}
+
+    def other_thread():
+        inside.wait(5)
+        seen["energy"], seen["timer"] = energy_window_s(), settings.environ().get("KPROF_TIMER")
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with settings.given({"KPROF_ENERGY_S": "2", "KPROF_TIMER": "bogus"}):
+        assert energy_window_s() == 2.0
+        inside.set()
+        thread.join(5)
+        with pytest.raises(UsageError, match="KPROF_TIMER='bogus' is not one of cupti, events"):
+            check_method_env()
+        assert os.environ["KPROF_ENERGY_S"] == "0.5" and "KPROF_TIMER" not in os.environ
+    assert seen == {"energy": 0.5, "timer": None}
+    assert energy_window_s() == 0.5 and settings.environ() is os.environ
