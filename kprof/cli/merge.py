@@ -35,27 +35,6 @@ def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help=(
     return 0
 
 
-def _expand(paths: list[str]) -> list[str]:
-    """The segment files named: a directory stands for its *.kseg files, oldest first (by the time each was
-    written, then name), so that a row's history merges in the order it was made."""
-    import os
-
-    from ..errors import UsageError
-    from ..merge.segment import header_of
-
-    out: list[str] = []
-    for path in paths:
-        if not os.path.isdir(path):
-            out.append(path)
-            continue
-        found = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".kseg")]
-        if not found:
-            raise UsageError(f"{path} is a directory with no .kseg segment in it; give segment files, or the "
-                             f"directory `kprof export -o DIR` wrote")
-        out.extend(sorted(found, key=lambda p: (header_of(p).created_at, os.path.basename(p))))
-    return out
-
-
 def merge(segments: Annotated[list[str], Parameter(help=(
               "Segment files to merge, in order; a directory: its .kseg files, oldest first."))], *,
           output_dir: Annotated[str | None, Parameter(name="--output-dir", help=(
@@ -66,7 +45,7 @@ def merge(segments: Annotated[list[str], Parameter(help=(
     from ..merge.merge import merge as run_merge
 
     try:
-        result = run_merge(_expand(segments), db=db, output_dir=output_dir)
+        result = run_merge(segments, db=db, output_dir=output_dir)
     except MergeConflict as exc:
         if json:
             emit_json({"ok": False, "error": str(exc), "report": exc.report})

@@ -1,13 +1,17 @@
-"""The order a merge takes its segments in: a segment holding the row another's event re-measures goes first."""
+"""The order a merge takes its segments in: a directory's segments oldest first, and a segment holding the row
+another's event re-measures before that one."""
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
+from ..errors import UsageError
 from ..ledger import _codec
 from . import segment
 
-__all__ = ["ordered"]
+__all__ = ["ordered", "expanded"]
 
 RUN = 10_000  # events read (and hashed) as one
 
@@ -25,6 +29,36 @@ class _RetractedLink(msgspec.Struct, tag="retracted"):
 
 
 _link_decoder = msgspec.msgpack.Decoder(_MeasuredLink | _FailedLink | _RetractedLink)  # an event's link alone
+
+
+def expanded(paths) -> list[str]:
+    """The segment files `paths` names, checked: a list of paths, where a directory stands for its .kseg files,
+    oldest first (by the time each was written, then name), so that a row's history merges in the order it was
+    made. A str (one path, which a loop would take a character at a time) or a path of another type is refused."""
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise UsageError(f"segments: expected a list of segment paths, got one path ({paths!r}); wrap it in a list, "
+                         f"[path]")
+    try:
+        paths = list(paths)
+    except TypeError:
+        raise UsageError(f"segments: expected a list of segment paths, got {type(paths).__name__}; pass e.g. "
+                         f"['rows/'] or ['gemm.kseg']") from None
+    out: list[str] = []
+    for i, path in enumerate(paths):
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            raise UsageError(f"segments[{i}] = {path!r} is not a segment path; pass each segment file (or a "
+                             f"directory of them) as a non-empty str")
+        if not os.path.isdir(path):
+            out.append(path)
+            continue
+        found = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".kseg")]
+        if not found:
+            raise UsageError(f"{path} is a directory with no .kseg segment in it; give segment files, or the "
+                             f"directory `kprof export -o DIR` wrote")
+        out.extend(sorted(found, key=lambda p: (segment.header_of(p).created_at, os.path.basename(p))))
+    return out
 
 
 def ordered(paths: list[str]) -> list[str]:

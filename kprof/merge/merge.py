@@ -49,7 +49,7 @@ from ..errors import UsageError
 from ..ledger import Ledger, _codec, _verify, ledger_path
 from ..ledger.events import EventHead, Retracted
 from . import segment
-from ._order import ordered
+from ._order import expanded, ordered
 from ._report import refuse
 from .segment import SegmentError
 
@@ -233,8 +233,10 @@ class _Check:
 
 
 def merge(paths: list[str], db: str | None = None, output_dir: str | None = None) -> MergeResult:
-    """Merges the segments at `paths` into the ledger, all or nothing (see the module docstring)."""
+    """Merges the segments at `paths` into the ledger, all or nothing (see the module docstring). A directory in
+    `paths` stands for its .kseg files, oldest first, as `kprof merge DIR` takes them."""
     started = time.perf_counter()
+    paths = expanded(paths)
     if not paths:
         raise UsageError("give at least one segment to merge")
     if output_dir is not None:  # where a conflict's report would go: checked before anything is read or written

@@ -3,6 +3,7 @@ git), and anyone merges the directory into any ledger: oldest segment first, so 
 and its parent, exported at different times) merges in order."""
 
 import json
+import re
 import os
 import time
 
@@ -77,3 +78,46 @@ def test_a_directory_without_segments_is_refused(tmp_path, capsys):
     assert main(["merge", str(tmp_path / "empty"), "--db", str(tmp_path / "x.db")]) == 2
     assert "no .kseg segment" in capsys.readouterr().err
     assert not (tmp_path / "x.db").exists()
+
+
+def test_the_python_merge_takes_a_directory_as_the_verb_does(tmp_path, capsys):
+    """kprof.merge.merge.merge(["rows/"]) merges the directory's segments, oldest first, as `kprof merge rows/`
+    does (it said 'cannot read segment rows: Is a directory')."""
+    from kprof.merge.merge import merge
+
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    alice = tmp_path / "a.db"
+    with Ledger.open(str(alice)) as led:
+        led.append([synth.event(i) for i in range(15)])
+    _export(alice, rows, capsys)
+    time.sleep(0.01)
+    again = msgspec.structs.replace(synth.event(3, seed=9), parent=_eid(synth.event(3)))
+    with Ledger.open(str(alice)) as led:
+        led.append([again])
+    later = _export(alice, rows, capsys, "--since", "15")
+    os.replace(later, os.path.join(rows, "0" * 32 + ".kseg"))  # sorts first by name: merged last, by its time
+    result = merge([str(rows)], str(tmp_path / "c.db"))
+    assert (result.added, len(result.segments)) == (16, 2)
+    assert _root(tmp_path / "c.db") == _root(alice)
+    assert merge([rows], str(tmp_path / "c.db")).added == 0  # a PathLike too; again: a no-op
+
+
+def test_the_python_merge_refuses_paths_that_are_not_a_list_of_paths(tmp_path, capsys):
+    """One path given as a str was read a character at a time ('cannot read segment r'), and a None in the list
+    raised a raw TypeError: each is a UsageError naming the value and the fix, and no ledger is made."""
+    import pytest
+
+    from kprof.errors import UsageError
+    from kprof.merge.merge import merge
+
+    db = str(tmp_path / "x.db")
+    for paths, named in ((str(tmp_path / "rows.kseg"), "wrap it in a list"), ([None], "segments[0] = None"),
+                         (["a.kseg", 3], "segments[1] = 3"), ([""], "segments[0] = ''"), (7, "got int")):
+        with pytest.raises(UsageError, match=re.escape(named)):
+            merge(paths, db)
+    assert not os.path.exists(db)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no .kseg segment"):
+        merge([str(tmp_path / "empty")], db)
+    assert not os.path.exists(db)
