@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import NamedTuple
 
@@ -32,8 +33,21 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
     Refused before anything is written: an output that cannot be written (UsageError), filters that match none of
     the ledger's scopes (UsageError, naming the scopes it holds), and any event whose bytes do not hash to its id
     (IntegrityError: a damaged event is never passed on, where a merge would store it under a new id)."""
+    given = since
+    try:  # a whole number (np.int64 too); a float or a bool compared as a number (since=1.5: from seq 2)
+        since = operator.index(since) if not isinstance(since, bool) else None
+    except TypeError:
+        since = None
+    if since is None:
+        raise UsageError(f"since={given!r} is not a whole number; give a sequence number >= 0, e.g. since=0 (from "
+                         f"the first event)")
     if since < 0:
         raise UsageError(f"--since {since}: give a sequence number >= 0 (0: from the first event)")
+    if isinstance(output, os.PathLike):
+        output = os.fspath(output)
+    if not isinstance(output, str):
+        raise UsageError(f"output={output!r} is not a path ({type(output).__name__}); give the new segment file's path, "
+                         f"or a directory (ending in /), as a str")
     _check_output(output)
     with Ledger.open(db, readonly=True) as ledger:
         _check_filters(ledger, table, backend, gpu_name)

@@ -97,6 +97,29 @@ def test_export_filters_and_since(tmp_path, source):
         export(path, later)
 
 
+@pytest.mark.parametrize("kwargs, named", [({"since": 1.5}, "since=1.5 is not a whole number"),
+                                           ({"since": True}, "since=True is not a whole number"),
+                                           ({"since": "5"}, "since='5' is not a whole number"),
+                                           ({"output": None}, "output=None is not a path"),
+                                           ({"output": 5}, "output=5 is not a path")])
+def test_export_refuses_python_arguments_of_the_wrong_type_and_writes_nothing(tmp_path, source, kwargs, named,
+                                                                             monkeypatch):
+    """From Python, since=1.5 exported from seq 2 and since=True from seq 2 (the verb's --since refuses both), and
+    since='5' or output=None raised a raw TypeError/AttributeError: each is a UsageError naming the value."""
+    path, _ = source
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(UsageError, match=re.escape(named)):
+        export(path, **{"output": "out.kseg", **kwargs})
+    assert sorted(os.listdir(tmp_path)) == before
+
+    class Seq:  # a whole number of another type (np.int64) reads as the number it holds
+        def __index__(self):
+            return 40
+
+    assert export(path, "seq.kseg", since=Seq()).events == 3
+
+
 @pytest.mark.parametrize("flag", ["table", "backend", "gpu_name"])
 def test_export_refuses_a_filter_no_scope_matches_and_writes_nothing(tmp_path, source, flag):
     """A mistyped filter would write an empty segment: refused, naming the value and the scopes the ledger holds."""
