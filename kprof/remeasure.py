@@ -16,6 +16,7 @@ killed past it (the row fails as `timeout`), as `run` bounds a spec; without it,
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import random
 import time
@@ -88,7 +89,7 @@ def _named(method: dict) -> str:
     return " ".join(words)
 
 
-def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = None, l2: str | None = None,
+def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | None = None, l2: str | None = None,
               cuda_graph: bool | None = None, power: str | None = None, seed: int | None = None,
               device: str | None = None) -> RemeasureReport:
     """Re-measures `n` random current ok rows of the local device(s) (`device` "cuda" or "cpu" narrows it),
@@ -97,10 +98,14 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     from .ledger import Ledger
     from .runners.registry import entries
 
+    from .ledger import ledger_path
+
+    n, tolerance = _checked(n, tolerance, device)
     if n < 1:
         raise UsageError(f"--remeasure {n}: give the number of rows to re-measure, at least 1")
     if not 0 < tolerance < 1e6:
         raise UsageError(f"--tolerance {tolerance}: give a relative tolerance such as 0.05 (5%)")
+    db = ledger_path(db)  # None: $KPROF_DB, else ./profile.db, as every verb's db
     if not os.path.isfile(db):
         raise LedgerPathError(*(f"no ledger file at {db}; pass {flag} or set KPROF_DB" for flag in ("db=...", "--db")))
     if seed is None:
@@ -115,7 +120,11 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
     explicit = any(v is not None for v in method.values())
     if explicit and device is None:
-        device = "cuda"  # a CUDA method names CUDA rows; on device="cpu" effective_entry refuses it
+        device = "cuda"  # a CUDA method names CUDA rows
+    if explicit and device == "cpu":  # (only a Python caller passes device) said of the rows, not of some CPU backend
+        given = ", ".join(f"{name}={value!r}" for name, value in method.items() if value is not None)
+        raise UsageError(f"{given} picks CUDA rows, and device='cpu' asks for the CPU's, which are timed by wall clock "
+                         f"only; drop {given}, or pass device='cuda'")
     all_entries = [effective_entry(e, **method) for e in entries() if device in (None, e.device)]
     keys = _local_keys({e.device for e in all_entries})
     if explicit and device == "cuda" and "cuda" not in keys:
@@ -143,6 +152,20 @@ def remeasure(db: str, n: int, tolerance: float = 0.05, *, timer: str | None = N
     out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
                            time.perf_counter() - started, seed)
+
+
+def _checked(n, tolerance, device) -> tuple[int, float]:
+    """(n, tolerance) as numbers, or a UsageError naming the argument as a Python caller passed it (the verb's
+    flags are converted already): a float or bool row count, a tolerance given as text, a device not known."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise UsageError(f"n={n!r} is not a whole number; give the number of rows to re-measure, e.g. n=20")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
+        raise UsageError(f"tolerance={tolerance!r} is not a number; give a relative tolerance such as "
+                         f"tolerance=0.05 (5%)")
+    if device not in (None, "cuda", "cpu"):
+        raise UsageError(f"device={device!r} is not a device kind; pass device='cuda' or device='cpu', or omit it "
+                         f"to re-measure the rows of both")
+    return int(n), float(tolerance)
 
 
 def _in_worker(entry, specs: list, gpu_key: str):

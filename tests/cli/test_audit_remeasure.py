@@ -146,6 +146,41 @@ def test_remeasure_rejects_bad_counts(h, capsys):
     assert "--tolerance -1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kwargs, named", [({"n": 1.5}, "n=1.5 is not a whole number"),
+                                           ({"n": True}, "n=True is not a whole number"),
+                                           ({"n": "2"}, "n='2' is not a whole number"),
+                                           ({"tolerance": "0.1"}, "tolerance='0.1' is not a number"),
+                                           ({"device": "gpu"}, "device='gpu' is not a device kind"),
+                                           ({"device": "cpu", "timer": "events"},
+                                            "timer='events' picks CUDA rows, and device='cpu'")])
+def test_the_python_remeasure_refuses_bad_arguments_before_anything_is_measured(h, capsys, monkeypatch, kwargs,
+                                                                                named):
+    """From Python, n=1.5 or n='2' and tolerance='0.1' raised a raw TypeError, device='gpu' re-measured nothing and
+    reported no drift, and device='cpu' with a CUDA timer was refused naming the gloo backend: each is a UsageError
+    naming the argument as passed."""
+    import re
+
+    import kprof.runners.worker as worker
+    from kprof.errors import UsageError
+    from kprof.remeasure import remeasure
+
+    _run(h, capsys, h.gemm())
+    monkeypatch.setattr(worker, "measure_specs", lambda *a, **kw: pytest.fail("measured"))
+    with pytest.raises(UsageError, match=re.escape(named)):
+        remeasure("p.db", **{"n": 1, **kwargs})
+
+
+def test_the_python_remeasure_reads_the_default_ledger_as_the_verb_does(h, capsys, local_gpu, monkeypatch):
+    """db=None is $KPROF_DB, else ./profile.db, as every verb's (it raised a raw TypeError from os.stat)."""
+    from kprof.remeasure import remeasure
+
+    h.append("p.db", h.make_event(h.gemm(), local_gpu, time_ms=0.5))
+    _set_times(monkeypatch, 0.5)
+    monkeypatch.setenv("KPROF_DB", "p.db")
+    report = remeasure(None, 1)
+    assert (report.db, len(report.rows), report.drifted) == ("p.db", 1, 0)
+
+
 def test_a_bad_setting_is_refused_before_anything_is_measured(h, capsys, monkeypatch):
     """Every KPROF_* setting, checked as `kprof run` checks it: a CUDA-only one too, on CPU rows (it was ignored)."""
     import kprof.runners.worker as worker
