@@ -12,7 +12,9 @@ consecutive events at a time (kprof.merge.segment.runs: the file read and hashed
    segment's structure and digest are checked (kprof.merge.segment). Then, in order, each measured or failed
    event new to the ledger is held against the current row of its key: no row, the event's parent (a
    fast-forward), or a row an earlier event of the same segment made current (the segment's own history, in its
-   log order) are fine; a row of this ledger or of another segment is a conflict. A retraction in a segment
+   log order) are fine; a row of this ledger or of another segment is a conflict. An event that follows its own
+   re-measurement in one segment is refused (a log never holds a parent after its child; merged, it would supersede
+   the row that re-measured it). A retraction in a segment
    leaves its key unchecked from there on (which row it brings back depends on events the check does not replay).
    The rows of a run's keys are read in one sorted pass; the events tree (the ledger's largest) is asked only about
    events whose key has a history here, since no other can be stored already. The check keeps each batch's event
@@ -172,6 +174,7 @@ class _Check:
         self.unchecked: set[bytes] = set()  # keys a segment's retraction touched
         self.seen: set[bytes] = set()  # event ids of the segments so far
         self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
+        self.children: dict[bytes, tuple[int, int]] = {}  # a parent's event id -> (segment, index) of its first child
         self.conflicts: list[dict] = []
         self.events = 0
         self.last_seq: int | None = None  # the ledger's last event as checked (None: no ledger)
@@ -223,6 +226,14 @@ class _Check:
                 continue
             if key in self.unchecked:
                 continue
+            child = self.children.get(eid)
+            if child is not None and child[0] == part.segment:  # export writes the log's order: a parent first
+                raise SegmentError(f"{path}: event {i} ({eid.hex()[:16]}) is the parent of event {child[1]} before it: "
+                                   f"a segment holds a row's history oldest first, so merged, the re-measured row would "
+                                   f"supersede its re-measurement; export the segment again from its ledger (nothing "
+                                   f"was merged)")
+            if event.link is not None:
+                self.children.setdefault(event.link, (part.segment, i))
             here, origin = self.current[key], self.origin.get(key)
             if (origin is not None and origin[0] == part.segment) or here is None or here == eid or here == event.link:
                 self.current[key], self.origin[key] = eid, (part.segment, i)

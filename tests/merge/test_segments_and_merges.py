@@ -276,6 +276,32 @@ def test_reordered_and_forged_segments_are_rejected(tmp_path, source):
     assert _digest(target) == before
 
 
+def test_a_parent_after_its_re_measurement_in_one_segment_is_refused(tmp_path):
+    """A segment holding a re-measurement before the row it re-measured (or its parent's parent) merged both and
+    left the older row current, superseding its own re-measurement (across segments, the same order is a conflict):
+    refused whole, naming both events, and nothing is written; in log order, it merges."""
+    first = synth.event(3)
+    again = msgspec.structs.replace(synth.event(3, seed=9), parent=_eid(first))
+    third = msgspec.structs.replace(synth.event(3, seed=11), parent=_eid(again))
+    target = _ledger(tmp_path / "t.db", synth.events(100, 101))
+    before = _digest(target)
+    for name, order in (("child-first", [again, first]), ("grandparent-last", [again, third, first])):
+        seg = str(tmp_path / f"{name}.kseg")
+        segment.write(seg, [_codec.encode(e) for e in [synth.event(0), *order]])
+        with pytest.raises(SegmentError, match=f"event {len(order)} \\({_eid(first).hex()[:16]}\\) is the parent of "
+                                               f"event 1 before it"):
+            merge([seg], target)
+        assert _digest(target) == before
+        with pytest.raises(SegmentError, match="is the parent of"):
+            merge([seg], str(tmp_path / "new.db"))
+        assert not os.path.exists(tmp_path / "new.db")
+    ordered = str(tmp_path / "ordered.kseg")
+    segment.write(ordered, [_codec.encode(e) for e in (first, again, third)])
+    assert merge([ordered], target).added == 3
+    with Ledger.open(target, readonly=True) as led:
+        assert synth.view(led).get_many([synth.spec(3)])[0].event_id == _eid(third)
+
+
 NEWER = "a newer kprof wrote it; upgrade kprof to merge it (nothing was merged)"
 
 
