@@ -95,10 +95,8 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     """Re-measures `n` random current ok rows of the local device(s) (`device` "cuda" or "cpu" narrows it),
     the CUDA rows under the timing method `timer`/`l2`/`cuda_graph`/`power` (see `kprof.api.effective_entry`)."""
     from .api import effective_entry
-    from .ledger import Ledger
+    from .ledger import Ledger, ledger_path
     from .runners.registry import entries
-
-    from .ledger import ledger_path
 
     n, tolerance = _checked(n, tolerance, device)
     if n < 1:
