@@ -133,6 +133,20 @@ def test_a_device_or_a_directory_is_refused(verb, tmp_path, capsys, h, refused):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("verb", [*READ_VERBS, "run"])
+@pytest.mark.parametrize("db, file", [("x.db/", "x.db"), ("x.db/.", "x.db")])
+def test_a_db_whose_form_names_a_directory_is_refused_and_nothing_is_created(verb, db, file, tmp_path, capsys, h,
+                                                                             refused, monkeypatch):
+    """`--db x.db/` (a shell's completion adds the slash): `run` stored its row in the file x.db, then read `x.db/`
+    back, found nothing there and reported the row missing (exit 1); the read verbs called it no ledger."""
+    refused(_verb(verb, h, db, "--json"), f"--db {db!r} names a directory", f"pass the file, e.g. --db {file}")
+    monkeypatch.setenv("KPROF_DB", db)
+    refused(_verb(verb, h, None, "--json"), f"KPROF_DB={db!r} names a directory", f"e.g. KPROF_DB={file}")
+    with pytest.raises(LedgerError, match=f"^db={re.escape(repr(db))} names a directory .* e.g. db='x.db'$"):
+        api.query(h.GEMM, h.CPU, [SPEC], db=db)
+    assert os.listdir(tmp_path) == []
+
+
 def test_audit_names_a_device_or_a_directory_as_the_other_verbs_do(tmp_path, capsys, refused):
     refused(["audit", "--db", os.devnull], f"{os.devnull} is not a kprof ledger (not a regular file")
     refused(["audit", "--db", str(tmp_path)], f"ledger path {tmp_path} is a directory, not a kprof ledger")
