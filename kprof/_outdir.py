@@ -23,6 +23,7 @@ def check_output_dir(path: str, names, what: str) -> None:
     directory is made and removed again in its parent to prove it). Leaves nothing."""
     if not path.strip():
         raise UsageError(f"--output-dir {path!r} is empty; {_FIX}, or omit --output-dir")
+    bare = path.rstrip(os.sep) or path  # `notes.txt/`: lexists() and abspath() would not see the file notes.txt
     if os.path.isdir(path):
         held = [name for name in names if os.path.lexists(os.path.join(path, name))]
         if held:
@@ -31,8 +32,8 @@ def check_output_dir(path: str, names, what: str) -> None:
         if not os.access(path, os.W_OK | os.X_OK):
             raise UsageError(f"--output-dir {path} is not writable for this user; {_FIX}, or fix its permissions")
         return
-    if os.path.lexists(path):
-        kind = "a file" if os.path.exists(path) else "a broken link"
+    if os.path.lexists(bare):
+        kind = "a file" if os.path.exists(bare) else "a broken link"
         raise UsageError(f"--output-dir {path} is {kind}, not a directory; {_FIX}")
     ancestor = os.path.dirname(os.path.abspath(path))
     while not os.path.isdir(ancestor):  # the nearest existing directory it would be created in

@@ -373,6 +373,15 @@ def test_an_output_dir_through_a_file_is_refused_before_any_work(tmp_path, capsy
     assert os.listdir(tmp_path) == ["notes"]
 
 
+def test_an_output_dir_naming_a_file_with_a_trailing_slash_is_refused_before_any_work(tmp_path, capsys, h, refused):
+    """`notes/` of a file `notes` passed the check (lexists and abspath do not see the file through the slash):
+    the run measured and stored its rows, then failed to write the snapshot (exit 1)."""
+    (tmp_path / "notes").write_text("x")
+    for out_dir in ("notes/", "notes//"):
+        refused(_run_into(out_dir, h, "p.db"), f"--output-dir {out_dir} is a file, not a directory")
+    assert os.listdir(tmp_path) == ["notes"]  # no ledger: refused before any work
+
+
 def test_an_output_dir_that_is_a_broken_link_is_refused(tmp_path, capsys, h, refused):
     os.symlink(tmp_path / "gone", tmp_path / "snap")
     refused(_run_into("snap", h, "p.db"), "--output-dir snap is a broken link, not a directory")
