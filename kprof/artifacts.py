@@ -10,7 +10,7 @@ import stat
 import msgspec
 
 from . import _outdir
-from .errors import SnapshotError
+from .errors import SnapshotError, UsageError
 
 __all__ = ["SNAPSHOT", "check_output_dir", "snapshot", "write_snapshot", "curve", "plot_series"]
 
@@ -66,16 +66,20 @@ def write_snapshot(path: str, request: dict, result: dict, meta: dict, args_orde
     """Writes the snapshot into `path` (checked by `check_output_dir` before the run). Called once the run's rows
     are stored: a write that fails even so (the directory changed since, a full disk) says so, and how to get the
     snapshot without measuring again."""
-    check_output_dir(path)
     try:
+        check_output_dir(path)
         os.makedirs(path, exist_ok=True)
         return _write(path, request, result, meta, args_order)
+    except UsageError as exc:  # checked before the run, refused now: another run wrote its snapshot there since
+        raise SnapshotError(f"cannot write the snapshot: {exc}; {_STORED}") from None
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
-        raise SnapshotError(f"cannot write the snapshot in --output-dir {path}: {exc.strerror or exc}{where}; the "
-                            f"run finished and its rows are in the ledger (unless --fresh): for the snapshot, run the "
-                            f"command again with a new --output-dir and without --force (stored rows are read, not "
-                            f"measured again)") from None
+        raise SnapshotError(f"cannot write the snapshot in --output-dir {path}: {exc.strerror or exc}{where}; "
+                            f"{_STORED}") from None
+
+
+_STORED = ("the run finished and its rows are in the ledger (unless --fresh): for the snapshot, run the command again "
+           "with a new --output-dir and without --force (stored rows are read, not measured again)")
 
 
 def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[str]) -> list[str]:
@@ -92,6 +96,7 @@ def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[
             for name, doc in docs.items():
                 _write_once(os.path.join(staging, name), msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
             written = [*docs, *(["curve.png"] if _plot(docs["curve.json"], os.path.join(staging, "curve.png")) else [])]
+            check_output_dir(path)  # another run may have placed its snapshot since: a rename would replace its files
             for name in written:
                 os.rename(os.path.join(staging, name), os.path.join(path, name))
             return written

@@ -428,6 +428,44 @@ def test_a_snapshot_that_cannot_be_written_after_the_run_says_so(tmp_path, capsy
         assert ledger.last_seq == 1  # the run's row is stored
 
 
+def test_a_snapshot_another_run_placed_while_this_one_measured_is_kept_and_the_stored_rows_are_said(
+        tmp_path, capsys, h, monkeypatch):
+    """Two runs into one --output-dir both pass the check before measuring; the one that finishes second was refused
+    as a usage error (exit 2, "nothing written") though its rows were stored, and without the way to its snapshot."""
+    measure = api.run
+
+    def another_run_finishes_first(*args, **kwargs):
+        res = measure(*args, **kwargs)
+        os.makedirs("snap")
+        (tmp_path / "snap" / "request.json").write_text("{}")  # the other run's snapshot
+        return res
+
+    monkeypatch.setattr(api, "run", another_run_finishes_first)
+    code = main(_run_into("snap", h, "p.db"))
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "cannot write the snapshot: --output-dir snap already holds a snapshot (request.json)" in err
+    assert "its rows are in the ledger" in err and "run the command again with a new --output-dir" in err
+    assert os.listdir("snap") == ["request.json"] and (tmp_path / "snap" / "request.json").read_text() == "{}"
+    with Ledger.open("p.db", readonly=True) as ledger:
+        assert ledger.last_seq == 1  # the run's row is stored
+
+
+def test_a_snapshot_placed_while_this_one_was_staged_is_not_replaced(tmp_path, capsys, h, monkeypatch):
+    """The files are renamed into place after the plot (a second): a rename replaces a file another run put there."""
+    from kprof import artifacts
+
+    def plot_while_another_run_finishes(curve, path):
+        (tmp_path / "snap" / "results.json").write_text("{}")
+        return False
+
+    monkeypatch.setattr(artifacts, "_plot", plot_while_another_run_finishes)
+    assert main(_run_into("snap", h, "p.db")) == 1
+    assert "cannot write the snapshot: --output-dir snap already holds a snapshot (results.json)" in \
+        capsys.readouterr().err
+    assert os.listdir("snap") == ["results.json"] and (tmp_path / "snap" / "results.json").read_text() == "{}"
+
+
 def test_a_write_past_the_file_size_limit_is_named_and_keeps_earlier_rows(tmp_path):
     """LMDB failing at commit (a full disk, `ulimit -f`: EFBIG) is not damage: exit 2 saying so, and the rows
     committed before stay, as audit confirms."""
