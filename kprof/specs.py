@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from itertools import chain, compress
 from typing import Any, Mapping
 
@@ -107,6 +108,29 @@ def _decode(text: str, where: str, index: int | None):
                         f"'{{\"m\": 128, \"n\": 256, \"k\": 64, \"dtype\": \"bf16\"}}'", index=index) from None
 
 
+def _one_value(line: str) -> bool:
+    try:
+        msgspec.json.decode(line)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return True
+
+
+def _located(exc: msgspec.DecodeError, data: bytes) -> str:
+    """msgspec's reason with its byte offset as the line and column an editor shows (a pretty-printed file's error is
+    rarely on its first line), and a document that ends early said as such."""
+    reason = str(exc)
+    at = re.search(r" \(byte (\d+)\)$", reason)
+    if at:
+        offset = int(at.group(1))
+        start = data.rfind(b"\n", 0, offset) + 1
+        line, column = data.count(b"\n", 0, offset) + 1, len(data[start:offset].decode("utf-8", "replace")) + 1
+        return f"{reason[:at.start()]} at line {line}, column {column}"
+    if reason == "Input data was truncated":
+        return "it ends before every [ and { it opens is closed"
+    return reason
+
+
 def parse_spec_texts(texts: list[str]) -> list[Any]:
     return [_decode(t, "--spec", i) for i, t in enumerate(texts)]
 
@@ -138,10 +162,11 @@ def parse_specs_file(path: str) -> list[Any]:
     try:
         doc = _load(data, f"--specs {path}", None)
     except msgspec.DecodeError as exc:
-        lines = [ln for ln in text.splitlines() if ln.strip()]
-        if len(lines) < 2:
-            raise SpecError(f"--specs {path} is not valid JSON or JSONL ({exc}); fix the file") from None
-        doc = [_decode(ln, f"--specs {path} line {n + 1}", n) for n, ln in enumerate(lines)]
+        lines = [(n, ln) for n, ln in enumerate(data.decode("utf-8").split("\n"), 1) if ln.strip()]  # as editors number
+        if len(lines) < 2 or not _one_value(lines[0][1]):  # JSONL's first line is a whole value; else one document
+            raise SpecError(f"--specs {path} is not valid JSON or JSONL ({_located(exc, data)}); fix the "
+                            f"file") from None
+        doc = [_decode(ln, f"--specs {path} line {n}", i) for i, (n, ln) in enumerate(lines)]
     if isinstance(doc, dict) and isinstance(doc.get("specs"), list):
         extra = sorted(set(doc) - {"specs"})
         if extra:  # read as one spec, it would be refused for its field "specs", which is not the mistake

@@ -155,6 +155,31 @@ def test_malformed_jsonl_line_names_the_line_and_index(tmp_path, capsys, db):
     _no_db(db)
 
 
+def test_a_jsonl_line_is_named_by_its_number_in_the_file_counting_blank_lines(tmp_path, capsys, db):
+    path = _write(tmp_path, "specs.jsonl", "\n" + json.dumps(A) + "\n\n\n" + '{"m": 1, "n": \n')
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert "spec 1" in err and f"--specs {path} line 5 is not valid JSON" in err  # line 2 counted non-blank lines
+    _no_db(db)
+
+
+@pytest.mark.parametrize("body, said", [
+    ("[\n  A,\n  B,\n]\n", "trailing comma in array at line 4, column 1"),
+    ('{"specs": [\n  A,\n  B\n', "it ends before every [ and { it opens is closed"),
+    ('[\n  A,\n  {"m": 1 "n": 2}\n]\n', "expected ',' or '}' at line 3, column 11"),
+])
+def test_a_pretty_printed_file_with_a_mistake_is_named_where_it_is_not_as_its_first_line(body, said, tmp_path,
+                                                                                        capsys, db):
+    """A multi-line JSON document that does not parse was read as JSONL: "spec 0: line 1 is not valid JSON" (its
+    line "["), with a spec object to write as the fix, wherever the mistake was."""
+    path = _write(tmp_path, "specs.json", body.replace("A", json.dumps(A)).replace("B", json.dumps(B)))
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --specs {path} is not valid JSON or JSONL (") and said in err, err
+    assert err.count("\n") == 1 and "fix the file" in err and "spec 0" not in err and "line 1" not in err
+    _no_db(db)
+
+
 def test_malformed_single_document_file(tmp_path, capsys, db):
     path = _write(tmp_path, "specs.json", '{"m": 1, "n": 2')
     assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
