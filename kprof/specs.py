@@ -174,6 +174,10 @@ def parse_specs_file(path: str) -> list[Any]:
             raise SpecError(f'--specs {path}: a {{"specs": [...]}} document holds only "specs", and it also has '
                             f'"{extra[0]}"; {fix}', field=extra[0])
         doc = doc["specs"]
+    if isinstance(doc, dict) and set(doc) == {"specs"}:  # the wrapper around one spec: no table has a field "specs"
+        held = "an object" if isinstance(doc["specs"], dict) else f"a JSON {type(doc['specs']).__name__}"
+        raise SpecError(f'--specs {path}: "specs" holds {held}, not a list; write {{"specs": [{{...}}, ...]}}, the '
+                        f'specs in a list even where there is one', field="specs")
     if isinstance(doc, dict):
         doc = [doc]
     if not isinstance(doc, list):

@@ -180,6 +180,16 @@ def test_a_pretty_printed_file_with_a_mistake_is_named_where_it_is_not_as_its_fi
     _no_db(db)
 
 
+@pytest.mark.parametrize("inner, held", [(json.dumps(A), "an object"), ("5", "a JSON int")])
+def test_a_specs_wrapper_around_something_not_a_list_says_so(inner, held, tmp_path, capsys, db):
+    """{"specs": {...}} was read as one spec and refused for its field "specs", with "use only {m, n, k, dtype}"."""
+    path = _write(tmp_path, "specs.json", f'{{"specs": {inner}}}')
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert f'--specs {path}: "specs" holds {held}, not a list; write {{"specs": [{{...}}, ...]}}' in err, err
+    _no_db(db)
+
+
 def test_malformed_single_document_file(tmp_path, capsys, db):
     path = _write(tmp_path, "specs.json", '{"m": 1, "n": 2')
     assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
