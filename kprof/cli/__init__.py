@@ -107,6 +107,36 @@ def _missing(exc: Exception, argv: list[str]) -> str | None:
     return f"{'/'.join(sorted(names, key=len)) or argument.field_info.name} is missing{what}"
 
 
+def _one_pair(exc: Exception, verb: str | None, argv: list[str]) -> str | None:
+    """A second table (a token left over) or a second --backend, worded as the rule it breaks: one table/backend pair
+    per command (cyclopts said "Unused Tokens: ['rms_norm']" and "Parameter --backend specified multiple times"); None
+    for any other error."""
+    from cyclopts.exceptions import RepeatArgumentError, UnusedCliTokensError
+
+    if isinstance(exc, UnusedCliTokensError) and exc.unused_tokens:
+        tokens = exc.unused_tokens
+        extra = f"unexpected argument{'s' if len(tokens) > 1 else ''} " + ", ".join(map(repr, tokens))
+        at = len(argv) - 1 - argv[::-1].index(tokens[0]) if tokens[0] in argv else 0  # its last place: not the value
+        prev2, prev = ["", "", *argv][at:at + 2]  # the two arguments before it
+        # `--spec A B`, `--db=x.db y.db`: the extra value follows a flag's value
+        flag = (prev.partition("=")[0] if prev.startswith("--") and "=" in prev
+                else prev2 if prev2.startswith("--") and not prev.startswith("-") else None)
+        if flag == "--spec" or tokens[0].lstrip()[:1] in ("{", "["):
+            return (f"{extra}: --spec takes one JSON object; give each spec its own --spec, or put them in a --specs "
+                    f"file")
+        if flag == "--specs":
+            return f"{extra}: --specs takes one file; put every spec in it (a JSON list, or JSONL)"
+        if flag is not None and flag != "--backend":
+            return f"{extra}: {flag} takes one value"
+        if verb in ("count-missing", "query", "run", "measure"):
+            return f"{extra}: a command takes one table and one --backend; run one command per table/backend pair"
+        return f"{extra}: `{' '.join(('kprof', *([verb] if verb else [])))}` takes no such argument"
+    token = getattr(exc, "token", None)
+    if isinstance(exc, RepeatArgumentError) and token is not None and token.keyword == "--backend":
+        return "--backend is given more than once: a command takes one backend; run one command per table/backend pair"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143: an
     interrupt; 141: the reader of stdout left)."""
@@ -137,8 +167,8 @@ def _main(argv: list[str]) -> int:
         from ._render import error
 
         verb = next((a for a in argv if a in {name for name, _t, _h in VERBS}), None)
-        said = _missing(exc, argv) or (str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...")
-                                       else str(exc))
+        said = _missing(exc, argv) or _one_pair(exc, verb, argv) or (
+            str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc))
         error(f"{said}; see `kprof {verb + ' ' if verb else ''}--help`")
         return 2
     except (KeyboardInterrupt, SystemExit) as exc:

@@ -709,6 +709,33 @@ def test_a_parse_error_is_one_line_as_every_usage_error(argv, said, tmp_path, ca
 
 
 @pytest.mark.parametrize("argv, said", [
+    (["query", "single_gemm", "rms_norm", "--backend", "torch-cpu", "--spec", "{}"],
+     "error: unexpected argument 'rms_norm': a command takes one table and one --backend; run one command per "
+     "table/backend pair; see `kprof query --help`"),
+    (["run", "single_gemm", "--backend", "torch-cpu", "--backend", "torch", "--spec", "{}"],
+     "error: --backend is given more than once: a command takes one backend; run one command per table/backend "
+     "pair; see `kprof run --help`"),
+    (["scopes", "a", "b"], "error: unexpected arguments 'a', 'b': `kprof scopes` takes no such argument; see "
+     "`kprof scopes --help`"),
+    (["query", "single_gemm", "--backend", "torch-cpu", "--spec", "{}", "{}"],
+     "error: unexpected argument '{}': --spec takes one JSON object; give each spec its own --spec, or put them in a "
+     "--specs file; see `kprof query --help`"),
+    (["run", "single_gemm", "--backend", "torch-cpu", "--specs=a.json", "b.json"],
+     "error: unexpected argument 'b.json': --specs takes one file; put every spec in it (a JSON list, or JSONL); see "
+     "`kprof run --help`"),
+    (["query", "single_gemm", "--backend", "torch-cpu", "--spec", "{}", "--db", "a.db", "b.db"],
+     "error: unexpected argument 'b.db': --db takes one value; see `kprof query --help`"),
+])
+def test_a_second_table_or_backend_is_refused_by_the_one_pair_rule(argv, said, tmp_path, capsys):
+    """The seed's rule (one table/backend pair per command) was cyclopts' "Unused Tokens: ['rms_norm']" and
+    "Parameter --backend specified multiple times": the value, but not the rule or the fix."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == said + "\n", err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv, said", [
     (["query"], "error: TABLE is missing: the table, e.g. single_gemm (see `kprof list`); see `kprof query --help`"),
     (["measure"], "error: TABLE is missing: the table, e.g. single_gemm"),
     (["query", "single_gemm"], "error: --backend is missing: the backend, e.g. torch-cpu (see `kprof list`)"),
