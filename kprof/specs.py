@@ -104,8 +104,10 @@ def _decode(text: str, where: str, index: int | None):
     try:
         return _load(text, where, index)
     except msgspec.DecodeError as exc:
-        raise SpecError(f"{where} is not valid JSON ({exc}); write it as a JSON object such as "
-                        f"'{{\"m\": 128, \"n\": 256, \"k\": 64, \"dtype\": \"bf16\"}}'", index=index) from None
+        # read before the table is looked up: the example is named as single_gemm's, not offered as every table's
+        raise SpecError(f"{where} is not valid JSON ({exc}); write it as a JSON object of the table's fields (`kprof "
+                        f"list` names them), e.g. '{{\"m\": 128, \"n\": 256, \"k\": 64, \"dtype\": \"bf16\"}}' for "
+                        f"single_gemm", index=index) from None
 
 
 def _one_value(line: str) -> bool:

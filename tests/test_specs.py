@@ -190,6 +190,16 @@ def test_a_specs_wrapper_around_something_not_a_list_says_so(inner, held, tmp_pa
     _no_db(db)
 
 
+def test_a_spec_that_is_not_json_is_not_told_to_be_a_gemm_spec(capsys, db):
+    """The fix offered a single_gemm spec as what to write, whatever the table: followed for rms_norm, it is refused
+    again for every field."""
+    assert main(["query", "rms_norm", "--backend", "torch-cpu", "--spec", "tokens=1", "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert "write it as a JSON object of the table's fields (`kprof list` names them), e.g. " in err
+    assert """'{"m": 128, "n": 256, "k": 64, "dtype": "bf16"}' for single_gemm""" in err
+    _no_db(db)
+
+
 def test_malformed_single_document_file(tmp_path, capsys, db):
     path = _write(tmp_path, "specs.json", '{"m": 1, "n": 2')
     assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
