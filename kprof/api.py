@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 
 import msgspec
 
-from .errors import LedgerPathError, UsageError
+from .errors import UsageError
 from .ledger import Ledger, ledger_path
 from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
@@ -81,23 +81,7 @@ class QueryResult(msgspec.Struct):
 def _prepare(table, backend, specs, gpu_name, db, method: dict, measures: bool = False):
     entry = effective_entry(lookup(table, backend), **method)
     canonical = validate(entry.args, spec_list(specs), entry.table)
-    return entry, canonical, resolve_gpu_key(entry, gpu_name, measures and gpu_name is None), _ledger_file(db)
-
-
-def _ledger_file(db) -> str:
-    """`ledger_path(db)`, refusing a path whose form names a directory (`x.db/`, `x.db/.`) where none is: the ledger
-    opens a file by its real path, so a run would create x.db, while every look at `x.db/` (a reader's, the run's own
-    re-read of its rows) finds nothing there: the run stored its rows and reported them missing. An existing
-    directory is left to `Ledger.open`, which names it."""
-    path = ledger_path(db)
-    if os.path.basename(path) in ("", ".", "..") and not os.path.isdir(path):
-        file = os.path.normpath(path)
-        file = os.path.join(file, "profile.db") if os.path.basename(file) in ("", ".", "..") else file
-        names = ("KPROF_DB=", "KPROF_DB=") if db is None else ("db=", "--db ")
-        raise LedgerPathError(*(f"{n}{path!r} names a directory (it ends in {os.path.basename(path) or os.sep!r}), "
-                                f"not a ledger file; pass the file, e.g. {n}{repr(file) if n == 'db=' else file}"
-                                for n in names))
-    return path
+    return entry, canonical, resolve_gpu_key(entry, gpu_name, measures and gpu_name is None), ledger_path(db)
 
 
 def view(ledger: Ledger, table: str, backend: str, gpu_key: str, *, timer: str | None = None, l2: str | None = None,
@@ -289,7 +273,7 @@ class Scope(msgspec.Struct, frozen=True):
 def scopes(db: str | None = None) -> list[Scope]:
     """Every scope of the ledger at db ($KPROF_DB, else ./profile.db), sorted by table, backend and GPU key: what
     it holds and under which GPU keys to read it. A file that does not exist is a LedgerError (exit 2)."""
-    with Ledger.open(_ledger_file(db), readonly=True) as ledger:
+    with Ledger.open(ledger_path(db), readonly=True) as ledger:
         return [Scope(*s) for s in sorted(ledger.scopes())]
 
 
@@ -333,7 +317,7 @@ def show(ref: str, *, db: str | None = None) -> dict:
     {ref, resolved_as, key, current, status, revision, event, history}; every event in it re-hashed to its id on
     the way. `status` is the key's row (ok, failed, stale, retracted), `revision` the profiler revision this kprof
     measures its table and backend at."""
-    ledger = Ledger.open(_ledger_file(db), readonly=True)
+    ledger = Ledger.open(ledger_path(db), readonly=True)
     try:
         found = ledger.resolve(ref)
     finally:

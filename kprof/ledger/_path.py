@@ -10,7 +10,7 @@ import time
 
 from ..errors import LedgerError, LedgerPathError, UsageError
 
-__all__ = ["default_path", "ledger_path"]
+__all__ = ["ledger_path"]
 
 # LMDB's magic number (lmdb.h MDB_MAGIC, native byte order), first in the meta page that opens every LMDB file, after
 # its 16-byte page header: all that is read of LMDB's format, enough to tell its files from text, SQLite or noise.
@@ -19,24 +19,24 @@ _MAGIC_AT = 16
 _DB = (("db=", "'profile.db'"), ("--db ", "profile.db"))  # the ledger's path as a Python keyword, and as a verb's flag
 
 
-def default_path() -> str:
-    raw = os.environ.get("KPROF_DB", "")
-    if raw and not raw.strip():
-        raise UsageError(f"KPROF_DB={raw!r} is blank; set it to the ledger file, or unset it to use ./profile.db")
-    return raw or "profile.db"
-
-
 def ledger_path(db: str | os.PathLike | None = None) -> str:
-    """The ledger file to use: `db` when given, else $KPROF_DB, else ./profile.db. An empty `db` is refused rather
-    than taken for the default: `--db ""` (often an unset shell variable) must not silently name ./profile.db."""
-    if db is None:
-        return default_path()
-    if not isinstance(db, (str, os.PathLike)):
+    """The ledger file to use: `db` when given, else $KPROF_DB, else ./profile.db. An empty or blank `db` (often an
+    unset shell variable) is refused rather than taken for the default, and so is a blank KPROF_DB."""
+    if db is not None and not isinstance(db, (str, os.PathLike)):
         raise UsageError(f"db={db!r} is not a path ({type(db).__name__}); pass the ledger file's path as a str")
-    path = os.fspath(db)
+    path = (os.environ.get("KPROF_DB", "") or "profile.db") if db is None else os.fspath(db)
+    names = ("KPROF_DB=",) * 2 if db is None else ("db=", "--db ")  # as a Python keyword, and as a verb's flag
     if not path.strip():
-        raise LedgerPathError(*(f"{db}{path!r} is empty; pass the ledger file (e.g. {db}{eg}), or omit {db.strip('= ')}"
-                                f" to use $KPROF_DB, else ./profile.db" for db, eg in _DB))
+        raise LedgerPathError(*(f"{n}{path!r} is {'blank' if db is None else 'empty'}; pass the ledger file (e.g. {n}"
+                                f"{eg}), or {'unset it' if db is None else 'omit ' + n.strip('= ')} to use "
+                                f"{'./profile.db' if db is None else '$KPROF_DB, else ./profile.db'}"
+                                for n, eg in zip(names, ("'profile.db'", "profile.db"))))
+    if os.path.basename(path) in ("", ".", "..") and not os.path.isdir(path):  # x.db/: LMDB would make x.db, where
+        file = os.path.normpath(path)  # a look at x.db/ (run's own re-read of its rows) finds nothing
+        file = os.path.join(file, "profile.db") if os.path.basename(file) in ("", ".", "..") else file
+        raise LedgerPathError(*(f"{n}{path!r} names a directory (it ends in {os.path.basename(path) or os.sep!r}), not "
+                                f"a ledger file; pass the file, e.g. {n}{repr(file) if n == 'db=' else file}"
+                                for n in names))
     return path
 
 

@@ -22,13 +22,13 @@ from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identi
                    _read_only_file, _reads, _release, _write_txn)
 from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
-from ._path import _recognize, _without_lock, default_path, ledger_path
+from ._path import _recognize, _without_lock, ledger_path
 from ._resolve import resolve
 from ._verify import event as verified_event, reading
 from ._reducer import ScopeEntry, history_entry, opened, pack_seq, seq_of
 from .events import Failed, Measured, Retracted
 
-__all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "default_path", "ledger_path"]
+__all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "ledger_path"]
 
 DBS = ("events", "log", "current", "scope_index", "history", "failures", "retracted", "scopes", "meta")
 VIEW_DBS = ("current", "scope_index", "history", "failures", "retracted", "scopes")

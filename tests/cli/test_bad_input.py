@@ -144,6 +144,9 @@ def test_a_db_whose_form_names_a_directory_is_refused_and_nothing_is_created(ver
     refused(_verb(verb, h, None, "--json"), f"KPROF_DB={db!r} names a directory", f"e.g. KPROF_DB={file}")
     with pytest.raises(LedgerError, match=f"^db={re.escape(repr(db))} names a directory .* e.g. db='x.db'$"):
         api.query(h.GEMM, h.CPU, [SPEC], db=db)
+    monkeypatch.delenv("KPROF_DB")
+    for argv in (["audit"], ["export", "-o", "s.kseg"], ["merge", "none.kseg"], ["scopes"]):  # every verb: one rule
+        refused([*argv, "--db", db], f"--db {db!r} names a directory", f"pass the file, e.g. --db {file}")
     assert os.listdir(tmp_path) == []
 
 
