@@ -169,16 +169,19 @@ def _label_order(item) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", item[0]))
 
 
-def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command: str = "") -> list[str]:
-    """Write the snapshot of a finished `kprof.api.run` (its QueryResult `res`, asked for `specs` as given):
-    request.json, results.json, curve.json, job.meta.json (and curve.png with matplotlib), read-only, once.
+def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command: str = "",
+             method: dict | None = None) -> list[str]:
+    """Write the snapshot of a finished `kprof.api.run` (its QueryResult `res`, asked for `specs` as given, under the
+    timing method `method`: the run's timer/l2/cuda_graph/power arguments): request.json (with the method as resolved,
+    `timing`), results.json, curve.json, job.meta.json (and curve.png with matplotlib), read-only, once.
     `started_at` is the run's start (an aware datetime), `seconds` its wall time. Returns the files written."""
     import platform
 
     from . import __version__
+    from .method import effective_entry
     from .runners.registry import lookup
 
-    entry = lookup(res.table, res.backend)
+    entry = effective_entry(lookup(res.table, res.backend), **(method or {}))
     versions = {"kprof": __version__, "python": platform.python_version()}
     try:
         import torch
@@ -187,7 +190,7 @@ def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command
     except ImportError:
         pass
     request = {"table": res.table, "backend": res.backend, "mode": res.mode, "gpu_name": res.gpu_name,
-               "db": res.db, "specs": specs}
+               "timing": entry.contract.timing, "db": res.db, "specs": specs}
     meta = {"command": command, "versions": versions, "host": platform.node(), "device": res.gpu_name,
             "mode": res.mode, "count": res.count, "missing_count": res.missing_count, "measured": res.measured,
             "exit_code": res.exit_code, "started_at": started_at.isoformat(timespec="seconds"),

@@ -47,7 +47,7 @@ for _name, _target, _help in VERBS:
     app.command(_target, name=_name, help=_help)
 
 
-invocation: list[str] = []  # the arguments of the verb now running, for the records it writes
+invocation: list[str] = []  # the command now running (`kprof` and its arguments), for the records it writes
 
 
 def _ledger_failure(exc: Exception) -> bool:
@@ -137,11 +137,12 @@ def _one_pair(exc: Exception, verb: str | None, argv: list[str]) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",)) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143: an
-    interrupt; 141: the reader of stdout left)."""
+    interrupt; 141: the reader of stdout left). `prog` is the command's words before the verb, as the records name it
+    (the launcher's `python -m launcher kernel-profile`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    invocation[:] = argv
+    invocation[:] = [*prog, *argv]
     from ._render import guarded
 
     with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way

@@ -41,7 +41,8 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
         res = run_remote(table, backend, raw_specs, remote=remote, remote_set=list(remote_set), output_dir=output_dir,
                          mode=mode, gpu_name=gpu_name, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power,
                          command=command, progress=progress)
-    snapshot(output_dir, res, raw_specs, started_at=started_at, seconds=time.perf_counter() - t0, command=command)
+    snapshot(output_dir, res, raw_specs, started_at=started_at, seconds=time.perf_counter() - t0, command=command,
+             method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
     for line in res.failures:
         error(line)
     if res.merge_report:

@@ -32,7 +32,7 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
     from . import invocation
 
     results, found = run_calibrate(backend, gpu_name=gpu_name, db=db, force=force,
-                                   command="kprof " + shlex.join(invocation), timer=timer, l2=l2,
+                                   command=shlex.join(invocation), timer=timer, l2=l2,
                                    cuda_graph=cuda_graph, power=power)
     rows = [row for r in results for row in r.results]
     if json:

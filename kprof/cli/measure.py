@@ -74,7 +74,7 @@ def measure(table: Table, *, backend: MeasureBackend, spec: MeasureSpec = None, 
 
     doc = diagnose(table, backend, raw, output_dir=output_dir, duration_s=duration_s, telemetry_hz=telemetry_hz,
                    clear_l2=not no_clear_l2, cuda_graph=cuda_graph, gpu_name=gpu_name, db=db,
-                   command="kprof " + shlex.join(invocation), allow_telemetry_off=False)
+                   command=shlex.join(invocation), allow_telemetry_off=False)
     if json:
         emit_json(doc)
     else:

@@ -135,7 +135,7 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
 
         return run_remote_cli(table, backend, raw, remote=remote, remote_set=remote_set or [], output_dir=output_dir,
                               mode=mode, gpu_name=gpu_name, db=db, timer=timer, l2=l2, cuda_graph=cuda_graph,
-                              power=power, json=json, command="kprof " + shlex.join(invocation))
+                              power=power, json=json, command=shlex.join(invocation))
     if remote_set:
         raise UsageError(f"--remote-set {remote_set[0]!r} changes a remote's settings; give --remote NAME with it")
     if output_dir is not None:
@@ -144,7 +144,7 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         check_output_dir(output_dir)
     from . import invocation
 
-    command = "kprof " + shlex.join(invocation)
+    command = shlex.join(invocation)
     bar, update, watch = _progress()
     t0, load_before = time.perf_counter(), _load()
     options = dict(mode=mode, gpu_name=gpu_name, db=db, command=command, timer=timer, l2=l2, cuda_graph=cuda_graph,
@@ -156,7 +156,8 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
     if output_dir is not None:
         from ..artifacts import snapshot
 
-        snapshot(output_dir, res, raw, started_at=started_at, seconds=time.perf_counter() - t0, command=command)
+        snapshot(output_dir, res, raw, started_at=started_at, seconds=time.perf_counter() - t0, command=command,
+                 method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
     if json:
         emit_json(doc)
     else:

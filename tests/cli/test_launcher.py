@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -74,3 +75,16 @@ def test_kprof_console_script_runs(tmp_path, local_gpu):
     q = _proc([_kprof(), "count-missing", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps(GEMM),
                "--db", db, "--json"], tmp_path)
     assert q.returncode == 0 and json.loads(q.stdout)["missing_count"] == 0
+
+
+def test_the_records_name_the_command_as_typed(tmp_path, h, local_gpu):
+    """job.meta.json and the event's origin said `kprof run ...` of a run started as `python -m launcher
+    kernel-profile run ...`: the command recorded could not be typed again as it was."""
+    argv = ["run", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps(GEMM), "--output-dir", "snap"]
+    p = _proc([sys.executable, "-m", "launcher", "kernel-profile", *argv], tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr
+    with open(tmp_path / "snap" / "job.meta.json") as f, open(tmp_path / "snap" / "results.json") as g:
+        command, citation = json.load(f)["command"], json.load(g)["results"][0]["citation"]
+    assert command == "python -m launcher kernel-profile " + shlex.join(argv)
+    shown = _proc([_kprof(), "show", citation, "--json"], tmp_path)
+    assert json.loads(shown.stdout)["event"]["origin"]["command"] == command

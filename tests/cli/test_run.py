@@ -231,6 +231,21 @@ def _read(path):
         return json.load(f)
 
 
+def test_the_snapshot_names_the_timing_method_the_rows_were_asked_under(tmp_path, monkeypatch):
+    """request.json left out --timer, --l2, --cuda-graph and --power: a CUDA request could not be told (or repeated)
+    from it alone. It names the method as resolved, flags over their KPROF_* defaults."""
+    import datetime
+
+    from kprof.api import QueryResult
+    from kprof.artifacts import snapshot
+
+    monkeypatch.setenv("KPROF_CUDA_GRAPH", "1")
+    res = QueryResult("single_gemm", "torch", "NVIDIA H200", "x.db", "jit", 0, 0, "", [])
+    snapshot(str(tmp_path / "snap"), res, [], started_at=datetime.datetime.now(datetime.timezone.utc), seconds=0.0,
+             method=dict(timer="events", l2="warm", cuda_graph=None, power="loaded"))
+    assert _read(tmp_path / "snap" / "request.json")["timing"] == "events;l2=warm;graph;power=loaded"
+
+
 def test_output_dir_snapshot(tmp_path, ledger_path, capsys, h, local_gpu):
     out_dir = tmp_path / "snap"
     doc = _run(capsys, h, ledger_path, *SWEEP, extra=["--output-dir", str(out_dir)])
@@ -246,6 +261,7 @@ def test_output_dir_snapshot(tmp_path, ledger_path, capsys, h, local_gpu):
     request = _read(out_dir / "request.json")
     assert request["table"] == "single_gemm" and request["backend"] == "torch-cpu" and request["mode"] == "jit"
     assert request["specs"] == SWEEP and request["gpu_name"] == local_gpu and request["db"] == ledger_path
+    assert request["timing"] == "cpu-wall;l2=warm;eager"  # the CPU's one method
 
     curve = _read(out_dir / "curve.json")
     assert curve["axes"] == ["m", "k", "dtype"]
