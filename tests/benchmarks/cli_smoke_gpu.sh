@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The verbs a user types on a GPU machine, end to end through the CLI: run, query (an 80-column table), calibrate,
-# audit, audit --remeasure, count-missing, export and merge into a second ledger, measure (and one refused).
+# audit, audit --remeasure, count-missing, a launcher run with a snapshot, export and merge into a second ledger,
+# measure (and one refused).
 # Logs to $OUT/cli_smoke.log.
 set -u
 py=${PYTHON:-python3}
@@ -15,6 +16,9 @@ step() { echo "== $*"; "$@"; echo "   exit $?"; }
   step $py -m kprof audit --db "$db"
   step $py -m kprof audit --remeasure 4 --db "$db"
   step $py -m kprof count-missing single_gemm --backend torch --specs "$OUT/smoke_specs.json" --db "$db" --timer events
+  # the seed's command form, a snapshot naming the method asked for (timing in request.json) and the command as typed
+  step $py -m launcher kernel-profile run single_gemm --backend torch --spec '{"m":64,"n":4096,"k":4096,"dtype":"bf16"}' --timer events --db "$db" --output-dir "$OUT/snap"
+  step $py -c "import json,sys; r=json.load(open(sys.argv[1])); m=json.load(open(sys.argv[2])); print(r['timing'], '|', m['command'])" "$OUT/snap/request.json" "$OUT/snap/job.meta.json"
   step $py -m kprof export -o "$OUT/smoke.kseg" --db "$db"
   step $py -m kprof merge "$OUT/smoke.kseg" --db "$OUT/smoke2.db"
   step $py -m kprof scopes --db "$OUT/smoke2.db"
