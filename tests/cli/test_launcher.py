@@ -85,6 +85,6 @@ def test_the_records_name_the_command_as_typed(tmp_path, h, local_gpu):
     assert p.returncode == 0, p.stderr
     with open(tmp_path / "snap" / "job.meta.json") as f, open(tmp_path / "snap" / "results.json") as g:
         command, citation = json.load(f)["command"], json.load(g)["results"][0]["citation"]
-    assert command == "python -m launcher kernel-profile " + shlex.join(argv)
+    assert command == shlex.join([os.path.basename(sys.executable), "-m", "launcher", "kernel-profile", *argv])
     shown = _proc([_kprof(), "show", citation, "--json"], tmp_path)
     assert json.loads(shown.stdout)["event"]["origin"]["command"] == command
