@@ -143,11 +143,13 @@ def _plots(window: Window, summary: dict, keep) -> dict:
 # --- kmeasure citations -------------------------------------------------------------------------------------
 
 def _summaries(dirs: Sequence[str]) -> list[str]:
-    """summary.json files in each directory given, or in its immediate subdirectories."""
+    """summary.json files in each directory given and in its immediate subdirectories (a directory holding an output
+    of its own, e.g. `measure --output-dir .`, may hold others in its subdirectories too)."""
     out: dict[str, str] = {}  # real path -> the path as found (a directory given twice is read once)
     for d in dirs:
         own = os.path.join(d, "summary.json")
-        found = [own] if os.path.isfile(own) else sorted(glob.glob(os.path.join(glob.escape(d), "*", "summary.json")))
+        found = ([own] if os.path.isfile(own) else []) + sorted(glob.glob(os.path.join(glob.escape(d), "*",
+                                                                                        "summary.json")))
         for path in found:
             out.setdefault(os.path.realpath(path), os.path.normpath(path))
     return list(out.values())

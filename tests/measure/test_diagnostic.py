@@ -703,6 +703,18 @@ def test_show_without_dir_looks_one_level_down_as_its_help_says(capsys, refused,
     assert "Default: the current directory and the directories directly in it." in said
 
 
+def test_show_without_dir_looks_one_level_down_beside_an_output_of_its_own(capsys):
+    """A current directory holding an output (`measure --output-dir .`) hid the outputs in the directories directly
+    in it: their citations were refused with "no measure output in . or the directories directly in it lists"."""
+    w = recorded_window(n=200)
+    here = write_outputs(".", w, summarize_window(w, HEADER))
+    below = _output("measure_single_gemm_torch")
+    for cite, path in ((below["artifacts"]["runtimes.csv"]["citation"], "measure_single_gemm_torch/runtimes.csv"),
+                       (here["artifacts"]["runtimes.csv"]["citation"], "runtimes.csv")):
+        assert main(["show", cite, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["path"] == path
+
+
 def test_show_of_a_measure_citation_imports_no_torch(tmp_path):
     s = _output("measure_x")
     code = ("import sys; from kprof.cli import main; rc = main(['show', sys.argv[1], '--json']); "
