@@ -86,11 +86,15 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
 
 def _check_output(output: str) -> None:
     """Refuses a segment path that cannot be written: empty, or in a directory that is missing or not writable (an
-    existing directory is written into, an existing file refused by segment.write)."""
+    existing directory is written into, an existing file refused by segment.write; a new directory, ending in /, is
+    made with its missing parents, so it is checked where it would be made)."""
     fix = "give a new file path in a writable directory, or a directory (ending in /)"
     if not output.strip():
         raise UsageError(f"-o {output!r} is empty; {fix}")
     where = output if os.path.isdir(output) else os.path.dirname(os.path.abspath(output))  # "rows/": its parent
+    if output.endswith(("/", os.sep)):
+        while not os.path.lexists(where) and where != os.path.dirname(where):  # "rows/h200/": the nearest there is
+            where = os.path.dirname(where)
     if not os.path.isdir(where):
         what = "is not a directory" if os.path.lexists(where) else "does not exist"
         raise UsageError(f"-o {output}: {where} {what}; {fix}")

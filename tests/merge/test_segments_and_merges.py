@@ -161,6 +161,17 @@ def test_export_into_a_new_directory_and_with_nothing_after_since(tmp_path, sour
     assert f"the ledger's last event is seq {last}" in capsys.readouterr().err
 
 
+def test_export_makes_a_new_directory_with_its_parents(tmp_path, source, capsys, monkeypatch, refused):
+    """`-o rows/h200/` (a directory by its trailing /) is made as `rows/` is, parents too: it was refused, "rows does
+    not exist; ... or a directory (ending in /)", the very form it had been given. A file on the way is refused."""
+    path, _ = source
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "-o", "rows/h200/", "--db", path]) == 0
+    assert "wrote" in capsys.readouterr().out and len(os.listdir(tmp_path / "rows" / "h200")) == 1
+    (tmp_path / "a-file").write_text("x")
+    refused(["export", "-o", "a-file/h200/", "--db", path], "a-file is not a directory")
+
+
 def test_a_damaged_segment_names_its_file_among_several(tmp_path, source):
     _path, seg = source
     bad = _write(tmp_path / "bad.kseg", _read(seg)[:1000])
