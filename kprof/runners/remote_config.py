@@ -105,8 +105,9 @@ def _checked(where: str, field: _Field, value: Any, raw: bool) -> Any:
 
             try:
                 value = yaml.safe_load(value)
-            except yaml.YAMLError:
-                value = None
+            except yaml.YAMLError as exc:  # the value as typed, and why it does not parse (not "None")
+                raise UsageError(f"{where} is {value!r}, not valid YAML ({getattr(exc, 'problem', None) or exc}); "
+                                 f"give a mapping, e.g. {{env_vars: {{KPROF_TIMER: cupti}}}} {example}") from None
         if not isinstance(value, dict):
             raise UsageError(f"{where} is {value!r}, not a mapping; give one, e.g. {{env_vars: {{KPROF_TIMER: "
                              f"cupti}}}} {example}")

@@ -106,6 +106,8 @@ def test_overrides_apply_for_one_call(remote_yaml):
     (GOOD.replace("ray1", "r"), ["launch.slurm.time=soon"],
      ["--remote-set launch.slurm.time is 'soon', not a whole"]),
     (GOOD.replace("ray1", "r"), ["kind=k8s"], ["--remote-set kind is 'k8s', not one of ray, slurm"]),
+    (GOOD.replace("ray1", "r"), ["launch.ray.runtime_env={pip: [x]"],  # was "is None, not a mapping"
+     ["--remote-set launch.ray.runtime_env is '{pip: [x]', not valid YAML", "give a mapping"]),
     (GOOD.replace("ray1", "r"), ["kind=slurm"], ["field launch.slurm.time is missing"]),
 ])
 def test_a_bad_remote_is_refused_naming_the_field_and_the_fix(remote_yaml, db, text, overrides, expected):
