@@ -111,17 +111,25 @@ class CommCase(NamedTuple):
         return comm_metrics(self.table, self.spec, time_ms, energy_j)
 
 
+# What one rank process holds before its buffers: a fresh interpreter with torch and torch.distributed imported (about
+# 230 MB resident with torch 2.x on the CPU; counted low, so only a group that cannot fit is refused).
+RANK_PROCESS_BYTES = 200 << 20
+
+
 class _Runner:
     table = ""
+    held_what = "its ranks' buffers, and each rank's interpreter with torch (about 200 MiB a rank)"
 
     def build(self, spec, device: str) -> CommCase:
         return CommCase(self.table, spec)
 
     def held_bytes(self, spec) -> int:
-        """The bytes the ranks' buffers take together (each rank's input, output and pristine input copy, as
-        `rank_buffers` makes them, times world_size): on the CPU (gloo) every rank is a process of this host, so a
-        spec past its memory is an `oom` row before any rank starts (the worker compares; see worker.py)."""
-        return _rank_bytes(self.table, spec) * spec.world_size
+        """The bytes the ranks take together: each rank's input, output and pristine input copy, as `rank_buffers`
+        makes them, plus the rank process itself, times world_size. On the CPU (gloo) every rank is a process of this
+        host, so a spec past its memory is an `oom` row before any rank starts (the worker compares; see worker.py).
+        The processes count: 1,000 ranks of a 4 KiB message need ~200 GB, and starting them had the OOM killer end
+        the run itself (exit 137, no row, the rank directory left behind)."""
+        return (_rank_bytes(self.table, spec) + RANK_PROCESS_BYTES) * spec.world_size
 
 
 class AllReduce(_Runner):

@@ -146,7 +146,8 @@ def _fits_in_memory(runner, spec) -> None:
         return
     need, have = held(spec), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
-        raise MemoryError(f"out of memory before building: its inputs and output alone take {need / 2**30:,.1f} GiB, "
+        what = getattr(runner, "held_what", "its inputs and output")  # a collective's ranks are processes too
+        raise MemoryError(f"out of memory before building: {what} alone take {need / 2**30:,.1f} GiB, "
                           f"and this machine has {have / 2**30:,.1f} GiB; use a smaller spec or a larger machine")
 
 

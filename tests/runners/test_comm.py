@@ -164,11 +164,27 @@ def test_a_gloo_spec_past_the_hosts_memory_is_an_oom_row_before_any_rank_starts(
     _ranks.shutdown()
     monkeypatch.setattr(_ranks, "RankGroup", lambda *a: pytest.fail("a rank group was started"))
     spec = {"message_size_bytes": 1 << 40, "dtype": "fp32", "world_size": 8}
-    assert comm.AllToAll().held_bytes(comm.AllToAllArgs(**spec)) == 3 * 8 << 40
+    assert comm.AllToAll().held_bytes(comm.AllToAllArgs(**spec)) == (3 << 40) * 8 + comm.RANK_PROCESS_BYTES * 8
     doc = _run(capsys, "all_to_all", [spec], str(tmp_path / "p.db"), tmp_path, rc=1)
     (row,) = doc["results"]
     assert row["status"] == "error" and row["error"]["kind"] == "oom", row
     assert "out of memory before building" in row["error"]["message"]
+
+
+def test_a_gloo_group_whose_rank_processes_exceed_the_hosts_memory_is_an_oom_row(monkeypatch, tmp_path, capsys):
+    """Each gloo rank is an interpreter with torch (~230 MB): 1,000 ranks of a 4 KiB message were started on a host of
+    23 GiB, and the OOM killer ended the run itself (exit 137, no row, the rank directory left in the temporary
+    directory). The processes count with the buffers: an `oom` row, the run's other specs measured."""
+    _ranks.shutdown()
+    monkeypatch.setattr(_ranks, "RankGroup", lambda *a: pytest.fail("a rank group was started"))
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (16 << 30) // 4096}  # a host of 16 GiB, whatever runs the test
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name] if name in pages else real(name))
+    spec = {"message_size_bytes": 4096, "dtype": "fp32", "world_size": 1000}
+    doc = _run(capsys, "all_reduce", [spec], str(tmp_path / "p.db"), tmp_path, rc=1)
+    (row,) = doc["results"]
+    assert row["status"] == "error" and row["error"]["kind"] == "oom", row
+    assert "each rank's interpreter with torch" in row["error"]["message"] and "16.0 GiB" in row["error"]["message"]
 
 
 def _check_rows(doc: dict, table: str, n: int) -> None:
