@@ -11,18 +11,18 @@ import shutil
 import tempfile
 import time
 
-__all__ = ["make"]
+__all__ = ["make", "keep"]
 
 # A directory younger than this is never taken for left over: its owner may be between making and locking it.
 SETTLE_S = 60.0
 
 
-def make(prefix: str) -> tuple[str, object]:
-    """(a new directory under the temporary directory, the function that removes it): removal happens once, and only
-    in the process that made it (a forked child calling it lets its parent's directory be). Left-over directories of
-    the same prefix are removed first."""
+def make(prefix: str, tag: str = "") -> tuple[str, object]:
+    """(a new directory under the temporary directory, named prefix + tag + a random part; the function that removes
+    it): removal happens once, and only in the process that made it (a forked child calling it lets its parent's
+    directory be). Left-over directories of the same prefix, whatever their tag, are removed first."""
     _sweep(prefix)
-    path = tempfile.mkdtemp(prefix=prefix)
+    path = tempfile.mkdtemp(prefix=prefix + tag)
     fd = os.open(path, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # held while the process lives (or until removed); forked children share it
     pid, done = os.getpid(), []
@@ -35,6 +35,18 @@ def make(prefix: str) -> tuple[str, object]:
             os.close(fd)
 
     return path, remove
+
+
+def keep(path: str, prefix: str, as_prefix: str) -> str:
+    """Moves the scratch directory `path` (made with `prefix`) out of the swept ones, renamed with `as_prefix` in its
+    place, and returns its new path (`path` itself where it cannot be moved): what a message names stays after its
+    maker has gone. Its remover then removes nothing and only lets go of it."""
+    kept = os.path.join(os.path.dirname(path), as_prefix + os.path.basename(path)[len(prefix):])
+    try:
+        os.rename(path, kept)
+    except OSError:
+        return path
+    return kept
 
 
 def _sweep(prefix: str) -> None:

@@ -24,7 +24,7 @@ another; it is shut down when the process exits (a multiprocessing finalizer, so
 when the coordinator's socket closes or its parent dies. Nothing waits forever: a group that does not start
 within KPROF_RANK_START_S (default 300 s), or a step (a check, a batch) that takes longer than KPROF_RANK_STEP_S
 (default 300 s), fails the spec as `timeout`; a rank that dies fails it as `crash`, naming the rank, its exit
-code, its log's path and end (the logs of a failed group are kept in its directory; the rest is removed); in
+code, its log's path and end (the logs of a failed group are kept, in `kprof-rank-logs-*`; the rest is removed); in
 both cases the group is killed and the next spec starts a fresh one.
 
 Test hook: `EXIT_RANK_FOR_TESTS`, when set to a rank number, makes that rank exit (code 3) on receiving the next
@@ -40,12 +40,12 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from multiprocessing import connection, util
 
 import msgspec
 
+from .. import _scratch
 from ..errors import KprofError, UsageError
 from ..measure.stats import StopRule, summarize
 from ._case import Unsupported, WrongResult
@@ -88,7 +88,8 @@ class RankGroup:
 
     def __init__(self, backend: str, world_size: int):
         self.backend, self.n = backend, world_size
-        self.dir = tempfile.mkdtemp(prefix=f"kprof-ranks-{backend}{world_size}-")
+        # held while this process lives: where it is killed (the OOM killer), the next group's start removes it
+        self.dir, self._release = _scratch.make("kprof-ranks-", f"{backend}{world_size}-")
         self.conns: list[connection.Connection] = []
         self.procs: list[subprocess.Popen] = []
         self.logs = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
@@ -184,8 +185,11 @@ class RankGroup:
         return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
     def _tail(self, r: int) -> str:
-        """The rank's log for a failure's message: its path and its end. The logs are kept (`close` leaves them)."""
-        self.keep_logs = True
+        """The rank's log for a failure's message: its path and its end. The logs are kept (`close` leaves them),
+        moved out of the swept scratch directories first, so that the path quoted stays true."""
+        if not self.keep_logs:  # the ranks write on through their open logs
+            self.keep_logs, self.dir = True, _scratch.keep(self.dir, "kprof-ranks-", "kprof-rank-logs-")
+            self.logs = [os.path.join(self.dir, os.path.basename(log)) for log in self.logs]
         try:
             with open(self.logs[r], "rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -214,10 +218,8 @@ class RankGroup:
         for c in self.conns:
             c.close()
         self.conns, self.procs = [], []
-        if not self.keep_logs:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            return
-        for name in set(os.listdir(self.dir)) - set(map(os.path.basename, self.logs)):  # a failure named the logs
+        self._release()  # removes the directory, unless _tail moved it out to keep the logs a failure named
+        for name in set(os.listdir(self.dir)) - set(map(os.path.basename, self.logs)) if self.keep_logs else ():
             path = os.path.join(self.dir, name)
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
@@ -301,6 +303,8 @@ class CommDevice:
                                  f"set KPROF_TIMER=events to time with CUDA events (rows kept under their own key)")
 
     def measure(self, case, rule: StopRule):
+        from .comm import COLLECTIVES  # not at the top: comm imports this module
+
         spec, n = case.spec, case.spec.world_size
         if self.backend == "nccl":
             import torch
@@ -331,7 +335,7 @@ class CommDevice:
         info = group.info
         notes = {"ranks": str(n), "rank_time": "per iteration, the maximum over ranks",
                  "barrier": "a CPU barrier (gloo) before each op; inputs rewritten before it",
-                 "bus_factor": _bus(case.table),
+                 "bus_factor": COLLECTIVES[case.table].bus,
                  "message_size": "nccl-tests' size (all_gather/reduce_scatter: the whole gathered/scattered buffer)",
                  "algorithm_used": info[0]["calls"][case.table], "rank_check_s": f"{check_s:.4f}",
                  "group_start_s": f"{start_s:.3f}", **method.notes}
@@ -391,9 +395,3 @@ class CommDevice:
 
     def recover(self) -> None:
         pass
-
-
-def _bus(table: str) -> str:
-    from .comm import COLLECTIVES
-
-    return COLLECTIVES[table].bus

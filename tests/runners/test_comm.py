@@ -155,7 +155,32 @@ def test_a_rank_that_dies_fails_its_spec_and_the_next_spec_runs(monkeypatch, tmp
     log = re.search(r"rank 1's log (\S+) (is empty|ends: )", message).group(1)
     assert os.path.basename(log) == "rank1.log" and os.path.isfile(log), message
     assert sorted(os.listdir(os.path.dirname(log))) == ["rank0.log", "rank1.log"]
+    assert os.path.basename(os.path.dirname(log)).startswith("kprof-rank-logs-gloo2-")  # out of the swept ones
     shutil.rmtree(os.path.dirname(log))
+
+
+def test_a_rank_directory_left_by_a_killed_run_is_removed_by_the_next_group(monkeypatch, tmp_path):
+    """A run killed while its ranks were up (SIGKILL, the OOM killer: no cleanup runs) left its `kprof-ranks-*`
+    directory (the FileStore, the ranks' logs) in the temporary directory for good. A group's directory is held while
+    its process lives, and the next group's start removes one that no live process holds."""
+    import tempfile
+    import time
+
+    from kprof import _scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    left = tmp_path / "kprof-ranks-gloo2-killed"
+    left.mkdir()
+    (left / "rank0.log").write_text("a rank of a run killed with SIGKILL")
+    old = time.time() - 2 * _scratch.SETTLE_S
+    os.utime(left, (old, old))
+    group = _ranks.RankGroup("gloo", 2)
+    try:
+        assert not left.exists()
+        assert os.path.basename(group.dir).startswith("kprof-ranks-gloo2-") and os.path.isdir(group.dir)
+    finally:
+        group.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_gloo_spec_past_the_hosts_memory_is_an_oom_row_before_any_rank_starts(monkeypatch, tmp_path, capsys):
