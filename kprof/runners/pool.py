@@ -8,7 +8,8 @@ segment and sending its path back. The parent merges each segment as it arrives 
 finished), and hands the worker its next spec. A worker that dies fails only its in-flight spec (error kind
 `crash`, with its exit code) and a fresh worker takes the device over; one that runs a spec past
 KPROF_SPEC_TIMEOUT_S (default 900 s) is killed and that spec fails as `timeout`. A device whose workers die
-MAX_RESTARTS times in a row is given up; the specs left when no device remains fail as `crash`.
+MAX_RESTARTS times in a row is given up; the specs left when no device remains fail as `crash`. A worker whose run
+is killed (SIGKILL: no cleanup runs) ends itself, even inside a spec that hangs.
 
 """
 
@@ -18,6 +19,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import wait
 from typing import Callable, Iterator, NamedTuple
@@ -60,6 +62,8 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
     """A spawned worker: sees only its device, prepares it, then measures what it is sent until told to stop. Ctrl-C
     reaches the whole process group: the parent handles it and stops its workers, so a worker ignores it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    unsent: list[str] = []  # the segment written and not yet sent to the parent
+    _end_with_parent(spool, unsent)
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before anything imports torch
     from ..ledger.events import Contract
@@ -76,21 +80,41 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
     except Exception as exc:  # noqa: BLE001 - a device that cannot measure says why, and the parent decides
         conn.send(("refused", type(exc).__name__, str(exc)))
         return
-    path = None
     try:
         conn.send(("ready", msgspec.msgpack.encode(_record(Environment, device.env))))
         while (message := conn.recv()) is not None:
             chunk = Chunk.decode(message)
             for outcome, data in measure_chunk(chunk, device):
-                path = segment.write(spool, [data], chunk.origin.ledger_id, 1)
-                conn.send(("event", outcome.index, path, data, outcome.seconds, outcome.timed_seconds))
-                path = None
+                unsent.append(segment.write(spool, [data], chunk.origin.ledger_id, 1))
+                conn.send(("event", outcome.index, unsent[0], data, outcome.seconds, outcome.timed_seconds))
+                unsent.clear()
             conn.send(("idle",))
-    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone (killed): end without a traceback,
-        with contextlib.suppress(OSError):  # and leave no segment that nothing will merge (the last removes the spool)
-            if path is not None:
-                os.unlink(path)
-            os.rmdir(spool)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone (killed): end without a traceback
+        _leave(spool, unsent)
+
+
+def _end_with_parent(spool: str, unsent: list[str]) -> None:
+    """Ends this worker once the run that started it is gone without stopping it (SIGKILL, the OOM killer). A worker
+    waiting for its next spec finds the pipe closed; one inside a spec that hangs (or runs for minutes) did not, and
+    held its device, orphaned, for as long as the spec took. A daemon thread watches the parent for it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        _leave(spool, unsent)
+        os._exit(1)  # the measuring thread cannot be interrupted; nothing of this process is wanted any more
+
+    threading.Thread(target=watch, daemon=True, name="kprof-worker-parent").start()
+
+
+def _leave(spool: str, unsent: list[str]) -> None:
+    """A worker's end without its parent: no segment that nothing will merge, and the last one out removes the spool
+    (what is left there, the next pool sweeps: kprof._scratch)."""
+    with contextlib.suppress(OSError):
+        for path in unsent:
+            os.unlink(path)
+        os.rmdir(spool)
 
 
 class _Worker:

@@ -479,6 +479,27 @@ def test_workers_of_a_killed_run_end_quietly_and_leave_no_segment(tmp_path):
     assert os.listdir(tmp) == []
 
 
+@pytest.mark.slow
+def test_a_worker_inside_a_hung_spec_ends_when_its_run_is_killed(tmp_path):
+    """SIGKILL of the run (the OOM killer, a job's kill) while a worker was inside a spec that hangs: the worker only
+    looked for its parent when it next used the pipe, so it lived on, orphaned, holding its device for as long as the
+    spec took (an hour here). It now watches its parent and ends within a second of it, leaving no spool."""
+    import signal
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = _run(tmp_path, _specs("ok", "ok", "hang", "hang"), wait=False, TMPDIR=str(tmp))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not os.path.exists(tmp_path / "p.db") or len(_events(tmp_path)) < 2):
+        time.sleep(0.2)
+    time.sleep(1.0)  # each worker is inside its `hang` spec
+    p.kill()
+    _out, err = p.communicate(timeout=30)  # the workers hold its stderr until they end: an hour before
+    assert p.returncode == -signal.SIGKILL
+    assert "Traceback" not in err, err
+    assert os.listdir(tmp) == []
+
+
 def test_an_interrupt_while_a_segment_merges_leaves_no_temporary_directory(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM) while a worker's segment was merged left the temporary directory made for a conflict's
     report behind: one `kprof-*` directory per interrupted run."""
