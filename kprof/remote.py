@@ -35,7 +35,7 @@ from .runners.claims import Claims
 from .runners.devices import need_of
 from .runners.registry import lookup
 from .runners.fill import WAIT_S, _still_wanted, to_measure
-from .runners.remote_config import CONFIG, load_remote
+from .runners.remote_config import CONFIG, load_remote, where
 
 __all__ = ["RemoteResult", "run_remote"]
 
@@ -126,6 +126,28 @@ def _check_task_env(target) -> None:
         raise UsageError(f"launch.ray.runtime_env env_vars: {exc}") from None
 
 
+def _check_runtime_env(target) -> None:
+    """launch.ray.runtime_env as Ray's own RuntimeEnv reads it (env_vars a mapping of strings, pip a string or a list,
+    ...), before a cluster is started or anything is written: Ray refused a bad one only as the first task was
+    submitted, with a traceback (exit 1), after the output directory and the ledger had been made."""
+    env = target.ray.runtime_env if target.kind == "ray" and target.ray else None
+    if not env:
+        return
+    try:
+        from ray.runtime_env import RuntimeEnv
+    except ImportError:  # no Ray here: the executor says how to install it
+        return
+    try:
+        RuntimeEnv(**env)
+    except (TypeError, ValueError) as exc:
+        field = "launch.ray.runtime_env"
+        given = (f"--remote-set {field}" if any(o.partition("=")[0].strip() == field for o in target.overrides)
+                 else where(target.path, target.name, field))
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"{given} is refused by Ray ({why}); fix it: a mapping of Ray's runtime_env fields, e.g. "
+                         f"{{env_vars: {{A: b}}}}, as remote.example.yaml shows") from None
+
+
 def _check_output_dir(output_dir: str | None) -> str:
     from .artifacts import check_output_dir
 
@@ -171,6 +193,7 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
 
     check_settings(here=False)  # the workers inherit them: a bad one would fail every chunk after the jobs start
     _check_task_env(target)
+    _check_runtime_env(target)
     output_dir = _check_output_dir(output_dir)
     method = dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     if lookup(table, backend).device == "cuda" and gpu_name is None:  # this machine's GPU, if any, is not remote's

@@ -437,3 +437,29 @@ def test_a_bad_setting_in_the_ray_tasks_env_vars_is_refused_before_anything_is_s
     assert message.startswith("launch.ray.runtime_env env_vars") and name in message and repr(bad) in message
     assert name not in os.environ  # the check leaves this process's environment as it was
     assert not os.path.exists("out") and not os.path.exists(db) and not os.path.exists("logs")
+
+
+@pytest.mark.parametrize("given", ["file", "remote-set"])
+@pytest.mark.parametrize("runtime_env, why", [("{env_vars: [a]}", "runtime_env['env_vars'] must be of type Dict"),
+                                              ("{env_vars: {1: x}}", "the key 1 is of type"),
+                                              ("{pip: 5}", "runtime_env['pip'] must be of type str or List[str]")])
+def test_a_runtime_env_ray_refuses_is_one_line_before_anything_is_written(runtime_env, why, given, remote_yaml, db):
+    """A launch.ray.runtime_env that Ray refuses (env_vars as a list, a key that is not a string, pip as a number)
+    reached Ray only when the first task was submitted: a traceback and exit 1, after the output directory and the
+    ledger had been made. Ray's own RuntimeEnv checks it first: one line naming the field, exit 2, nothing written."""
+    from kprof.errors import UsageError, exit_code
+
+    text = RAY if given == "remote-set" else RAY.replace("address: local", f"address: local\n        runtime_env: "
+                                                                            f"{runtime_env}")
+    assert text != RAY or given == "remote-set"
+    remote_yaml(text)
+    with pytest.raises(UsageError) as info:
+        run_remote_cli("single_gemm", "torch-cpu", [dict(s) for s in SPECS], remote="ray",
+                       remote_set=[f"launch.ray.runtime_env={runtime_env}"] if given == "remote-set" else [],
+                       output_dir="out", mode="force", gpu_name=None, db=None, timer=None, l2=None, cuda_graph=None,
+                       power=None, json=False, command="kprof run --remote ray")
+    message = str(info.value)
+    field = "--remote-set launch.ray.runtime_env" if given == "remote-set" else "field launch.ray.runtime_env"
+    assert field in message and "is refused by Ray" in message and why in message, message
+    assert "\n" not in message and exit_code(info.value) == 2
+    assert not os.path.exists("out") and not os.path.exists(db)
