@@ -47,9 +47,14 @@ def run_chunk(data: bytes) -> tuple[bytes, dict]:
         if here != chunk.gpu_key:
             raise UsageError(f"this worker's CPU is {here!r}, the chunk's rows are keyed {chunk.gpu_key!r}; pass "
                              f"--gpu-name {here!r} to measure on this remote")
-    with tempfile.TemporaryDirectory(prefix="kprof-chunk-") as tmp:
-        with open(chunk_segment(chunk, tmp), "rb") as f:
-            segment = f.read()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kprof-chunk-") as tmp:
+            with open(chunk_segment(chunk, tmp), "rb") as f:
+                segment = f.read()
+    finally:  # a collective's ranks end with their chunk: an engine keeps its worker process for the next task, where
+        from . import _ranks  # they held memory (CUDA contexts on GPUs the engine then hands out as free) for no one
+
+        _ranks.shutdown()
     return segment, {"host": socket.gethostname(), "pid": os.getpid(),
                      "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 

@@ -344,6 +344,26 @@ def test_a_time_limit_fails_the_chunk_and_stores_no_crash_row(monkeypatch):
         remote_module.run_chunk(chunk.encode())
 
 
+def test_a_collectives_ranks_end_with_its_remote_chunk():
+    """A remote worker is the engine's process, and Ray keeps it for its next task: the rank processes of a collective
+    chunk lived on in it once the chunk had returned (~230 MB each; on nccl, CUDA contexts on GPUs that Ray then hands
+    out as free), and their directory was left when Ray ended the worker. The ranks now end with the chunk."""
+    from kprof.ledger.events import Origin
+    from kprof.merge import segment
+    from kprof.runners import _ranks
+    from kprof.runners.chunk import Chunk
+    from kprof.runners.registry import lookup
+
+    _ranks.shutdown()
+    chunk = Chunk.of(lookup("all_reduce", "gloo"), GPU, [{"message_size_bytes": 4096, "dtype": "fp32",
+                                                         "world_size": 2}], None, Origin())
+    data, _where = remote_module.run_chunk(chunk.encode())
+    with open("chunk.kseg", "wb") as f:
+        f.write(data)
+    assert len(list(segment.read("chunk.kseg"))) == 1
+    assert _ranks._group is None  # no rank process left running in this (the engine's) process, nor its directory
+
+
 @pytest.mark.parametrize("text, reason", [
     ("Job (task=0) failed during processing with trace:\n----------------------\nTraceback (most recent call last):\n"
      '  File "x.py", line 1, in f\nsubmitit.core.utils.UncompletedJobError: Job not requeued because: timed-out and '
