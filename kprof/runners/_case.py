@@ -18,7 +18,7 @@ import msgspec
 
 from ..errors import KprofError
 
-__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_close", "check_rows", "torch_dtype", "bind", "algorithm_notes"]
+__all__ = ["Case", "WrongResult", "Unsupported", "seed_of", "check_shape", "check_close", "check_rows", "torch_dtype", "bind", "algorithm_notes"]
 
 
 class WrongResult(KprofError):
@@ -74,9 +74,23 @@ CHECK_ELEMENTS = 1 << 22  # elements of an oracle's operand checked at once (fp6
 TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 2e-2, "fp8_e4m3": 8e-2}
 
 
+def check_shape(got, shape: tuple[int, ...], what: str) -> None:
+    """Raises WrongResult unless the kernel's whole result has the spec's shape: checked before an oracle samples
+    its rows, where a missing one would be an IndexError (a `crash` row) and a block of them never looked at."""
+    if tuple(got.shape) != tuple(shape):
+        raise WrongResult(f"{what}: result has shape {tuple(got.shape)}, the spec's is {tuple(shape)}")
+
+
 def check_close(got, ref, dtype: str, what: str) -> None:
+    """Raises WrongResult unless `got` has the oracle's shape, the dtype `dtype` names (a row's bytes count its
+    output in that dtype), finite values, and a relative error within TOLERANCE[dtype]. Compared as they are, a
+    result of another shape would broadcast against the oracle: a crash, or a truncated result passing."""
     import torch
 
+    if tuple(got.shape) != tuple(ref.shape):
+        raise WrongResult(f"{what}: result has shape {tuple(got.shape)}, the oracle {tuple(ref.shape)}")
+    if got.dtype != torch_dtype(dtype):
+        raise WrongResult(f"{what}: result is {got.dtype}, not the {dtype} the spec's row counts")
     got64, ref64 = got.to(ref.device).double(), ref.double()  # the oracle runs where its inputs are
     if not torch.isfinite(got64).all():
         raise WrongResult(f"{what}: result has non-finite values")
@@ -86,10 +100,12 @@ def check_close(got, ref, dtype: str, what: str) -> None:
                           f"for {dtype}")
 
 
-def check_rows(got, ref_of, dtype: str, what: str) -> None:
+def check_rows(got, ref_of, dtype: str, what: str, shape: tuple[int, ...]) -> None:
     """check_close over blocks of `got`'s rows, each against `ref_of(start, end)`, the fp64 oracle of those rows: the
     oracle's fp64 temporaries stay within CHECK_ELEMENTS whatever the spec's size (whole, a large norm's are several
-    times its input: an allocation past the host's memory, which the OOM killer answers, on the CPU)."""
+    times its input: an allocation past the host's memory, which the OOM killer answers, on the CPU). `shape` is the
+    whole result's: the blocks follow `got`'s rows, so a result missing whole blocks would otherwise pass."""
+    check_shape(got, shape, what)
     step = max(1, CHECK_ELEMENTS // max(1, got[0].numel()))
     for start in range(0, got.shape[0], step):
         check_close(got[start:start + step], ref_of(start, start + step), dtype, what)

@@ -45,7 +45,7 @@ class SiluMul:
             return gate / (1 + torch.exp(-gate)) * up
 
         def check():
-            check_rows(fn(), ref_of, spec.dtype, "silu_mul")
+            check_rows(fn(), ref_of, spec.dtype, "silu_mul", (spec.tokens, spec.hidden))
 
         n = spec.tokens * spec.hidden
         return Case(fn, check, flops=5.0 * n, bytes=float(self.held_bytes(spec)),

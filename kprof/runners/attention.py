@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 
 from ._args import DTYPE_BYTES, FloatDtype, KernelArgs, Size
-from ._case import Case, Unsupported, bind, check_close, seed_of, torch_dtype
+from ._case import Case, Unsupported, bind, check_close, check_shape, seed_of, torch_dtype
 
 SDPA_BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 # torch._C flag names (torch.nn.attention._backend_names) of each forceable SDPA backend
@@ -168,6 +168,7 @@ def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str, 
 
     def check():
         out = fn()
+        check_shape(out, (b, hq, q_len, d), what)
         got, ref = [], []
         for bi, hi in pairs:  # fp64 on the inputs' device: an independent plain softmax(QK^T)V
             q64 = q[bi, hi, rows].double()

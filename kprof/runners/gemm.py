@@ -13,7 +13,7 @@ Counted work per invocation: flops = 2·m·n·k; minimum bytes = A + B read once
 from __future__ import annotations
 
 from ._args import DTYPE_BYTES, FloatDtype, GemmDtype, KernelArgs, Size
-from ._case import CHECK_ELEMENTS, Case, Unsupported, WrongResult, bind, check_close, seed_of, torch_dtype
+from ._case import CHECK_ELEMENTS, Case, Unsupported, WrongResult, bind, check_close, check_shape, seed_of, torch_dtype
 
 ORACLE_ROWS = 64  # the fp64 oracle recomputes this many sampled rows: independent, and cheap for big shapes
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -86,6 +86,7 @@ class SingleGemm:
 
         def check():
             c = fn()
+            check_shape(c, (spec.m, spec.n), "single_gemm")
             a_, b_ = inputs
             a64 = a_[rows.to(a_.device)].double()
             ref = a64.new_zeros(a64.shape[0], spec.n)
@@ -125,6 +126,7 @@ def _fp8_case(spec: SingleGemmArgs, device: str, a, b, rows) -> Case:
         c = fn()
         if c.dtype != torch.bfloat16:
             raise WrongResult(f"single_gemm fp8_e4m3: torch._scaled_mm returned {c.dtype}, not bf16")
+        check_shape(c, (spec.m, spec.n), "single_gemm fp8_e4m3")
         dev = c.device  # fp64 on the kernel's device: the oracle's K x N product is costly on the host
         a64 = a8[rows].to(dev).double() * scale_a.to(dev).double()
         b64 = bt8.T.to(dev).double() * scale_b.to(dev).double()

@@ -31,7 +31,7 @@ and last row among them) in fp64.
 from __future__ import annotations
 
 from ._args import DTYPE_BYTES, FloatDtype, KernelArgs, Size
-from ._case import Case, Unsupported, bind, check_close, seed_of, torch_dtype
+from ._case import Case, Unsupported, bind, check_close, check_shape, seed_of, torch_dtype
 
 ORACLE_RANDOM_ROWS = 32
 ORACLE_GROUPS = 16  # groups whose first and last rows the oracle always checks (offset errors show there)
@@ -170,6 +170,7 @@ class _MoeGroupedGemm:
 
         def check():
             out = fn()
+            check_shape(out, (rows, spec.intermediate), "moe_grouped_gemm")
             got, ref = [], []
             for e in expert_of_row[sample].unique().tolist():
                 picked = sample[expert_of_row[sample] == e].to(x.device)

@@ -48,7 +48,7 @@ class RmsNorm:
             return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
 
         def check():
-            check_rows(fn(), ref_of, spec.dtype, "rms_norm")
+            check_rows(fn(), ref_of, spec.dtype, "rms_norm", (spec.tokens, spec.hidden))
 
         n = spec.tokens * spec.hidden
         return Case(fn, check, flops=4.0 * n, bytes=float(self.held_bytes(spec)),

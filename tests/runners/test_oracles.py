@@ -1,0 +1,91 @@
+"""The runners' oracles against wrong kernels: a result of the wrong shape or dtype, and a wrong value in the rows,
+heads or batches an oracle samples, fail the check as `wrong_result` (never a `crash` row, never an ok one).
+test_cpu_runners.py holds the tolerances and the sabotage of every value."""
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kprof.runners import moe
+from kprof.runners._case import WrongResult
+from kprof.runners.registry import lookup
+from kprof.runners.worker import classify
+
+SMALL = {
+    "single_gemm": {"m": 32, "n": 48, "k": 64},
+    "rms_norm": {"tokens": 8, "hidden": 64},
+    "silu_mul": {"tokens": 8, "hidden": 64},
+    "attention_prefill": {"batch": 2, "seq_len": 16, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                          "causal": True},
+    "attention_decode": {"batch": 2, "kv_len": 32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16},
+    "moe_grouped_gemm": {"tokens": 24, "experts": 6, "topk": 2, "hidden": 32, "intermediate": 40},
+}
+# The production public callable each family times; patching it sabotages the kernel but not the oracle.
+CALLABLE = {
+    "single_gemm": (torch, "matmul"),
+    "rms_norm": (F, "rms_norm"),
+    "silu_mul": (F, "silu"),
+    "attention_prefill": (F, "scaled_dot_product_attention"),
+    "attention_decode": (F, "scaled_dot_product_attention"),
+}
+
+
+def _case(table, dtype, backend="torch-cpu", runner=None, **shape):
+    entry = lookup(table, backend)
+    spec = msgspec.convert({**(shape or SMALL[table]), "dtype": dtype}, entry.args)
+    return (runner or entry.load_runner())().build(spec, "cpu")
+
+
+def _dropping_last_row(real):
+    def kernel(*a, **kw):  # the whole result less its last row (the last query of every attention head)
+        out = real(*a, **kw)
+        return out[..., :-1, :] if out.dim() == 4 else out[:-1]
+    return kernel
+
+
+def _upcast(real):
+    return lambda *a, **kw: real(*a, **kw).float()  # right values, in fp32 where the spec says bf16
+
+
+# silu_mul's patched silu is one factor of a product: a row fewer does not broadcast, and the kernel itself fails.
+@pytest.mark.parametrize("table, sabotage, match", [
+    *[(t, _dropping_last_row, "result has shape") for t in CALLABLE if t != "silu_mul"],
+    *[(t, _upcast, "result is torch.float32") for t in CALLABLE],
+], ids=lambda v: getattr(v, "__name__", v))
+def test_a_result_of_the_wrong_shape_or_dtype_is_a_wrong_result(table, sabotage, match, monkeypatch):
+    """A result missing rows was compared by broadcasting against the oracle (a `crash` row, or an IndexError where
+    the oracle samples rows), and a result in another dtype than the row's bytes count was stored as ok."""
+    case = _case(table, "bf16")
+    module, name = CALLABLE[table]
+    monkeypatch.setattr(module, name, sabotage(getattr(module, name)))
+    with pytest.raises(WrongResult, match=match) as caught:
+        case.check()
+    assert classify(caught.value) == "wrong_result"
+
+
+@pytest.mark.parametrize("sabotage, match", [(lambda out: out[:-1], "result has shape"),
+                                             (lambda out: out.float(), "result is torch.float32")])
+def test_moe_result_of_the_wrong_shape_or_dtype_is_a_wrong_result(sabotage, match, monkeypatch):
+    """The same for the MoE GEMM, through torch._grouped_mm (its CPU loop: the runner's CUDA-only guard lifted), as the
+    expert loop writes into one output it makes itself."""
+    monkeypatch.setattr(moe, "_require_grouped_mm", lambda *a: None)
+    case = _case("moe_grouped_gemm", "bf16", backend="torch", runner=moe.MoeGroupedMm)
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: sabotage(real(*a, **kw)))
+    with pytest.raises(WrongResult, match=match) as caught:
+        case.check()
+    assert classify(caught.value) == "wrong_result"
+
+
+def test_a_result_missing_whole_blocks_of_rows_is_a_wrong_result(monkeypatch):
+    """The row-block oracle follows the result's rows: one holding only its first blocks was checked block by block
+    and passed."""
+    import kprof.runners._case as case_module
+
+    monkeypatch.setattr(case_module, "CHECK_ELEMENTS", 64)  # one 64-wide row per block
+    case = _case("rms_norm", "fp32")
+    real = F.rms_norm
+    monkeypatch.setattr(F, "rms_norm", lambda *a, **kw: real(*a, **kw)[:4])
+    with pytest.raises(WrongResult, match=r"result has shape \(4, 64\), the spec's is \(8, 64\)"):
+        case.check()
