@@ -160,7 +160,10 @@ def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str, 
                 restore(before)
 
     fn = bind(call, inputs)
-    pairs = [(i * 7919 % b, i * 104729 % hq) for i in range(ORACLE_PAIRS)]
+    # (batch, head) pairs spread from (first batch, first head) to (last batch, last head): both ends of both axes, and
+    # with GQA the first and last kv head. (Strides of large primes left whole halves unchecked: heads 0-3 of 8.)
+    last = ORACLE_PAIRS - 1
+    pairs = [(i * (b - 1) // last, i * (hq - 1) // last) for i in range(ORACLE_PAIRS)]
     # Query positions the oracle recomputes: all of a short prompt; else the first, the last and random ones. The
     # fp64 scores are [positions, kv_len]: every query's would be [q_len, kv_len], 8 GiB per pair at 32k tokens.
     rows = torch.randperm(q_len, generator=torch.Generator().manual_seed(seed_of(spec)))[:ORACLE_QUERIES - 2]

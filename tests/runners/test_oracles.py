@@ -89,3 +89,27 @@ def test_a_result_missing_whole_blocks_of_rows_is_a_wrong_result(monkeypatch):
     monkeypatch.setattr(F, "rms_norm", lambda *a, **kw: real(*a, **kw)[:4])
     with pytest.raises(WrongResult, match=r"result has shape \(4, 64\), the spec's is \(8, 64\)"):
         case.check()
+
+
+@pytest.mark.parametrize("table, shape", [
+    ("attention_prefill", {"batch": 1, "seq_len": 16, "num_heads": 8, "num_kv_heads": 8, "head_dim": 16,
+                           "causal": False}),
+    ("attention_prefill", {"batch": 3, "seq_len": 16, "num_heads": 8, "num_kv_heads": 2, "head_dim": 16,
+                           "causal": True}),
+    ("attention_decode", {"batch": 1, "kv_len": 32, "num_heads": 8, "num_kv_heads": 2, "head_dim": 16}),
+])
+def test_attention_oracle_checks_the_last_heads(table, shape, monkeypatch):
+    """The oracle's (batch, head) pairs took heads i * 104729 % num_heads: 0-3 of 8, so a kernel wrong in the second
+    half of the heads (the last kv head's group, with GQA) was stored as ok."""
+    case = _case(table, "bf16", **shape)
+    case.check()
+    real = F.scaled_dot_product_attention
+
+    def second_half_wrong(*a, **kw):
+        out = real(*a, **kw)
+        out[:, out.shape[1] // 2:] *= 1.5
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", second_half_wrong)
+    with pytest.raises(WrongResult, match="relative error"):
+        case.check()
