@@ -113,3 +113,22 @@ def test_attention_oracle_checks_the_last_heads(table, shape, monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", second_half_wrong)
     with pytest.raises(WrongResult, match="relative error"):
         case.check()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("row", ["first", "last"])
+def test_gemm_oracle_checks_the_first_and_last_rows(dtype, row, monkeypatch):
+    """The oracle recomputed 64 random rows of C: at m=256 neither the first nor the last (a tail tile's) for fp32, so
+    a kernel wrong there alone was stored as ok."""
+    case = _case("single_gemm", dtype, m=256, n=48, k=64)
+    case.check()
+    real = torch.matmul
+
+    def one_row_wrong(*a, **kw):
+        out = real(*a, **kw)
+        out[0 if row == "first" else -1] *= 1.5
+        return out
+
+    monkeypatch.setattr(torch, "matmul", one_row_wrong)
+    with pytest.raises(WrongResult, match="relative error"):
+        case.check()
