@@ -331,7 +331,10 @@ class ShapeCodec:
             article = "an" if self.name[:1] in "aeiou" else "a"  # an all_reduce spec, a single_gemm spec
             return SpecError(f'field "{name}" is missing; {article} {self.name} spec needs '
                              f'{self._table_fields()}', index=index, field=name)
-        if not name:  # a rule across fields (from __post_init__)
+        if not name:  # a rule across fields (from __post_init__): one that names its field says its fix too
+            named = re.match(r'field "(\w+)"', text)
+            if named:
+                return SpecError(text, index=index, field=named.group(1), value=spec.get(named.group(1)))
             return SpecError(f"{text}; fix the values", index=index)
         value = spec.get(name)
         fix = "fix the value"

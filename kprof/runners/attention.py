@@ -18,6 +18,7 @@ causal square prefill; minimum bytes = q and out (batch·heads·q_len·head_dim 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from ._args import DTYPE_BYTES, FloatDtype, KernelArgs, Size
@@ -32,8 +33,11 @@ ORACLE_QUERIES = 64  # query positions of each pair it recomputes (every one of 
 
 
 def _heads_divide(spec) -> None:
-    if spec.num_heads % spec.num_kv_heads:
-        raise ValueError(f"num_heads ({spec.num_heads}) must be a multiple of num_kv_heads ({spec.num_kv_heads})")
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    if heads % kv_heads:
+        raise ValueError(f'field "num_kv_heads" = {kv_heads} does not divide num_heads ({heads}): num_heads must be a '
+                         f'multiple of it (each kv head serves num_heads / num_kv_heads query heads); use a divisor of '
+                         f'{heads}, e.g. {math.gcd(heads, kv_heads)}')
 
 
 class AttentionPrefillArgs(KernelArgs, frozen=True):

@@ -50,7 +50,8 @@ class MoeGroupedGemmArgs(KernelArgs, frozen=True):
 
     def __post_init__(self):
         if self.topk > self.experts:
-            raise ValueError(f"topk ({self.topk}) must not exceed experts ({self.experts})")
+            raise ValueError(f'field "topk" = {self.topk} exceeds experts ({self.experts}): a token is routed to topk '
+                             f'distinct experts; use a topk of at most {self.experts}')
 
 
 def route(spec: MoeGroupedGemmArgs, g):

@@ -130,6 +130,23 @@ def test_new_args_validate():
                                                               "dtype"]
 
 
+@pytest.mark.parametrize("table, over, field, fix", [
+    ("attention_prefill", {"num_heads": 6, "num_kv_heads": 4}, "num_kv_heads", "use a divisor of 6, e.g. 2"),
+    ("attention_decode", {"num_heads": 4, "num_kv_heads": 8}, "num_kv_heads", "use a divisor of 4, e.g. 4"),
+    ("moe_grouped_gemm", {"experts": 6, "topk": 7}, "topk", "use a topk of at most 6"),
+])
+def test_a_rule_across_fields_names_its_field_and_fix(table, over, field, fix):
+    """A rule across fields said "num_heads (6) must be a multiple of num_kv_heads (4); fix the values": no field on
+    the error and no fix."""
+    from kprof.errors import SpecError
+    from kprof.specs import validate
+
+    with pytest.raises(SpecError) as caught:
+        validate(lookup(table, "torch-cpu").args, [{**SMALL[table], **over}], table)
+    assert caught.value.field == field and caught.value.value == over[field]
+    assert str(caught.value).startswith(f'spec 0: field "{field}" = {over[field]} ') and str(caught.value).endswith(fix)
+
+
 # ---- Case: fn() == call(*inputs), also on clones of the inputs -----------------------------------------
 
 def _cpu_cases():
