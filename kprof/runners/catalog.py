@@ -18,7 +18,7 @@ from .comm import AllGatherArgs, AllReduceArgs, AllToAllArgs, ReduceScatterArgs
 from .attention import AttentionDecodeArgs, AttentionPrefillArgs
 from .gemm import CpuGemmArgs, SingleGemmArgs
 from .memcpy import MemcpyArgs
-from .moe import MoeGroupedGemmArgs
+from .moe import GroupedMmArgs, MoeGroupedGemmArgs
 from .norm import RmsNormArgs
 from ._entry import Entry
 
@@ -169,7 +169,7 @@ for forced in ("flash", "efficient", "cudnn", "math"):
 
 # The MoE expert GEMM: one algorithm per entry; a runner refuses rather than switch algorithms.
 _MOE = "tokens*topk rows routed by a softmax top-k router, grouped by expert, times each expert's weight"
-_register("moe_grouped_gemm", MoeGroupedGemmArgs, "moe", "kprof.runners.moe:MoeGroupedMm", "torch", "cuda",
+_register("moe_grouped_gemm", GroupedMmArgs, "moe", "kprof.runners.moe:MoeGroupedMm", "torch", "cuda",
           "torch._grouped_mm", _MOE_LAYOUT, "bf16 in/out, fp32 accumulate (CUTLASS grouped GEMM)", GPU_TIMING,
           f"{_MOE}: one grouped GEMM launch (bf16, sm90/sm100)")
 _register("moe_grouped_gemm", MoeGroupedGemmArgs, "moe", "kprof.runners.moe:MoeExpertLoop", "torch-loop", "cuda",

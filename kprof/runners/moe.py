@@ -54,6 +54,21 @@ class MoeGroupedGemmArgs(KernelArgs, frozen=True):
                              f'distinct experts; use a topk of at most {self.experts}')
 
 
+class GroupedMmArgs(MoeGroupedGemmArgs, frozen=True):
+    """moe_grouped_gemm through torch._grouped_mm: its grouped kernel takes bf16 rows 16-byte aligned, so other specs
+    are refused at validation (exit 2, nothing written) instead of stored as `unsupported` rows. Same fields, so the
+    same keys."""
+
+    def __post_init__(self):
+        MoeGroupedGemmArgs.__post_init__(self)  # (msgspec Structs take no zero-argument super)
+        if self.dtype != "bf16":
+            raise ValueError(f'field "dtype" = {self.dtype!r}: torch._grouped_mm runs its grouped GEMM kernel for bf16 '
+                             f'only; use dtype bf16, or backend torch-loop for {self.dtype}')
+        if self.hidden % 8:
+            raise ValueError(f'field "hidden" = {self.hidden}: torch._grouped_mm needs 16-byte aligned bf16 rows; use '
+                             f'a multiple of 8 (e.g. {self.hidden + 8 - self.hidden % 8}), or backend torch-loop')
+
+
 def route(spec: MoeGroupedGemmArgs, g):
     """(token of each routed row, expert of each row, rows per expert), rows sorted by expert."""
     import torch
@@ -200,16 +215,10 @@ def _require_grouped_mm(spec: MoeGroupedGemmArgs, device: str, on_cuda: bool) ->
         raise Unsupported("torch._grouped_mm's grouped GEMM kernel runs on CUDA only; use backend torch-cpu")
     if not hasattr(torch, "_grouped_mm"):
         raise Unsupported(f"torch {torch.__version__} has no torch._grouped_mm; use backend torch-loop")
-    if spec.dtype != "bf16":
-        raise Unsupported(f"torch._grouped_mm runs its grouped GEMM kernel for bf16 only ({spec.dtype} falls back "
-                          f"to a per-group loop); use backend torch-loop")
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         raise Unsupported(f"torch._grouped_mm runs its grouped GEMM kernel on sm90/sm100 only (this GPU is "
                           f"sm{major}{minor}, where it falls back to a per-group loop); use backend torch-loop")
-    if spec.hidden % 8:
-        raise Unsupported(f"torch._grouped_mm needs 16-byte aligned rows: hidden ({spec.hidden}) must be a "
-                          f"multiple of 8 for bf16")
 
 
 def _oracle_rows(counts, ends, g):

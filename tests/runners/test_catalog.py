@@ -2,6 +2,9 @@
 runner that builds on CPU, and the CPU-runnable parts of the CUDA runners (MoE grouped GEMM, fp8 scaled
 GEMM, forced SDPA backends, memcpy)."""
 
+import os
+import re
+
 import msgspec
 import pytest
 import torch
@@ -382,14 +385,27 @@ def test_grouped_mm_is_unsupported_on_cpu():
         moe.MoeGroupedMm().build(_moe_spec(), "cpu")
 
 
-@pytest.mark.parametrize("cap, over, match", [((9, 0), {"dtype": "fp16"}, "bf16 only"),
-                                              ((8, 0), {}, "sm90/sm100 only"),
-                                              ((12, 0), {}, "sm90/sm100 only"),
-                                              ((10, 0), {"hidden": 36}, "multiple of 8")])
-def test_grouped_mm_refuses_rather_than_fall_back(cap, over, match, monkeypatch):
+@pytest.mark.parametrize("cap, match", [((8, 0), "sm90/sm100 only"), ((12, 0), "sm90/sm100 only")])
+def test_grouped_mm_refuses_rather_than_fall_back(cap, match, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     with pytest.raises(Unsupported, match=match):
-        moe._require_grouped_mm(_moe_spec(**over), "cuda", True)
+        moe._require_grouped_mm(_moe_spec(), "cuda", True)
+
+
+@pytest.mark.parametrize("over, field, fix", [({"dtype": "fp16"}, "dtype", "use dtype bf16, or backend torch-loop"),
+                                              ({"hidden": 36}, "hidden", "use a multiple of 8 (e.g. 40)")])
+def test_grouped_mm_specs_it_cannot_run_are_refused_before_anything_is_written(over, field, fix, tmp_path):
+    """An fp16 or unaligned spec of the torch backend was stored as an `unsupported` row (exit 1), though no GPU runs
+    it: refused at validation (exit 2, the field and its fix named, nothing written), as fp8 on torch-cpu is; the
+    loop backend takes them."""
+    from kprof import api
+    from kprof.errors import SpecError
+
+    spec = {**SMALL["moe_grouped_gemm"], **over}
+    with pytest.raises(SpecError, match=f'field "{field}" = .*torch._grouped_mm.*; {re.escape(fix)}') as info:
+        api.run("moe_grouped_gemm", "torch", [spec], gpu_name="NVIDIA H200", db=str(tmp_path / "x.db"))
+    assert info.value.field == field and os.listdir(tmp_path) == []
+    msgspec.convert(spec, lookup("moe_grouped_gemm", "torch-loop").args)  # the loop backend takes it
 
 
 @pytest.mark.parametrize("cap", [(9, 0), (10, 0)])
