@@ -60,8 +60,8 @@ Spec = Annotated[list[str] | None, Parameter(name="--spec", consume_multiple=Fal
 Specs = Annotated[str | None, Parameter(name="--specs", allow_leading_hyphen=True, metavar="FILE", help=(
     "A file of specs: a JSON object, a JSON list, {\"specs\": [...]}, or JSONL (a file: not stdin or a pipe)."))]
 OutputDir = Annotated[str | None, Parameter(name="--output-dir", help="Write request.json, results.json, "
-                                            "curve.json, job.meta.json (and curve.png, with matplotlib) there, "
-                                            "once, read-only.")]
+                                            "curve.json, job.meta.json (and curve.png, with matplotlib, where a "
+                                            "spec field varies) there, once, read-only.")]
 # The timing method of CUDA rows (part of their key). None = the environment variable, so scripts that set
 # KPROF_TIMER / KPROF_L2 / KPROF_CUDA_GRAPH / KPROF_POWER keep working; values are checked by
 # kprof.api.effective_entry, one rule and one message for the CLI and the Python API.
