@@ -1,5 +1,6 @@
-"""Helper processes (an audit's shards): spawned, each ending itself once the process that started it has gone
-(killed, or ended without waiting) rather than working on for no one. No kprof imports."""
+"""Child processes (an audit's shards, a run's pool workers, a collective's ranks): spawned, each ending itself once
+the process that started it has gone (killed, or ended without waiting) rather than working on for no one. No kprof
+imports."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from concurrent.futures import ProcessPoolExecutor
 __all__ = ["watch_parent", "in_processes"]
 
 
-def watch_parent(interval_s: float = 0.5) -> None:
-    """Starts a daemon thread that ends this process (exit status 1) once its parent process has changed."""
+def watch_parent(interval_s: float = 0.5, then=lambda: None) -> None:
+    """Starts a daemon thread that ends this process (exit status 1) once its parent process has changed, after
+    `then()` (what the process must not leave behind); the thread working may be inside a call that never returns."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
+        then()
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="kprof-parent-watch").start()

@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from multiprocessing import connection
 
 import msgspec
 
+from .._children import watch_parent
 from ._case import Unsupported
-
-
-def _watch_parent() -> None:
-    """Exit when the coordinator's process is gone (its socket may be held open by a collective that hangs)."""
-    parent = os.getppid()
-
-    def watch():
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="kprof-rank-parent").start()
 
 
 class _Timed:
@@ -136,7 +123,7 @@ class _import_lane:
 
 
 def _rank_main(fd: int, rank: int, world: int, backend: str, store: str, timeout_s: float) -> None:
-    _watch_parent()
+    watch_parent(1.0)  # the coordinator gone (its socket may be held open by a collective that hangs): exit
     conn = connection.Connection(fd)
     try:
         import datetime

@@ -19,7 +19,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from multiprocessing.connection import wait
 from typing import Callable, Iterator, NamedTuple
@@ -27,6 +26,7 @@ from typing import Callable, Iterator, NamedTuple
 import msgspec
 
 from .. import _scratch
+from .._children import watch_parent
 from ..errors import UsageError
 from ..ledger._codec import event_decoder
 from ..ledger.events import Environment, Event, Origin
@@ -63,7 +63,9 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
     reaches the whole process group: the parent handles it and stops its workers, so a worker ignores it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     unsent: list[str] = []  # the segment written and not yet sent to the parent
-    _end_with_parent(spool, unsent)
+    # A run killed away (SIGKILL, the OOM killer) while this worker is inside a spec that hangs, or runs for minutes:
+    # the pipe says so only at its next use, so the worker would hold its device, orphaned, for as long as the spec took
+    watch_parent(then=lambda: _leave(spool, unsent))
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before anything imports torch
     from ..ledger.events import Contract
@@ -91,21 +93,6 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
             conn.send(("idle",))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone (killed): end without a traceback
         _leave(spool, unsent)
-
-
-def _end_with_parent(spool: str, unsent: list[str]) -> None:
-    """Ends this worker once the run that started it is gone without stopping it (SIGKILL, the OOM killer). A worker
-    waiting for its next spec finds the pipe closed; one inside a spec that hangs (or runs for minutes) did not, and
-    held its device, orphaned, for as long as the spec took. A daemon thread watches the parent for it."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        _leave(spool, unsent)
-        os._exit(1)  # the measuring thread cannot be interrupted; nothing of this process is wanted any more
-
-    threading.Thread(target=watch, daemon=True, name="kprof-worker-parent").start()
 
 
 def _leave(spool: str, unsent: list[str]) -> None:
