@@ -4,12 +4,12 @@ staging folder inside one that its files are written in, then renamed from, so a
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import tempfile
 from typing import Iterator
 
+from ._scratch import hold
 from .errors import UsageError
 
 __all__ = ["check_output_dir", "staged", "drop_unfinished"]
@@ -54,27 +54,13 @@ def staged(path: str, prefix: str) -> Iterator[str]:
     lets go when the process ends, however it ends), removed after. The block renames its files into `path`; a kill
     among those renames leaves the folder with the files not yet renamed, for `drop_unfinished` to take back."""
     staging = tempfile.mkdtemp(prefix=prefix, dir=path)
-    fd = _hold(staging)
+    fd = hold(staging)
     try:
         yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if fd is not None:
             os.close(fd)
-
-
-def _hold(staging: str, wait: bool = True) -> int | None:
-    """An fd holding an exclusive flock on `staging`, or None where a live writer holds it, or it is gone."""
-    try:
-        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def drop_unfinished(path: str, prefix: str, names) -> None:
@@ -91,7 +77,7 @@ def drop_unfinished(path: str, prefix: str, names) -> None:
         with contextlib.suppress(OSError):
             if not os.listdir(staging):  # empty: maybe a live writer's, made but not yet locked; no part of anything
                 continue
-        fd = _hold(staging, wait=False)
+        fd = hold(staging, wait=False)
         if fd is None:
             continue
         try:

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 
-__all__ = ["make", "keep"]
+__all__ = ["make", "keep", "hold"]
 
 # A directory younger than this is never taken for left over: its owner may be between making and locking it.
 SETTLE_S = 60.0
@@ -23,8 +23,7 @@ def make(prefix: str, tag: str = "") -> tuple[str, object]:
     directory be). Left-over directories of the same prefix, whatever their tag, are removed first."""
     _sweep(prefix)
     path = tempfile.mkdtemp(prefix=prefix + tag)
-    fd = os.open(path, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_SH)  # held while the process lives (or until removed); forked children share it
+    fd = hold(path, shared=True)  # held while the process lives (or until removed); forked children share it
     pid, done = os.getpid(), []
 
     def remove() -> None:
@@ -32,7 +31,8 @@ def make(prefix: str, tag: str = "") -> tuple[str, object]:
             done.append(True)
             if os.getpid() == pid:
                 shutil.rmtree(path, ignore_errors=True)
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     return path, remove
 
@@ -49,6 +49,21 @@ def keep(path: str, prefix: str, as_prefix: str) -> str:
     return kept
 
 
+def hold(path: str, *, shared: bool = False, wait: bool = True) -> int | None:
+    """An fd holding a flock (exclusive, or shared) on the directory `path`, which the kernel lets go when the process
+    ends however it ends; None where another process holds it (and `wait` is False), or it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone, another user's, or not a directory
+        return None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _sweep(prefix: str) -> None:
     """Removes the directories of `prefix` under the temporary directory that no live process holds."""
     root = tempfile.gettempdir()
@@ -58,15 +73,11 @@ def _sweep(prefix: str) -> None:
         return
     for name in names:
         path = os.path.join(root, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError:  # gone, another user's, or not a directory
+        fd = hold(path, wait=False)  # None while its owner holds it
+        if fd is None:
             continue
         try:
             if time.time() - os.fstat(fd).st_mtime > SETTLE_S:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused (OSError) while its owner holds it
                 shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
         finally:
             os.close(fd)

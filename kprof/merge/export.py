@@ -23,7 +23,6 @@ class Exported(NamedTuple):
     events: int
 
 
-
 def export(db: str | None, output: str, *, table: str | None = None, backend: str | None = None,
            gpu_name: str | None = None, since: int = 0) -> Exported:
     """Writes the ledger's events of sequence > `since` (of one table, backend and GPU key where given) to a new
