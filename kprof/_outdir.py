@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from typing import Iterator
 
-from ._scratch import hold
+from ._scratch import hold, unheld
 from .errors import UsageError
 
 __all__ = ["check_output_dir", "staged", "drop_unfinished"]
@@ -68,23 +68,14 @@ def drop_unfinished(path: str, prefix: str, names) -> None:
     that still holds files was killed among its renames: the files of `names` it had renamed into `path` go too
     (none was there before it: the write checked that). An empty one is let be: a writer locks its folder before it
     writes a file, so an empty unlocked one may be a live writer's, and holds no part of an output."""
-    try:
-        found = [n for n in os.listdir(path) if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in found:
-        staging = os.path.join(path, name)
-        with contextlib.suppress(OSError):
-            if not os.listdir(staging):  # empty: maybe a live writer's, made but not yet locked; no part of anything
-                continue
-        fd = hold(staging, wait=False)
-        if fd is None:
-            continue
+    for staging, _fd in unheld(path, prefix):
         try:
             left = os.listdir(staging)
-            for done in (n for n in names if left and n not in left):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(path, done))
-            shutil.rmtree(staging, ignore_errors=True)
-        finally:
-            os.close(fd)
+        except OSError:
+            continue
+        if not left:  # empty: maybe a live writer's, made but not yet locked; no part of anything
+            continue
+        for done in (n for n in names if n not in left):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, done))
+        shutil.rmtree(staging, ignore_errors=True)

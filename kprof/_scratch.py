@@ -10,8 +10,9 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Iterator
 
-__all__ = ["make", "keep", "hold"]
+__all__ = ["make", "keep", "hold", "unheld"]
 
 # A directory younger than this is never taken for left over: its owner may be between making and locking it.
 SETTLE_S = 60.0
@@ -64,9 +65,9 @@ def hold(path: str, *, shared: bool = False, wait: bool = True) -> int | None:
     return fd
 
 
-def _sweep(prefix: str) -> None:
-    """Removes the directories of `prefix` under the temporary directory that no live process holds."""
-    root = tempfile.gettempdir()
+def unheld(root: str, prefix: str) -> Iterator[tuple[str, int]]:
+    """(path, fd holding it) of each directory `prefix*` in `root` that no process holds; each fd is closed as the
+    loop moves on."""
     try:
         names = [name for name in os.listdir(root) if name.startswith(prefix)]
     except OSError:
@@ -74,10 +75,15 @@ def _sweep(prefix: str) -> None:
     for name in names:
         path = os.path.join(root, name)
         fd = hold(path, wait=False)  # None while its owner holds it
-        if fd is None:
-            continue
-        try:
-            if time.time() - os.fstat(fd).st_mtime > SETTLE_S:
-                shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os.close(fd)
+        if fd is not None:
+            try:
+                yield path, fd
+            finally:
+                os.close(fd)
+
+
+def _sweep(prefix: str) -> None:
+    """Removes the directories of `prefix` under the temporary directory that no live process holds."""
+    for path, fd in unheld(tempfile.gettempdir(), prefix):
+        if time.time() - os.fstat(fd).st_mtime > SETTLE_S:
+            shutil.rmtree(path, ignore_errors=True)
