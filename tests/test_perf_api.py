@@ -12,7 +12,8 @@ import msgspec
 import pytest
 
 from kprof import perf_api
-from kprof.errors import LedgerError, SpecError, UnknownGpuKeyError, UsageError
+from kprof import api
+from kprof.errors import LedgerError, LedgerPathError, SpecError, UnknownGpuKeyError, UsageError
 from kprof.ledger import KeyMaker, Ledger, ShapeCodec
 from kprof.ledger.build import measured
 from kprof.ledger.events import Method, Stats
@@ -147,6 +148,18 @@ def test_a_dangling_link_a_gpu_key_not_a_str_and_arguments_inside_a_spec_are_nam
     with pytest.raises(SpecError, match='spec 0: field "backend" is not a KernelArgs field of single_gemm; pass '
                                         'backend= to count_single_gemm once, not in the specs'):
         perf_api.count_single_gemm([{**SPEC, "backend": "torch-cpu"}], backend="torch-cpu", db=db)
+
+
+def test_every_db_that_names_no_ledger_is_a_ledger_path_error(db, tmp_path):
+    """As the README says: nothing there, not a ledger (a directory among them) or db='' raise LedgerPathError, the
+    one error a caller catches for a db that names no ledger (a directory and a dangling link were other LedgerErrors)."""
+    os.symlink(tmp_path / "nothing.db", tmp_path / "link.db")
+    (tmp_path / "notes.txt").write_text("not a ledger")
+    for path in (str(tmp_path / "none.db"), str(tmp_path / "link.db"), str(tmp_path), str(tmp_path / "notes.txt"), ""):
+        with pytest.raises(LedgerPathError):
+            perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=path, **SPEC)
+        with pytest.raises(LedgerPathError):
+            api.scopes(path)
 
 
 def test_the_cached_ledgers_are_closed_at_exit(db):

@@ -54,8 +54,8 @@ def _recognize(path: str, deadline: float, readonly: bool) -> None:
     except OSError as exc:
         raise LedgerError(f"cannot open ledger {path}: {exc.strerror}; check the path and its permissions") from None
     if stat.S_ISDIR(st.st_mode):
-        raise LedgerError(f"ledger path {path} is a directory, not a kprof ledger; pass the ledger file, e.g. "
-                          f"{os.path.join(path, 'profile.db')}")
+        raise LedgerPathError(f"ledger path {path} is a directory, not a kprof ledger; pass the ledger file, e.g. "
+                              f"{os.path.join(path, 'profile.db')}")
     if not stat.S_ISREG(st.st_mode):
         raise _not_a_ledger(path, "not a regular file: a device, pipe or socket")
     if st.st_nlink > 1 and not readonly:  # LMDB's lock file is `<name>-lock`: one per name, where writers exclude

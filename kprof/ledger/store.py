@@ -80,7 +80,7 @@ class Ledger:
         if os.path.exists(path):
             _recognize(path, deadline, readonly)
         elif os.path.islink(path):  # to nothing (it does not exist): LMDB would create `<path>-lock`, then fail
-            raise LedgerError(f"ledger path {path} is a symbolic link to nothing (dangling, or a loop); fix the link")
+            raise LedgerPathError(f"ledger path {path} is a symbolic link to nothing (dangling, a loop); fix the link")
         elif readonly:
             raise LedgerPathError(*(f"no ledger at {path}; pass {db} or set KPROF_DB, or `kprof run` to create one"
                                     for db in ("db=...", "--db")))
