@@ -73,6 +73,9 @@ class UnknownGpuKeyError(UsageError):
         super().__init__(f"ledger {db} has no {what} rows for GPU key {gpu_key!r}: {fix} "
                          f"(`kprof scopes --db {db}` lists every table, backend and GPU key it holds)")
 
+    def __reduce__(self):  # pickled across processes (a lookup in a process pool's worker) with its fields
+        return type(self), (self.table, self.backend, self.gpu_key, self.db, self.known)
+
 
 class LedgerError(UsageError):
     """The ledger file cannot be opened or used as asked (missing, locked, not a ledger). A usage error: the
@@ -101,6 +104,9 @@ class LedgerVersionError(LedgerError):
             f"upgrade kprof to read it"
         )
 
+    def __reduce__(self):
+        return type(self), (self.path, self.found, self.supported)
+
 
 class IntegrityError(KprofError):
     """The ledger's contents are inconsistent or damaged (exit 3)."""
@@ -117,6 +123,9 @@ class MergeConflict(KprofError):
     def __init__(self, message: str, report: dict):
         super().__init__(message)
         self.report = report
+
+    def __reduce__(self):
+        return type(self), (str(self), self.report)
 
 
 class SnapshotError(KprofError):

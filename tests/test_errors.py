@@ -1,0 +1,24 @@
+"""kprof.errors: every error survives pickling with its message and fields, as it crosses from a worker process (a
+simulator's lookups in a process pool, a pool worker's spec) to the process that handles it."""
+
+import pickle
+
+import pytest
+
+from kprof.errors import (LedgerPathError, LedgerVersionError, MergeConflict, SettingError, SpecError,
+                          UnknownGpuKeyError)
+
+
+@pytest.mark.parametrize("error", [
+    UnknownGpuKeyError("single_gemm", "torch-cpu", "NVIDIA H200", "profile.db", [("AMD EPYC", 8)]),
+    LedgerVersionError("profile.db", 9, 4),
+    MergeConflict("1 conflict; nothing merged", {"conflicts": [{"key": "ab"}]}),
+    SettingError("timer='x' is bad", "--timer x is bad"),
+    LedgerPathError("no ledger at p.db; pass db=...", "no ledger at p.db; pass --db"),
+    SpecError('field "m" = 1.5 is a float', index=3, field="m", value=1.5),
+])
+def test_an_error_comes_back_from_pickling_whole(error):
+    """(An UnknownGpuKeyError raised in a multiprocessing.Pool worker could not be unpickled: the pool hung, and a
+    ProcessPoolExecutor called itself broken, instead of naming the GPU keys the ledger holds.)"""
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error) and vars(back) == vars(error)
