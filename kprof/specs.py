@@ -278,7 +278,12 @@ class ShapeCodec:
     def _slow_to_shape(self, spec, index):
         if not isinstance(spec, Mapping):
             raise SpecError(f"expected a JSON object of {self._table_fields()}, got {type(spec).__name__}", index=index)
-        fixed = {name: _scalar(value) for name, value in spec.items()}  # np.int64(64) is 64, np.float64(64.0) a float
+        named = [name for name in spec if not isinstance(name, str)]
+        if named:
+            raise SpecError(f"field name {named[0]!r} ({type(named[0]).__name__}) is not a str; name each field as a "
+                            f"str, one of {self._table_fields()}", index=index, value=named[0])
+        # np.int64(64) is 64, np.float64(64.0) a float; a name of a str subclass (np.str_, a str Enum) its str
+        fixed = {str.__str__(name): _scalar(value) for name, value in spec.items()}
         for name in self._int_fields & fixed.keys():
             value = fixed[name]
             if self.strict and type(value) in (float, bool):

@@ -440,3 +440,21 @@ def test_numpy_scalars_read_as_the_python_values_they_hold(empty_db):
             api.query("single_gemm", "torch-cpu", [A, {**A, "m": value}], db=empty_db)
         assert (info.value.index, info.value.field, info.value.value) == (1, "m", value)
         assert type(info.value.value) is type(value)
+
+
+def test_field_names_of_a_str_subclass_read_as_their_str_and_a_name_not_a_str_is_named(empty_db):
+    """Specs built as dict(zip(np.array(names), values)) or keyed by a str Enum have names of a str subclass: they read
+    as the str they hold (they were refused with "Expected `str` - at `key` in `$`; fix the values"); a name that is no
+    str at all is named, with the fields to use."""
+    import enum
+
+    np = pytest.importorskip("numpy")
+    from kprof import api
+    from kprof.errors import SpecError
+
+    Field = enum.Enum("Field", {"M": "m", "N": "n", "K": "k", "DTYPE": "dtype"}, type=str)
+    for spec in (dict(zip(np.array(list(A)), A.values())), {Field(name): value for name, value in A.items()}):
+        assert api.count_missing("single_gemm", "torch-cpu", [B, spec], db=empty_db).missing == [B, A]
+    with pytest.raises(SpecError, match=r"spec 1: field name 1 \(int\) is not a str; name each field as a str, one "
+                                        r"of \{m, n, k, dtype\}"):
+        api.query("single_gemm", "torch-cpu", [A, {**A, 1: 2}], db=empty_db)
