@@ -97,11 +97,25 @@ def close_all() -> None:
 atexit.register(close_all)
 
 
+def _placed(exc: SpecError, table: str, function: str) -> SpecError:
+    """A spec field that is an argument of `function` (or gpu_name, kprof.api's name for gpu_key): where it goes."""
+    name = "gpu_key" if exc.field == "gpu_name" else exc.field
+    if name not in _ARGUMENTS:
+        return exc
+    return SpecError(f'field "{exc.field}" is not a KernelArgs field of {table}; pass {name}= to {function}'
+                     + (" once, not in the specs" if function.startswith("count_") else ""), index=exc.index,
+                     field=exc.field, value=exc.value)
+
+
 def _make(table: str) -> tuple[Callable, Callable]:
     def get(*, backend: str, gpu_key: str | None = None, db: str | None = None, timer: str | None = None,
             l2: str | None = None, cuda_graph: bool | None = None, power: str | None = None,
             **spec: Any) -> Row | None:
-        return view_for(table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power).get(**spec)
+        view = view_for(table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
+        try:
+            return view.get(**spec)
+        except SpecError as exc:  # gpu_name=, as kprof.api has it, read as a spec field
+            raise _placed(exc, table, f"get_{table}") from None
 
     def count(specs: list[dict], *, backend: str, gpu_key: str | None = None, db: str | None = None,
               timer: str | None = None, l2: str | None = None, cuda_graph: bool | None = None,
@@ -110,11 +124,7 @@ def _make(table: str) -> tuple[Callable, Callable]:
         try:
             return view.count_missing(specs)
         except SpecError as exc:  # an argument of this call inside a spec: say where it goes
-            if exc.field not in _ARGUMENTS:
-                raise
-            raise SpecError(f'field "{exc.field}" is not a KernelArgs field of {table}; pass {exc.field}= to '
-                            f'count_{table} once, not in the specs', index=exc.index, field=exc.field,
-                            value=exc.value) from None
+            raise _placed(exc, table, f"count_{table}") from None
 
     get.__name__ = get.__qualname__ = f"get_{table}"
     count.__name__ = count.__qualname__ = f"count_{table}"

@@ -162,6 +162,17 @@ def test_every_db_that_names_no_ledger_is_a_ledger_path_error(db, tmp_path):
             api.scopes(path)
 
 
+def test_gpu_name_as_kprof_api_spells_it_is_named_as_gpu_key(db):
+    """get_<table> took gpu_name= (kprof.api's keyword) as a spec field and said only "use only {m, n, k, dtype}": the
+    caller, dropping it, read this machine's GPU key instead of the one meant."""
+    with pytest.raises(SpecError, match='field "gpu_name" is not a KernelArgs field of single_gemm; pass gpu_key= to '
+                                        'get_single_gemm$'):
+        perf_api.get_single_gemm(backend="torch-cpu", gpu_name="Known CPU", db=db, **SPEC)
+    with pytest.raises(SpecError, match='field "gpu_name" is not a KernelArgs field of single_gemm; pass gpu_key= to '
+                                        'count_single_gemm once, not in the specs'):
+        perf_api.count_single_gemm([{**SPEC, "gpu_name": "Known CPU"}], backend="torch-cpu", db=db)
+
+
 def test_the_cached_ledgers_are_closed_at_exit(db):
     """(An exit handler registered before perf_api's runs after it: it sees what perf_api left open.)"""
     script = ("import atexit, sys\n"
