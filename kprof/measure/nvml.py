@@ -1,4 +1,4 @@
-"""NVML: the visible GPUs, the GPU environment, a telemetry sampler, energy per call, idle GPUs.
+"""NVML: the visible GPUs, the GPU environment, a telemetry sampler, energy per call, the idle guard's inventory.
 
 pynvml (nvidia-ml-py) is imported inside functions only, so importing this module costs nothing on the
 read path. Device indices are CUDA ordinals (torch's device 0, 1, ...), mapped onto NVML devices through
@@ -20,11 +20,11 @@ import msgspec
 
 from .. import __version__
 from .records import DeviceEnvironment
-from ._nvml_access import NvmlError, _div, _energy_counter, _nvml, _reasons_reader, _visible, device_handle, state_probe
+from ._nvml_access import NvmlError, _div, _nvml, _reasons_reader, _visible, device_handle, state_probe
 from .device_name import parse_visible_devices, resolve_visible
 from ._nvml_energy import (CounterPolls, EnergyResult, TickPoint, fit_power, measure_energy, settled_energy,
                            steady_points, tick_points)
-from ._nvml_telemetry import REASON_BITS, Reading, Telemetry, TelemetrySample, decode_reasons, reasons_seen, summarize
+from ._nvml_telemetry import REASON_BITS, Telemetry, TelemetrySample, decode_reasons, reasons_seen, summarize
 
 __all__ = [
     "NvmlError",
@@ -33,7 +33,6 @@ __all__ = [
     "device_handle",
     "gpu_names",
     "gpu_environment",
-    "idle_gpus",
     "gpu_inventory",
     "gpu_topology",
     "GpuState",
@@ -172,10 +171,6 @@ class GpuState(msgspec.Struct, frozen=True):
         return not self.busy
 
 
-def _is_idle(processes: int, used_mib: float, util_pct: float, max_mem_used_mib: float, max_util: float) -> bool:
-    return processes == 0 and used_mib <= max_mem_used_mib and util_pct <= max_util
-
-
 def gpu_inventory(max_mem_used_mib: float = IDLE_MAX_MEM_USED_MIB, max_util: float = IDLE_MAX_UTIL_PCT
                   ) -> list[GpuState]:
     """Every visible GPU (CUDA ordinals, after CUDA_VISIBLE_DEVICES) with its load and the idle guard's verdict.
@@ -216,14 +211,6 @@ def gpu_inventory(max_mem_used_mib: float = IDLE_MAX_MEM_USED_MIB, max_util: flo
             why.append(f"{util} % utilization > {max_util:.0f}")
         out.append(GpuState(ordinal, uuid, name, processes, used_mib, float(util), ", ".join(why)))
     return out
-
-
-def idle_gpus(max_mem_used_mib: float = IDLE_MAX_MEM_USED_MIB, max_util: float = IDLE_MAX_UTIL_PCT) -> list[int]:
-    """CUDA ordinals of the visible GPUs the idle guard accepts (see gpu_inventory); [] without NVML."""
-    try:
-        return [g.ordinal for g in gpu_inventory(max_mem_used_mib, max_util) if g.idle]
-    except NvmlError:
-        return []
 
 
 # --- topology --------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def reference_energy(seconds: float = 5.0) -> dict:
     import msgspec
     import torch
 
-    from kprof.measure.nvml import _energy_counter
+    from kprof.measure._nvml_access import _energy_counter
     from kprof.runners.registry import lookup
 
     entry = lookup("single_gemm", "torch")

@@ -623,18 +623,23 @@ def test_devices_follow_cuda_visible_devices(fake_nvml, monkeypatch, visible, na
     if visible is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert gpu_names() == ["NVIDIA H200"] * names
-    assert nvml.idle_gpus() == idle
+    assert _idle() == idle
     if names:
         assert nvml.device_handle(0) == ("handle", 1 if visible in ("1", "GPU-bbbb", "1,0") else 0)
     with pytest.raises(NvmlError, match=f"CUDA device {names} is not visible"):
         nvml.device_handle(names)
 
 
-def test_idle_gpus_limits(fake_nvml):
+def _idle(**limits) -> list[int]:
+    """The ordinals the idle guard accepts."""
+    return [g.ordinal for g in nvml.gpu_inventory(**limits) if g.idle]
+
+
+def test_idle_guard_limits(fake_nvml):
     fake_nvml(procs=(0, 0))
-    assert nvml.idle_gpus() == [1]  # device 0 uses 40 GiB and 100 %
-    assert nvml.idle_gpus(max_mem_used_mib=50 * 1024, max_util=100) == [0, 1]
-    assert nvml.idle_gpus(max_mem_used_mib=100) == []  # v1 memory of device 1: 512 MiB
+    assert _idle() == [1]  # device 0 uses 40 GiB and 100 %
+    assert _idle(max_mem_used_mib=50 * 1024, max_util=100) == [0, 1]
+    assert _idle(max_mem_used_mib=100) == []  # v1 memory of device 1: 512 MiB
 
 
 def test_the_callers_own_use_of_a_gpu_is_not_another_job(fake_nvml):
@@ -644,7 +649,7 @@ def test_the_callers_own_use_of_a_gpu_is_not_another_job(fake_nvml):
     mine = types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=40 * 2**30)
     other = types.SimpleNamespace(pid=os.getpid() + 1, usedGpuMemory=2**20)
     m.nvmlDeviceGetComputeRunningProcesses = lambda h: [mine] if h[1] == 0 else []
-    assert nvml.idle_gpus() == [0, 1]
+    assert _idle() == [0, 1]
     m.nvmlDeviceGetComputeRunningProcesses = lambda h: [mine, other] if h[1] == 0 else []
     (gpu0, gpu1) = nvml.gpu_inventory()
     assert (gpu0.idle, gpu1.idle, gpu0.busy) == (False, True, "1 compute process(es)")
@@ -654,7 +659,7 @@ def test_nvml_initialises_once_per_process(fake_nvml):
     m = fake_nvml()
     gpu_names()
     gpu_names()
-    nvml.idle_gpus()
+    nvml.gpu_inventory()
     assert m.calls == ["init"]
 
 
@@ -690,7 +695,9 @@ def test_telemetry_and_energy_through_nvml(fake_nvml):
 
 def test_without_nvml_nothing_raises_for_no_gpu(fake_nvml):
     fake_nvml(fail_init=True)
-    assert gpu_names() == [] and nvml.idle_gpus() == []
+    assert gpu_names() == []
+    with pytest.raises(NvmlError, match="NVML did not start"):
+        nvml.gpu_inventory()
     env = nvml.gpu_environment(0)
     assert "NVML did not start" in env.errors["nvml"] and env.python and env.kprof
     with pytest.raises(NvmlError, match="NVML did not start"):
@@ -736,7 +743,7 @@ def test_telemetry_on_the_device():
 @pytest.mark.gpu
 @needs_gpu
 def test_idle_gpus_are_visible_ordinals():
-    assert set(nvml.idle_gpus()) <= set(range(len(gpu_names())))
+    assert set(_idle()) <= set(range(len(gpu_names())))
 
 
 @pytest.mark.gpu
