@@ -52,7 +52,6 @@ ARTIFACTS = {
     "summary.json": "summary: per-launch statistics, drift, throttle time by reason, power, energy per launch, "
                     "sampling coverage, the ledger row compared",
 }
-PLOTS = ("durations.png", "telemetry.png")
 STAGING = ".measure-"  # the outputs are written in a staging folder inside --output-dir whose name starts so
 DRIFT_BINS = 50
 
