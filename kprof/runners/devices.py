@@ -39,14 +39,6 @@ class Devices(NamedTuple):
         return {"devices": [d.label for d in self.devices], "forced_by": self.forced, "idle_guard": self.guarded,
                 "skipped": self.skipped}
 
-    def sentence(self) -> str:
-        used = ", ".join(d.label for d in self.devices) or "none"
-        if self.forced:
-            return (f"devices: {used}, forced by {self.forced}={environ().get(self.forced)!r} (the idle guard was "
-                    f"bypassed)")
-        skipped = "; ".join(f"{s['gpu']} skipped: {s['why']}" for s in self.skipped)
-        return f"devices: {used}" + (f" ({skipped})" if skipped else "")
-
 
 def pool_mode() -> str:
     raw = environ().get("KPROF_POOL", "")
