@@ -30,8 +30,7 @@ from blake3 import blake3
 
 from ..errors import UsageError
 
-__all__ = ["SegmentHeader", "SegmentError", "Run", "FORMAT", "write", "read", "runs", "header_of", "digest_of",
-           "named"]
+__all__ = ["SegmentHeader", "SegmentError", "Run", "FORMAT", "write", "read", "runs", "header_of", "named"]
 
 MAGIC, FOOTER = b"KPROFSEG", b"KPROFEND"
 FORMAT = 1
@@ -144,14 +143,6 @@ def _stream(f: BinaryIO, events: Iterable[bytes], header: SegmentHeader) -> byte
 def named(directory: str, digest: bytes) -> str:
     """Where the segment of this digest lies in a directory of content-named segments."""
     return os.path.join(directory, digest.hex()[:32] + ".kseg")
-
-
-
-def digest_of(path: str) -> bytes:
-    """The digest a segment's footer holds (its content's name); the footer is not checked here (`read` does)."""
-    with _opened(path) as f:
-        f.seek(-32, os.SEEK_END)
-        return f.read(32)
 
 
 def _exact(f: BinaryIO, n: int, what: str, at: int) -> bytes:
