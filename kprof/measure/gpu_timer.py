@@ -36,8 +36,7 @@ from ._state import StateProtocol
 from ._attribution import (TimerError, UnstableKernels, by_correlation, by_window, check_same_kernels, kernel_time_ms,
                            one_invocation)
 from ._events_timer import _run_events
-from ._sampling import (GRAPH_WARMUP_ROUNDS, _WARMUP_MAX, _WARMUP_S, _batch, _heated,  # noqa: F401 (_batch: tests)
-                        _sample, _settle, side_warmup)
+from ._sampling import GRAPH_WARMUP_ROUNDS, _WARMUP_MAX, _WARMUP_S, _heated, _sample, _settle, side_warmup
 from .stats import StopRule
 
 __all__ = ["GpuTiming", "TimerError", "time_gpu", "cupti_available", "rotation_copies"]

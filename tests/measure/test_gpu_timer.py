@@ -15,6 +15,7 @@ from kprof.measure import _cupti, gpu_timer
 from kprof.measure._attribution import (TimerError, by_correlation, by_window, check_same_kernels, kernel_time_ms,
                                         one_invocation)
 from kprof.measure._l2 import copies_for
+from kprof.measure._sampling import _batch
 from kprof.measure.gpu_timer import GpuTiming, StopRule, cupti_available, time_gpu
 
 FLUSH = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>"
@@ -102,11 +103,11 @@ def test_rotation_copies_exceed_twice_the_l2():
 
 def test_batch_is_a_multiple_of_five_within_caps():
     rule = StopRule(max_samples=2000, budget_s=1.0)
-    assert gpu_timer._batch(1e-3, 0, 0.0, rule) == 20  # 20 ms of 1 ms calls
-    assert gpu_timer._batch(1e-6, 0, 0.0, rule) == 100  # capped
-    assert gpu_timer._batch(0.5, 0, 0.0, rule) == 5  # at least 5
-    assert gpu_timer._batch(1e-4, 0, 0.995, rule) == 50  # 5 ms of budget left
-    assert gpu_timer._batch(1e-6, 1997, 0.0, rule) == 3  # never past max_samples
+    assert _batch(1e-3, 0, 0.0, rule) == 20  # 20 ms of 1 ms calls
+    assert _batch(1e-6, 0, 0.0, rule) == 100  # capped
+    assert _batch(0.5, 0, 0.0, rule) == 5  # at least 5
+    assert _batch(1e-4, 0, 0.995, rule) == 50  # 5 ms of budget left
+    assert _batch(1e-6, 1997, 0.0, rule) == 3  # never past max_samples
 
 
 # --- the CUPTI session against a fake binding -------------------------------------------------------------
