@@ -111,7 +111,7 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
     """
     started = time.perf_counter()
     rule = rule or StopRule()
-    pattern = _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations, placements)
+    pattern = _check_args(fn, timer, graph, kernel_filter, rotations, placements)
     import torch
 
     if not torch.cuda.is_available():
@@ -207,7 +207,7 @@ def _rotating(placements: list[Callable[[], object]], graph: bool, order: list[i
     return call
 
 
-def _check_args(fn, timer, cold_l2, graph, kernel_filter, rotations, placements) -> re.Pattern | None:
+def _check_args(fn, timer, graph, kernel_filter, rotations, placements) -> re.Pattern | None:
     if timer not in ("cupti", "events"):
         raise UsageError(f"timer must be 'cupti' or 'events', not {timer!r}")
     if kernel_filter is not None and timer != "cupti":
