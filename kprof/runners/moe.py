@@ -145,7 +145,7 @@ class _MoeGroupedGemm:
 
         on_cuda = torch.device(device).type == "cuda"
         if self.grouped:
-            _require_grouped_mm(spec, device, on_cuda)
+            _require_grouped_mm(device, on_cuda)
         elif on_cuda:
             from .gemm import require_default_cuda_matmul
 
@@ -208,7 +208,7 @@ class _MoeGroupedGemm:
                     refresh=draws.refresh if draws is not None else None)
 
 
-def _require_grouped_mm(spec: MoeGroupedGemmArgs, device: str, on_cuda: bool) -> None:
+def _require_grouped_mm(device: str, on_cuda: bool) -> None:
     import torch
 
     if not on_cuda:

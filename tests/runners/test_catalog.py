@@ -389,7 +389,7 @@ def test_grouped_mm_is_unsupported_on_cpu():
 def test_grouped_mm_refuses_rather_than_fall_back(cap, match, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
     with pytest.raises(Unsupported, match=match):
-        moe._require_grouped_mm(_moe_spec(), "cuda", True)
+        moe._require_grouped_mm("cuda", True)
 
 
 @pytest.mark.parametrize("over, field, fix", [({"dtype": "fp16"}, "dtype", "use dtype bf16, or backend torch-loop"),
@@ -411,7 +411,7 @@ def test_grouped_mm_specs_it_cannot_run_are_refused_before_anything_is_written(o
 @pytest.mark.parametrize("cap", [(9, 0), (10, 0)])
 def test_grouped_mm_accepts_bf16_on_sm90_and_sm100(cap, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-    moe._require_grouped_mm(_moe_spec(), "cuda", True)
+    moe._require_grouped_mm("cuda", True)
 
 
 def test_moe_measures_on_cpu():
