@@ -130,7 +130,7 @@ def _checked(where: str, field: _Field, value: Any, raw: bool) -> Any:
     return value
 
 
-def _override(path: str, name: str, item: str) -> tuple[str, str]:
+def _override(item: str) -> tuple[str, str]:
     key, eq, value = item.partition("=")
     key = key.strip()
     if not eq or not key:
@@ -189,7 +189,7 @@ def load_remote(name: str, path: str = CONFIG, overrides: list[str] | tuple = ()
     values = {k: _checked(where(path, name, k), FIELDS[k], v, raw=False)
               for k, v in _flatten(path, name, doc).items()}
     for item in overrides:
-        key, value = _override(path, name, item)
+        key, value = _override(item)
         values[key] = _checked(f"--remote-set {key}", FIELDS[key], value, raw=True)
     kind = values.get("kind")
     if kind is None:
