@@ -11,6 +11,8 @@ from .records import SampleStats
 __all__ = ["summarize", "median_halfwidth", "mean_halfwidth", "block_means", "StopRule", "quantile", "copy_medians",
            "placement_notes"]
 
+# The seconds of timing a spec gets at most by default (KPROF_TIME_BUDGET_S).
+BUDGET_S = 1.0
 # Student's t, two-sided 95 %, for 1-30 degrees of freedom (beyond: the normal's 1.96).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -129,7 +131,7 @@ class StopRule:
     one moment of that, not the kernel's steady time."""
 
     def __init__(self, *, target: float = 0.005, min_samples: int = 10, max_samples: int = 2000,
-                 min_time_s: float = 0.02, budget_s: float = 1.0, min_work_s: float = 0.05, min_work_n: int = 100):
+                 min_time_s: float = 0.02, budget_s: float = BUDGET_S, min_work_s: float = 0.05, min_work_n: int = 100):
         self.target, self.min_samples, self.max_samples = target, min_samples, max_samples
         self.min_time_s, self.budget_s = min_time_s, budget_s
         self.min_work_s, self.min_work_n = min_work_s, min_work_n
@@ -138,13 +140,9 @@ class StopRule:
     def from_env(cls) -> "StopRule":
         """The default rule, with KPROF_TIME_BUDGET_S (seconds per spec) and KPROF_TARGET_CI (relative
         half-width of the median's CI) overriding the budget and the target when set."""
-        from ..settings import MAX_SECONDS, env_number
+        from ..settings import env_number, env_seconds
 
-        kw = {}
-        budget = env_number("KPROF_TIME_BUDGET_S", f"a number of seconds > 0 and at most {MAX_SECONDS} (a week)",
-                            lambda v: 0 < v <= MAX_SECONDS, "1")
-        if budget is not None:
-            kw["budget_s"] = budget
+        kw = {"budget_s": env_seconds("KPROF_TIME_BUDGET_S", BUDGET_S)}
         target = env_number("KPROF_TARGET_CI", "a relative half-width between 0 and 1", lambda v: 0 < v < 1, "0.005")
         if target is not None:
             kw["target"] = target

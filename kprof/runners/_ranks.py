@@ -50,7 +50,7 @@ from ..errors import KprofError, UsageError
 from ..measure.stats import StopRule, summarize
 from ._case import Unsupported, WrongResult
 from ..measure.nvml import gpu_topology
-from ._settings import env_seconds
+from ..settings import env_seconds
 
 __all__ = ["CommDevice", "RankGroup", "RankError", "group_for", "shutdown", "EXIT_RANK_FOR_TESTS"]
 

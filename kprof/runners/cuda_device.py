@@ -15,8 +15,7 @@ from ..measure._l2 import activations_rewrite
 from ..measure._state import CAPPED_MAX_SAMPLE_S, CAPPED_SAMPLE_S
 from ..measure.stats import StopRule, placement_notes, summarize
 from ._case import algorithm_notes
-from ..settings import env_ordered
-from ._settings import env_seconds
+from ..settings import env_ordered, env_seconds
 from .registry import Entry
 
 __all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "ENERGY_S",

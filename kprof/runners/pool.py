@@ -30,7 +30,7 @@ from .._children import watch_parent
 from ..errors import UsageError
 from ..ledger._codec import event_decoder
 from ..ledger.events import Environment, Event, Origin
-from ._settings import env_seconds
+from ..settings import env_seconds
 from .chunk import Chunk
 from .devices import Device
 from .registry import Entry

@@ -1,11 +1,11 @@
-"""Seconds read from the environment (kprof.runners._settings): defaults, bad values named, and 0 where it means off."""
+"""Seconds read from the environment (kprof.settings.env_seconds): defaults, bad values named, and 0 where it means off."""
 
 import os
 
 import pytest
 
 from kprof.errors import UsageError
-from kprof.runners._settings import env_seconds
+from kprof.settings import env_seconds
 from kprof.measure._state import StateReading
 from kprof.runners.cuda_device import CAPPED_MAX_SAMPLE_S, CAPPED_SAMPLE_S, ENERGY_S, CudaDevice, capped_sample_s, energy_window_s
 
