@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from .errors import SettingError, UsageError
-from .runners.registry import Entry
+from .runners.registry import Entry, or_on_cpu
 from .settings import environ
 
 __all__ = ["effective_entry", "resolve_gpu_key", "check_method_env", "refused"]
@@ -61,7 +61,7 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False, 
         if name is None and measures:
             raise refused(lambda arg: f"backend {entry.backend} measures on a CUDA GPU and none is visible here; "
                                        f"run on a machine with one ({arg(keyword)} only names the rows)"
-                                       f"{_on_cpu(entry)}")
+                                       f"{or_on_cpu(entry)}")
         if name is None:
             raise refused(lambda arg: f"backend {entry.backend} measures on a CUDA GPU and none is visible here; "
                                        f"pass {arg(keyword)} (e.g. {arg(keyword, 'NVIDIA H200')}) to read the rows "
@@ -70,14 +70,6 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False, 
     from .measure.env import cpu_model
 
     return cpu_model()
-
-
-def _on_cpu(entry: Entry) -> str:
-    """", or use backend B" for the table's own CPU backend (gloo for a collective), "" where it has none."""
-    from .runners.registry import entries
-
-    twins = [e.backend for e in entries() if e.table == entry.table and e.device == "cpu"]
-    return f", or use backend {twins[0]}" if twins else ""
 
 
 # The CUDA timing method's settings: (keyword, environment variable, allowed values, default).

@@ -16,7 +16,7 @@ from ..measure._state import CAPPED_MAX_SAMPLE_S, CAPPED_SAMPLE_S
 from ..measure.stats import StopRule, placement_notes, summarize
 from ._case import algorithm_notes
 from ..settings import env_ordered, env_seconds
-from .registry import Entry
+from .registry import Entry, or_on_cpu
 
 __all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "ENERGY_S",
            "CAPPED_SAMPLE_S", "CAPPED_MAX_SAMPLE_S", "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES"]
@@ -113,11 +113,8 @@ class CudaDevice:
         from ..measure.nvml import gpu_environment
 
         if not torch.cuda.is_available():
-            from .registry import entries
-
-            twins = [e.backend for e in entries() if e.table == entry.table and e.device == "cpu"]  # gloo for nccl
             raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and torch {torch.__version__} sees "
-                             f"none; run on a GPU machine{f', or use backend {twins[0]}' if twins else ''}")
+                             f"none; run on a GPU machine{or_on_cpu(entry)}")
         actual = torch.cuda.get_device_name(0)
         if actual != gpu_key:
             raise SettingError(*(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit {name}"

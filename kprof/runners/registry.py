@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..errors import UsageError
 from ._entry import METRICS, Entry
 
-__all__ = ["Entry", "METRICS", "REGISTRY", "lookup", "entries", "register"]
+__all__ = ["Entry", "METRICS", "REGISTRY", "lookup", "entries", "register", "or_on_cpu"]
 
 
 REGISTRY: dict[tuple[str, str], Entry] = {}
@@ -65,3 +65,10 @@ def lookup(table: str, backend: str) -> Entry:
     backends = sorted(b for t, b in REGISTRY if t == table)
     raise UsageError(f"table {table!r} has no backend {backend!r}; its backends: {', '.join(backends)} "
                      f"(see `kprof list`)")
+
+
+def or_on_cpu(entry: Entry) -> str:
+    """", or use backend B" naming the table's own CPU backend (gloo for a collective), for a message refusing a CUDA
+    backend where there is no GPU; "" where the table has none."""
+    twins = [e.backend for e in entries() if e.table == entry.table and e.device == "cpu"]
+    return f", or use backend {twins[0]}" if twins else ""
