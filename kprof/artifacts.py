@@ -178,17 +178,14 @@ def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command
     import platform
 
     from . import __version__
+    from .measure.env import torch_version
     from .method import effective_entry
     from .runners.registry import lookup
 
     entry = effective_entry(lookup(res.table, res.backend), **(method or {}))
     versions = {"kprof": __version__, "python": platform.python_version()}
-    try:
-        import torch
-
-        versions["torch"] = str(torch.__version__)
-    except ImportError:
-        pass
+    if (torch := torch_version()) is not None:
+        versions["torch"] = torch
     request = {"table": res.table, "backend": res.backend, "mode": res.mode, "gpu_name": res.gpu_name,
                "timing": entry.contract.timing, "db": res.db, "specs": specs}
     meta = {"command": command, "versions": versions, "host": platform.node(), "device": res.gpu_name,

@@ -9,7 +9,7 @@ import socket
 from .. import __version__
 from .records import DeviceEnvironment
 
-__all__ = ["cpu_model", "cpu_environment"]
+__all__ = ["cpu_model", "cpu_environment", "torch_version"]
 
 
 def cpu_model() -> str:
@@ -22,6 +22,15 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def torch_version() -> str | None:
+    """The version of the torch this process imports; None where it has none."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.__version__)
 
 
 def cpu_environment() -> DeviceEnvironment:
