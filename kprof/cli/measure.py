@@ -100,11 +100,12 @@ def diagnose(table: str, backend: str, spec: Any, *, output_dir: str | None = No
 
     db_path = ledger_path(db)
     gpu_key = _gpu_key(entry, gpu_name)
+    from ..runners.diagnose import record
     from ..runners.environments import require
 
     require(entry)
     started = _dt.datetime.now(_dt.timezone.utc)
-    window, device = _record(entry, canonical, gpu_key, duration_s, telemetry_hz, clear_l2, cuda_graph)
+    window, device = record(entry, canonical, gpu_key, duration_s, telemetry_hz, clear_l2, cuda_graph)
     header = {"kind": "kprof measure", "table": table, "backend": backend, "spec": canonical, "gpu_name": gpu_key,
               "mode": {"l2": "cold" if clear_l2 else "warm", "graph": cuda_graph,
                        "invocations_per_replay": int(window.notes.get("invocations_per_replay", "1")),
@@ -167,48 +168,6 @@ def _gpu_key(entry, gpu_name: str | None) -> str:
             raise UsageError(f"--gpu-name {gpu_name!r} differs from the GPU this would measure on ({local!r}); omit "
                              f"--gpu-name, or run on a machine with that GPU")
     return local
-
-
-def _record(entry, canonical: dict, gpu_key: str, duration_s: float, telemetry_hz: float, clear_l2: bool,
-            graph: bool):
-    """(window, device environment) measured on CUDA device 0. UsageError for what this machine lacks (CUDA in
-    torch, CUPTI, NVML); DiagnosticError when the kernel cannot be built or checked."""
-    import msgspec
-    import torch
-
-    from ..measure.diagnostic import DiagnosticError
-    from ..measure.gpu_timer import cupti_available
-    from ..measure.nvml import NvmlError, device_handle, gpu_environment
-
-    if not torch.cuda.is_available():
-        raise UsageError(f"measure needs a CUDA device and torch {torch.__version__} sees none; run it on a GPU "
-                         f"machine with a CUDA build of torch")
-    torch.cuda.set_device(0)
-    actual = torch.cuda.get_device_name(0)
-    if actual != gpu_key:
-        raise UsageError(f"CUDA device 0 is {actual!r}, not {gpu_key!r}; set CUDA_VISIBLE_DEVICES to the GPU to "
-                         f"measure")
-    why = cupti_available()
-    if why:
-        raise UsageError(f"CUPTI is not usable here ({why}); measure records every launch with CUPTI: install "
-                         f"cupti-python with nvidia-cuda-cupti")
-    if telemetry_hz > 0:
-        try:
-            device_handle(0)
-        except NvmlError as e:
-            raise UsageError(f"measure samples NVML telemetry, and NVML is not usable here: {e}") from None
-    device = msgspec.to_builtins(gpu_environment(0))
-    try:
-        case = entry.load_runner()().build(msgspec.convert(canonical, entry.args), "cuda")
-        case.check()
-    except KprofError:
-        raise
-    except Exception as e:  # an OOM, a kernel the device lacks: one line, nothing written
-        raise DiagnosticError(f"{entry.table}/{entry.backend} {canonical} could not be built or checked on "
-                              f"{gpu_key}: {type(e).__name__}: {str(e)[:500]}; nothing was written") from e
-    from ..measure._diagnostic_window import record_window
-
-    return record_window(case, duration_s=duration_s, telemetry_hz=telemetry_hz, clear_l2=clear_l2, graph=graph), device
 
 
 def _ledger_row(entry, canonical: dict, gpu_key: str, db_path: str, clear_l2: bool, graph: bool) -> dict:

@@ -459,7 +459,7 @@ def gpu_here(monkeypatch):
         calls.append((entry.table, canonical, gpu_key, duration_s, hz, clear_l2, graph))
         return recorded_window(), {"power_limit_w": 700.0, "gpu_name": gpu_key}
 
-    monkeypatch.setattr("kprof.cli.measure._record", record)
+    monkeypatch.setattr("kprof.runners.diagnose.record", record)
     return calls
 
 
