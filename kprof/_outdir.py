@@ -6,15 +6,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from typing import Iterator
 
 from ._scratch import hold, unheld
 from .errors import UsageError
 
-__all__ = ["check_output_dir", "staged", "drop_unfinished"]
+__all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "READ_ONLY"]
 
 _FIX = "pass a new directory (it is created if absent)"
+READ_ONLY = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # the mode of an output's files
 
 
 def check_output_dir(path: str, names, what: str) -> None:
@@ -46,6 +48,13 @@ def check_output_dir(path: str, names, what: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".kprof-probe-", dir=ancestor))
     except OSError as exc:
         raise UsageError(f"--output-dir {path} cannot be created in {ancestor} ({exc.strerror}); {_FIX}") from None
+
+
+def write_once(path: str, data: bytes) -> None:
+    """A new file `path` holding `data`, read-only (never written over an existing file)."""
+    with open(path, "xb") as f:  # "x": never overwrite
+        f.write(data)
+    os.chmod(path, READ_ONLY)
 
 
 @contextlib.contextmanager

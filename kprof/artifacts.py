@@ -5,7 +5,6 @@ holds a snapshot, a file, a path through a file, one that cannot be created or w
 from __future__ import annotations
 
 import os
-import stat
 
 import msgspec
 
@@ -28,12 +27,6 @@ def check_output_dir(path: str) -> None:
 
 
 _STAGING = ".snapshot-"  # a staging folder's name, in the output directory, starts so
-
-
-def _write_once(path: str, data: bytes) -> None:
-    with open(path, "xb") as f:  # "x": never overwrite
-        f.write(data)
-    os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
 
 
 def curve(result: dict, args_order: list[str]) -> dict:
@@ -94,7 +87,8 @@ def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[
     with _outdir.staged(path, _STAGING) as staging:
         try:
             for name, doc in docs.items():
-                _write_once(os.path.join(staging, name), msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
+                data = msgspec.json.format(_json.encode(doc), indent=2) + b"\n"
+                _outdir.write_once(os.path.join(staging, name), data)
             written = [*docs, *(["curve.png"] if _plot(docs["curve.json"], os.path.join(staging, "curve.png")) else [])]
             check_output_dir(path)  # another run may have placed its snapshot since: a rename would replace its files
             for name in written:
@@ -137,7 +131,7 @@ def _plot(c: dict, path: str) -> bool:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    os.chmod(path, _outdir.READ_ONLY)
     return True
 
 

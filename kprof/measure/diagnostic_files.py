@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import stat
 from typing import Sequence
 
 import msgspec
 from blake3 import blake3
 
-from .._outdir import staged
+from .._outdir import staged, write_once
 from ..errors import IntegrityError, UsageError
 from ._diagnostic_telemetry import reason_labels
 from ._nvml_telemetry import TelemetrySample
@@ -64,12 +63,6 @@ def token_of(data: bytes) -> tuple[str, str]:
     return TOKEN_PREFIX + digest[:TOKEN_HEX], digest
 
 
-def _write_once(path: str, data: bytes) -> None:
-    with open(path, "xb") as f:  # "x": never overwrite
-        f.write(data)
-    os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-
-
 def write_outputs(path: str, window: Window, summary: dict, *, plots: bool = True) -> dict:
     """Writes runtimes.csv, telemetry.csv, the two plots (when matplotlib imports) and summary.json into `path`,
     each once and read-only; summary.json gets `artifacts` ({name: {citation, blake3, bytes, what}}) and `plots`.
@@ -113,7 +106,7 @@ def _write_staged(staging: str, window: Window, summary: dict, plots: bool) -> t
     artifacts: dict[str, dict] = {}
 
     def keep(name: str, data: bytes) -> None:
-        _write_once(os.path.join(staging, name), data)
+        write_once(os.path.join(staging, name), data)
         citation, digest = token_of(data)
         artifacts[name] = {"citation": citation, "blake3": digest, "bytes": len(data), "what": ARTIFACTS[name]}
 
@@ -123,7 +116,7 @@ def _write_staged(staging: str, window: Window, summary: dict, plots: bool) -> t
     summary["plots"] = _plots(window, summary, keep) if plots else {"skipped": "plots not asked for"}
     summary["artifacts"] = artifacts
     data = msgspec.json.format(_json.encode(summary), indent=2) + b"\n"
-    _write_once(os.path.join(staging, "summary.json"), data)
+    write_once(os.path.join(staging, "summary.json"), data)
     summary["summary_citation"], _digest = token_of(data)
     return summary, [*artifacts, "summary.json"]
 

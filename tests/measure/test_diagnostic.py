@@ -541,7 +541,7 @@ def test_an_interrupted_or_failed_write_leaves_no_part_of_an_output(monkeypatch,
     holding an output; a full disk at summary.json was a traceback, with the same leftovers."""
     from kprof.measure import _diagnostic_plots, diagnostic_files
 
-    render, write_once = _diagnostic_plots.render, diagnostic_files._write_once
+    render, write_once = _diagnostic_plots.render, diagnostic_files.write_once
 
     def interrupted(window, summary):
         raise KeyboardInterrupt
@@ -557,13 +557,13 @@ def test_an_interrupted_or_failed_write_leaves_no_part_of_an_output(monkeypatch,
             raise OSError(28, "No space left on device", path)
         write_once(path, data)
 
-    monkeypatch.setattr(diagnostic_files, "_write_once", disk_full)
+    monkeypatch.setattr(diagnostic_files, "write_once", disk_full)
     assert main(_measure("--output-dir", "w")) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write the measure output in --output-dir w: No space left on device "
                           "(w/summary.json); nothing of it was written") and "Traceback" not in err
     assert os.listdir("w") == []
-    monkeypatch.setattr(diagnostic_files, "_write_once", write_once)
+    monkeypatch.setattr(diagnostic_files, "write_once", write_once)
     assert main(_measure("--output-dir", "w")) == 0  # the same command, once the disk has room
     assert sorted(os.listdir("w")) == ["durations.png", "runtimes.csv", "summary.json", "telemetry.csv",
                                        "telemetry.png"]
