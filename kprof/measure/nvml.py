@@ -20,7 +20,7 @@ import msgspec
 
 from .. import __version__
 from .records import DeviceEnvironment
-from ._nvml_access import NvmlError, _div, _nvml, _reasons_reader, _visible, device_handle, state_probe
+from ._nvml_access import NvmlError, _asker, _div, _nvml, _reasons_reader, _visible, device_handle, state_probe
 from .device_name import parse_visible_devices, resolve_visible
 from ._nvml_energy import (CounterPolls, EnergyResult, TickPoint, fit_power, measure_energy, settled_energy,
                            steady_points, tick_points)
@@ -104,13 +104,7 @@ def gpu_environment(index: int = 0) -> DeviceEnvironment:
     except NvmlError as e:
         errors["nvml"] = str(e)
     else:
-        def ask(key: str, fn, *args):
-            try:
-                return fn(*args)
-            except nv.NVMLError as e:
-                errors[key] = f"{fn.__name__}: {e}"
-                return None
-
+        ask = _asker(nv, errors)
         fields["gpu_name"] = ask("gpu_name", nv.nvmlDeviceGetName, h) or ""
         fields["gpu_uuid"] = ask("gpu_uuid", nv.nvmlDeviceGetUUID, h) or ""
         fields["driver"] = ask("driver", nv.nvmlSystemGetDriverVersion) or ""
