@@ -63,7 +63,7 @@ def token_of(data: bytes) -> tuple[str, str]:
     return TOKEN_PREFIX + digest[:TOKEN_HEX], digest
 
 
-def write_outputs(path: str, window: Window, summary: dict, *, plots: bool = True) -> dict:
+def write_outputs(path: str, window: Window, summary: dict) -> dict:
     """Writes runtimes.csv, telemetry.csv, the two plots (when matplotlib imports) and summary.json into `path`,
     each once and read-only; summary.json gets `artifacts` ({name: {citation, blake3, bytes, what}}) and `plots`.
     Returns the summary as written, with `summary_citation` (summary.json's own, which it cannot hold) added.
@@ -75,7 +75,7 @@ def write_outputs(path: str, window: Window, summary: dict, *, plots: bool = Tru
     try:
         os.makedirs(path, exist_ok=True)
         with staged(path, STAGING) as staging:  # held while written: a kill leaves it for the next check to remove
-            summary, written = _write_staged(staging, window, summary, plots)
+            summary, written = _write_staged(staging, window, summary)
             check_output_dir(path)  # another writer may have finished there since: never overwrite its files
             _place(staging, path, written)
             return summary
@@ -101,7 +101,7 @@ def _place(staging: str, path: str, names: list[str]) -> None:
         raise
 
 
-def _write_staged(staging: str, window: Window, summary: dict, plots: bool) -> tuple[dict, list[str]]:
+def _write_staged(staging: str, window: Window, summary: dict) -> tuple[dict, list[str]]:
     """(the summary as written, the files written in order, summary.json last) in the folder `staging`."""
     artifacts: dict[str, dict] = {}
 
@@ -113,7 +113,7 @@ def _write_staged(staging: str, window: Window, summary: dict, plots: bool) -> t
     keep("runtimes.csv", runtimes_csv(window.launches))
     keep("telemetry.csv", telemetry_csv(window.samples))
     summary = dict(summary)
-    summary["plots"] = _plots(window, summary, keep) if plots else {"skipped": "plots not asked for"}
+    summary["plots"] = _plots(window, summary, keep)
     summary["artifacts"] = artifacts
     data = msgspec.json.format(_json.encode(summary), indent=2) + b"\n"
     write_once(os.path.join(staging, "summary.json"), data)
