@@ -1,4 +1,5 @@
-"""One root error, one subclass per failure; `exit_code` is the only place errors map to exit codes."""
+"""One root error, one subclass per failure; each class's `exit_code` is the exit status a verb ends with when it raises
+the error (kprof.cli.main returns it)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ __all__ = [
     "OutputError",
     "OutputClosed",
     "MergeConflict",
-    "exit_code",
 ]
 
 
@@ -144,9 +144,3 @@ class OutputClosed(OutputError):
     reader wants no more) and the exit is 141, as a shell reports a writer that SIGPIPE ended."""
 
     exit_code = 141
-
-
-def exit_code(error: BaseException) -> int:
-    if isinstance(error, KprofError):
-        return error.exit_code
-    return 1

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kprof.cli._remote import run_remote_cli
-from kprof.errors import UsageError, exit_code
+from kprof.errors import UsageError
 from kprof.runners.remote_config import FIELDS, load_remote
 
 GOOD = """
@@ -35,7 +35,7 @@ def _refused(ledger, **kw) -> str:
     """Runs the CLI function, which must refuse with exit 2 and write nothing; the message."""
     with pytest.raises(UsageError) as info:
         _cli(**kw)
-    assert exit_code(info.value) == 2
+    assert info.value.exit_code == 2
     assert not os.path.exists("out") and not os.path.exists(ledger)
     return str(info.value)
 
@@ -137,7 +137,7 @@ def test_a_bad_spec_is_refused_before_anything_is_written(remote_yaml, db):
     with pytest.raises(UsageError) as info:
         run_remote_cli("single_gemm", "torch-cpu", [{"m": 1, "n": 64, "dtype": "fp32"}], remote="r",
                        output_dir="out", json=True)
-    assert exit_code(info.value) == 2 and "spec 0" in str(info.value)
+    assert info.value.exit_code == 2 and "spec 0" in str(info.value)
     assert not os.path.exists("out") and not os.path.exists(db)
 
 

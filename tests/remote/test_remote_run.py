@@ -467,7 +467,7 @@ def test_a_runtime_env_ray_refuses_is_one_line_before_anything_is_written(runtim
     """A launch.ray.runtime_env that Ray refuses (env_vars as a list, a key that is not a string, pip as a number)
     reached Ray only when the first task was submitted: a traceback and exit 1, after the output directory and the
     ledger had been made. Ray's own RuntimeEnv checks it first: one line naming the field, exit 2, nothing written."""
-    from kprof.errors import UsageError, exit_code
+    from kprof.errors import UsageError
 
     text = RAY if given == "remote-set" else RAY.replace("address: local", f"address: local\n        runtime_env: "
                                                                             f"{runtime_env}")
@@ -481,5 +481,5 @@ def test_a_runtime_env_ray_refuses_is_one_line_before_anything_is_written(runtim
     message = str(info.value)
     field = "--remote-set launch.ray.runtime_env" if given == "remote-set" else "field launch.ray.runtime_env"
     assert field in message and "is refused by Ray" in message and why in message, message
-    assert "\n" not in message and exit_code(info.value) == 2
+    assert "\n" not in message and info.value.exit_code == 2
     assert not os.path.exists("out") and not os.path.exists(db)
