@@ -34,8 +34,8 @@ from .runners.registry import METRICS, lookup
 from .method import effective_entry, refused, resolve_gpu_key
 from .specs import ShapeCodec, spec_list, validate
 
-__all__ = ["resolve_gpu_key", "effective_entry", "check_gpu_key", "view", "count_missing", "query", "run",
-           "CountResult", "QueryResult", "Mode"]
+__all__ = ["resolve_gpu_key", "effective_entry", "check_gpu_key", "view", "count_missing", "query", "run", "scopes",
+           "show", "CountResult", "QueryResult", "Scope", "Mode"]
 
 Mode = Literal["query", "jit", "force", "fresh"]
 
@@ -275,9 +275,6 @@ def scopes(db: str | None = None) -> list[Scope]:
     it holds and under which GPU keys to read it. A file that does not exist is a LedgerError (exit 2)."""
     with Ledger.open(ledger_path(db), readonly=True) as ledger:
         return [Scope(*s) for s in sorted(ledger.scopes())]
-
-
-__all__ += ["scopes", "Scope"]
 
 
 def _builtins(obj):
