@@ -94,8 +94,8 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
               device: str | None = None) -> RemeasureReport:
     """Re-measures `n` random current ok rows of the local device(s) (`device` "cuda" or "cpu" narrows it),
     the CUDA rows under the timing method `timer`/`l2`/`cuda_graph`/`power` (see `kprof.api.effective_entry`)."""
-    from .api import effective_entry
     from .ledger import Ledger, ledger_path
+    from .method import effective_entry
     from .runners.registry import entries
 
     n, tolerance = _checked(n, tolerance, device)
@@ -139,11 +139,10 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
             candidates += [(entry, gpu_key, row) for row in view.rows() if row.status == "ok"]
     rng = random.Random(seed)
     chosen = rng.sample(candidates, min(n, len(candidates)))
-    out: list[Drift] = []
     by_entry: dict[tuple, list] = {}
     for entry, gpu_key, row in chosen:
         by_entry.setdefault((entry.table, entry.backend, gpu_key), []).append((entry, row))
-    out = _measure(by_entry, tolerance, timed)
+    out: list[Drift] = _measure(by_entry, tolerance, timed)
     drifted = {d.citation for d in out if d.drift is not None and not d.ok}
     again = {k: [(e, r) for e, r in items if r.citation in drifted] for k, items in by_entry.items()}
     confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance, timed)}
