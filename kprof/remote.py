@@ -34,7 +34,7 @@ from .runners.chunk import Chunk
 from .runners.claims import Claims
 from .runners.devices import need_of
 from .runners.registry import lookup
-from .runners.fill import WAIT_S, _still_wanted, to_measure
+from .runners.fill import still_wanted, to_measure
 from .runners.remote_config import CONFIG, load_remote, where
 
 __all__ = ["RemoteResult", "run_remote"]
@@ -241,28 +241,20 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
             with contextlib.ExitStack() as stack:
                 # Claimed as the local pool claims (kprof.runners.claims): a concurrent run skips what this one sends
                 claims = None if mode == "fresh" else stack.enter_context(Claims(db, origin.run_id))
-                pending = todo
-                while pending:
-                    rows = before_rows
-                    batch, waiting = pending, []
-                    if claims is not None:
-                        mine, held = claims.take([spec_keys[i] for i in pending])
-                        with Ledger.open(db, readonly=True) as ledger:
-                            rows = ledger.view(table, backend, gpu_key, entry.contract, entry.args).query(
-                                canonical)[1]
-                        batch = [i for i in pending if spec_keys[i] in set(mine)
-                                 and _still_wanted(mode, rows[i], before_rows[i])]
-                        waiting = [i for i in pending if spec_keys[i] in held]
-                        claims.drop(set(mine) - {spec_keys[i] for i in batch})  # another run measured them meanwhile
+
+                def rows_now() -> list:
+                    with Ledger.open(db, readonly=True) as ledger:
+                        return ledger.view(table, backend, gpu_key, entry.contract, entry.args).query(canonical)[1]
+
+                rounds = [(todo, before_rows, {})] if claims is None else claims.rounds(
+                    todo, spec_keys, rows_now, lambda i, row: still_wanted(mode, row, before_rows[i]))
+                for batch, rows, _held in rounds:
                     if batch:
                         parts = [batch[j::n] for j in range(min(n, len(batch)))]  # round robin: sizes spread out
                         chunks = [Chunk.of(entry, gpu_key, [canonical[i] for i in part],
                                            [rows[i].event_id if rows[i] is not None else None for i in part], origin)
                                   for part in parts]
                         run.send(executor, chunks, [{spec_keys[i] for i in part} for part in parts], claims)
-                    pending = waiting
-                    if pending:
-                        time.sleep(WAIT_S)
         else:
             record["engine"] = {"engine": target.kind, "note": "nothing to measure: nothing was submitted"}
     finally:

@@ -11,6 +11,8 @@ found a dead holder, and removes the file. Claiming is atomic across runs: it ha
         ...                              # measure mine; wait for held (take them again later)
         claims.drop(done)                # ends the claims of keys measured (or given up) before the run ends
 
+`rounds` is that loop, as `run` and a remote run both go through it.
+
 A run measures its own claims, ending each as its row is stored, then takes the held keys again until none is
 held: a key whose holder finished it is read from the ledger (measured by the other run), one whose holder died
 without measuring it is measured here. A run that waits holds no claims, so two runs never wait for each other.
@@ -24,10 +26,14 @@ import contextlib
 import errno
 import fcntl
 import os
+import time
+from typing import Callable, Iterator
 
 from ..errors import UsageError
 
-__all__ = ["Claims"]
+__all__ = ["Claims", "WAIT_S"]
+
+WAIT_S = 0.5  # between looks at keys another run is measuring
 
 
 class Claims:
@@ -152,3 +158,21 @@ class Claims:
                 self._record("".join(k.hex() + "\n" for k in new))
                 self.claimed.update(new)
         return mine, {k: held[k] for k in keys if k in held}
+
+    def rounds(self, todo: list[int], keys: list[bytes], rows_now: Callable[[], list],
+               wanted: Callable[[int, object], bool]) -> Iterator[tuple[list[int], list, dict[bytes, str]]]:
+        """The specs `todo` (indices into `keys`, their keys) in rounds: each takes the keys no other run holds, reads
+        the rows now (`rows_now()`), and yields (the specs claimed that are still `wanted(i, row)`, the rows, the keys
+        other runs hold); the claims of those not wanted (another run stored them meanwhile) end. The held ones are
+        taken again, WAIT_S after the round the caller has finished with, until none is held."""
+        pending = todo
+        while pending:
+            mine, held = self.take([keys[i] for i in pending])
+            rows = rows_now()
+            mine_set = set(mine)
+            batch = [i for i in pending if keys[i] in mine_set and wanted(i, rows[i])]
+            self.drop(mine_set - {keys[i] for i in batch})  # another run measured them meanwhile
+            yield batch, rows, held
+            pending = [i for i in pending if keys[i] in held]
+            if pending:
+                time.sleep(WAIT_S)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import time
 from typing import Any, Callable, NamedTuple
 
 import msgspec
@@ -33,9 +32,7 @@ from .devices import Device, Devices, groups, need_of, pool_mode, usable_devices
 from .pool import Pool, Result
 from .registry import Entry
 
-__all__ = ["fill", "Filled", "to_measure", "check_settings", "spec_time_limit"]
-
-WAIT_S = 0.5  # between looks at keys another run is measuring
+__all__ = ["fill", "Filled", "to_measure", "still_wanted", "check_settings", "spec_time_limit"]
 
 
 class Filled(NamedTuple):
@@ -54,7 +51,7 @@ def to_measure(spec_keys: list[bytes], rows: list, mode: str) -> list[int]:
     first_of: dict[bytes, int] = {}
     for i, k in enumerate(spec_keys):
         first_of.setdefault(k, i)
-    return sorted(i for i in first_of.values() if mode != "jit" or _still_wanted(mode, rows[i], rows[i]))
+    return sorted(i for i in first_of.values() if mode != "jit" or still_wanted(mode, rows[i], rows[i]))
 
 
 class _InProcess:
@@ -246,19 +243,10 @@ class _State:
 
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
         canonical, spec_keys, keys = self.canonical, self.spec_keys, self.keys
-        pending = todo
-        while pending:
-            if self.claims is not None:
-                mine, held = self.claims.take([spec_keys[i] for i in pending])
-                rows = rows_of(self.ledger)
-                mine_set = set(mine)
-                batch = [i for i in pending if spec_keys[i] in mine_set and _still_wanted(self.mode, rows[i],
-                                                                                         self.before[i])]
-                waiting = [i for i in pending if spec_keys[i] in held]
-                self.waited.update(held)
-                self.claims.drop(mine_set - {spec_keys[i] for i in batch})  # another run measured them meanwhile
-            else:
-                rows, batch, waiting = self.before, pending, []
+        rounds = [(todo, self.before, {})] if self.claims is None else self.claims.rounds(
+            todo, spec_keys, lambda: rows_of(self.ledger), lambda i, row: still_wanted(self.mode, row, self.before[i]))
+        for batch, rows, held in rounds:
+            self.waited.update(held)
             parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
             self.parents.update(parent_of)
             items = [(i, canonical[i], parent_of[i]) for i in batch]
@@ -271,9 +259,6 @@ class _State:
             wanted = self._to_measure if self.claims is not None else None  # fresh writes nothing: no check
             for res in workers.measure(items, origin, failed_event, self.watch, wanted):
                 self._keep(res, errored)
-            pending = waiting
-            if pending:
-                time.sleep(WAIT_S)
 
     def _keep(self, res: Result, errored: dict) -> None:
         k = self.spec_keys[res.index]
@@ -290,7 +275,7 @@ class _State:
             try:
                 merge_into(self.ledger, [res.segment], report_dir)
             except MergeConflict as exc:  # an error only where the row another writer stored is not one asked for
-                if _still_wanted(self.mode, self._row_now(res.index), self.before[res.index]):
+                if still_wanted(self.mode, self._row_now(res.index), self.before[res.index]):
                     errored[k] = {"kind": "conflict", "message": str(exc)}
             finally:  # an interrupt too: no report, so not one dir per spec (or per interrupted run) left
                 os.unlink(res.segment)
@@ -302,7 +287,7 @@ class _State:
             except _RowChanged as changed:
                 # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps
                 # it; an error only where that row is not one the mode asked for (a failed row, or a retraction)
-                if _still_wanted(self.mode, changed.row, self.before[res.index]):
+                if still_wanted(self.mode, changed.row, self.before[res.index]):
                     now = changed.row.event_id
                     errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
                                   f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement "
@@ -316,7 +301,7 @@ class _State:
         """Asked just before spec i is measured: whether it still lacks the row its mode asks for. A row another
         writer (a merge, which takes no claims) stored since the run took the key (an ok row, for jit; a new one,
         for force) is the answer asked for: the spec is skipped and its claim ended."""
-        if _still_wanted(self.mode, self._row_now(i), self.before[i]):
+        if still_wanted(self.mode, self._row_now(i), self.before[i]):
             return True
         self.claims.drop([self.spec_keys[i]])
         return False
@@ -341,7 +326,7 @@ class _RowChanged(Exception):
         self.row = row
 
 
-def _still_wanted(mode: str, row, before) -> bool:
+def still_wanted(mode: str, row, before) -> bool:
     """Whether the mode still leaves a key to measure, given its row now and when the run began."""
     if mode == "jit":
         return row is None or row.status != "ok"

@@ -146,6 +146,25 @@ def test_a_dead_runs_claims_expire(tmp_path):
         assert after.take([b"k1"]) == ([b"k1"], {})  # released when its run ended
 
 
+def test_claim_rounds_wait_for_held_keys_and_drop_what_is_no_longer_wanted(tmp_path, monkeypatch):
+    """A round yields the specs this run claimed and still wants; a key another run holds comes back in a later
+    round once it is let go; a claimed key no longer wanted (stored by another run meanwhile) has its claim ended."""
+    from kprof.runners import claims as claims_module
+    from kprof.runners.claims import Claims
+
+    monkeypatch.setattr(claims_module, "WAIT_S", 0.0)
+    db = str(tmp_path / "p.db")
+    keys = [b"k0", b"k1", b"k2"]
+    with Claims(db, "other") as other, Claims(db, "this") as this:
+        other.take([b"k0"])
+        rounds = this.rounds([0, 1, 2], keys, lambda: ["row0", "row1", "row2"], lambda i, row: i != 2)
+        assert next(rounds) == ([1], ["row0", "row1", "row2"], {b"k0": "other"})
+        assert this.claimed == {b"k1"}  # k2 was claimed, not wanted, and let go
+        other.drop([b"k0"])
+        assert next(rounds) == ([0], ["row0", "row1", "row2"], {})
+        assert next(rounds, None) is None
+
+
 def test_a_claim_file_is_made_and_locked_under_the_directory_lock(tmp_path):
     """Another run cleaning up dead runs' files holds the directory lock: a claim file made outside it, and not yet
     locked, would be taken for a dead run's and removed, and its run's keys measured twice."""
