@@ -87,12 +87,12 @@ def _read_only_file(path: str) -> LedgerError:
 
 
 def _identity(path: str) -> tuple:
-    """(device, inode, size) of the file at `path`; () where there is none."""
+    """(device, inode, size, modified) of the file at `path`; () where there is none."""
     try:
         st = os.stat(path)
     except OSError:
         return ()
-    return st.st_dev, st.st_ino, st.st_size
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _check_file(path: str, real: str, entry: list) -> None:

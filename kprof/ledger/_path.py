@@ -14,8 +14,7 @@ __all__ = ["ledger_path"]
 
 # LMDB's magic number (lmdb.h MDB_MAGIC, native byte order), first in the meta page that opens every LMDB file, after
 # its 16-byte page header: all that is read of LMDB's format, enough to tell its files from text, SQLite or noise.
-_LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, sys.byteorder)
-_MAGIC_AT = 16
+_LMDB_MAGIC, _MAGIC_AT = (0xBEEFC0DE).to_bytes(4, sys.byteorder), 16
 _DB = (("db=", "'profile.db'"), ("--db ", "profile.db"))  # the ledger's path as a Python keyword, and as a verb's flag
 
 

@@ -54,8 +54,7 @@ def resolve(ledger, ref: str) -> Resolved:
             key, eid = (raw, None) if event is None else (event.key, raw)
             with _verify.reading(path, "history"):
                 seqs = ledger.history_of(txn, key)
-            history = [(seq, hid, _verify.event(path, hid, txn.get(hid, db=dbs["events"]), key))
-                       for seq, hid in seqs]
+            history = [(seq, hid, _verify.event(path, hid, txn.get(hid, db=dbs["events"]), key)) for seq, hid in seqs]
         row = _verify.rows(txn, dbs, path, [key], summaries=False)[0]
         current = row.event_id if row is not None else None
         return Resolved(kind, key, eid if eid is not None else current, history, current)

@@ -55,7 +55,7 @@ class Ledger:
         self.path, self.env, self.readonly = path, env, readonly
         self.real_path = os.path.realpath(path)  # as resolved at opening: the process may change directory
         self._pid, self._forked, self._closed, self._writing = os.getpid(), False, False, threading.RLock()  # see write
-        self._entry, self._temporary = _envs[self.real_path], None  # see `_check_file`; `_reading_copy` sets the other
+        self._entry, self._temporary, self._source = _envs[self.real_path], None, None  # see _check_file, _reading_copy
         self.dbs = self._entry[5] = self._entry[5] or {n: env.open_db(n.encode(), create=False) for n in DBS}  # once
         self.memo = Memo()  # the answers of recent bulk lookups, each valid while its view root stands
         _live.add(self)
@@ -154,18 +154,18 @@ class Ledger:
     def _reading_copy(cls, path: str, real: str, env: lmdb.Environment, map_size: int) -> "Ledger":
         """An older file's reader: LMDB's snapshot copy, upgraded in a temp dir removed at close, collection or exit
         (or, where the process is killed, by the next process making one: see kprof._scratch)."""
-        copy, remove = _scratch.make("kprof-upgraded-copy-")
+        copy, rm, was = *_scratch.make("kprof-upgraded-copy-"), (real, _identity(real))  # the file as copied
         try:
             env.copy(os.path.join(copy, "ledger.db"))
             _release(real, env)
             ledger = cls.open(os.path.join(copy, "ledger.db"), map_size=map_size)
         except BaseException as exc:
-            remove()
+            rm()
             if isinstance(exc, lmdb.Error):  # the copy, or its upgrade, refused: the temporary directory is full
                 raise LedgerError(f"cannot read ledger {path} (an older format) from its upgraded copy: writing it in "
                                   f"{os.path.dirname(copy)} failed ({exc}); free space there, or set TMPDIR") from None
             raise
-        ledger.path, ledger.readonly, ledger._temporary = path, True, weakref.finalize(ledger, remove)
+        ledger.path, ledger.readonly, ledger._source, ledger._temporary = path, True, was, weakref.finalize(ledger, rm)
         return ledger
 
     @staticmethod
@@ -227,6 +227,8 @@ class Ledger:
         txn = None
         try:
             _check_file(self.path, self.real_path, self._entry)
+            if self._source and _identity(self._source[0]) != self._source[1]:  # the older file this reads a copy of
+                raise LedgerError(f"ledger {self.path} changed since this reader copied it; open it again")
             txn = _begin(self.env, self.path)
             _reads[id(txn)] = (self.env, txn, threading.get_ident())
             yield txn
