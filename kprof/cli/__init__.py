@@ -77,12 +77,25 @@ def _interrupted_note(argv: list[str], exc: BaseException) -> str:
     for raised in (exc, exc.__context__):  # cyclopts ends a Ctrl-C as SystemExit(130), raised while handling it
         if getattr(raised, "__notes__", None):
             return raised.__notes__[-1]
-    if verb == "run" and any(a == "--remote" or a.startswith("--remote=") for a in argv):
+
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+    remote = verb == "run" and given("--remote")
+    if verb == "run" and given("--fresh"):  # it stores nothing, and measures every spec whenever it runs
+        cancelled = ", and the engine's unfinished jobs were cancelled" if remote else ""
+        return f"a --fresh run writes nothing: the ledger is as it was{cancelled}; the same command again measures " \
+               f"every spec"
+    # --force measures every spec (every ceiling) again whenever it runs; without it, only what is missing
+    what = "every ceiling" if verb == "calibrate" else "every spec"
+    again = (f"measures {what} again (--force; without it, only what is missing)" if given("--force")
+             else "measures only what is missing")
+    if remote:
         return ("every chunk merged before it stays in the ledger, and the engine's unfinished jobs were cancelled; "
-                "the same command with a new --output-dir sends only what is missing")
+                f"the same command with a new --output-dir {again.replace('measures', 'sends', 1)}")
     if verb in ("run", "calibrate"):
-        return ("every row stored before it stays in the ledger, and nothing half-written does; the same command "
-                "again measures only what is missing")
+        return f"every row stored before it stays in the ledger, and nothing half-written does; the same command " \
+               f"again {again}"
     if verb == "merge":
         return "a merge is all or nothing: the ledger holds none of its events; run it again"
     return "nothing was left half-written"

@@ -548,6 +548,31 @@ def test_an_interrupt_is_one_line_saying_what_it_left(verb, exc, code, note, cap
     assert captured.out == "" and note in captured.err and "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize("argv, note", [
+    (["run", "--fresh"], "a --fresh run writes nothing: the ledger is as it was; the same command again measures every "
+                         "spec"),
+    (["run", "--force"], "the same command again measures every spec again (--force; without it, only what is "
+                         "missing)"),
+    (["calibrate", "--force"], "the same command again measures every ceiling again (--force"),
+    (["run", "--remote", "x", "--fresh"], "a --fresh run writes nothing: the ledger is as it was, and the engine's "
+                                          "unfinished jobs were cancelled"),
+    (["run", "--remote=x", "--force"], "the same command with a new --output-dir sends every spec again (--force"),
+])
+def test_an_interrupted_fresh_or_force_run_says_what_the_same_command_does_again(argv, note, capsys, monkeypatch):
+    """A Ctrl-C of `run --fresh` said every row stored before it stays and the same command measures only what is
+    missing (it stores nothing and measures every spec); of `run --force`, that it measures only what is missing."""
+    import kprof.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "app", interrupted)
+    assert main([*argv, "--db", "p.db"]) == 130
+    err = capsys.readouterr().err
+    assert note in err, err
+    assert "--fresh" not in argv or "only what is missing" not in err, err
+
+
 def test_a_verb_s_own_exit_is_not_taken_for_an_interrupt(monkeypatch):
     import kprof.cli as cli
 
