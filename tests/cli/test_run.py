@@ -577,6 +577,18 @@ def test_cpu_rows_timed_on_a_busy_host_are_named_in_a_note(ledger_path, capsys, 
     assert "note: the host's load" not in capsys.readouterr().err  # nothing measured: nothing to say
 
 
+def test_a_fresh_run_on_a_busy_host_is_not_told_to_store_its_rows_with_force(ledger_path, capsys, h, monkeypatch):
+    """`run --fresh` on a busy host pointed at the rows' notes (it stores none) and said to measure again with
+    `kprof run --force`, which writes the ledger the user kept out of it."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path, "--fresh",
+                 "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the host's load average (99.0) passed its" in err and "measure again on a quieter host with the " \
+        "same command" in err, err
+    assert "--force" not in err and "host_busy" not in err and not os.path.exists(ledger_path)
+
+
 @pytest.mark.parametrize("pool", ["off", "on"])
 def test_a_spec_whose_row_a_merge_stored_before_the_run_reached_it_is_not_measured(tmp_path, capsys, h, monkeypatch,
                                                                                     pool):
