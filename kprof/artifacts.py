@@ -64,15 +64,21 @@ def write_snapshot(path: str, request: dict, result: dict, meta: dict, args_orde
         os.makedirs(path, exist_ok=True)
         return _write(path, request, result, meta, args_order)
     except UsageError as exc:  # checked before the run, refused now: another run wrote its snapshot there since
-        raise SnapshotError(f"cannot write the snapshot: {exc}; {_STORED}") from None
+        raise SnapshotError(f"cannot write the snapshot: {exc}; {_stored(request)}") from None
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         raise SnapshotError(f"cannot write the snapshot in --output-dir {path}: {exc.strerror or exc}{where}; "
-                            f"{_STORED}") from None
+                            f"{_stored(request)}") from None
 
 
-_STORED = ("the run finished and its rows are in the ledger (unless --fresh): for the snapshot, run the command again "
-           "with a new --output-dir and without --force (stored rows are read, not measured again)")
+def _stored(request: dict) -> str:
+    """How to get the snapshot of a run whose rows are stored without measuring again; a --fresh run stored nothing,
+    so the same command measures every spec again."""
+    if request.get("mode") == "fresh":
+        return ("the --fresh run finished and stored nothing: for the snapshot, run the command again with a new "
+                "--output-dir (it measures every spec again)")
+    return ("the run finished and its rows are in the ledger: for the snapshot, run the command again with a new "
+            "--output-dir and without --force (stored rows are read, not measured again)")
 
 
 def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[str]) -> list[str]:

@@ -431,6 +431,23 @@ def test_a_snapshot_that_cannot_be_written_after_the_run_says_so(tmp_path, capsy
         assert ledger.last_seq == 1  # the run's row is stored
 
 
+def test_a_fresh_run_whose_snapshot_cannot_be_written_is_not_said_to_have_stored_rows(tmp_path, capsys, h,
+                                                                                      monkeypatch):
+    """A --fresh run whose snapshot failed said its rows are in the ledger "(unless --fresh)" and to run again without
+    --force, where stored rows are read: it stored none, and the same command measures every spec again."""
+    from kprof import artifacts
+
+    def full_disk(path, *_args):
+        raise OSError(28, "No space left on device", os.path.join(path, "request.json"))
+
+    monkeypatch.setattr(artifacts, "_write", full_disk)
+    assert main([*_run_into("snap", h, "p.db"), "--fresh"]) == 1
+    err = capsys.readouterr().err
+    assert "the --fresh run finished and stored nothing: for the snapshot, run the command again with a new " \
+           "--output-dir (it measures every spec again)" in err, err
+    assert "in the ledger" not in err and "--force" not in err and not os.path.exists("p.db")
+
+
 def test_a_snapshot_another_run_placed_while_this_one_measured_is_kept_and_the_stored_rows_are_said(
         tmp_path, capsys, h, monkeypatch):
     """Two runs into one --output-dir both pass the check before measuring; the one that finishes second was refused
