@@ -70,6 +70,9 @@ def _terminated(signum, _frame):
     raise SystemExit(128 + signum)
 
 
+_FALSE = ("false", "f", "no", "n", "0")  # what cyclopts reads as False in `--flag=VALUE`
+
+
 def _interrupted_note(argv: list[str], exc: BaseException) -> str:
     """What an interrupt left, by verb: every commit is whole, so only the verbs that write have more to say (a
     merge of several batches says which it committed, as a note on the interrupt)."""
@@ -78,8 +81,9 @@ def _interrupted_note(argv: list[str], exc: BaseException) -> str:
         if getattr(raised, "__notes__", None):
             return raised.__notes__[-1]
 
-    def given(flag: str) -> bool:
-        return any(a == flag or a.startswith(flag + "=") for a in argv)
+    def given(flag: str) -> bool:  # `--fresh=false` is no --fresh
+        return any(a == flag or a.startswith(flag + "=") and a.partition("=")[2].strip().lower() not in _FALSE
+                   for a in argv)
 
     remote = verb == "run" and given("--remote")
     if verb == "run" and given("--fresh"):  # it stores nothing, and measures every spec whenever it runs

@@ -22,7 +22,7 @@ from ._render import console, emit_json, results_table, stdout_to_stderr
 def _one_mode(arguments) -> None:
     """--force and --fresh together are refused, saying what each does (cyclopts' own validator said "Invalid values
     for group Mode. Mutually exclusive arguments")."""
-    if len([a for a in arguments if a.has_tokens]) > 1:
+    if len([a for a in arguments if a.has_tokens and a.value is True]) > 1:  # `--fresh=false` asks for no mode
         raise UsageError("--force and --fresh cannot be combined: --force re-measures every spec and stores the new "
                          "rows, --fresh measures every spec and writes nothing; pass one of them")
 

@@ -574,6 +574,8 @@ def test_an_interrupt_is_one_line_saying_what_it_left(verb, exc, code, note, cap
     (["run", "--remote", "x", "--fresh"], "a --fresh run writes nothing: the ledger is as it was, and the engine's "
                                           "unfinished jobs were cancelled"),
     (["run", "--remote=x", "--force"], "the same command with a new --output-dir sends every spec again (--force"),
+    (["run", "--fresh=false"], "every row stored before it stays in the ledger, and nothing half-written does; the "
+                               "same command again measures only what is missing"),
 ])
 def test_an_interrupted_fresh_or_force_run_says_what_the_same_command_does_again(argv, note, capsys, monkeypatch):
     """A Ctrl-C of `run --fresh` said every row stored before it stays and the same command measures only what is
@@ -587,7 +589,7 @@ def test_an_interrupted_fresh_or_force_run_says_what_the_same_command_does_again
     assert main([*argv, "--db", "p.db"]) == 130
     err = capsys.readouterr().err
     assert note in err, err
-    assert "--fresh" not in argv or "only what is missing" not in err, err
+    assert "--fresh" not in argv or "only what is missing" not in err, err  # `--fresh=false` is no --fresh
 
 
 def test_a_verb_s_own_exit_is_not_taken_for_an_interrupt(monkeypatch):

@@ -577,6 +577,14 @@ def test_cpu_rows_timed_on_a_busy_host_are_named_in_a_note(ledger_path, capsys, 
     assert "note: the host's load" not in capsys.readouterr().err  # nothing measured: nothing to say
 
 
+@pytest.mark.parametrize("modes, mode", [(["--force", "--fresh=false"], "force"), (["--fresh", "--force=no"], "fresh")])
+def test_a_mode_flag_set_false_does_not_combine_with_the_other(ledger_path, capsys, h, modes, mode):
+    """`--force --fresh=false` (a script passing --fresh=$FRESH) was refused as --force and --fresh combined."""
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path, *modes,
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mode"] == mode
+
+
 def test_a_fresh_run_on_a_busy_host_is_not_told_to_store_its_rows_with_force(ledger_path, capsys, h, monkeypatch):
     """`run --fresh` on a busy host pointed at the rows' notes (it stores none) and said to measure again with
     `kprof run --force`, which writes the ledger the user kept out of it."""
