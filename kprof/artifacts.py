@@ -35,15 +35,16 @@ def curve(result: dict, args_order: list[str]) -> dict:
     specs = [r["spec"] for r in result["results"]]
     varying = [a for a in args_order if len({msgspec.json.encode(s[a]) for s in specs}) > 1]
     fixed = {a: specs[0][a] for a in args_order if a not in varying} if specs else {}
+    metrics = _metric_names(result)
     points = []
     for r in result["results"]:
-        point = dict(r["metrics"] or {})
+        point = {m: (r["metrics"] or {}).get(m) for m in metrics}  # every point the same fields: null where none
         # the axes last: a comm row's metric message_size_bytes (a float) must not stand for the spec's int
         point.update({"status": r["status"], "citation": r["citation"]}, **{a: r["spec"][a] for a in varying})
         points.append(point)
     return {"table": result["table"], "backend": result["backend"], "gpu_name": result["gpu_name"],
             "axes": varying, "x": varying[0] if varying else None, "y": varying[1] if len(varying) > 1 else None,
-            "facets": varying[2:], "fixedArgs": fixed, "metrics": _metric_names(result), "points": points}
+            "facets": varying[2:], "fixedArgs": fixed, "metrics": metrics, "points": points}
 
 
 def _metric_names(result: dict) -> list[str]:

@@ -297,6 +297,10 @@ def test_output_dir_records_failures_and_exit_code(tmp_path, ledger_path, capsys
     assert curve["axes"] == ["m"] and curve["x"] == "m" and curve["y"] is None and curve["facets"] == []
     assert curve["fixedArgs"] == {"n": 32, "k": 32, "dtype": "fp32"}
     assert [p["status"] for p in curve["points"]] == ["ok", "error"]
+    # every point has every metric (an error's were left out: point["time_ms"] failed on it), null where none
+    ok, error = curve["points"]
+    assert set(ok) == set(error) == {"m", "status", "citation", *curve["metrics"]}
+    assert all(error[m] is None for m in curve["metrics"]) and ok["time_ms"] > 0
     assert _read(out_dir / "results.json") == doc
 
 
