@@ -39,7 +39,8 @@ MeasureGpuName = Annotated[str | None, Parameter(name="--gpu-name", help=(
 MeasureDb = Annotated[str | None, Parameter(name="--db", validator=_db_given, help=(
     "Ledger whose row of this spec the window is compared with, read-only (never written). Default: $KPROF_DB, "
     "else ./profile.db; no file there: nothing is compared."))]
-MeasureSpec = Annotated[list[str] | None, Parameter(name="--spec", consume_multiple=False, metavar="JSON", help=(
+MeasureSpec = Annotated[list[str] | None, Parameter(name="--spec", consume_multiple=False, metavar="JSON",
+                                                    required=True, help=(
     "The one spec to measure, as a JSON object of the table's KernelArgs."))]
 MeasureDir = Annotated[str | None, Parameter(name="--output-dir", help=(
     "Write runtimes.csv, telemetry.csv, summary.json, durations.png and telemetry.png there, once, read-only. "

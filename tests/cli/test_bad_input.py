@@ -738,6 +738,19 @@ def test_export_and_measure_have_help_of_their_own(capsys):
         assert "--spec JSON One spec" in out and "--specs FILE" in out and "STR..." not in out, verb
 
 
+def test_measure_help_shows_its_one_spec_as_required(capsys, tmp_path):
+    """measure refuses a call without --spec, but its help's usage line left --spec out (`Usage: kprof measure
+    --backend STR [OPTIONS] TABLE`) and listed it as optional."""
+    assert main(["measure", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: kprof measure --backend STR --spec JSON [OPTIONS] TABLE" in out, out
+    said = " ".join(out.replace("│", " ").split())
+    assert "* --spec JSON The one spec to measure, as a JSON object of the table's KernelArgs. [required]" in said
+    assert main(["measure", "single_gemm", "--backend", "torch"]) == 2
+    assert capsys.readouterr().err.startswith("error: --spec is missing: the one spec to measure")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("argv, said", [
     (["run", "single_gemm", "--backend", "torch-cpu", "--spec", "{}", "--force", "--fresh"],
      "error: --force and --fresh cannot be combined: --force re-measures every spec and stores the new rows, "
