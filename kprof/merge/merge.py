@@ -14,8 +14,9 @@ consecutive events at a time (kprof.merge.segment.runs: the file read and hashed
    fast-forward), or a row an earlier event of the same segment made current (the segment's own history, in its
    log order) are fine; a row of this ledger or of another segment is a conflict. An event that follows its own
    re-measurement in one segment is refused (a log never holds a parent after its child; merged, it would supersede
-   the row that re-measured it). A retraction in a segment
-   leaves its key unchecked from there on (which row it brings back depends on events the check does not replay).
+   the row that re-measured it). A retraction of an event that is not the key's current row leaves that row current;
+   one of the current row leaves its key unchecked from there on (which row it brings back depends on events the
+   check does not replay).
    The rows of a run's keys are read in one sorted pass; the events tree (the ledger's largest) is asked only about
    events whose key has a history here, since no other can be stored already. The check keeps each batch's event
    ids and each of its runs' digests; it drops each decoded event as soon as it is checked.
@@ -171,7 +172,7 @@ class _Check:
         self.current: dict[bytes, bytes | None] = {}  # key -> current event id (None: no row)
         self.origin: dict[bytes, tuple[int, int]] = {}  # key -> (segment, index) of the event that made it current
         # (absent: the ledger's row)
-        self.unchecked: set[bytes] = set()  # keys a segment's retraction touched
+        self.unchecked: set[bytes] = set()  # keys whose current row a segment's retraction withdrew
         self.seen: set[bytes] = set()  # event ids of the segments so far
         self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
         self.children: dict[bytes, tuple[int, int]] = {}  # a parent's event id -> (segment, index) of its first child
@@ -222,7 +223,8 @@ class _Check:
                     raise UsageError(f"{path}: event {i} retracts event {event.link.hex()[:16]}, which neither this "
                                      f"ledger nor the segments before it hold; merge the segment that holds it first "
                                      f"(nothing was merged)")
-                self.unchecked.add(key)
+                if self.current[key] == event.link:  # else the current row stays: what follows is checked against it
+                    self.unchecked.add(key)
                 continue
             if key in self.unchecked:
                 continue

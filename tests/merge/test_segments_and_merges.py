@@ -651,6 +651,31 @@ def test_a_retraction_whose_target_is_nowhere_merges_nothing(tmp_path, source):
     assert _answers(target) == before
 
 
+
+def test_a_retraction_of_an_older_event_leaves_the_rows_after_it_checked(tmp_path):
+    """A retracts its first measurement of a key and measures it again (no parent: the key had no row left); B, which
+    held that measurement and re-measured it since, merges A's segment. The retraction withdraws a row B no longer
+    shows, so B's own re-measurement stays current, and A's new row is a conflict with it (it had merged silently over
+    B's row: a retraction left its key unchecked). A retraction of the row B shows still merges what follows it."""
+    first = synth.event(3)
+    ours = msgspec.structs.replace(synth.event(3, seed=9), parent=_eid(first))
+    gone = retraction(_eid(first), first.key, "a bad clock", at=1.8e9)
+    theirs = synth.event(3, seed=5)
+    src = _ledger(tmp_path / "a.db", [first, gone, theirs])
+    seg = str(tmp_path / "a.kseg")
+    export(src, seg)
+    target = _ledger(tmp_path / "b.db", [first, ours])
+    before = _digest(target)
+    with pytest.raises(MergeConflict):
+        merge([seg], target, output_dir=str(tmp_path / "out"))
+    assert _digest(target) == before
+    report = json.loads((tmp_path / "out" / "merge-report.json").read_text())
+    assert [(k["current"]["event"], k["incoming"]["event"]) for k in report["keys"]] == [(_eid(ours).hex(),
+                                                                                          _eid(theirs).hex())]
+    plain = _ledger(tmp_path / "c.db", [first])  # the retracted row is the one shown here: what follows it merges
+    assert merge([seg], plain).added == 2 and _answers(plain) == _answers(src)
+
+
 def _events_bytes(n):
     return [_codec.encode(synth.event(i)) for i in range(n)]
 
