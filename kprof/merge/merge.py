@@ -260,11 +260,23 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
         check = _check(None, paths)
         if check.conflicts:
             refuse(None, ledger_path(db), check.conflicts, paths, output_dir)
+    else:
+        _check_before_upgrade(db, paths, output_dir)
     with Ledger.open(db) as ledger:
         added, existing = _merge_into(ledger, paths, output_dir)
         db_path = ledger.path
     segments = [{"path": p, "ledger_id": headers[p].ledger_id, "events": headers[p].events} for p in paths]
     return MergeResult(db_path, segments, added, existing, time.perf_counter() - started)
+
+
+def _check_before_upgrade(db: str | None, paths: list[str], output_dir: str | None) -> None:
+    """A writer's open of a file of an older format rewrites its views: a ledger of one is checked first through a
+    reader's upgraded copy, so that a damaged segment or a conflict leaves the file as it was."""
+    with Ledger.open(db, readonly=True) as reader:
+        if reader.real_path != os.path.realpath(reader.path):  # reading a copy: the file is of an older format
+            check = _check(reader, paths)
+            if check.conflicts:
+                refuse(reader, reader.path, check.conflicts, paths, output_dir)
 
 
 def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) -> tuple[int, int]:

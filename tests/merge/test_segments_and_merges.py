@@ -247,6 +247,30 @@ def test_every_damaged_segment_is_rejected_whole_and_nothing_is_written(tmp_path
         assert _digest(target) == before, name
 
 
+
+@pytest.mark.parametrize("version", range(1, _codec.FORMAT_VERSION))
+def test_a_refused_merge_leaves_a_ledger_of_an_older_format_as_it_was(tmp_path, source, version):
+    """A writer's open rebuilds an older file's views; a merge opened the file so before it read the segments, so a
+    damaged segment (exit 2) or a conflict (exit 3) rewrote a ledger kept in git though nothing was merged. The
+    segments are checked first; the file stays as it was, and a merge that passes upgrades it and merges."""
+    import shutil
+
+    fixtures = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "ledgers")
+    target = str(tmp_path / "old.db")
+    shutil.copyfile(os.path.join(fixtures, f"synthetic-v{version}.db"), target)
+    before = _digest(target)
+    _path, seg = source
+    bad = _write(tmp_path / "bad.kseg", _read(seg)[:-1])
+    with pytest.raises(SegmentError):
+        merge([bad], target)
+    other = export(_ledger(tmp_path / "o.db", [synth.event(0, seed=3)]), str(tmp_path / "o.kseg")).path
+    with pytest.raises(MergeConflict):
+        merge([other], target, output_dir=str(tmp_path))
+    assert _digest(target) == before
+    fine = export(_ledger(tmp_path / "n.db", [synth.event(100)]), str(tmp_path / "n.kseg")).path
+    assert merge([fine], target).added == 1 and _digest(target) != before and audit(target).ok
+
+
 @pytest.mark.parametrize("block", [1, 7, 1000])
 def test_a_segment_read_a_few_bytes_at_a_time_reads_the_same_and_rejects_the_same(tmp_path, source, monkeypatch,
                                                                                   block):
