@@ -256,27 +256,33 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
         check_output_dir(output_dir, (), "a merge report")
     headers = {p: segment.header_of(p) for p in paths}
     paths = ordered(paths)
+    early = None  # pass 1 made before the ledger is opened for writing
     if not os.path.lexists(ledger_path(db)):  # a new ledger: a damaged segment or a conflict leaves no empty one
         check = _check(None, paths)
         if check.conflicts:
             refuse(None, ledger_path(db), check.conflicts, paths, output_dir)
     else:
-        _check_before_upgrade(db, paths, output_dir)
-    with Ledger.open(db) as ledger:
-        added, existing = _merge_into(ledger, paths, output_dir)
-        db_path = ledger.path
+        early = _check_before_upgrade(db, paths, output_dir)
     segments = [{"path": p, "ledger_id": headers[p].ledger_id, "events": headers[p].events} for p in paths]
+    if early is not None and not early.seen:  # every event is here already: the file is not upgraded for nothing
+        return MergeResult(ledger_path(db), segments, 0, early.events, time.perf_counter() - started)
+    with Ledger.open(db) as ledger:
+        added, existing = _merge_into(ledger, paths, output_dir, early)
+        db_path = ledger.path
     return MergeResult(db_path, segments, added, existing, time.perf_counter() - started)
 
 
-def _check_before_upgrade(db: str | None, paths: list[str], output_dir: str | None) -> None:
+def _check_before_upgrade(db: str | None, paths: list[str], output_dir: str | None) -> "_Check | None":
     """A writer's open of a file of an older format rewrites its views: a ledger of one is checked first through a
-    reader's upgraded copy, so that a damaged segment or a conflict leaves the file as it was."""
+    reader's upgraded copy, so that a damaged segment or a conflict leaves the file as it was. The check (None for
+    a file of this format), which the write pass takes as its own: the copy holds the file's events and last seq."""
     with Ledger.open(db, readonly=True) as reader:
-        if reader.real_path != os.path.realpath(reader.path):  # reading a copy: the file is of an older format
-            check = _check(reader, paths)
-            if check.conflicts:
-                refuse(reader, reader.path, check.conflicts, paths, output_dir)
+        if reader.real_path == os.path.realpath(reader.path):  # the file itself, not a copy: of this format
+            return None
+        check = _check(reader, paths)
+        if check.conflicts:
+            refuse(reader, reader.path, check.conflicts, paths, output_dir)
+        return check
 
 
 def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) -> tuple[int, int]:
@@ -307,11 +313,14 @@ def _last_seq(ledger: Ledger, txn) -> int:
         return msgspec.msgpack.decode(txn.get(b"last_seq", db=ledger.dbs["meta"]), type=int)
 
 
-def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None) -> tuple[int, int]:
-    """merge_into of segments already in their merge order."""
-    check = _check(ledger, paths)
+def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None,
+                check: _Check | None = None) -> tuple[int, int]:
+    """merge_into of segments already in their merge order (`check`: pass 1, made already)."""
+    check = check or _check(ledger, paths)
     if check.conflicts:
         refuse(ledger, ledger.path, check.conflicts, paths, output_dir)
+    if not check.seen:  # every event is here already: no write transaction (the file stays byte for byte as it was)
+        return 0, check.events
     added = existing = 0
     seq = check.last_seq  # the ledger's state the check holds for this merge's batches
 

@@ -271,6 +271,22 @@ def test_a_refused_merge_leaves_a_ledger_of_an_older_format_as_it_was(tmp_path, 
     assert merge([fine], target).added == 1 and _digest(target) != before and audit(target).ok
 
 
+
+@pytest.mark.parametrize("version", range(1, _codec.FORMAT_VERSION + 1))
+def test_merging_what_a_ledger_holds_already_leaves_its_file_byte_for_byte(tmp_path, version):
+    """`kprof merge rows/` again is a no-op, yet it committed a write transaction (and upgraded a ledger of an older
+    format), so a ledger kept in git read as changed after every merge of a shared directory. It writes nothing now."""
+    import shutil
+
+    fixtures = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "ledgers")
+    target = str(tmp_path / "old.db")
+    shutil.copyfile(os.path.join(fixtures, f"synthetic-v{version}.db"), target)
+    seg = export(target, str(tmp_path / "all.kseg")).path
+    before = _digest(target)
+    result = merge([seg], target)
+    assert (result.added, result.existing) == (0, segment.header_of(seg).events) and _digest(target) == before
+
+
 @pytest.mark.parametrize("block", [1, 7, 1000])
 def test_a_segment_read_a_few_bytes_at_a_time_reads_the_same_and_rejects_the_same(tmp_path, source, monkeypatch,
                                                                                   block):
