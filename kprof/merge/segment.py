@@ -189,8 +189,10 @@ def _header(f: BinaryIO) -> tuple[SegmentHeader, bytes]:
         header = msgspec.msgpack.decode(raw, type=SegmentHeader)
     except msgspec.DecodeError as exc:
         raise SegmentError(f"the header does not decode ({exc})") from None
-    if header.format != FORMAT:
-        raise SegmentError(f"segment format {header.format}; this kprof reads format {FORMAT}: upgrade kprof")
+    if header.format != FORMAT:  # every kprof that wrote segments wrote format 1: an older one is damage
+        fix = ("a newer kprof wrote it; upgrade kprof to merge it" if header.format > FORMAT else
+               "no kprof writes an older one (the header is damaged); export the segment again")
+        raise SegmentError(f"segment format {header.format}; this kprof reads format {FORMAT}: {fix}")
     return header, MAGIC + size.to_bytes(_LEN, "big") + raw
 
 

@@ -386,6 +386,25 @@ def test_a_segment_of_a_newer_kprof_is_refused_naming_its_unknown_fields(tmp_pat
     assert _digest(target) == before
 
 
+
+@pytest.mark.parametrize(("version", "said"), [
+    (segment.FORMAT + 1, f"segment format {segment.FORMAT + 1}; this kprof reads format {segment.FORMAT}: a newer "
+                         f"kprof wrote it; upgrade kprof to merge it"),
+    (0, f"segment format 0; this kprof reads format {segment.FORMAT}: no kprof writes an older one (the header is "
+        f"damaged); export the segment again")])
+def test_a_segment_format_this_kprof_does_not_read_is_refused_with_the_right_fix(tmp_path, version, said):
+    """A segment format newer than this kprof's says to upgrade kprof; one older than the first (no kprof wrote it:
+    a damaged header) said so too, which no upgrade mends."""
+    import time
+
+    seg = str(tmp_path / "x.kseg")
+    with open(seg, "wb") as f:
+        segment._stream(f, [_codec.encode(synth.event(1))], segment.SegmentHeader(version, "", time.time(), 1))
+    with pytest.raises(SegmentError, match=f"^{re.escape(f'segment {seg}: {said}')}$"):
+        merge([seg], str(tmp_path / "t.db"))
+    assert not os.path.exists(tmp_path / "t.db")
+
+
 def test_a_segment_holding_an_event_kind_this_kprof_does_not_know_says_so(tmp_path):
     doc = msgspec.msgpack.decode(_codec.encode(synth.event(7)))
     doc["type"] = "annotated"
