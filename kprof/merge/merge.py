@@ -15,8 +15,8 @@ consecutive events at a time (kprof.merge.segment.runs: the file read and hashed
    log order) are fine; a row of this ledger or of another segment is a conflict. An event that follows its own
    re-measurement in one segment is refused (a log never holds a parent after its child; merged, it would supersede
    the row that re-measured it). A retraction of an event that is not the key's current row leaves that row current;
-   one of the current row leaves its key unchecked from there on (which row it brings back depends on events the
-   check does not replay).
+   one of the ledger's current row brings back the key's latest attempt here not retracted, which what follows is
+   checked against (one of a row this merge made current leaves its key unchecked from there on).
    The rows of a run's keys are read in one sorted pass; the events tree (the ledger's largest) is asked only about
    events whose key has a history here, since no other can be stored already. The check keeps each batch's event
    ids and each of its runs' digests; it drops each decoded event as soon as it is checked.
@@ -172,7 +172,8 @@ class _Check:
         self.current: dict[bytes, bytes | None] = {}  # key -> current event id (None: no row)
         self.origin: dict[bytes, tuple[int, int]] = {}  # key -> (segment, index) of the event that made it current
         # (absent: the ledger's row)
-        self.unchecked: set[bytes] = set()  # keys whose current row a segment's retraction withdrew
+        self.unchecked: set[bytes] = set()  # keys whose current row a segment's retraction withdrew, unknown after
+        self.withdrawn: set[bytes] = set()  # the targets of the segments' retractions so far
         self.seen: set[bytes] = set()  # event ids of the segments so far
         self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
         self.children: dict[bytes, tuple[int, int]] = {}  # a parent's event id -> (segment, index) of its first child
@@ -224,7 +225,12 @@ class _Check:
                                      f"ledger nor the segments before it hold; merge the segment that holds it first "
                                      f"(nothing was merged)")
                 if self.current[key] == event.link:  # else the current row stays: what follows is checked against it
-                    self.unchecked.add(key)
+                    known, back = self._brought_back(key, event.link)
+                    if known:
+                        self.current[key] = back
+                    else:
+                        self.unchecked.add(key)
+                self.withdrawn.add(event.link)
                 continue
             if key in self.unchecked:
                 continue
@@ -243,6 +249,19 @@ class _Check:
                 incoming = _codec.event_decoder.decode(part.run.events[i - first])
                 self.conflicts.append({"segment": path, "index": i, "key": key, "incoming": eid, "current": here,
                                        "current_from": origin, "incoming_event": incoming})
+
+    def _brought_back(self, key: bytes, target: bytes) -> tuple[bool, bytes | None]:
+        """(known, event id) of the row a retraction of `target`, the key's current row, makes current: the key's
+        latest attempt here not retracted (None: none). Not known where this merge made `target` current."""
+        led, txn = self.ledger, self.txn
+        if led is None or key in self.origin:
+            return False, None
+        for _seq, eid in reversed(led.history_of(txn, key)):
+            if eid == target or eid in self.withdrawn or txn.get(eid, db=led.dbs["retracted"]) is not None:
+                continue
+            if type(_codec.stored_event(txn.get(eid, db=led.dbs["events"]) or b"", eid)) is not Retracted:
+                return True, eid
+        return True, None
 
 
 def merge(paths: list[str], db: str | None = None, output_dir: str | None = None) -> MergeResult:

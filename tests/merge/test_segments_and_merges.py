@@ -735,6 +735,34 @@ def test_a_retraction_of_an_older_event_leaves_the_rows_after_it_checked(tmp_pat
     assert merge([seg], plain).added == 2 and _answers(plain) == _answers(src)
 
 
+
+def test_a_retraction_of_the_current_row_checks_what_follows_against_the_row_it_brings_back(tmp_path):
+    """B measured a key and re-measured it, and gave A only the re-measurement; A retracted it and measured the key
+    again (no parent: A had no row left). Merged into B, the retraction brings B's first row back, and A's new row is
+    a conflict with it (the key was left unchecked after a retraction of its current row: it merged silently over
+    B's row). Where the row brought back is the new row's parent, or there is none, it merges."""
+    first = synth.event(3)
+    again = msgspec.structs.replace(synth.event(3, seed=9), parent=_eid(first))
+    gone = retraction(_eid(again), again.key, "a bad clock", at=1.8e9)
+    theirs = synth.event(3, seed=5)
+    seg = str(tmp_path / "a.kseg")
+    export(_ledger(tmp_path / "a.db", [again, gone, theirs]), seg)
+    target = _ledger(tmp_path / "b.db", [first, again])
+    before = _digest(target)
+    with pytest.raises(MergeConflict):
+        merge([seg], target, output_dir=str(tmp_path / "out"))
+    assert _digest(target) == before
+    report = json.loads((tmp_path / "out" / "merge-report.json").read_text())
+    assert [(k["current"]["event"], k["incoming"]["event"]) for k in report["keys"]] == [(_eid(first).hex(),
+                                                                                          _eid(theirs).hex())]
+    plain = _ledger(tmp_path / "c.db", [again])  # nothing to bring back: A's new row merges
+    assert merge([seg], plain).added == 2
+    child = msgspec.structs.replace(theirs, parent=_eid(first))  # A held the first row too: its row's parent
+    seg2 = str(tmp_path / "a2.kseg")
+    export(_ledger(tmp_path / "a2.db", [first, again, gone, child]), seg2)
+    assert merge([seg2], target).added == 2 and _answers(target) == _answers(str(tmp_path / "a2.db"))
+
+
 def _events_bytes(n):
     return [_codec.encode(synth.event(i)) for i in range(n)]
 
