@@ -311,20 +311,27 @@ def _event_json(seq, eid, event, current) -> dict:
 
 def show(ref: str, *, db: str | None = None) -> dict:
     """What `kprof show` prints: the row a citation, event id or key (or a unique hex prefix of 8+) names, as
-    {ref, resolved_as, key, current, status, revision, event, history}; every event in it re-hashed to its id on
-    the way. `status` is the key's row (ok, failed, stale, retracted), `revision` the profiler revision this kprof
-    measures its table and backend at."""
+    {ref, resolved_as, key, current, status, revision, event, history, parent_elsewhere}; every event in it
+    re-hashed to its id on the way. `status` is the key's row (ok, failed, stale, retracted), `revision` the profiler
+    revision this kprof measures its table and backend at, `parent_elsewhere` the key and provenance of the event's
+    parent where this ledger holds it under another key (None: in the key's history, absent, or no parent)."""
     ledger = Ledger.open(ledger_path(db), readonly=True)
     try:
         found = ledger.resolve(ref)
+        history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]
+        chosen = next((h for h in history if h["event"] == (found.event_id or b"").hex()), None)
+        # A parent outside the key's history: a row of another key here (the stale row a run re-measured), or
+        # none here (a merged segment left it out)
+        parent = (chosen or {}).get("parent")
+        other = None if parent in {None, *(h["event"] for h in history)} else ledger.event(bytes.fromhex(parent))
     finally:
         ledger.close()
-    history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]
-    chosen = next((h for h in history if h["event"] == (found.event_id or b"").hex()), None)
     current = next((h for h in history if h["current"]), None)
     return {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
             "current": found.current.hex() if found.current else None, "status": _key_status(current),
-            "revision": _revision(current), "event": chosen, "history": history}
+            "revision": _revision(current), "event": chosen, "history": history,
+            "parent_elsewhere": other and {"key": other.key.hex(),
+                                           "provenance": _builtins(getattr(other, "provenance", None))}}
 
 
 def _revision(current: dict | None) -> int | None:

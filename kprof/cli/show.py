@@ -78,7 +78,10 @@ def _about(doc: dict) -> list[str]:
         lines.append(f"event {chosen['citation']} (seq {chosen['seq']}, {chosen['type']}): {state}")
         if chosen.get("parent"):
             seqs = {h["event"]: h["seq"] for h in history}
-            where = f"seq {seqs[chosen['parent']]}" if chosen["parent"] in seqs else "not in this key's history here"
+            other = doc["parent_elsewhere"]
+            where = (f"seq {seqs[chosen['parent']]}" if chosen["parent"] in seqs else
+                     "not in this key's history here" if other is None else
+                     f"of key {other['key'][:16]} here: {_contract_of(other['provenance'])}")
             lines.append(f"parent kprof.{chosen['parent'][:16]} ({where})")
     if status == "stale":
         prov = current["provenance"]
@@ -97,6 +100,13 @@ def _about(doc: dict) -> list[str]:
     else:
         lines.append(f"row: {status}")
     return lines
+
+
+def _contract_of(prov: dict | None) -> str:
+    """How a row of another key was taken, as the stale row a re-measurement replaced differs from it."""
+    if prov is None:
+        return "a retraction"
+    return f"profiler revision {prov['profiler_revision']}, timing {prov['timing']}"
 
 
 def _show_measure(ref: str, dirs: list[str] | None, json: bool) -> int:

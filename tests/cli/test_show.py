@@ -96,6 +96,27 @@ def test_show_says_which_event_its_metrics_are_of_and_its_parent(h, capsys, loca
     assert "parent kprof.1111111111111111 (not in this key's history here)" in text
 
 
+
+def test_show_names_the_key_of_a_parent_the_ledger_holds_under_another(h, capsys, local_gpu):
+    """`run` measures a stale spec under this revision's key, naming the stale row as the new row's parent; `show`
+    said that parent was "not in this key's history here", which the README gives as a parent a merged segment left
+    out, though the ledger holds it under its own key. It names that key and how that row was taken."""
+    import msgspec
+
+    old = h.make_event(h.gemm(), local_gpu, revision=0)
+    (old_id,) = h.append("p.db", old)
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", *h.spec_args(h.gemm()), "--db", "p.db",
+                 "--json"]) == 0
+    new = json.loads(capsys.readouterr().out)["results"][0]
+    text, doc = _shown(h, capsys, new["citation"])
+    assert doc["event"]["parent"] == old_id.hex() and doc["key"] != old.key.hex()
+    assert (f"parent kprof.{old_id.hex()[:16]} (of key {old.key.hex()[:16]} here: profiler revision 0, timing "
+            f"cpu-wall;l2=warm;eager)") in text
+    assert doc["parent_elsewhere"] == {"key": old.key.hex(), "provenance": msgspec.structs.asdict(old.provenance)}
+    text, doc = _shown(h, capsys, f"kprof.{old_id.hex()[:16]}")  # no parent: nothing elsewhere
+    assert doc["parent_elsewhere"] is None
+
+
 def test_show_gives_the_rows_status_stale_failed_retracted(h, capsys, local_gpu):
     """`query` said stale or failed; `show` of the same citation did not say so."""
     from kprof.ledger.build import retraction
