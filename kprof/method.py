@@ -5,13 +5,15 @@ keyword arguments of the Python API (`timer='x'`) and with the verbs' flags (`--
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 from .errors import SettingError, UsageError
 from .runners.registry import Entry, or_on_cpu
 from .settings import environ
 
-__all__ = ["effective_entry", "resolve_gpu_key", "check_method_env", "refused"]
+__all__ = ["effective_entry", "resolve_gpu_key", "check_method_env", "refused", "cpu_threads"]
 
 
 _FLAGS = {"timer": "--timer", "l2": "--l2", "power": "--power", "cuda_graph": "--cuda-graph",
@@ -146,6 +148,36 @@ def check_method_env() -> None:
         _from_env(*setting[1:])
 
 
+def cpu_threads() -> int:
+    """The torch threads a torch-cpu row is measured with (named in its key): $MKL_NUM_THREADS, else
+    $OMP_NUM_THREADS, as torch reads them at start-up, else the physical cores among the CPUs this process may run
+    on (torch's own default is the machine's physical cores: one thread per core, not per SMT sibling). A value that
+    is not a whole number >= 1 is a UsageError (torch would ignore it, and the row's key would name a count nobody
+    asked for)."""
+    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        raw = environ().get(name, "").strip()
+        if raw:
+            if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+                raise UsageError(f"{name}={raw!r} is not a number of threads; e.g. {name}=1, or unset it to measure "
+                                 f"torch-cpu rows on every core this process may use")
+            return int(raw)
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+    cores = [_core_of(cpu) for cpu in cpus]
+    return len(cpus) if None in cores else len(set(cores))
+
+
+def _core_of(cpu: int) -> str | None:
+    """The physical core of logical CPU `cpu` (the kernel's list of its SMT siblings), or None where it is not said."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = None,
                     cuda_graph: bool | None = None, power: str | None = None) -> Entry:
     """The entry with the timing method this process measures and reads with. On a CUDA backend each setting
@@ -156,12 +188,18 @@ def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = 
     the kernel back to back, as in decode; loaded: each call after heavy GEMMs that hold the GPU at its power
     limit, as inside a prefill). The method is part of the key, so rows timed one way never mix with rows timed
     another, and a query reads the rows of the method it names. A CPU entry keeps its one method: the
-    environment variables do not apply to it and an explicit other method is refused. A variable's value that no
+    environment variables do not apply to it and an explicit other method is refused; a torch-cpu entry's timing
+    names the torch threads its rows are measured with (`cpu_threads`). A variable's value that no
     backend could use is refused on every backend, even where a flag or the CPU's one method overrides it."""
     check_method_env()
     if entry.device != "cuda":
         _refuse_on_cpu(entry, timer, l2, cuda_graph, power)
-        return entry
+        if entry.metric_family == "comm":  # gloo's ranks run one thread each (kprof.runners._rank)
+            return entry
+        from .runners.catalog import cpu_timing
+
+        return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract,
+                                                                               timing=cpu_timing(cpu_threads())))
     from .runners.catalog import timing_string
 
     timing = timing_string(_choice(_TIMER, timer), _choice(_L2, l2), _graph(cuda_graph), _choice(_POWER, power))

@@ -11,6 +11,7 @@ from kprof.ledger import KeyMaker, Ledger, ShapeCodec
 from kprof.ledger.build import failed, measured
 from kprof.ledger.events import Method, Stats
 from kprof.measure.env import cpu_model
+from kprof.method import effective_entry
 from kprof.runners.registry import lookup
 
 HEAVY = ("torch", "cupti", "pynvml")
@@ -53,7 +54,7 @@ with open(report, "w") as f:
 
 
 def _ledger(path: str, gpu: str) -> None:
-    entry = lookup("single_gemm", "torch-cpu")
+    entry = effective_entry(lookup("single_gemm", "torch-cpu"))
     keys = KeyMaker(entry.table, entry.backend, gpu, entry.contract, ShapeCodec(entry.args))
     stats = Stats(n=3, median=0.1, p10=0.1, p90=0.1, mean=0.1, stdev=0.0, cv=0.0, min=0.1, max=0.1)
     metrics = {"time_ms": 0.1, "tflops": 1.0, "memory_bandwidth_gbps": 1.0, "energy_j": None}

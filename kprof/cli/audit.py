@@ -108,6 +108,11 @@ def _nothing_to_remeasure(report) -> None:
 
     others = sorted({s.gpu_name for s in api.scopes(report.db)} - set(report.gpu_keys))
     held = f"; it holds rows of {', '.join(repr(k) for k in others)}: re-measure them on that machine" if others else ""
+    from ..measure.env import cpu_model
+    from ..method import cpu_threads
+
+    threads = f" (torch-cpu: on {cpu_threads()} torch thread(s), see OMP_NUM_THREADS)" \
+        if cpu_model() in report.gpu_keys else ""
     console(stderr=True).print(f"note: nothing re-measured: {report.db} holds no current ok row of this machine's "
                                f"{' or '.join(repr(k) for k in report.gpu_keys) or 'devices'} under the timing "
-                               f"method asked for{held}", markup=False)
+                               f"method asked for{threads}{held}", markup=False)

@@ -22,7 +22,8 @@ from .moe import GroupedMmArgs, MoeGroupedGemmArgs
 from .norm import RmsNormArgs
 from ._entry import Entry
 
-__all__ = ["ENTRIES", "CPU_TIMING", "GPU_TIMING", "POWER_STATES", "TIMERS", "parse_timing", "timing_power", "timing_string"]
+__all__ = ["ENTRIES", "CPU_TIMING", "GPU_TIMING", "POWER_STATES", "TIMERS", "cpu_timing", "parse_timing", "timing_power",
+           "timing_string", "timing_threads"]
 
 TIMERS = ("cupti", "events", "cpu-wall")
 
@@ -58,8 +59,26 @@ def timing_power(timing: str) -> str:
     return "sustained"
 
 
-# The CPU timer's method, part of every torch-cpu key (byte for byte as first released).
+# The CPU timer's method, part of every torch-cpu key (byte for byte as first released). A torch-cpu compute row is
+# timed with a stated number of torch threads, named after it (`cpu_timing`; kprof.method.cpu_threads picks it): the
+# same GEMM on 1 and 2 threads differs up to 2x, so rows of two thread counts never share a key. Rows keyed without
+# a count (before it was named) read as stale. gloo's rank processes run one thread each and keep CPU_TIMING.
 CPU_TIMING = "cpu-wall;l2=warm;eager"
+
+
+def cpu_timing(threads: int) -> str:
+    """The timing of a torch-cpu row measured with `threads` torch threads: "cpu-wall;l2=warm;eager;threads=2"."""
+    return f"{CPU_TIMING};threads={threads}"
+
+
+def timing_threads(timing: str) -> int | None:
+    """The torch thread count a contract's timing names ("...;threads=N"), or None where it names none."""
+    for part in timing.split(";")[3:]:
+        if part.startswith("threads="):
+            return int(part.removeprefix("threads="))
+    return None
+
+
 # The GPU contract's method: CUPTI kernel time, L2 flushed before each call, eager launches.
 # KPROF_TIMER / KPROF_L2 / KPROF_CUDA_GRAPH choose another (kprof.api.effective_entry), and with it the key.
 GPU_TIMING = timing_string("cupti", "cold", False)

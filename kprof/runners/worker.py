@@ -77,7 +77,9 @@ def prepare_device(entry: Entry, gpu_key: str, environment: Callable[[], Environ
 
         return CommDevice(entry, gpu_key, environment)
     if entry.device == "cpu":
-        return _CpuDevice(environment)
+        from .catalog import timing_threads
+
+        return _CpuDevice(environment, timing_threads(entry.contract.timing))
     from .cuda_device import CudaDevice
 
     return CudaDevice(entry, gpu_key, environment)
@@ -154,16 +156,26 @@ def _fits_in_memory(runner, spec) -> None:
 class _CpuDevice:
     name = "cpu"
 
-    def __init__(self, environment):
+    def __init__(self, environment, threads: int | None = None):
         from ..measure.env import cpu_environment
 
         self.env = (environment or cpu_environment)()
+        self.threads = threads  # the torch threads the key names (None: as torch has them)
 
     def measure(self, case, rule: StopRule):
+        import torch
+
         from ..measure.cpu_timer import time_cpu
 
         before = os.getloadavg()[0]
-        timing = time_cpu(case.fn, rule)
+        had = torch.get_num_threads()
+        if self.threads is not None:  # the key's thread count, whatever this process (a caller's) had set
+            torch.set_num_threads(self.threads)
+        try:
+            env = msgspec.structs.replace(self.env, clocks={**self.env.clocks, "threads": float(torch.get_num_threads())})
+            timing = time_cpu(case.fn, rule)
+        finally:
+            torch.set_num_threads(had)
         stats = summarize(timing.samples_ms)
         # Other work on the host slows every sample alike, which no spread shows: the load beside the row says it.
         load, cores = max(before, os.getloadavg()[0]), os.cpu_count() or 1
@@ -172,7 +184,7 @@ class _CpuDevice:
                         stop_reason=timing.stop_reason,
                         notes={"calls_per_sample": str(timing.inner), "target_rel_ci": str(rule.target),
                                "host_load_1m": f"{load:.2f}", **busy, **algorithm_notes(case), **case.notes})
-        return stats, method, None, self.env, timing.wall_s
+        return stats, method, None, env, timing.wall_s
 
     def recover(self) -> None:
         pass

@@ -13,6 +13,7 @@ from kprof.ledger import KeyMaker, Ledger, ShapeCodec
 from kprof.ledger.build import failed, measured
 from kprof.ledger.events import Method, Stats
 from kprof.measure.env import cpu_model
+from kprof.method import effective_entry
 from kprof.runners.registry import lookup
 
 GEMM = "single_gemm"
@@ -60,7 +61,7 @@ def digest(path) -> str | None:
 def make_event(spec: dict, gpu: str, *, table: str = GEMM, backend: str = CPU, revision: int | None = None,
                kind: str = "measured", time_ms: float = 0.5, parent: bytes | None = None):
     """A measured or failed event of the registry entry's contract (optionally at another profiler revision)."""
-    entry = lookup(table, backend)
+    entry = effective_entry(lookup(table, backend))  # a torch-cpu row's key names this process's thread count
     contract = entry.contract
     if revision is not None:
         contract = msgspec.structs.replace(contract, profiler_revision=revision)

@@ -116,9 +116,10 @@ def test_a_stored_row_its_backend_now_refuses_fails_alone(h, capsys, local_gpu, 
     from kprof.ledger import KeyMaker, ShapeCodec
     from kprof.ledger.build import measured
     from kprof.ledger.events import Method, Stats
+    from kprof.method import effective_entry
     from kprof.runners.registry import lookup
 
-    contract = lookup(h.GEMM, h.CPU).contract  # same fields, so the same key as the wider CUDA args give
+    contract = effective_entry(lookup(h.GEMM, h.CPU)).contract  # same fields, so the same key as the wider CUDA args give
     prov = KeyMaker(h.GEMM, h.CPU, local_gpu, contract, ShapeCodec(gemm.SingleGemmArgs)).provenance(
         h.gemm(16, 16, 16, "fp8_e4m3"))
     stats = Stats(n=1, median=0.5, p10=0.5, p90=0.5, mean=0.5, stdev=0.0, cv=0.0, min=0.5, max=0.5, samples=[0.5])

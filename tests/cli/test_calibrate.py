@@ -16,6 +16,7 @@ from kprof.cli import main
 from kprof.ledger import KeyMaker, Row, ShapeCodec
 from kprof.ledger.build import measured
 from kprof.ledger.events import Environment, Method, Stats
+from kprof.method import effective_entry
 from kprof.runners.registry import lookup
 
 GPU = "Test GPU"  # a GPU key no real device has: hand-built rows only
@@ -28,7 +29,7 @@ CPU_COPIES = [spec for t, spec in CPU_BYTES.members if t == "memcpy"]
 def _row(spec, *, table="single_gemm", backend="torch-cpu", gpu=GPU, timing=None, tflops=1.0, gbps=1.0,
          env=Environment(), parent=None, time_ms=1.0, notes=None):
     """A measured event of `spec` with the given metrics (and, for a CUDA backend, the given timing string)."""
-    entry = lookup(table, backend)
+    entry = effective_entry(lookup(table, backend))
     contract = entry.contract if timing is None else msgspec.structs.replace(entry.contract, timing=timing)
     prov = KeyMaker(table, backend, gpu, contract, ShapeCodec(entry.args)).provenance(spec)
     stats = Stats(n=3, median=1.0, p10=1.0, p90=1.0, mean=1.0, stdev=0.0, cv=0.0, min=1.0, max=1.0)
@@ -124,7 +125,7 @@ def test_calibrate_measures_every_shape_once_and_the_ceiling_is_their_max(h, cap
             (r["table"], r["spec"], r["metrics"][s.metric], r["citation"]) for r in rows]
         n = len(s.members)
         assert (c.method["measured"], c.method["of"], c.method["missing"]) == (n, n, [])
-        assert c.method["timing"] == lookup("single_gemm", h.CPU).contract.timing
+        assert c.method["timing"] == effective_entry(lookup("single_gemm", h.CPU)).contract.timing
         assert c.method["summary"].startswith(f"max over {n}/{n} shapes (at {best['table']} ")
 
     # a row's fractions are of the maxima, and the rows of the set are at most 1 (one of them exactly 1)

@@ -8,6 +8,7 @@ from kprof import api
 from kprof.cli import main
 from kprof.errors import SettingError
 from kprof.ledger import Ledger, _codec
+from kprof.method import effective_entry
 from kprof.runners.registry import lookup
 
 FP8 = {"m": 32, "n": 32, "k": 32, "dtype": "fp8_e4m3"}  # a CUDA-only dtype: the CPU backend refuses the spec
@@ -261,7 +262,8 @@ def test_output_dir_snapshot(tmp_path, ledger_path, capsys, h, local_gpu):
     request = _read(out_dir / "request.json")
     assert request["table"] == "single_gemm" and request["backend"] == "torch-cpu" and request["mode"] == "jit"
     assert request["specs"] == SWEEP and request["gpu_name"] == local_gpu and request["db"] == ledger_path
-    assert request["timing"] == "cpu-wall;l2=warm;eager"  # the CPU's one method
+    assert request["timing"] == effective_entry(lookup("single_gemm", "torch-cpu")).contract.timing  # the CPU's one method
+    assert request["timing"].startswith("cpu-wall;l2=warm;eager;threads=")
 
     curve = _read(out_dir / "curve.json")
     assert curve["axes"] == ["m", "k", "dtype"]
@@ -499,7 +501,7 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
     by_m = {r["spec"]["m"]: r for r in out["results"]}
     assert by_m[5]["status"] == "ok"
     with Ledger.open(team, readonly=True) as led:
-        entry = lookup("single_gemm", h.CPU)
+        entry = effective_entry(lookup("single_gemm", h.CPU))
         team_event = led.view("single_gemm", h.CPU, local_gpu, entry.contract, entry.args).query([spec_x])[1][0]
         team_event = team_event.event_id.hex()
     if merged == "ok":

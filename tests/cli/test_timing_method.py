@@ -2,6 +2,7 @@
 KPROF_CUDA_GRAPH / KPROF_POWER, and is part of the key; reading the rows of a GPU needs no GPU (only --gpu-name)."""
 
 import json
+import os
 
 import pytest
 
@@ -18,7 +19,7 @@ H200 = "NVIDIA H200"
 @pytest.fixture(autouse=True)
 def _no_method_in_the_environment(monkeypatch):
     """Each test sets the variables it means: an inherited KPROF_TIMER would pick another key."""
-    for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH", "KPROF_POWER"):
+    for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH", "KPROF_POWER", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KPROF_POOL", "off")  # the worker is replaced in this process (tests/runners/test_pool.py: the pool)
 
@@ -35,7 +36,78 @@ def test_cuda_timing_method_from_the_environment(monkeypatch, env, timing):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert effective_entry(lookup("single_gemm", "torch")).contract.timing == timing
-    assert effective_entry(lookup("single_gemm", "torch-cpu")).contract.timing == "cpu-wall;l2=warm;eager"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert effective_entry(lookup("single_gemm", "torch-cpu")).contract.timing == "cpu-wall;l2=warm;eager;threads=3"
+
+
+def test_cpu_rows_of_another_thread_count_are_not_this_ones(capsys, monkeypatch):
+    """A torch-cpu row names the torch threads it was measured with in its key: a row measured on 1 thread is not
+    the answer for 2 threads (it read `ok` there, with the 1-thread time), and the row records the count it ran."""
+    from kprof.cli import main
+
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.05")
+    spec = ["--spec", json.dumps({"m": 8, "n": 8, "k": 8, "dtype": "fp32"})]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", *spec, "--db", "t.db", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["results"][0]
+    assert row["provenance"]["timing"] == "cpu-wall;l2=warm;eager;threads=1"
+    assert main(["show", row["citation"], "--db", "t.db", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["event"]["environment"]["clocks"]["threads"] == 1.0
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert main(["query", "single_gemm", "--backend", "torch-cpu", *spec, "--db", "t.db", "--json"]) == 0
+    assert [r["status"] for r in json.loads(capsys.readouterr().out)["results"]] == ["stale"]
+    assert main(["audit", "--remeasure", "1", "--db", "t.db"]) == 0  # not re-measured on 2 threads
+    assert "under the timing method asked for (torch-cpu: on 2 torch thread(s)" in capsys.readouterr().err
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")  # torch reads it over OMP_NUM_THREADS
+    assert main(["query", "single_gemm", "--backend", "torch-cpu", *spec, "--db", "t.db", "--json"]) == 0
+    assert [r["status"] for r in json.loads(capsys.readouterr().out)["results"]] == ["ok"]
+
+
+def test_cpu_rows_are_timed_on_the_threads_their_key_names_and_the_callers_are_kept(monkeypatch):
+    import torch
+
+    from kprof.runners.worker import measure_specs
+    from kprof.measure.stats import StopRule
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    entry = effective_entry(lookup("single_gemm", "torch-cpu"))
+    had = torch.get_num_threads()
+    from kprof.measure.cpu_timer import time_cpu as real
+
+    seen = []
+    monkeypatch.setattr("kprof.measure.cpu_timer.time_cpu", lambda fn, rule: (seen.append(torch.get_num_threads()),
+                                                                              real(fn, rule))[1])
+    torch.set_num_threads(2)
+    try:
+        out = list(measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "cpu",
+                                 rule=StopRule(budget_s=0.01)))
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert out[0].event.environment.clocks["threads"] == 1.0
+    finally:
+        torch.set_num_threads(had)
+
+
+def test_cpu_threads_default_to_the_physical_cores_the_process_may_use(monkeypatch):
+    """torch's default is one thread per physical core: two SMT siblings count once."""
+    from kprof import method
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(method.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    monkeypatch.setattr(method, "_core_of", lambda cpu: {0: "0,2", 2: "0,2", 1: "1,3", 3: "1,3", 5: "5"}[cpu])
+    assert method.cpu_threads() == 3
+    monkeypatch.setattr(method, "_core_of", lambda cpu: None)  # topology not said: every CPU
+    assert method.cpu_threads() == 5
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
+def test_a_bad_thread_count_names_itself(capsys, monkeypatch, value):
+    from kprof.cli import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    spec = ["--spec", json.dumps({"m": 8, "n": 8, "k": 8, "dtype": "fp32"})]
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", *spec, "--db", "t.db"]) == 2
+    assert f"OMP_NUM_THREADS={value!r} is not a number of threads" in capsys.readouterr().err
+    assert not os.path.exists("t.db")
 
 
 def test_a_bad_timing_variable_names_itself(monkeypatch):

@@ -25,6 +25,7 @@ from kprof.errors import IntegrityError
 from kprof.ledger import KeyMaker, Ledger, ShapeCodec, _codec
 from kprof.ledger.build import failed, measured, retraction
 from kprof.ledger.events import Method, Stats
+from kprof.method import effective_entry
 from kprof.runners.registry import lookup
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="reads each damaged copy in a forked child")
@@ -43,7 +44,7 @@ SPECS = [_spec(i) for i in range(44)]  # rows 0-39 written (see _build), 40-43 n
 
 
 def _event(i: int, *, time_ms: float | None = None, kind: str = "measured", parent=None):
-    entry = lookup(TABLE, BACKEND)
+    entry = effective_entry(lookup(TABLE, BACKEND))
     prov = KeyMaker(TABLE, BACKEND, GPU, entry.contract, ShapeCodec(entry.args)).provenance(_spec(i))
     if kind == "failed":
         return failed(prov, "crash", f"segfault in spec {i}", parent=parent)

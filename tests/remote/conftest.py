@@ -10,6 +10,7 @@ import pytest
 from kprof.ledger import KeyMaker, Ledger, ShapeCodec
 from kprof.ledger.build import measured
 from kprof.ledger.events import Method, Stats
+from kprof.method import effective_entry
 from kprof.runners.registry import lookup
 
 BUDGET = "0.05"  # seconds of timing per spec: the workers measure for real, briefly
@@ -42,7 +43,7 @@ def remote_yaml(tmp_path):
 
 def hand_row(db: str, spec: dict, gpu: str, time_ms: float = 0.5) -> bytes:
     """Appends a measured row for the torch-cpu single_gemm spec, made by hand (no parent); its event id."""
-    entry = lookup("single_gemm", "torch-cpu")
+    entry = effective_entry(lookup("single_gemm", "torch-cpu"))
     prov = KeyMaker(entry.table, entry.backend, gpu, entry.contract, ShapeCodec(entry.args)).provenance(spec)
     stats = Stats(n=5, median=time_ms, p10=time_ms, p90=time_ms, mean=time_ms, stdev=0.0, cv=0.0, min=time_ms,
                   max=time_ms, samples=[time_ms] * 5)
@@ -55,7 +56,7 @@ def hand_row(db: str, spec: dict, gpu: str, time_ms: float = 0.5) -> bytes:
 def view_root(db: str, gpu: str) -> str | None:
     if not os.path.exists(db):
         return None
-    entry = lookup("single_gemm", "torch-cpu")
+    entry = effective_entry(lookup("single_gemm", "torch-cpu"))
     with Ledger.open(db, readonly=True) as ledger:
         root, _rows = ledger.view(entry.table, entry.backend, gpu, entry.contract, entry.args).query([])
     return root.hex()

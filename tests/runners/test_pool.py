@@ -421,11 +421,12 @@ def test_a_run_waiting_for_a_key_holds_none_it_has_stored(tmp_path):
     claimed (it used to stay claimed until X ended, so the two runs waited for each other for ever)."""
     from kprof.ledger import KeyMaker, ShapeCodec
     from kprof.measure.env import cpu_model
+    from kprof.method import effective_entry
     from kprof.runners.claims import Claims
     from kprof.runners.registry import lookup
 
     db = str(tmp_path / "p.db")
-    entry = lookup("single_gemm", "torch-cpu")
+    entry = effective_entry(lookup("single_gemm", "torch-cpu"))
     keys = KeyMaker(entry.table, entry.backend, cpu_model(), entry.contract, ShapeCodec(entry.args))
     specs = [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}, {"m": 16, "n": 8, "k": 8, "dtype": "fp32"}]
     k1, k2 = (keys.key(entry.args(**s)) for s in specs)
