@@ -24,6 +24,12 @@ class SiluMul:
         """Bytes of the [tokens, 2 * hidden] input and the output: the least the case holds at once."""
         return DTYPE_BYTES[spec.dtype] * 3 * spec.tokens * spec.hidden
 
+    @classmethod
+    def peak_bytes(cls, spec: SiluMulArgs) -> int:
+        """The most the build holds at once: the input drawn in fp32 beside its copy in the spec's dtype."""
+        size = DTYPE_BYTES[spec.dtype]
+        return max(cls.held_bytes(spec), (4 + size * (size != 4)) * 2 * spec.tokens * spec.hidden)
+
     def build(self, spec: SiluMulArgs, device: str) -> Case:
         import torch
         import torch.nn.functional as F

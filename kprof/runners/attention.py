@@ -203,12 +203,25 @@ def _held_bytes(spec, q_len: int, kv_len: int) -> int:
                                       + 2 * spec.batch * spec.num_kv_heads * kv_len * spec.head_dim)
 
 
+def _peak_bytes(spec, q_len: int, kv_len: int) -> int:
+    """The most a CPU build holds at once: q, k and v drawn one by one in fp32, each beside its copy in the spec's
+    dtype and the copies drawn before it."""
+    size = DTYPE_BYTES[spec.dtype]
+    q, kv = spec.batch * spec.num_heads * q_len * spec.head_dim, spec.batch * spec.num_kv_heads * kv_len * spec.head_dim
+    drawing = 4 + size * (size != 4)
+    return max(_held_bytes(spec, q_len, kv_len), drawing * q, size * q + drawing * kv, size * (q + kv) + drawing * kv)
+
+
 class AttentionPrefill:
     sdpa_backend: str | None = None  # None: SDPA chooses; else the one backend enabled
 
     @staticmethod
     def held_bytes(spec: AttentionPrefillArgs) -> int:
         return _held_bytes(spec, spec.seq_len, spec.seq_len)
+
+    @staticmethod
+    def peak_bytes(spec: AttentionPrefillArgs) -> int:
+        return _peak_bytes(spec, spec.seq_len, spec.seq_len)
 
     def build(self, spec: AttentionPrefillArgs, device: str) -> Case:
         return _build(spec, device, spec.seq_len, spec.seq_len, spec.causal, "attention_prefill", self.sdpa_backend)
@@ -220,6 +233,10 @@ class AttentionDecode:
     @staticmethod
     def held_bytes(spec: AttentionDecodeArgs) -> int:
         return _held_bytes(spec, 1, spec.kv_len)
+
+    @staticmethod
+    def peak_bytes(spec: AttentionDecodeArgs) -> int:
+        return _peak_bytes(spec, 1, spec.kv_len)
 
     def build(self, spec: AttentionDecodeArgs, device: str) -> Case:
         return _build(spec, device, 1, spec.kv_len, False, "attention_decode", self.sdpa_backend)

@@ -60,6 +60,13 @@ class SingleGemm:
             return spec.m * spec.k + spec.k * spec.n + 2 * spec.m * spec.n
         return DTYPE_BYTES[spec.dtype] * (spec.m * spec.k + spec.k * spec.n + spec.m * spec.n)
 
+    @classmethod
+    def peak_bytes(cls, spec: SingleGemmArgs) -> int:
+        """The most the build holds at once: A and B drawn in fp32 beside their copies in the spec's dtype."""
+        size = 1 if spec.dtype == "fp8_e4m3" else DTYPE_BYTES[spec.dtype]
+        drawn = (4 + size * (size != 4)) * (spec.m * spec.k + spec.k * spec.n)
+        return max(cls.held_bytes(spec), drawn)
+
     def build(self, spec: SingleGemmArgs, device: str) -> Case:
         import torch
 

@@ -24,6 +24,12 @@ class RmsNorm:
         """Bytes of x, its output and the weight: the least the case holds at once."""
         return DTYPE_BYTES[spec.dtype] * (2 * spec.tokens * spec.hidden + spec.hidden)
 
+    @classmethod
+    def peak_bytes(cls, spec: RmsNormArgs) -> int:
+        """The most the build holds at once: x drawn in fp32 beside its copy in the spec's dtype."""
+        size = DTYPE_BYTES[spec.dtype]
+        return max(cls.held_bytes(spec), (4 + size * (size != 4)) * spec.tokens * spec.hidden + 4 * spec.hidden)
+
     def build(self, spec: RmsNormArgs, device: str) -> Case:
         import torch
         import torch.nn.functional as F

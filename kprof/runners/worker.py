@@ -141,16 +141,22 @@ def _stopped_by_engine(exc: BaseException) -> bool:
 
 def _fits_in_memory(runner, spec) -> None:
     """Raises MemoryError (an `oom` row) where the least the case must hold (`runner.held_bytes`: its inputs and
-    output in their dtypes) exceeds this machine's memory. On the CPU an allocation past it does not fail: the
-    kernel's OOM killer ends the process, with no row and no message. A GPU raises its own OOM error."""
+    output in their dtypes), or the most its build holds at once (`runner.peak_bytes`: inputs drawn in fp32 beside
+    their copies in the spec's dtype), exceeds this machine's memory. On the CPU an allocation past it does not
+    fail: the kernel's OOM killer ends the process, with no row and no message. A GPU raises its own OOM error."""
     held = getattr(runner, "held_bytes", None)
     if held is None:
         return
     need, have = held(spec), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    what = getattr(runner, "held_what", "its inputs and output")  # a collective's ranks are processes too
     if need > have:
-        what = getattr(runner, "held_what", "its inputs and output")  # a collective's ranks are processes too
         raise MemoryError(f"out of memory before building: {what} alone take {need / 2**30:,.1f} GiB, "
                           f"and this machine has {have / 2**30:,.1f} GiB; use a smaller spec or a larger machine")
+    peak = getattr(runner, "peak_bytes", held)(spec)
+    if peak > have:
+        raise MemoryError(f"out of memory before building: {what} take {need / 2**30:,.1f} GiB, and building them "
+                          f"(drawn in fp32, then converted) {peak / 2**30:,.1f} GiB at once; this machine has "
+                          f"{have / 2**30:,.1f} GiB; use a smaller spec or a larger machine")
 
 
 class _CpuDevice:

@@ -216,6 +216,26 @@ def test_a_spec_larger_than_memory_is_an_oom_row_before_anything_is_built(monkey
     assert len(built) == 1 and oom.timed_seconds == 0
 
 
+@pytest.mark.parametrize("entry", [e for e in CPU if e.table != "moe_grouped_gemm"], ids=lambda e: e.table)
+def test_a_spec_whose_build_passes_memory_is_an_oom_row_before_anything_is_built(entry, monkeypatch):
+    """Inputs are drawn in fp32 and converted: a bf16 case's build holds 2-3x its inputs and output (a decode GEMM's
+    B three times over). A spec whose inputs and output fit but whose build did not was built, and the OOM killer
+    ended the run with no row."""
+    import kprof.runners.worker as worker
+
+    runner = entry.load_runner()()
+    spec = _spec(entry, "bf16", **({"num_kv_heads": 4} if entry.table == "attention_prefill" else {}))  # k, v as q
+    held, peak = runner.held_bytes(spec), runner.peak_bytes(spec)
+    assert peak > held
+    pages = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": (held + peak) // 2}  # a machine the inputs fit, the build not
+    monkeypatch.setattr(worker.os, "sysconf", lambda name: pages[name])
+    built = []
+    monkeypatch.setattr(type(runner), "build", lambda self, *a: built.append(a))
+    (oom,) = measure_specs(entry, [spec], "test cpu")
+    assert type(oom.event) is Failed and oom.event.error_kind == "oom", oom.event
+    assert "building them (drawn in fp32, then converted)" in oom.event.message and not built
+
+
 def test_a_wrong_kernel_is_never_timed(monkeypatch):
     entry = lookup("single_gemm", "torch-cpu")
     real = torch.matmul
