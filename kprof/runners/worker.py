@@ -7,6 +7,7 @@ stay outside the timed closure; the check runs before any timing, so a wrong ker
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 import traceback
@@ -178,18 +179,29 @@ class _CpuDevice:
         if self.threads is not None:  # the key's thread count, whatever this process (a caller's) had set
             torch.set_num_threads(self.threads)
         try:
-            env = msgspec.structs.replace(self.env, clocks={**self.env.clocks, "threads": float(torch.get_num_threads())})
+            env = msgspec.structs.replace(self.env, clocks={**self.env.clocks,
+                                                            "threads": float(torch.get_num_threads())})
+            switched = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
             timing = time_cpu(case.fn, rule)
+            switched = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - switched
         finally:
             torch.set_num_threads(had)
         stats = summarize(timing.samples_ms)
-        # Other work on the host slows every sample alike, which no spread shows: the load beside the row says it.
+        # Other work on the host slows every sample alike, which no spread shows: the load beside the row says it. The
+        # load average is a minute's mean and misses a neighbour that holds a core through a row's second (a 2-thread
+        # GEMM read 5x slow at load 1.3 on 2 cores): the scheduler taking this process's cores says it too (involuntary
+        # context switches, ten a second and one per two samples, or 150 a second: a quiet host showed under 100).
         load, cores = max(before, os.getloadavg()[0]), os.cpu_count() or 1
-        busy = {"host_busy": f"load {load:.2f} over {cores} cores: other work shared them"} if load > cores else {}
+        busy = [f"load {load:.2f} over {cores} cores"] if load > cores else []
+        per_s, samples = switched / timing.wall_s, len(timing.samples_ms)
+        if per_s >= 10 and (switched >= samples / 2 or per_s >= 150):
+            busy.append(f"{switched} involuntary context switches over {samples} samples")
         method = Method(timer="cpu", l2="warm", graph=False, warmup=timing.warmup, budget_s=rule.budget_s,
                         stop_reason=timing.stop_reason,
                         notes={"calls_per_sample": str(timing.inner), "target_rel_ci": str(rule.target),
-                               "host_load_1m": f"{load:.2f}", **busy, **algorithm_notes(case), **case.notes})
+                               "host_load_1m": f"{load:.2f}", "involuntary_switches": str(switched),
+                               **({"host_busy": f"{'; '.join(busy)}: other work shared them"} if busy else {}),
+                               **algorithm_notes(case), **case.notes})
         return stats, method, None, env, timing.wall_s
 
     def recover(self) -> None:

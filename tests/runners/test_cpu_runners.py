@@ -4,6 +4,7 @@ deterministic; the statistics and the CPU timer behave on synthetic samples."""
 import math
 import random
 import time
+import types
 import zlib
 
 import msgspec
@@ -427,6 +428,7 @@ def test_a_cpu_row_carries_the_hosts_load_and_says_when_other_work_shared_the_co
     entry = lookup("single_gemm", "torch-cpu")
     spec = {"m": 8, "n": 8, "k": 8, "dtype": "fp32"}
     monkeypatch.setattr(worker.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=0))  # no preemption
     for load, busy in ((0.5, False), (7.25, True)):
         monkeypatch.setattr(worker.os, "getloadavg", lambda load=load: (load, load, load))
         (out,) = measure_specs(entry, [spec], "test cpu")
@@ -434,6 +436,26 @@ def test_a_cpu_row_carries_the_hosts_load_and_says_when_other_work_shared_the_co
         assert notes["host_load_1m"] == f"{load:.2f}"
         assert ("host_busy" in notes) is busy and (not busy or notes["host_busy"] == "load 7.25 over 2 cores: other "
                                                    "work shared them")
+
+
+@pytest.mark.parametrize("switches, busy", [(0, False), (3, False), (100_000, True)])
+def test_a_cpu_row_says_when_other_work_took_its_cores_below_the_load_average(switches, busy, monkeypatch):
+    """The load average is a minute's mean: a neighbour holding one of 2 cores through a row's second read a 2-thread
+    GEMM 5x slow at load 1.3, and the row carried no host_busy. The scheduler's involuntary context switches of this
+    process while it was timed say it."""
+    import kprof.runners.worker as worker
+
+    entry = lookup("single_gemm", "torch-cpu")
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(worker.os, "getloadavg", lambda: (1.3, 1.3, 1.3))
+    counts = iter([0, switches])
+    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=next(counts)))
+    (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu")
+    notes = out.event.method.notes
+    assert notes["involuntary_switches"] == str(switches)
+    assert ("host_busy" in notes) is busy
+    assert not busy or notes["host_busy"] == (f"{switches} involuntary context switches over {out.event.stats.n} "
+                                              f"samples: other work shared them")
 
 
 @pytest.mark.parametrize("entry", CPU, ids=IDS)
