@@ -44,8 +44,8 @@ def resolve(ledger, ref: str) -> Resolved:
         if not found:
             with _verify.reading(path, "events"):
                 _check_neighbours(txn, dbs["events"], path, text)
-            raise SettingError(*(f"nothing in {path} matches {ref!r}; check {db} and the reference"
-                                 for db in ("db", "the --db")))
+            raise SettingError(*(f"nothing in {path} matches {ref!r}; check {db} and the reference (a `run "
+                                 f"--fresh` stores no event)" for db in ("db", "the --db")))
         if len(found) > 1:
             raise UsageError(f"{ref!r} is ambiguous in {path}; give more hex digits")
         kind, raw = found[0]

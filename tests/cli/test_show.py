@@ -44,6 +44,17 @@ def test_show_unknown_reference_exits_2(ledger_path, capsys):
     assert "nothing in" in capsys.readouterr().err
 
 
+def test_the_citation_of_a_fresh_run_is_said_to_be_stored_nowhere(h, capsys, local_gpu):
+    """`run --fresh --json` gives each row the id its event would have; `show` of it said only "nothing in p.db
+    matches", which reads as a mistyped reference or ledger."""
+    h.append("p.db", h.make_event(h.gemm(m=64), local_gpu))
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", *h.spec_args(h.gemm()), "--db", "p.db", "--fresh",
+                 "--json"]) == 0
+    event = json.loads(capsys.readouterr().out)["results"][0]["event"]
+    assert main(["show", event, "--db", "p.db"]) == 2
+    assert "a `run --fresh` stores no event" in capsys.readouterr().err
+
+
 def test_the_history_shows_whole_citations_on_an_80_column_terminal(ledger_path, capsys, monkeypatch):
     """`kprof.d479a616c32…` could not be copied back into `kprof show`."""
     import io
