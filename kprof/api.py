@@ -70,10 +70,11 @@ class QueryResult(msgspec.Struct):
     timed_seconds: float = 0.0
     measured: int = 0
     pool: dict | None = None  # where `run` measured: devices, whether forced, what the idle guard skipped
+    host_busy: int = 0  # rows `run` measured while other work took the host's cores (their notes say host_busy)
 
     def to_json(self) -> dict:
         doc = msgspec.to_builtins(self)
-        for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured", "pool"):
+        for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured", "pool", "host_busy"):
             doc.pop(extra)
         return doc
 
@@ -236,7 +237,7 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
         result.seconds = time.perf_counter() - started
         result.timed_seconds = filled.timed_seconds
         result.measured = filled.measured
-        result.pool = filled.pool
+        result.pool, result.host_busy = filled.pool, filled.host_busy
         return result
     finally:
         if ledger is not None:

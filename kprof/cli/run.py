@@ -76,11 +76,13 @@ def _clock(seconds: float) -> str:
     return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
 
 
-def _busy_host_note(table: str, backend: str, measured: int, load_before: float, mode: str) -> str | None:
+def _busy_host_note(table: str, backend: str, measured: int, load_before: float, mode: str,
+                    busy_rows: int = 0) -> str | None:
     """A CPU row times the host, and other work on it slows every sample alike (their spread does not show it: a
-    2-core host under load read GEMMs 10x slow with a small spread). Where the load average passed the cores
-    while rows were timed, say so: the rows' notes carry it (host_busy), but a user reads the table. A --fresh run
-    stored no row (no notes to read) and is measured again as it was given, not with --force."""
+    2-core host under load read GEMMs 10x slow with a small spread). Where the load average passed the cores while
+    rows were timed, or rows say another process took their cores (`busy_rows`: the scheduler's involuntary switches,
+    which a minute's load average misses), say so: the rows' notes carry it (host_busy), but a user reads the table.
+    A --fresh run stored no row (no notes to read) and is measured again as it was given, not with --force."""
     import os
 
     from ..runners.registry import lookup
@@ -88,14 +90,18 @@ def _busy_host_note(table: str, backend: str, measured: int, load_before: float,
     if not measured or lookup(table, backend).device != "cpu":
         return None
     load, cores = max(load_before, os.getloadavg()[0]), os.cpu_count() or 1
-    if load <= cores:
+    if load <= cores and not busy_rows:
         return None
     if mode == "fresh":
         stored, again = "", "the same command"
     else:
         stored, again = " (their notes say host_busy)", "`kprof run --force`"
-    return (f"note: the host's load average ({load:.1f}) passed its {cores} cores while these {measured} CPU row(s) "
-            f"were timed: other work slowed them{stored}; measure again on a quieter host with {again}")
+    if load > cores:
+        what = (f"the host's load average ({load:.1f}) passed its {cores} cores while these {measured} CPU row(s) "
+                f"were timed")
+    else:
+        what = f"other processes took this one's cores while {busy_rows} of these {measured} CPU row(s) were timed"
+    return f"note: {what}: other work slowed them{stored}; measure again on a quieter host with {again}"
 
 
 def _devices_line(pool: dict | None) -> str | None:
@@ -170,7 +176,7 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
                         markup=False)
     if devices:  # where it ran: a log line, on stderr in either mode
         console(stderr=True).print(devices, markup=False)
-    busy = _busy_host_note(table, backend, res.measured, load_before, mode)
+    busy = _busy_host_note(table, backend, res.measured, load_before, mode, res.host_busy)
     if busy:
         console(stderr=True).print(busy, markup=False)
     return res.exit_code

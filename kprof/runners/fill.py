@@ -43,6 +43,7 @@ class Filled(NamedTuple):
     pool: dict  # where it ran: devices, forced_by, idle_guard, skipped, dropped, waited_for
     root_before: bytes | None  # the scope's view root before this run (None: no ledger file yet)
     spec_keys: list[bytes]  # each spec's key, in the request's order
+    host_busy: int = 0  # rows measured while other work took the host's cores (their notes say host_busy)
 
 
 def to_measure(spec_keys: list[bytes], rows: list, mode: str) -> list[int]:
@@ -223,7 +224,7 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
             state.fill(workers, levels[n], errored, rows_of)
             info["dropped"].extend(workers.dropped)
     info["waited_for"] = len(state.waited)
-    return Filled(errored, state.fresh, state.measured, state.timed, info, root_before, spec_keys)
+    return Filled(errored, state.fresh, state.measured, state.timed, info, root_before, spec_keys, state.host_busy)
 
 
 class _State:
@@ -238,7 +239,7 @@ class _State:
         self.view_of = view_of  # the ledger's View of this fill's scope and contract
         self.fresh: dict[bytes, Any] = {}
         self.parents: dict[int, bytes | None] = {}  # spec index -> the event id of its row when it was taken
-        self.measured, self.timed = 0, 0.0
+        self.measured, self.timed, self.host_busy = 0, 0.0, 0
         self.waited: set[bytes] = set()
 
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
@@ -266,6 +267,8 @@ class _State:
         self.measured += 1
         if type(res.event) is not Measured:
             errored[k] = {"kind": res.event.error_kind, "message": res.event.message}
+        else:
+            self.host_busy += "host_busy" in res.event.method.notes
         if self.mode == "fresh":
             self.fresh[k] = res.event
         elif res.segment is not None:

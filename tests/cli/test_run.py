@@ -583,6 +583,24 @@ def test_cpu_rows_timed_on_a_busy_host_are_named_in_a_note(ledger_path, capsys, 
     assert "note: the host's load" not in capsys.readouterr().err  # nothing measured: nothing to say
 
 
+def test_cpu_rows_another_process_took_the_cores_of_are_named_in_a_note(ledger_path, capsys, h, monkeypatch):
+    """A row flagged host_busy by the scheduler's involuntary switches (a neighbour holding a core, which the
+    minute's load average misses) carried the flag in its notes only: `run` printed no note."""
+    import itertools
+    import types
+
+    import kprof.runners.worker as worker
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    counts = itertools.count(0, 100_000)
+    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=next(counts)))
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
+                 "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "note: other processes took this one's cores while 1 of these 1 CPU row(s) were timed" in err, err
+    assert "their notes say host_busy" in err
+
+
 @pytest.mark.parametrize("modes, mode", [(["--force", "--fresh=false"], "force"), (["--fresh", "--force=no"], "fresh")])
 def test_a_mode_flag_set_false_does_not_combine_with_the_other(ledger_path, capsys, h, modes, mode):
     """`--force --fresh=false` (a script passing --fresh=$FRESH) was refused as --force and --fresh combined."""
