@@ -31,8 +31,8 @@ def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: li
     rows = report["keys"]
     between = sum(1 for r in rows if r["current"]["segment"] is not None)
     said = [f"{n} incoming event(s) conflict with the ledger's current rows" for n in [len(rows) - between] if n]
-    said += [f"{n} event(s) of the segments conflict with each other (re-measurements of one row, neither of the "
-             f"other)" for n in [between] if n]
+    said += [f"{n} event(s) of the segments conflict with each other (attempts at one key, neither re-measuring "
+             f"the other)" for n in [between] if n]
     done = "nothing was merged" if not merged else (
         f"the first {merged} event(s) were merged (whole batches, each checked, before another writer stored the row "
         f"in conflict), nothing after them")

@@ -514,7 +514,8 @@ def test_segments_that_conflict_with_each_other_are_named_and_leave_no_new_ledge
     out = tmp_path / "out"
     assert main(["merge", one, two, "--db", str(tmp_path / "new.db"), "--output-dir", str(out)]) == 3
     err = capsys.readouterr().err
-    assert "1 event(s) of the segments conflict with each other" in err and "ledger's current rows" not in err
+    assert "1 event(s) of the segments conflict with each other (attempts at one key, neither re-measuring the " \
+        "other)" in err and "ledger's current rows" not in err
     assert f"of {one}" in err and f"of {two}" in err
     assert not [n for n in os.listdir(tmp_path) if n.startswith("new.db")]
     (row,) = json.loads((out / "merge-report.json").read_text())["keys"]
