@@ -48,7 +48,7 @@ from typing import Iterator, NamedTuple
 import msgspec
 
 from .._outdir import check_output_dir
-from ..errors import UsageError
+from ..errors import Uncreated, UsageError
 from ..ledger import Ledger, _codec, _verify, ledger_path
 from ..ledger.events import EventHead, Retracted
 from . import segment
@@ -294,8 +294,13 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
 def _check_before_upgrade(db: str | None, paths: list[str], output_dir: str | None) -> "_Check | None":
     """A writer's open of a file of an older format rewrites its views: a ledger of one is checked first through a
     reader's upgraded copy, so that a damaged segment or a conflict leaves the file as it was. The check (None for
-    a file of this format), which the write pass takes as its own: the copy holds the file's events and last seq."""
-    with Ledger.open(db, readonly=True) as reader:
+    a file of this format, or one whose creation never committed, which the writer's open makes a ledger), which the
+    write pass takes as its own: the copy holds the file's events and last seq."""
+    try:
+        reader = Ledger.open(db, readonly=True)
+    except Uncreated:
+        return None
+    with reader:
         if reader.real_path == os.path.realpath(reader.path):  # the file itself, not a copy: of this format
             return None
         check = _check(reader, paths)

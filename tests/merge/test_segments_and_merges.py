@@ -272,6 +272,18 @@ def test_a_refused_merge_leaves_a_ledger_of_an_older_format_as_it_was(tmp_path, 
 
 
 
+def test_a_merge_into_a_ledger_whose_creation_never_committed_makes_it_one(tmp_path, source):
+    """A writer's open makes an LMDB file holding nothing (a run killed while creating it) a ledger, and a merge did;
+    the check before an older format's upgrade opened it as a reader first, which refuses such a file (exit 2)."""
+    import lmdb
+
+    path, seg = source
+    target = str(tmp_path / "uncreated.db")
+    lmdb.open(target, subdir=False).close()
+    assert merge([seg], target).added == segment.header_of(seg).events
+    assert _answers(target) == _answers(path) and audit(target).ok
+
+
 @pytest.mark.parametrize("version", range(1, _codec.FORMAT_VERSION + 1))
 def test_merging_what_a_ledger_holds_already_leaves_its_file_byte_for_byte(tmp_path, version):
     """`kprof merge rows/` again is a no-op, yet it committed a write transaction (and upgraded a ledger of an older
