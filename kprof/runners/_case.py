@@ -72,7 +72,7 @@ def torch_dtype(name: str):
 # the dtype's rounding over long reductions, tight enough that a wrong layout or scale cannot pass.
 CHECK_ELEMENTS = 1 << 22  # elements of an oracle's operand checked at once (fp64: 32 MiB per temporary)
 TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 2e-2, "fp8_e4m3": 8e-2}
-SLICE_ELEMENTS = 16  # the fewest elements of a row, column or head that check_close holds to the tolerance alone
+SLICE_ELEMENTS = 16  # the fewest elements of a slice (a row, column or head, or a run of them) check_close holds alone
 
 
 def check_shape(got, shape: tuple[int, ...], what: str) -> None:
@@ -103,28 +103,38 @@ def check_close(got, ref, dtype: str, what: str) -> None:
 
 
 def _check_slices(diff, ref, dtype: str, what: str) -> None:
-    """Each index of each axis (a row, a column, a head) of at least SLICE_ELEMENTS elements held to twice the whole's
-    tolerance (a slice averages fewer roundings: one of a few elements would be a max-error check, which a correct
+    """Each index of each axis (a row, a column, a head) held to twice the whole's tolerance, and where one index holds
+    fewer than SLICE_ELEMENTS elements (a decode GEMM's column holds one), each run of neighbouring indices that holds
+    that many (a slice averages fewer roundings: one of a few elements would be a max-error check, which a correct
     bf16 split-K GEMM nears): the whole's norm dilutes an error confined to one of them (a bf16 GEMM's last column
     zeroed, of 4096, read 0.016 and passed). A slice's error is relative to its own norm, or to the whole's rms over as
     many elements where that is larger (a slice near zero rounds at the whole's scale, not its own)."""
     import torch
 
+    if not ref.numel():
+        return
     diff2, ref2 = diff.square(), ref.square()
     rms2 = ref2.mean()
-    worst = (0.0, 0, 0)  # (relative error, axis, index)
-    for axis in range(ref.dim()):
-        if ref.shape[axis] < 2 or ref.numel() // ref.shape[axis] < SLICE_ELEMENTS:
+    worst = (0.0, 0, 0, 0)  # (relative error, axis, first index, last index)
+    for axis, size in enumerate(ref.shape):
+        per = ref.numel() // size  # elements of one index
+        run = -(-SLICE_ELEMENTS // per)  # indices per slice
+        slices = size // run
+        if slices < 2:  # one slice is the whole, checked already
             continue
         others = [d for d in range(ref.dim()) if d != axis]
         err2, norm2 = (diff2.sum(others), ref2.sum(others)) if others else (diff2, ref2)
-        rel = (err2 / torch.maximum(norm2, rms2 * (ref.numel() // ref.shape[axis])).clamp_min(1e-60)).sqrt()
+        of = (torch.arange(size, device=ref.device) // run).clamp_max(slices - 1)  # the last slice takes the rest
+        err2, norm2 = (x.new_zeros(slices).index_add_(0, of, x) for x in (err2, norm2))
+        rel = (err2 / torch.maximum(norm2, rms2 * per * torch.bincount(of)).clamp_min(1e-60)).sqrt()
         at = int(rel.argmax())
-        worst = max(worst, (rel[at].item(), axis, at))
-    if worst[0] > 2 * TOLERANCE[dtype]:
-        raise WrongResult(f"{what}: relative error {worst[0]:.3g} at index {worst[2]} of axis {worst[1]} of the "
-                          f"checked result (shape {tuple(ref.shape)}) against the fp64 oracle exceeds "
-                          f"{2 * TOLERANCE[dtype]:g} for {dtype} (twice the whole result's {TOLERANCE[dtype]})")
+        worst = max(worst, (rel[at].item(), axis, at * run, size - 1 if at == slices - 1 else at * run + run - 1))
+    error, axis, first, last = worst
+    if error > 2 * TOLERANCE[dtype]:
+        where = f"index {first}" if first == last else f"indices {first}-{last}"
+        raise WrongResult(f"{what}: relative error {error:.3g} at {where} of axis {axis} of the checked result (shape "
+                          f"{tuple(ref.shape)}) against the fp64 oracle exceeds {2 * TOLERANCE[dtype]:g} for {dtype} "
+                          f"(twice the whole result's {TOLERANCE[dtype]})")
 
 
 def check_rows(got, ref_of, dtype: str, what: str, shape: tuple[int, ...]) -> None:
