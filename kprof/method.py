@@ -5,6 +5,7 @@ keyword arguments of the Python API (`timer='x'`) and with the verbs' flags (`--
 
 from __future__ import annotations
 
+import functools
 import os
 
 import msgspec
@@ -169,6 +170,7 @@ def cpu_threads() -> int:
     return len(cpus) if None in cores else len(set(cores))
 
 
+@functools.lru_cache(maxsize=None)  # asked on every lookup (perf_api's get_<table>): read once per CPU, not per call
 def _core_of(cpu: int) -> str | None:
     """The physical core of logical CPU `cpu` (the kernel's list of its SMT siblings), or None where it is not said."""
     try:

@@ -565,3 +565,16 @@ def test_calibrate_reads_back_the_ceilings_of_the_method_given_when_every_row_er
     assert found == [] and not cal.complete("torch", results, found)
     _results, found = cal.calibrate("torch", db="p.db")  # the default method's ceilings are still read back
     assert {c.metric for c in found} == {"tflops", "memory_bandwidth_gbps"}
+
+
+def test_cpu_threads_read_the_cpu_topology_once(monkeypatch):
+    """Every torch-cpu lookup (perf_api's get_<table>, each call) asks for the thread count: the topology was read again
+    each time, a file per logical CPU (on a 128-CPU host, 128 opens a lookup)."""
+    from kprof import method
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    getattr(method._core_of, "cache_clear", lambda: None)()  # read afresh here
+    opened = []
+    monkeypatch.setattr(method, "open", lambda *a, **kw: (opened.append(a[0]), open(*a, **kw))[1], raising=False)
+    first = method.cpu_threads()
+    assert method.cpu_threads() == first and len(opened) == len(os.sched_getaffinity(0))
