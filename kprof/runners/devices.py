@@ -5,7 +5,8 @@
   `KPROF_PROFILE_GPUS=0,1` (alias `VIBESIM_PROFILE_GPUS`) forces the set, as CUDA ordinals of this process,
   and bypasses the guard: it will measure on top of another job, so use it for GPUs that are yours.
 - A CPU backend has KPROF_CPU_WORKERS worker slots (default 1: timings on a CPU share its cores, so parallel
-  workers slow each other; more slots are for tests and for hosts with cores to spare).
+  workers slow each other; each times on its key's torch threads, every core by default (kprof.method.cpu_threads),
+  so more slots are for tests, or with OMP_NUM_THREADS set to the cores over the slots).
 - `KPROF_POOL=auto` (the default) measures in this process when the one usable device is its own (CUDA device 0,
   or one CPU slot) and no spec needs more: a worker's start costs seconds a call. `KPROF_POOL=off` measures in
   this process, on CUDA device 0 (or the CPU), without the guard: debugging a runner, or a plain run to compare
