@@ -148,14 +148,14 @@ def lookup_any(backend: str):
 
 
 def _entry(table: str, backend: str, timing: str | None):
-    """The registry entry with the timing method rows are read under: `timing` when given (CUDA only: the
-    CPU has one method), else this process's (`kprof.api.effective_entry`)."""
+    """The registry entry with the timing method rows are read under: `timing` when given (a torch-cpu timing names
+    its torch threads), else this process's (`kprof.api.effective_entry`)."""
     import msgspec
 
     from .method import effective_entry
 
     entry = lookup(table, backend)
-    if timing and entry.device == "cuda":  # named: no KPROF_* variable is read (an explicit method beats them)
+    if timing:  # named: no KPROF_* variable or thread count is read (an explicit method beats them)
         return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract, timing=timing))
     return effective_entry(entry)
 
@@ -163,8 +163,8 @@ def _entry(table: str, backend: str, timing: str | None):
 def ceilings(backend: str, gpu_key: str, *, db: str | None = None, ledger=None,
              timing: str | None = None) -> list[Ceiling]:
     """The ceilings of the device of `backend` under `gpu_key`, from the calibration rows measured with
-    `timing` (a contract timing string such as "cupti;l2=cold;eager"; None: this process's method). A metric
-    none of whose set is in the ledger is absent."""
+    `timing` (a contract timing string such as "cupti;l2=cold;eager", or "cpu-wall;l2=warm;eager;threads=8"; None:
+    this process's method). A metric none of whose set is in the ledger is absent."""
     import os
 
     from .ledger import Ledger, ledger_path

@@ -444,3 +444,15 @@ def test_the_help_says_only_query_json_gives_the_fractions(capsys):
         assert main(argv) == 0
         said = " ".join(capsys.readouterr().out.replace("│", " ").split())
         assert "query --json gives each ok row's fraction of them" in said, said
+
+
+def test_cpu_ceilings_are_read_under_the_timing_named(h, monkeypatch):
+    """A torch-cpu timing names its torch threads: ceilings(timing=...) of a 1-thread calibration read this process's
+    thread count instead (the CPU was taken to have one method), and found none of the rows it named."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = effective_entry(lookup("single_gemm", h.CPU)).contract.timing
+    h.append("p.db", *[_row(x, tflops=1.0 + i) for i, x in enumerate(CPU_GEMMS)])
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert ceilings(h.CPU, GPU, db="p.db") == []  # this process's rows (2 threads) do not exist
+    flops = {c.metric: c for c in ceilings(h.CPU, GPU, db="p.db", timing=one)}["tflops"]
+    assert flops.value == len(CPU_GEMMS) and flops.method["timing"] == one
