@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 
 import msgspec
 
-from .errors import UsageError
+from .errors import KprofError, UsageError
 from .ledger import Ledger, ledger_path
 from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
@@ -330,7 +330,7 @@ def show(ref: str, *, db: str | None = None) -> dict:
     current = next((h for h in history if h["current"]), None)
     return {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
             "current": found.current.hex() if found.current else None, "status": _key_status(current),
-            "revision": _revision(current), "event": chosen, "history": history,
+            "revision": _revision(current), "timing": _timing(current), "event": chosen, "history": history,
             "parent_elsewhere": other and {"key": other.key.hex(),
                                            "provenance": _builtins(getattr(other, "provenance", None))}}
 
@@ -346,13 +346,27 @@ def _revision(current: dict | None) -> int | None:
         return None
 
 
+def _timing(current: dict | None) -> str | None:
+    """The timing method a `query` of this process reads the current row's table and backend in, without flags
+    ($KPROF_TIMER, ...; a torch-cpu backend's thread count); None: none current, an unknown table or backend, or a
+    setting refused (the verbs that read rows say which)."""
+    if current is None:
+        return None
+    try:
+        return effective_entry(lookup(current["provenance"]["table"], current["provenance"]["backend"])).contract.timing
+    except KprofError:
+        return None
+
+
 def _key_status(current: dict | None) -> str:
-    """The key's row: retracted (no current event), stale (a measured row of an older profiler revision than this
-    kprof's: query reads it as stale, or missing), else ok or failed (a failed row of an older revision too, which
-    query reads as missing: a stale row is a measurement)."""
+    """The key's row as a `query` of this process without flags reads it: retracted (no current event), stale (a
+    measured row of an older profiler revision than this kprof's, or of its revision timed another way than this
+    process's default, `_timing`: query reads it as stale, or missing), else ok or failed (a failed row of an older
+    revision too, which query reads as missing: a stale row is a measurement)."""
     if current is None:
         return "retracted"
-    revision = _revision(current)
-    if revision is not None and current["provenance"]["profiler_revision"] < revision and current["type"] == "measured":
+    revision, timing, prov = _revision(current), _timing(current), current["provenance"]
+    if current["type"] == "measured" and ((revision is not None and prov["profiler_revision"] < revision) or (
+            timing is not None and prov["profiler_revision"] == revision and prov["timing"] != timing)):
         return "stale"
     return "ok" if current["type"] == "measured" else "failed"

@@ -83,7 +83,12 @@ def _about(doc: dict) -> list[str]:
                      "not in this key's history here" if other is None else
                      f"of key {other['key'][:16]} here: {_contract_of(other['provenance'])}")
             lines.append(f"parent kprof.{chosen['parent'][:16]} ({where})")
-    if status == "stale":
+    if status == "stale" and current["provenance"]["profiler_revision"] == doc["revision"]:
+        prov = current["provenance"]
+        lines.append(f"row: stale (timed {prov['timing']}; a query of this process reads {prov['table']}/"
+                     f"{prov['backend']} rows timed {doc['timing']}, and reads it as stale where its spec has no row "
+                     f"timed so: a query in the row's method reads it, its flags or, on torch-cpu, OMP_NUM_THREADS)")
+    elif status == "stale":
         prov = current["provenance"]
         lines.append(f"row: stale (profiler revision {prov['profiler_revision']}; this kprof measures "
                      f"{prov['table']}/{prov['backend']} at revision {doc['revision']}; query reads it as stale "

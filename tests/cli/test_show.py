@@ -156,6 +156,23 @@ def test_show_gives_the_rows_status_stale_failed_retracted(h, capsys, local_gpu)
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "missing"
 
 
+def test_show_reads_a_row_of_another_timing_as_stale_as_query_does(h, capsys, local_gpu, monkeypatch):
+    """A torch-cpu row timed on 1 thread read `stale` in a query on 2 threads, while `show` of its citation said
+    `row: ok` (it compared profiler revisions only); on 1 thread both read it as ok."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (one,) = h.append("p.db", h.make_event(h.gemm(32), local_gpu))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    text, doc = _shown(h, capsys, f"kprof.{one.hex()[:16]}")
+    assert doc["status"] == "stale" and doc["timing"].endswith(";threads=2"), doc["timing"]
+    assert ("row: stale (timed cpu-wall;l2=warm;eager;threads=1; a query of this process reads "
+            "single_gemm/torch-cpu rows timed cpu-wall;l2=warm;eager;threads=2") in text
+    assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(32)), "--db", "p.db", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "stale"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    text, doc = _shown(h, capsys, f"kprof.{one.hex()[:16]}")
+    assert doc["status"] == "ok" and "row: ok" in text
+
+
 def test_every_id_and_key_show_prints_can_be_recomputed_from_it(h, capsys, local_gpu):
     """An auditor recomputes each event id from `show --json`: blake3 of the tagged canonical bytes it prints
     (`canonical`), which decode to the fields it prints; and the key from the provenance printed. The fields alone
