@@ -157,11 +157,11 @@ def cpu_threads() -> int:
     asked for)."""
     for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
         raw = environ().get(name, "").strip()
-        if raw:
-            if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        if raw:  # OpenMP's nested form "4,2" is valid: its first level is torch's count
+            if not all(n.isascii() and n.isdigit() and int(n) >= 1 for n in raw.split(",")):
                 raise UsageError(f"{name}={raw!r} is not a number of threads; e.g. {name}=1, or unset it to measure "
                                  f"torch-cpu rows on every core this process may use")
-            return int(raw)
+            return int(raw.split(",")[0])
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform

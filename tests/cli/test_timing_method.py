@@ -110,6 +110,19 @@ def test_a_bad_thread_count_names_itself(capsys, monkeypatch, value):
     assert not os.path.exists("t.db")
 
 
+def test_openmps_nested_thread_count_takes_its_first_level(monkeypatch):
+    """OMP_NUM_THREADS="4,2" (OpenMP's nested form, whose first level torch takes) was refused, and with it every
+    verb that resolves a torch-cpu entry (audit --remeasure on a GPU machine too)."""
+    from kprof.method import cpu_threads
+
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")
+    assert cpu_threads() == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,x")
+    with pytest.raises(UsageError, match="OMP_NUM_THREADS='4,x' is not a number of threads"):
+        cpu_threads()
+
+
 def test_a_bad_timing_variable_names_itself(monkeypatch):
     monkeypatch.setenv("KPROF_TIMER", "nsys")
     with pytest.raises(UsageError, match="KPROF_TIMER='nsys' is not one of cupti, events"):
