@@ -247,10 +247,17 @@ class ShapeCodec:
         self._int_fields = {f.name for f in info.fields if isinstance(f.type, msgspec.inspect.IntType)}
         hints = msgspec.structs.fields(args_type)
         by_name = {f.name: f for f in hints}
+        # A field with a default (a plugin's `act: str = "ok"`) may be left out; its shape holds the default, so the
+        # key is the same whether the default is given or omitted.
+        self._optional = tuple(f.name for f in hints if f.default is not msgspec.NODEFAULT
+                               or f.default_factory is not msgspec.NODEFAULT)
         post_init = getattr(args_type, "__post_init__", None)  # cross-field rules travel with the twin
         self._twin = msgspec.defstruct(
             f"_Canonical{args_type.__name__}",
-            [(f.name, by_name[f.name].type) for f in fields],
+            [(f.name, by_name[f.name].type, msgspec.field(default=by_name[f.name].default,
+                                                         default_factory=by_name[f.name].default_factory))
+             for f in fields],
+            kw_only=True,  # fields sorted by name: one with a default may come before one without
             frozen=True,
             forbid_unknown_fields=True,
             gc=False,  # scalars only, never in a cycle: untracked, bulk conversions skip the collector
@@ -270,9 +277,11 @@ class ShapeCodec:
         """(`to_shape` over a list, exact): validated in one msgspec call when every spec is a dict with
         exactly the declared types (`exact`: each input dict already holds its canonical values)."""
         try:
-            return msgspec.convert(specs, list[self._twin]), True
+            shapes = msgspec.convert(specs, list[self._twin])
         except msgspec.ValidationError:
             pass  # find and explain (or normalize) spec by spec
+        else:  # a dict that left out a field with a default is not its canonical shape: that holds the default
+            return shapes, not self._optional or all(len(s) == len(self.field_names) for s in specs if type(s) is dict)
         return [self.to_shape(spec, i) for i, spec in enumerate(specs)], False
 
     def _slow_to_shape(self, spec, index):
@@ -334,8 +343,10 @@ class ShapeCodec:
         if text.startswith("Object missing required field"):
             name = text.split("`")[1]
             article = "an" if self.name[:1] in "aeiou" else "a"  # an all_reduce spec, a single_gemm spec
+            required = [n for n in self.field_names if n not in self._optional]
+            optional = f" (optional: {', '.join(self._optional)})" if self._optional else ""
             return SpecError(f'field "{name}" is missing; {article} {self.name} spec needs '
-                             f'{self._table_fields()}', index=index, field=name)
+                             f'{{{", ".join(required)}}}{optional}', index=index, field=name)
         if not name:  # a rule across fields (from __post_init__): one that names its field says its fix too
             named = re.match(r'field "(\w+)"', text)
             if named:

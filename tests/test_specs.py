@@ -458,3 +458,35 @@ def test_field_names_of_a_str_subclass_read_as_their_str_and_a_name_not_a_str_is
     with pytest.raises(SpecError, match=r"spec 1: field name 1 \(int\) is not a str; name each field as a str, one "
                                         r"of \{m, n, k, dtype\}"):
         api.query("single_gemm", "torch-cpu", [A, {**A, 1: 2}], db=empty_db)
+
+
+def test_a_field_with_a_default_may_be_left_out_and_its_key_holds_the_default(tmp_path):
+    """A plugin's KernelArgs field with a default (`act: ... = "ok"`) was required all the same (`{"n": 100}` read
+    'field "act" is missing'): it may be left out now, its shape holds the default, and the key is the same whether
+    the default is given or omitted; another value is another key."""
+    from typing import Literal
+
+    from kprof.errors import SpecError
+    from kprof.ledger import KeyMaker, Ledger, ShapeCodec
+    from kprof.ledger.events import Contract
+    from kprof.runners._args import KernelArgs, Size
+    from kprof.specs import validate
+
+    class Args(KernelArgs, frozen=True):
+        n: Size
+        act: Literal["ok", "fail"] = "ok"
+        scale: float = 1.0
+
+    contract = Contract(algorithm="a", layout="l", numerics="n", timing="t", profiler_revision=1)
+    keys = KeyMaker("t", "cpu", "gpu", contract, ShapeCodec(Args, strict=True, name="t"))
+    full = {"n": 8, "act": "ok", "scale": 1.0}
+    assert keys.key({"n": 8}) == keys.key(full) == keys.key({"n": 8, "scale": 1}) == keys.key({"scale": 1.0, "n": 8})
+    assert len({keys.key(full), keys.key({**full, "act": "fail"}), keys.key({**full, "scale": 0.5})}) == 3
+    assert keys.provenance({"n": 8}).shape == full
+    assert validate(Args, [{"n": 8}, {"n": 9, "act": "fail"}], "t") == [full, {**full, "n": 9, "act": "fail"}]
+    with pytest.raises(SpecError, match=r'field "n" is missing; a t spec needs \{n\} \(optional: act, scale\)'):
+        validate(Args, [{"act": "ok"}], "t")
+    with Ledger.open(str(tmp_path / "p.db")) as ledger:  # a row's spec is the canonical one, default included
+        view = ledger.view("t", "cpu", "gpu", contract, Args)
+        assert [row.spec for row in view.get_many([{"n": 8}])] == [full]
+        assert view.missing([{"n": 8}, full]) == [{"n": 8}, full]

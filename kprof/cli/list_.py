@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from json import dumps
 from typing import Annotated
 
 from cyclopts import Parameter
@@ -33,7 +34,8 @@ def list_(*, json: Json = False, environments: Environments = False) -> int:
         "table", "backend", "kernel_kind", "args", "metric_family", "subprocess_env", "get_fn / count_fn",
         "profiler_revision")))
     for d in docs:
-        table.add_row(d["table"], d["backend"], d["kernel_kind"], ", ".join(d["args"]), d["metric_family"],
+        args = ", ".join(f"{a}={dumps(d['defaults'][a])}" if a in d["defaults"] else a for a in d["args"])
+        table.add_row(d["table"], d["backend"], d["kernel_kind"], args, d["metric_family"],
                       d["subprocess_env"], f"{d['get_fn']}\n{d['count_fn']}", str(d["contract"]["profiler_revision"]))
     console().print(table)
     return 0

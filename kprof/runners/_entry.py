@@ -49,12 +49,18 @@ class Entry(msgspec.Struct, frozen=True):
             "table": self.table, "backend": self.backend, "kernel_kind": self.kernel_kind,
             "args": [f.name for f in fields],
             "arg_types": {f.name: _type_name(f.type) for f in fields},
+            "defaults": {f.name: _default(f) for f in fields if not f.required},  # what a spec may leave out
             "metric_family": self.metric_family, "subprocess_env": self.subprocess_env,
             "get_fn": self.get_fn, "count_fn": self.count_fn, "device": self.device,
             "gpus": self.gpus_arg or self.gpus,  # a number, or the spec field that gives it
             "contract": msgspec.structs.asdict(self.contract), "runner": self.runner,
             "description": self.description, "environment": _environment(self.subprocess_env),
         }
+
+
+def _default(field) -> object:
+    """A field's default value as JSON shows it (a spec that leaves the field out is keyed with it)."""
+    return msgspec.to_builtins(field.default if field.default_factory is msgspec.NODEFAULT else field.default_factory())
 
 
 def _environment(name: str) -> dict | None:

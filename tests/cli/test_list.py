@@ -84,3 +84,30 @@ def test_a_narrow_terminal_cuts_no_table_or_backend_name(capsys, monkeypatch, wi
     cells = [[c.strip() for c in line.split("│")[1:3]] for line in out.splitlines() if line.startswith("│")]
     for e in entries():
         assert [e.table, e.backend] in cells
+
+
+def test_a_field_with_a_default_is_listed_with_it(capsys, monkeypatch):
+    """A spec may leave out a field with a default (its key holds the default): `list` says which, and the value."""
+    import sys
+    from typing import Literal
+
+    from rich.console import Console
+
+    from kprof.ledger.events import Contract
+    from kprof.runners._args import KernelArgs, Size
+    from kprof.runners.registry import REGISTRY, Entry
+
+    class Args(KernelArgs, frozen=True):
+        n: Size
+        act: Literal["ok", "fail"] = "ok"
+        scale: float = 1.0
+
+    contract = Contract(algorithm="a", layout="l", numerics="n", timing="t", profiler_revision=1)
+    entries()  # the catalog loaded first: a registry holding only this entry would not load it
+    monkeypatch.setitem(REGISTRY, ("mine", "cpu"), Entry("mine", "cpu", Args, "test", "compute", contract, "m:R"))
+    mine = next(d for d in _list_json(capsys)["entries"] if d["table"] == "mine")
+    assert (mine["args"], mine["defaults"]) == (["n", "act", "scale"], {"act": "ok", "scale": 1.0})
+    assert all(d["defaults"] == {} for d in _list_json(capsys)["entries"] if d["table"] != "mine")
+    monkeypatch.setattr("kprof.cli.list_.console", lambda: Console(file=sys.stdout, width=400))
+    assert main(["list"]) == 0
+    assert '│ n, act="ok", scale=1.0 ' in capsys.readouterr().out
