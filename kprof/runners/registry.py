@@ -18,6 +18,12 @@ REGISTRY: dict[tuple[str, str], Entry] = {}
 
 
 def register(entry: Entry) -> Entry:
+    """Adds `entry` (a plugin's, from KPROF_RUNNERS). A UsageError where its (table, backend) is another runner's
+    already (a built-in table, or another plugin's)."""
+    held = REGISTRY.get((entry.table, entry.backend))
+    if held is not None and held.runner != entry.runner:  # the same runner again: its module imported once more
+        raise UsageError(f"table {entry.table!r} backend {entry.backend!r} is registered twice, by runner "
+                         f"{held.runner!r} and by {entry.runner!r}; give one of them another table or backend name")
     REGISTRY[(entry.table, entry.backend)] = entry
     return entry
 

@@ -66,6 +66,25 @@ def test_every_table_and_backend_is_registered():
     assert got == BACKENDS
 
 
+def test_a_plugin_cannot_take_a_registered_table_and_backend(monkeypatch):
+    """A KPROF_RUNNERS module registering single_gemm/torch-cpu replaced the built-in runner without a word (its rows
+    then shared the built-in's keys), and a second plugin's my_softmax/torch-cpu the first's: refused, naming both
+    runners. The same runner again (its module imported once more) is not a clash."""
+    from kprof.errors import UsageError
+    from kprof.runners.registry import REGISTRY, register
+
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", dict(REGISTRY))
+    gemm_entry = lookup("single_gemm", "torch-cpu")
+    with pytest.raises(UsageError, match="table 'single_gemm' backend 'torch-cpu' is registered twice, by runner "
+                                         "'kprof.runners.gemm:SingleGemm' and by 'mine:Gemm'; give one of them"):
+        register(msgspec.structs.replace(gemm_entry, runner="mine:Gemm"))
+    assert lookup("single_gemm", "torch-cpu") is gemm_entry
+    mine = msgspec.structs.replace(gemm_entry, table="my_gemm", runner="mine:Gemm")
+    assert register(mine) is mine and register(msgspec.structs.replace(mine)) is not None
+    with pytest.raises(UsageError, match="'my_gemm' backend 'torch-cpu' is registered twice, by runner 'mine:Gemm' "):
+        register(msgspec.structs.replace(mine, runner="theirs:Gemm"))
+
+
 @pytest.mark.parametrize("entry", COMPUTE, ids=lambda e: f"{e.table}/{e.backend}")
 def test_entry_device_timing_and_runner(entry):
     assert entry.device == ("cpu" if entry.backend == "torch-cpu" else "cuda")
