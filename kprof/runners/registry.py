@@ -19,13 +19,33 @@ REGISTRY: dict[tuple[str, str], Entry] = {}
 
 def register(entry: Entry) -> Entry:
     """Adds `entry` (a plugin's, from KPROF_RUNNERS). A UsageError where its (table, backend) is another runner's
-    already (a built-in table, or another plugin's)."""
+    already (a built-in table, or another plugin's), or a KernelArgs field could not be stored in a row's shape."""
     held = REGISTRY.get((entry.table, entry.backend))
     if held is not None and held.runner != entry.runner:  # the same runner again: its module imported once more
         raise UsageError(f"table {entry.table!r} backend {entry.backend!r} is registered twice, by runner "
                          f"{held.runner!r} and by {entry.runner!r}; give one of them another table or backend name")
+    _check_args(entry)
     REGISTRY[(entry.table, entry.backend)] = entry
     return entry
+
+
+def _check_args(entry: Entry) -> None:
+    """A spec's fields are a row's shape, whose values are bool, int, float or str: a field of another type (`int |
+    None`) would be measured, then refused by the ledger with every row of its run."""
+    import msgspec
+
+    if not (isinstance(entry.args, type) and issubclass(entry.args, msgspec.Struct)):
+        raise UsageError(f"table {entry.table!r}: args is {entry.args!r}, not a KernelArgs Struct; subclass "
+                         f"kprof.runners._args.KernelArgs")
+    scalar = (msgspec.inspect.BoolType, msgspec.inspect.IntType, msgspec.inspect.FloatType, msgspec.inspect.StrType,
+              msgspec.inspect.LiteralType)
+    declared = {f.name: f.type for f in msgspec.structs.fields(entry.args)}
+    for field in msgspec.inspect.type_info(entry.args).fields:
+        if not isinstance(field.type, scalar):
+            shown = getattr(declared[field.name], "__name__", None) or str(declared[field.name])
+            raise UsageError(f"table {entry.table!r}: field {field.name!r} of {entry.args.__name__} is {shown}; a spec field is a bool, int, float or str (or a Literal of "
+                             f"them), as a row's shape holds: give it a default of that type instead (e.g. 0, not "
+                             f"None)")
 
 
 def _load() -> None:

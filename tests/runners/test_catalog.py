@@ -85,6 +85,28 @@ def test_a_plugin_cannot_take_a_registered_table_and_backend(monkeypatch):
         register(msgspec.structs.replace(mine, runner="theirs:Gemm"))
 
 
+def test_a_plugin_field_a_row_cannot_hold_is_refused_at_registration(monkeypatch):
+    """A field `bias: int | None = None` was measured, then the ledger refused the run's every row ("does not fit
+    the event schema ... build events with kprof.ledger.build", exit 2): a shape holds bool, int, float or str."""
+    from kprof.errors import UsageError
+    from kprof.runners import registry
+    from kprof.runners._args import KernelArgs, Size
+    from kprof.runners.registry import REGISTRY, register
+
+    class Args(KernelArgs, frozen=True):
+        n: Size
+        bias: int | None = None
+
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", dict(REGISTRY))
+    entry = msgspec.structs.replace(lookup("single_gemm", "torch-cpu"), table="mine", args=Args, runner="m:R")
+    with pytest.raises(UsageError, match=r"table 'mine': field 'bias' of Args is int \| None; a spec field is a "
+                                         r"bool, int, float or str"):
+        register(entry)
+    with pytest.raises(UsageError, match=r"args is <class 'dict'>, not a KernelArgs Struct"):
+        register(msgspec.structs.replace(entry, args=dict))
+    assert ("mine", "torch-cpu") not in registry.REGISTRY
+
+
 @pytest.mark.parametrize("entry", COMPUTE, ids=lambda e: f"{e.table}/{e.backend}")
 def test_entry_device_timing_and_runner(entry):
     assert entry.device == ("cpu" if entry.backend == "torch-cpu" else "cuda")
