@@ -7,6 +7,7 @@ from typing import Literal
 
 import msgspec
 
+from ..errors import UsageError
 from ..ledger.events import Contract
 
 __all__ = ["Entry", "METRICS"]
@@ -39,8 +40,19 @@ class Entry(msgspec.Struct, frozen=True):
         return f"kprof.perf_api.count_{self.table}"
 
     def load_runner(self):
+        """The runner class `runner` names; a UsageError naming the entry where it does not import (a plugin's typo,
+        or a package its module needs that is not installed), not a traceback."""
         module, _, name = self.runner.partition(":")
-        return getattr(importlib.import_module(module), name)
+        where = f"table {self.table!r} backend {self.backend!r} names runner {self.runner!r}"
+        if not (module and name):
+            raise UsageError(f"{where}; name it as 'module:Class' (e.g. 'mypkg.kernels:Softmax')")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except ImportError as e:
+            raise UsageError(f"{where}, whose module does not import ({e}); fix the name, or install what it "
+                             f"needs") from None
+        except AttributeError:
+            raise UsageError(f"{where}, and module {module!r} has no {name!r}; fix the name") from None
 
     def describe(self) -> dict:
         """Everything `kprof list` shows, with field names."""

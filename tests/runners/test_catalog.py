@@ -107,6 +107,25 @@ def test_a_plugin_field_a_row_cannot_hold_is_refused_at_registration(monkeypatch
     assert ("mine", "torch-cpu") not in registry.REGISTRY
 
 
+@pytest.mark.parametrize("runner, said", [
+    ("kprof.runners.norm:Nope", "and module 'kprof.runners.norm' has no 'Nope'; fix the name"),
+    ("kprof.runners.nothere:RmsNorm", r"whose module does not import \(No module named 'kprof.runners.nothere'\); fix "),
+    ("kprof.runners.norm.RmsNorm", r"name it as 'module:Class' \(e.g. 'mypkg.kernels:Softmax'\)")])
+def test_a_runner_that_does_not_load_is_named_not_a_traceback(runner, said, tmp_path, monkeypatch):
+    """A plugin's mistyped runner string ran into an AttributeError or ModuleNotFoundError traceback from inside the
+    worker (exit 1): a usage error (exit 2) naming the entry, the runner and the fix."""
+    from kprof import api
+    from kprof.errors import UsageError
+    from kprof.runners.registry import REGISTRY
+
+    entry = msgspec.structs.replace(lookup("rms_norm", "torch-cpu"), table="my_norm", runner=runner)
+    with pytest.raises(UsageError, match=f"table 'my_norm' backend 'torch-cpu' names runner '{runner}'.*{said}"):
+        entry.load_runner()
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", {**REGISTRY, ("my_norm", "torch-cpu"): entry})
+    with pytest.raises(UsageError, match=said):
+        api.run("my_norm", "torch-cpu", [SMALL["rms_norm"]], db=str(tmp_path / "p.db"))
+
+
 @pytest.mark.parametrize("entry", COMPUTE, ids=lambda e: f"{e.table}/{e.backend}")
 def test_entry_device_timing_and_runner(entry):
     assert entry.device == ("cpu" if entry.backend == "torch-cpu" else "cuda")
