@@ -54,7 +54,11 @@ def _load() -> None:
 
         for entry in ENTRIES:
             register(entry)
-        _load_plugins()
+        try:
+            _load_plugins()
+        except BaseException:  # the next lookup tries again (and says why again), never answers without the plugin
+            REGISTRY.clear()
+            raise
 
 
 def _load_plugins() -> None:
@@ -73,6 +77,21 @@ def _load_plugins() -> None:
         except ImportError as e:
             raise UsageError(f"KPROF_RUNNERS names module {name!r}, which does not import ({e}); fix the name or "
                              f"put the module on PYTHONPATH") from None
+        except UsageError:  # register() refusing an entry: its message names the entry
+            raise
+        except Exception as e:  # the plugin's own code failed: where, not a traceback through kprof's
+            raise UsageError(f"KPROF_RUNNERS module {name!r} raised {type(e).__name__} when imported ({e}) at "
+                             f"{_where(e)}; fix the module") from None
+
+
+def _where(exc: Exception) -> str:
+    """file:line where `exc` was raised (a SyntaxError: where the bad line is)."""
+    import traceback
+
+    if isinstance(exc, SyntaxError):
+        return f"{exc.filename}:{exc.lineno}"
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{frame.filename}:{frame.lineno}"
 
 
 def entries() -> list[Entry]:

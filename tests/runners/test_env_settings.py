@@ -89,6 +89,24 @@ def test_a_relative_runners_module_is_refused_by_name(value, monkeypatch):
         registry._load_plugins()
 
 
+@pytest.mark.parametrize("body, said", [
+    ("import json\nraise RuntimeError('no weights here')\n", r"raised RuntimeError when imported \(no weights here\) at "
+                                                             r".*broken_plugin\.py:2; fix the module"),
+    ("def f(:\n", r"raised SyntaxError when imported \(.*\) at .*broken_plugin\.py:1; fix the module")])
+def test_a_runners_module_that_fails_is_named_with_where_and_read_again(body, said, tmp_path, monkeypatch):
+    """A KPROF_RUNNERS module whose own code raised (not an ImportError) ended every verb, `kprof list` too, in a
+    traceback; and in a Python session the next lookup went on without the module's tables ("unknown table")."""
+    from kprof.runners import registry
+
+    (tmp_path / "broken_plugin.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KPROF_RUNNERS", "broken_plugin")
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", {})
+    for _ in range(2):  # the second lookup fails as the first did
+        with pytest.raises(UsageError, match=f"KPROF_RUNNERS module 'broken_plugin' {said}"):
+            registry.lookup("single_gemm", "torch-cpu")
+
+
 @pytest.mark.parametrize("name,raw", [("KPROF_TIMER", " NSYS "), ("KPROF_L2", "Hot"), ("KPROF_POWER", "MAX\t")])
 def test_a_bad_method_variable_is_quoted_as_set(name, raw, monkeypatch):
     """The message quotes the value as the user set it, not as kprof folded it (' NSYS ' read as 'nsys')."""
