@@ -245,6 +245,7 @@ class ShapeCodec:
         self.field_names = tuple(f.name for f in info.fields)
         self._types = {f.name: f.type for f in info.fields}
         self._int_fields = {f.name for f in info.fields if isinstance(f.type, msgspec.inspect.IntType)}
+        self._float_fields = tuple(f.name for f in info.fields if isinstance(f.type, msgspec.inspect.FloatType))
         hints = msgspec.structs.fields(args_type)
         by_name = {f.name: f for f in hints}
         # A field with a default (a plugin's `act: str = "ok"`) may be left out; its shape holds the default, so the
@@ -269,9 +270,10 @@ class ShapeCodec:
         if isinstance(spec, msgspec.Struct):
             spec = msgspec.structs.asdict(spec)
         try:
-            return msgspec.convert(spec, self._twin)
+            shape = msgspec.convert(spec, self._twin)
         except msgspec.ValidationError:
-            return self._slow_to_shape(spec, index)
+            shape = self._slow_to_shape(spec, index)
+        return self._finite(shape, index) if self._float_fields else shape
 
     def to_shapes(self, specs: list) -> tuple[list, bool]:
         """(`to_shape` over a list, exact): validated in one msgspec call when every spec is a dict with
@@ -281,8 +283,23 @@ class ShapeCodec:
         except msgspec.ValidationError:
             pass  # find and explain (or normalize) spec by spec
         else:  # a dict that left out a field with a default is not its canonical shape: that holds the default
+            if self._float_fields:  # nor one holding 1 or -0.0 for a float field (1.0, 0.0)
+                return [self._finite(shape, i) for i, shape in enumerate(shapes)], False
             return shapes, not self._optional or all(len(s) == len(self.field_names) for s in specs if type(s) is dict)
         return [self.to_shape(spec, i) for i, spec in enumerate(specs)], False
+
+    def _finite(self, shape, index):
+        """The shape with a float field's -0.0 as 0.0 (equal values, so one key); SpecError for nan or inf, which JSON
+        cannot carry (a row's spec would read null) and no kernel parameter means."""
+        zeros = {}
+        for name in self._float_fields:
+            value = getattr(shape, name)
+            if not math.isfinite(value):
+                raise SpecError(f'field "{name}" = {value!r} is not a finite number; use a finite one', index=index,
+                                field=name, value=value)
+            if value == 0 and math.copysign(1.0, value) < 0:
+                zeros[name] = 0.0
+        return msgspec.structs.replace(shape, **zeros) if zeros else shape
 
     def _slow_to_shape(self, spec, index):
         if not isinstance(spec, Mapping):
@@ -361,6 +378,8 @@ class ShapeCodec:
             fix = self._int_fix(name)
         elif isinstance(ftype, msgspec.inspect.BoolType):
             fix = "use true or false (JSON booleans)"
+        elif isinstance(ftype, msgspec.inspect.FloatType):
+            fix = "use a number"
         return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; {fix}', index=index,
                          field=name, value=value)
 

@@ -1,6 +1,7 @@
 """Spec input through the CLI: every accepted form, and every usage error (exit 2, nothing written)."""
 
 import json
+import math
 import os
 
 import pytest
@@ -490,3 +491,34 @@ def test_a_field_with_a_default_may_be_left_out_and_its_key_holds_the_default(tm
         view = ledger.view("t", "cpu", "gpu", contract, Args)
         assert [row.spec for row in view.get_many([{"n": 8}])] == [full]
         assert view.missing([{"n": 8}, full]) == [{"n": 8}, full]
+
+
+def test_a_float_field_keys_minus_zero_as_zero_and_refuses_nan_and_inf(tmp_path):
+    """A plugin's float field took nan and inf (a row whose --json spec reads null) and keyed -0.0 apart from 0.0, two
+    rows of one spec; it refuses the first, naming the field, and keys -0.0 as 0.0, as it keys 1 as 1.0."""
+    from kprof.errors import SpecError
+    from kprof.ledger import KeyMaker, Ledger, ShapeCodec
+    from kprof.ledger.events import Contract
+    from kprof.runners._args import KernelArgs, Size
+    from kprof.specs import validate
+
+    class Args(KernelArgs, frozen=True):
+        n: Size
+        scale: float
+
+    contract = Contract(algorithm="a", layout="l", numerics="n", timing="t", profiler_revision=1)
+    keys = KeyMaker("t", "cpu", "gpu", contract, ShapeCodec(Args, strict=True, name="t"))
+    assert keys.key({"n": 8, "scale": -0.0}) == keys.key({"n": 8, "scale": 0.0}) == keys.key({"n": 8, "scale": 0})
+    assert validate(Args, [{"n": 8, "scale": -0.0}, {"n": 8, "scale": 2}], "t") == [{"n": 8, "scale": 0.0},
+                                                                                    {"n": 8, "scale": 2.0}]
+    with Ledger.open(str(tmp_path / "p.db")) as ledger:
+        rows = ledger.view("t", "cpu", "gpu", contract, Args).get_many([{"n": 8, "scale": -0.0}, {"n": 8, "scale": 2}])
+        assert [str(row.spec["scale"]) for row in rows] == ["0.0", "2.0"]
+        assert rows[0].key == keys.key({"n": 8, "scale": 0.0})
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(SpecError, match=f'spec 1: field "scale" = {bad!r} is not a finite number; use a finite '):
+            validate(Args, [{"n": 8, "scale": 1.0}, {"n": 8, "scale": bad}], "t")
+        with pytest.raises(SpecError, match="is not a finite number"):
+            keys.key({"n": 8, "scale": bad})
+    with pytest.raises(SpecError, match='field "scale" = \'big\': Expected `float`, got `str`; use a number'):
+        validate(Args, [{"n": 8, "scale": "big"}], "t")
