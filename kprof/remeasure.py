@@ -48,6 +48,7 @@ class RemeasureReport(NamedTuple):
     rows: list[Drift]
     seconds: float
     seed: int = 0  # the draw's: the same seed on the same ledger draws the same rows
+    unregistered: list[str] = []  # "table/backend" of local rows no registered runner measures (a plugin not loaded)
 
     @property
     def drifted(self) -> int:
@@ -62,7 +63,7 @@ class RemeasureReport(NamedTuple):
     def to_json(self) -> dict:
         return {"db": self.db, "gpu_keys": self.gpu_keys, "tolerance": self.tolerance, "candidates": self.candidates,
                 "seed": self.seed, "checked": len(self.rows), "drifted": self.drifted, "failed": self.failed,
-                "seconds": round(self.seconds, 3),
+                "seconds": round(self.seconds, 3), "unregistered": self.unregistered,
                 "rows": [r._asdict() for r in self.rows]}
 
 
@@ -137,6 +138,8 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
                 continue
             view = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
             candidates += [(entry, gpu_key, row) for row in view.rows() if row.status == "ok"]
+    registered = {(e.table, e.backend) for e in entries()}
+    unregistered = sorted({f"{t}/{b}" for t, b, g in held if g in keys.values() and (t, b) not in registered})
     rng = random.Random(seed)
     chosen = rng.sample(candidates, min(n, len(candidates)))
     by_entry: dict[tuple, list] = {}
@@ -148,7 +151,7 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance, timed)}
     out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
-                           time.perf_counter() - started, seed)
+                           time.perf_counter() - started, seed, unregistered)
 
 
 def _checked(n, tolerance, device) -> tuple[int, float]:

@@ -81,6 +81,10 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict, seed
     from ..remeasure import remeasure
 
     report = remeasure(db, n, tolerance, **method, seed=seed)
+    if report.unregistered:  # rows of a plugin's table, drawn only where its module is loaded
+        console(stderr=True).print(f"note: rows of {', '.join(report.unregistered)} were not drawn: no runner "
+                                   f"registered here measures them; set KPROF_RUNNERS to the module that registers "
+                                   f"them", markup=False)
     if not report.candidates:
         _nothing_to_remeasure(report)
     if json:

@@ -239,6 +239,23 @@ def test_nothing_to_remeasure_is_said(h, capsys, local_gpu):
     assert "it holds rows of 'Another CPU'" in captured.err
 
 
+def test_rows_of_a_table_no_runner_here_measures_are_named(h, capsys, local_gpu, monkeypatch):
+    """Rows of a plugin's table, audited without KPROF_RUNNERS naming its module, were left out without a word: the
+    note said the ledger held no current ok row of this machine, as if it held none. They are named, with the fix."""
+    from kprof.runners import registry
+
+    registry.entries()
+    mine = msgspec.structs.replace(registry.lookup(h.GEMM, h.CPU), table="my_gemm", runner="mine:Gemm")
+    monkeypatch.setattr(registry, "REGISTRY", {**registry.REGISTRY, ("my_gemm", h.CPU): mine})
+    h.append("p.db", h.make_event(h.gemm(), local_gpu, table="my_gemm"))
+    monkeypatch.delitem(registry.REGISTRY, ("my_gemm", h.CPU))  # the plugin not loaded
+    assert main(["audit", "--remeasure", "3", "--db", "p.db", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["unregistered"] == ["my_gemm/torch-cpu"]
+    assert ("note: rows of my_gemm/torch-cpu were not drawn: no runner registered here measures them; set "
+            "KPROF_RUNNERS to the module that registers them") in captured.err
+
+
 def test_the_draw_of_rows_can_be_replayed_with_its_seed(h, capsys, local_gpu, monkeypatch):
     """An auditor could not re-measure the rows a report drew again: the CLI had no seed. The report now gives the
     seed it drew with, and --seed draws the same rows of the same ledger."""
