@@ -90,3 +90,33 @@ def test_the_tour_and_the_sharing_example_run_as_written_after_the_first_command
         said[line.split()[1]] = p.stdout
     assert "row: ok" in said["show"] and "clean" in said["audit"]
     assert "merged 8 new event(s) into team.db" in said["merge"]
+
+
+def test_the_readme_runner_of_ones_own_registers_and_measures(tmp_path, monkeypatch):
+    """The "Your own kernels" block, saved as the module it names, registers a table whose spec may leave out its
+    field with a default, measures it, and reads it back under the same key with the default given."""
+    import importlib
+    import sys
+
+    from kprof import api
+    from kprof.runners import registry
+
+    section = README[README.index("## Your own kernels"):]
+    block = re.search(r"```python\n(.*?)```", section[:section.index("\n## ")], re.S).group(1)
+    (tmp_path / "mykern").mkdir()
+    (tmp_path / "mykern" / "__init__.py").write_text("")
+    (tmp_path / "mykern" / "softmax.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    registry.entries()  # the catalog first: a registry that is not empty is taken as loaded
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    try:
+        importlib.import_module("mykern.softmax")
+        db = str(tmp_path / "p.db")
+        ran = api.run("my_softmax", "torch-cpu", [{"tokens": 8, "vocab": 64}], db=db)
+        assert ran.exit_code == 0 and ran.results[0]["spec"] == {"tokens": 8, "vocab": 64, "dtype": "fp32"}
+        read = api.query("my_softmax", "torch-cpu", [{"tokens": 8, "vocab": 64, "dtype": "fp32"}], db=db).results[0]
+        assert (read["status"], read["key"]) == ("ok", ran.results[0]["key"])
+    finally:
+        for name in ("mykern.softmax", "mykern"):
+            sys.modules.pop(name, None)
