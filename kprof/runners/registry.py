@@ -30,9 +30,20 @@ def register(entry: Entry) -> Entry:
 
 
 def _check_args(entry: Entry) -> None:
-    """A spec's fields are a row's shape, whose values are bool, int, float or str: a field of another type (`int |
-    None`) would be measured, then refused by the ledger with every row of its run."""
+    """The names every verb takes, and a spec's fields, which are a row's shape, whose values are bool, int, float or
+    str: a field of another type (`int | None`) would be measured, then refused by the ledger with every row of its
+    run."""
+    import re
+
     import msgspec
+
+    if not (isinstance(entry.table, str) and entry.table and f"get_{entry.table}".isidentifier()):
+        raise UsageError(f"table {entry.table!r} cannot name its read functions kprof.perf_api.get_<table> and "
+                         f"count_<table>; use letters, digits and _ (e.g. "
+                         f"{re.sub(r'[^0-9A-Za-z_]+', '_', str(entry.table)).strip('_') or 'my_kernel'!r})")
+    if not (isinstance(entry.backend, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", entry.backend)):
+        raise UsageError(f"table {entry.table!r}: backend {entry.backend!r} is not a name --backend can take; use "
+                         f"letters, digits, _, - and . (e.g. 'torch-cpu')")
 
     if not (isinstance(entry.args, type) and issubclass(entry.args, msgspec.Struct)):
         raise UsageError(f"table {entry.table!r}: args is {entry.args!r}, not a KernelArgs Struct; subclass "

@@ -126,6 +126,23 @@ def test_a_runner_that_does_not_load_is_named_not_a_traceback(runner, said, tmp_
         api.run("my_norm", "torch-cpu", [SMALL["rms_norm"]], db=str(tmp_path / "p.db"))
 
 
+@pytest.mark.parametrize("table, backend, said", [
+    ("my-norm", "torch-cpu", r"table 'my-norm' cannot name its read functions kprof.perf_api.get_<table> and "
+                             r"count_<table>; use letters, digits and _ \(e.g. 'my_norm'\)"),
+    ("", "torch-cpu", r"table '' cannot name its read functions .* \(e.g. 'my_kernel'\)"),
+    ("my_norm", "", r"table 'my_norm': backend '' is not a name --backend can take; use letters, digits, _, - and ."),
+    ("my_norm", "cpu two", r"backend 'cpu two' is not a name --backend can take")])
+def test_a_plugin_table_or_backend_no_verb_can_name_is_refused(table, backend, said, monkeypatch):
+    """A plugin registered a table "my-norm" (its kprof.perf_api.get_my-norm no caller can write), an empty one, or an
+    empty backend, and every verb took them: refused when registered, with a name that would do."""
+    from kprof.errors import UsageError
+    from kprof.runners.registry import REGISTRY, register
+
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", dict(REGISTRY))
+    with pytest.raises(UsageError, match=said):
+        register(msgspec.structs.replace(lookup("rms_norm", "torch-cpu"), table=table, backend=backend, runner="m:R"))
+
+
 @pytest.mark.parametrize("entry", COMPUTE, ids=lambda e: f"{e.table}/{e.backend}")
 def test_entry_device_timing_and_runner(entry):
     assert entry.device == ("cpu" if entry.backend == "torch-cpu" else "cuda")
