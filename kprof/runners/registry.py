@@ -8,6 +8,8 @@ rows measured under the old revision `stale`.
 
 from __future__ import annotations
 
+import functools
+
 from ..errors import UsageError
 from ._entry import METRICS, Entry
 
@@ -29,6 +31,14 @@ def register(entry: Entry) -> Entry:
     return entry
 
 
+@functools.cache
+def _checked_entry() -> type:
+    """Entry's fields but `args` (a class, which msgspec does not convert), as a Struct to check an entry's values."""
+    import msgspec
+
+    return msgspec.defstruct("Entry", [(f.name, f.type) for f in msgspec.structs.fields(Entry) if f.name != "args"])
+
+
 def _check_args(entry: Entry) -> None:
     """The names every verb takes, and a spec's fields, which are a row's shape, whose values are bool, int, float or
     str: a field of another type (`int | None`) would be measured, then refused by the ledger with every row of its
@@ -37,6 +47,13 @@ def _check_args(entry: Entry) -> None:
 
     import msgspec
 
+    checked = _checked_entry()
+    try:  # a Struct's fields are not checked when it is made: Entry(metric_family="bogus") or contract=None were taken
+        msgspec.convert(msgspec.to_builtins({name: getattr(entry, name) for name in checked.__struct_fields__}),
+                        checked)
+    except (msgspec.ValidationError, TypeError) as e:
+        raise UsageError(f"the Entry of table {entry.table!r} backend {entry.backend!r} does not fit: "
+                         f"{str(e).replace('$.', 'Entry.')}; fix the value (see kprof.runners._entry.Entry)") from None
     if not (isinstance(entry.table, str) and entry.table and f"get_{entry.table}".isidentifier()):
         raise UsageError(f"table {entry.table!r} cannot name its read functions kprof.perf_api.get_<table> and "
                          f"count_<table>; use letters, digits and _ (e.g. "
@@ -54,9 +71,9 @@ def _check_args(entry: Entry) -> None:
     for field in msgspec.inspect.type_info(entry.args).fields:
         if not isinstance(field.type, scalar):
             shown = getattr(declared[field.name], "__name__", None) or str(declared[field.name])
-            raise UsageError(f"table {entry.table!r}: field {field.name!r} of {entry.args.__name__} is {shown}; a spec field is a bool, int, float or str (or a Literal of "
-                             f"them), as a row's shape holds: give it a default of that type instead (e.g. 0, not "
-                             f"None)")
+            raise UsageError(f"table {entry.table!r}: field {field.name!r} of {entry.args.__name__} is {shown}; a "
+                             f"spec field is a bool, int, float or str (or a Literal of them), as a row's shape "
+                             f"holds: give it a default of that type instead (e.g. 0, not None)")
 
 
 def _load() -> None:

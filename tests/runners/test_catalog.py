@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kprof.ledger.events import Measured
+from kprof.ledger.events import Contract, Measured
 from kprof.runners import gemm, moe
 from kprof.runners._case import Unsupported, WrongResult, seed_of
 from kprof.runners.catalog import CPU_TIMING, GPU_TIMING, parse_timing, timing_power, timing_string
@@ -109,7 +109,8 @@ def test_a_plugin_field_a_row_cannot_hold_is_refused_at_registration(monkeypatch
 
 @pytest.mark.parametrize("runner, said", [
     ("kprof.runners.norm:Nope", "and module 'kprof.runners.norm' has no 'Nope'; fix the name"),
-    ("kprof.runners.nothere:RmsNorm", r"whose module does not import \(No module named 'kprof.runners.nothere'\); fix "),
+    ("kprof.runners.nothere:RmsNorm",
+     r"whose module does not import \(No module named 'kprof.runners.nothere'\); fix "),
     ("kprof.runners.norm.RmsNorm", r"name it as 'module:Class' \(e.g. 'mypkg.kernels:Softmax'\)")])
 def test_a_runner_that_does_not_load_is_named_not_a_traceback(runner, said, tmp_path, monkeypatch):
     """A plugin's mistyped runner string ran into an AttributeError or ModuleNotFoundError traceback from inside the
@@ -141,6 +142,24 @@ def test_a_plugin_table_or_backend_no_verb_can_name_is_refused(table, backend, s
     monkeypatch.setattr("kprof.runners.registry.REGISTRY", dict(REGISTRY))
     with pytest.raises(UsageError, match=said):
         register(msgspec.structs.replace(lookup("rms_norm", "torch-cpu"), table=table, backend=backend, runner="m:R"))
+
+
+@pytest.mark.parametrize("over, said", [
+    ({"metric_family": "bogus"}, r"Invalid enum value 'bogus' - at `Entry.metric_family`"),
+    ({"device": "tpu"}, r"Invalid enum value 'tpu' - at `Entry.device`"),
+    ({"contract": None}, r"Expected `object`, got `null` - at `Entry.contract`"),
+    ({"contract": Contract(profiler_revision="2")},
+     r"Expected `int`, got `str` - at `Entry.contract.profiler_revision`")])
+def test_a_plugin_entry_of_values_it_cannot_hold_is_refused(over, said, monkeypatch):
+    """msgspec checks no field when a Struct is made: an Entry with metric_family "bogus" or contract None was
+    registered, and `kprof list` or the run of its table ended in a KeyError or AttributeError traceback."""
+    from kprof.errors import UsageError
+    from kprof.runners.registry import REGISTRY, register
+
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", dict(REGISTRY))
+    entry = msgspec.structs.replace(lookup("rms_norm", "torch-cpu"), table="my_norm", runner="m:R", **over)
+    with pytest.raises(UsageError, match=f"the Entry of table 'my_norm' backend 'torch-cpu' does not fit: {said}; "):
+        register(entry)
 
 
 @pytest.mark.parametrize("entry", COMPUTE, ids=lambda e: f"{e.table}/{e.backend}")
