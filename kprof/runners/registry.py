@@ -134,7 +134,9 @@ def lookup(table: str, backend: str) -> Entry:
         return entry
     tables = sorted({t for t, _ in REGISTRY})
     if table not in tables:
-        raise UsageError(f"unknown table {table!r}; known tables: {', '.join(tables)} (see `kprof list`)")
+        raise UsageError(f"unknown table {table!r}; known tables: {', '.join(tables)} (see `kprof list`); a table "
+                         f"of one's own runners is known where KPROF_RUNNERS names the module that registers it (a "
+                         f"worker process imports only those)")
     backends = sorted(b for t, b in REGISTRY if t == table)
     raise UsageError(f"table {table!r} has no backend {backend!r}; its backends: {', '.join(backends)} "
                      f"(see `kprof list`)")

@@ -90,8 +90,8 @@ def test_a_relative_runners_module_is_refused_by_name(value, monkeypatch):
 
 
 @pytest.mark.parametrize("body, said", [
-    ("import json\nraise RuntimeError('no weights here')\n", r"raised RuntimeError when imported \(no weights here\) at "
-                                                             r".*broken_plugin\.py:2; fix the module"),
+    ("import json\nraise RuntimeError('no weights here')\n",
+     r"raised RuntimeError when imported \(no weights here\) at .*broken_plugin\.py:2; fix the module"),
     ("def f(:\n", r"raised SyntaxError when imported \(.*\) at .*broken_plugin\.py:1; fix the module")])
 def test_a_runners_module_that_fails_is_named_with_where_and_read_again(body, said, tmp_path, monkeypatch):
     """A KPROF_RUNNERS module whose own code raised (not an ImportError) ended every verb, `kprof list` too, in a
@@ -105,6 +105,20 @@ def test_a_runners_module_that_fails_is_named_with_where_and_read_again(body, sa
     for _ in range(2):  # the second lookup fails as the first did
         with pytest.raises(UsageError, match=f"KPROF_RUNNERS module 'broken_plugin' {said}"):
             registry.lookup("single_gemm", "torch-cpu")
+
+
+def test_an_unknown_table_says_how_a_table_of_ones_own_becomes_known(monkeypatch):
+    """A table registered in a Python session without KPROF_RUNNERS (or a verb run without it) read only "unknown
+    table 'my_softmax'" from the worker that measures it, where the caller had it registered: the message says that a
+    table of one's own is known where KPROF_RUNNERS names its module, which is all a worker imports."""
+    from kprof.runners import registry
+
+    monkeypatch.delenv("KPROF_RUNNERS", raising=False)
+    with pytest.raises(UsageError, match=r"unknown table 'my_softmax'; known tables: .*single_gemm \(see `kprof "
+                                         r"list`\); a table of one's own runners is known where KPROF_RUNNERS "
+                                         r"names the module that registers it \(a worker process imports only "
+                                         r"those\)"):
+        registry.lookup("my_softmax", "torch-cpu")
 
 
 @pytest.mark.parametrize("name,raw", [("KPROF_TIMER", " NSYS "), ("KPROF_L2", "Hot"), ("KPROF_POWER", "MAX\t")])
