@@ -110,6 +110,9 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
                 _fits_in_memory(runner, spec)
             t_build = time.perf_counter()
             case = runner.build(spec, device.name)
+            if not callable(getattr(case, "check", None)):  # a plugin's build that returned nothing, or no Case
+                raise TypeError(f"runner {entry.runner} build() returned {type(case).__name__}, not a "
+                                f"kprof.runners._case.Case")
             t_check = time.perf_counter()
             case.check()
             t_measure = time.perf_counter()

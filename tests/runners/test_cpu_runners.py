@@ -246,6 +246,17 @@ def test_a_wrong_kernel_is_never_timed(monkeypatch):
     assert "relative error" in out.event.message and out.timed_seconds == 0
 
 
+def test_a_build_that_returns_no_case_says_so(monkeypatch):
+    """A plugin's build() that returned None (a missing return) failed its row as "AttributeError: 'NoneType' object
+    has no attribute 'check'": the message names the runner and what build() must return."""
+    entry = lookup("single_gemm", "torch-cpu")
+    monkeypatch.setattr(type(entry.load_runner()()), "build", lambda self, spec, device: None)
+    (out,) = measure_specs(entry, [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}], "test cpu")
+    assert type(out.event) is Failed and out.event.error_kind == "crash"
+    assert out.event.message == ("TypeError: runner kprof.runners.gemm:SingleGemm build() returned NoneType, not a "
+                                 "kprof.runners._case.Case")
+
+
 # ---- statistics and stopping ---------------------------------------------------------------------------
 
 def test_summarize_constant_samples():
