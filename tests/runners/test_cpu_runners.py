@@ -257,6 +257,28 @@ def test_a_build_that_returns_no_case_says_so(monkeypatch):
                                  "kprof.runners._case.Case")
 
 
+def test_a_runner_that_calls_sys_exit_fails_its_row_and_a_sigterm_still_stops_the_run(monkeypatch):
+    """A plugin's build() that called sys.exit(0) (or a library it calls) ended `kprof run` with exit 0, no output and
+    no row: it fails its row as a crash and the others are measured. SIGTERM, which kprof.cli raises as
+    SystemExit(143), still stops the run."""
+    entry = lookup("single_gemm", "torch-cpu")
+    real = type(entry.load_runner()()).build
+
+    def build(self, spec, device):
+        if spec.m == 8:
+            raise SystemExit(exits.pop(0))
+        return real(self, spec, device)
+
+    exits = [0, 143]
+    monkeypatch.setattr(type(entry.load_runner()()), "build", build)
+    specs = [{"m": 8, "n": 16, "k": 16, "dtype": "fp32"}, {"m": 16, "n": 16, "k": 16, "dtype": "fp32"}]
+    gone, ok = measure_specs(entry, specs, "test cpu")
+    assert type(gone.event) is Failed and gone.event.error_kind == "crash" and gone.event.message == "SystemExit: 0"
+    assert type(ok.event) is Measured
+    with pytest.raises(SystemExit):
+        list(measure_specs(entry, specs, "test cpu"))
+
+
 # ---- statistics and stopping ---------------------------------------------------------------------------
 
 def test_summarize_constant_samples():
