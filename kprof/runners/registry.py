@@ -61,7 +61,6 @@ def _check_args(entry: Entry) -> None:
     if not (isinstance(entry.backend, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", entry.backend)):
         raise UsageError(f"table {entry.table!r}: backend {entry.backend!r} is not a name --backend can take; use "
                          f"letters, digits, _, - and . (e.g. 'torch-cpu')")
-
     if not (isinstance(entry.args, type) and issubclass(entry.args, msgspec.Struct)):
         raise UsageError(f"table {entry.table!r}: args is {entry.args!r}, not a KernelArgs Struct; subclass "
                          f"kprof.runners._args.KernelArgs")
@@ -74,6 +73,14 @@ def _check_args(entry: Entry) -> None:
             raise UsageError(f"table {entry.table!r}: field {field.name!r} of {entry.args.__name__} is {shown}; a "
                              f"spec field is a bool, int, float or str (or a Literal of them), as a row's shape "
                              f"holds: give it a default of that type instead (e.g. 0, not None)")
+        if field.default is not msgspec.NODEFAULT:  # a spec that leaves the field out is keyed and built with it
+            try:
+                msgspec.convert({field.name: field.default}, msgspec.defstruct("Default", [(field.name,
+                                                                                           declared[field.name])]))
+            except msgspec.ValidationError as e:
+                raise UsageError(f"table {entry.table!r}: field {field.name!r} of {entry.args.__name__} defaults to "
+                                 f"{field.default!r}, a value the field refuses ({str(e).split(' - at ')[0]}); give it "
+                                 f"a default it takes") from None
 
 
 def _load() -> None:

@@ -102,6 +102,12 @@ def test_a_plugin_field_a_row_cannot_hold_is_refused_at_registration(monkeypatch
     with pytest.raises(UsageError, match=r"table 'mine': field 'bias' of Args is int \| None; a spec field is a "
                                          r"bool, int, float or str"):
         register(entry)
+    class Zero(KernelArgs, frozen=True):
+        n: Size = 0
+
+    with pytest.raises(UsageError, match=r"table 'mine': field 'n' of Zero defaults to 0, a value the field refuses "
+                                         r"\(Expected `int` >= 1\); give it a default it takes"):
+        register(msgspec.structs.replace(entry, args=Zero))
     with pytest.raises(UsageError, match=r"args is <class 'dict'>, not a KernelArgs Struct"):
         register(msgspec.structs.replace(entry, args=dict))
     assert ("mine", "torch-cpu") not in registry.REGISTRY
