@@ -28,14 +28,14 @@ from .errors import SpecError
 from .ledger import Ledger, ledger_path
 from .ledger.view import Row, View
 from .method import effective_entry, resolve_gpu_key
-from .runners.registry import entries, lookup
+from .runners.registry import RESERVED, entries, lookup
 
 __all__: list[str] = ["view_for", "close_all"]
 
 _lock = threading.Lock()
 _ledgers: dict[str, tuple[Ledger, tuple]] = {}  # realpath -> (ledger, _identity of the file it opened)
 _views: dict[tuple, View] = {}
-_ARGUMENTS = ("backend", "gpu_key", "db", "timer", "l2", "cuda_graph", "power")
+_ARGUMENTS = tuple(name for name in RESERVED if name != "gpu_name")  # the keywords of get_<table> and count_<table>
 
 
 def _identity(path: str) -> tuple:

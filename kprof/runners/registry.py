@@ -17,6 +17,8 @@ __all__ = ["Entry", "METRICS", "REGISTRY", "lookup", "entries", "register", "or_
 
 
 REGISTRY: dict[tuple[str, str], Entry] = {}
+# The keywords of kprof.perf_api's read functions (and kprof.api's gpu_name): no spec field may take one's name.
+RESERVED = ("backend", "gpu_key", "gpu_name", "db", "timer", "l2", "cuda_graph", "power")
 
 
 def register(entry: Entry) -> Entry:
@@ -67,6 +69,11 @@ def _check_args(entry: Entry) -> None:
     scalar = (msgspec.inspect.BoolType, msgspec.inspect.IntType, msgspec.inspect.FloatType, msgspec.inspect.StrType,
               msgspec.inspect.LiteralType)
     declared = {f.name: f.type for f in msgspec.structs.fields(entry.args)}
+    taken = sorted(set(declared) & set(RESERVED))
+    if taken:
+        raise UsageError(f"table {entry.table!r}: field {taken[0]!r} of {entry.args.__name__} is a keyword of "
+                         f"kprof.perf_api.get_{entry.table} and count_{entry.table} (as are {', '.join(RESERVED)}), "
+                         f"which could not take it as a spec field; rename the field")
     for field in msgspec.inspect.type_info(entry.args).fields:
         if not isinstance(field.type, scalar):
             shown = getattr(declared[field.name], "__name__", None) or str(declared[field.name])

@@ -87,7 +87,8 @@ def test_a_plugin_cannot_take_a_registered_table_and_backend(monkeypatch):
 
 def test_a_plugin_field_a_row_cannot_hold_is_refused_at_registration(monkeypatch):
     """A field `bias: int | None = None` was measured, then the ledger refused the run's every row ("does not fit
-    the event schema ... build events with kprof.ledger.build", exit 2): a shape holds bool, int, float or str."""
+    the event schema ... build events with kprof.ledger.build", exit 2): a shape holds bool, int, float or str. So is a
+    field perf_api's read functions take as a keyword of their own, and a default the field refuses."""
     from kprof.errors import UsageError
     from kprof.runners import registry
     from kprof.runners._args import KernelArgs, Size
@@ -102,6 +103,14 @@ def test_a_plugin_field_a_row_cannot_hold_is_refused_at_registration(monkeypatch
     with pytest.raises(UsageError, match=r"table 'mine': field 'bias' of Args is int \| None; a spec field is a "
                                          r"bool, int, float or str"):
         register(entry)
+    class Power(KernelArgs, frozen=True):  # perf_api.get_mine(power=...) is the timing method's
+        n: Size
+        power: int
+
+    with pytest.raises(UsageError, match=r"table 'mine': field 'power' of Power is a keyword of "
+                                         r"kprof.perf_api.get_mine and count_mine \(as are backend, gpu_key, "):
+        register(msgspec.structs.replace(entry, args=Power))
+
     class Zero(KernelArgs, frozen=True):
         n: Size = 0
 
