@@ -47,12 +47,26 @@ class Entry(msgspec.Struct, frozen=True):
         if not (module and name):
             raise UsageError(f"{where}; name it as 'module:Class' (e.g. 'mypkg.kernels:Softmax')")
         try:
-            return getattr(importlib.import_module(module), name)
+            found = getattr(importlib.import_module(module), name)
         except ImportError as e:
             raise UsageError(f"{where}, whose module does not import ({e}); fix the name, or install what it "
                              f"needs") from None
         except AttributeError:
             raise UsageError(f"{where}, and module {module!r} has no {name!r}; fix the name") from None
+        if not (isinstance(found, type) and callable(getattr(found, "build", None))):
+            raise UsageError(f"{where}, which is not a class with a build(spec, device) method; name the runner's "
+                             f"class")
+        return found
+
+    def make_runner(self):
+        """An instance of the runner class (made with no arguments), or a UsageError saying why not."""
+        cls = self.load_runner()
+        try:
+            return cls()
+        except TypeError as e:
+            raise UsageError(f"table {self.table!r} backend {self.backend!r}: runner {self.runner!r} cannot be "
+                             f"made with no arguments ({e}); kprof calls {cls.__name__}() and then its build(spec, "
+                             f"device)") from None
 
     def describe(self) -> dict:
         """Everything `kprof list` shows, with field names."""

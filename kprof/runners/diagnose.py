@@ -40,7 +40,7 @@ def record(entry: Entry, canonical: dict, gpu_key: str, duration_s: float, telem
             raise UsageError(f"measure samples NVML telemetry, and NVML is not usable here: {e}") from None
     device = msgspec.to_builtins(gpu_environment(0))
     try:
-        case = entry.load_runner()().build(msgspec.convert(canonical, entry.args), "cuda")
+        case = entry.make_runner().build(msgspec.convert(canonical, entry.args), "cuda")
         case.check()
     except KprofError:
         raise

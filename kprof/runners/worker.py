@@ -94,7 +94,7 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
     `entry.contract.timing` names the method: "cpu-wall;..." on the CPU; "cupti;..." or "events;..." on a
     CUDA device (see `kprof.api.effective_entry`), with the L2 state and graph/eager after it."""
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
-    runner = entry.load_runner()()
+    runner = entry.make_runner()
     rule = rule or StopRule.from_env()
     parents = parents or {}
     device = device or prepare_device(entry, gpu_key, environment)

@@ -126,7 +126,10 @@ def test_a_plugin_field_a_row_cannot_hold_is_refused_at_registration(monkeypatch
     ("kprof.runners.norm:Nope", "and module 'kprof.runners.norm' has no 'Nope'; fix the name"),
     ("kprof.runners.nothere:RmsNorm",
      r"whose module does not import \(No module named 'kprof.runners.nothere'\); fix "),
-    ("kprof.runners.norm.RmsNorm", r"name it as 'module:Class' \(e.g. 'mypkg.kernels:Softmax'\)")])
+    ("kprof.runners.norm.RmsNorm", r"name it as 'module:Class' \(e.g. 'mypkg.kernels:Softmax'\)"),
+    ("kprof.runners.norm:EPS", r"which is not a class with a build\(spec, device\) method; name the runner's class"),
+    ("runner_needing_args:Needs", r"cannot be made with no arguments \(.*missing 1 required positional argument: "
+                                  r"'size'\); kprof calls Needs\(\) and then its build\(spec, device\)")])
 def test_a_runner_that_does_not_load_is_named_not_a_traceback(runner, said, tmp_path, monkeypatch):
     """A plugin's mistyped runner string ran into an AttributeError or ModuleNotFoundError traceback from inside the
     worker (exit 1): a usage error (exit 2) naming the entry, the runner and the fix."""
@@ -134,9 +137,12 @@ def test_a_runner_that_does_not_load_is_named_not_a_traceback(runner, said, tmp_
     from kprof.errors import UsageError
     from kprof.runners.registry import REGISTRY
 
+    (tmp_path / "runner_needing_args.py").write_text("class Needs:\n    def __init__(self, size):\n        pass\n\n"
+                                                     "    def build(self, spec, device):\n        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     entry = msgspec.structs.replace(lookup("rms_norm", "torch-cpu"), table="my_norm", runner=runner)
-    with pytest.raises(UsageError, match=f"table 'my_norm' backend 'torch-cpu' names runner '{runner}'.*{said}"):
-        entry.load_runner()
+    with pytest.raises(UsageError, match=f"table 'my_norm' backend 'torch-cpu'.* runner '{runner}'.*{said}"):
+        entry.make_runner()
     monkeypatch.setattr("kprof.runners.registry.REGISTRY", {**REGISTRY, ("my_norm", "torch-cpu"): entry})
     with pytest.raises(UsageError, match=said):
         api.run("my_norm", "torch-cpu", [SMALL["rms_norm"]], db=str(tmp_path / "p.db"))
