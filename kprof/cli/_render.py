@@ -213,7 +213,7 @@ def results_table(res, limit: int = TABLE_ROWS, out=None) -> None:
             if k not in metric_cols and k not in spec_cols:  # a comm row's message_size_bytes: its spec's
                 metric_cols.append(k)
     names = [*spec_cols, "status", *metric_cols, "citation"]
-    cells = [[*(_fmt(r["spec"][c]) for c in spec_cols), r["status"],
+    cells = [[*(repr(v) if isinstance(v := r["spec"][c], float) else _fmt(v) for c in spec_cols), r["status"],
               *(_fmt((r["metrics"] or {}).get(c)) for c in metric_cols), r["citation"] or "-"] for r in shown]
     keep, widths = _fit(names, cells, out.width)
     dropped = [n for i, n in enumerate(names) if i not in keep]

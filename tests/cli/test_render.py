@@ -145,3 +145,14 @@ def test_a_collective_table_shows_the_message_size_once():
     out = _render(QueryResult("all_reduce", "gloo", "AMD EPYC", "p.db", "query", 1, 0, "ab" * 32, rows), 200)
     header = next(line for line in out.splitlines() if "status" in line)
     assert header.count("message_size_bytes") == 1 and "1048576" in out and "1.049e+06" not in out
+
+
+def test_a_float_spec_value_is_shown_whole(capsys):
+    """A plugin's float spec field read with 4 significant digits like a metric: temperatures 0.123456 and 0.123457
+    both showed 0.1235, two rows of one spec to the eye. A spec value is shown as given (1.0 as 1.0, not 1)."""
+    res = _result(["missing"] * 3)
+    for row, scale in zip(res.results, (0.123456, 0.123457, 1.0)):
+        row["spec"] = {**row["spec"], "scale": scale}
+    results_table(res)
+    cells = [line.split("│")[5].strip() for line in _table_rows(capsys.readouterr().out)]
+    assert cells == ["0.123456", "0.123457", "1.0"]
