@@ -79,7 +79,8 @@ def _check_args(entry: Entry) -> None:
             shown = getattr(declared[field.name], "__name__", None) or str(declared[field.name])
             raise UsageError(f"table {entry.table!r}: field {field.name!r} of {entry.args.__name__} is {shown}; a "
                              f"spec field is a bool, int, float or str (or a Literal of them), as a row's shape "
-                             f"holds: give it a default of that type instead (e.g. 0, not None)")
+                             f"holds: a Literal for a set of choices (not an Enum), a default of the type for an "
+                             f"optional value (e.g. 0, not None)")
         if field.default is not msgspec.NODEFAULT:  # a spec that leaves the field out is keyed and built with it
             try:
                 msgspec.convert({field.name: field.default}, msgspec.defstruct("Default", [(field.name,

@@ -2,6 +2,7 @@
 runner that builds on CPU, and the CPU-runnable parts of the CUDA runners (MoE grouped GEMM, fp8 scaled
 GEMM, forced SDPA backends, memcpy)."""
 
+import enum
 import os
 import re
 
@@ -103,6 +104,17 @@ def test_a_plugin_field_a_row_cannot_hold_is_refused_at_registration(monkeypatch
     with pytest.raises(UsageError, match=r"table 'mine': field 'bias' of Args is int \| None; a spec field is a "
                                          r"bool, int, float or str"):
         register(entry)
+    class Choice(enum.Enum):
+        A = "a"
+
+    class Chosen(KernelArgs, frozen=True):
+        n: Size
+        choice: Choice = Choice.A
+
+    with pytest.raises(UsageError, match=r"field 'choice' of Chosen is Choice; .*: a Literal for a set of choices "
+                                         r"\(not an Enum\), a default of the type for an optional value"):
+        register(msgspec.structs.replace(entry, args=Chosen))
+
     class Power(KernelArgs, frozen=True):  # perf_api.get_mine(power=...) is the timing method's
         n: Size
         power: int
