@@ -137,10 +137,19 @@ def console(stderr: bool = False):
     return Console(file=stream, highlight=False, soft_wrap=True, width=width, markup=False)
 
 
+def _one_line(message: str) -> str:
+    """The message with every character that is not printable text (a newline, tab or terminal escape in a path or
+    value it names, an undecodable byte's surrogate) as its escape, `\\n`: an error is one line, and shows the value
+    as typed."""
+    if message.isprintable():
+        return message
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+
+
 def error(message: str) -> None:
     from rich.text import Text
 
-    console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", message))
+    console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", _one_line(message)))
 
 
 def _fmt(v) -> str:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kprof.api import QueryResult
 from kprof.cli import main
 from kprof.cli._render import TABLE_ROWS, results_table
@@ -156,3 +158,18 @@ def test_a_float_spec_value_is_shown_whole(capsys):
     results_table(res)
     cells = [line.split("│")[5].strip() for line in _table_rows(capsys.readouterr().out)]
     assert cells == ["0.123456", "0.123457", "1.0"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["query", "single_gemm", "--backend", "torch-cpu", "--specs", "a\nb\x1b[31m.json"],
+    ["merge", "a\nb\x1b[31m.kseg", "--db", "p.db"],
+    ["scopes", "--json=a\nb\x1b[31m"],
+])
+def test_an_error_naming_a_value_with_control_characters_is_one_line_of_escapes(argv, tmp_path, capsys, monkeypatch):
+    """A newline or terminal escape in a path or value an error names is shown escaped: the error stays one line and
+    cannot restyle the terminal (a path with a newline printed as two lines, its escape turned the rest red)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err, err
+    assert "a\\nb\\x1b[31m" in err, err
