@@ -9,7 +9,7 @@ from cyclopts import App, Parameter
 from cyclopts.exceptions import CycloptsError
 
 from .. import __version__
-from ..errors import KprofError, SettingError
+from ..errors import KprofError, SettingError, UsageError
 
 __all__ = ["app", "main"]
 
@@ -154,6 +154,36 @@ def _one_pair(exc: Exception, verb: str | None, argv: list[str]) -> str | None:
     return None
 
 
+def _utf8(argv: list[str]) -> None:
+    """Refuses an argument, or a $KPROF_DB, holding bytes that are not UTF-8 (Python reads them as lone surrogates: a
+    file name in another encoding, a C locale's text): specs are UTF-8 JSON, LMDB opens a ledger by its UTF-8 path, and
+    the keys and every record written are UTF-8, where such a value was a traceback (after the rows were stored, for a
+    snapshot's record of the command)."""
+    import os
+
+    env = os.environ.get("KPROF_DB", "")
+    for name, value in [*(("argument", arg) for arg in argv), ("KPROF_DB", env)]:
+        try:
+            value.encode("utf-8")
+            continue
+        except UnicodeEncodeError:
+            pass
+        try:
+            raw = os.fsencode(value)  # the bytes as given
+        except UnicodeEncodeError:  # a surrogate no byte is read as (passed from Python, not from a shell)
+            raw = value.encode("utf-8", "surrogatepass")
+        try:
+            raw.decode("utf-8")
+            at = 0
+        except UnicodeDecodeError as exc:
+            at = exc.start
+        text = raw.decode("utf-8", "backslashreplace")
+        shown = f"argument '{text}'" if name == "argument" else f"KPROF_DB='{text}'"
+        raise UsageError(f"{shown} is not UTF-8 text (byte {at} is 0x{raw[at]:02x}); kprof reads and records its "
+                         f"arguments and ledger path as UTF-8: pass the value in UTF-8 (rename a file whose name is in "
+                         f"another encoding)")
+
+
 def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",)) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143: an
     interrupt; 141: the reader of stdout left). `prog` is the command's words before the verb, as the records name it
@@ -180,6 +210,7 @@ def _main(argv: list[str]) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
+        _utf8(argv)
         result = app(argv)
     except CycloptsError as exc:  # one line, as every other usage error (cyclopts' own is a multi-line panel)
         from ._render import error

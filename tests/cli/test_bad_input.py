@@ -905,3 +905,19 @@ def test_no_help_text_loses_a_placeholder(capsys):
     assert main(["show", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "A citation (kprof.<hex>)" in out and "(kmeasure.<hex>)" in out and "a kmeasure.<hex> citation" in out
+
+
+@pytest.mark.parametrize("flag", ["--spec", "--gpu-name", "--db", "--output-dir", "KPROF_DB"])
+def test_a_value_that_is_not_utf8_is_refused_naming_its_bytes(flag, tmp_path, h, refused, monkeypatch):
+    """A byte that is not UTF-8 in an argument or $KPROF_DB (a file name in another encoding, a C locale's text) is
+    refused before anything is written: it was a traceback (a spec's JSON, the GPU key's hash, LMDB's path, and a
+    snapshot's record of the command after the rows were stored)."""
+    bad = os.fsdecode(b"x\xffy")
+    value = json.dumps({**SPEC, "dtype": "fp32"}).replace("fp32", bad) if flag == "--spec" else bad
+    argv = ["run", h.GEMM, "--backend", h.CPU, *(["--spec", value] if flag == "--spec" else h.spec_args(SPEC))]
+    if flag == "KPROF_DB":
+        monkeypatch.setenv("KPROF_DB", bad)
+    elif flag != "--spec":
+        argv += [flag, value]
+    err = refused(argv, "is not UTF-8 text (byte ", " is 0xff); ", "x\\xffy")
+    assert err.count("\n") == 1 and os.listdir(tmp_path) == []
