@@ -92,6 +92,7 @@ def _check_output(output: str) -> None:
         raise UsageError(f"-o {output!r} is empty; {fix}")
     where = output if os.path.isdir(output) else os.path.dirname(os.path.abspath(output))  # "rows/": its parent
     if output.endswith(("/", os.sep)):
+        where = os.path.abspath(output)  # the directory itself where something is there (a file, a broken link)
         while not os.path.lexists(where) and where != os.path.dirname(where):  # "rows/h200/": the nearest there is
             where = os.path.dirname(where)
     if not os.path.isdir(where):

@@ -121,3 +121,21 @@ def test_the_python_merge_refuses_paths_that_are_not_a_list_of_paths(tmp_path, c
     with pytest.raises(UsageError, match="no .kseg segment"):
         merge([str(tmp_path / "empty")], db)
     assert not os.path.exists(db)
+
+
+def test_a_directory_path_naming_a_file_or_a_broken_link_is_refused(tmp_path, capsys):
+    """`-o x/` where x is a file, a dangling link or a link loop: refused naming it (it was a FileExistsError
+    traceback from making the directory), and nothing is written."""
+    db = tmp_path / "a.db"
+    with Ledger.open(str(db)) as led:
+        led.append([synth.event(0)])
+    (tmp_path / "file").write_text("notes")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    os.symlink(tmp_path / "loop2", tmp_path / "loop1")
+    os.symlink(tmp_path / "loop1", tmp_path / "loop2")
+    before = sorted(os.listdir(tmp_path))
+    for name in ("file", "dangling", "loop1"):
+        assert main(["export", "--db", str(db), "-o", str(tmp_path / name) + "/"]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name} is not a directory; give a new file path" in err, err
+    assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "file").read_text() == "notes"
