@@ -18,9 +18,13 @@ import msgspec
 
 from .errors import SpecError, UsageError
 
-__all__ = ["MAX_DEPTH", "ShapeCodec", "read_specs", "parse_spec_texts", "parse_specs_file", "spec_list", "validate"]
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "ShapeCodec", "read_specs", "parse_spec_texts", "parse_specs_file",
+           "spec_list", "validate"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
+# A --specs file past this is refused unread: it is read whole, and its specs take ~16x its size in memory (a 44 MiB
+# file of a million GEMM specs, 0.7 GiB), so a file of gigabytes (a sparse or runaway one) would take the machine's.
+MAX_FILE_BYTES = 256 << 20  # ~6 million GEMM specs
 
 _is_container = frozenset({dict, list}).__contains__
 
@@ -150,7 +154,11 @@ def parse_specs_file(path: str) -> list[Any]:
         raise UsageError(f"--specs {path}: {what}; {fix}")
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_FILE_BYTES:
+                raise UsageError(f"--specs {path} is {size:,} bytes, past the {MAX_FILE_BYTES >> 20} MiB a specs file "
+                                 f"may hold (millions of specs); split it into smaller files, one command each")
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"--specs {path}: cannot be read ({exc.strerror}); {fix}") from None
     data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors write: ignored

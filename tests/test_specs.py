@@ -148,6 +148,20 @@ def test_spec_error_via_specs_file_names_the_list_index(case, tmp_path, capsys, 
     _no_db(db)
 
 
+def test_a_specs_file_past_the_size_limit_is_refused_unread(tmp_path, capsys, db):
+    """A file of gigabytes (here sparse: it takes no disk) is refused from its size, before a byte is read: read whole,
+    its specs would take ~16 times its size in memory."""
+    from kprof.specs import MAX_FILE_BYTES
+
+    path = _write(tmp_path, "specs.json", json.dumps([A]))
+    os.truncate(path, MAX_FILE_BYTES + 1)
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert f"--specs {path} is {MAX_FILE_BYTES + 1:,} bytes, past the 256 MiB a specs file may hold" in err, err
+    assert "split it into smaller files" in err
+    _no_db(db)
+
+
 def test_malformed_jsonl_line_names_the_line_and_index(tmp_path, capsys, db):
     path = _write(tmp_path, "specs.jsonl", json.dumps(A) + "\n" + json.dumps(B) + "\n" + '{"m": 1, "n": \n')
     assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
