@@ -135,6 +135,9 @@ def _plots(window: Window, summary: dict, keep) -> dict:
 
 # --- kmeasure citations -------------------------------------------------------------------------------------
 
+_SUMMARY_MAX = 64 << 20  # bytes of a summary.json read at most: one measure writes is a few KiB
+
+
 def _summaries(dirs: Sequence[str]) -> list[str]:
     """summary.json files in each directory given and in its immediate subdirectories (a directory holding an output
     of its own, e.g. `measure --output-dir .`, may hold others in its subdirectories too)."""
@@ -174,10 +177,14 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
     unreadable: list[str] = []
     for summary_path in _summaries(where):
         try:
+            if not (os.path.isfile(summary_path) or os.path.isdir(summary_path) or not os.path.exists(summary_path)):
+                raise OSError(0, "not a regular file")  # a pipe or device: its read would block, or never end
             with open(summary_path, "rb") as f:
-                data = f.read()
+                data = f.read(_SUMMARY_MAX + 1)
         except OSError as e:  # a dangling link, a folder of that name, no permission: not one that can be shown
             unreadable.append(f"{summary_path}: {e.strerror}")
+            continue
+        if len(data) > _SUMMARY_MAX:  # not one of ours (a summary is a few KiB): not read whole into memory
             continue
         try:
             doc = msgspec.json.decode(data)
@@ -208,8 +215,13 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
     path, (name, summary_path, doc, entry) = next(iter(found.items()))
     if name != "summary.json":
         try:
+            if not os.path.isfile(path):  # a pipe or device named in a summary: never a file measure wrote
+                raise OSError(0, "not a regular file")
             with open(path, "rb") as f:
-                actual = blake3(f.read()).hexdigest()
+                hasher = blake3()
+                for chunk in iter(lambda: f.read(1 << 20), b""):  # streamed: a launch record can take gigabytes
+                    hasher.update(chunk)
+                actual = hasher.hexdigest()
         except OSError as e:
             raise IntegrityError(f"{path}, listed as {ref} by {summary_path}, cannot be read ({e.strerror}); the "
                                  f"measure output is incomplete") from None

@@ -690,6 +690,21 @@ def test_show_passes_over_a_summary_json_it_cannot_read(capsys, refused):
             "other/summary.json: Is a directory)")
 
 
+def test_show_passes_over_a_pipe_or_a_device_named_summary_json(capsys, refused):
+    """A pipe named summary.json in a directory beside the output hung show (its read waits for a writer), and a link
+    to /dev/zero named so read until memory ran out: each is named as not a regular file, unread."""
+    s = _output("measure_single_gemm_torch")
+    os.makedirs("piped")
+    os.mkfifo("piped/summary.json")
+    os.makedirs("zeros")
+    os.symlink("/dev/zero", "zeros/summary.json")
+    p = subprocess.run([sys.executable, "-m", "kprof", "show", s["summary_citation"]], capture_output=True, text=True,
+                       timeout=60)  # a subprocess: where the pipe is read, it never returns
+    assert p.returncode == 0 and "measure_single_gemm_torch/summary.json" in p.stdout, p.stderr
+    refused(["show", "kmeasure.0000000000000000"], "(could not read piped/summary.json: not a regular file; "
+            "zeros/summary.json: not a regular file)")
+
+
 def test_show_without_dir_looks_one_level_down_as_its_help_says(capsys, refused, monkeypatch):
     """The help said `Default: ./measure_*/ and the current directory` where any directory directly in it is
     searched, and the README said its subdirectories, where one two levels down is not."""
