@@ -19,6 +19,7 @@ nothing from a damaged file.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -171,7 +172,11 @@ def _about(path: str) -> Iterator[None]:
 
 def _opened(path: str) -> BinaryIO:
     try:
-        return open(path, "rb")
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a pipe without a writer blocked the open for good, and
+            raise UsageError(f"segment {path} is not a regular file (a pipe, device or socket): a merge reads each "
+                             f"segment twice, checked and then merged; save it to a file and pass its path")
+        return open(path, "rb")  # one with a writer (`<(cat x.kseg)`) was empty when read again: "not a segment"
     except OSError as exc:
         raise UsageError(f"cannot read segment {path}: {exc.strerror}; check the path") from None
 

@@ -195,6 +195,25 @@ def test_a_refused_merge_into_a_new_ledger_leaves_no_ledger_behind(tmp_path, sou
         assert not [n for n in os.listdir(tmp_path) if n.startswith("new.db")], name
 
 
+def test_a_segment_that_is_a_pipe_or_a_device_is_refused_before_it_is_read(tmp_path, source):
+    """A pipe with no writer blocked the merge for good at its open (in a directory of segments too), one with a writer
+    (`kprof merge <(cat x.kseg)`) was read empty the second time and called "not a kprof segment", and /dev/null was
+    called that too: each is refused as not a regular file, and no ledger is made."""
+    import subprocess
+    import sys
+
+    _path, seg = source
+    os.mkfifo(tmp_path / "piped.kseg")
+    p = subprocess.run([sys.executable, "-m", "kprof", "merge", "piped.kseg", "--db", "new.db"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)  # a subprocess: where the pipe is opened, it waits
+    assert p.returncode == 2 and "segment piped.kseg is not a regular file (a pipe, device or socket)" in p.stderr, \
+        p.stderr
+    for bad in (os.devnull, str(tmp_path / "piped.kseg")):
+        with pytest.raises(UsageError, match=f"^segment {bad} is not a regular file .*save it to a file"):
+            merge([seg, bad], str(tmp_path / "new.db"))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("new.db")]
+
+
 def test_merge_refuses_an_output_dir_it_could_not_write_before_merging(tmp_path, source, refused):
     _path, seg = source
     target = _ledger(tmp_path / "t.db", synth.events(100, 105))
