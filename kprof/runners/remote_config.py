@@ -7,6 +7,7 @@ for one call. `remote.example.yaml` lists every field.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
@@ -144,14 +145,23 @@ def _override(item: str) -> tuple[str, str]:
 def _read(path: str) -> dict:
     import yaml
 
+    if os.path.exists(path) and not os.path.isfile(path):  # a pipe's read waited for a writer for good
+        raise UsageError(f"{path} is not a regular file (a directory, pipe or device); --remote reads its named "
+                         f"remotes from a file: copy remote.example.yaml to {path} and fill in your remote")
     try:
-        with open(path) as f:
+        with open(path, "rb") as f:  # bytes: YAML's own decoding (UTF-8, or a BOM's), its error a YAMLError
             doc = yaml.safe_load(f)
     except FileNotFoundError:
         raise UsageError(f"{path} not found: --remote reads its named remotes from it; copy remote.example.yaml "
                          f"to {path} and fill in your remote") from None
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}; check its permissions") from None
+    except yaml.reader.ReaderError as exc:  # a byte that is not UTF-8 (it was a UnicodeDecodeError traceback)
+        if exc.encoding != "unicode":  # YAML's check of the decoded text names its encoding "unicode"
+            raise UsageError(f"{path} is not UTF-8 text (byte {exc.position} is 0x{exc.character:02x}); save it as "
+                             f"UTF-8 ({EXAMPLE})") from None
+        raise UsageError(f"{path} holds the control character {chr(exc.character)!r} (character {exc.position}), "
+                         f"which YAML does not allow; remove it ({EXAMPLE})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""

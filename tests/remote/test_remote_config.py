@@ -120,6 +120,24 @@ def test_a_bad_remote_is_refused_naming_the_field_and_the_fix(remote_yaml, db, t
         assert message.startswith(os.path.abspath("remote.yaml")) or message.startswith("remote.yaml")
 
 
+def test_a_remote_yaml_that_is_not_utf8_text_or_not_a_file_is_refused(remote_yaml, db, tmp_path):
+    """A byte that is not UTF-8 was a UnicodeDecodeError traceback (and a UTF-8 file one under a C locale, read in the
+    locale's encoding), a pipe named remote.yaml waited for a writer for good, and a directory was said to need its
+    permissions checked."""
+    path = tmp_path / "remote.yaml"
+    text = GOOD.replace("ray1", "r").encode()
+    path.write_bytes(text + b"# caf\xe9\n")
+    assert f"remote.yaml is not UTF-8 text (byte {len(text) + 5} is 0xe9); save it as UTF-8" in _refused(db)
+    path.write_bytes(b"remotes: {r: {kind: ray}}\n\x01\n")
+    assert "holds the control character '\\x01' (character 26), which YAML does not allow" in _refused(db)
+    path.unlink()
+    os.mkfifo(path)
+    assert "remote.yaml is not a regular file (a directory, pipe or device)" in _refused(db)
+    path.unlink()
+    path.mkdir()
+    assert "remote.yaml is not a regular file (a directory, pipe or device)" in _refused(db)
+
+
 def test_db_is_refused_with_remote(remote_yaml, db):
     remote_yaml(GOOD.replace("ray1", "r"))
     message = _refused(db, db="other.db")
