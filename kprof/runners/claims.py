@@ -116,7 +116,9 @@ class Claims:
                              f"again") from None
 
     def _lock(self):
-        f = open(os.path.join(self.dir, "lock"), "a")
+        # O_NONBLOCK: a pipe named `lock` is refused (ENXIO, no reader) where its open waited for a reader for good
+        f = os.fdopen(os.open(os.path.join(self.dir, "lock"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK,
+                              0o666), "a")
         fcntl.flock(f, fcntl.LOCK_EX)
         return f
 
@@ -127,6 +129,8 @@ class Claims:
             if not name.endswith(".claim") or name == os.path.basename(self.path):
                 continue
             path = os.path.join(self.dir, name)
+            if not os.path.isfile(path):  # a directory, pipe or device: no run's claims (a pipe's open waited for good)
+                continue
             try:  # read as text whatever it holds: a line that is not a key is skipped below
                 f = open(path, errors="replace")
             except (FileNotFoundError, IsADirectoryError):  # gone meanwhile, or a directory: no run's claims

@@ -395,6 +395,24 @@ def test_a_live_claim_file_of_garbage_and_a_directory_named_as_a_claim_are_read_
     assert os.path.isdir(f"{db}-claims/odd.claim")
 
 
+def test_a_pipe_in_the_claims_directory_is_read_past_or_refused(tmp_path):
+    """A pipe named `*.claim` in the claims directory hung every run's take for good (its open waits for a writer):
+    it is no run's claims, and is left alone. A pipe named `lock` hung every run's start: it is refused, named."""
+    db = str(tmp_path / "p.db")
+    os.makedirs(f"{db}-claims")
+    os.mkfifo(f"{db}-claims/odd.claim")
+    code = ("from kprof.runners.claims import Claims\nfrom kprof.errors import UsageError\ntry:\n"
+            f"    with Claims({db!r}, 'mine') as c: print(c.take([b'k1']))\nexcept UsageError as e: print(e)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)  # where it waits
+    assert p.returncode == 0 and p.stdout.strip() == "([b'k1'], {})", p.stderr
+    assert os.path.exists(f"{db}-claims/odd.claim")
+    os.unlink(f"{db}-claims/lock")
+    os.mkfifo(f"{db}-claims/lock")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith(f"cannot use {db}-claims, where concurrent runs"), p.stderr
+    assert f"fix or remove {db}-claims/lock" in p.stdout
+
+
 def test_a_claims_directory_that_goes_mid_run_is_one_usage_error(tmp_path):
     """`<db>-claims` replaced by a file (or made unreadable) while a run holds claims: take and drop raised an
     uncaught OSError (a traceback); now one UsageError naming it, and the run's end does not raise again."""
