@@ -93,8 +93,12 @@ def guarded():
     sys.stdout, sys.stderr = _Guarded(sys.stdout, True), _Guarded(sys.stderr, False)
     # COLUMNS=0 (or any value not a width) made rich print nothing, every answer and error line lost, and the help a
     # traceback: such a value is set aside while the verb runs, and a terminal's own size is used.
-    sizes = {name: os.environ.pop(name) for name in ("COLUMNS", "LINES")
-             if not os.environ.get(name, "1").strip().isdigit() or int(os.environ.get(name, "1")) < 1}
+    # So is a COLUMNS outside 20 to 10,000: at 1 or 2 a verb's help wrapped forever (cyclopts), and at 10**11 rich laid
+    # each help line out that wide (a MemoryError).
+    bounds = {"COLUMNS": (20, 10_000), "LINES": (1, float("inf"))}
+    sizes = {name: os.environ.pop(name) for name, (low, high) in bounds.items()
+             if not os.environ.get(name, str(low)).strip().isdigit()
+             or not low <= int(os.environ.get(name, low)) <= high}
     try:
         yield
     finally:

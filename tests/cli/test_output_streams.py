@@ -126,6 +126,16 @@ def test_a_columns_setting_that_is_no_width_is_set_aside(capsys, monkeypatch, co
     assert os.environ["COLUMNS"] == columns  # put back
 
 
+@pytest.mark.parametrize("columns", ["1", "99999999999"])
+def test_a_columns_setting_no_help_can_be_laid_out_in_is_set_aside(columns):
+    """COLUMNS=1 (or 2) made a verb's help wrap forever, and COLUMNS=99999999999 was a MemoryError traceback: a width
+    outside 20 to 10,000 is set aside as one that is no width is."""
+    env = dict(os.environ, COLUMNS=columns)
+    p = subprocess.run([sys.executable, "-m", "kprof", "query", "--help"], env=env, capture_output=True, text=True,
+                       timeout=60)  # a subprocess: at COLUMNS=1 it never returned
+    assert p.returncode == 0 and "Usage: kprof query" in p.stdout and p.stderr == "", p.stderr
+
+
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_on_a_terminal_columns_0_still_prints_the_error_line(db):
     import pty
