@@ -279,7 +279,7 @@ class ShapeCodec:
             spec = msgspec.structs.asdict(spec)
         try:
             shape = msgspec.convert(spec, self._twin)
-        except msgspec.ValidationError:
+        except (msgspec.ValidationError, UnicodeEncodeError):  # a str with a lone surrogate: named below
             shape = self._slow_to_shape(spec, index)
         return self._finite(shape, index) if self._float_fields else shape
 
@@ -288,7 +288,7 @@ class ShapeCodec:
         exactly the declared types (`exact`: each input dict already holds its canonical values)."""
         try:
             shapes = msgspec.convert(specs, list[self._twin])
-        except msgspec.ValidationError:
+        except (msgspec.ValidationError, UnicodeEncodeError):
             pass  # find and explain (or normalize) spec by spec
         else:  # a dict that left out a field with a default is not its canonical shape: that holds the default
             if self._float_fields:  # nor one holding 1 or -0.0 for a float field (1.0, 0.0)
@@ -318,6 +318,11 @@ class ShapeCodec:
                             f"str, one of {self._table_fields()}", index=index, value=named[0])
         # np.int64(64) is 64, np.float64(64.0) a float; a name of a str subclass (np.str_, a str Enum) its str
         fixed = {str.__str__(name): _scalar(value) for name, value in spec.items()}
+        for name, value in fixed.items():  # msgspec reads a str as UTF-8: a lone surrogate was a UnicodeEncodeError
+            if any(isinstance(t, str) and t.encode("utf-8", "replace").decode("utf-8") != t for t in (name, value)):
+                raise SpecError(f"field {name!r} = {value!r} is not UTF-8 text (a lone surrogate, as Python reads a "
+                                f"byte that is not UTF-8); use {self._table_fields()} with text values", index=index,
+                                field=name, value=value)
         for name in self._int_fields & fixed.keys():
             value = fixed[name]
             if self.strict and type(value) in (float, bool):

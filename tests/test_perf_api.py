@@ -47,6 +47,20 @@ def test_get_under_an_unknown_gpu_key_names_the_known_ones(db):
         perf_api.get_single_gemm(backend="torch-cpu", gpu_key="AMD EPYC", db=db, **SPEC)
 
 
+def test_a_gpu_key_or_spec_value_with_a_lone_surrogate_is_a_usage_error(db):
+    """A str holding a lone surrogate (how Python reads a byte that is not UTF-8, e.g. os.fsdecode of a file name) as
+    the GPU key or in a spec was a UnicodeEncodeError from hashing the key or from msgspec: a usage error naming it."""
+    bad = "Known CPU\udcff"
+    with pytest.raises(UsageError, match=r"GPU key 'Known CPU\\udcff' is not UTF-8 text"):
+        perf_api.get_single_gemm(backend="torch-cpu", gpu_key=bad, db=db, **SPEC)
+    with pytest.raises(UsageError, match=r"GPU key 'Known CPU\\udcff' is not UTF-8 text"):
+        perf_api.count_single_gemm([SPEC], backend="torch-cpu", gpu_key=bad, db=db)
+    with pytest.raises(UsageError, match=r"gpu_name='Known CPU\\udcff' is not UTF-8 text"):
+        api.query("single_gemm", "torch-cpu", [SPEC], gpu_name=bad, db=db)
+    with pytest.raises(SpecError, match=r"^spec 1: field 'dtype' = 'fp32\\udcff' is not UTF-8 text"):
+        api.query("single_gemm", "torch-cpu", [SPEC, {**SPEC, "dtype": "fp32\udcff"}], gpu_name="Known CPU", db=db)
+
+
 def test_get_under_a_known_gpu_key_is_the_row_or_none(db):
     assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC).metrics["time_ms"] == 0.1
     assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **{**SPEC, "m": 64}) is None
