@@ -30,9 +30,10 @@ def _chunk(bounds):
     from kprof.ledger import _codec
     from kprof import synth
     from kprof.measure.env import cpu_model
+    from kprof.method import effective_entry
     from kprof.runners.registry import lookup
 
-    contract = lookup("single_gemm", "torch-cpu").contract
+    contract = effective_entry(lookup("single_gemm", "torch-cpu")).contract  # as the verbs read: its thread count
     gpu = cpu_model()
     return [_codec.encode(synth.event(i, gpu=gpu, contract=contract, backend="torch-cpu"))
             for i in range(*bounds)]
