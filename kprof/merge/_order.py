@@ -68,12 +68,13 @@ def ordered(paths: list[str]) -> list[str]:
     an event that does not decode is left to the check, which names it."""
     if len(paths) < 2:
         return list(paths)
-    holder: dict[bytes, int] = {}  # event id -> the first segment holding it
+    holder: dict[bytes, int] = {}  # event id -> the segments holding it, one bit each
     links: list[tuple[int, bytes]] = []  # (segment, an event's parent or target)
     for s, path in enumerate(paths):
         for run in segment.runs(path, RUN):
             for data in run.events:
-                holder.setdefault(_codec.event_id(data), s)
+                eid = _codec.event_id(data)
+                holder[eid] = holder.get(eid, 0) | 1 << s
                 try:
                     event = _link_decoder.decode(data)
                 except msgspec.MsgspecError:
@@ -82,10 +83,10 @@ def ordered(paths: list[str]) -> list[str]:
                 if link is not None:
                     links.append((s, link))
     after: list[set[int]] = [set() for _ in paths]  # per segment, the segments it must follow
-    for s, link in links:
-        h = holder.get(link)
-        if h is not None and h != s:
-            after[s].add(h)
+    for s, link in links:  # a segment holding the link itself follows none for it (overlapping exports hold both)
+        held = holder.get(link, 0)
+        if held and not held >> s & 1:
+            after[s].add((held & -held).bit_length() - 1)  # the first segment holding it
     order: list[int] = []
     placed: set[int] = set()
     while len(order) < len(paths):

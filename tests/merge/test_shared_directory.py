@@ -73,6 +73,26 @@ def test_a_directory_of_segments_is_how_a_team_shares_rows(tmp_path, capsys):
     assert _root(tmp_path / "d.db") == _root(alice) and not (tmp_path / "merge-report.json").exists()
 
 
+def test_overlapping_exports_merge_whatever_order_they_are_named_in(tmp_path, capsys):
+    """An export of the whole ledger and one `--since` a seq, named newest first: an event both hold (a row and its
+    re-measurement, both in each) bound the whole export after the newer one, while the newer one's re-measurement of
+    a row only the whole export holds bound it the other way; the cycle fell back to the given order and the merge
+    was refused as a conflict (exit 3). A link the segment holds itself binds it to no other."""
+    db = tmp_path / "p.db"
+    again = msgspec.structs.replace(synth.event(0, seed=9), parent=_eid(synth.event(0)))
+    second = msgspec.structs.replace(synth.event(1, seed=8), parent=_eid(synth.event(1)))
+    third = msgspec.structs.replace(synth.event(1, seed=7), parent=_eid(second))
+    with Ledger.open(str(db)) as led:
+        for batch in ([synth.event(0), synth.event(1)], [again], [second], [third]):
+            led.append(batch)
+    # newer: again (its parent in whole only), second and third (both in whole too)
+    newer = _export(db, tmp_path / "newer.kseg", capsys, "--since", "2")
+    whole = _export(db, tmp_path / "whole.kseg", capsys)
+    assert main(["merge", newer, whole, "--db", str(tmp_path / "r.db"), "--output-dir", str(tmp_path)]) == 0, \
+        capsys.readouterr().err
+    assert _root(tmp_path / "r.db") == _root(db) and not (tmp_path / "merge-report.json").exists()
+
+
 def test_a_directory_without_segments_is_refused(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["merge", str(tmp_path / "empty"), "--db", str(tmp_path / "x.db")]) == 2
