@@ -14,7 +14,8 @@ from typing import Iterator
 
 __all__ = ["make", "keep", "hold", "unheld"]
 
-# A directory younger than this is never taken for left over: its owner may be between making and locking it.
+# An empty directory younger than this is never taken for left over: its owner may be between making and locking it
+# (one holding anything was locked before it was written, so no live process holds it: it goes at once).
 SETTLE_S = 60.0
 
 
@@ -85,5 +86,5 @@ def unheld(root: str, prefix: str) -> Iterator[tuple[str, int]]:
 def _sweep(prefix: str) -> None:
     """Removes the directories of `prefix` under the temporary directory that no live process holds."""
     for path, fd in unheld(tempfile.gettempdir(), prefix):
-        if time.time() - os.fstat(fd).st_mtime > SETTLE_S:
+        if os.listdir(fd) or time.time() - os.fstat(fd).st_mtime > SETTLE_S:
             shutil.rmtree(path, ignore_errors=True)

@@ -226,3 +226,26 @@ def test_the_upgraded_copy_of_a_killed_reader_goes_when_the_next_reader_opens(tm
     finally:
         alive.communicate("", timeout=60)
     assert os.listdir(temp) == []
+
+
+def test_the_copy_of_a_reader_killed_just_now_goes_at_the_next_readers_open(tmp_path, monkeypatch):
+    """A reader killed by SIGKILL and started again at once (a scheduler restarting an OOM-killed job) left its copy,
+    as large as the ledger, for the next minute's opens to step over: only a directory a minute old was taken for
+    left over, so copies piled up until the temporary directory was full. A copy holding a file was locked before it
+    was written, so one no process holds goes at once; an empty one (its maker between making and locking it) stays."""
+    path, _ = _copy(tmp_path, 2)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    reader = ("import os, signal, sys\nfrom kprof import synth\nfrom kprof.ledger import Ledger\n"
+              "held = Ledger.open(sys.argv[1], readonly=True)\nsynth.view(held).get_many([synth.spec(0)])\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = subprocess.run([sys.executable, "-c", reader, path], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "TMPDIR": str(temp)})
+    assert killed.returncode == -9, killed.stderr
+    assert len(os.listdir(temp)) == 1
+    (temp / "kprof-upgraded-copy-being-made").mkdir()  # another process's, not locked yet
+    led = Ledger.open(path, readonly=True)
+    assert _answers(led) and len(os.listdir(temp)) == 2  # this reader's copy, and the one being made
+    led.close()
+    assert os.listdir(temp) == ["kprof-upgraded-copy-being-made"]
