@@ -48,7 +48,7 @@ from typing import Iterator, NamedTuple
 import msgspec
 
 from .._outdir import check_output_dir
-from ..errors import Uncreated, UsageError
+from ..errors import LedgerError, Uncreated, UsageError
 from ..ledger import Ledger, _codec, _verify, ledger_path
 from ..ledger.events import EventHead, Retracted
 from . import segment
@@ -295,18 +295,33 @@ def _check_before_upgrade(db: str | None, paths: list[str], output_dir: str | No
     """A writer's open of a file of an older format rewrites its views: a ledger of one is checked first through a
     reader's upgraded copy, so that a damaged segment or a conflict leaves the file as it was. The check (None for
     a file of this format, or one whose creation never committed, which the writer's open makes a ledger), which the
-    write pass takes as its own: the copy holds the file's events and last seq."""
-    try:
-        reader = Ledger.open(db, readonly=True)
-    except Uncreated:
-        return None
-    with reader:
-        if reader.real_path == os.path.realpath(reader.path):  # the file itself, not a copy: of this format
+    write pass takes as its own: the copy holds the file's events and last seq. Where another writer (a run, another
+    merge) writes the file while the copy is checked, the copy's reads are refused, and the file is checked again as
+    it now is (that writer upgraded it)."""
+    while True:
+        was = _stat(ledger_path(db))
+        try:
+            reader = Ledger.open(db, readonly=True)
+        except Uncreated:
             return None
-        check = _check(reader, paths)
-        if check.conflicts:
-            refuse(reader, reader.path, check.conflicts, paths, output_dir)
-        return check
+        with reader:
+            if reader.real_path == os.path.realpath(reader.path):  # the file itself, not a copy: of this format
+                return None
+            try:
+                check = _check(reader, paths)
+            except LedgerError:
+                if _stat(ledger_path(db)) == was:
+                    raise
+                continue
+            if check.conflicts:
+                refuse(reader, reader.path, check.conflicts, paths, output_dir)
+            return check
+
+
+def _stat(path: str) -> tuple:
+    """(inode, size, modified) of the file at `path`, which a write changes."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) -> tuple[int, int]:

@@ -291,6 +291,35 @@ def test_a_refused_merge_leaves_a_ledger_of_an_older_format_as_it_was(tmp_path, 
 
 
 
+@pytest.mark.parametrize("version", range(1, _codec.FORMAT_VERSION))
+def test_a_merge_into_an_older_format_that_another_writer_upgrades_meanwhile_merges(tmp_path, monkeypatch, version):
+    """Two merges (or a merge and a run) at once on a ledger of an older format: the one whose check of the reader's
+    upgraded copy the other's write overtook failed, exit 2, with "ledger ... changed since this reader copied it;
+    open it again", though nothing was wrong with it. It checks the file again as it now is, and merges."""
+    import shutil
+
+    from kprof.merge import merge as merge_module
+
+    fixtures = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "ledgers")
+    target = str(tmp_path / "old.db")
+    shutil.copyfile(os.path.join(fixtures, f"synthetic-v{version}.db"), target)
+    mine = export(_ledger(tmp_path / "n.db", [synth.event(100), synth.event(101)]), str(tmp_path / "n.kseg")).path
+    check, overtaken = merge_module._check, []
+
+    def another_writer_first(ledger, paths, txn=None):
+        if ledger is not None and ledger.real_path != os.path.realpath(target) and not overtaken:
+            overtaken.append(True)  # the other merge upgrades the file and writes, after this one copied it
+            with Ledger.open(target) as writer:
+                writer.append([synth.event(200)])
+        return check(ledger, paths, txn)
+
+    monkeypatch.setattr(merge_module, "_check", another_writer_first)
+    result = merge([mine], target)
+    assert overtaken and (result.added, result.existing) == (2, 0) and audit(target).ok
+    with Ledger.open(target, readonly=True) as led:
+        assert synth.view(led).get_many([synth.spec(i) for i in (100, 101, 200)])[2].status == "ok"
+
+
 def test_a_merge_into_a_ledger_whose_creation_never_committed_makes_it_one(tmp_path, source):
     """A writer's open makes an LMDB file holding nothing (a run killed while creating it) a ledger, and a merge did;
     the check before an older format's upgrade opened it as a reader first, which refuses such a file (exit 2)."""
