@@ -238,7 +238,7 @@ class _State:
         self.ledger = self.claims = self.origin = None
         self.view_of = view_of  # the ledger's View of this fill's scope and contract
         self.fresh: dict[bytes, Any] = {}
-        self.parents: dict[int, bytes | None] = {}  # spec index -> the event id of its row when it was taken
+        self.taken: dict[int, Any] = {}  # spec index -> its row (or None) when it was taken
         self.measured, self.timed, self.host_busy = 0, 0.0, 0
         self.waited: set[bytes] = set()
 
@@ -249,7 +249,7 @@ class _State:
         for batch, rows, held in rounds:
             self.waited.update(held)
             parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
-            self.parents.update(parent_of)
+            self.taken.update((i, rows[i]) for i in batch)
             items = [(i, canonical[i], parent_of[i]) for i in batch]
             origin = self.origin
 
@@ -312,13 +312,19 @@ class _State:
     def _unchanged(self, i: int) -> None:
         """Raises _RowChanged where spec i's row is no longer the one it was measured against (its event's parent).
         Asked under the write lock, before the event is written: no other writer can store a row in between."""
-        if (row := self._row_now(i)).event_id != self.parents.get(i):
+        if _own(row := self._row_now(i)) != _own(self.taken.get(i)):
             raise _RowChanged(row)
 
     def _row_now(self, i: int):
         """Spec i's row as the ledger holds it now (ok, failed, stale or missing); its event id is what `fill` took
         as its event's parent when it took the key."""
         return self.view_of(self.ledger).query([self.canonical[i]])[1][0]
+
+
+def _own(row) -> bytes | None:
+    """The event id of a spec's row under its own key: None where it has none (a stale row is another key's, of
+    another profiler revision or timing, e.g. a CPU row of another thread count, which another run may store)."""
+    return None if row is None or row.status == "stale" else row.event_id
 
 
 class _RowChanged(Exception):

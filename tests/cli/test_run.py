@@ -520,6 +520,39 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
         assert merge_into(led, [back], str(tmp_path)) == (1, 1)
 
 
+def test_a_row_of_another_thread_count_stored_while_a_spec_was_measured_is_no_conflict(tmp_path, capsys, h,
+                                                                                      monkeypatch):
+    """`OMP_NUM_THREADS=1` and `=2` runs of the same specs at once on one ledger: the rows of each count have keys of
+    their own, yet where the other count's row landed while a spec was measured, the run read it (stale under its
+    own count) as its key's row changed, and refused its measurement: `error`, kind conflict, naming the other
+    run's event, exit 1. It is stored, and both counts' rows stand."""
+    import kprof.runners.fill as fill
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge_into
+
+    spec_x, spec_y = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}, {"m": 5, "n": 32, "k": 32, "dtype": "fp32"}
+    other, mine = str(tmp_path / "other.db"), str(tmp_path / "mine.db")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = _run(capsys, h, other, spec_x)["results"][0]["event"]
+    seg = export(other, str(tmp_path / "other.kseg")).path
+    keep = fill._State._keep
+
+    def keep_after_the_other_counts_row(self, res, errored):
+        if self.canonical[res.index]["m"] == 3:
+            merge_into(self.ledger, [seg], str(tmp_path))
+        return keep(self, res, errored)
+
+    monkeypatch.setattr(fill._State, "_keep", keep_after_the_other_counts_row)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    out = _run(capsys, h, mine, spec_x, spec_y)
+    assert [r["status"] for r in out["results"]] == ["ok", "ok"]
+    assert out["results"][0]["event"] != one and out["results"][0]["provenance"]["timing"].endswith("threads=2")
+    monkeypatch.undo()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert _run(capsys, h, mine, spec_x)["results"][0]["event"] == one
+    assert main(["audit", "--db", mine]) == 0
+
+
 def test_a_row_merged_between_the_runs_check_of_its_key_and_its_append_stands(tmp_path, capsys, h, local_gpu,
                                                                                monkeypatch):
     """The run read its key's row, then appended its event in another transaction: a merge that stored the team's row
