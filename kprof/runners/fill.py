@@ -339,8 +339,9 @@ def still_wanted(mode: str, row, before) -> bool:
     """Whether the mode still leaves a key to measure, given its row now and when the run began."""
     if mode == "jit":
         return row is None or row.status != "ok"
-    if mode == "force":  # another run re-measured it since this one began: that is the refresh asked for
-        return not (row is not None and before is not None and row.event_id != before.event_id)
+    if mode == "force":  # another run re-measured it since this one began: that is the refresh asked for (a row of
+        now, was = _own(row), _own(before)  # another key, e.g. another thread count's, is not)
+        return not (now is not None and was is not None and now != was)
     return True
 
 

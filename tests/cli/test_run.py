@@ -553,6 +553,36 @@ def test_a_row_of_another_thread_count_stored_while_a_spec_was_measured_is_no_co
     assert main(["audit", "--db", mine]) == 0
 
 
+def test_a_force_run_measures_though_another_thread_counts_row_was_re_measured_meanwhile(tmp_path, capsys, h,
+                                                                                       monkeypatch):
+    """`kprof run --force` with OMP_NUM_THREADS=2 beside one with =1: where the other count's row (stale under this
+    count) was re-measured before a spec's turn, the run took it for the refresh it was asked for, skipped the spec
+    and reported it `stale`, exit 1. Only a re-measurement under the spec's own key is that refresh."""
+    import kprof.runners.fill as fill
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge_into
+
+    spec_x = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}
+    other, mine = str(tmp_path / "other.db"), str(tmp_path / "mine.db")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    _run(capsys, h, other, spec_x)
+    assert main(["merge", export(other, str(tmp_path / "first.kseg")).path, "--db", mine]) == 0
+    capsys.readouterr()
+    _run(capsys, h, other, spec_x, extra=["--force"])
+    seg = export(other, str(tmp_path / "other.kseg")).path
+    to_measure = fill._State._to_measure
+
+    def after_the_other_count_re_measured(self, i):
+        merge_into(self.ledger, [seg], str(tmp_path))
+        return to_measure(self, i)
+
+    monkeypatch.setattr(fill._State, "_to_measure", after_the_other_count_re_measured)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    row = _run(capsys, h, mine, spec_x, extra=["--force"])["results"][0]
+    assert row["status"] == "ok" and row["provenance"]["timing"].endswith("threads=2")
+    assert main(["audit", "--db", mine]) == 0
+
+
 def test_a_row_merged_between_the_runs_check_of_its_key_and_its_append_stands(tmp_path, capsys, h, local_gpu,
                                                                                monkeypatch):
     """The run read its key's row, then appended its event in another transaction: a merge that stored the team's row
