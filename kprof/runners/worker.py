@@ -193,11 +193,13 @@ class _CpuDevice:
         # Other work on the host slows every sample alike, which no spread shows: the load beside the row says it. The
         # load average is a minute's mean and misses a neighbour that holds a core through a row's second (a 2-thread
         # GEMM read 5x slow at load 1.3 on 2 cores): the scheduler taking this process's cores says it too (involuntary
-        # context switches, ten a second and one per two samples, or 150 a second: a quiet host showed under 100).
+        # context switches: on the 2-core VM, quiet, 7-44 a row and at most 40 a second, a 1 s row of 9 samples among
+        # them; beside one busy-looping process, 180-233 a row and 210-460 a second, the rows 1.2-3x slow). So 100 a
+        # second, and 10 at least: one per two samples flagged a quiet host's slow rows.
         load, cores = max(before, os.getloadavg()[0]), os.cpu_count() or 1
         busy = [f"load {load:.2f} over {cores} cores"] if load > cores else []
         per_s, samples = switched / timing.wall_s, len(timing.samples_ms)
-        if per_s >= 10 and (switched >= samples / 2 or per_s >= 150):
+        if switched >= 10 and per_s >= 100:
             busy.append(f"{switched} involuntary context switches over {samples} samples")
         method = Method(timer="cpu", l2="warm", graph=False, warmup=timing.warmup, budget_s=rule.budget_s,
                         stop_reason=timing.stop_reason,

@@ -491,6 +491,24 @@ def test_a_cpu_row_says_when_other_work_took_its_cores_below_the_load_average(sw
                                               f"samples: other work shared them")
 
 
+@pytest.mark.parametrize("switches, wall_s, busy", [(44, 1.1, False), (7, 1.0, False), (215, 1.0, True),
+                                                     (180, 0.39, True), (9, 0.01, False)])
+def test_a_slow_cpu_row_of_a_quiet_host_is_not_called_busy(switches, wall_s, busy, monkeypatch):
+    """Measured on the 2-core VM: a quiet host's 1 s row of 9 samples (a 2048^3 fp32 GEMM) took 44 involuntary
+    switches, at most 40 a second, and was flagged host_busy by the rule of one switch per two samples; beside one
+    busy-looping process the rows took 210-460 a second."""
+    import kprof.measure.cpu_timer as cpu_timer
+    import kprof.runners.worker as worker
+
+    entry = lookup("single_gemm", "torch-cpu")
+    monkeypatch.setattr(worker.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    counts = iter([0, switches])
+    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=next(counts)))
+    monkeypatch.setattr(cpu_timer, "time_cpu", lambda fn, rule: cpu_timer.Timing([118.0] * 9, "budget", 1, 1, wall_s))
+    (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu")
+    assert ("host_busy" in out.event.method.notes) is busy, out.event.method.notes
+
+
 @pytest.mark.parametrize("entry", CPU, ids=IDS)
 def test_a_wrong_last_row_fails_the_check_when_the_oracle_works_in_blocks(entry, monkeypatch):
     """The oracles work in blocks (of rows, or of GEMM's k) within CHECK_ELEMENTS: a kernel wrong only in its output's
