@@ -32,7 +32,7 @@ from .ledger.keys import KeyMaker
 from .ledger.view import Row, citation
 from .runners.registry import METRICS, lookup
 from .method import effective_entry, refused, resolve_gpu_key
-from .specs import ShapeCodec, spec_list, validate
+from .specs import ShapeCodec, is_text, spec_list, validate
 
 __all__ = ["resolve_gpu_key", "effective_entry", "check_gpu_key", "view", "count_missing", "query", "run", "scopes",
            "show", "CountResult", "QueryResult", "Scope", "Mode"]
@@ -101,7 +101,7 @@ def check_gpu_key(gpu_key) -> str:
     if not isinstance(gpu_key, str) or not gpu_key.strip():
         raise UsageError(f"GPU key {gpu_key!r} is not a GPU key; pass one as a non-empty str, as `kprof scopes` lists "
                          f"them (for torch-cpu, this machine's CPU model)")
-    if gpu_key.encode("utf-8", "replace").decode("utf-8") != gpu_key:  # a lone surrogate: a key hashes its UTF-8
+    if not is_text(gpu_key):  # a lone surrogate: a key hashes its UTF-8
         raise UsageError(f"GPU key {gpu_key!r} is not UTF-8 text (a lone surrogate, as Python reads a byte that is not "
                          f"UTF-8); pass it as text, as `kprof scopes` lists them")
     return gpu_key

@@ -13,6 +13,7 @@ import msgspec
 from .errors import SettingError, UsageError
 from .runners.registry import Entry, or_on_cpu
 from .settings import environ
+from .specs import is_text
 
 __all__ = ["effective_entry", "resolve_gpu_key", "check_method_env", "refused", "cpu_threads"]
 
@@ -56,7 +57,7 @@ def resolve_gpu_key(entry: Entry, gpu_name: str | None, measures: bool = False, 
         if not gpu_name.strip():
             raise refused(lambda arg: f"{arg(keyword)} is empty; pass the GPU key, e.g. "
                                        f"{arg(keyword, 'NVIDIA H200')}, or omit it")
-        if gpu_name.encode("utf-8", "replace").decode("utf-8") != gpu_name:  # a lone surrogate: a key hashes UTF-8
+        if not is_text(gpu_name):  # a lone surrogate: a key hashes UTF-8
             raise refused(lambda arg: f"{arg(keyword, gpu_name, typed=True)} is not UTF-8 text (a lone surrogate, as "
                                        f"Python reads a byte that is not UTF-8); pass the GPU key as text, e.g. "
                                        f"{arg(keyword, 'NVIDIA H200')}")

@@ -50,6 +50,7 @@ import msgspec
 from .._outdir import check_output_dir
 from ..errors import LedgerError, Uncreated, UsageError
 from ..ledger import Ledger, _codec, _verify, ledger_path
+from ..ledger._env import _identity
 from ..ledger.events import EventHead, Retracted
 from . import segment
 from ._order import expanded, ordered
@@ -299,7 +300,7 @@ def _check_before_upgrade(db: str | None, paths: list[str], output_dir: str | No
     merge) writes the file while the copy is checked, the copy's reads are refused, and the file is checked again as
     it now is (that writer upgraded it)."""
     while True:
-        was = _stat(ledger_path(db))
+        was = _identity(ledger_path(db))  # as a reader's copy compares it (kprof.ledger.store)
         try:
             reader = Ledger.open(db, readonly=True)
         except Uncreated:
@@ -310,18 +311,12 @@ def _check_before_upgrade(db: str | None, paths: list[str], output_dir: str | No
             try:
                 check = _check(reader, paths)
             except LedgerError:
-                if _stat(ledger_path(db)) == was:
+                if _identity(ledger_path(db)) == was:
                     raise
                 continue
             if check.conflicts:
                 refuse(reader, reader.path, check.conflicts, paths, output_dir)
             return check
-
-
-def _stat(path: str) -> tuple:
-    """(inode, size, modified) of the file at `path`, which a write changes."""
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) -> tuple[int, int]:

@@ -1,0 +1,204 @@
+"""Spec input as text: repeated `--spec JSON` and `--specs PATH` (a JSON object, a JSON list, {"specs": [...]},
+or JSONL), read into Python values that `kprof.specs.validate` then checks against the table's KernelArgs.
+
+JSON that a spec cannot be is refused at reading, naming where: nesting deeper than MAX_DEPTH (a spec file
+nests three deep: {"specs": [{...}]}), and a key given twice in one object (a JSON decoder keeps the last
+one silently: `{"m": 1, "m": 2}` would be read as m=2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from itertools import chain, compress
+from typing import Any
+
+import msgspec
+
+from .errors import SpecError, UsageError
+
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "read_specs", "parse_spec_texts", "parse_specs_file"]
+
+MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
+# A --specs file past this is refused unread: it is read whole, and its specs take ~16x its size in memory (a 44 MiB
+# file of a million GEMM specs, 0.7 GiB), so a file of gigabytes (a sparse or runaway one) would take the machine's.
+MAX_FILE_BYTES = 256 << 20  # ~6 million GEMM specs
+
+_is_container = frozenset({dict, list}).__contains__
+
+
+class _Duplicate(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _Duplicate(next(k for k, _v in pairs if k in seen or seen.add(k)))
+    return out
+
+
+def _walk(doc, opens: int) -> tuple[int, int]:
+    """(depth, keys): the nesting depth of a decoded document (capped at MAX_DEPTH + 1) and how many keys its
+    objects hold, level by level without recursion. `opens`, the count of "[" and "{" in its text (strings
+    included), bounds how many arrays and objects it holds: once that many are seen, no level below holds one,
+    and the values of the last level are not read (~2 ms per 10,000 flat specs)."""
+    level, depth, keys, seen = [doc] if _is_container(type(doc)) else [], 0, 0, 0
+    while level and depth <= MAX_DEPTH:
+        depth += 1
+        seen += len(level)
+        dicts = [node for node in level if type(node) is dict]
+        keys += sum(map(len, dicts))
+        if seen >= opens:
+            break
+        values = list(chain(chain.from_iterable(map(dict.values, dicts)),
+                            chain.from_iterable(node for node in level if type(node) is list)))
+        level = list(compress(values, map(_is_container, map(type, values))))
+    return depth, keys
+
+
+def _duplicate(data: bytes | str, doc) -> tuple[int | None, str] | None:
+    """(spec index or None, key) of the first key given twice in one object of `data`, or None. Read again with
+    the standard library's decoder, which hands each object's pairs over in order (msgspec keeps the last)."""
+    wrapped = type(doc) is dict and set(doc) == {"specs"} and type(doc["specs"]) is list
+    if wrapped or type(doc) is list:  # to name the spec: the list's items left undecoded, then each read alone
+        items = (msgspec.json.decode(data, type=dict[str, list[msgspec.Raw]])["specs"] if wrapped
+                 else msgspec.json.decode(data, type=list[msgspec.Raw]))
+        for i, item in enumerate(items):
+            try:
+                json.loads(bytes(item), object_pairs_hook=_unique)
+            except _Duplicate as dup:
+                return i, dup.key
+    try:
+        json.loads(data, object_pairs_hook=_unique)
+    except _Duplicate as dup:
+        return None, dup.key
+    return None
+
+
+def _load(data: bytes | str, where: str, index: int | None):
+    """The JSON document `data`; SpecError for nesting past MAX_DEPTH or a key given twice (a DecodeError
+    propagates: the caller says what the text should be)."""
+    too_deep = SpecError(f"{where} nests arrays and objects deeper than {MAX_DEPTH} levels; a spec is one flat "
+                         f"JSON object of its table's fields", index=index)
+    try:
+        doc = msgspec.json.decode(data)
+    except RecursionError:  # msgspec refuses past Python's recursion limit; MAX_DEPTH is checked below
+        raise too_deep from None
+    marks = (b"[", b"{", b":") if isinstance(data, bytes) else ("[", "{", ":")
+    depth, keys = _walk(doc, data.count(marks[0]) + data.count(marks[1]))
+    if depth > MAX_DEPTH:
+        raise too_deep
+    # Each key is followed by a colon outside strings; strings may hold colons too. So when the text has as many
+    # colons as the decoded objects have keys, no key was given twice; otherwise look for one, the slow way.
+    if data.count(marks[2]) != keys:
+        found = _duplicate(data, doc)
+        if found is not None:
+            at, key = found
+            raise SpecError(f'{where} gives field "{key}" twice in one object; give each field once',
+                            index=at if index is None else index, field=key)
+    return doc
+
+
+def _decode(text: str, where: str, index: int | None):
+    try:
+        return _load(text, where, index)
+    except msgspec.DecodeError as exc:
+        # read before the table is looked up: the example is named as single_gemm's, not offered as every table's
+        raise SpecError(f"{where} is not valid JSON ({exc}); write it as a JSON object of the table's fields (`kprof "
+                        f"list` names them), e.g. '{{\"m\": 128, \"n\": 256, \"k\": 64, \"dtype\": \"bf16\"}}' for "
+                        f"single_gemm", index=index) from None
+
+
+def _one_value(line: str) -> bool:
+    try:
+        msgspec.json.decode(line)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return True
+
+
+def _located(exc: msgspec.DecodeError, data: bytes) -> str:
+    """msgspec's reason with its byte offset as the line and column an editor shows (a pretty-printed file's error is
+    rarely on its first line), and a document that ends early said as such."""
+    reason = str(exc)
+    at = re.search(r" \(byte (\d+)\)$", reason)
+    if at:
+        offset = int(at.group(1))
+        start = data.rfind(b"\n", 0, offset) + 1
+        line, column = data.count(b"\n", 0, offset) + 1, len(data[start:offset].decode("utf-8", "replace")) + 1
+        return f"{reason[:at.start()]} at line {line}, column {column}"
+    if reason == "Input data was truncated":
+        return "it ends before every [ and { it opens is closed"
+    return reason
+
+
+def parse_spec_texts(texts: list[str]) -> list[Any]:
+    return [_decode(t, "--spec", i) for i, t in enumerate(texts)]
+
+
+def parse_specs_file(path: str) -> list[Any]:
+    fix = "pass the path of a JSON or JSONL file of specs"
+    if path == "-":  # pipes are refused below, and "-" is no file name either: say what it would have meant
+        raise UsageError("--specs -: reading specs from stdin is not supported; write them to a file and pass its "
+                         "path")
+    if not os.path.isfile(path):
+        what = ("is a directory" if os.path.isdir(path) else "is not a regular file (a device, pipe or socket)"
+                if os.path.exists(path) else "no such file")
+        if not os.path.exists(path) and path.startswith("-"):  # `--specs --json`: the flag took the next one
+            fix = f"{path} looks like a flag; give --specs the path of a JSON or JSONL file of specs"
+        raise UsageError(f"--specs {path}: {what}; {fix}")
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_FILE_BYTES:
+                raise UsageError(f"--specs {path} is {size:,} bytes, past the {MAX_FILE_BYTES >> 20} MiB a specs file "
+                                 f"may hold (millions of specs); split it into smaller files, one command each")
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"--specs {path}: cannot be read ({exc.strerror}); {fix}") from None
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors write: ignored
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"--specs {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}); save it "
+                        f"as UTF-8 JSON or JSONL") from None
+    if not text:
+        raise UsageError(f"--specs {path} is empty; it needs at least one spec")
+    try:
+        doc = _load(data, f"--specs {path}", None)
+    except msgspec.DecodeError as exc:
+        lines = [(n, ln) for n, ln in enumerate(data.decode("utf-8").split("\n"), 1) if ln.strip()]  # as editors number
+        if len(lines) < 2 or not _one_value(lines[0][1]):  # JSONL's first line is a whole value; else one document
+            raise SpecError(f"--specs {path} is not valid JSON or JSONL ({_located(exc, data)}); fix the "
+                            f"file") from None
+        doc = [_decode(ln, f"--specs {path} line {n}", i) for i, (n, ln) in enumerate(lines)]
+    if isinstance(doc, dict) and isinstance(doc.get("specs"), list):
+        extra = sorted(set(doc) - {"specs"})
+        if extra:  # read as one spec, it would be refused for its field "specs", which is not the mistake
+            fix = "pass --backend instead" if "backend" in extra else "remove it; the specs are the list alone"
+            raise SpecError(f'--specs {path}: a {{"specs": [...]}} document holds only "specs", and it also has '
+                            f'"{extra[0]}"; {fix}', field=extra[0])
+        doc = doc["specs"]
+    if isinstance(doc, dict) and set(doc) == {"specs"}:  # the wrapper around one spec: no table has a field "specs"
+        held = "an object" if isinstance(doc["specs"], dict) else f"a JSON {type(doc['specs']).__name__}"
+        raise SpecError(f'--specs {path}: "specs" holds {held}, not a list; write {{"specs": [{{...}}, ...]}}, the '
+                        f'specs in a list even where there is one', field="specs")
+    if isinstance(doc, dict):
+        doc = [doc]
+    if not isinstance(doc, list):
+        raise UsageError(f"--specs {path} holds a JSON {type(doc).__name__}; give an object, a list, "
+                         f"{{\"specs\": [...]}} or JSONL")
+    if not doc:
+        raise UsageError(f"--specs {path} holds no specs; it needs at least one")
+    return doc
+
+
+def read_specs(spec: list[str] | None, specs: str | None) -> list[Any]:
+    if spec and specs:
+        raise UsageError("pass either --spec (repeatable) or --specs PATH, not both")
+    if not spec and not specs:
+        raise UsageError("no specs given; pass --spec JSON (repeatable) or --specs PATH")
+    return parse_spec_texts(spec) if spec else parse_specs_file(specs)
