@@ -100,6 +100,17 @@ def test_readonly_open_of_missing_file_and_directory(tmp_path):
     assert not os.path.exists(tmp_path / "nope.db")
 
 
+def test_a_path_whose_name_is_not_utf8_opens_as_the_os_names_it(tmp_path):
+    """A file name in another encoding reaches Python as surrogate escapes (os.fsdecode); LMDB took it as UTF-8 text
+    and raised UnicodeEncodeError. The ledger is the file of that very name."""
+    p = os.path.join(str(tmp_path), os.fsdecode(b"r\xe9sultats.db"))
+    with Ledger.open(p) as ledger:
+        ledger.append([synth.event(0)])
+    assert os.path.exists(os.fsencode(p))
+    with Ledger.open(p, readonly=True) as ledger:
+        assert synth.view(ledger).get_many([synth.spec(0)])[0].ok
+
+
 def test_readonly_ledger_refuses_writes(ledger_path):
     Ledger.open(ledger_path).close()
     ro = Ledger.open(ledger_path, readonly=True)
