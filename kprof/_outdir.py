@@ -48,6 +48,21 @@ def check_output_dir(path: str, names, what: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".kprof-probe-", dir=ancestor))
     except OSError as exc:
         raise UsageError(f"--output-dir {path} cannot be created in {ancestor} ({exc.strerror}); {_FIX}") from None
+    _check_names(path, ancestor)
+
+
+def _check_names(path: str, ancestor: str) -> None:
+    """Refuses a directory to be created whose name is longer than the file system takes: the probe above makes a
+    short name, so a 300-byte one passed it and failed only when the output was written, after the work."""
+    try:
+        most = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        most = 255
+    for name in os.path.relpath(os.path.abspath(path), ancestor).split(os.sep):
+        if len(os.fsencode(name)) > most:
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            raise UsageError(f"--output-dir {path} cannot be created: the name {shown} is {len(os.fsencode(name))} "
+                             f"bytes, longer than the {most} a name may have in {ancestor}; {_FIX}")
 
 
 def write_once(path: str, data: bytes) -> None:

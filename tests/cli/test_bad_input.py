@@ -610,6 +610,15 @@ def test_an_output_dir_the_system_will_not_create_is_refused_before_any_work(tmp
     assert os.listdir(tmp_path) == []
 
 
+def test_an_output_dir_name_too_long_for_the_file_system_is_refused_before_any_work(tmp_path, capsys, h, refused):
+    """The probe made a short directory name, so a 300-byte one passed: the run measured and stored its rows, then
+    failed to write the snapshot (exit 1)."""
+    long = "y" * 300
+    refused(_run_into(f"runs/{long}/a", h, "p.db"), f"the name {'y' * 40}... is 300 bytes, longer than the 255",
+            "pass a new directory")
+    assert os.listdir(tmp_path) == []
+
+
 def test_sigterm_during_export_leaves_no_partial_file(tmp_path):
     """SIGTERM ends a verb as Ctrl-C does (128 + 15), after its temporary files are removed."""
     db = str(tmp_path / "p.db")

@@ -507,6 +507,13 @@ def test_an_output_dir_holding_an_output_is_refused_before_any_work(capsys, gpu_
     assert _files(tmp_path) == before and len(gpu_here) == 1
 
 
+def test_an_output_dir_name_too_long_for_the_file_system_is_refused_before_the_window(capsys, gpu_here, tmp_path,
+                                                                                        refused):
+    """A 300-byte directory name passed the check: the window was recorded, then its files could not be written."""
+    refused(_measure("--output-dir", "x" * 300), "is 300 bytes, longer than the 255 a name may have")
+    assert _files(tmp_path) == [] and gpu_here == []
+
+
 def test_a_write_killed_among_its_renames_is_taken_back_by_the_next_check(tmp_path):
     """A measure SIGKILLed while it renamed its files into --output-dir left the staging folder (with the files not
     yet renamed) and part of an output, which refused the same command again for good ("already holds a measure
