@@ -38,6 +38,12 @@ class Drift(NamedTuple):
     ok: bool
     error: str | None = None
     first_drift: float | None = None  # the first measurement's drift, where it was over the tolerance
+    host_busy: str | None = None  # a CPU re-measurement's host_busy note: other work took its cores while it was timed
+
+    @property
+    def suspect(self) -> bool:
+        """Drifted slower while other work took the host's cores: the host may be the cause (it only slows a row)."""
+        return not self.ok and self.host_busy is not None and self.drift is not None and self.drift > 0
 
 
 class RemeasureReport(NamedTuple):
@@ -56,6 +62,11 @@ class RemeasureReport(NamedTuple):
         return sum(not r.ok and r.error is None for r in self.rows)
 
     @property
+    def busy(self) -> int:
+        """Rows that drifted slower as other work took the host's cores while they were re-measured (`suspect`)."""
+        return sum(r.suspect for r in self.rows)
+
+    @property
     def failed(self) -> int:
         """Rows whose re-measurement failed: not a drift (no time to compare), but a row that could not be checked."""
         return sum(r.error is not None for r in self.rows)
@@ -63,6 +74,7 @@ class RemeasureReport(NamedTuple):
     def to_json(self) -> dict:
         return {"db": self.db, "gpu_keys": self.gpu_keys, "tolerance": self.tolerance, "candidates": self.candidates,
                 "seed": self.seed, "checked": len(self.rows), "drifted": self.drifted, "failed": self.failed,
+                "host_busy": self.busy,
                 "seconds": round(self.seconds, 3), "unregistered": self.unregistered,
                 "rows": [r._asdict() for r in self.rows]}
 
@@ -227,7 +239,7 @@ def _measure(by_entry: dict[tuple, list], tolerance: float, timed: bool = False)
                 new = event.metrics["time_ms"]
                 drift = new / old - 1
                 out.append(Drift(entry.table, entry.backend, row.spec, row.citation, old, new, drift,
-                                 abs(drift) <= tolerance))
+                                 abs(drift) <= tolerance, host_busy=event.method.notes.get("host_busy")))
             else:
                 out.append(Drift(entry.table, entry.backend, row.spec, row.citation, old, None, None, False,
                                  f"{event.error_kind}: {event.message}"))

@@ -84,6 +84,38 @@ def test_a_drift_that_does_not_repeat_is_not_a_drift(h, capsys, local_gpu, monke
     assert [r["first_drift"] for r in doc["rows"]].count(None) == 1
 
 
+def test_a_drift_slower_while_the_host_was_busy_is_said_to_be_maybe_the_host_s(h, capsys, local_gpu, monkeypatch):
+    """A CPU re-measurement that other work slowed (its notes say host_busy, as `run` then says on stderr) read as a
+    plain DRIFT: the report gave no sign that the host, not the row, may have moved. One that drifted faster is the
+    row's whatever the host did (other work only slows a row). The times and the notes are set; the rest is real."""
+    import kprof.runners.worker as worker
+
+    slow, fast = h.gemm(32, 32, 32), h.gemm(48, 48, 48)
+    for spec in (slow, fast):
+        h.append("p.db", h.make_event(spec, local_gpu, time_ms=0.5))
+    real = worker.measure_specs
+
+    def busy(entry, specs, gpu_key, **kw):
+        for out in real(entry, specs, gpu_key, **kw):
+            m = dict(out.event.metrics, time_ms=5.0 if specs[out.index] == slow else 0.05)
+            method = msgspec.structs.replace(out.event.method, notes={**out.event.method.notes,
+                                                                      "host_busy": "load 4.10 over 2 cores"})
+            yield msgspec.structs.replace(out, event=msgspec.structs.replace(out.event, metrics=m, method=method))
+
+    monkeypatch.setattr(worker, "measure_specs", busy)
+    assert main(["audit", "--remeasure", "2", "--db", "p.db", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["drifted"] == 2 and doc["host_busy"] == 1
+    assert {r["host_busy"] for r in doc["rows"]} == {"load 4.10 over 2 cores"}
+    assert main(["audit", "--remeasure", "2", "--db", "p.db"]) == 1
+    captured = capsys.readouterr()
+    (slow_line,) = [line for line in captured.out.splitlines() if "'m': 32" in line]
+    (fast_line,) = [line for line in captured.out.splitlines() if "'m': 48" in line]
+    assert slow_line.endswith("(host busy)") and "host busy" not in fast_line
+    assert ("note: other work took the host's cores while 1 row(s) that drifted slower were re-measured (host_busy "
+            "in --json): the drift may be the host's, not the row's") in " ".join(captured.err.split())
+
+
 def test_a_failed_remeasurement_is_a_failure_not_a_drift(h, capsys, local_gpu, monkeypatch):
     """A row whose re-measurement fails has no time to compare: it is counted as failed (exit 1: the row could
     not be checked), printed FAIL with the error, and not measured a second time as a drift would be."""
