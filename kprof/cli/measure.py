@@ -94,6 +94,7 @@ def diagnose(table: str, backend: str, spec: Any, *, output_dir: str | None = No
     from ..measure.diagnostic import check_output_dir, check_window_args
 
     duration_s, telemetry_hz = check_window_args(duration_s, telemetry_hz, allow_off=allow_telemetry_off)
+    _check_arguments(clear_l2=clear_l2, cuda_graph=cuda_graph, output_dir=output_dir, gpu_name=gpu_name)
     entry, canonical = _entry_and_spec(table, backend, spec)
     out = output_dir if output_dir is not None else f"measure_{table}_{backend}"
     check_output_dir(out)
@@ -123,6 +124,19 @@ def diagnose(table: str, backend: str, spec: Any, *, output_dir: str | None = No
     files["summary.json"] = {"path": os.path.join(out, "summary.json"), "citation": summary["summary_citation"]}
     return {"table": table, "backend": backend, "gpu_name": gpu_key, "spec": canonical, "output_dir": out,
             "files": files, "summary_citation": summary["summary_citation"], "summary": summary}
+
+
+def _check_arguments(**given) -> None:
+    """A Python caller's mode flags are bools and its paths and GPU key str (the verb's flags are already): a
+    truthy `clear_l2="no"` read as a cold L2, and a `gpu_name=5` raised AttributeError."""
+    for name in ("clear_l2", "cuda_graph"):
+        if type(given[name]) is not bool:
+            raise UsageError(f"{name}={given[name]!r} is not a bool; pass {name}=True or {name}=False")
+    for name in ("output_dir", "gpu_name"):
+        value = given[name]
+        if value is not None and (not isinstance(value, str) or "\0" in value):
+            raise UsageError(f"{name}={value!r} is not {'a path' if name == 'output_dir' else 'a GPU key'}; pass it "
+                             f"as a str without NUL bytes, or omit it")
 
 
 def _entry_and_spec(table: str, backend: str, spec: Any):

@@ -643,6 +643,25 @@ def test_the_python_api_takes_telemetry_off_and_the_launcher_the_verb(gpu_here, 
     assert p.returncode == 0 and "--no-clear-l2" in p.stdout and "--telemetry-hz" in p.stdout
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"clear_l2": "no"}, "clear_l2='no' is not a bool"),
+    ({"clear_l2": None}, "clear_l2=None is not a bool"),
+    ({"cuda_graph": 1}, "cuda_graph=1 is not a bool"),
+    ({"gpu_name": 5}, "gpu_name=5 is not a GPU key"),
+    ({"output_dir": 5}, "output_dir=5 is not a path"),
+    ({"output_dir": "a\0b"}, "output_dir='a\\x00b' is not a path"),
+])
+def test_the_python_api_refuses_a_flag_of_the_wrong_type_before_the_window(gpu_here, tmp_path, kwargs, needle):
+    """A truthy clear_l2="no" measured a cold window and cuda_graph=1 wrote `"graph": 1`; gpu_name=5, output_dir=5 and
+    a NUL byte in output_dir were tracebacks."""
+    from kprof.cli.measure import diagnose
+
+    with pytest.raises(UsageError) as err:
+        diagnose("single_gemm", "torch", GEMM_SPEC, **kwargs)
+    assert needle in str(err.value)
+    assert _files(tmp_path) == [] and gpu_here == []
+
+
 # ---- kprof show kmeasure.<hex> -----------------------------------------------------------------------------------
 
 def _output(path="out") -> dict:
