@@ -42,6 +42,8 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
         out.print("provenance: " + ", ".join(f"{k}={v}" for k, v in prov.items()), markup=False)
         if chosen["type"] == "measured":
             out.print("metrics: " + ", ".join(f"{k}={v}" for k, v in chosen["metrics"].items()), markup=False)
+            for line in _samples(chosen):
+                out.print(line, markup=False)
         elif chosen["type"] == "failed":
             out.print(f"error: {chosen['error_kind']}: {chosen['message']}", markup=False)
     from rich.table import Column, Table
@@ -60,6 +62,22 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
         table.add_row(str(h["seq"]), h["citation"] + mark, h["type"], at, detail)
     out.print(table)
     return 0
+
+
+def _samples(event: dict) -> list[str]:
+    """How the time was taken: the samples' count and spread, why sampling stopped, and whether other work took the
+    host's cores meanwhile (a CPU row's host_busy: a 20 µs GEMM read 41 ms so, and only --json said why)."""
+    stats, method = event.get("stats") or {}, event.get("method") or {}
+
+    def ms(v):
+        return "-" if v is None else f"{v:.4g}"
+
+    lines = [f"samples: n={stats.get('n')}, median {ms(stats.get('median'))} ms (p10 {ms(stats.get('p10'))}, p90 "
+             f"{ms(stats.get('p90'))}), cv {ms(stats.get('cv'))}; stop_reason={method.get('stop_reason')}"]
+    busy = (method.get("notes") or {}).get("host_busy")
+    if busy:
+        lines.append(f"host_busy: {busy}")
+    return lines
 
 
 def _about(doc: dict) -> list[str]:

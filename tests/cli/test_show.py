@@ -221,3 +221,23 @@ def test_show_lists_the_metrics_in_the_order_query_does(h, capsys, local_gpu):
     assert list(doc["event"]["metrics"]) == order and list(doc["history"][0]["metrics"]) == order
     assert "metrics: time_ms=0.5, tflops=1.0, memory_bandwidth_gbps=2.0, energy_j=None" in text
     assert h.read_json(capsys, "query", "p.db", h.gemm())["results"][0]["metrics"] == doc["event"]["metrics"]
+
+
+def test_show_says_how_many_samples_why_sampling_stopped_and_that_the_host_was_busy(h, capsys, local_gpu):
+    """The README says `kprof show` gives a row's stop_reason; its text gave the metrics alone, so a 64x256x256 GEMM
+    stored at 41 ms (24 samples at load 4 on 2 cores) showed no sign why: only --json held the samples and host_busy."""
+    import msgspec
+
+    from kprof.ledger.events import Method
+
+    event = h.make_event(h.gemm(), local_gpu, time_ms=40.97)
+    busy = "load 4.08 over 2 cores: other work shared them"
+    event = msgspec.structs.replace(event, method=Method(timer="cpu", l2="warm", stop_reason="budget",
+                                                         notes={"host_busy": busy}))
+    (eid,) = h.append("p.db", event)
+    text, _doc = _shown(h, capsys, f"kprof.{eid.hex()[:16]}")
+    assert "samples: n=5, median 40.97 ms (p10 40.97, p90 40.97), cv 0; stop_reason=budget" in text
+    assert f"host_busy: {busy}" in text
+    (quiet,) = h.append("p.db", h.make_event(h.gemm(64), local_gpu))
+    text, _doc = _shown(h, capsys, f"kprof.{quiet.hex()[:16]}")
+    assert "samples: n=5" in text and "host_busy" not in text
