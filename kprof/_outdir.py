@@ -17,6 +17,7 @@ __all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "READ_
 
 _FIX = "pass a new directory (it is created if absent)"
 READ_ONLY = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # the mode of an output's files
+_ROOM = 64  # bytes of a path kept for the staging folder and a file's name inside an output directory
 
 
 def check_output_dir(path: str, names, what: str) -> None:
@@ -54,15 +55,22 @@ def check_output_dir(path: str, names, what: str) -> None:
 def _check_names(path: str, ancestor: str) -> None:
     """Refuses a directory to be created whose name is longer than the file system takes: the probe above makes a
     short name, so a 300-byte one passed it and failed only when the output was written, after the work."""
-    try:
-        most = os.pathconf(ancestor, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        most = 255
+    def limit(name: str, default: int) -> int:
+        try:
+            return os.pathconf(ancestor, name)
+        except (OSError, ValueError):
+            return default
+
+    most = limit("PC_NAME_MAX", 255)
     for name in os.path.relpath(os.path.abspath(path), ancestor).split(os.sep):
         if len(os.fsencode(name)) > most:
             shown = name if len(name) <= 40 else name[:40] + "..."
             raise UsageError(f"--output-dir {path} cannot be created: the name {shown} is {len(os.fsencode(name))} "
                              f"bytes, longer than the {most} a name may have in {ancestor}; {_FIX}")
+    whole, room = len(os.fsencode(os.path.abspath(path))), limit("PC_PATH_MAX", 4096) - _ROOM
+    if whole > room:  # the files go in a staging folder inside it: their paths must fit too
+        raise UsageError(f"--output-dir {path[:60]}... cannot be created: its path is {whole} bytes, and the files in "
+                         f"it need the path to be at most {room}; {_FIX}")
 
 
 def write_once(path: str, data: bytes) -> None:

@@ -616,6 +616,8 @@ def test_an_output_dir_name_too_long_for_the_file_system_is_refused_before_any_w
     long = "y" * 300
     refused(_run_into(f"runs/{long}/a", h, "p.db"), f"the name {'y' * 40}... is 300 bytes, longer than the 255",
             "pass a new directory")
+    deep = "/".join(["d" * 250] * 17)  # each name fits; the path, past 4096 bytes, does not
+    refused(_run_into(deep, h, "p.db"), "cannot be created: its path is", "pass a new directory")
     assert os.listdir(tmp_path) == []
 
 
