@@ -105,7 +105,7 @@ def diagnose(table: str, backend: str, spec: Any, *, output_dir: str | None = No
     from ..runners.diagnose import record
     from ..runners.environments import require
 
-    require(entry)
+    require(entry, only_timer="cupti")  # measure records with CUPTI alone: KPROF_TIMER=events is no way round
     started = _dt.datetime.now(_dt.timezone.utc)
     window, device = record(entry, canonical, gpu_key, duration_s, telemetry_hz, clear_l2, cuda_graph)
     header = {"kind": "kprof measure", "table": table, "backend": backend, "spec": canonical, "gpu_name": gpu_key,

@@ -83,10 +83,11 @@ def lookup(name: str) -> Environment | None:
     return ENVIRONMENTS.get(name)
 
 
-def check(name: str, *, timer: str | None = None) -> list[str]:
+def check(name: str, *, timer: str | None = None, only_timer: bool = False) -> list[str]:
     """The differences between this process's environment and environment `name`, one sentence each, naming what
     is required, what is installed (or missing) and the fix; [] when it satisfies it. `timer`: the timer the
-    measurement uses (packages only other timers need are skipped); None checks every package."""
+    measurement uses (packages only other timers need are skipped); None checks every package. `only_timer`: the
+    caller times with `timer` alone (`kprof measure`: CUPTI), so another timer is not offered as a way round."""
     env = lookup(name)
     if env is None:
         return [f"environment {name!r} is not defined (defined: {', '.join(sorted(ENVIRONMENTS))}); name one of "
@@ -101,7 +102,7 @@ def check(name: str, *, timer: str | None = None) -> list[str]:
         if package.timers and timer is not None and timer not in package.timers:
             continue
         installed[package.name] = version = _installed(package.name)
-        diff = _package_difference(name, package, version)
+        diff = _package_difference(name, package, version, offer_other=not only_timer)
         if diff:
             diffs.append(diff)
     if env.cuda is not None and installed.get("torch") is not None:
@@ -122,13 +123,13 @@ def skipped() -> bool:
     return raw == "1"
 
 
-def require(entry) -> None:
+def require(entry, only_timer: str | None = None) -> None:
     """Raises UsageError naming every difference between this process and the entry's environment (see `check`),
-    for the entry's timer; a no-op when KPROF_SKIP_ENV_CHECK=1."""
+    for the entry's timer (`only_timer`: the one timer the caller can use); a no-op when KPROF_SKIP_ENV_CHECK=1."""
     if skipped():
         return
     timer = entry.contract.timing.split(";")[0] or None  # catalog.parse_timing's timer (_entry imports this module)
-    diffs = check(entry.subprocess_env, timer=timer)
+    diffs = check(entry.subprocess_env, timer=only_timer or timer, only_timer=only_timer is not None)
     if diffs:
         from ..errors import UsageError
 
@@ -156,10 +157,10 @@ def _satisfies(version: str, specifier: str) -> bool:
         return False
 
 
-def _package_difference(env: str, package: Package, version: str | None) -> str | None:
+def _package_difference(env: str, package: Package, version: str | None, offer_other: bool = True) -> str | None:
     wanted = f"{package.name}{package.specifier}"
     only = ""
-    if package.timers:
+    if package.timers and offer_other:
         other = "events" if "events" not in package.timers else "cupti"
         only = f" (only the {'/'.join(package.timers)} timer needs it; KPROF_TIMER={other} times without it)"
     if version is None:

@@ -452,7 +452,7 @@ def _measure(*extra, spec=GEMM_SPEC, table="single_gemm", backend="torch") -> li
 def gpu_here(monkeypatch):
     """A GPU named "Fake GPU" is visible, the environment check passes, and the window is the recorded one."""
     monkeypatch.setattr("kprof.measure.device_name.local_gpu_name", lambda: "Fake GPU")
-    monkeypatch.setattr("kprof.runners.environments.require", lambda entry: None)
+    monkeypatch.setattr("kprof.runners.environments.require", lambda entry, **kw: None)
     calls = []
 
     def record(entry, canonical, gpu_key, duration_s, hz, clear_l2, graph):
@@ -496,6 +496,22 @@ def test_without_a_gpu_it_says_so_and_writes_nothing(monkeypatch, capsys, tmp_pa
     monkeypatch.setattr("kprof.measure.device_name.local_gpu_name", lambda: None)
     for extra in ([], ["--gpu-name", "NVIDIA H200"]):
         refused(_measure(*extra), "on a CUDA GPU and none is visible here")
+    assert _files(tmp_path) == []
+
+
+def test_without_cupti_it_does_not_offer_another_timer(monkeypatch, capsys, tmp_path, refused):
+    """On a GPU without cupti-python, measure repeated the environment check's advice "KPROF_TIMER=events times
+    without it": measure records with CUPTI whatever KPROF_TIMER says, so following it changed nothing."""
+    from kprof.runners import environments
+
+    installed = environments._installed
+    monkeypatch.setattr("kprof.measure.device_name.local_gpu_name", lambda: "Fake GPU")
+    monkeypatch.setattr(environments, "_installed", lambda name: None if name == "cupti-python" else installed(name)
+                        or "99")
+    monkeypatch.setattr(environments, "_cuda_difference", lambda env, specifier: None)
+    err = refused(_measure(), "cuda_env needs cupti-python>=12 and cupti-python is not installed: pip install "
+                              "'cupti-python>=12'")
+    assert "KPROF_TIMER" not in err
     assert _files(tmp_path) == []
 
 
