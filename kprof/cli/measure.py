@@ -170,10 +170,15 @@ def _entry_and_spec(table: str, backend: str, spec: Any):
 
 def _gpu_key(entry, gpu_name: str | None) -> str:
     """The local GPU's name, which --gpu-name (the key of the ledger row compared) must equal when given."""
-    from ..measure.device_name import local_gpu_name
+    from ..measure.device_name import local_gpu_name, visible_gpus
 
     local = local_gpu_name()
     if local is None:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if hidden is not None and visible_gpus(env={}):  # the driver lists GPUs: the variable hides them
+            raise UsageError(f"measure runs {entry.table}/{entry.backend} on a CUDA GPU and CUDA_VISIBLE_DEVICES="
+                             f"{hidden!r} leaves none of this machine's visible; set it to the GPU to measure, or "
+                             f"unset it")
         raise UsageError(f"measure runs {entry.table}/{entry.backend} on a CUDA GPU and none is visible here (no "
                          f"NVIDIA driver or device); run it on a GPU machine")
     if gpu_name is not None:

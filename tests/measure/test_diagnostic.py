@@ -499,6 +499,22 @@ def test_without_a_gpu_it_says_so_and_writes_nothing(monkeypatch, capsys, tmp_pa
     assert _files(tmp_path) == []
 
 
+def test_a_gpu_that_cuda_visible_devices_hides_is_not_said_to_be_absent(monkeypatch, capsys, tmp_path, refused):
+    """CUDA_VISIBLE_DEVICES="" on a GPU machine read "none is visible here (no NVIDIA driver or device)"."""
+    from kprof.measure import device_name
+
+    monkeypatch.setattr(device_name, "_proc_gpus", lambda root=None: [])  # the driver answers through nvidia-smi
+    monkeypatch.setattr(device_name, "_smi_gpus", lambda: [("NVIDIA H200", "GPU-1234")])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    err = refused(_measure(), "CUDA_VISIBLE_DEVICES='' leaves none of this machine's visible; set it to the GPU")
+    assert "no NVIDIA driver" not in err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr("kprof.runners.environments.require", lambda entry, **kw: pytest.fail("got past the GPU"))
+    monkeypatch.setattr(device_name, "_smi_gpus", lambda: [])
+    refused(_measure(), "none is visible here (no NVIDIA driver or device)")
+    assert _files(tmp_path) == []
+
+
 def test_without_cupti_it_does_not_offer_another_timer(monkeypatch, capsys, tmp_path, refused):
     """On a GPU without cupti-python, measure repeated the environment check's advice "KPROF_TIMER=events times
     without it": measure records with CUPTI whatever KPROF_TIMER says, so following it changed nothing."""
