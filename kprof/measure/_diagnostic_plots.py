@@ -133,8 +133,19 @@ def _series(np, samples, name: str):
     return a[:, 0], a[:, 1]
 
 
+def _unread(ax, samples, errors: dict, *names: str) -> None:
+    """Where NVML gave readings but none of `names` (a field this GPU or driver does not report), says so on the
+    panel, with NVML's reason: its empty axes read as a clock or power of zero."""
+    missing = [n for n in names if samples and all(getattr(s, n) is None for s in samples)]
+    if missing:
+        why = "; ".join(f"{n}: {errors[n]}" for n in missing if errors.get(n))
+        ax.text(0.5, 0.5, f"NVML gave no {', '.join(missing)} reading" + (f"\n{why}" if why else ""), ha="center",
+                va="center", transform=ax.transAxes, fontsize=8, bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+
+
 def _telemetry(plt, np, window, summary: dict) -> bytes:
     samples = sorted(window.samples, key=lambda s: s.t)
+    errors = window.telemetry_errors or {}
     span = max(window.span_s, 1e-9)
     fig, (p_ax, c_ax, r_ax) = plt.subplots(3, 1, sharex=True, figsize=(10, 8), dpi=110,
                                            gridspec_kw={"height_ratios": [2, 2, 1.4]})
@@ -147,6 +158,7 @@ def _telemetry(plt, np, window, summary: dict) -> bytes:
     if limit:
         p_ax.axhline(limit, color="k", ls="--", lw=1, label=f"power limit {limit:.0f} W")
     p_ax.set_ylabel("power (W)")
+    _unread(p_ax, samples, errors, "power_w")
     energy = summary.get("energy") or {}
     title = _title(summary)
     if energy.get("j_per_launch") is not None:
@@ -162,6 +174,7 @@ def _telemetry(plt, np, window, summary: dict) -> bytes:
     t, mem = _series(np, samples, "mem_mhz")
     mem_ax.plot(t, mem, color="tab:green", lw=1, label="memory clock (MHz)")
     mem_ax.set_ylabel("memory clock (MHz)")
+    _unread(c_ax, samples, errors, "sm_mhz", "mem_mhz")
     lines = c_ax.get_lines() + mem_ax.get_lines()
     c_ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="lower right")
     c_ax.grid(alpha=0.3)
@@ -169,6 +182,7 @@ def _telemetry(plt, np, window, summary: dict) -> bytes:
     t, temp = _series(np, samples, "temp_c")
     r_ax.plot(t, temp, color="k", lw=1, label="temperature (°C)")
     r_ax.set_ylabel("temperature (°C)")
+    _unread(r_ax, samples, errors, "temp_c")
     strip = r_ax.twinx()
     held = _held_reasons(samples, span)
     for row, (label, spans) in enumerate(sorted(held.items())):
@@ -184,17 +198,16 @@ def _telemetry(plt, np, window, summary: dict) -> bytes:
 
 
 def _held_reasons(samples, span: float) -> dict[str, list[tuple[float, float]]]:
-    """{reason label: [(start, width), ...]}: each reading's reasons held until the next reading."""
-    from ._reasons import decode_reasons
+    """{reason label: [(start, width), ...]}: each reading's reasons held until the next reading ("unread" where
+    NVML refused them, as the summary's throttle time counts it)."""
+    from ._diagnostic_telemetry import reason_labels
 
     out: dict[str, list[tuple[float, float]]] = {}
     for i, s in enumerate(samples):
-        if s.reasons is None:
-            continue
         end = samples[i + 1].t if i + 1 < len(samples) else span
         if end <= s.t:
             continue
-        for label in decode_reasons(s.reasons) or ["none"]:
+        for label in reason_labels(s.reasons):
             spans = out.setdefault(label, [])
             if spans and abs(spans[-1][0] + spans[-1][1] - s.t) < 1e-9:  # continues the last span: one bar
                 spans[-1] = (spans[-1][0], end - spans[-1][0])

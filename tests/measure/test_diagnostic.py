@@ -270,6 +270,26 @@ def test_without_matplotlib_the_plots_are_skipped_and_the_rest_written(monkeypat
                                                                                           "telemetry.csv"}
 
 
+def test_telemetry_png_says_which_readings_nvml_did_not_give(monkeypatch):
+    """A GPU whose NVML reports no power, SM clock or clock-event reasons drew empty panels (an SM clock axis of
+    -0.04 to 0.04 MHz) with nothing saying why, and no throttle band where summary.json counted 100 % "unread"."""
+    pytest.importorskip("matplotlib")
+    from kprof.measure import _diagnostic_plots as plots
+
+    w = recorded_window(50)
+    unread = [s._replace(power_w=None, sm_mhz=None, reasons=None) for s in w.samples]
+    w = w._replace(samples=unread, telemetry_errors={"power_w": "NVML_ERROR_NOT_SUPPORTED"})
+    figures = []
+    monkeypatch.setattr(plots, "_png", lambda plt, fig: figures.append(fig) or b"png")
+    summary = summarize_window(w, HEADER)
+    plots.render(w, summary)
+    texts = [t.get_text() for ax in figures[1].axes for t in ax.texts]
+    assert "NVML gave no power_w reading\npower_w: NVML_ERROR_NOT_SUPPORTED" in texts
+    assert "NVML gave no sm_mhz reading" in texts and not any("temp_c" in t for t in texts)
+    assert summary["throttle"] == {"unread": {"s": pytest.approx(w.span_s), "pct": pytest.approx(100.0)}}
+    assert set(plots._held_reasons(sorted(unread, key=lambda s: s.t), w.span_s)) == {"unread"}
+
+
 def test_a_window_with_telemetry_off_and_no_energy_counter():
     launches, busy, last = segment(gemm_kernels(20), (SWEEP, WARM), (GEMM,), T0)
     w = Window(launches, last / 1e9, busy, [], 0.0, {"energy": "no counter"}, None, (GEMM,), (SWEEP, WARM), {})
