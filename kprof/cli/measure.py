@@ -249,8 +249,10 @@ def _render(doc: dict) -> None:
         t.add_row("telemetry", f"{tel['samples']} readings, {_fmt(tel['achieved_hz'], '.1f')} Hz of "
                                f"{tel['target_hz']:g}, coverage {_fmt(tel['coverage_pct'], '.1f')} %, "
                                f"{tel['gaps']['count']} gaps")
-    t.add_row("energy per launch (mJ)", _fmt(energy["j_per_launch"] * 1e3 if energy["j_per_launch"] is not None
-                                             else None))
+    t.add_row("energy per launch (mJ)", _fmt(energy["j_per_launch"] * 1e3) if energy["j_per_launch"] is not None
+              else f"- ({energy.get('error') or 'no energy counter reading'})")
+    if s.get("telemetry_errors"):  # a reading NVML refused shows as "-" above: say why
+        t.add_row("NVML could not read", "; ".join(f"{k}: {v}" for k, v in s["telemetry_errors"].items()))
     row = s["ledger"]
     if row.get("compared"):
         other = "" if row.get("same_method") else ", not this window's method: not comparable as equals"

@@ -678,6 +678,22 @@ def test_measure_writes_the_outputs_and_compares_with_the_ledger_row_read_only(c
     assert "not this window's method" not in capsys.readouterr().out
 
 
+def test_the_text_says_why_a_reading_is_missing(capsys, gpu_here, monkeypatch):
+    """Where NVML refused the power and energy readings, the verb's table showed "-" for power and energy per launch
+    with no reason: summary.json's telemetry_errors held it, the text did not."""
+    def record(entry, canonical, gpu_key, duration_s, hz, clear_l2, graph):
+        w = recorded_window(50)
+        samples = [s._replace(power_w=None, energy_mj=None) for s in w.samples]
+        return w._replace(samples=samples, energy=None, telemetry_errors={
+            "power_w": "NVML_ERROR_NOT_SUPPORTED", "energy": "nvmlDeviceGetTotalEnergyConsumption: Not Supported"}), {}
+
+    monkeypatch.setattr("kprof.runners.diagnose.record", record)
+    assert main(_measure("--output-dir", "w")) == 0
+    said = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "energy per launch (mJ) - (nvmlDeviceGetTotalEnergyConsumption: Not Supported)" in said
+    assert "NVML could not read power_w: NVML_ERROR_NOT_SUPPORTED; energy:" in said
+
+
 def test_measure_without_a_ledger_says_nothing_was_compared(capsys, gpu_here):
     assert main(_measure("--db", "elsewhere.db")) == 0
     out = capsys.readouterr().out
