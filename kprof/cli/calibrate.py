@@ -48,7 +48,18 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
             out.print(f"{c.metric}{of}: {_figure(c.value)} {unit}  ({c.table} {c.spec}, {c.citation})", markup=False)
             if (c.method or {}).get("summary"):
                 out.print(f"  {c.method['summary']}", markup=False)
-        for r in rows:
-            if r["status"] != "ok":
-                out.print(f"{r['spec']}: {r['status']} {r.get('error') or ''}", markup=False)
+        for r in results:
+            for row in r.results:
+                if row["status"] != "ok":
+                    out.print(f"{r.table} {row['spec']}: {row['status']}{_why(row.get('error'))}", markup=False)
+        if not found:
+            out.print("no ceiling: no row of a calibration set is ok; the same command measures the rows that are "
+                      "not", markup=False)
     return 0 if complete(backend, results, found) else 1
+
+
+def _why(error) -> str:
+    """A failed row's error as words (a run gives {kind, message}), not its dict's repr."""
+    if isinstance(error, dict):
+        return f" ({error.get('kind')}: {error.get('message')})"
+    return f" ({error})" if error else ""

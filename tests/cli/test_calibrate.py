@@ -456,3 +456,19 @@ def test_cpu_ceilings_are_read_under_the_timing_named(h, monkeypatch):
     assert ceilings(h.CPU, GPU, db="p.db") == []  # this process's rows (2 threads) do not exist
     flops = {c.metric: c for c in ceilings(h.CPU, GPU, db="p.db", timing=one)}["tflops"]
     assert flops.value == len(CPU_GEMMS) and flops.method["timing"] == one
+
+
+def test_the_text_output_names_a_failed_row_s_table_and_error_in_words(h, capsys, monkeypatch):
+    """A calibration whose rows failed printed `{'bytes': 67108864}: error {'kind': 'timeout', 'message': ...}`:
+    no table, the error as a dict's repr, and nothing said of the ceilings it did not find."""
+    from kprof.ceilings import CeilingSet
+
+    huge = {"m": 1 << 40, "n": 64, "k": 64, "dtype": "fp32"}  # 8 TiB of inputs: oom before anything is built
+    copy = {"bytes": 1 << 40}  # 1 TiB, copied: oom as well
+    monkeypatch.setitem(CEILING_SETS, "cpu", [CeilingSet("tflops", (("single_gemm", huge),), "fp32 GEMMs"),
+                                              CeilingSet("memory_bandwidth_gbps", (("memcpy", copy),), "copies")])
+    assert main(["calibrate", "--backend", h.CPU, "--db", "p.db"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"single_gemm {huge}: error (oom: MemoryError: out of memory before building" in out
+    assert f"memcpy {copy}: error (oom: " in out
+    assert "'kind'" not in out and "no ceiling: no row of a calibration set is ok" in out
