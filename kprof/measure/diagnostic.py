@@ -19,6 +19,7 @@ citation of every other artifact (and its full digest), and summary.json's own c
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import statistics
 from array import array
@@ -98,8 +99,8 @@ def check_window_args(duration_s, telemetry_hz, *, allow_off: bool = False) -> t
         return SettingError(f"{name}={shown} {why}; pass e.g. {name}={example}",
                             f"--{name.replace('_', '-')} {shown} {why}; pass e.g. --{name.replace('_', '-')} {example}")
 
-    def number(value, name, example) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+    def number(value, name, example) -> float:  # numpy's numbers too (np.int64(5) is a number), not a bool
+        if type(value).__name__ in ("bool", "bool_") or not isinstance(value, numbers.Real):
             raise refuse(name, value, "is not a number", example)
         return float(value)
 

@@ -203,6 +203,10 @@ def test_window_args_are_checked():
     assert exc.value.cli.startswith("--duration-s 0 is not a window length") and str(exc.value).startswith("duration_s=0 ")
     with pytest.raises(UsageError, match=r"^duration_s='10' is not a number; pass e\.g\. duration_s=10$"):
         check_window_args("10", 20)
+    np = pytest.importorskip("numpy")  # np.int64(5) was "not a number"; np.bool_ is no number either
+    assert check_window_args(np.int64(5), np.float32(2.5)) == (5.0, 2.5)
+    with pytest.raises(UsageError, match="is not a number"):
+        check_window_args(np.bool_(True), 20)
 
 
 # ---- summary and files -----------------------------------------------------------------------------------------
