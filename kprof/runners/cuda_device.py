@@ -312,8 +312,10 @@ class CudaDevice:
         return activations_rewrite(self.torch, case, inputs) if self.cold else None
 
     def recover(self) -> None:
-        """After a failure (an OOM above all), give the cached blocks back so the next spec starts clean."""
+        """After a failure (an OOM above all), give the cached blocks back so the next spec starts clean. Raises where
+        the failure left the CUDA context unusable (a sticky error, an illegal memory access: it raises again here)."""
         import gc
 
         gc.collect()
+        self.torch.cuda.synchronize()
         self.torch.cuda.empty_cache()

@@ -6,7 +6,8 @@ or LMDB state) that sees only its device (CUDA_VISIBLE_DEVICES set to the GPU's 
 prepares it once, then measures the specs it is handed one at a time, writing each event as a one-event
 segment and sending its path back. The parent merges each segment as it arrives (a kill keeps everything
 finished), and hands the worker its next spec. A worker that dies fails only its in-flight spec (error kind
-`crash`, with its exit code) and a fresh worker takes the device over; one that runs a spec past
+`crash`, with its exit code) and a fresh worker takes the device over, as it does after a spec that left the device
+unusable (a sticky CUDA error: `kprof.runners.worker._recover`); one that runs a spec past
 KPROF_SPEC_TIMEOUT_S (default 900 s) is killed and that spec fails as `timeout`. A device whose workers die
 MAX_RESTARTS times in a row is given up; the specs left when no device remains fail as `crash`. A worker whose run
 is killed (SIGKILL: no cleanup runs) ends itself, even inside a spec that hangs.
@@ -90,6 +91,8 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
                 unsent.append(segment.write(spool, [data], chunk.origin.ledger_id, 1))
                 conn.send(("event", outcome.index, unsent[0], data, outcome.seconds, outcome.timed_seconds))
                 unsent.clear()
+            if getattr(device, "lost", None):  # a failure left the device unusable: a fresh worker takes it over
+                return
             conn.send(("idle",))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone (killed): end without a traceback
         _leave(spool, unsent)

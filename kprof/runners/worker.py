@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator
 
 import msgspec
 
+from ..errors import KprofError
 from ..ledger.build import failed, measured
 from ..ledger.events import Environment, Event, Method, Origin, Provenance, Stats
 from ..ledger.keys import KeyMaker
@@ -44,6 +45,8 @@ def classify(exc: BaseException) -> str:
     text = str(exc).lower()
     if isinstance(exc, WrongResult):
         return "wrong_result"
+    if isinstance(exc, DeviceLost):  # never tried: whatever the earlier spec's error said, this one did not fail so
+        return "crash"
     if isinstance(exc, (Unsupported, NotImplementedError)) or "not implemented for" in text \
             or "not supported" in text:
         return "unsupported"
@@ -106,6 +109,9 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
         timed = 0.0
         env = device.env
         try:
+            if getattr(device, "lost", None):
+                raise DeviceLost(f"not measured: an earlier spec's failure left this process's device unusable "
+                                 f"({device.lost}); run again to measure it in a fresh process")
             if device.name == "cpu":
                 _fits_in_memory(runner, spec)
             t_build = time.perf_counter()
@@ -130,9 +136,25 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             event = failed(prov, kind, detail[:2000], environment=_record(Environment, env), origin=origin,
                            parent=parent)
-            device.recover()
+            if not isinstance(exc, DeviceLost):
+                _recover(device)
         case = None
         yield Outcome(index, event, time.perf_counter() - started, timed)
+
+
+class DeviceLost(KprofError):
+    """A spec not measured because an earlier one left the device unusable (`_recover`)."""
+
+
+def _recover(device) -> None:
+    """device.recover() after a failed spec. Where that fails too (a CUDA error such as an illegal memory access is
+    sticky: every later CUDA call of the process raises it again), the device is marked lost with why: the specs
+    after it fail at once, naming it, rather than each one crashing on the same error, and a pool's worker ends so
+    that a fresh process takes the device over. The failed spec's own event is kept either way."""
+    try:
+        device.recover()
+    except Exception as exc:  # noqa: BLE001 - recorded on the device, and in every later spec's event
+        device.lost = f"{type(exc).__name__}: {exc}"[:500]
 
 
 def _stopped_by_engine(exc: BaseException) -> bool:
