@@ -147,6 +147,7 @@ class CudaDevice:
         from ..measure.gpu_timer import time_gpu
         from ..measure.nvml import Telemetry, with_telemetry
 
+        self.state_errors.clear()  # the probe's refusals during this row only (the probe writes into this dict)
         with Telemetry(0) as telemetry:
             self.start_notes = {}
             state = self._state()

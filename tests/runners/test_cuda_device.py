@@ -1,0 +1,125 @@
+"""The CUDA device's recipe for one row on a GPU that misbehaves, run on the CPU: NVML is pynvml with its device calls
+faked (the real error classes), the timer a stand-in that runs the state protocol as time_gpu does, and torch.cuda
+a stand-in; what is checked is what the row records."""
+
+from __future__ import annotations
+
+import math
+import time
+import types
+
+import pytest
+
+from kprof.measure import _nvml_access
+from kprof.measure.gpu_timer import GpuTiming
+from kprof.measure.stats import StopRule
+
+pynvml = pytest.importorskip("pynvml")
+
+
+class FakeGpu:
+    """One H200 behind pynvml: `fail` maps a pynvml function's name to the NVML error code it raises from its
+    `after`-th call on (0: always)."""
+
+    def __init__(self, monkeypatch):
+        self.fail: dict[str, tuple[int, int]] = {}
+        self.calls: dict[str, int] = {}
+        self.base = time.perf_counter()
+        values = {
+            "nvmlInit": lambda: None,
+            "nvmlDeviceGetCount": lambda: 1,
+            "nvmlDeviceGetHandleByIndex": lambda i: ("handle", i),
+            "nvmlDeviceGetName": lambda h: "NVIDIA H200",
+            "nvmlDeviceGetUUID": lambda h: "GPU-aaaa",
+            "nvmlSystemGetDriverVersion": lambda: "580.159",
+            "nvmlSystemGetCudaDriverVersion_v2": lambda: 13000,
+            "nvmlDeviceGetEnforcedPowerLimit": lambda h: 700_000,
+            "nvmlDeviceGetClockInfo": lambda h, c: 1980 if c == pynvml.NVML_CLOCK_SM else 2619,
+            "nvmlDeviceGetMaxClockInfo": lambda h, c: 1980 if c == pynvml.NVML_CLOCK_SM else 2619,
+            "nvmlDeviceGetTemperature": lambda h, s: 50,
+            "nvmlDeviceGetPowerUsage": lambda h: 300_000,
+            "nvmlDeviceGetCurrentClocksEventReasons": lambda h: 0,
+            "nvmlDeviceGetCurrentClocksThrottleReasons": lambda h: 0,
+            "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=90, memory=10),
+            # 300 W, stepping every 30 ms
+            "nvmlDeviceGetTotalEnergyConsumption":
+                lambda h: int(300 * math.floor((time.perf_counter() - self.base) / 0.03) * 30) + 10**9,
+        }
+        for name, fn in values.items():
+            monkeypatch.setattr(pynvml, name, self._wrap(name, fn))
+        monkeypatch.setattr(_nvml_access, "_init_pid", None)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def _wrap(self, name, fn):
+        def call(*args):
+            n = self.calls[name] = self.calls.get(name, 0) + 1
+            code, after = self.fail.get(name, (None, 0))
+            if code is not None and n > after:
+                raise pynvml.NVMLError(code)
+            return fn(*args)
+
+        call.__name__ = name
+        return call
+
+
+class _Event:
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def fake_time_gpu(fn, rule, *, state=None, **kw):
+    """time_gpu's use of the state protocol (settle, then a reading held per batch), samples of 10 µs."""
+    if state is not None:
+        state.settle(lambda chunk_s: None)
+        for _ in range(4):
+            state.hold(state.probe())
+    notes = {"timer": "cupti", **(state.summary() if state is not None else {})}
+    return GpuTiming([0.01] * 10, "converged", 3, 0.05, 1e-7, ("gemm",), 0, notes)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    from kprof.measure import _burst, gpu_timer
+
+    monkeypatch.setattr(gpu_timer, "time_gpu", fake_time_gpu)
+    monkeypatch.setattr(_burst, "burst", lambda fn, per_call, call_bytes=0.0: (fn, 1, "eager calls"))
+    return FakeGpu(monkeypatch)
+
+
+def device(energy_s: float = 0.0):
+    """A CudaDevice over the fake GPU (made as __init__ makes it, past its torch checks)."""
+    from kprof.measure.nvml import gpu_environment
+    from kprof.runners.cuda_device import CudaDevice
+
+    d = object.__new__(CudaDevice)
+    d.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None, Event=_Event,
+                                                               empty_cache=lambda: None))
+    d.timer, d.cold, d.graph, d.power, d._heater = "cupti", False, False, "sustained", None
+    d.energy_s, d.capped_sample_s = energy_s, (0.5, 3.0)
+    d.env = gpu_environment()
+    d.state_errors, d.start_notes, d._probe = {}, {}, None
+    return d
+
+
+def case():
+    from kprof.runners._case import Case
+
+    return Case(lambda: time.sleep(0.0005), lambda: None, flops=1e6, bytes=1e6)
+
+
+RULE = StopRule(max_samples=10)
+
+
+def test_an_nvml_refusal_in_one_row_is_not_reported_in_the_rows_after_it(gpu):
+    """The state protocol's NVML errors were kept for the device's life: one Unknown Error from the SM clock in a
+    row was written into the environment errors of every later row."""
+    d = device()
+    gpu.fail["nvmlDeviceGetClockInfo"] = (pynvml.NVML_ERROR_UNKNOWN, 3)
+    *_, first, _ = d.measure(case(), RULE)
+    assert first.errors["state.sm_mhz"] == "nvmlDeviceGetClockInfo: Unknown Error"
+    gpu.fail.clear()
+    *_, second, _ = d.measure(case(), RULE)
+    assert not any(k.startswith(("state.", "telemetry.")) for k in second.errors), second.errors
