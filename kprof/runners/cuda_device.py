@@ -215,7 +215,7 @@ class CudaDevice:
         is part of the window rather than a run before it."""
         from ..measure._burst import burst
         from ..measure._sampling import BackToBack
-        from ..measure.nvml import settled_energy
+        from ..measure.nvml import NvmlError, settled_energy
 
         torch = self.torch
         t = time.perf_counter()
@@ -225,9 +225,12 @@ class CudaDevice:
         per_call = max((time.perf_counter() - t) / 3, 1e-6)
         calls_fn, per_replay, how = burst(case.fn, per_call, call_bytes=case.bytes)
         run = BackToBack.on_cuda(torch, calls_fn, per_call * per_replay)
-        result, settled = settled_energy(run, span_s=self.energy_s, settle=state.settle if state else None,
-                                         fit_after_settle=lambda _settled: state.capped, calls_per_step=per_replay,
-                                         power_limit_w=self.env.power_limit_w, settled_fit_s=CAPPED_ENERGY_FIT_S)
+        try:
+            result, settled = settled_energy(run, span_s=self.energy_s, settle=state.settle if state else None,
+                                             fit_after_settle=lambda _settled: state.capped, calls_per_step=per_replay,
+                                             power_limit_w=self.env.power_limit_w, settled_fit_s=CAPPED_ENERGY_FIT_S)
+        except NvmlError as e:  # the counter, not the kernel: say how to measure the row without it
+            raise NvmlError(f"energy_j: {e}; KPROF_ENERGY_S=0 measures the row without energy_j") from e
         warm = {}
         if settled is not None:
             warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}

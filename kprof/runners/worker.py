@@ -20,6 +20,8 @@ from ..ledger.build import failed, measured
 from ..ledger.events import Environment, Event, Method, Origin, Provenance, Stats
 from ..ledger.keys import KeyMaker
 from ..specs import ShapeCodec
+from ..measure._attribution import TimerError
+from ..measure._nvml_access import NvmlError
 from ..measure.stats import StopRule, summarize
 from ._case import Unsupported, WrongResult, algorithm_notes
 from .registry import Entry
@@ -47,8 +49,10 @@ def classify(exc: BaseException) -> str:
         return "wrong_result"
     if isinstance(exc, DeviceLost):  # never tried: whatever the earlier spec's error said, this one did not fail so
         return "crash"
-    if isinstance(exc, (Unsupported, NotImplementedError)) or "not implemented for" in text \
-            or "not supported" in text:
+    # a timer's or NVML's refusal (NVML's "Not Supported": no energy counter) is the measurement's, not the kernel's
+    library = not isinstance(exc, (TimerError, NvmlError))
+    if isinstance(exc, (Unsupported, NotImplementedError)) or library and ("not implemented for" in text
+                                                                           or "not supported" in text):
         return "unsupported"
     if name in ("OutOfMemoryError", "MemoryError") or any(m in text for m in _OOM_TEXT):
         return "oom"

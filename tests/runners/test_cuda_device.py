@@ -24,7 +24,7 @@ class FakeGpu:
     def __init__(self, monkeypatch):
         self.fail: dict[str, tuple[int, int]] = {}
         self.calls: dict[str, int] = {}
-        self.base = time.perf_counter()
+        self.base, self.energy_w = time.perf_counter(), 300.0
         values = {
             "nvmlInit": lambda: None,
             "nvmlDeviceGetCount": lambda: 1,
@@ -41,9 +41,9 @@ class FakeGpu:
             "nvmlDeviceGetCurrentClocksEventReasons": lambda h: 0,
             "nvmlDeviceGetCurrentClocksThrottleReasons": lambda h: 0,
             "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=90, memory=10),
-            # 300 W, stepping every 30 ms
+            # energy_w, stepping every 30 ms
             "nvmlDeviceGetTotalEnergyConsumption":
-                lambda h: int(300 * math.floor((time.perf_counter() - self.base) / 0.03) * 30) + 10**9,
+                lambda h: int(self.energy_w * math.floor((time.perf_counter() - self.base) / 0.03) * 30) + 10**9,
         }
         for name, fn in values.items():
             monkeypatch.setattr(pynvml, name, self._wrap(name, fn))
@@ -123,3 +123,24 @@ def test_an_nvml_refusal_in_one_row_is_not_reported_in_the_rows_after_it(gpu):
     gpu.fail.clear()
     *_, second, _ = d.measure(case(), RULE)
     assert not any(k.startswith(("state.", "telemetry.")) for k in second.errors), second.errors
+
+
+def test_a_gpu_without_an_energy_counter_fails_the_row_as_a_crash_naming_the_way_round(gpu):
+    """NVML's "Not Supported" from the energy counter read as the kernel being unsupported (error kind
+    `unsupported`), and the message did not say that KPROF_ENERGY_S=0 measures without it."""
+    from kprof.runners.worker import classify
+
+    gpu.fail["nvmlDeviceGetTotalEnergyConsumption"] = (pynvml.NVML_ERROR_NOT_SUPPORTED, 0)
+    with pytest.raises(Exception) as exc:
+        device(energy_s=0.25).measure(case(), RULE)
+    assert classify(exc.value) == "crash"
+    assert "no NVML energy counter (Not Supported)" in str(exc.value) and "KPROF_ENERGY_S=0" in str(exc.value)
+
+
+def test_a_stuck_energy_counter_fails_the_row_rather_than_storing_an_energy(gpu):
+    gpu.energy_w = 0.0
+    with pytest.raises(Exception, match="did not advance.*KPROF_ENERGY_S=0") as exc:
+        device(energy_s=0.25).measure(case(), RULE)
+    from kprof.runners.worker import classify
+
+    assert classify(exc.value) == "crash"
