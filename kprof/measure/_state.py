@@ -81,10 +81,14 @@ class Settled(NamedTuple):
 def state_label(readings: Sequence[StateReading], regime: str = "sustained") -> str:
     """What limited the clock while these readings were taken: 'power-capped', 'thermal-limited' or
     'boost' (nothing but the load itself), after the regime: 'sustained' (the kernel back to back) or
-    'loaded' (each call after heavy work that holds the GPU at its power limit)."""
+    'loaded' (each call after heavy work that holds the GPU at its power limit). 'unknown' where NVML gave no
+    clock-event reasons for any of them (the call Not Supported): what held the clock was not seen."""
+    known = [r.reasons for r in readings if r.reasons is not None]
+    if readings and not known:
+        return f"{regime}, unknown (no clock-event reasons)"
     seen = set()
-    for r in readings:
-        seen.update(decode_reasons(r.reasons or 0))
+    for reasons in known:
+        seen.update(decode_reasons(reasons))
     if seen & OUT_OF_STATE_REASONS:
         return f"{regime}, thermal-limited"
     if "power_cap" in seen:
@@ -263,7 +267,8 @@ class StateProtocol:
         mask = 0
         for r in kept:
             mask |= r.reasons or 0
-        out["timed_reasons"] = ",".join(decode_reasons(mask)) or "none"
+        read = any(r.reasons is not None for r in kept)
+        out["timed_reasons"] = ",".join(decode_reasons(mask)) or ("none" if read else "n/a")
         return out
 
 

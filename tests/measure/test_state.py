@@ -123,6 +123,17 @@ def test_the_state_label_names_what_held_the_clock():
     assert state_label([StateReading(1980, 300, 40, 0)]) == "sustained, boost"
     assert state_label([StateReading(1500, 700, 60, 0x4)]) == "sustained, power-capped"
     assert state_label([StateReading(1400, 700, 88, 0x4 | 0x20)]) == "sustained, thermal-limited"
+    assert state_label([StateReading(1500, 700, 60, None), StateReading(1500, 700, 60, 0x4)]) == \
+        "sustained, power-capped"
+
+
+def test_a_row_whose_clock_event_reasons_nvml_cannot_read_claims_no_state():
+    """With the reasons call Not Supported (None in every reading) the row read `sustained, boost` and timed reasons
+    `none`, as if NVML had seen nothing holding the clock."""
+    p = protocol(Script([(1980, 300, 50, None)]), min_s=0.0)
+    assert p.hold(StateReading(1980, 300, 50, None))
+    summary = p.summary()
+    assert summary["state"] == "sustained, unknown (no clock-event reasons)" and summary["timed_reasons"] == "n/a"
 
 
 def test_no_clock_readings_settle_without_a_reference_and_hold_everything():
