@@ -187,8 +187,9 @@ class StateProtocol:
         self.min_sample_s = self.capped_sample_s if self.capped else 0.0
         self.estimator = "mean" if self.capped else "median"
         result = Settled(ref, self._clock() - t0, chunks, steady)
+        unsettled = "no (max_s reached)" if clocks else "no (NVML gave no SM clock: max_s run)"
         self.notes.update(settle_s=f"{result.seconds:.3f}", settle_chunks=str(chunks),
-                          settled_sm_mhz=_fmt(ref), settled="yes" if steady else "no (max_s reached)",
+                          settled_sm_mhz=_fmt(ref), settled="yes" if steady else unsettled,
                           power_capped="yes" if self.capped else "no")
         self.notes["estimator"] = self.estimator
         if self.capped:

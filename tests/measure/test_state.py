@@ -141,6 +141,7 @@ def test_no_clock_readings_settle_without_a_reference_and_hold_everything():
     p = protocol(s, min_s=0.0, max_s=0.05, chunk_s=0.01)
     settled = p.settle(s.chunk)
     assert settled.sm_mhz is None and not settled.steady
+    assert p.notes["settled"] == "no (NVML gave no SM clock: max_s run)"  # not "max_s reached", as if it swung
     assert p.hold(StateReading(None, None, None, None)) and p.summary()["settled_sm_mhz"] == "n/a"
 
 
