@@ -7,6 +7,7 @@ import statistics
 import time
 from typing import Callable
 
+from ._attribution import TimerError
 from ._sampling import _WARMUP_MAX, _WARMUP_S, _heated, _sample, _settle
 
 _SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts SM clock cycles; about the boost clock of current GPUs
@@ -81,4 +82,8 @@ def _run_events(torch, call, flush, per_call, rule, notes, state=None, heat=None
         return [max(start.elapsed_time(end) - zero_ms, 0.0) / per_call for start, end in zip(starts, ends)]
 
     samples, reason = _sample(batch, per_call_s, rule, started, notes, state)
+    if statistics.median(samples) <= 0:  # a row of 0 ms would be no time at all (and no rate could divide by it)
+        raise TimerError(f"CUDA events timed nothing: most of {len(samples)} samples were no longer than what an "
+                         f"event pair adds to a kernel ({zero_ms * 1e3:.2f} µs, {how}); the callable launches no GPU "
+                         f"work, or too little for events to resolve; time it with timer='cupti'")
     return samples, reason, warm

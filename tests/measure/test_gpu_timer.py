@@ -653,6 +653,13 @@ def test_time_gpu_unstable_end_to_end(sim):
     assert sim.enabled == set()  # closed on the error too
 
 
+def test_time_gpu_events_of_a_callable_that_launches_nothing_raises(sim):
+    """Every events sample is clamped at 0 when the pair brackets no kernel: the row read 0 ms, and the worker's
+    rates then failed it with a bare ZeroDivisionError."""
+    with pytest.raises(TimerError, match="CUDA events timed nothing.*no GPU work.*timer='cupti'"):
+        time_gpu(lambda: None, StopRule(max_samples=10), timer="events")
+
+
 # --- argument checks (before any GPU work) ---------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [
