@@ -73,8 +73,10 @@ def _div(x, d):
 
 
 def _reasons_reader(nv, h, errors: dict[str, str]) -> Callable[[], int | None]:
-    """Reads the clock-event reasons; drivers before 535 only have the older Throttle name of the call."""
-    calls = [nv.nvmlDeviceGetCurrentClocksEventReasons, nv.nvmlDeviceGetCurrentClocksThrottleReasons]
+    """Reads the clock-event reasons; drivers before 535 only have the older Throttle name of the call, and so do
+    nvidia-ml-py releases before 12.535 (no attribute of the newer name)."""
+    newer = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    calls = [c for c in (newer, nv.nvmlDeviceGetCurrentClocksThrottleReasons) if c is not None]
 
     def read() -> int | None:
         while calls:

@@ -684,6 +684,17 @@ def test_gpu_environment_records_what_it_cannot_collect(fake_nvml):
     assert "not visible" in missing.errors["nvml"] and missing.gpu_name == "" and missing.clocks == {}
 
 
+def test_an_nvidia_ml_py_without_the_clocks_event_name_reads_the_throttle_one(fake_nvml):
+    """nvidia-ml-py before 12.535 (the environment asks for >= 12) has no nvmlDeviceGetCurrentClocksEventReasons: the
+    GPU environment raised AttributeError, so no worker could prepare its device."""
+    m = fake_nvml()
+    del m.nvmlDeviceGetCurrentClocksEventReasons
+    env = nvml.gpu_environment(0)
+    assert env.clocks["clock_event_reasons"] == 5.0 and "clock_event_reasons" not in env.errors
+    errors = {}
+    assert nvml.state_probe(0, errors)().reasons == 5 and errors == {}
+
+
 def test_telemetry_and_energy_through_nvml(fake_nvml):
     fake_nvml(event_reasons=False)
     with Telemetry(1, hz=100) as tel:
