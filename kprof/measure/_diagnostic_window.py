@@ -48,14 +48,24 @@ MAX_RECORDS = 10_000_000
 
 def _energy_reader(index: int, errors: dict[str, str]):
     """NVML's total-energy counter (mJ), read at the window's ends and with each sample; None (why in errors)
-    where the GPU has none."""
+    where the GPU has none. A read NVML refuses partway (an Unknown Error) is None, why in errors: the window
+    already recorded is kept."""
     from ._nvml_access import NvmlError, _energy_counter
 
     try:
-        return _energy_counter(index)
+        counter = _energy_counter(index)
     except NvmlError as e:
         errors["energy"] = str(e)
         return None
+
+    def read() -> int | None:
+        try:
+            return counter()
+        except Exception as e:  # noqa: BLE001 - recorded, as every other reading NVML refuses
+            errors.setdefault("energy", f"reading the energy counter failed: {type(e).__name__}: {e}")
+            return None
+
+    return read
 
 
 def _kernels_only(session) -> None:
@@ -191,7 +201,8 @@ def record_window(case, *, duration_s: float, telemetry_hz: float, clear_l2: boo
     return Window(launches=launches, span_s=last_end / 1e9, busy_ns=busy,
                   samples=samples, telemetry_hz=telemetry_hz,
                   telemetry_errors=errors,
-                  energy=(e0[0] - host0, e0[1], e1[0] - host0, e1[1]) if e0 and e1 else None,
+                  energy=(e0[0] - host0, e0[1], e1[0] - host0, e1[1]) if e0 and e1 and None not in (e0[1], e1[1])
+                  else None,
                   kernels=one, prefix=pre if unroll == 1 else (), notes=notes)
 
 

@@ -187,6 +187,7 @@ def test_energy_per_launch_from_the_counter_at_the_window_ends():
     assert energy_summary(None, 10, [], "no counter on this GPU")["error"] == "no counter on this GPU"
 
 
+
 def test_window_args_are_checked():
     assert check_window_args(10, 20) == (10.0, 20.0)
     assert check_window_args(1.5, 0, allow_off=True) == (1.5, 0.0)
@@ -416,6 +417,23 @@ def test_record_window_cold_eager_on_a_fake_gpu(fake_gpu):
     assert len(w.samples) >= 3 and w.samples[0].t <= 0.001 and w.samples[0].energy_mj is not None
     assert w.samples[0].reasons == 0x4 and w.telemetry_errors == {}
     assert w.energy is not None and w.energy[3] > w.energy[1]
+
+
+def test_an_energy_counter_that_fails_partway_leaves_the_window_without_energy(fake_gpu, monkeypatch):
+    """NVML's refusal at the window's end (an Unknown Error) escaped record_window: the window was lost and
+    `kprof measure` ended with a traceback."""
+    pynvml = pytest.importorskip("pynvml")
+    reads = iter(range(10**9))
+
+    def counter():
+        if next(reads) >= 3:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return 1_000_000
+
+    monkeypatch.setattr("kprof.measure._nvml_access._energy_counter", lambda index: counter)
+    w = _diagnostic_window.record_window(_case(fake_gpu), duration_s=0.05, telemetry_hz=200.0)
+    assert w.energy is None and "Unknown Error" in w.telemetry_errors["energy"]
+    assert len(w.launches.duration) > 10 and "sampler" not in w.telemetry_errors  # telemetry sampled on
 
 
 def test_record_window_warm_graph_unrolls_small_kernels(fake_gpu):
