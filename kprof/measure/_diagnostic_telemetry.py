@@ -119,6 +119,10 @@ def energy_summary(energy: tuple[float, int, float, int] | None, launches: int, 
                 "error": error or "no energy counter reading"}
     t0, e0, t1, e1 = energy
     seconds = t1 - t0
+    if e1 <= e0:  # a stuck counter (or one reset): no energy at all is not what the GPU drew
+        return {"joules": None, "j_per_launch": None, "power_w": None, "rel_uncertainty_max": None,
+                "error": f"the energy counter did not advance over the {seconds:.2f} s window ({e0} to {e1} mJ); it "
+                         f"steps about every 0.1 s, so NVML's counter is not working on this GPU"}
     joules = (e1 - e0) / 1e3
     tick = _tick_s(samples) or 0.1
     return {"joules": joules, "j_per_launch": joules / launches if launches else None,

@@ -187,6 +187,13 @@ def test_energy_per_launch_from_the_counter_at_the_window_ends():
     assert energy_summary(None, 10, [], "no counter on this GPU")["error"] == "no counter on this GPU"
 
 
+@pytest.mark.parametrize("end_mj", [1_000_000, 999_000])
+def test_a_counter_that_did_not_advance_gives_no_energy(end_mj):
+    """A stuck counter read 0 J and 0 W a launch (one that went back, negative joules), as if measured."""
+    e = energy_summary((0.0, 1_000_000, 10.0, end_mj), 5000, telemetry(10.0))
+    assert e["joules"] is None and e["j_per_launch"] is None and e["power_w"] is None
+    assert "did not advance over the 10.00 s window" in e["error"]
+
 
 def test_window_args_are_checked():
     assert check_window_args(10, 20) == (10.0, 20.0)
