@@ -138,6 +138,9 @@ class CudaDevice:
         self.energy_s = energy_window_s()
         self.capped_sample_s = capped_sample_s()
         self.env = (environment or gpu_environment)()
+        if "nvml" in self.env.errors:  # every row's telemetry and energy would fail on it, one spec at a time
+            raise UsageError(f"NVML cannot read CUDA device 0 ({self.env.errors['nvml']}); a CUDA row's clocks, power, "
+                             f"thermal state and energy come from NVML: run where the driver's NVML can open this GPU")
         self._wake()
         self.state_errors: dict[str, str] = {}
         self.start_notes: dict[str, str] = {}

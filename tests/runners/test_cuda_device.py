@@ -144,3 +144,25 @@ def test_a_stuck_energy_counter_fails_the_row_rather_than_storing_an_energy(gpu)
     from kprof.runners.worker import classify
 
     assert classify(exc.value) == "crash"
+
+
+def test_a_gpu_nvml_cannot_open_is_refused_before_any_spec(gpu, monkeypatch):
+    """NVML refusing the device (Insufficient Permissions) made the device anyway, and every spec then failed in
+    turn on the telemetry's NvmlError, each a failed row; the device is refused up front (exit 2, nothing written)."""
+    import msgspec
+    import torch
+
+    from kprof.errors import UsageError
+    from kprof.runners.cuda_device import CudaDevice
+    from kprof.runners.registry import lookup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(CudaDevice, "_wake", lambda self: pytest.fail("woke a device NVML cannot read"))
+    entry = lookup("single_gemm", "torch")
+    contract = msgspec.structs.replace(entry.contract, timing="events;l2=cold;eager")
+    entry = msgspec.structs.replace(entry, contract=contract)
+    gpu.fail["nvmlDeviceGetHandleByIndex"] = (pynvml.NVML_ERROR_NO_PERMISSION, 0)
+    with pytest.raises(UsageError, match="NVML cannot read CUDA device 0 .*Insufficient Permissions"):
+        CudaDevice(entry, "NVIDIA H200", None)
