@@ -150,5 +150,8 @@ def _energy_counter(index: int) -> Callable[[], int]:
     try:
         nv.nvmlDeviceGetTotalEnergyConsumption(h)
     except nv.NVMLError as e:
-        raise NvmlError(f"CUDA device {index} has no NVML energy counter ({e}); energy_j needs Volta or newer") from e
+        if e.value == nv.NVML_ERROR_NOT_SUPPORTED:
+            raise NvmlError(f"CUDA device {index} has no NVML energy counter ({e}); energy_j needs Volta or "
+                            f"newer") from e
+        raise NvmlError(f"NVML could not read the energy counter of CUDA device {index} ({e})") from e
     return lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h)

@@ -166,3 +166,14 @@ def test_a_gpu_nvml_cannot_open_is_refused_before_any_spec(gpu, monkeypatch):
     gpu.fail["nvmlDeviceGetHandleByIndex"] = (pynvml.NVML_ERROR_NO_PERMISSION, 0)
     with pytest.raises(UsageError, match="NVML cannot read CUDA device 0 .*Insufficient Permissions"):
         CudaDevice(entry, "NVIDIA H200", None)
+
+
+def test_an_energy_counter_nvml_refuses_is_not_called_missing(gpu):
+    """Insufficient Permissions on the energy counter read "has no NVML energy counter; energy_j needs Volta or
+    newer", a wrong cause on an H200."""
+    gpu.fail["nvmlDeviceGetTotalEnergyConsumption"] = (pynvml.NVML_ERROR_NO_PERMISSION, 0)
+    with pytest.raises(Exception) as exc:
+        device(energy_s=0.25).measure(case(), RULE)
+    message = str(exc.value)
+    assert "could not read the energy counter of CUDA device 0 (Insufficient Permissions)" in message
+    assert "Volta" not in message and "KPROF_ENERGY_S=0" in message
