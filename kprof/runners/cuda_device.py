@@ -117,8 +117,10 @@ class CudaDevice:
                              f"none; run on a GPU machine{or_on_cpu(entry)}")
         actual = torch.cuda.get_device_name(0)
         if actual != gpu_key:
-            raise SettingError(*(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); omit {name}"
-                                 for name in ("gpu_name=", "--gpu-name")))
+            # a pool worker's device is one KPROF_PROFILE_GPUS may have named: the key then came from another GPU
+            raise SettingError(*(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); measure on a GPU of "
+                                 f"that model (KPROF_PROFILE_GPUS and CUDA_VISIBLE_DEVICES name the GPUs), or omit "
+                                 f"{name}" for name in ("gpu_name=", "--gpu-name")))
         torch.cuda.set_device(0)
         self.torch = torch
         from .catalog import parse_timing, timing_power

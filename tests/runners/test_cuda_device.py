@@ -177,3 +177,21 @@ def test_an_energy_counter_nvml_refuses_is_not_called_missing(gpu):
     message = str(exc.value)
     assert "could not read the energy counter of CUDA device 0 (Insufficient Permissions)" in message
     assert "Volta" not in message and "KPROF_ENERGY_S=0" in message
+
+
+def test_a_worker_on_a_gpu_of_another_model_names_the_gpu_setting(gpu, monkeypatch):
+    """KPROF_PROFILE_GPUS naming an A100 on a host whose device 0 (the key's) is an H200: the worker's refusal
+    said only "omit gpu_name=", which the run was never given."""
+    import msgspec
+    import torch
+
+    from kprof.errors import SettingError
+    from kprof.runners.cuda_device import CudaDevice
+    from kprof.runners.registry import lookup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    entry = lookup("single_gemm", "torch")
+    with pytest.raises(SettingError, match="differs from CUDA device 0 .*A100.*KPROF_PROFILE_GPUS") as exc:
+        CudaDevice(entry, "NVIDIA H200", None)
+    assert exc.value.cli.endswith("or omit --gpu-name")
