@@ -147,6 +147,9 @@ class CounterPolls:
             raise NvmlError(f"reading the energy counter failed: {self._failure[0]}") from self._failure[0]
 
 
+_TICK_S = 0.1  # NVML's energy counter steps about this often (98 ms on an H200)
+
+
 class _Power(NamedTuple):
     power_w: float
     rel: float
@@ -167,9 +170,15 @@ def _power(polls: CounterPolls, t0: float, t1: float, c0: int, c1: int, method: 
     if method == "fit" and len(points) >= 2:
         power, rel = fit_power(points)
         return _Power(power, rel, "nvml-energy-fit" if len(points) >= 3 else "nvml-energy-ticks", points, tick_s)
-    # Each reading lags the true energy by 0..one step: the difference of two uniforms, sigma = step/sqrt(6).
     window = t1 - t0
-    return _Power((c1 - c0) / window / 1000, (tick_s or 0.1) / math.sqrt(6) / window, "nvml-energy-2read", [],
+    stepped = sum(1 for (ta, ca), (tb, cb) in zip(polls.polls, polls.polls[1:]) if cb != ca and ta < t1 and tb > t0)
+    if method == "fit" and stepped < 2 and window >= 5 * _TICK_S:
+        # One step in a window of five: the two readings hold up to a whole step of energy too little or too much
+        raise NvmlError(f"the energy counter stepped {stepped} time(s) in {window:.2f} s, where NVML's steps about "
+                        f"every {_TICK_S} s: too few to measure energy (a counter that stalls, or steps more slowly on "
+                        f"this GPU); a longer window holds more steps")
+    # Each reading lags the true energy by 0..one step: the difference of two uniforms, sigma = step/sqrt(6).
+    return _Power((c1 - c0) / window / 1000, (tick_s or _TICK_S) / math.sqrt(6) / window, "nvml-energy-2read", [],
                   tick_s)
 
 

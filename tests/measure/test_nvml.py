@@ -417,6 +417,15 @@ def test_settled_energy_of_a_capped_kernel_fits_settled_fit_s():
         assert (r.power_w == pytest.approx(700.0, rel=0.05)) is near, r
 
 
+def test_settled_energy_refuses_a_counter_that_steps_once_in_its_window():
+    """A counter stepping every 1.5 s (or one that stalls) gave a two-reading energy 25 % low over the 2 s window,
+    claiming 2 % uncertainty from an assumed 0.1 s step."""
+    from kprof.measure.nvml import settled_energy
+
+    with pytest.raises(NvmlError, match=r"stepped 1 time\(s\) in .* too few to measure energy"):
+        settled_energy(_back_to_back(lambda: time.sleep(0.001), 0.001), span_s=0.25, counter=FakeCounter(tick=1.5))
+
+
 def test_settled_energy_errors():
     from kprof.measure.nvml import settled_energy
 
