@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator
 
 import msgspec
 
-from ..errors import KprofError
+from ..errors import KprofError, UsageError
 from ..ledger.build import failed, measured
 from ..ledger.events import Environment, Event, Method, Origin, Provenance, Stats
 from ..ledger.keys import KeyMaker
@@ -90,7 +90,13 @@ def prepare_device(entry: Entry, gpu_key: str, environment: Callable[[], Environ
         return _CpuDevice(environment, timing_threads(entry.contract.timing))
     from .cuda_device import CudaDevice
 
-    return CudaDevice(entry, gpu_key, environment)
+    try:
+        return CudaDevice(entry, gpu_key, environment)
+    except KprofError:
+        raise
+    except Exception as e:  # its first CUDA work failed (memory another process holds, a GPU busy in exclusive mode)
+        raise UsageError(f"CUDA device 0 could not be prepared ({type(e).__name__}: {str(e)[:500]}); nothing was "
+                         f"measured: check with nvidia-smi that no other process holds the GPU") from e
 
 
 def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin = Origin(),

@@ -99,3 +99,27 @@ def test_cuda_recover_surfaces_a_sticky_error_even_with_no_cached_memory():
     d.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=synchronize, empty_cache=lambda: None))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         d.recover()
+
+
+def test_a_cuda_device_whose_first_work_fails_is_refused_not_a_traceback(monkeypatch):
+    """KPROF_POOL's default measures a host's one GPU in this process: a GPU whose memory another process holds made
+    the device's wake-up raise OutOfMemoryError out of `run`, a traceback; a worker's refusal was already exit 2."""
+    import pytest
+    import torch
+
+    from kprof.errors import UsageError
+    from kprof.runners.cuda_device import CudaDevice
+    from kprof.runners.worker import prepare_device
+
+    def wake(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 120.00 MiB")
+
+    monkeypatch.setenv("KPROF_SKIP_ENV_CHECK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(CudaDevice, "_wake", wake)
+    entry = lookup("single_gemm", "torch")
+    contract = msgspec.structs.replace(entry.contract, timing="events;l2=cold;eager")
+    with pytest.raises(UsageError, match="CUDA device 0 could not be prepared .*OutOfMemoryError.*nvidia-smi"):
+        prepare_device(msgspec.structs.replace(entry, contract=contract), "NVIDIA H200", Environment)
