@@ -13,7 +13,7 @@ __all__ = ["record"]
 def record(entry: Entry, canonical: dict, gpu_key: str, duration_s: float, telemetry_hz: float, clear_l2: bool,
            graph: bool):
     """(window, device environment) measured on CUDA device 0. UsageError for what this machine lacks (CUDA in
-    torch, CUPTI, NVML); DiagnosticError when the kernel cannot be built or checked."""
+    torch, CUPTI, NVML); DiagnosticError when the kernel cannot be built, checked or run."""
     import msgspec
     import torch
 
@@ -49,4 +49,11 @@ def record(entry: Entry, canonical: dict, gpu_key: str, duration_s: float, telem
                               f"{gpu_key}: {type(e).__name__}: {str(e)[:500]}; nothing was written") from e
     from ..measure._diagnostic_window import record_window
 
-    return record_window(case, duration_s=duration_s, telemetry_hz=telemetry_hz, clear_l2=clear_l2, graph=graph), device
+    try:
+        window = record_window(case, duration_s=duration_s, telemetry_hz=telemetry_hz, clear_l2=clear_l2, graph=graph)
+    except KprofError:
+        raise
+    except Exception as e:  # an OOM or a CUDA error while the window ran: one line, nothing written
+        raise DiagnosticError(f"{entry.table}/{entry.backend} {canonical} could not be measured on {gpu_key}: "
+                              f"{type(e).__name__}: {str(e)[:500]}; nothing was written") from e
+    return window, device
