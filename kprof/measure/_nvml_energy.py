@@ -161,7 +161,10 @@ class _Power(NamedTuple):
 def _power(polls: CounterPolls, t0: float, t1: float, c0: int, c1: int, method: str = "fit") -> _Power:
     """Mean power over [t0, t1] from the counter's steps polled inside it (less a leading ramp), or from the two
     readings c0, c1 at its ends (method "two_read", or fewer than two steps)."""
-    if c1 <= c0:
+    if c1 < c0:
+        raise NvmlError(f"the energy counter went back over {t1 - t0:.2f} s, from {c0} to {c1} mJ: NVML's counter was "
+                        f"reset (a driver reload, a GPU reset) while the calls ran; measure again")
+    if c1 == c0:
         raise NvmlError(f"the energy counter did not advance over {t1 - t0:.2f} s; it steps about every 0.1 s, "
                         f"so check that the device is the one the calls run on")
     points = steady_points(tick_points(polls.polls, t0, t1, max_width=max(0.02, 10 * polls.poll_s)))

@@ -426,6 +426,17 @@ def test_settled_energy_refuses_a_counter_that_steps_once_in_its_window():
         settled_energy(_back_to_back(lambda: time.sleep(0.001), 0.001), span_s=0.25, counter=FakeCounter(tick=1.5))
 
 
+def test_settled_energy_names_a_counter_that_went_back():
+    """A counter reset while the calls ran (ending below where it started) read "did not advance ... check that the
+    device is the one the calls run on", a wrong cause."""
+    from kprof.measure.nvml import settled_energy
+
+    counter, base = FakeCounter(), time.perf_counter()
+    with pytest.raises(NvmlError, match=r"went back over .* s, from \d+ to \d+ mJ: NVML's counter was reset"):
+        settled_energy(_back_to_back(lambda: time.sleep(0.001), 0.001), span_s=0.25,
+                       counter=lambda: counter() - (10**9 if time.perf_counter() - base > 0.1 else 0))
+
+
 def test_settled_energy_errors():
     from kprof.measure.nvml import settled_energy
 
