@@ -27,6 +27,7 @@ def check_output_dir(path: str) -> None:
 
 
 _STAGING = ".snapshot-"  # a staging folder's name, in the output directory, starts so
+LEGEND_MAX = 10  # curve.png's lines with a legend: matplotlib's colours repeat past 10, and 30 labels overflow it
 
 
 def curve(result: dict, args_order: list[str]) -> dict:
@@ -120,10 +121,9 @@ def _plot(c: dict, path: str) -> bool:
     ok = [p for pts in series.values() for p in pts]
     if not ok:
         return False
-    comm = metric == "busbw_gbps"
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in ok)
-    for label, pts in sorted(series.items(), key=_label_order if comm else None):
+    for label, pts in series.items():
         pts.sort(key=lambda t: t[0] if numeric else str(t[0]))
         ax.plot([str(v) if not numeric else v for v, _ in pts], [y for _, y in pts], marker="o", label=label)
     if numeric and max(v for v, _ in ok) > 16 * max(1, min(v for v, _ in ok)):
@@ -131,8 +131,12 @@ def _plot(c: dict, path: str) -> bool:
     ax.set_xlabel(x)
     ax.set_ylabel(metric)
     fixed = ", ".join(f"{k}={v}" for k, v in c["fixedArgs"].items())
-    ax.set_title(f"{c['table']} / {c['backend']} on {c['gpu_name']}\n{fixed}", fontsize=9)
-    if len(series) > 1:
+    title = f"{c['table']} / {c['backend']} on {c['gpu_name']}\n{fixed}"
+    if len(series) > LEGEND_MAX:  # more lines than colours, and a legend taller than the plot: none, a count instead
+        by = ", ".join(a for a in c["axes"] if a != x)
+        title += f"\n{len(series)} lines, one per {by} (curve.json holds each point)"
+    ax.set_title(title, fontsize=9)
+    if 1 < len(series) <= LEGEND_MAX:
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -143,9 +147,10 @@ def _plot(c: dict, path: str) -> bool:
 
 
 def plot_series(c: dict) -> tuple[str | None, str, dict[str, list]]:
-    """(x axis, metric, {label: [(x, value)]}) of a curve.json document: time_ms against x, one series per y value
-    (facets folded into the label); for collectives (rows with busbw_gbps), busbw_gbps against message_size_bytes,
-    one series per world size (other varying axes folded into the label), as nccl-tests' curves are read."""
+    """(x axis, metric, {label: [(x, value)]} in label order, numbers as numbers) of a curve.json document: time_ms
+    against x, one series per y value (facets folded into the label); for collectives (rows with busbw_gbps),
+    busbw_gbps against message_size_bytes, one series per world size (other varying axes folded into the label), as
+    nccl-tests' curves are read."""
     comm = "busbw_gbps" in c["metrics"]
     x, metric = ("message_size_bytes", "busbw_gbps") if comm else (c["x"], "time_ms")
     ok = [p for p in c["points"] if p.get(metric) is not None]
@@ -160,7 +165,7 @@ def plot_series(c: dict) -> tuple[str | None, str, dict[str, list]]:
     for p in ok:
         label = ", ".join(f"{a}={p[a]}" for a in rest) or "all"
         series.setdefault(label, []).append((p[x], p[metric]))
-    return x, metric, series
+    return x, metric, dict(sorted(series.items(), key=_label_order))
 
 
 def _label_order(item) -> tuple:

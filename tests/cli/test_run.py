@@ -351,6 +351,26 @@ class _Killed(BaseException):
     its flocks, which closing the fd does."""
 
 
+def test_a_snapshot_of_many_lines_plots_them_in_order_without_a_legend_past_the_colours(tmp_path):
+    """A sweep of 64 n by 2 dtypes drew 128 lines with a legend of 128 labels, in text order (n=1024 before n=128),
+    over the plot and past the figure, and matplotlib's warning (tight layout not applied, with a source path) came
+    on the run's stderr. The lines are in number order; past LEGEND_MAX, the title counts them instead."""
+    import warnings
+
+    from kprof import artifacts
+
+    specs = [{"m": m, "n": 128 * i, "k": 8, "dtype": d} for i in range(1, 65) for d in ("bf16", "fp16") for m in (1, 2)]
+    result = {"table": "single_gemm", "backend": "torch-cpu", "gpu_name": "cpu", "results": [
+        {"spec": s, "status": "ok", "citation": f"kprof.{j:016x}", "metrics": {"time_ms": 0.1 * s["m"]}}
+        for j, s in enumerate(specs)]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        written = artifacts.write_snapshot(str(tmp_path / "snap"), {"specs": specs}, result, {}, ["m", "n", "k", "dtype"])
+    assert "curve.png" in written
+    labels = list(artifacts.plot_series(artifacts.curve(result, ["m", "n", "k", "dtype"]))[2])
+    assert labels[:3] == ["n=128, dtype=bf16", "n=128, dtype=fp16", "n=256, dtype=bf16"] and len(labels) == 128
+
+
 SNAPSHOT_FILES = {"request.json", "results.json", "curve.json", "job.meta.json"}
 
 
