@@ -175,6 +175,8 @@ def parse_specs_file(path: str) -> list[Any]:
             raise SpecError(f"--specs {path} is not valid JSON or JSONL ({_located(exc, data)}); fix the "
                             f"file") from None
         doc = [_decode(ln, f"--specs {path} line {n}", i) for i, (n, ln) in enumerate(lines)]
+    if isinstance(doc, dict) and isinstance(doc.get("table"), str) and isinstance(doc.get("backend"), str):
+        _refuse_output(path, doc)  # no spec has a field "backend": a document kprof wrote
     if isinstance(doc, dict) and isinstance(doc.get("specs"), list):
         extra = sorted(set(doc) - {"specs"})
         if extra:  # read as one spec, it would be refused for its field "specs", which is not the mistake
@@ -194,6 +196,26 @@ def parse_specs_file(path: str) -> list[Any]:
     if not doc:
         raise UsageError(f"--specs {path} holds no specs; it needs at least one")
     return doc
+
+
+# kprof's own documents: (a field that tells it, its list of specs, what it is, jq's filter for the specs alone)
+_OUTPUTS = (("missing_count", "missing", "`kprof count-missing --json` output", ".missing"),
+            ("view_root", "results", "`kprof query --json` or `kprof run --json` output (or a snapshot's results.json)",
+             "[.results[].spec]"),
+            ("mode", "specs", "a snapshot's request.json", ".specs"),
+            ("axes", "points", "a snapshot's curve.json (its points hold only the fields that vary)", None))
+
+
+def _refuse_output(path: str, doc: dict) -> None:
+    """A --specs file that is a document kprof wrote (count-missing/query/run --json, a snapshot's files) was read as
+    one spec and refused for its field "table" or "backend", with a fix (--backend) the command already followed."""
+    for tell, field, what, jq in _OUTPUTS:
+        if tell in doc and isinstance(doc.get(field), list):
+            where = (f'its specs are its "{field}" list: write them to a file of their own, e.g. jq \'{jq}\' {path} > '
+                     f"specs.json" if jq else "the snapshot's request.json holds its specs: jq '.specs' request.json > "
+                     "specs.json")
+            raise SpecError(f"--specs {path} is {what} for {doc['table']}/{doc['backend']}, not a file of specs; "
+                            f"{where}", field=field)
 
 
 def read_specs(spec: list[str] | None, specs: str | None) -> list[Any]:

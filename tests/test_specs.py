@@ -205,6 +205,36 @@ def test_a_specs_wrapper_around_something_not_a_list_says_so(inner, held, tmp_pa
     _no_db(db)
 
 
+_HEAD = {"table": "single_gemm", "backend": "torch-cpu", "gpu_name": "cpu", "db": "profile.db", "count": 1,
+         "missing_count": 1}
+
+
+@pytest.mark.parametrize("doc, jq, specs", [
+    ({**_HEAD, "missing": [A]}, ".missing", [A]),  # count-missing --json
+    ({**_HEAD, "mode": "query", "view_root": "00", "results": [{"spec": A, "status": "missing"}]}, "[.results[].spec]",
+     [A]),  # query or run --json, results.json
+    ({"table": "single_gemm", "backend": "torch-cpu", "mode": "jit", "specs": [A]}, ".specs", [A]),  # request.json
+])
+def test_a_document_kprof_wrote_names_where_its_specs_are(doc, jq, specs, tmp_path, capsys, empty_db):
+    """`count-missing --json` output fed back to --specs (a script's loop) was read as one spec, refused for its field
+    "table" with "use only {m, n, k, dtype}", and a snapshot's request.json was told to "pass --backend instead",
+    which the command had done."""
+    path = _write(tmp_path, "out.json", json.dumps(doc))
+    assert main(["count-missing", *GEMM, "--specs", path, "--db", empty_db]) == 2
+    err = capsys.readouterr().err
+    assert f"--specs {path} is " in err and "for single_gemm/torch-cpu, not a file of specs" in err, err
+    assert f"jq '{jq}' {path} > specs.json" in err and "--backend" not in err and "KernelArgs" not in err, err
+    alone = _write(tmp_path, "specs.json", json.dumps(specs))  # what the jq filter writes
+    assert _count(capsys, ["--specs", alone, "--db", empty_db])["missing"] == [A]
+
+
+def test_a_spec_written_with_its_table_and_backend_is_not_taken_for_kprof_output(tmp_path, capsys, empty_db):
+    path = _write(tmp_path, "spec.json", json.dumps({"table": "single_gemm", "backend": "torch-cpu", **A}))
+    assert main(["count-missing", *GEMM, "--specs", path, "--db", empty_db]) == 2
+    err = capsys.readouterr().err
+    assert 'spec 0: field "table" is not a KernelArgs field of single_gemm' in err and "jq" not in err, err
+
+
 def test_a_spec_that_is_not_json_is_not_told_to_be_a_gemm_spec(capsys, db):
     """The fix offered a single_gemm spec as what to write, whatever the table: followed for rms_norm, it is refused
     again for every field."""
