@@ -53,6 +53,7 @@ def merge(segments: Annotated[list[str], Parameter(help=(
     if json:
         emit_json({"ok": True, **result.to_json()})
     else:
-        console().print(f"merged {result.added} new event(s) into {result.db} ({result.existing} already there) from "
-                        f"{len(result.segments)} segment(s)", markup=False)
+        again = f", {result.repeated} repeated in the segments" if result.repeated else ""
+        console().print(f"merged {result.added} new event(s) into {result.db} ({result.existing} already there{again}) "
+                        f"from {len(result.segments)} segment(s)", markup=False)
     return 0

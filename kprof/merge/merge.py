@@ -70,6 +70,7 @@ class MergeResult(NamedTuple):
     added: int  # events newly written
     existing: int  # events the ledger held already
     seconds: float
+    repeated: int = 0  # events that an earlier segment of the merge (or an earlier place in one) holds too
 
     def to_json(self) -> dict:
         return self._asdict()
@@ -176,6 +177,7 @@ class _Check:
         self.unchecked: set[bytes] = set()  # keys whose current row a segment's retraction withdrew, unknown after
         self.withdrawn: set[bytes] = set()  # the targets of the segments' retractions so far
         self.seen: set[bytes] = set()  # event ids of the segments so far
+        self.held, self.repeated = set(), 0  # ids passed over (held here, or given before); how many were given before
         self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
         self.children: dict[bytes, tuple[int, int]] = {}  # a parent's event id -> (segment, index) of its first child
         self.conflicts: list[dict] = []
@@ -217,6 +219,8 @@ class _Check:
         for i, (event, eid) in enumerate(zip(events, eids), first):
             self.events += 1
             if eid in stored or eid in self.seen:
+                self.repeated += eid in self.seen or eid in self.held
+                self.held.add(eid)
                 continue
             self.seen.add(eid)
             key = event.key
@@ -285,11 +289,12 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
         early = _check_before_upgrade(db, paths, output_dir)
     segments = [{"path": p, "ledger_id": headers[p].ledger_id, "events": headers[p].events} for p in paths]
     if early is not None and not early.seen:  # every event is here already: the file is not upgraded for nothing
-        return MergeResult(ledger_path(db), segments, 0, early.events, time.perf_counter() - started)
+        return MergeResult(ledger_path(db), segments, 0, early.events - early.repeated, time.perf_counter() - started,
+                           early.repeated)
     with Ledger.open(db) as ledger:
-        added, existing = _merge_into(ledger, paths, output_dir, early)
+        added, existing, repeated = _merge_into(ledger, paths, output_dir, early)
         db_path = ledger.path
-    return MergeResult(db_path, segments, added, existing, time.perf_counter() - started)
+    return MergeResult(db_path, segments, added, existing, time.perf_counter() - started, repeated)
 
 
 def _check_before_upgrade(db: str | None, paths: list[str], output_dir: str | None) -> "_Check | None":
@@ -323,7 +328,7 @@ def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) 
     """Merges the segments at `paths` into the open (writable) ledger, all or nothing: (events added, events the
     ledger held already). A conflict writes `merge-report.json` to `output_dir` (default: the working directory)
     and raises MergeConflict. The pool merges each worker's segments through it as they arrive."""
-    return _merge_into(ledger, ordered(paths), output_dir)
+    return _merge_into(ledger, ordered(paths), output_dir)[:2]
 
 
 def _check(ledger: Ledger | None, paths: list[str], txn=None) -> _Check:
@@ -348,13 +353,13 @@ def _last_seq(ledger: Ledger, txn) -> int:
 
 
 def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None,
-                check: _Check | None = None) -> tuple[int, int]:
-    """merge_into of segments already in their merge order (`check`: pass 1, made already)."""
+                check: _Check | None = None) -> tuple[int, int, int]:
+    """merge_into of segments already in their merge order (`check`: pass 1, made already), and repeated events."""
     check = check or _check(ledger, paths)
     if check.conflicts:
         refuse(ledger, ledger.path, check.conflicts, paths, output_dir)
     if not check.seen:  # every event is here already: no write transaction (the file stays byte for byte as it was)
-        return 0, check.events
+        return 0, check.events - check.repeated, check.repeated
     added = existing = 0
     seq = check.last_seq  # the ledger's state the check holds for this merge's batches
 
@@ -384,7 +389,7 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None,
                          f"of {BATCH}, each checked), the rest are not, and nothing half-written is; the same merge "
                          f"again merges the rest")
         raise
-    return added, existing
+    return added, existing - check.repeated, check.repeated
 
 
 def _stored_batches(ledger: Ledger, batch_ids: list[list[bytes]]) -> int:

@@ -87,6 +87,25 @@ def test_export_then_merge_into_an_empty_ledger_reads_the_same(tmp_path, source)
     assert audit(target).ok
 
 
+def test_events_given_twice_among_the_segments_are_not_counted_as_already_there(tmp_path, capsys):
+    """Two exports of overlapping ranges (a directory of segments a team commits) merged into a new ledger said
+    "merged 30 new event(s) (20 already there)": nothing was there; 20 were given twice. Merged again, 70 (the
+    segments' events) were "already there" in a ledger of 30."""
+    path = _ledger(tmp_path / "src.db", synth.events(0, 30))
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    export(path, str(rows / "all.kseg"))
+    export(path, str(rows / "late.kseg"), since=10)
+    target = str(tmp_path / "new.db")
+    result = merge([str(rows)], target)
+    assert (result.added, result.existing, result.repeated) == (30, 0, 20)
+    again = merge([str(rows)], target)
+    assert (again.added, again.existing, again.repeated) == (0, 30, 20) and audit(target).ok
+    assert main(["merge", str(rows / "late.kseg"), str(rows / "all.kseg"), "--db", str(tmp_path / "cli.db")]) == 0
+    assert "merged 30 new event(s) into " in (out := capsys.readouterr().out)
+    assert "(0 already there, 20 repeated in the segments) from 2 segment(s)" in out, out
+
+
 def test_export_filters_and_since(tmp_path, source):
     path, _ = source
     everything = export(path, str(tmp_path / "all.kseg")).events
