@@ -71,10 +71,12 @@ class QueryResult(msgspec.Struct):
     measured: int = 0
     pool: dict | None = None  # where `run` measured: devices, whether forced, what the idle guard skipped
     host_busy: int = 0  # rows `run` measured while other work took the host's cores (their notes say host_busy)
+    timed_rows: int = 0  # of `measured`, those that made a row (a failure times nothing)
 
     def to_json(self) -> dict:
         doc = msgspec.to_builtins(self)
-        for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured", "pool", "host_busy"):
+        for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured", "pool", "host_busy",
+                      "timed_rows"):
             doc.pop(extra)
         return doc
 
@@ -240,7 +242,7 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
         result.seconds = time.perf_counter() - started
         result.timed_seconds = filled.timed_seconds
         result.measured = filled.measured
-        result.pool, result.host_busy = filled.pool, filled.host_busy
+        result.pool, result.host_busy, result.timed_rows = filled.pool, filled.host_busy, filled.timed_rows
         return result
     finally:
         if ledger is not None:

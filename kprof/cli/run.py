@@ -176,7 +176,7 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
                         markup=False)
     if devices:  # where it ran: a log line, on stderr in either mode
         console(stderr=True).print(devices, markup=False)
-    busy = _busy_host_note(table, backend, res.measured, load_before, mode, res.host_busy)
+    busy = _busy_host_note(table, backend, res.timed_rows, load_before, mode, res.host_busy)
     if busy:
         console(stderr=True).print(busy, markup=False)
     return res.exit_code

@@ -44,6 +44,7 @@ class Filled(NamedTuple):
     root_before: bytes | None  # the scope's view root before this run (None: no ledger file yet)
     spec_keys: list[bytes]  # each spec's key, in the request's order
     host_busy: int = 0  # rows measured while other work took the host's cores (their notes say host_busy)
+    timed_rows: int = 0  # the measurements that made a row (a failure's, an oom's before building, times nothing)
 
 
 def to_measure(spec_keys: list[bytes], rows: list, mode: str) -> list[int]:
@@ -224,7 +225,8 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
             state.fill(workers, levels[n], errored, rows_of)
             info["dropped"].extend(workers.dropped)
     info["waited_for"] = len(state.waited)
-    return Filled(errored, state.fresh, state.measured, state.timed, info, root_before, spec_keys, state.host_busy)
+    return Filled(errored, state.fresh, state.measured, state.timed, info, root_before, spec_keys, state.host_busy,
+                  state.timed_rows)
 
 
 class _State:
@@ -239,7 +241,7 @@ class _State:
         self.view_of = view_of  # the ledger's View of this fill's scope and contract
         self.fresh: dict[bytes, Any] = {}
         self.taken: dict[int, Any] = {}  # spec index -> its row (or None) when it was taken
-        self.measured, self.timed, self.host_busy = 0, 0.0, 0
+        self.measured, self.timed, self.host_busy, self.timed_rows = 0, 0.0, 0, 0
         self.waited: set[bytes] = set()
 
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
@@ -269,6 +271,7 @@ class _State:
             errored[k] = {"kind": res.event.error_kind, "message": res.event.message}
         else:
             self.host_busy += "host_busy" in res.event.method.notes
+            self.timed_rows += 1
         if self.mode == "fresh":
             self.fresh[k] = res.event
         elif res.segment is not None:

@@ -666,6 +666,19 @@ def test_cpu_rows_timed_on_a_busy_host_are_named_in_a_note(ledger_path, capsys, 
     assert "note: the host's load" not in capsys.readouterr().err  # nothing measured: nothing to say
 
 
+def test_a_busy_host_note_counts_only_the_rows_it_timed(ledger_path, capsys, h, monkeypatch):
+    """A spec past the machine's memory (an oom row, never built or timed) measured on a loaded host was counted
+    among "these 2 CPU row(s) were timed" and, alone, drew "1 CPU row(s) ... measure again on a quieter host with
+    `kprof run --force`", which gives the same oom."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(), HUGE), "--db", ledger_path,
+                 "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "passed its" in err and "these 1 CPU row(s) were timed" in err, err
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(HUGE), "--db", ledger_path, "--json"]) == 1
+    assert "note: the host's load" not in capsys.readouterr().err  # the oom again: nothing timed, nothing to say
+
+
 def test_cpu_rows_another_process_took_the_cores_of_are_named_in_a_note(ledger_path, capsys, h, monkeypatch):
     """A row flagged host_busy by the scheduler's involuntary switches (a neighbour holding a core, which the
     minute's load average misses) carried the flag in its notes only: `run` printed no note."""
