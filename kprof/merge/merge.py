@@ -334,14 +334,9 @@ def merge_into(ledger: Ledger, paths: list[str], output_dir: str | None = None) 
 def _check(ledger: Ledger | None, paths: list[str], txn=None) -> _Check:
     """Pass 1 over the segments, against the ledger (None: one not created yet, where no key has a row), as a read
     of it finds it (or as `txn` does)."""
-    if ledger is None:
-        check = _Check(None, None)
-        for parts in _batches(paths):
-            check.batch(parts)
-        return check
-    with ledger.read() if txn is None else contextlib.nullcontext(txn) as txn:
+    with contextlib.nullcontext(txn) if ledger is None or txn is not None else ledger.read() as txn:
         check = _Check(ledger, txn)
-        check.last_seq = _last_seq(ledger, txn)
+        check.last_seq = None if ledger is None else _last_seq(ledger, txn)
         for parts in _batches(paths):
             check.batch(parts)
     return check
