@@ -21,7 +21,8 @@ _json = msgspec.json.Encoder(order="deterministic")
 def check_output_dir(path: str) -> None:
     """Refuses a directory the snapshot could not be written to. Creates nothing: a run refused after this (a bad
     spec, an unknown backend) leaves nothing behind; `write_snapshot` creates the directory. What a write killed
-    before its end left (`_outdir.drop_unfinished`) is removed first: it is no snapshot, and must not refuse the command."""
+    before its end left (`_outdir.drop_unfinished`) is removed first: it is no snapshot, and must not refuse the
+    command."""
     _outdir.drop_unfinished(path, _STAGING, (*SNAPSHOT, "curve.png"))
     _outdir.check_output_dir(path, (*SNAPSHOT, "curve.png"), "a snapshot")
 
@@ -176,11 +177,12 @@ def _label_order(item) -> tuple:
 
 
 def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command: str = "",
-             method: dict | None = None) -> list[str]:
+             method: dict | None = None, doc: dict | None = None) -> list[str]:
     """Write the snapshot of a finished `kprof.api.run` (its QueryResult `res`, asked for `specs` as given, under the
     timing method `method`: the run's timer/l2/cuda_graph/power arguments): request.json (with the method as resolved,
     `timing`), results.json, curve.json, job.meta.json (and curve.png with matplotlib), read-only, once.
-    `started_at` is the run's start (an aware datetime), `seconds` its wall time. Returns the files written."""
+    `started_at` is the run's start (an aware datetime), `seconds` its wall time; `doc` is `res.to_json()` where the
+    caller built it already (a 100k-spec run's document is hundreds of MB). Returns the files written."""
     import platform
 
     from . import __version__
@@ -200,4 +202,5 @@ def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command
             "duration_s": round(seconds, 3), "timed_s": round(res.timed_seconds, 3),
             "view_root_before": res.view_root_before, "view_root_after": res.view_root, "cwd": os.getcwd(),
             "devices": res.pool}
-    return write_snapshot(path, request, res.to_json(), meta, list(entry.args.__struct_fields__))
+    doc = res.to_json() if doc is None else doc
+    return write_snapshot(path, request, doc, meta, list(entry.args.__struct_fields__))

@@ -162,12 +162,12 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
     with stdout_to_stderr(json), bar or contextlib.nullcontext():  # stdout is the document's alone
         res = api.run(table, backend, raw, progress=update, watch=watch, **options)
     devices = _devices_line(res.pool)
-    doc = res.to_json()
+    doc = res.to_json() if json or output_dir is not None else None  # built once: at 100k specs, hundreds of MB
     if output_dir is not None:
         from ..artifacts import snapshot
 
         snapshot(output_dir, res, raw, started_at=started_at, seconds=time.perf_counter() - t0, command=command,
-                 method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
+                 method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power), doc=doc)
     if json:
         emit_json(doc)
     else:

@@ -290,6 +290,24 @@ def test_output_dir_snapshot(tmp_path, ledger_path, capsys, h, local_gpu):
     assert meta["view_root_after"] == doc["view_root"] and meta["view_root_before"] != meta["view_root_after"]
 
 
+@pytest.mark.parametrize("json_out", [True, False])
+def test_a_run_builds_its_result_document_once_and_only_where_it_is_written(tmp_path, ledger_path, capsys, h,
+                                                                         monkeypatch, json_out):
+    """At 100k specs the document is hundreds of MB: built for --json and the snapshot alike, once; a table needs none."""
+    built = []
+    to_json = api.QueryResult.to_json
+    monkeypatch.setattr(api.QueryResult, "to_json", lambda self: built.append(1) or to_json(self))
+    flags = ["--json"] * json_out
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*SWEEP[:1]), "--db", ledger_path, *flags,
+                 "--output-dir", str(tmp_path / "snap")]) == 0
+    assert len(built) == 1 and (tmp_path / "snap" / "results.json").exists()
+    if json_out:
+        assert _read(tmp_path / "snap" / "results.json") == json.loads(capsys.readouterr().out)
+    built.clear()
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*SWEEP[:1]), "--db", ledger_path]) == 0
+    assert built == []
+
+
 def test_output_dir_records_failures_and_exit_code(tmp_path, ledger_path, capsys, h):
     out_dir = tmp_path / "snap"
     doc = _run(capsys, h, ledger_path, h.gemm(), HUGE, extra=["--output-dir", str(out_dir)], rc=1)
