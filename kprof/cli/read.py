@@ -14,7 +14,8 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
     """Count the specs without an ok row (missing, stale or failed). Never profiles."""
     res = api.count_missing(table, backend, read_specs(spec, specs), gpu_name=gpu_name, db=db, timer=timer, l2=l2,
                             cuda_graph=cuda_graph, power=power)
-    _unknown_gpu_key(res)
+    _unknown_gpu_key(res, stale=lambda: api.query(table, backend, read_specs(spec, specs), gpu_name=gpu_name, db=db,
+                                                  timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
     if json:
         emit_json(res.to_json())
     else:
@@ -37,10 +38,12 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
     return 0
 
 
-def _unknown_gpu_key(res) -> None:
+def _unknown_gpu_key(res, stale=None) -> None:
     """One note on stderr where every spec is missing because the ledger has no row at all of the table/backend
-    under this GPU key while it holds others (a mistyped --gpu-name reads as missing rows). The answer itself, its
-    JSON and its exit 0 stay as the contract says; `kprof export` refuses such a key instead."""
+    under this GPU key while it holds others (a mistyped --gpu-name reads as missing rows), or (count-missing, which
+    counts stale rows as missing: `stale` runs the query that tells them) where some have rows of another timing or
+    revision (a CPU row of another thread count). The answer itself, its JSON and its exit 0 stay as the contract
+    says; `kprof export` refuses such a key instead."""
     if not res.count or res.missing_count < res.count:
         return
     held = [s for s in api.scopes(res.db) if (s.table, s.backend) == (res.table, res.backend)]
@@ -48,3 +51,13 @@ def _unknown_gpu_key(res) -> None:
         keys = ", ".join(f"{s.gpu_name!r} ({s.rows} row{'s' if s.rows != 1 else ''})" for s in held)
         console(stderr=True).print(f"note: {res.db} has no {res.table}/{res.backend} rows for GPU key "
                                    f"{res.gpu_name!r}; it holds: {keys}", markup=False)
+    elif stale is not None and held:
+        rows = [r for r in stale().results if r["status"] == "stale"]
+        if rows:
+            timing = rows[0]["provenance"]["timing"]
+            threads = " (a CPU row's timing names its torch thread count: OMP_NUM_THREADS, MKL_NUM_THREADS)" * (
+                "threads=" in timing)
+            have = "has a row" if len(rows) == 1 else "have rows"
+            console(stderr=True).print(f"note: {len(rows)} of the {res.count} spec(s) {have} of another timing or "
+                                       f"profiler revision (stale; one timed {timing!r}){threads}; `kprof query` "
+                                       f"shows them", markup=False)

@@ -128,3 +128,25 @@ def test_a_gpu_key_with_no_rows_beside_others_gets_a_note(verb, ledger_path, cap
     assert capsys.readouterr().err == ""
     assert main([verb, "memcpy", "--backend", h.CPU, "--spec", '{"bytes": 64}', "--db", ledger_path]) == 0
     assert capsys.readouterr().err == ""  # no memcpy rows under any key: nothing to suggest
+
+
+def test_every_spec_missing_where_some_have_rows_of_another_thread_count_gets_a_note(ledger_path, capsys, h,
+                                                                                    monkeypatch):
+    """count-missing counts stale rows as missing: on a host of another core count every CPU spec read missing, with
+    nothing saying rows exist under another torch thread count. The answer stays; one note says how many are stale."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    assert main(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    argv = ["count-missing", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(), h.gemm(m=64)), "--db", ledger_path]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["missing_count"] == 2
+    assert captured.err.strip() == ("note: 1 of the 2 spec(s) has a row of another timing or profiler revision "
+                                    "(stale; one timed 'cpu-wall;l2=warm;eager;threads=1') (a CPU row's timing names "
+                                    "its torch thread count: OMP_NUM_THREADS, MKL_NUM_THREADS); `kprof query` shows "
+                                    "them")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(argv) == 0  # one ok row: not every spec missing, no note
+    assert capsys.readouterr().err == ""
