@@ -925,6 +925,7 @@ def main(argv=None) -> int:
 
     for cfg in plan.configs:
         mine: list[dict] = []
+        lost: list[dict] = []  # phases the model could not run: each fails its targets, as a failed phase does
         model = None
         try:
             _log(f"{cfg.name}: building {plan.layers} layers on the GPU")
@@ -940,24 +941,25 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - building the model failed (out of memory?): the next config runs
             traceback.print_exc(file=sys.stderr)
-            failures.append(f"{cfg.name}: {type(e).__name__}: {e}")
+            ran = {p["phase"] for p in mine}
+            lost = [{"config": cfg.name, "phase": ph.name, "errors": {"model": f"{type(e).__name__}: {e}"}}
+                    for ph in plan.phases if ph.name not in ran]
         finally:
             del model
             gc.collect()
             torch.cuda.empty_cache()
-        if not mine:
-            continue
-        _log(f"{cfg.name}: kprof rows ({plan.row_method} method; prefill {plan.prefill_power}, decode sustained) "
-             f"into {db}")
-        got = fill_rows(wanted_specs(cfg, [PHASES[p["phase"]] for p in mine], plan.prefill_power), "torch", db,
-                        plan.row_method, _log)
-        rows.update(got)
-        for p in mine:
-            ph = PHASES[p["phase"]]
-            attach_rows(p, layer_ops(cfg, ph), got, plan.power(ph))
-            for line in phase_lines(p):
-                _log(line)
-        phases += mine
+        if mine:
+            _log(f"{cfg.name}: kprof rows ({plan.row_method} method; prefill {plan.prefill_power}, decode sustained) "
+                 f"into {db}")
+            got = fill_rows(wanted_specs(cfg, [PHASES[p["phase"]] for p in mine], plan.prefill_power), "torch", db,
+                            plan.row_method, _log)
+            rows.update(got)
+            for p in mine:
+                ph = PHASES[p["phase"]]
+                attach_rows(p, layer_ops(cfg, ph), got, plan.power(ph))
+                for line in phase_lines(p):
+                    _log(line)
+        phases += mine + lost
 
     for p in phases:
         failures += [f"{p['config']} {p['phase']} {k}: {v}" for k, v in p.get("errors", {}).items()]

@@ -622,3 +622,48 @@ def test_main_without_a_gpu_exits_2(tmp_path, capsys):
     assert ms.main(["--quick", "--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_main_counts_a_config_whose_model_failed_to_build_against_the_targets(monkeypatch, tmp_path, capsys):
+    """A config whose layers cannot be built (out of GPU memory) leaves its phases failed in the JSON and the
+    verdicts, never a PASS over the configs that did run."""
+    import json
+
+    import kprof.measure.gpu_timer as gpu_timer
+
+    class Model:
+        def __init__(self, cfg, layers, device):
+            if cfg.experts:
+                raise RuntimeError("CUDA out of memory")
+            self.cfg = cfg
+
+    def run_phase(model, ph, plan):
+        samples = {o.name: [10.0] * 3 for o in dec.layer_ops(model.cfg, ph)}
+        return {"config": model.cfg.name, "phase": ph.name, "layers_used": "1..3", "errors": {},
+                "samples_us": {"eager": samples, "graph": samples}}
+
+    def fill_rows(wanted, backend, db, row_method, log):
+        return {ms.row_key(table, spec, power): {"table": table, "spec": spec, "power": power, "status": "ok",
+                                                 "time_us": 10.0, "timing": None}
+                for (table, power), specs in wanted.items() for spec in specs}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(gpu_timer, "cupti_available", lambda: None)
+    monkeypatch.setattr(dec, "Model", Model)
+    monkeypatch.setattr(ms, "run_phase", run_phase)
+    monkeypatch.setattr(ms, "fill_rows", fill_rows)
+    monkeypatch.setattr(ms, "_environment", lambda: {"gpu_name": "emulated"})
+    assert ms.main(["--quick", "--out", str(tmp_path)]) == 1
+    doc = json.loads((tmp_path / "model_step.json").read_text())
+    assert [(p["config"], p["phase"]) for p in doc["phases"]] == [
+        (c, p) for c in ("qwen2.5-7b", "mixtral-8x7b") for p in ("decode_b1", "prefill_2048")]
+    for mode in ms.MODES:
+        v = doc["verdicts"][mode]
+        assert not v["layer_pass"] and v["layer_within"] == "2/4"
+        assert not v["kernel_median_pass"] and not v["kernel_max_pass"]
+        assert v["missing"] == ["mixtral-8x7b decode_b1 layer", "mixtral-8x7b prefill_2048 layer"]
+    assert doc["failures"] == [f"mixtral-8x7b {p} model: RuntimeError: CUDA out of memory"
+                               for p in ("decode_b1", "prefill_2048")]
+    out = capsys.readouterr().out
+    assert "layer FAIL 2/4" in out and "mixtral-8x7b decode_b1" in out
