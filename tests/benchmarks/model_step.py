@@ -44,6 +44,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import math
 import os
 import shutil
 import statistics
@@ -394,8 +395,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     iters = args.iters if args.iters is not None else (QUICK["iters"] if args.quick else 10)
     if layers < 1 or iters < 1:
         raise ValueError(f"--layers ({layers}) and --iters ({iters}) must be at least 1")
-    if args.busy_s is not None and not args.busy_s >= 0:
-        raise ValueError(f"--busy-s ({args.busy_s}) must be a number of seconds >= 0, e.g. --busy-s 0.5")
+    if args.busy_s is not None and not 0 <= args.busy_s < math.inf:  # inf: forwards until the machine is taken back
+        raise ValueError(f"--busy-s ({args.busy_s}) must be a finite number of seconds >= 0, e.g. --busy-s 0.5")
     phases = _names(args.phases, PHASES, "phase", QUICK["phases"] if args.quick else list(PHASES))
     return Plan(_names(args.configs, CONFIGS, "config", list(CONFIGS)), phases, layers, iters,
                 QUICK["warmup"] if args.quick else 3, args.out, args.db, args.row_method, args.quick,

@@ -613,8 +613,9 @@ def test_plan_quick_and_full_and_bad_names():
         ms.make_plan(ms.parse_args(["--layers", "0"]))
     assert quick.busy_s == full.busy_s == ms.BUSY_S == 0.0
     assert ms.make_plan(ms.parse_args(["--busy-s", "0.5"])).busy_s == 0.5
-    with pytest.raises(ValueError, match="--busy-s"):
-        ms.make_plan(ms.parse_args(["--busy-s", "-1"]))
+    for bad in ("-1.5", "nan", "inf"):
+        with pytest.raises(ValueError, match=rf"--busy-s \({bad}\) must be a finite number"):
+            ms.make_plan(ms.parse_args(["--busy-s", bad]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
