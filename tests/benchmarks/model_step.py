@@ -812,9 +812,9 @@ def phase_lines(p: dict) -> list[str]:
 def summary_lines(doc: dict) -> list[str]:
     """The short table printed last: per-op errors per phase, per-layer sums, verdicts."""
     phases = doc["phases"]
-    lines = [f"model_step: {doc['gpu']}, torch {doc['torch']}, {doc['plan']['layers']} layers (used "
-             f"{phases[0].get('layers_used') if phases else '-'}), {doc['plan']['iters']} iterations, rows "
-             f"{', '.join(doc['row_timings']) or 'none'}",
+    used = next((p["layers_used"] for p in phases if p.get("layers_used")), "-")  # a failed phase has none
+    lines = [f"model_step: {doc['gpu']}, torch {doc['torch']}, {doc['plan']['layers']} layers (used {used}), "
+             f"{doc['plan']['iters']} iterations, rows {', '.join(doc['row_timings']) or 'none'}",
              "kprof row vs in-model kernel time per op: error vs eager / vs graph (%)"]
     for cfg in dict.fromkeys(p["config"] for p in phases):
         mine = [p for p in phases if p["config"] == cfg]

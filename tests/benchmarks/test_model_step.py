@@ -668,3 +668,5 @@ def test_main_counts_a_config_whose_model_failed_to_build_against_the_targets(mo
                                for p in ("decode_b1", "prefill_2048")]
     out = capsys.readouterr().out
     assert "layer FAIL 2/4" in out and "mixtral-8x7b decode_b1" in out
+    doc["phases"].reverse()  # a failed config first: the header names the layers the others used
+    assert "4 layers (used 1..3)" in ms.summary_lines(doc)[0]
