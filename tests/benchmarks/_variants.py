@@ -24,7 +24,11 @@ def arguments(doc: str, argv, rounds: int, batch: int | None = None, variants: b
         p.add_argument("--batch", type=int, default=batch)
     if variants:
         p.add_argument("--variants", default=None, help="comma-separated variants to time (row always)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("rounds", "batch"):
+        if getattr(args, name, 1) < 1:  # else the GPU work runs and the result's medians fail on no rounds
+            p.error(f"--{name} {getattr(args, name)}: must be at least 1, e.g. --{name} 1")
+    return args
 
 
 def cuda(name: str):

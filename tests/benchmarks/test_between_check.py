@@ -83,3 +83,11 @@ def test_variants_can_be_chosen_and_a_wrong_name_is_refused():
     assert bc.chosen_variants("dirty4m,layer") == ("row", "layer", "dirty4m")
     with pytest.raises(SystemExit, match="unknown dirty3m"):
         bc.chosen_variants("dirty3m")
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--rounds", "-2"], ["--batch", "0"]])
+def test_a_count_below_one_is_refused_before_any_gpu_work(argv, monkeypatch, capsys):
+    monkeypatch.setattr(bc, "cuda", lambda name: pytest.fail("the GPU was woken for a run of no rounds"))
+    with pytest.raises(SystemExit) as exit_:
+        bc.main(argv)
+    assert exit_.value.code == 2 and f"{argv[0]} {argv[1]}: must be at least 1" in capsys.readouterr().err
