@@ -818,15 +818,17 @@ def summary_lines(doc: dict) -> list[str]:
              "kprof row vs in-model kernel time per op: error vs eager / vs graph (%)"]
     for cfg in dict.fromkeys(p["config"] for p in phases):
         mine = [p for p in phases if p["config"] == cfg]
-        lines.append(f"{cfg:14} {'table':17}" + "".join(f" {p['phase']:>13}" for p in mine))
+        lines.append(f"{cfg:14} {'table':24}" + "".join(f" {p['phase']:>13}" for p in mine))
         op_names = list(dict.fromkeys(n for p in mine for n, e in p.get("ops", {}).items() if e["covered"]))
         for name in op_names:
-            table = next(p["ops"][name]["table"] for p in mine if name in p.get("ops", {}))
+            tables = list(dict.fromkeys(p["ops"][name]["table"] for p in mine if name in p.get("ops", {})))
+            common = os.path.commonprefix(tables)  # attention: attention_decode/prefill, a table per phase kind
+            table = tables[0] + "".join(f"/{t.removeprefix(common)}" for t in tables[1:])
             cells = []
             for p in mine:
                 e = p.get("ops", {}).get(name)
                 cells.append(f" {_pct(e['err_eager'])}/{_pct(e['err_graph'])}" if e else f" {'-':>13}")
-            lines.append(f"  {name:12} {table:17}" + "".join(cells))
+            lines.append(f"  {name:12} {table:24}" + "".join(cells))
     lines.append(f"{'per layer, covered ops':27} {'power':9} {'kprof µs':>9} {'eager µs':>9} {'graph µs':>9} "
                  f"{'Δeager':>7} {'Δgraph':>7} {'uncov e/g %':>12} {'e/g':>6}")
     for p in phases:

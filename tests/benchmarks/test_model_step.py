@@ -670,3 +670,26 @@ def test_main_counts_a_config_whose_model_failed_to_build_against_the_targets(mo
     assert "layer FAIL 2/4" in out and "mixtral-8x7b decode_b1" in out
     doc["phases"].reverse()  # a failed config first: the header names the layers the others used
     assert "4 layers (used 1..3)" in ms.summary_lines(doc)[0]
+
+
+def test_summary_names_each_phase_kinds_table_of_an_op():
+    """attention is attention_decode in decode columns and attention_prefill in prefill ones: the summary's table
+    column names both, not the first phase's alone."""
+    phases = []
+    for ph in (DECODE, PREFILL):
+        ops = dec.layer_ops(TINY_DENSE, ph)
+        power = ms.phase_power(ph)
+        rows = {ms.row_key(o.table, o.spec, power): {"status": "ok", "time_us": 1.0} for o in ops if o.table}
+        samples = {o.name: [1.0] for o in ops}
+        p = {"config": TINY_DENSE.name, "phase": ph.name, "samples_us": {"eager": samples, "graph": samples}}
+        ms.attach_rows(p, ops, rows, power)
+        phases.append(p)
+    doc = {"gpu": "emulated", "torch": torch.__version__, "plan": {"layers": 3, "iters": 2}, "row_timings": [],
+           "phases": phases, "verdicts": ms.verdicts(phases)}
+    lines = ms.summary_lines(doc)
+    (attention,) = [line for line in lines if line.startswith("  attention ")]
+    assert attention.split()[:2] == ["attention", "attention_decode/prefill"]
+    (qkv,) = [line for line in lines if line.startswith("  qkv ")]
+    assert qkv.split()[:2] == ["qkv", "single_gemm"]
+    header = next(line for line in lines if line.startswith(TINY_DENSE.name))
+    assert header.index(DECODE.name) + len(DECODE.name) == attention.index("+0.0/") + len("+0.0/  +0.0")
