@@ -35,7 +35,7 @@ median |error| <= 3 %, max <= 8 %. Writes model_step.json (every raw sample) and
 
     python tests/benchmarks/model_step.py [--out DIR] [--layers 16] [--iters 10] [--quick]
            [--configs qwen2.5-7b,mixtral-8x7b] [--phases decode_b1,decode_b8,decode_b64,prefill_2048]
-           [--row-method default|graph] [--prefill-power loaded|sustained] [--db PATH]
+           [--row-method default|graph] [--prefill-power loaded|sustained] [--busy-s 0] [--db PATH]
 """
 
 from __future__ import annotations
