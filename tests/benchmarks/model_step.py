@@ -286,13 +286,15 @@ def verdicts(phases: list[dict], targets: dict = TARGETS) -> dict:
         worst = max(op_errs, key=lambda r: abs(r[3]), default=None)
         families: dict[str, dict] = {}
         for where, name, table, e in op_errs:
-            families.setdefault(name, {"table": table, "errs": []})["errs"].append((where, e))
+            f = families.setdefault(name, {"tables": [], "errs": []})
+            f["tables"].append(table)
+            f["errs"].append((where, e))
         over = {}
         for name, f in families.items():
             errs = [abs(e) for _w, e in f["errs"]]
             fmed, fmax = statistics.median(errs), max(errs)
             if fmed > targets["kernel_median"] or fmax > targets["kernel_max"]:
-                over[name] = {"table": f["table"], "median_abs": fmed, "max_abs": fmax,
+                over[name] = {"table": table_label(f["tables"]), "median_abs": fmed, "max_abs": fmax,
                               "over_max_at": [f"{w}: {e:+.1%}" for w, e in f["errs"] if abs(e) > targets["kernel_max"]]}
         out[mode] = {
             "layer_pass": bool(layer_errs) and not over_layer and not layers_missing,
@@ -308,6 +310,13 @@ def verdicts(phases: list[dict], targets: dict = TARGETS) -> dict:
         }
     out["eager_vs_graph"] = _agreement(phases)
     return out
+
+
+def table_label(tables: list[str]) -> str:
+    """The kprof tables of one op over phases: "attention_decode/prefill" where decode and prefill differ."""
+    tables = list(dict.fromkeys(tables))
+    common = os.path.commonprefix(tables)
+    return tables[0] + "".join(f"/{t.removeprefix(common)}" for t in tables[1:])
 
 
 def _agreement(phases: list[dict]) -> dict:
@@ -821,9 +830,7 @@ def summary_lines(doc: dict) -> list[str]:
         lines.append(f"{cfg:14} {'table':24}" + "".join(f" {p['phase']:>13}" for p in mine))
         op_names = list(dict.fromkeys(n for p in mine for n, e in p.get("ops", {}).items() if e["covered"]))
         for name in op_names:
-            tables = list(dict.fromkeys(p["ops"][name]["table"] for p in mine if name in p.get("ops", {})))
-            common = os.path.commonprefix(tables)  # attention: attention_decode/prefill, a table per phase kind
-            table = tables[0] + "".join(f"/{t.removeprefix(common)}" for t in tables[1:])
+            table = table_label([p["ops"][name]["table"] for p in mine if name in p.get("ops", {})])
             cells = []
             for p in mine:
                 e = p.get("ops", {}).get(name)

@@ -693,3 +693,6 @@ def test_summary_names_each_phase_kinds_table_of_an_op():
     assert qkv.split()[:2] == ["qkv", "single_gemm"]
     header = next(line for line in lines if line.startswith(TINY_DENSE.name))
     assert header.index(DECODE.name) + len(DECODE.name) == attention.index("+0.0/") + len("+0.0/  +0.0")
+    phases[0]["ops"]["attention"]["err_eager"] = phases[1]["ops"]["attention"]["err_eager"] = 0.1
+    over = ms.verdicts(phases)["eager"]["families_over_target"]  # the JSON's family names both tables too
+    assert list(over) == ["attention"] and over["attention"]["table"] == "attention_decode/prefill"
