@@ -253,7 +253,10 @@ def compose(ops: list[Op], samples: dict[str, dict[str, list[float]] | None],
         unc[f"{mode}_us"] = _median(unc_i)
         unc[f"share_{mode}"] = _median(u / (c + u) for c, u in zip(cov, unc_i) if c + u > 0)
     for mode in MODES:
-        layer[f"err_{mode}"] = rel(layer["kprof_us"], layer[f"{mode}_us"])
+        # a covered op that ran no kernel time in the model leaves its row in the sum and nothing against it
+        unmeasured = [name for name in covered if not (out_ops[name][f"{mode}_us"] or 0) > 0]
+        layer[f"{mode}_unmeasured"] = unmeasured if samples.get(mode) else None
+        layer[f"err_{mode}"] = None if unmeasured else rel(layer["kprof_us"], layer[f"{mode}_us"])
     layer["eager_vs_graph"] = rel(layer["eager_total_us"], layer["graph_total_us"])
     return {"ops": out_ops, "layer": layer, "uncovered": unc}
 

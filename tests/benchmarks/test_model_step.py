@@ -231,6 +231,21 @@ def test_compose_with_a_missing_row_or_mode():
     assert out["ops"]["norm"]["err_eager"] == 0.0
 
 
+def test_compose_with_an_op_that_ran_no_kernel_time_in_the_model_leaves_the_layer_missing():
+    """A row summed against a layer in which its op measured nothing would flatter a layer whose rows read
+    fast (here -5 % would read 0 %): the layer's error is missing for that mode, and the verdicts fail it."""
+    eager = {"norm": [5.0, 5.0], "gemm": [95.0, 95.0], "copy": [1.0, 1.0], "add": [1.0, 1.0]}
+    graph = {**eager, "norm": [0.0, 0.0]}  # the graph pass saw no kernel of norm
+    out = ms.compose(OPS, {"eager": eager, "graph": graph}, {"norm": 5.0, "gemm": 90.0})
+    assert out["layer"]["err_graph"] is None and out["layer"]["graph_us"] == 95.0  # 95 / 95 - 1 would read 0 %
+    assert out["layer"]["graph_unmeasured"] == ["norm"] and out["ops"]["norm"]["err_graph"] is None
+    assert out["layer"]["err_eager"] == pytest.approx(-0.05) and out["layer"]["eager_unmeasured"] == []
+    phase = {"config": "a", "phase": "d1", **out}
+    assert "a d1 layer" in ms.verdicts([phase])["graph"]["missing"]
+    no_graph = ms.compose(OPS, {"eager": eager, "graph": None}, {"norm": 5.0, "gemm": 90.0})
+    assert no_graph["layer"]["graph_unmeasured"] is None
+
+
 def _phase(config, phase, errs, layer_err):
     ops = {name: {"covered": True, "table": "single_gemm", "err_eager": e, "err_graph": e, "eager_vs_graph": None}
            for name, e in errs.items()}
