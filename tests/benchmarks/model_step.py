@@ -409,10 +409,28 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--layers ({layers}) and --iters ({iters}) must be at least 1")
     if args.busy_s is not None and not 0 <= args.busy_s < math.inf:  # inf: forwards until the machine is taken back
         raise ValueError(f"--busy-s ({args.busy_s}) must be a finite number of seconds >= 0, e.g. --busy-s 0.5")
+    if args.db:
+        check_db(args.db)
     phases = _names(args.phases, PHASES, "phase", QUICK["phases"] if args.quick else list(PHASES))
     return Plan(_names(args.configs, CONFIGS, "config", list(CONFIGS)), phases, layers, iters,
                 QUICK["warmup"] if args.quick else 3, args.out, args.db, args.row_method, args.quick,
                 args.prefill_power, args.busy_s if args.busy_s is not None else BUSY_S)
+
+
+def check_db(db: str) -> None:
+    """Raises ValueError unless `db` is a kprof ledger, or a file kprof can create: refused before the GPU passes,
+    not when their rows are filled minutes later."""
+    from kprof.errors import KprofError
+    from kprof.ledger import Ledger
+
+    if not os.path.exists(db):
+        if not os.path.isdir(os.path.dirname(os.path.abspath(db))):
+            raise ValueError(f"--db {db}: its directory does not exist; create it, or name a ledger in one that does")
+        return
+    try:
+        Ledger.open(db, readonly=True).close()
+    except KprofError as e:
+        raise ValueError(f"--db {db}: {e}") from None
 
 
 RowKey = tuple  # (table, spec as sorted JSON, power state): one kprof row
@@ -498,11 +516,15 @@ def fill_rows(wanted: dict[tuple, list[dict]], backend: str, db: str, row_method
                 "event": doc.get("event"), "time_us": doc["metrics"]["time_ms"] * 1e3 if ok else None,
                 "timing": (doc.get("provenance") or {}).get("timing"), "stats": doc.get("stats"),
                 "error": doc.get("error")}
-    if os.path.exists(db):
-        with Ledger.open(db, readonly=True) as ledger:
-            for row in out.values():
-                if row.get("event") and row["status"] == "ok":
+    details = [row for row in out.values() if row.get("event") and row["status"] == "ok"]
+    if details:
+        try:
+            with Ledger.open(db, readonly=True) as ledger:
+                for row in details:
                     _add_event_details(row, ledger)
+        except Exception as e:  # noqa: BLE001 - details only: the rows and the passes' samples stay
+            for row in details:
+                row["notes_error"] = f"{type(e).__name__}: {e}"
     return out
 
 

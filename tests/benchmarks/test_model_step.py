@@ -711,3 +711,24 @@ def test_summary_names_each_phase_kinds_table_of_an_op():
     phases[0]["ops"]["attention"]["err_eager"] = phases[1]["ops"]["attention"]["err_eager"] = 0.1
     over = ms.verdicts(phases)["eager"]["families_over_target"]  # the JSON's family names both tables too
     assert list(over) == ["attention"] and over["attention"]["table"] == "attention_decode/prefill"
+
+
+def test_a_db_that_is_no_ledger_is_refused_before_the_gpu_passes(tmp_path):
+    """--db naming a file that is not a ledger, a directory, or a file in a directory that does not exist failed
+    only when the rows were filled, after every GPU pass (a traceback and no JSON, or every row an error)."""
+    (tmp_path / "notes.txt").write_text("not a ledger")
+    for bad, why in ((tmp_path / "notes.txt", "not a kprof ledger"), (tmp_path, "is a directory"),
+                     (tmp_path / "missing" / "p.db", "its directory does not exist")):
+        with pytest.raises(ValueError, match=f"--db {bad}: .*{why}"):
+            ms.make_plan(ms.parse_args(["--db", str(bad)]))
+    good = tmp_path / "p.db"
+    assert ms.make_plan(ms.parse_args(["--db", str(good)])).db == str(good)  # kprof creates it
+    ms.fill_rows({("single_gemm", "sustained"): [{"m": 2, "n": 8, "k": 4, "dtype": "fp32"}]}, "torch-cpu", str(good))
+    assert ms.make_plan(ms.parse_args(["--db", str(good)])).db == str(good)  # a ledger: its ok rows are reused
+
+
+def test_fill_rows_into_a_file_that_is_no_ledger_reports_errors_without_raising(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a ledger")
+    (row,) = ms.fill_rows({("single_gemm", "sustained"): [{"m": 2, "n": 8, "k": 4, "dtype": "fp32"}]}, "torch-cpu",
+                          str(tmp_path / "notes.txt")).values()
+    assert row["status"] == "error" and "not a kprof ledger" in row["error"]
