@@ -409,6 +409,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--layers ({layers}) and --iters ({iters}) must be at least 1")
     if args.busy_s is not None and not 0 <= args.busy_s < math.inf:  # inf: forwards until the machine is taken back
         raise ValueError(f"--busy-s ({args.busy_s}) must be a finite number of seconds >= 0, e.g. --busy-s 0.5")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file; name a directory for model_step.json and the ledger")
     if args.db:
         check_db(args.db)
     phases = _names(args.phases, PHASES, "phase", QUICK["phases"] if args.quick else list(PHASES))

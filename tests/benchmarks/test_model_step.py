@@ -715,12 +715,15 @@ def test_summary_names_each_phase_kinds_table_of_an_op():
 
 def test_a_db_that_is_no_ledger_is_refused_before_the_gpu_passes(tmp_path):
     """--db naming a file that is not a ledger, a directory, or a file in a directory that does not exist failed
-    only when the rows were filled, after every GPU pass (a traceback and no JSON, or every row an error)."""
+    only when the rows were filled, after every GPU pass (a traceback and no JSON, or every row an error); --out
+    naming a file is refused with them."""
     (tmp_path / "notes.txt").write_text("not a ledger")
     for bad, why in ((tmp_path / "notes.txt", "not a kprof ledger"), (tmp_path, "is a directory"),
                      (tmp_path / "missing" / "p.db", "its directory does not exist")):
         with pytest.raises(ValueError, match=f"--db {bad}: .*{why}"):
             ms.make_plan(ms.parse_args(["--db", str(bad)]))
+    with pytest.raises(ValueError, match="--out .*notes.txt is a file; name a directory"):
+        ms.make_plan(ms.parse_args(["--out", str(tmp_path / "notes.txt")]))  # else a traceback once the GPU is up
     good = tmp_path / "p.db"
     assert ms.make_plan(ms.parse_args(["--db", str(good)])).db == str(good)  # kprof creates it
     ms.fill_rows({("single_gemm", "sustained"): [{"m": 2, "n": 8, "k": 4, "dtype": "fp32"}]}, "torch-cpu", str(good))
