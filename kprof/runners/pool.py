@@ -195,8 +195,11 @@ class Pool:
 
     def close(self) -> None:
         try:
-            for w in self.workers:  # one still starting has measured nothing: not waited for (an interrupt in start)
-                w.stop(kill=w.state in ("busy", "starting"))
+            # one still starting has measured nothing: not waited for (an interrupt in start); nor is one inside a spec.
+            # One whose last spec's event came (its item done) is only about to say idle: asked to stop, it ends itself
+            # and what it holds (a collective's ranks and their directory), which a kill left behind.
+            for w in self.workers:
+                w.stop(kill=w.state == "starting" or (w.state == "busy" and w.item is not None))
         finally:  # an interrupt while a worker is waited for (up to 10 s) too: the spool went with the run's end
             self.workers = []
             self._remove_spool()

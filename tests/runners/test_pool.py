@@ -608,6 +608,26 @@ def test_an_interrupt_while_the_workers_are_stopped_leaves_no_spool(monkeypatch)
         w.stop(kill=True)
 
 
+def test_a_worker_whose_last_spec_came_back_is_stopped_not_killed(monkeypatch):
+    """The run closes its pool once the last spec's event arrives, before that worker's `idle`: the worker, still
+    `busy` though done, was killed (SIGKILL), so a gloo run's ranks were left to find it gone and their directory
+    (`kprof-ranks-*`) stayed in the temporary directory. It is asked to stop; one inside a spec is still killed."""
+    from kprof.runners import pool as pool_module
+    from kprof.runners.devices import Device
+    from kprof.runners.registry import lookup
+
+    pool = pool_module.Pool(lookup("single_gemm", "torch-cpu"), "cpu", [Device("cpu0", None), Device("cpu1", None)])
+    pool.__enter__()
+    workers, stops = list(pool.workers), []
+    stop = pool_module._Worker.stop
+    monkeypatch.setattr(pool_module._Worker, "stop", lambda self, kill=False: (stops.append(kill), stop(self, kill)))
+    for w, item in zip(workers, [None, (0, {}, None)]):  # done (its event came), and inside a spec
+        w.state, w.item = "busy", item
+    pool.close()
+    assert stops == [False, True]
+    assert workers[0].process.exitcode == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_json_stdout_holds_the_document_alone_whatever_the_runners_print(tmp_path, workers):
