@@ -321,7 +321,7 @@ class CommDevice:
             raise Unsupported(f"the rows go under GPU key {self.gpu_key!r} and {', '.join(others)}: a group of "
                               f"one GPU model only (set KPROF_PROFILE_GPUS to such GPUs)")
         start_s = time.perf_counter() - t  # ~0 when the group of this size was running already
-        t_check = time.perf_counter()
+        t_check, load = time.perf_counter(), os.getloadavg()[0]
         global EXIT_RANK_FOR_TESTS
         die, EXIT_RANK_FOR_TESTS = EXIT_RANK_FOR_TESTS, None  # the test hook is one-shot
         group.ask(("spec", case.table, msgspec.to_builtins(spec), self.timer, self.cold, die),
@@ -349,8 +349,12 @@ class CommDevice:
             if why:
                 errors["topology"] = why
             env = msgspec.structs.replace(env, gpu_uuid=",".join(i["uuid"] for i in info))
-        else:
+        else:  # a CPU row, as worker._CpuDevice's: the host's load beside it (other work slows every sample alike)
             notes["ranks_on"] = f"{n} CPU processes, 1 torch thread each"
+            load, cores = max(load, os.getloadavg()[0]), os.cpu_count() or 1
+            notes["host_load_1m"] = f"{load:.2f}"
+            if load > cores:
+                notes["host_busy"] = f"load {load:.2f} over {cores} cores: other work shared them"
         method = msgspec.structs.replace(method, notes=notes)
         return stats, method, None, msgspec.structs.replace(env, errors=errors), timed
 

@@ -159,6 +159,22 @@ def test_a_rank_that_dies_fails_its_spec_and_the_next_spec_runs(monkeypatch, tmp
     shutil.rmtree(os.path.dirname(log))
 
 
+def test_a_gloo_row_carries_the_hosts_load_and_says_when_it_passed_the_cores(monkeypatch):
+    """A gloo row is a CPU row, timed by the wall clock, and `run` said of a loaded host's rows "their notes say
+    host_busy" while their notes held no load at all: they carry host_load_1m, and host_busy past the cores."""
+    from kprof.runners.registry import lookup
+    from kprof.runners.worker import measure_specs
+
+    monkeypatch.setattr(_ranks.os, "cpu_count", lambda: 2)
+    spec = {"message_size_bytes": SMALL, "dtype": "fp32", "world_size": 2}
+    for load, busy in ((0.5, False), (7.25, True)):
+        monkeypatch.setattr(_ranks.os, "getloadavg", lambda load=load: (load, load, load))
+        (out,) = measure_specs(lookup("all_reduce", "gloo"), [spec], "test cpu")
+        notes = out.event.method.notes
+        assert notes["host_load_1m"] == f"{load:.2f}", notes
+        assert notes.get("host_busy") == ("load 7.25 over 2 cores: other work shared them" if busy else None)
+
+
 def test_a_rank_directory_left_by_a_killed_run_is_removed_by_the_next_group(monkeypatch, tmp_path):
     """A run killed while its ranks were up (SIGKILL, the OOM killer: no cleanup runs) left its `kprof-ranks-*`
     directory (the FileStore, the ranks' logs) in the temporary directory for good. A group's directory is held while
