@@ -327,11 +327,19 @@ class CommDevice:
         group.ask(("spec", case.table, msgspec.to_builtins(spec), self.timer, self.cold, die),
                   f"{case.table} {spec.message_size_bytes} bytes {spec.dtype}: build and check")
         check_s = time.perf_counter() - t_check
-        try:
-            stats, method, timed = self._time(group, case, rule)
-        finally:
+
+        def free() -> None:
             if group.alive() and group.conns:
                 group.ask(("done",), "free the buffers")
+
+        try:
+            stats, method, timed = self._time(group, case, rule)
+        except Exception:
+            free()
+            raise
+        # Not on an interrupt: Ctrl-C (SIGINT to the process group) or a SIGTERM to it ends the ranks too, and asking
+        # them raised a rank's death in the interrupt's place: a crash row, and the run went on with fresh ranks.
+        free()
         info = group.info
         notes = {"ranks": str(n), "rank_time": "per iteration, the maximum over ranks",
                  "barrier": "a CPU barrier (gloo) before each op; inputs rewritten before it",

@@ -175,6 +175,32 @@ def test_a_gloo_row_carries_the_hosts_load_and_says_when_it_passed_the_cores(mon
         assert notes.get("host_busy") == ("load 7.25 over 2 cores: other work shared them" if busy else None)
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, lambda: SystemExit(143)])
+def test_ctrl_c_that_ends_the_ranks_too_stops_the_run(interrupt, monkeypatch):
+    """Ctrl-C at a terminal (SIGINT to the process group; a SIGTERM to it likewise) ends the ranks as it interrupts
+    the run: asking the dead ranks to free their buffers raised a rank's death in the interrupt's place, so the spec
+    was stored as a crash and the run went on with fresh ranks. The interrupt stops the run."""
+    import signal
+
+    from kprof.runners.registry import lookup
+    from kprof.runners.worker import measure_specs
+
+    ask = _ranks.RankGroup.ask
+
+    def interrupted(self, message, what):
+        if message[0] != "batch":
+            return ask(self, message, what)
+        for p in self.procs:  # the terminal's SIGINT reaches every rank ...
+            os.kill(p.pid, signal.SIGINT)
+        raise interrupt()  # ... and the run itself, waiting for their answers (they are still ending)
+
+    monkeypatch.setattr(_ranks.RankGroup, "ask", interrupted)
+    spec = {"message_size_bytes": SMALL, "dtype": "fp32", "world_size": 2}
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        list(measure_specs(lookup("all_gather", "gloo"), [spec, spec], "test cpu"))
+    _ranks.shutdown()
+
+
 def test_a_rank_directory_left_by_a_killed_run_is_removed_by_the_next_group(monkeypatch, tmp_path):
     """A run killed while its ranks were up (SIGKILL, the OOM killer: no cleanup runs) left its `kprof-ranks-*`
     directory (the FileStore, the ranks' logs) in the temporary directory for good. A group's directory is held while
