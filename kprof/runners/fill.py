@@ -186,6 +186,9 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     levels: dict[int, list[int]] = {}  # devices per spec -> the specs needing that many, each level its own workers
     for i in todo:
         levels.setdefault(need_of(entry, canonical[i]), []).append(i)
+    if entry.metric_family == "comm":  # a collective's ranks stay up across specs of one world size: those in a row
+        for its in levels.values():
+            its.sort(key=lambda i: canonical[i].get("world_size", 0))
     if not info["in_process"]:  # a level starts no more workers than it has specs: a device left idle was not used
         used = {label for n, its in levels.items() for g in groups(devices.devices, n)[:len(its)]
                 for label in g.label.split("+")}

@@ -201,6 +201,29 @@ def test_ctrl_c_that_ends_the_ranks_too_stops_the_run(interrupt, monkeypatch):
     _ranks.shutdown()
 
 
+def test_specs_of_one_world_size_share_a_rank_group_whatever_their_order(monkeypatch, tmp_path):
+    """Specs alternating world sizes 2 and 3 were measured in the order given: each started a fresh rank group (a
+    torch import per rank), four starts for four specs. They are measured a world size at a time; the rows come back in
+    the order asked."""
+    from kprof import api
+
+    started = []
+    group = _ranks.RankGroup
+
+    def counted(backend, n):
+        started.append(n)
+        return group(backend, n)
+
+    _ranks.shutdown()
+    monkeypatch.setattr(_ranks, "RankGroup", counted)
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    specs = [{"message_size_bytes": 24 * (i + 1), "dtype": "fp32", "world_size": 2 + i % 2} for i in range(4)]
+    res = api.run("all_gather", "gloo", specs, db=str(tmp_path / "p.db"))
+    assert [r["spec"] for r in res.results] == specs and all(r["status"] == "ok" for r in res.results), res.results
+    assert started == [2, 3]
+    _ranks.shutdown()
+
+
 def test_a_rank_directory_left_by_a_killed_run_is_removed_by_the_next_group(monkeypatch, tmp_path):
     """A run killed while its ranks were up (SIGKILL, the OOM killer: no cleanup runs) left its `kprof-ranks-*`
     directory (the FileStore, the ranks' logs) in the temporary directory for good. A group's directory is held while
