@@ -143,9 +143,10 @@ def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: 
         allowed = {s[0]: s[2] for s in (_TIMER, _L2, _POWER)}.get(name, (value,))
         # A value no backend takes (--l2 hot) is not said to apply to CUDA backends: it applies to none.
         what = "applies to CUDA backends" if value in allowed else f"is not one of {', '.join(allowed)} on any backend"
+        calls = "each op after a barrier across the ranks" if entry.metric_family == "comm" else "back to back"
         raise refused(lambda arg: f"{arg(name, value)} {what}; {entry.backend} is timed by wall "
-                                   f"clock ({cpu_timer}, L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls "
-                                   f"back to back); omit {arg(name)}, or pass a CUDA backend (see `kprof list`)")
+                                   f"clock ({cpu_timer}, L2 {cpu_l2}, {'graph' if cpu_graph else 'eager'} calls, "
+                                   f"{calls}); omit {arg(name)}, or pass a CUDA backend (see `kprof list`)")
 
 
 def check_method_env() -> None:

@@ -87,6 +87,18 @@ def test_bad_specs_are_refused_naming_the_field(table, spec, field, tmp_path, ca
     assert not os.path.exists(db)  # nothing written
 
 
+def test_a_cuda_method_asked_of_gloo_is_refused_saying_how_gloo_times(tmp_path, capsys):
+    """The refusal said gloo times "eager calls back to back", as a CPU kernel is timed; a gloo rank times one op after
+    a barrier across the ranks, its input rewritten before it."""
+    spec = json.dumps({"message_size_bytes": SMALL, "dtype": "fp32", "world_size": 2})
+    assert main(["run", "all_reduce", "--backend", "gloo", "--spec", spec, "--db", str(tmp_path / "p.db"),
+                 "--l2", "cold"]) == 2
+    err = capsys.readouterr().err
+    assert "gloo is timed by wall clock (cpu-wall, L2 warm, eager calls, each op after a barrier across the ranks)" \
+        in err and "back to back" not in err, err
+    assert not (tmp_path / "p.db").exists()
+
+
 def test_split_collectives_need_whole_parts_per_rank():
     ok = {"message_size_bytes": 96, "dtype": "fp16", "world_size": 3}
     msgspec.convert(ok, comm.AllReduceArgs)
