@@ -127,7 +127,11 @@ class RankGroup:
                 c.send(message)
             except OSError:
                 pass  # a dead rank is reported by _gather, with its exit code and log
-        return self._gather(step_s(), what, "KPROF_RANK_STEP_S")
+        try:
+            return self._gather(step_s(), what, "KPROF_RANK_STEP_S")
+        except (KeyboardInterrupt, SystemExit):  # answers left in flight would answer the next step: never ask again
+            self.close(kill=True)
+            raise
 
     def _gather(self, timeout: float, what: str, knob: str) -> list:
         answers: dict[int, object] = {}

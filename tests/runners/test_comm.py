@@ -236,6 +236,33 @@ def test_specs_of_one_world_size_share_a_rank_group_whatever_their_order(monkeyp
     _ranks.shutdown()
 
 
+def test_a_group_interrupted_mid_step_is_not_asked_again(monkeypatch):
+    """Ctrl-C that reaches only the calling process (a notebook's interrupt) while the ranks ran a batch: their answers
+    stayed in flight, and the next spec of that world size read them as its own, a stale batch as the spec's check
+    and the check's answer as a batch (TypeError, a crash row), every later spec off by one. The group is killed."""
+    from kprof.runners.registry import lookup
+    from kprof.runners.worker import measure_specs
+
+    gather = _ranks.RankGroup._gather
+
+    def interrupted(self, timeout, what, knob):
+        if what.startswith("a batch"):
+            monkeypatch.setattr(_ranks.RankGroup, "_gather", gather)  # once
+            raise KeyboardInterrupt
+        return gather(self, timeout, what, knob)
+
+    monkeypatch.setattr(_ranks.RankGroup, "_gather", interrupted)
+    spec = {"message_size_bytes": SMALL, "dtype": "fp32", "world_size": 2}
+    entry = lookup("all_reduce", "gloo")
+    with pytest.raises(KeyboardInterrupt):
+        list(measure_specs(entry, [spec], "test cpu"))
+    group = _ranks._group
+    assert not group.procs and not os.path.exists(group.dir)  # killed, its directory removed
+    (out,) = measure_specs(entry, [spec], "test cpu")
+    assert out.event.metrics["time_ms"] > 0, out.event
+    _ranks.shutdown()
+
+
 def test_a_rank_directory_left_by_a_killed_run_is_removed_by_the_next_group(monkeypatch, tmp_path):
     """A run killed while its ranks were up (SIGKILL, the OOM killer: no cleanup runs) left its `kprof-ranks-*`
     directory (the FileStore, the ranks' logs) in the temporary directory for good. A group's directory is held while
