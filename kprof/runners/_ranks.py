@@ -367,6 +367,7 @@ class CommDevice:
             notes["host_load_1m"] = f"{load:.2f}"
             if load > cores:
                 notes["host_busy"] = f"load {load:.2f} over {cores} cores: other work shared them"
+            env = msgspec.structs.replace(env, clocks={**env.clocks, "threads": 1.0})  # each rank's, not this process's
         method = msgspec.structs.replace(method, notes=notes)
         return stats, method, None, msgspec.structs.replace(env, errors=errors), timed
 

@@ -187,6 +187,21 @@ def test_a_gloo_row_carries_the_hosts_load_and_says_when_it_passed_the_cores(mon
         assert notes.get("host_busy") == ("load 7.25 over 2 cores: other work shared them" if busy else None)
 
 
+def test_a_gloo_rows_environment_names_the_threads_its_ranks_ran_on(monkeypatch):
+    """A gloo row's environment said `threads` = the calling process's torch threads (every core), beside notes that
+    say each rank runs on one: it names the ranks' one thread."""
+    import torch
+
+    from kprof.runners.registry import lookup
+    from kprof.runners.worker import measure_specs
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # what cpu_environment reads in this process
+    spec = {"message_size_bytes": SMALL, "dtype": "fp32", "world_size": 2}
+    (out,) = measure_specs(lookup("all_gather", "gloo"), [spec], "test cpu")
+    assert out.event.environment.clocks["threads"] == 1.0, out.event.environment
+    assert out.event.method.notes["ranks_on"] == "2 CPU processes, 1 torch thread each"
+
+
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, lambda: SystemExit(143)])
 def test_ctrl_c_that_ends_the_ranks_too_stops_the_run(interrupt, monkeypatch):
     """Ctrl-C at a terminal (SIGINT to the process group; a SIGTERM to it likewise) ends the ranks as it interrupts
