@@ -65,8 +65,9 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
 
 
 def _samples(event: dict) -> list[str]:
-    """How the time was taken: the samples' count and spread, why sampling stopped, and whether other work took the
-    host's cores meanwhile (a CPU row's host_busy: a 20 µs GEMM read 41 ms so, and only --json said why)."""
+    """How the time was taken: the samples' count and spread, why sampling stopped, the method and its notes (a
+    collective's rank_min_median_ms, NCCL version, GPUs), and whether other work took the host's cores meanwhile (a
+    CPU row's host_busy: a 20 µs GEMM read 41 ms so, and only --json said why)."""
     stats, method = event.get("stats") or {}, event.get("method") or {}
 
     def ms(v):
@@ -74,7 +75,11 @@ def _samples(event: dict) -> list[str]:
 
     lines = [f"samples: n={stats.get('n')}, median {ms(stats.get('median'))} ms (p10 {ms(stats.get('p10'))}, p90 "
              f"{ms(stats.get('p90'))}), cv {ms(stats.get('cv'))}; stop_reason={method.get('stop_reason')}"]
-    busy = (method.get("notes") or {}).get("host_busy")
+    notes = dict(method.get("notes") or {})
+    busy = notes.pop("host_busy", None)
+    rest = {k: v for k, v in method.items() if k not in ("stop_reason", "notes")}  # the timer; a collective's notes
+    lines.append("method: " + ", ".join(f"{k}={v}" for k, v in rest.items())
+                 + ("; notes: " + ", ".join(f"{k}={v}" for k, v in notes.items()) if notes else ""))
     if busy:
         lines.append(f"host_busy: {busy}")
     return lines

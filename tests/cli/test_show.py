@@ -241,3 +241,18 @@ def test_show_says_how_many_samples_why_sampling_stopped_and_that_the_host_was_b
     (quiet,) = h.append("p.db", h.make_event(h.gemm(64), local_gpu))
     text, _doc = _shown(h, capsys, f"kprof.{quiet.hex()[:16]}")
     assert "samples: n=5" in text and "host_busy" not in text
+
+
+def test_show_prints_how_a_row_was_timed_and_its_notes(h, capsys, local_gpu):
+    """README has `kprof show` give a row's method, and a collective's `rank_min_median_ms` (its NCCL version,
+    GPUs, topology) is in its notes: the text printed neither, only `--json` did."""
+    import msgspec
+
+    event = h.make_event(h.gemm(), local_gpu)
+    method = msgspec.structs.replace(event.method, stop_reason="budget", notes={"rank_min_median_ms": "0.25"})
+    (eid,) = h.append("p.db", msgspec.structs.replace(event, method=method))
+    text, doc = _shown(h, capsys, f"kprof.{eid.hex()[:16]}")
+    line = next(line for line in text.splitlines() if line.startswith("method: "))
+    assert "timer=cpu" in line and line.endswith("; notes: rank_min_median_ms=0.25")
+    assert "stop_reason=budget" in text
+    assert doc["event"]["method"]["notes"] == {"rank_min_median_ms": "0.25"}
