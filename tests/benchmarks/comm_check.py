@@ -27,6 +27,7 @@ import datetime
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -212,6 +213,7 @@ def main() -> int:
     tar = os.path.join(args.out, "comm_check.tar.gz")
     with tarfile.open(tar, "w:gz") as t:
         t.add(work, arcname="comm_check")
+    shutil.rmtree(work, ignore_errors=True)  # all of it is in the tarball
 
     # the short table, last
     out = io.StringIO()
