@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -314,25 +316,30 @@ class _Run:
         self.keys += keys
         self.claims = claims
         for j, data in executor.submit(chunks, first):
-            chunk_doc = record["chunks"][j]
-            try:
-                path, events = _received(self.output_dir, j, data, self.keys[j])
-            except UsageError as exc:  # bad data: nothing of it is used
-                chunk_doc.update(status="refused", error=str(exc))
-                self._end(j, chunk_doc)
-                continue
-            chunk_doc.update(segment=path, status="returned", events=len(events))
-            record["segments"].append(path)
-            for ev in events:
-                if type(ev) is not Measured:
-                    self.errored[ev.key] = {"kind": ev.error_kind, "message": ev.message}
-                self.fresh[ev.key] = ev
-            if self.mode == "fresh":
-                chunk_doc["status"] = "fresh"
-            else:
-                self.report = _merge(self.db, path, self.output_dir, chunk_doc, record, self.report)
-            self._end(j, chunk_doc)
+            with _whole():
+                self._returned(j, data)
         self.failed(executor)
+
+    def _returned(self, j: int, data) -> None:
+        """Chunk j's data: checked, stored, merged (or refused), recorded, its claims ended."""
+        record, chunk_doc = self.record, self.record["chunks"][j]
+        try:
+            path, events = _received(self.output_dir, j, data, self.keys[j])
+        except UsageError as exc:  # bad data: nothing of it is used
+            chunk_doc.update(status="refused", error=str(exc))
+            self._end(j, chunk_doc)
+            return
+        chunk_doc.update(segment=path, status="returned", events=len(events))
+        record["segments"].append(path)
+        for ev in events:
+            if type(ev) is not Measured:
+                self.errored[ev.key] = {"kind": ev.error_kind, "message": ev.message}
+            self.fresh[ev.key] = ev
+        if self.mode == "fresh":
+            chunk_doc["status"] = "fresh"
+        else:
+            self.report = _merge(self.db, path, self.output_dir, chunk_doc, record, self.report)
+        self._end(j, chunk_doc)
 
     def failed(self, executor) -> None:
         """The chunks the engine failed (its .failures), recorded, their claims ended."""
@@ -347,6 +354,31 @@ class _Run:
         self.done += 1
         if self.progress:
             self.progress(self.done, len(self.record["chunks"]), chunk_doc)
+
+
+@contextlib.contextmanager
+def _whole():
+    """Ctrl-C (SIGINT) and SIGTERM held until the block ends, then handled as they would have been: a chunk's merge
+    and its record land together (an interrupt between the two left a merged chunk in remote-run.json as
+    `returned`, its rows uncounted). Signals reach the main thread only; in another, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    # None: a handler not set from Python, which Python cannot put back; left as it is
+    handlers = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
+    for s in handlers:
+        signal.signal(s, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for signum in held[:1]:
+            if callable(handlers[signum]):
+                handlers[signum](signum, None)
+            elif handlers[signum] == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def _merge(db: str, path: str, output_dir: str, chunk_doc: dict, record: dict, report: dict | None) -> dict | None:

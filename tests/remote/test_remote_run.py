@@ -316,6 +316,33 @@ def test_an_interrupted_submitit_run_cancels_its_jobs_and_says_how_to_resume(rem
     assert [c["status"] for c in record["chunks"]] == ["cancelled"] * 2 and record["merged"]["added"] == 0
 
 
+def test_an_interrupt_as_a_chunk_merges_leaves_its_merge_recorded(remote_yaml, db, monkeypatch):
+    """Ctrl-C just as a chunk's merge commits: the chunk's record is finished first, then the run stops. It was left
+    `returned` with its rows uncounted, so remote-run.json said 0 merged of a ledger holding the chunk's rows."""
+    import signal
+
+    from kprof.ledger import Ledger
+    from kprof.merge import merge as merge_module
+
+    remote_yaml(RAY)
+    real = merge_module.merge_into
+
+    def merge_into(*args, **kwargs):
+        out = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # the merge is committed; the record is not written yet
+        return out
+
+    monkeypatch.setattr(merge_module, "merge_into", merge_into)
+    _in_process(monkeypatch, _InProcess())
+    with pytest.raises(KeyboardInterrupt):
+        run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out")
+    record = _record()
+    with Ledger.open(db, readonly=True) as ledger:
+        stored = ledger.last_seq
+    assert record["chunks"][0]["status"] == "merged" and record["chunks"][0]["added"] == 2
+    assert record["merged"]["added"] == stored == 2 and record["segments"] == ["out/segments/chunk-0000.kseg"]
+
+
 def test_nothing_to_measure_says_so(remote_yaml, db, capsys, h):
     remote_yaml(RAY)
     for spec in SPECS:
