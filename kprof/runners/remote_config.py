@@ -7,7 +7,9 @@ for one call. `remote.example.yaml` lists every field.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from typing import Any
 
 import msgspec
@@ -105,7 +107,7 @@ def _checked(where: str, field: _Field, value: Any, raw: bool) -> Any:
             import yaml
 
             try:
-                value = yaml.safe_load(value)
+                value = yaml.load(value, Loader=_loader())
             except yaml.YAMLError as exc:  # the value as typed, and why it does not parse (not "None")
                 raise UsageError(f"{where} is {value!r}, not valid YAML ({getattr(exc, 'problem', None) or exc}); "
                                  f"give a mapping, e.g. {{env_vars: {{KPROF_TIMER: cupti}}}} {example}") from None
@@ -114,11 +116,8 @@ def _checked(where: str, field: _Field, value: Any, raw: bool) -> Any:
                              f"cupti}}}} {example}")
         return value
     if field.type == "int":
-        if raw:
-            try:
-                value = int(value)
-            except ValueError:
-                pass
+        if raw and re.fullmatch(r"[+-]?[0-9]+", value.strip()):  # int() takes "1_0" for 10, and non-ASCII digits
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise UsageError(f"{where} is {value!r}, not a whole number; give one {example}")
         if field.minimum is not None and value < field.minimum:
@@ -142,6 +141,24 @@ def _override(item: str) -> tuple[str, str]:
     return key, value
 
 
+@functools.lru_cache(maxsize=None)
+def _loader():
+    """PyYAML's safe loader, reading a whole number as YAML 1.2 does (decimal digits only): its YAML 1.1 reading
+    took Slurm's `time: 1:30:00` for 5400 minutes (base 60), `010` for 8 and `1_0` for 10, numbers nobody wrote;
+    any other form stays text, which a number field refuses."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    int_tag = "tag:yaml.org,2002:int"
+    Loader.yaml_implicit_resolvers = {c: [(tag, rx) for tag, rx in rules if tag != int_tag]
+                                      for c, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(int_tag, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+    Loader.add_constructor(int_tag, lambda loader, node: int(loader.construct_scalar(node)))
+    return Loader
+
+
 def _read(path: str) -> dict:
     import yaml
 
@@ -150,7 +167,7 @@ def _read(path: str) -> dict:
                          f"remotes from a file: copy remote.example.yaml to {path} and fill in your remote")
     try:
         with open(path, "rb") as f:  # bytes: YAML's own decoding (UTF-8, or a BOM's), its error a YAMLError
-            doc = yaml.safe_load(f)
+            doc = yaml.load(f, Loader=_loader())
     except FileNotFoundError:
         raise UsageError(f"{path} not found: --remote reads its named remotes from it; copy remote.example.yaml "
                          f"to {path} and fill in your remote") from None

@@ -57,6 +57,7 @@ def test_overrides_apply_for_one_call(remote_yaml):
     assert (r.slurm.time, r.workers, r.slurm.account, r.slurm.partition) == (30, 4, "proj", "gpu")
     assert r.overrides == ["launch.slurm.time=30", "workers=4", "launch.slurm.account=proj"]
     assert load_remote("slurm1", path).slurm.time == 60  # the file is unchanged
+    assert load_remote("slurm1", path, ["launch.slurm.time= 010 "]).slurm.time == 10  # decimal, as YAML 1.2 reads it
     r = load_remote("ray1", path, ["launch.ray.runtime_env={env_vars: {A: b}}", "launch.ray.address=local"])
     assert r.ray.runtime_env == {"env_vars": {"A": "b"}}
     # a complete section of the other kind: the kind can be switched for one call
@@ -96,6 +97,11 @@ def test_overrides_apply_for_one_call(remote_yaml):
      ["field launch.slurm.time is missing", "time: 60"]),
     ("remotes: {r: {kind: slurm, launch: {slurm: {partition: gpu, time: 1h}}}}\n", [],
      ["field launch.slurm.time is '1h', not a whole number"]),
+    # YAML 1.1 read Slurm's 1:30:00 as 5400 (minutes, base 60) and 1_0 as 10
+    ("remotes: {r: {kind: slurm, launch: {slurm: {partition: gpu, time: 1:30:00}}}}\n", [],
+     ["field launch.slurm.time is '1:30:00', not a whole number"]),
+    ("remotes: {r: {kind: ray, workers: 1_0, launch: {ray: {address: auto}}}}\n", [],
+     ["field workers is '1_0', not a whole number"]),
     ("remotes: {r: {kind: slurm, launch: {slurm: {time: 5}}}}\n", [],
      ["field launch.slurm.partition is missing", "launch.slurm.cluster: local"]),
     ("remotes: {r: {kind: slurm, launch: {slurm: {time: 5, cluster: k8s}}}}\n", [],
@@ -106,6 +112,8 @@ def test_overrides_apply_for_one_call(remote_yaml):
     (GOOD.replace("ray1", "r"), ["launch.slurm.time=soon"],
      ["--remote-set launch.slurm.time is 'soon', not a whole"]),
     (GOOD.replace("ray1", "r"), ["kind=k8s"], ["--remote-set kind is 'k8s', not one of ray, slurm"]),
+    (GOOD.replace("ray1", "r"), ["workers=1_0"], ["--remote-set workers is '1_0', not a whole number"]),  # int() took
+    (GOOD.replace("ray1", "r"), ["workers=\u0663"], ["--remote-set workers is '\u0663', not a whole number"]),  # them
     (GOOD.replace("ray1", "r"), ["launch.ray.runtime_env={pip: [x]"],  # was "is None, not a mapping"
      ["--remote-set launch.ray.runtime_env is '{pip: [x]', not valid YAML", "give a mapping"]),
     (GOOD.replace("ray1", "r"), ["kind=slurm"], ["field launch.slurm.time is missing"]),
