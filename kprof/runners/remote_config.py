@@ -221,6 +221,12 @@ def load_remote(name: str, path: str = CONFIG, overrides: list[str] | tuple = ()
     kind = values.get("kind")
     if kind is None:
         raise UsageError(f"{where(path, name, 'kind')} is missing; set kind: ray or kind: slurm")
+    for item in overrides:  # one for the other engine's section changed nothing this call uses
+        key = _override(item)[0]
+        if key.startswith("launch.") and key.split(".")[1] != kind:
+            raise UsageError(f"--remote-set {key} applies to kind {key.split('.')[1]}, and remote {name!r} is kind "
+                             f"{kind}, which reads launch.{kind}: set launch.{kind} fields, or pass --remote-set "
+                             f"kind={key.split('.')[1]} too")
 
     def section(engine: str, required: str, fix: str) -> dict | None:
         """The fields of launch.<engine>; the section of the remote's kind must have `required`. A section of the

@@ -117,6 +117,8 @@ def test_overrides_apply_for_one_call(remote_yaml):
     (GOOD.replace("ray1", "r"), ["launch.ray.runtime_env={pip: [x]"],  # was "is None, not a mapping"
      ["--remote-set launch.ray.runtime_env is '{pip: [x]', not valid YAML", "give a mapping"]),
     (GOOD.replace("ray1", "r"), ["kind=slurm"], ["field launch.slurm.time is missing"]),
+    (GOOD.replace("ray1", "r"), ["launch.slurm.time=30"],  # was taken, and changed nothing
+     ["--remote-set launch.slurm.time applies to kind slurm, and remote 'r' is kind ray", "--remote-set kind=slurm"]),
 ])
 def test_a_bad_remote_is_refused_naming_the_field_and_the_fix(remote_yaml, db, text, overrides, expected):
     if text is not None:
