@@ -231,7 +231,8 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
         "launch": msgspec.to_builtins(target.ray if target.kind == "ray" else target.slurm),
         "kprof_version": __version__, "table": table, "backend": backend, "gpu_name": gpu_key, "mode": mode,
         "db": db, "command": command, "started_at": started_at, "specs": len(canonical), "measured": 0,
-        "chunks": [], "segments": [], "merged": {"added": 0, "existing": 0}, "conflicts": 0, "merge_report": None}
+        "chunks": [], "segments": [], "merged": {"added": 0, "existing": 0}, "conflicts": 0, "merge_report": None,
+        "waited_for": 0}
     record_path = os.path.join(output_dir, "remote-run.json")
     run = _Run(output_dir, db, mode, record, progress)
     try:
@@ -250,7 +251,10 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
 
                 rounds = [(todo, before_rows, {})] if claims is None else claims.rounds(
                     todo, spec_keys, rows_now, lambda i, row: still_wanted(mode, row, before_rows[i]))
-                for batch, rows, _held in rounds:
+                waited: set[bytes] = set()
+                for batch, rows, held in rounds:
+                    waited.update(held)  # keys another run was measuring: read from the ledger once it stored them
+                    record["waited_for"] = len(waited)
                     if batch:
                         parts = [batch[j::n] for j in range(min(n, len(batch)))]  # round robin: sizes spread out
                         chunks = [Chunk.of(entry, gpu_key, [canonical[i] for i in part],

@@ -62,9 +62,12 @@ def _summary(res, remote: str) -> str:
     engine = record.get("engine", {})
     where = " ".join(str(w) for w in (engine.get("engine"), engine.get("address") or engine.get("cluster")) if w)
     merged = f"{record['merged']['added']} event(s) merged; record {res.record_path}"
+    if record.get("waited_for"):  # as a local run says it: their rows are another run's
+        merged = f"{record['waited_for']} spec(s) another run was measuring were waited for; {merged}"
     chunks = record["chunks"]
     if not chunks:
-        return f"nothing to measure: no spec sent to remote {remote} ({where}); {merged}"
+        what = "nothing left to measure" if record.get("waited_for") else "nothing to measure"
+        return f"{what}: no spec sent to remote {remote} ({where}); {merged}"
     lost = [c for c in chunks if c["status"] not in ("merged", "fresh", "conflict")]  # failed or refused
     back = res.measured - sum(c["specs"] for c in lost)
     failed = f", {len(lost)} of {len(chunks)} chunk(s) failed (see above)" if lost else ""

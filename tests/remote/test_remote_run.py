@@ -264,6 +264,33 @@ def test_a_run_skips_the_keys_another_run_holds_and_ends_its_claims_as_chunks_me
         assert probe.take(keys)[1] == {}  # the run ended its claims
 
 
+def test_a_run_that_waited_for_every_spec_says_so(remote_yaml, db, capsys, monkeypatch, h):
+    """Another run holds every key and stores the rows while this one waits: nothing is sent, and the summary and
+    remote-run.json say the rows were waited for, as a local run's line does (it said "nothing to measure")."""
+    import types
+
+    from kprof.api import _keys, _prepare
+    from kprof.runners import claims as claims_module
+    from kprof.runners.claims import Claims
+
+    remote_yaml(RAY)
+    entry, canonical, gpu_key, _ = _prepare("single_gemm", "torch-cpu", SPECS, None, db, {})
+    other = Claims(db, "other").__enter__()
+    other.take([_keys(entry, gpu_key).key(s) for s in canonical])
+
+    def sleep(_seconds):  # while this run waits, the other stores its rows and ends
+        for spec in SPECS:
+            h.hand_row(db, spec, GPU)
+        other.release()
+
+    monkeypatch.setattr(claims_module, "time", types.SimpleNamespace(sleep=sleep))
+    _in_process(monkeypatch, _InProcess())
+    rc = run_remote_cli("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out", json=False)
+    assert rc == 0 and _record()["waited_for"] == 4 and _record()["chunks"] == []
+    assert ("nothing left to measure: no spec sent to remote ray (in-process); 4 spec(s) another run was measuring "
+            "were waited for; 0 event(s) merged") in capsys.readouterr().out
+
+
 def test_a_failed_submitit_job_reports_its_reason_and_the_summary_says_so(remote_yaml, db, capsys):
     """Both jobs refuse their chunk (the rows are keyed by another CPU): each failure names the worker's reason, not
     the log path submitit's error text ends with; the summary counts what came back."""
