@@ -244,6 +244,14 @@ def load_remote(name: str, path: str = CONFIG, overrides: list[str] | tuple = ()
     if kind == "slurm" and slurm.get("cluster", "slurm") == "slurm" and "partition" not in slurm:
         raise UsageError(f"{where(path, name, 'launch.slurm.partition')} is missing; set the Slurm partition "
                          f"(or launch.slurm.cluster: local to run the jobs on this machine)")
+    address = ray["address"] if kind == "ray" else "local"
+    if address not in ("local", "auto") and not (address.startswith("ray://") and address[6:].strip()):
+        field = "launch.ray.address"
+        given = (f"--remote-set {field}" if any(_override(o)[0] == field for o in overrides)
+                 else where(path, name, field))
+        raise UsageError(f"{given} is {address!r}, not \"local\", \"auto\" or ray://HOST:PORT: Ray takes a bare "
+                         f"HOST:PORT for a node of the cluster and waits for it for good (Ctrl-C does not stop it); "
+                         f"give ray://HOST:10001 (Ray Client on the head), or \"auto\" on a node of the cluster")
     if kind == "ray" and "num_cpus" in ray and ray["address"] != "local":
         raise UsageError(f"{where(path, name, 'launch.ray.num_cpus')} applies only to address \"local\" (a cluster "
                          f"started here); {ray['address']!r} names a running cluster: remove num_cpus")

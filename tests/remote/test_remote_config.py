@@ -130,6 +130,19 @@ def test_a_bad_remote_is_refused_naming_the_field_and_the_fix(remote_yaml, db, t
         assert message.startswith(os.path.abspath("remote.yaml")) or message.startswith("remote.yaml")
 
 
+def test_a_ray_address_of_another_form_is_refused(remote_yaml):
+    """A bare HOST:PORT (ray:// left out) made Ray wait for that node for good, deaf to Ctrl-C and SIGTERM: refused,
+    read from the file or from --remote-set, as is a ray:// with no host."""
+    path = remote_yaml("remotes: {r: {kind: ray, launch: {ray: {address: 'head:6379'}}}}\n")
+    with pytest.raises(UsageError, match="field launch.ray.address is 'head:6379', not \"local\", \"auto\" or "
+                                         "ray://HOST:PORT.* give ray://HOST:10001"):
+        load_remote("r", path)
+    with pytest.raises(UsageError, match="^--remote-set launch.ray.address is 'ray://', not"):
+        load_remote("r", path, ["launch.ray.address=ray://"])
+    for good in ("local", "auto", "ray://head:10001"):
+        assert load_remote("r", path, [f"launch.ray.address={good}"]).ray.address == good
+
+
 def test_a_remote_yaml_that_is_not_utf8_text_or_not_a_file_is_refused(remote_yaml, db, tmp_path):
     """A byte that is not UTF-8 was a UnicodeDecodeError traceback (and a UTF-8 file one under a C locale, read in the
     locale's encoding), a pipe named remote.yaml waited for a writer for good, and a directory was said to need its
