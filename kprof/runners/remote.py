@@ -112,14 +112,18 @@ class RayExecutor:
         self.pending: dict = {}  # ObjectRef -> chunk number, of the tasks not finished
 
     def workers(self) -> int:
-        if self.remote.workers is not None:
-            return self.remote.workers
-        resources = self._ray.cluster_resources()
-        slots = int(resources.get("GPU", 0) // self.gpus) if self.gpus else int(resources.get("CPU", 0))
-        if slots < 1:
-            raise UsageError(f"remote {self.remote.name!r}: the Ray cluster has {resources.get('GPU', 0)} GPU(s) for "
-                             f"tasks of {self.gpus}; add GPUs or lower launch.ray.gpus_per_worker")
-        return slots
+        """`workers`, else one chunk per task the cluster's nodes can run at once. A task asks for its GPUs on one
+        node: where no node has that many, it would wait for good (with `workers` set too), so that is refused."""
+        if self.gpus:
+            gpus = [node["Resources"].get("GPU", 0) for node in self._ray.nodes() if node.get("Alive")]
+            slots = sum(int(g // self.gpus) for g in gpus)
+            if slots < 1:
+                raise UsageError(f"remote {self.remote.name!r}: no node of the Ray cluster has {self.gpus} GPU(s) for "
+                                 f"a task (its nodes have {', '.join(f'{g:g}' for g in gpus) or 'none'}), so none "
+                                 f"would start; add GPUs or lower launch.ray.gpus_per_worker")
+        else:
+            slots = int(self._ray.cluster_resources().get("CPU", 0))
+        return self.remote.workers if self.remote.workers is not None else slots
 
     def submit(self, chunks: list[Chunk], first: int = 0) -> Iterator[tuple[int, bytes]]:
         """Each chunk as one Ray task (chunk i is numbered first + i): Ray runs as many at once as the cluster has

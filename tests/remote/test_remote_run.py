@@ -168,6 +168,28 @@ def test_more_chunks_than_the_cluster_has_slots_all_run(ray_cluster, remote_yaml
     assert sorted(os.listdir("out/segments")) == [f"chunk-000{j}.kseg" for j in range(4)]
 
 
+def test_a_ray_task_no_node_can_hold_is_refused_with_workers_set_too(remote_yaml):
+    """Tasks of 8 GPUs on two nodes of 4: none would ever start, and Ray waited for good ("No available node types
+    can fulfill resource request"), where `workers` was set; without it, 8 GPUs in all passed for one slot."""
+    import types
+
+    from kprof.errors import UsageError
+    from kprof.runners.remote_config import load_remote
+
+    path = remote_yaml(RAY)
+    nodes = [{"Alive": True, "Resources": {"GPU": 4.0, "CPU": 32.0}}] * 2 + [{"Alive": False,
+                                                                              "Resources": {"GPU": 8.0}}]  # a dead one
+    executor = remote_module.RayExecutor.__new__(remote_module.RayExecutor)
+    executor._ray = types.SimpleNamespace(nodes=lambda: nodes, cluster_resources=lambda: {"GPU": 8.0, "CPU": 64.0})
+    for overrides in (["workers=2"], []):
+        executor.remote, executor.gpus = load_remote("ray", path, overrides), 8
+        with pytest.raises(UsageError, match=r"no node of the Ray cluster has 8 GPU\(s\) for a task \(its nodes have "
+                                             r"4, 4\), so none would start; add GPUs or lower"):
+            executor.workers()
+        executor.gpus = 4
+        assert executor.workers() == 2  # one task a node at once, or the two chunks asked for
+
+
 class _InProcess:
     """An executor measuring each chunk here (run_chunk, as a worker would) and returning `tamper(j, segment)`."""
 
