@@ -23,7 +23,9 @@ chunk, as one job array. Scheduling, retries and placement are the engine's: kpr
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 from typing import Iterator
 
 from ..errors import UsageError
@@ -99,6 +101,10 @@ class RayExecutor:
         self.owned = not ray.is_initialized()  # a connection made here is closed here; one made before is reused
         if self.owned:
             address = self.settings.address
+            # ray.init replaces the SIGTERM handler with its own sys.exit(15): a run stopped so ended with exit 15 and
+            # no word of what it left. The caller's handler (kprof's: exit 143, saying so) is put back.
+            main = threading.current_thread() is threading.main_thread()
+            on_term = signal.getsignal(signal.SIGTERM) if main else None
             try:
                 if address == "local":
                     ray.init(num_cpus=self.settings.num_cpus, include_dashboard=False)
@@ -107,6 +113,9 @@ class RayExecutor:
             except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError...
                 raise UsageError(f"remote {remote.name!r}: cannot connect to Ray at {address!r} ({exc}); start the "
                                  f"cluster, or fix launch.ray.address in {remote.path}") from None
+            finally:
+                if on_term is not None:
+                    signal.signal(signal.SIGTERM, on_term)
         self.failures: dict[int, str] = {}
         self.infos: dict[int, dict] = {}
         self.pending: dict = {}  # ObjectRef -> chunk number, of the tasks not finished

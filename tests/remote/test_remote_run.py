@@ -190,6 +190,31 @@ def test_a_ray_task_no_node_can_hold_is_refused_with_workers_set_too(remote_yaml
         assert executor.workers() == 2  # one task a node at once, or the two chunks asked for
 
 
+def test_starting_ray_keeps_the_sigterm_handler_it_found(remote_yaml, monkeypatch):
+    """ray.init puts its own SIGTERM handler in (sys.exit(15)): a remote run stopped by SIGTERM ended with exit 15
+    and no word of what it left, where kprof's handler says so and exits 143. The handler found is put back."""
+    import signal
+
+    import ray
+
+    from kprof.runners.remote_config import load_remote
+
+    def ray_init(**_kwargs):  # what ray.init does to the handler
+        signal.signal(signal.SIGTERM, lambda signum, frame: exit(signum))
+
+    def ours(signum, frame):
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", ray_init)
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        remote_module.RayExecutor(load_remote("ray", remote_yaml(RAY)), "cpu")
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 class _InProcess:
     """An executor measuring each chunk here (run_chunk, as a worker would) and returning `tamper(j, segment)`."""
 
