@@ -55,8 +55,10 @@ def expanded(paths) -> list[str]:
             continue
         found = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".kseg")]
         if not found:
-            raise UsageError(f"{path} is a directory with no .kseg segment in it; give segment files, or the "
-                             f"directory `kprof export -o DIR` wrote")
+            sub = os.path.join(path, "segments")
+            raise UsageError(f"{path} is a directory with no .kseg segment in it; " + (
+                f"a remote run's --output-dir keeps its segments in segments/: pass {sub}" if os.path.isdir(sub) else
+                "give segment files, or the directory `kprof export -o DIR` wrote"))
         out.extend(sorted(found, key=lambda p: (segment.header_of(p).created_at, os.path.basename(p))))
     return out
 

@@ -98,6 +98,9 @@ def test_a_directory_without_segments_is_refused(tmp_path, capsys):
     assert main(["merge", str(tmp_path / "empty"), "--db", str(tmp_path / "x.db")]) == 2
     assert "no .kseg segment" in capsys.readouterr().err
     assert not (tmp_path / "x.db").exists()
+    (tmp_path / "run" / "segments").mkdir(parents=True)  # a remote run's --output-dir: the segments are below
+    assert main(["merge", str(tmp_path / "run"), "--db", str(tmp_path / "x.db")]) == 2
+    assert f"keeps its segments in segments/: pass {tmp_path / 'run' / 'segments'}" in capsys.readouterr().err
 
 
 def test_the_python_merge_takes_a_directory_as_the_verb_does(tmp_path, capsys):
