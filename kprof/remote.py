@@ -221,8 +221,14 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     executor = _remotes.executor_for(target, entry.device, output_dir, need) if todo else None
     try:
         n = max(1, min(executor.workers(), len(todo))) if executor is not None else 0  # may refuse: nothing written
+        if executor is not None and mode != "fresh":
+            # Opened for writing (created where missing, so that the events name the ledger they are for) before
+            # the output directory is made: one it cannot open is refused with nothing written, not after the jobs
+            with Ledger.open(db) as ledger:
+                ledger_id = ledger.ledger_id
     except BaseException:
-        executor.close()
+        if executor is not None:
+            executor.close()
         raise
     os.makedirs(os.path.join(output_dir, "segments"))
     record: dict[str, Any] = {
@@ -237,9 +243,6 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     run = _Run(output_dir, db, mode, record, progress)
     try:
         if executor is not None:
-            if not exists and mode != "fresh":
-                with Ledger.open(db) as ledger:  # created now, so that the events name the ledger they are for
-                    ledger_id = ledger.ledger_id
             origin = Origin(ledger_id=ledger_id, run_id=uuid.uuid4().hex, host=socket.gethostname(), command=command)
             with contextlib.ExitStack() as stack:
                 # Claimed as the local pool claims (kprof.runners.claims): a concurrent run skips what this one sends

@@ -495,6 +495,22 @@ def test_a_claims_directory_it_cannot_use_is_refused_before_a_ledger_or_a_job(re
     assert started == [] and not os.path.exists(db)
 
 
+def test_a_ledger_it_cannot_open_is_refused_before_the_output_directory(remote_yaml, monkeypatch, tmp_path):
+    """$KPROF_DB in a directory that is not there: exit 2 with nothing written, as a local run; the output directory
+    was made (segments/, remote-run.json) and the engine started before the ledger was created."""
+    from kprof.errors import UsageError
+
+    remote_yaml(RAY)
+    monkeypatch.setenv("KPROF_DB", str(tmp_path / "no-such-dir" / "p.db"))
+    executor = _InProcess()
+    closed = []
+    executor.close = lambda: closed.append(True) or []
+    _in_process(monkeypatch, executor)
+    with pytest.raises(UsageError, match="cannot open ledger .*no-such-dir"):
+        run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out")
+    assert not os.path.exists("out") and closed == [True]
+
+
 def test_the_remote_record_and_a_merge_report_are_strict_json_with_a_nan_in_them(tmp_path, monkeypatch):
     """The standard module writes a NaN as a bare NaN, which no strict JSON parser reads; kprof's records hold a
     metric's NaN as null, as every other JSON kprof writes."""
