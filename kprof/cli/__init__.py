@@ -88,8 +88,9 @@ def _interrupted_note(argv: list[str], exc: BaseException) -> str:
     remote = verb == "run" and given("--remote")
     if verb == "run" and given("--fresh"):  # it stores nothing, and measures every spec whenever it runs
         cancelled = ", and the engine's unfinished jobs were cancelled" if remote else ""
-        return f"a --fresh run writes nothing: the ledger is as it was{cancelled}; the same command again measures " \
-               f"every spec"
+        again = "with a new --output-dir" if remote else "again"  # the remote run's record is in the one given
+        return f"a --fresh run writes nothing: the ledger is as it was{cancelled}; the same command {again} " \
+               f"measures every spec"
     # --force measures every spec (every ceiling) again whenever it runs; without it, only what is missing
     what = "every ceiling" if verb == "calibrate" else "every spec"
     again = (f"measures {what} again (--force; without it, only what is missing)" if given("--force")

@@ -572,7 +572,8 @@ def test_an_interrupt_is_one_line_saying_what_it_left(verb, exc, code, note, cap
                          "missing)"),
     (["calibrate", "--force"], "the same command again measures every ceiling again (--force"),
     (["run", "--remote", "x", "--fresh"], "a --fresh run writes nothing: the ledger is as it was, and the engine's "
-                                          "unfinished jobs were cancelled"),
+                                          "unfinished jobs were cancelled; the same command with a new --output-dir "
+                                          "measures every spec"),  # the same command is refused: remote-run.json
     (["run", "--remote=x", "--force"], "the same command with a new --output-dir sends every spec again (--force"),
     (["run", "--fresh=false"], "every row stored before it stays in the ledger, and nothing half-written does; the "
                                "same command again measures only what is missing"),
