@@ -190,6 +190,13 @@ class SlurmExecutor:
             raise UsageError(f"remote {remote.name!r}: cannot submit to Slurm from this machine ({exc}); run where "
                              f"Slurm is, or set launch.slurm.cluster: local (in {remote.path}, or --remote-set "
                              f"launch.slurm.cluster=local) to test on this machine") from None
+        except OSError as exc:  # the folder is a file, or cannot be made (it was a traceback, exit 1)
+            field = "launch.slurm.folder"
+            given = ("--output-dir's submitit folder" if s.folder is None else f"--remote-set {field}"
+                     if any(o.partition("=")[0].strip() == field for o in remote.overrides)
+                     else where(remote.path, remote.name, field))
+            raise UsageError(f"{given} {self.folder!r} cannot be made ({exc.strerror}: {exc.filename}); give a "
+                             f"directory that is there or can be made") from None
         params = dict(timeout_min=s.time, gpus_per_node=self.gpus, nodes=1, tasks_per_node=1, name="kprof")
         if s.cluster == "slurm":
             params.update(slurm_partition=s.partition, **({"slurm_account": s.account} if s.account else {}))

@@ -206,6 +206,21 @@ def test_slurm_on_a_machine_without_slurm_is_a_usage_error(remote_yaml, db, monk
     assert "launch.slurm.cluster: local" in message and "\n" not in message
 
 
+@pytest.mark.parametrize("folder, overrides, given", [
+    ("logs", [], "remote.yaml: remote 'r': field launch.slurm.folder 'logs'"),
+    (None, ["launch.slurm.folder=logs/sub"], "--remote-set launch.slurm.folder 'logs/sub'"),
+])
+def test_a_submitit_folder_that_cannot_be_made_is_refused_naming_it(remote_yaml, db, folder, overrides, given):
+    """A file where the folder goes: it was submitit's FileExistsError traceback, exit 1."""
+    pytest.importorskip("submitit")
+    with open("logs", "w"):
+        pass
+    remote_yaml("remotes: {r: {kind: slurm, launch: {slurm: {time: 5, cluster: local%s}}}}\n"
+                % (f", folder: {folder}" if folder else ""))
+    message = _refused(db, remote_set=overrides)
+    assert message.startswith(given) and "cannot be made" in message and "give a directory" in message, message
+
+
 def test_the_remote_extra_installs_the_ray_client():
     """A ray:// address connects through Ray Client, which the plain `ray` package lacks (Ray's docs: "Ray Client
     requires pip package ray[client]")."""
