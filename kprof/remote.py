@@ -296,6 +296,9 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     out.exit_code = 3 if record["conflicts"] else 1 if out.missing_count else 0
     out.seconds = time.perf_counter() - started
     out.measured = record["measured"]
+    busy = {k for k, ev in fresh.items() if type(ev) is Measured and "host_busy" in ev.method.notes}
+    out.host_busy = len({k for doc, k in zip(res.results, spec_keys)  # rows shown that say so, each key once
+                         if k in busy and doc["event"] == event_id(encode(fresh[k])).hex()})
     out.record, out.record_path, out.merge_report = record, record_path, record["merge_report"]
     out.failures = [f"chunk {c['index']} ({c['specs']} specs): {c['status']}: {c['error']}"
                     for c in record["chunks"] if c.get("error")]

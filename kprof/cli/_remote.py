@@ -53,6 +53,12 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
     else:
         results_table(res)
         console().print(_summary(res, remote), markup=False)
+    if res.host_busy:  # as a local run says it (the table alone does not show it), of the hosts that measured
+        stored, again = (("", "the same command with a new --output-dir") if mode == "fresh" else
+                         (" (their notes say host_busy)", "`kprof run --force`"))
+        console(stderr=True).print(f"note: other processes took their host's cores while {res.host_busy} of these CPU "
+                                   f"row(s) were timed: other work slowed them{stored}; measure again on a quieter "
+                                   f"host with {again}", markup=False)
     return res.exit_code
 
 
