@@ -145,11 +145,21 @@ def _override(item: str) -> tuple[str, str]:
 def _loader():
     """PyYAML's safe loader, reading a whole number as YAML 1.2 does (decimal digits only): its YAML 1.1 reading
     took Slurm's `time: 1:30:00` for 5400 minutes (base 60), `010` for 8 and `1_0` for 10, numbers nobody wrote;
-    any other form stays text, which a number field refuses."""
+    any other form stays text, which a number field refuses. A key given twice in one mapping is an error, as YAML
+    says: PyYAML kept the last, so a remote copied and left under its old name replaced that remote unseen."""
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key, _value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    if key.value in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"{key.value!r} is given twice in one mapping (lines {seen[key.value] + 1} "
+                                        f"and {key.start_mark.line + 1}); keep one", key.start_mark)
+                    seen[key.value] = key.start_mark.line
+            return super().construct_mapping(node, deep)
 
     int_tag = "tag:yaml.org,2002:int"
     Loader.yaml_implicit_resolvers = {c: [(tag, rx) for tag, rx in rules if tag != int_tag]

@@ -69,6 +69,11 @@ def test_overrides_apply_for_one_call(remote_yaml):
     (None, [], ["remote.yaml not found", "copy remote.example.yaml"]),
     ("remotes: [1, 2\n", [], ["remote.yaml is not valid YAML at line", "fix the file"]),
     ("- a\n", [], ["remote.yaml is not a mapping with a `remotes:` section"]),
+    # PyYAML kept the last of a key given twice: a remote copied under its old name replaced it unseen
+    ("remotes:\n  r: {kind: ray, launch: {ray: {address: local}}}\n  r: {kind: ray, launch: {ray: {address: auto}}}\n",
+     [], ["remote.yaml is not valid YAML at line 3 ('r' is given twice in one mapping (lines 2 and 3); keep one)"]),
+    ("remotes: {r: {kind: ray, workers: 2, workers: 3, launch: {ray: {address: local}}}}\n", [],
+     ["'workers' is given twice in one mapping"]),
     ("version: 2\nremotes: {r: {kind: ray}}\n", [], ["version 2", "set version: 1"]),
     ("remote: {}\n", [], ["top-level field remote is not known"]),
     ("remotes: {}\n", [], ["`remotes:` is missing or empty"]),
