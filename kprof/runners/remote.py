@@ -94,8 +94,7 @@ class RayExecutor:
     """Chunks as Ray tasks, each on a GPU (gpus_per_worker each) or a CPU slot (CPU backends)."""
 
     def __init__(self, remote: Remote, device: str, need: int = 1):
-        import ray
-
+        ray = _engine("ray", remote)
         self.remote, self.settings, self._ray = remote, remote.ray, ray
         self.gpus = _gpus(remote, "launch.ray.gpus_per_worker", device, need)
         self.owned = not ray.is_initialized()  # a connection made here is closed here; one made before is reused
@@ -178,8 +177,7 @@ class SlurmExecutor:
     POLL_S = 1.0  # submitit's Slurm watcher rate-limits its sacct calls itself
 
     def __init__(self, remote: Remote, device: str, output_dir: str, need: int = 1):
-        import submitit
-
+        submitit = _engine("submitit", remote)
         self.remote, self.settings, self._submitit = remote, remote.slurm, submitit
         s = self.settings
         self.gpus = _gpus(remote, "launch.slurm.gpus_per_node", device, need)
@@ -240,6 +238,18 @@ class SlurmExecutor:
             job.cancel(check=False)
         self.pending = {}
         return stopped
+
+
+def _engine(module: str, remote: Remote):
+    """The engine's module (ray or submitit); where it is not installed, a UsageError saying how to install it (it was
+    a ModuleNotFoundError traceback)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise UsageError(f"remote {remote.name!r} is kind {remote.kind}, and {module} is not installed here ({exc}); "
+                         f"install the engines with pip install 'kprof[remote]'") from None
 
 
 def job_reason(exc: BaseException) -> str:

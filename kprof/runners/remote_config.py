@@ -104,8 +104,7 @@ def _checked(where: str, field: _Field, value: Any, raw: bool) -> Any:
     example = f"e.g. {field.choices[0]}" if field.choices else f"({field.doc})"
     if field.type == "mapping":
         if raw:
-            import yaml
-
+            yaml = _yaml()
             try:
                 value = yaml.load(value, Loader=_loader())
             except yaml.YAMLError as exc:  # the value as typed, and why it does not parse (not "None")
@@ -147,7 +146,7 @@ def _loader():
     took Slurm's `time: 1:30:00` for 5400 minutes (base 60), `010` for 8 and `1_0` for 10, numbers nobody wrote;
     any other form stays text, which a number field refuses. A key given twice in one mapping is an error, as YAML
     says: PyYAML kept the last, so a remote copied and left under its old name replaced that remote unseen."""
-    import yaml
+    yaml = _yaml()
 
     class Loader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
@@ -169,9 +168,19 @@ def _loader():
     return Loader
 
 
-def _read(path: str) -> dict:
-    import yaml
+def _yaml():
+    """PyYAML, which reads remote.yaml; where it is not installed, a UsageError saying how to install it (it was a
+    ModuleNotFoundError traceback)."""
+    try:
+        import yaml
+    except ImportError as exc:
+        raise UsageError(f"--remote reads remote.yaml with PyYAML, which is not installed here ({exc}); install the "
+                         f"remote extra: pip install 'kprof[remote]'") from None
+    return yaml
 
+
+def _read(path: str) -> dict:
+    yaml = _yaml()
     if os.path.exists(path) and not os.path.isfile(path):  # a pipe's read waited for a writer for good
         raise UsageError(f"{path} is not a regular file (a directory, pipe or device); --remote reads its named "
                          f"remotes from a file: copy remote.example.yaml to {path} and fill in your remote")

@@ -226,6 +226,23 @@ def test_a_submitit_folder_that_cannot_be_made_is_refused_naming_it(remote_yaml,
     assert message.startswith(given) and "cannot be made" in message and "give a directory" in message, message
 
 
+@pytest.mark.parametrize("module, text", [
+    ("ray", GOOD.replace("ray1", "r")),
+    ("submitit", "remotes: {r: {kind: slurm, launch: {slurm: {time: 5, cluster: local}}}}\n"),
+    ("yaml", GOOD.replace("ray1", "r")),
+])
+def test_an_engine_not_installed_is_one_line_saying_how_to_install_it(remote_yaml, db, monkeypatch, module, text):
+    """Without the remote extra, the engine's import (or PyYAML's) was a ModuleNotFoundError traceback (exit 1)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, module, None)  # as where it is not installed: its import fails
+    remote_yaml(text)
+    message = _refused(db)
+    assert message.startswith("--remote reads remote.yaml with PyYAML, which is not installed here" if module == "yaml"
+                              else f"remote 'r' is kind {'ray' if module == 'ray' else 'slurm'}, and {module} is not "
+                                   f"installed here") and "pip install 'kprof[remote]'" in message, message
+
+
 def test_the_remote_extra_installs_the_ray_client():
     """A ray:// address connects through Ray Client, which the plain `ray` package lacks (Ray's docs: "Ray Client
     requires pip package ray[client]")."""
