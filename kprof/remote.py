@@ -270,10 +270,12 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
         if executor is not None:
             run.failed(executor)
             record["engine"] = executor.describe()
-            for j in executor.close():  # an interrupt: what was still queued or running is stopped, and merges nothing
-                if record["chunks"][j]["status"] == "submitted":
-                    record["chunks"][j].update(status="cancelled", error="the run was interrupted; the engine's job "
-                                                                         "was cancelled")
+            stopped = set(executor.close())  # an interrupt: what was still queued or running is stopped
+            for doc in record["chunks"]:  # none merges; one whose result the run was taking when stopped, too
+                if doc["status"] == "submitted":
+                    doc.update(status="cancelled", error="the run was interrupted; the engine's job was cancelled"
+                               if doc["index"] in stopped else "the run stopped as its result came back; "
+                                                               "nothing of it was merged")
         record["seconds"] = round(time.perf_counter() - started, 3)
         _write_json(record_path, record)
     fresh, errored = run.fresh, run.errored

@@ -431,6 +431,22 @@ def test_an_interrupt_as_a_chunk_merges_leaves_its_merge_recorded(remote_yaml, d
     assert record["merged"]["added"] == stored == 2 and record["segments"] == ["out/segments/chunk-0000.kseg"]
 
 
+def test_an_interrupt_as_a_result_comes_back_leaves_no_chunk_submitted(remote_yaml, db, monkeypatch):
+    """Ctrl-C after the engine gave a chunk's result up (no longer queued or running) and before the run took it:
+    the record ended with that chunk `submitted`, as if still out; it says the chunk was cut off, nothing merged."""
+    def during(j):
+        if j == 1:
+            raise KeyboardInterrupt
+
+    remote_yaml(RAY)
+    _in_process(monkeypatch, _InProcess(during=during))
+    with pytest.raises(KeyboardInterrupt):
+        run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out")
+    chunks = _record()["chunks"]
+    assert [c["status"] for c in chunks] == ["merged", "cancelled"]
+    assert chunks[1]["error"] == "the run stopped as its result came back; nothing of it was merged"
+
+
 def test_nothing_to_measure_says_so(remote_yaml, db, capsys, h):
     remote_yaml(RAY)
     for spec in SPECS:
