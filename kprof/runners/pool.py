@@ -9,7 +9,8 @@ finished), and hands the worker its next spec. A worker that dies fails only its
 `crash`, with its exit code) and a fresh worker takes the device over, as it does after a spec that left the device
 unusable (a sticky CUDA error: `kprof.runners.worker._recover`); one that runs a spec past
 KPROF_SPEC_TIMEOUT_S (default 900 s) is killed and that spec fails as `timeout`. A device whose workers die
-MAX_RESTARTS times in a row is given up; the specs left when no device remains fail as `crash`. A worker whose run
+MAX_RESTARTS times in a row is given up, and so is one whose worker (a fresh one too) does not start within
+KPROF_WORKER_START_S; the specs left when no device remains fail as `crash`. A worker whose run
 is killed (SIGKILL: no cleanup runs) ends itself, even inside a spec that hangs.
 
 """
@@ -176,7 +177,7 @@ class Pool:
                 if left <= 0:
                     for w in self.workers:
                         if w.state == "starting":
-                            self._drop(w, f"did not start within {self.start_timeout_s:g} s (KPROF_WORKER_START_S)")
+                            self._drop(w, self._late)
                     break
                 self._poll(left, on_event=None)
             if not any(w.state == "ready" for w in self.workers):
@@ -203,6 +204,10 @@ class Pool:
         finally:  # an interrupt while a worker is waited for (up to 10 s) too: the spool went with the run's end
             self.workers = []
             self._remove_spool()
+
+    @property
+    def _late(self) -> str:
+        return f"did not start within {self.start_timeout_s:g} s (KPROF_WORKER_START_S)"
 
     def _drop(self, w: _Worker, why: str) -> None:
         w.state = "dead"
@@ -317,6 +322,8 @@ class Pool:
             else:
                 now = time.monotonic()
                 for w in self.workers:
+                    if w.state == "starting" and now - w.since > self.start_timeout_s:  # a fresh worker, hung
+                        self._drop(w, self._late)
                     if w.state == "busy" and now - w.since > self.spec_timeout_s:
                         item = w.item
                         w.state = "dead"

@@ -2,8 +2,10 @@
 how its measurement goes. `ok` times a small CPU loop; `slow` first sleeps (runs overlap); `die` SIGKILLs its own
 worker while it measures; `hang` never returns; `fail` raises (a failed row); `chatty` writes to stdout, as a
 library may (a print, and a write to file descriptor 1, as C code does). Table `faulty`, backend `cpu`, and
-`faulty_gpu` / `cuda2`: an entry whose every spec needs two GPUs."""
+`faulty_gpu` / `cuda2`: an entry whose every spec needs two GPUs. FAULTY_HANG_START=<file>: a `die` spec makes
+the file, and a worker started once it exists hangs in its start (importing this module)."""
 
+import multiprocessing
 import os
 import signal
 import time
@@ -15,6 +17,11 @@ from kprof.runners._case import Case
 from kprof.runners.registry import Entry, register
 
 
+_HANG_START = os.environ.get("FAULTY_HANG_START")
+if _HANG_START and multiprocessing.parent_process() is not None and os.path.exists(_HANG_START):
+    time.sleep(3600)
+
+
 class FaultyArgs(KernelArgs, frozen=True):
     n: Size
     act: Literal["ok", "slow", "die", "hang", "fail", "chatty"] = "ok"
@@ -23,6 +30,8 @@ class FaultyArgs(KernelArgs, frozen=True):
 class Faulty:
     def build(self, spec: FaultyArgs, device: str) -> Case:
         if spec.act == "die":
+            if _HANG_START:
+                open(_HANG_START, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.act == "hang":
             time.sleep(3600)

@@ -2,8 +2,10 @@
 pool tests' runner (faulty_runner.py beside this file): a worker killed mid-spec, a hung one, concurrent runs
 on one ledger, and a spec that needs more GPUs than are usable."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -113,6 +115,25 @@ def test_a_worker_that_always_dies_is_given_up_and_the_rest_fail_without_loss(tm
     rows = _by_n(doc)
     assert all(r["status"] == "error" and r["error"]["kind"] == "crash" for r in rows.values())
     assert "given up" in err and len(_events(tmp_path)) == 6
+
+
+@pytest.mark.slow
+def test_a_fresh_worker_that_does_not_start_is_given_up_within_the_start_limit(tmp_path):
+    """The worker that takes over from one that died hung in its start: the run waited for it forever (the start
+    limit was kept only for the workers a pool starts with); it is given up, and what is left fails saying why."""
+    p = _run(tmp_path, _specs("die", "ok"), wait=False, start_new_session=True, KPROF_CPU_WORKERS="1",
+             KPROF_POOL="on", KPROF_WORKER_START_S="10", FAULTY_HANG_START=str(tmp_path / "hang"))
+    try:
+        code, doc, err = _finish(p)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    assert code == 1, err
+    rows = _by_n(doc)
+    assert rows[1000]["error"]["kind"] == "crash" and "died" in rows[1000]["error"]["message"]
+    assert rows[1001]["error"]["kind"] == "crash"
+    assert "did not start within 10 s (KPROF_WORKER_START_S)" in rows[1001]["error"]["message"]
+    assert "cpu0 given up: did not start within 10 s" in err and len(_events(tmp_path)) == 2
 
 
 @pytest.mark.slow
