@@ -9,7 +9,7 @@ finished), and hands the worker its next spec. A worker that dies fails only its
 `crash`, with its exit code) and a fresh worker takes the device over, as it does after a spec that left the device
 unusable (a sticky CUDA error: `kprof.runners.worker._recover`); one that runs a spec past
 KPROF_SPEC_TIMEOUT_S (default 900 s) is killed and that spec fails as `timeout`. A device whose workers die
-MAX_RESTARTS times in a row is given up, and so is one whose worker (a fresh one too) does not start within
+MAX_RESTARTS + 1 times in a row is given up, and so is one whose worker (a fresh one too) does not start within
 KPROF_WORKER_START_S; the specs left when no device remains fail as `crash`. A worker whose run
 is killed (SIGKILL: no cleanup runs) ends itself, even inside a spec that hangs.
 
@@ -259,20 +259,24 @@ class Pool:
         item = w.item
         w.state = "dead"
         w.stop(kill=True)
+        replaced = self._replace(w, f"died (exit code {code})")
         if item is not None:
+            rest = ("the rest of its share went to a fresh worker" if replaced else
+                    f"{w.device.label} was given up ({self.dropped[-1]['why']})")
             on_event(w, item[0], None, time.monotonic() - w.since, 0.0,
                      failure=("crash", f"the worker on {w.device.label} died (exit code {code}) while measuring this "
-                                       f"spec; the rest of its share went to a fresh worker"))
-        self._replace(w, f"died (exit code {code})")
+                                       f"spec; {rest}"))
 
-    def _replace(self, w: _Worker, why: str) -> None:
+    def _replace(self, w: _Worker, why: str) -> bool:
+        """Starts a fresh worker on w's device, or gives the device up (False) after MAX_RESTARTS in a row."""
         label = w.device.label
         self._restarts[label] = self._restarts.get(label, 0) + 1
         i = self.workers.index(w)
         if self._restarts[label] > MAX_RESTARTS:
             self.dropped.append({"device": label, "why": f"its worker {why} {MAX_RESTARTS + 1} times in a row"})
-            return
+            return False
         self.workers[i] = _Worker(self._ctx, w.device, self._args)
+        return True
 
     def measure(self, items: list[tuple[int, dict, bytes | None]], origin: Origin, failed_event: Callable,
                 watch: Callable[[str, dict | None], None] | None = None,

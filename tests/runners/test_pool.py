@@ -115,6 +115,9 @@ def test_a_worker_that_always_dies_is_given_up_and_the_rest_fail_without_loss(tm
     rows = _by_n(doc)
     assert all(r["status"] == "error" and r["error"]["kind"] == "crash" for r in rows.values())
     assert "given up" in err and len(_events(tmp_path)) == 6
+    assert "went to a fresh worker" in rows[1002]["error"]["message"]
+    last = rows[1003]["error"]["message"]  # the fourth death: no fresh worker took the rest
+    assert "went to a fresh worker" not in last and "cpu0 was given up (its worker died" in last, last
 
 
 @pytest.mark.slow
