@@ -10,7 +10,8 @@ torch-cpu), under the contract this process measures with (timer included), so e
 exactly the way it was measured. An explicit CUDA timing method (`timer`, `l2`, `cuda_graph`, `power`, the
 verb's --timer/--l2/--cuda-graph/--power) picks the CUDA rows of that method and leaves the CPU's rows out: they
 were never timed that way. With KPROF_SPEC_TIMEOUT_S set, the rows are measured in a spawned worker that is
-killed past it (the row fails as `timeout`), as `run` bounds a spec; without it, in this process.
+killed past it (the row fails as `timeout`), as `run` bounds a spec, and so with KPROF_POOL=on (a runner that crashes
+its process fails its row alone); else in this process.
 """
 
 from __future__ import annotations
@@ -123,10 +124,12 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
         seed = random.SystemRandom().randrange(1 << 32)  # reported, so the draw can be replayed with --seed
     elif type(seed) is not int or seed < 0:
         raise UsageError(f"--seed {seed!r}: give a whole number >= 0, e.g. the seed a report gave")
+    from .runners.devices import pool_mode
     from .runners.fill import check_settings, spec_time_limit
 
     check_settings()  # every KPROF_* setting, as a run checks them: a bad one refused before anything is measured
-    timed = spec_time_limit()  # KPROF_SPEC_TIMEOUT_S set: each scope's specs go to a worker it bounds, as in `run`
+    # KPROF_SPEC_TIMEOUT_S set: each scope's specs go to a worker it bounds, as in `run`; KPROF_POOL=on: to a worker too
+    timed = spec_time_limit() or pool_mode() == "on"
     started = time.perf_counter()
     method = {"timer": timer, "l2": l2, "cuda_graph": cuda_graph, "power": power}
     explicit = any(v is not None for v in method.values())
@@ -203,7 +206,7 @@ def _in_worker(entry, specs: list, gpu_key: str):
 
 def _measure(by_entry: dict[tuple, list], tolerance: float, timed: bool = False) -> list[Drift]:
     """Each (entry, stored row) measured again, grouped by scope, as a Drift; `timed`: in a worker, bounded by
-    KPROF_SPEC_TIMEOUT_S."""
+    KPROF_SPEC_TIMEOUT_S where it is set."""
     from .errors import SpecError
     from .runners.worker import measure_specs
     from .specs import validate

@@ -311,10 +311,9 @@ def test_the_draw_of_rows_can_be_replayed_with_its_seed(h, capsys, local_gpu, mo
     assert "--seed -1: give a whole number >= 0" in capsys.readouterr().err
 
 
-def test_a_spec_time_limit_bounds_a_hung_remeasurement_as_it_bounds_a_run(h, capsys, local_gpu, monkeypatch):
-    """KPROF_SPEC_TIMEOUT_S was ignored: the rows were measured in this process, where a hung kernel hung the audit
-    for good. Set, each row is measured in a worker that is killed past it (the row fails as `timeout`, the others
-    are measured), as `run` does; with KPROF_POOL=off as well it is refused before anything is measured."""
+@pytest.fixture
+def faulty_runner(monkeypatch):
+    """The pool tests' runner (tests/runners/faulty_runner.py), registered for this test and its spawned workers."""
     import os
     import sys
 
@@ -329,9 +328,35 @@ def test_a_spec_time_limit_bounds_a_hung_remeasurement_as_it_bounds_a_run(h, cap
     import faulty_runner
 
     try:
-        _time_limit_bounds_remeasure(h, capsys, local_gpu, monkeypatch, faulty_runner)
+        yield faulty_runner
     finally:  # not left imported: a later test's KPROF_RUNNERS import must register it again
         sys.modules.pop("faulty_runner", None)
+
+
+def test_pool_on_remeasures_in_a_worker_where_a_crash_fails_its_row_alone(h, capsys, local_gpu, monkeypatch,
+                                                                           faulty_runner):
+    """KPROF_POOL=on, which gives a run's specs to workers so a runner that crashes its process fails its spec alone,
+    was ignored by `audit --remeasure`: the rows were measured in this process, and a crash ended the audit with no
+    report (the runner's exit status). Each row is measured in a worker: the crash is the row's failure."""
+    def here(*_args):
+        raise RuntimeError("measured in the calling process")
+
+    monkeypatch.setattr(faulty_runner.Faulty, "build", here)
+    h.append("p.db", h.make_event({"n": 1000, "act": "die"}, local_gpu, table="faulty", backend="cpu"),
+             h.make_event({"n": 1001, "act": "ok"}, local_gpu, table="faulty", backend="cpu"))
+    monkeypatch.setenv("KPROF_POOL", "on")
+    assert main(["audit", "--remeasure", "2", "--tolerance", "1000", "--db", "p.db", "--json"]) == 1
+    rows = {r["spec"]["act"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["die"]["error"].startswith("crash: the worker on cpu died (exit code -9)"), rows["die"]
+    assert rows["ok"]["error"] is None and rows["ok"]["new_ms"] > 0
+
+
+def test_a_spec_time_limit_bounds_a_hung_remeasurement_as_it_bounds_a_run(h, capsys, local_gpu, monkeypatch,
+                                                                         faulty_runner):
+    """KPROF_SPEC_TIMEOUT_S was ignored: the rows were measured in this process, where a hung kernel hung the audit
+    for good. Set, each row is measured in a worker that is killed past it (the row fails as `timeout`, the others
+    are measured), as `run` does; with KPROF_POOL=off as well it is refused before anything is measured."""
+    _time_limit_bounds_remeasure(h, capsys, local_gpu, monkeypatch, faulty_runner)
 
 
 def _time_limit_bounds_remeasure(h, capsys, local_gpu, monkeypatch, faulty_runner):
