@@ -253,7 +253,7 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
                         return ledger.view(table, backend, gpu_key, entry.contract, entry.args).query(canonical)[1]
 
                 rounds = [(todo, before_rows, {})] if claims is None else claims.rounds(
-                    todo, spec_keys, rows_now, lambda i, row: still_wanted(mode, row, before_rows[i]))
+                    todo, spec_keys, rows_now, lambda i, row: still_wanted(mode, row, before_rows[i]), before_rows)
                 waited: set[bytes] = set()
                 for batch, rows, held in rounds:
                     waited.update(held)  # keys another run was measuring: read from the ledger once it stored them

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 from ..errors import UsageError
 
-__all__ = ["Claims", "WAIT_S"]
+__all__ = ["Claims", "WAIT_S", "own_event"]
 
 WAIT_S = 0.5  # between looks at keys another run is measuring
 
@@ -164,19 +164,30 @@ class Claims:
         return mine, {k: held[k] for k in keys if k in held}
 
     def rounds(self, todo: list[int], keys: list[bytes], rows_now: Callable[[], list],
-               wanted: Callable[[int, object], bool]) -> Iterator[tuple[list[int], list, dict[bytes, str]]]:
+               wanted: Callable[[int, object], bool],
+               before: list) -> Iterator[tuple[list[int], list, dict[bytes, str]]]:
         """The specs `todo` (indices into `keys`, their keys) in rounds: each takes the keys no other run holds, reads
         the rows now (`rows_now()`), and yields (the specs claimed that are still `wanted(i, row)`, the rows, the keys
         other runs hold); the claims of those not wanted (another run stored them meanwhile) end. The held ones are
-        taken again, WAIT_S after the round the caller has finished with, until none is held."""
-        pending = todo
+        taken again, WAIT_S after the round the caller has finished with, until none is held. A held key's row that
+        its holder stored since `before` (each spec's row when this run began), a failure too, is its answer: not
+        measured again; one its holder left as it was (it died before storing it) is measured here."""
+        pending, waited = todo, set()
         while pending:
             mine, held = self.take([keys[i] for i in pending])
             rows = rows_now()
             mine_set = set(mine)
-            batch = [i for i in pending if keys[i] in mine_set and wanted(i, rows[i])]
+            batch = [i for i in pending if keys[i] in mine_set and wanted(i, rows[i])
+                     and not (i in waited and own_event(rows[i]) != own_event(before[i]))]
             self.drop(mine_set - {keys[i] for i in batch})  # another run measured them meanwhile
             yield batch, rows, held
             pending = [i for i in pending if keys[i] in held]
+            waited.update(pending)
             if pending:
                 time.sleep(WAIT_S)
+
+
+def own_event(row) -> bytes | None:
+    """The event id of a spec's row under its own key: None where it has none (a stale row is another key's, of
+    another profiler revision or timing, e.g. a CPU row of another thread count, which another run may store)."""
+    return None if row is None or row.status == "stale" else row.event_id

@@ -28,6 +28,7 @@ from ..ledger.build import failed
 from ..ledger.events import Environment, Measured, Origin
 from ..ledger.keys import KeyMaker
 from ..specs import ShapeCodec
+from .claims import own_event as _own
 from .devices import Device, Devices, groups, need_of, pool_mode, usable_devices
 from .pool import Pool, Result
 from .registry import Entry
@@ -250,7 +251,8 @@ class _State:
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
         canonical, spec_keys, keys = self.canonical, self.spec_keys, self.keys
         rounds = [(todo, self.before, {})] if self.claims is None else self.claims.rounds(
-            todo, spec_keys, lambda: rows_of(self.ledger), lambda i, row: still_wanted(self.mode, row, self.before[i]))
+            todo, spec_keys, lambda: rows_of(self.ledger), lambda i, row: still_wanted(self.mode, row, self.before[i]),
+            self.before)
         for batch, rows, held in rounds:
             self.waited.update(held)
             parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
@@ -325,12 +327,6 @@ class _State:
         """Spec i's row as the ledger holds it now (ok, failed, stale or missing); its event id is what `fill` took
         as its event's parent when it took the key."""
         return self.view_of(self.ledger).query([self.canonical[i]])[1][0]
-
-
-def _own(row) -> bytes | None:
-    """The event id of a spec's row under its own key: None where it has none (a stale row is another key's, of
-    another profiler revision or timing, e.g. a CPU row of another thread count, which another run may store)."""
-    return None if row is None or row.status == "stale" else row.event_id
 
 
 class _RowChanged(Exception):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -140,6 +141,23 @@ def test_a_fresh_worker_that_does_not_start_is_given_up_within_the_start_limit(t
 
 
 @pytest.mark.slow
+def test_a_run_waiting_for_a_key_whose_worker_crashed_in_the_other_run_reads_its_failure(tmp_path):
+    """Run B waited for the keys run A held; A's worker died on one (a failed row), and B measured that key again:
+    a second crash and a second failed event of one key. B reads A's failure, as it reads A's ok rows."""
+    specs = _specs(*["slow"] * 16, "die")  # 8 s: B's worker starts, then B claims, while A measures
+    first = _run(tmp_path, specs, wait=False, KPROF_CPU_WORKERS="1", KPROF_POOL="on")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(f.stat().st_size for f in tmp_path.glob("p.db-claims/*.claim")):
+        time.sleep(0.05)  # A has claimed its keys
+    code_b, doc_b, err_b = _run(tmp_path, specs, KPROF_CPU_WORKERS="1", KPROF_POOL="on")
+    code_a, _doc_a, err_a = _finish(first)
+    assert code_a == 1 and code_b == 1, err_a + err_b
+    assert "spec(s) another run was measuring were waited for" in err_b, err_b
+    assert _by_n(doc_b)[1016]["status"] == "failed"  # A's failure, read
+    assert len(_events(tmp_path)) == 17  # 16 ok rows and one failure: each key measured once
+
+
+@pytest.mark.slow
 def test_concurrent_runs_on_one_ledger_measure_each_key_once(tmp_path):
     specs = _specs(*["slow"] * 8)
     first = _run(tmp_path, specs, wait=False)
@@ -179,14 +197,36 @@ def test_claim_rounds_wait_for_held_keys_and_drop_what_is_no_longer_wanted(tmp_p
     monkeypatch.setattr(claims_module, "WAIT_S", 0.0)
     db = str(tmp_path / "p.db")
     keys = [b"k0", b"k1", b"k2"]
+    rows = [SimpleNamespace(status="failed", event_id=b"e%d" % i) for i in range(3)]
     with Claims(db, "other") as other, Claims(db, "this") as this:
         other.take([b"k0"])
-        rounds = this.rounds([0, 1, 2], keys, lambda: ["row0", "row1", "row2"], lambda i, row: i != 2)
-        assert next(rounds) == ([1], ["row0", "row1", "row2"], {b"k0": "other"})
+        rounds = this.rounds([0, 1, 2], keys, lambda: rows, lambda i, row: i != 2, rows)
+        assert next(rounds) == ([1], rows, {b"k0": "other"})
         assert this.claimed == {b"k1"}  # k2 was claimed, not wanted, and let go
         other.drop([b"k0"])
-        assert next(rounds) == ([0], ["row0", "row1", "row2"], {})
+        assert next(rounds) == ([0], rows, {})  # its holder stored nothing: measured here
         assert next(rounds, None) is None
+
+
+def test_a_held_key_whose_holder_stored_a_failure_is_not_measured_again(tmp_path, monkeypatch):
+    """Two runs of one spec whose worker crashes: the second waited for the first, then measured the key again
+    (another crash, a second failed event), though concurrent runs never measure a key twice. The row the holder
+    stored since this run began, a failure too, is its answer."""
+    from kprof.runners import claims as claims_module
+    from kprof.runners.claims import Claims
+
+    monkeypatch.setattr(claims_module, "WAIT_S", 0.0)
+    db = str(tmp_path / "p.db")
+    before = [None, SimpleNamespace(status="stale", event_id=b"old")]
+    now = [SimpleNamespace(status="failed", event_id=b"new"), SimpleNamespace(status="failed", event_id=b"new1")]
+    with Claims(db, "other") as other, Claims(db, "this") as this:
+        other.take([b"k0", b"k1"])
+        rounds = this.rounds([0, 1], [b"k0", b"k1"], lambda: before if other.claimed else now, lambda i, row: True,
+                             before)
+        assert next(rounds) == ([], before, {b"k0": "other", b"k1": "other"})
+        other.drop([b"k0", b"k1"])
+        assert next(rounds) == ([], now, {})  # both read, neither measured
+        assert this.claimed == set() and next(rounds, None) is None
 
 
 def test_a_claim_file_is_made_and_locked_under_the_directory_lock(tmp_path):
