@@ -295,7 +295,7 @@ class Pool:
             else:  # the event as the worker sent it (its segment, which the caller merges, is checked there)
                 event = event_decoder.decode(data)
                 if w.item is not None and w.item[0] == index:
-                    w.item = None
+                    w.item, w.since = None, time.monotonic()  # its end of the spec (until "idle"): bounded anew
                 self._restarts[w.device.label] = 0  # a worker that delivers resets its device's count
             done.append(Result(index, event, path, seconds, timed, w.device.label))
             outstanding -= 1
@@ -329,13 +329,14 @@ class Pool:
                     if w.state == "starting" and now - w.since > self.start_timeout_s:  # a fresh worker, hung
                         self._drop(w, self._late)
                     if w.state == "busy" and now - w.since > self.spec_timeout_s:
-                        item = w.item
+                        item = w.item  # None: its spec's result came, and the worker hung in what follows it
                         w.state = "dead"
                         w.stop(kill=True)
-                        on_event(w, item[0], None, now - w.since, 0.0,
-                                 failure=("timeout", f"no result within {self.spec_timeout_s:g} s "
-                                                     f"(KPROF_SPEC_TIMEOUT_S); the worker on {w.device.label} was "
-                                                     f"killed"))
+                        if item is not None:
+                            on_event(w, item[0], None, now - w.since, 0.0,
+                                     failure=("timeout", f"no result within {self.spec_timeout_s:g} s "
+                                                         f"(KPROF_SPEC_TIMEOUT_S); the worker on {w.device.label} was "
+                                                         f"killed"))
                         self._replace(w, "hung")
                 self._poll(0.5 if self.spec_timeout_s > 0.5 else self.spec_timeout_s / 2, on_event)
             while done:

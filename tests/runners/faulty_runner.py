@@ -1,7 +1,8 @@
 """A runner of the pool tests (KPROF_RUNNERS=faulty_runner, with this folder on PYTHONPATH): a spec's `act` says
 how its measurement goes. `ok` times a small CPU loop; `slow` first sleeps (runs overlap); `die` SIGKILLs its own
 worker while it measures; `hang` never returns; `fail` raises (a failed row); `chatty` writes to stdout, as a
-library may (a print, and a write to file descriptor 1, as C code does). Table `faulty`, backend `cpu`, and
+library may (a print, and a write to file descriptor 1, as C code does); `linger` delivers its row, then hangs as the
+runner is let go (a teardown that never ends). Table `faulty`, backend `cpu`, and
 `faulty_gpu` / `cuda2`: an entry whose every spec needs two GPUs. FAULTY_HANG_START=<file>: a `die` spec makes
 the file, and a worker started once it exists hangs in its start (importing this module)."""
 
@@ -24,11 +25,20 @@ if _HANG_START and multiprocessing.parent_process() is not None and os.path.exis
 
 class FaultyArgs(KernelArgs, frozen=True):
     n: Size
-    act: Literal["ok", "slow", "die", "hang", "fail", "chatty"] = "ok"
+    act: Literal["ok", "slow", "die", "hang", "fail", "chatty", "linger"] = "ok"
 
 
 class Faulty:
+    linger = False
+
+    def __del__(self):
+        if self.linger:
+            time.sleep(3600)
+
     def build(self, spec: FaultyArgs, device: str) -> Case:
+        if spec.act == "linger":
+            self.linger = True
+            time.sleep(1)
         if spec.act == "die":
             if _HANG_START:
                 open(_HANG_START, "w").close()

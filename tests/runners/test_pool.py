@@ -88,6 +88,17 @@ def test_a_hung_worker_is_killed_and_its_spec_fails_as_timeout(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_worker_that_hangs_after_delivering_its_row_is_replaced_and_the_row_kept(tmp_path):
+    """A worker whose row came, then hung before it said it was idle (a runner's teardown), still counted as
+    measuring past KPROF_SPEC_TIMEOUT_S: the run ended in a TypeError traceback. The row is kept, and the worker,
+    bounded from its row on, is killed and replaced for the rest."""
+    code, doc, err = _run(tmp_path, _specs("linger", "ok"), KPROF_CPU_WORKERS="1", KPROF_POOL="on",
+                          KPROF_SPEC_TIMEOUT_S="6")
+    assert code == 0 and "Traceback" not in err, err
+    assert all(r["status"] == "ok" for r in doc["results"]) and len(_events(tmp_path)) == 2
+
+
+@pytest.mark.slow
 def test_ctrl_c_of_a_run_with_workers_is_one_line_and_keeps_every_row(tmp_path):
     """Ctrl-C reaches the whole process group: the parent says what the interrupt left; the workers, which the
     parent stops, print nothing (a traceback per worker before)."""
