@@ -210,6 +210,7 @@ def _main(argv: list[str]) -> int:
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     try:
         _utf8(argv)
         result = app(argv)
@@ -225,6 +226,9 @@ def _main(argv: list[str]) -> int:
         code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code
         if code not in (130, 143):  # a plain exit of a verb's own
             raise
+        if main_thread:  # a second Ctrl-C (or SIGTERM) while the line is written: the line, not a traceback
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
         from ._render import error
 
         error(f"interrupted ({'Ctrl-C' if code == 130 else 'SIGTERM'}): {_interrupted_note(argv, exc)}")
@@ -251,4 +255,5 @@ def _main(argv: list[str]) -> int:
         restore()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, sigint)
     return result if isinstance(result, int) else 0

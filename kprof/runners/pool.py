@@ -191,17 +191,23 @@ class Pool:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(kill=exc_type is not None)
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Stops the workers: an idle one is told to end (waited for up to 10 s), one busy or still starting, or
+        every one with `kill` (an interrupt, or an error, is in flight: a second Ctrl-C would find them waited for), is
+        killed."""
         try:
             # one still starting has measured nothing: not waited for (an interrupt in start); nor is one inside a spec.
             # One whose last spec's event came (its item done) is only about to say idle: asked to stop, it ends itself
             # and what it holds (a collective's ranks and their directory), which a kill left behind.
             for w in self.workers:
-                w.stop(kill=w.state == "starting" or (w.state == "busy" and w.item is not None))
+                w.stop(kill=kill or w.state == "starting" or (w.state == "busy" and w.item is not None))
         finally:  # an interrupt while a worker is waited for (up to 10 s) too: the spool went with the run's end
+            for w in self.workers:  # and the workers not yet stopped are killed, not left to the interpreter's exit
+                with contextlib.suppress(OSError, ValueError):
+                    w.process.kill()
             self.workers = []
             self._remove_spool()
 

@@ -565,6 +565,36 @@ def test_an_interrupt_is_one_line_saying_what_it_left(verb, exc, code, note, cap
     assert captured.out == "" and note in captured.err and "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize("again", ["SIGINT", "SIGTERM"])
+def test_a_second_interrupt_while_the_first_is_reported_is_still_one_line(again, capsys, monkeypatch):
+    """Ctrl-C pressed twice on a run (the first stops its workers, which takes a moment): the second, arriving while
+    the interrupt's line was written, ended kprof in a traceback of both, killed by SIGINT."""
+    import signal
+
+    import kprof.cli as cli
+    from kprof.cli import _render
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    said = _render.error
+
+    def error(message):
+        signal.raise_signal(getattr(signal, again))  # the second one, as the line is written
+        said(message)
+
+    monkeypatch.setattr(cli, "app", interrupted)
+    monkeypatch.setattr(_render, "error", error)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        code = main(["run", "--db", "p.db"])
+    except (KeyboardInterrupt, SystemExit) as exc:
+        code = exc
+    assert code == 130
+    assert "interrupted (Ctrl-C): every row stored" in capsys.readouterr().err
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # as they were
+
+
 @pytest.mark.parametrize("argv, note", [
     (["run", "--fresh"], "a --fresh run writes nothing: the ledger is as it was; the same command again measures every "
                          "spec"),

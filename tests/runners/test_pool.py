@@ -703,6 +703,41 @@ def test_a_worker_whose_last_spec_came_back_is_stopped_not_killed(monkeypatch):
     assert workers[0].process.exitcode == 0
 
 
+def test_an_interrupt_kills_the_workers_and_one_while_they_are_stopped_leaves_none_running(monkeypatch):
+    """Ctrl-C pressed twice: the first waited for each idle worker to end (up to 10 s each), and the second, arriving
+    then, left the workers not yet stopped running until the interpreter's exit waited for them, where a third ended
+    kprof in a traceback. On an interrupt every worker is killed, and one while they are stopped kills the rest."""
+    from kprof.runners import pool as pool_module
+    from kprof.runners.devices import Device
+    from kprof.runners.registry import lookup
+
+    pool = pool_module.Pool(lookup("single_gemm", "torch-cpu"), "cpu", [Device("cpu0", None), Device("cpu1", None)])
+    pool.__enter__()
+    workers = list(pool.workers)
+    asked = []
+    monkeypatch.setattr(pool_module._Worker, "stop", lambda self, kill=False: asked.append(kill))
+    pool.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert asked == [True, True]  # killed, not waited for
+    monkeypatch.undo()
+
+    pool = pool_module.Pool(lookup("single_gemm", "torch-cpu"), "cpu", [Device("cpu0", None), Device("cpu1", None)])
+    pool.__enter__()
+    workers += pool.workers
+
+    def interrupted(self, kill=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool_module._Worker, "stop", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    monkeypatch.undo()
+    for w in workers[2:]:
+        w.process.join(10)
+        assert not w.process.is_alive()
+    for w in workers:
+        w.stop(kill=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_json_stdout_holds_the_document_alone_whatever_the_runners_print(tmp_path, workers):
