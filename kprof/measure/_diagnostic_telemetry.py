@@ -109,6 +109,9 @@ def _tick_s(samples: Sequence[TelemetrySample]) -> float | None:
     return statistics.median(steps) if steps else None
 
 
+_SHORT_S = 0.2  # a window not much longer than one of the counter's ~0.1 s steps may see none of them
+
+
 def energy_summary(energy: tuple[float, int, float, int] | None, launches: int, samples: Sequence[TelemetrySample],
                    error: str | None = None) -> dict:
     """Energy per launch from NVML's total-energy counter read at the window's two ends: the GPU's energy over
@@ -119,10 +122,18 @@ def energy_summary(energy: tuple[float, int, float, int] | None, launches: int, 
                 "error": error or "no energy counter reading"}
     t0, e0, t1, e1 = energy
     seconds = t1 - t0
-    if e1 <= e0:  # a stuck counter (or one reset): no energy at all is not what the GPU drew
-        return {"joules": None, "j_per_launch": None, "power_w": None, "rel_uncertainty_max": None,
-                "error": f"the energy counter did not advance over the {seconds:.2f} s window ({e0} to {e1} mJ); it "
-                         f"steps about every 0.1 s, so NVML's counter is not working on this GPU"}
+    if e1 <= e0:  # no energy at all is not what the GPU drew
+        if e1 < e0:
+            why = (f"the energy counter went back over the {seconds:.2f} s window, from {e0} to {e1} mJ: NVML's "
+                   f"counter was reset (a driver reload, a GPU reset) while the window ran; measure again")
+        elif seconds < _SHORT_S:  # a healthy counter may not step at all in a window this short
+            why = (f"the energy counter did not step over the {seconds:.2f} s window ({e0} mJ): it steps about "
+                   f"every 0.1 s, too seldom for a window this short; a window of 1 s or more (--duration-s) "
+                   f"holds ten steps")
+        else:
+            why = (f"the energy counter did not advance over the {seconds:.2f} s window ({e0} to {e1} mJ); it "
+                   f"steps about every 0.1 s, so NVML's counter is not working on this GPU")
+        return {"joules": None, "j_per_launch": None, "power_w": None, "rel_uncertainty_max": None, "error": why}
     joules = (e1 - e0) / 1e3
     tick = _tick_s(samples) or 0.1
     return {"joules": joules, "j_per_launch": joules / launches if launches else None,

@@ -187,12 +187,21 @@ def test_energy_per_launch_from_the_counter_at_the_window_ends():
     assert energy_summary(None, 10, [], "no counter on this GPU")["error"] == "no counter on this GPU"
 
 
-@pytest.mark.parametrize("end_mj", [1_000_000, 999_000])
-def test_a_counter_that_did_not_advance_gives_no_energy(end_mj):
+@pytest.mark.parametrize("end_mj, why", [(1_000_000, "did not advance over the 10.00 s window"),
+                                          (999_000, "went back over the 10.00 s window, from 1000000 to 999000 mJ")])
+def test_a_counter_that_did_not_advance_gives_no_energy(end_mj, why):
     """A stuck counter read 0 J and 0 W a launch (one that went back, negative joules), as if measured."""
     e = energy_summary((0.0, 1_000_000, 10.0, end_mj), 5000, telemetry(10.0))
     assert e["joules"] is None and e["j_per_launch"] is None and e["power_w"] is None
-    assert "did not advance over the 10.00 s window" in e["error"]
+    assert why in e["error"]
+
+
+def test_a_window_shorter_than_the_counters_step_is_not_called_a_broken_counter():
+    """A healthy counter steps about every 0.1 s: a --duration-s 0.05 window that saw no step read "NVML's counter is
+    not working on this GPU", a wrong cause; it says the window is too short for the counter and how long to make it."""
+    e = energy_summary((0.0, 1_000_000, 0.05, 1_000_000), 50, telemetry(0.05))
+    assert e["joules"] is None and "not working" not in e["error"]
+    assert "did not step over the 0.05 s window" in e["error"] and "--duration-s" in e["error"]
 
 
 def test_window_args_are_checked():
