@@ -422,8 +422,13 @@ def test_settled_energy_refuses_a_counter_that_steps_once_in_its_window():
     claiming 2 % uncertainty from an assumed 0.1 s step."""
     from kprof.measure.nvml import settled_energy
 
+    base = time.perf_counter()  # one step 0.5 s in, then none: one step in the 2 s window however late it ends
+
+    def counter():
+        return 10**9 + (1_000_000 if time.perf_counter() - base > 0.5 else 0)
+
     with pytest.raises(NvmlError, match=r"stepped 1 time\(s\) in .* too few to measure energy"):
-        settled_energy(_back_to_back(lambda: time.sleep(0.001), 0.001), span_s=0.25, counter=FakeCounter(tick=1.5))
+        settled_energy(_back_to_back(lambda: time.sleep(0.001), 0.001), span_s=0.25, counter=counter)
 
 
 def test_settled_energy_names_a_counter_that_went_back():
@@ -431,10 +436,17 @@ def test_settled_energy_names_a_counter_that_went_back():
     device is the one the calls run on", a wrong cause."""
     from kprof.measure.nvml import settled_energy
 
-    counter, base = FakeCounter(), time.perf_counter()
+    # reset 0.05 s after the first call: past the fit's start (0.03 s in), before its end (0.25 s on), however
+    # late the calls begin on a loaded host
+    counter, first = FakeCounter(), []
+
+    def step():
+        first[:] = first or [time.perf_counter()]
+        time.sleep(0.001)
+
     with pytest.raises(NvmlError, match=r"went back over .* s, from \d+ to \d+ mJ: NVML's counter was reset"):
-        settled_energy(_back_to_back(lambda: time.sleep(0.001), 0.001), span_s=0.25,
-                       counter=lambda: counter() - (10**9 if time.perf_counter() - base > 0.1 else 0))
+        settled_energy(_back_to_back(step, 0.001), span_s=0.25,
+                       counter=lambda: counter() - (10**9 if first and time.perf_counter() - first[0] > 0.05 else 0))
 
 
 def test_settled_energy_errors():
