@@ -11,7 +11,7 @@ import msgspec
 from . import _outdir
 from .errors import SnapshotError, UsageError
 
-__all__ = ["SNAPSHOT", "check_output_dir", "snapshot", "write_snapshot", "curve", "plot_series"]
+__all__ = ["SNAPSHOT", "check_output_dir", "snapshot", "write_snapshot", "curve", "plot_series", "plot_skipped"]
 
 SNAPSHOT = ("request.json", "results.json", "curve.json", "job.meta.json")
 _json = msgspec.json.Encoder(order="deterministic")
@@ -145,6 +145,23 @@ def _plot(c: dict, path: str) -> bool:
     plt.close(fig)
     os.chmod(path, _outdir.READ_ONLY)
     return True
+
+
+def plot_skipped(path: str, written: list[str]) -> str | None:
+    """The note for the snapshot in `path` (its files `written`) that has a curve to draw and no curve.png because
+    matplotlib is not installed (it was left out without a word); None when curve.png was drawn or shows nothing."""
+    if "curve.png" in written:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+        return None
+    except ImportError as exc:
+        why = str(exc)
+    with open(os.path.join(path, "curve.json"), "rb") as f:
+        if not plot_series(msgspec.json.decode(f.read()))[2]:
+            return None
+    return (f"note: no curve.png in {path}: matplotlib is not installed ({why}); pip install matplotlib (kprof's "
+            f"[plot] extra) to draw it")
 
 
 def plot_series(c: dict) -> tuple[str | None, str, dict[str, list]]:

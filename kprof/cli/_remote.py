@@ -26,7 +26,7 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
     if output_dir is None:
         raise UsageError("--remote needs --output-dir DIR (the segments, remote-run.json and any merge-report.json "
                          "go there); pass a new directory")
-    from ..artifacts import snapshot
+    from ..artifacts import plot_skipped, snapshot
     from ..remote import run_remote
 
     started_at = _dt.datetime.now(_dt.timezone.utc)
@@ -41,8 +41,8 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
         res = run_remote(table, backend, raw_specs, remote=remote, remote_set=list(remote_set), output_dir=output_dir,
                          mode=mode, gpu_name=gpu_name, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power,
                          command=command, progress=progress)
-    snapshot(output_dir, res, raw_specs, started_at=started_at, seconds=time.perf_counter() - t0, command=command,
-             method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
+    written = snapshot(output_dir, res, raw_specs, started_at=started_at, seconds=time.perf_counter() - t0,
+                       command=command, method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
     for line in res.failures:
         error(line)
     if res.merge_report:
@@ -59,6 +59,8 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
         console(stderr=True).print(f"note: other processes took their host's cores while {res.host_busy} of these CPU "
                                    f"row(s) were timed: other work slowed them{stored}; measure again on a quieter "
                                    f"host with {again}", markup=False)
+    if note := plot_skipped(output_dir, written):
+        console(stderr=True).print(note, markup=False)
     return res.exit_code
 
 

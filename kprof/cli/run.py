@@ -163,11 +163,14 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         res = api.run(table, backend, raw, progress=update, watch=watch, **options)
     devices = _devices_line(res.pool)
     doc = res.to_json() if json or output_dir is not None else None  # built once: at 100k specs, hundreds of MB
+    no_plot = None
     if output_dir is not None:
-        from ..artifacts import snapshot
+        from ..artifacts import plot_skipped, snapshot
 
-        snapshot(output_dir, res, raw, started_at=started_at, seconds=time.perf_counter() - t0, command=command,
-                 method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power), doc=doc)
+        written = snapshot(output_dir, res, raw, started_at=started_at, seconds=time.perf_counter() - t0,
+                           command=command, method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power),
+                           doc=doc)
+        no_plot = plot_skipped(output_dir, written)
     if json:
         emit_json(doc)
     else:
@@ -176,6 +179,8 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
                         markup=False)
     if devices:  # where it ran: a log line, on stderr in either mode
         console(stderr=True).print(devices, markup=False)
+    if no_plot:
+        console(stderr=True).print(no_plot, markup=False)
     busy = _busy_host_note(table, backend, res.timed_rows, load_before, mode, res.host_busy)
     if busy:
         console(stderr=True).print(busy, markup=False)

@@ -1,6 +1,7 @@
 import json
 import os
 import stat
+import sys
 
 import pytest
 
@@ -306,6 +307,20 @@ def test_a_run_builds_its_result_document_once_and_only_where_it_is_written(tmp_
     built.clear()
     assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*SWEEP[:1]), "--db", ledger_path]) == 0
     assert built == []
+
+
+def test_a_snapshot_without_matplotlib_says_why_it_has_no_curve_png(tmp_path, ledger_path, capsys, h, monkeypatch):
+    """Without matplotlib (no [plot] extra), run --output-dir left curve.png out of a snapshot with a curve to draw
+    and said nothing; it writes the rest and says, on stderr, what installs the plot (nothing to draw: no note)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import raises ImportError
+    for name, specs in (("sweep", SWEEP[:2]), ("one", SWEEP[:1])):
+        out_dir = tmp_path / name
+        code = main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path,
+                     "--output-dir", str(out_dir)])
+        err = capsys.readouterr().err
+        assert code == 0 and set(os.listdir(out_dir)) == SNAPSHOT_FILES
+        said = f"no curve.png in {out_dir}: matplotlib is not installed" in err and "pip install matplotlib" in err
+        assert said == (name == "sweep"), err
 
 
 def test_output_dir_records_failures_and_exit_code(tmp_path, ledger_path, capsys, h):
