@@ -7,13 +7,19 @@ import os
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from kprof.runners.environments import ENVIRONMENTS
+
+
+def _project() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
 
 
 def _dependencies() -> dict:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
-        deps = tomllib.load(f)["project"]["dependencies"]
-    return {(r := Requirement(d)).name: r.specifier for d in deps}
+    return {(r := Requirement(d)).name: r.specifier for d in _project()["dependencies"]}
 
 
 @pytest.mark.parametrize("name, lacking, first", [
@@ -26,3 +32,12 @@ def test_each_floor_is_a_release_with_the_apis_kprof_calls(name, lacking, first)
     'exit_on_error'); the floors are the first releases that have them."""
     specifier = _dependencies()[name]
     assert lacking not in specifier and first in specifier, (name, str(specifier))
+
+
+def test_the_python_floor_is_one_kprof_runs_on():
+    """requires-python >=3.10 let pip install kprof on Python 3.10, with the newest cyclopts there (4.x: cyclopts 5
+    needs 3.11), and every command ended at import with a TypeError; kprof.merge calls BaseException.add_note (3.11)
+    too. The floor is 3.11, and each backend environment names the same one."""
+    python = _project()["requires-python"]
+    assert "3.10.13" not in SpecifierSet(python) and "3.11.0" in SpecifierSet(python), python
+    assert {env.python for env in ENVIRONMENTS.values()} == {python}

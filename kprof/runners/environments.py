@@ -50,7 +50,7 @@ class Environment(msgspec.Struct, frozen=True):
 
     name: str
     description: str
-    python: str = ">=3.10"  # PEP 440 specifier on platform.python_version()
+    python: str = ">=3.11"  # PEP 440 specifier on platform.python_version(); pyproject.toml's requires-python
     packages: tuple[Package, ...] = ()
     cuda: str | None = None
     image: str | None = None
