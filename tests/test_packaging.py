@@ -41,3 +41,11 @@ def test_the_python_floor_is_one_kprof_runs_on():
     python = _project()["requires-python"]
     assert "3.10.13" not in SpecifierSet(python) and "3.11.0" in SpecifierSet(python), python
     assert {env.python for env in ENVIRONMENTS.values()} == {python}
+
+
+def test_the_test_extra_holds_every_optional_package_the_tests_use():
+    """`pip install '.[test]'` left matplotlib out: ten snapshot tests (curve.png) failed without the [plot] extra.
+    The test extra holds the plot and remote extras' packages."""
+    extras = _project()["optional-dependencies"]
+    names = {key: {Requirement(r).name for r in extras[key]} for key in ("test", "plot", "remote")}
+    assert names["plot"] | names["remote"] <= names["test"], names
