@@ -49,3 +49,13 @@ def test_the_test_extra_holds_every_optional_package_the_tests_use():
     extras = _project()["optional-dependencies"]
     names = {key: {Requirement(r).name for r in extras[key]} for key in ("test", "plot", "remote")}
     assert names["plot"] | names["remote"] <= names["test"], names
+
+
+def test_the_measure_extra_installs_what_the_cuda_environment_checks():
+    """The [measure] extra named torch, nvidia-ml-py and cupti-python without versions, so pip kept an nvidia-ml-py
+    11 it found, and every CUDA run then refused it (cuda_env needs >=12). The extra asks for what cuda_env checks."""
+    extras = _project()["optional-dependencies"]
+    measure = {(r := Requirement(d)).name: str(r.specifier) for d in extras["measure"]}
+    assert measure == {p.name: p.specifier for p in ENVIRONMENTS["cuda_env"].packages}, measure
+    test = {(r := Requirement(d)).name: str(r.specifier) for d in extras["test"]}
+    assert test["nvidia-ml-py"] == measure["nvidia-ml-py"]
