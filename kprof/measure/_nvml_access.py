@@ -33,7 +33,7 @@ def _nvml():
     try:
         import pynvml
     except ImportError as e:
-        raise NvmlError("pynvml is not importable; install nvidia-ml-py (pip install 'kprof[measure]')") from e
+        raise NvmlError("pynvml is not importable; pip install 'nvidia-ml-py>=12' (kprof's [measure] extra)") from e
     with _init_lock:
         if _init_pid != os.getpid():
             try:

@@ -74,6 +74,15 @@ def test_reason_bits_are_nvml_constants():
     assert decode_reasons(pynvml.nvmlClocksThrottleReasonAll) == sorted(set(REASON_BITS.values()))
 
 
+def test_without_nvidia_ml_py_the_error_names_a_pip_install_that_works(monkeypatch):
+    """The fix named `pip install 'kprof[measure]'`, which finds no kprof on the package index (kprof installs from
+    its source); it names the package itself, at the version the CUDA environment checks."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # as if not installed: its import raises ImportError
+    with pytest.raises(NvmlError) as info:
+        _nvml_access._nvml()
+    assert "pip install 'nvidia-ml-py>=12'" in str(info.value) and "kprof[" not in str(info.value), str(info.value)
+
+
 def test_every_pynvml_name_used_exists():
     """The NVML paths run against a fake pynvml on CPU; this pins every name they use to the real package."""
     pynvml = pytest.importorskip("pynvml")
