@@ -18,8 +18,10 @@ def _project() -> dict:
         return tomllib.load(f)["project"]
 
 
-def _dependencies() -> dict:
-    return {(r := Requirement(d)).name: r.specifier for d in _project()["dependencies"]}
+def _dependencies(extra: str | None = None) -> dict:
+    project = _project()
+    deps = project["optional-dependencies"][extra] if extra else project["dependencies"]
+    return {(r := Requirement(d)).name: r.specifier for d in deps}
 
 
 @pytest.mark.parametrize("name, lacking, first", [
@@ -32,6 +34,14 @@ def test_each_floor_is_a_release_with_the_apis_kprof_calls(name, lacking, first)
     'exit_on_error'); the floors are the first releases that have them."""
     specifier = _dependencies()[name]
     assert lacking not in specifier and first in specifier, (name, str(specifier))
+
+
+@pytest.mark.parametrize("extra", ["remote", "test"])
+def test_the_submitit_floor_runs_with_a_current_setuptools(extra):
+    """submitit>=1.5 let pip keep submitit 1.5.0-1.5.3, which import pkg_resources, no longer in setuptools 84: run
+    --remote on Slurm (or submitit's local executor) ended with a ModuleNotFoundError traceback. 1.5.4 does not."""
+    specifier = _dependencies(extra)["submitit"]
+    assert "1.5.3" not in specifier and "1.5.4" in specifier, str(specifier)
 
 
 def test_the_python_floor_is_one_kprof_runs_on():
