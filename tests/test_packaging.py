@@ -69,3 +69,15 @@ def test_the_measure_extra_installs_what_the_cuda_environment_checks():
     assert measure == {p.name: p.specifier for p in ENVIRONMENTS["cuda_env"].packages}, measure
     test = {(r := Requirement(d)).name: str(r.specifier) for d in extras["test"]}
     assert test["nvidia-ml-py"] == measure["nvidia-ml-py"]
+
+
+@pytest.mark.parametrize("extra, name, lacking, first", [
+    ("remote", "ray", "2.9.3", "2.10.0"),  # ray 2.9 imports pkg_resources as a task is submitted
+    ("test", "ray", "2.55.1", "2.56.0"),  # ray 2.55 leaves a process of ray.init running: a ResourceWarning, an error
+])
+def test_the_ray_floor_runs_what_kprof_and_its_tests_do(extra, name, lacking, first):
+    """ray>=2.9 let pip keep ray 2.9, which imports pkg_resources, no longer in setuptools 84, as the first task is
+    submitted: run --remote on Ray ended with a ModuleNotFoundError traceback. Through 2.55, ray.init leaves a
+    subprocess that the tests' warnings-as-errors report as errors of the Ray tests."""
+    specifier = _dependencies(extra)[name]
+    assert lacking not in specifier and first in specifier, str(specifier)

@@ -174,8 +174,9 @@ def _yaml():
     try:
         import yaml
     except ImportError as exc:
-        raise UsageError(f"--remote reads remote.yaml with PyYAML, which is not installed here ({exc}); install the "
-                         f"remote extra: pip install 'kprof[remote]'") from None
+        raise UsageError(f"--remote reads remote.yaml with PyYAML, which is not installed here ({exc}); install it: "
+                         f"pip install 'pyyaml>=6' (or every engine: pip install '.[remote]' in kprof's "
+                         f"checkout)") from None
     return yaml
 
 

@@ -240,7 +240,9 @@ def test_an_engine_not_installed_is_one_line_saying_how_to_install_it(remote_yam
     message = _refused(db)
     assert message.startswith("--remote reads remote.yaml with PyYAML, which is not installed here" if module == "yaml"
                               else f"remote 'r' is kind {'ray' if module == 'ray' else 'slurm'}, and {module} is not "
-                                   f"installed here") and "pip install 'kprof[remote]'" in message, message
+                                   f"installed here") and "pip install '.[remote]'" in message, message
+    assert {"yaml": "pip install 'pyyaml>=6'", "ray": "pip install 'ray[client]>=2.10'",
+            "submitit": "pip install 'submitit>=1.5.4'"}[module] in message, message
 
 
 def test_the_remote_extra_installs_the_ray_client():
