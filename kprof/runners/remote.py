@@ -249,8 +249,8 @@ def _engine(module: str, remote: Remote, requirement: str):
         return importlib.import_module(module)
     except ImportError as exc:
         raise UsageError(f"remote {remote.name!r} is kind {remote.kind}, and {module} is not installed here ({exc}); "
-                         f"install it: pip install '{requirement}' (or every engine: pip install '.[remote]' in kprof's "
-                         f"checkout)") from None
+                         f"install it: pip install '{requirement}' (or every engine: pip install '.[remote]' in "
+                         f"kprof's checkout)") from None
 
 
 def job_reason(exc: BaseException) -> str:
