@@ -3,7 +3,7 @@
 It initialises torch.distributed (gloo, or nccl on cuda:<rank> plus a gloo group for the CPU barrier) from the
 coordinator's FileStore, then answers the coordinator's messages over its socket: a spec (build its buffers and
 check the collective against the closed form), a batch of k timed iterations (its k times), done. It exits when
-the coordinator's socket closes or its parent dies. See kprof.runners._ranks for the recipe.
+the coordinator's socket closes or its parent dies. See kprof.runners._comm_device for the recipe.
 """
 
 from __future__ import annotations

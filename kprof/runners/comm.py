@@ -101,7 +101,8 @@ def comm_metrics(table: str, spec, time_ms: float, energy_j: float | None) -> di
 
 class CommCase(NamedTuple):
     """What measure_specs hands a comm device: the collective and its spec. The ranks build the buffers and run the
-    oracle check (before any timing) inside `CommDevice.measure`; `check` here has nothing left to do."""
+    oracle check (before any timing) inside `CommDevice.measure` (kprof.runners._comm_device); `check` here has
+    nothing left to do."""
 
     table: str
     spec: _CommArgs

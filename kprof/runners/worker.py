@@ -80,8 +80,8 @@ def prepare_device(entry: Entry, gpu_key: str, environment: Callable[[], Environ
     from .environments import require
 
     require(entry)  # the packages and CUDA of entry.subprocess_env (kprof.runners.environments)
-    if entry.metric_family == "comm":  # collectives: timed on a group of rank processes (kprof.runners._ranks)
-        from ._ranks import CommDevice
+    if entry.metric_family == "comm":  # collectives: timed on a group of rank processes (kprof.runners._comm_device)
+        from ._comm_device import CommDevice
 
         return CommDevice(entry, gpu_key, environment)
     if entry.device == "cpu":
