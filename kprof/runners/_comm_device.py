@@ -65,21 +65,11 @@ class CommDevice:
         self._topology: dict[str, tuple[str, str]] = {}
 
     def _check_cuda(self, timer: str) -> None:
-        import torch
+        from .cuda_device import cuda_zero, need_cupti
 
-        if not torch.cuda.is_available():
-            raise UsageError(f"backend {self.entry.backend} runs NCCL on CUDA GPUs and torch {torch.__version__} sees "
-                             f"none; run on a GPU machine, or use backend gloo (the CPU twin)")
-        actual = torch.cuda.get_device_name(0)
-        if actual != self.gpu_key:
-            raise UsageError(f"GPU key {self.gpu_key!r} differs from CUDA device 0 ({actual!r}); omit --gpu-name")
+        cuda_zero(self.entry, self.gpu_key)  # as a CUDA row's device checks it: the same refusals, worded alike
         if timer == "cupti":
-            from ..measure.gpu_timer import cupti_available
-
-            why = cupti_available()
-            if why:
-                raise UsageError(f"CUPTI is not usable here ({why}); install cupti-python with nvidia-cuda-cupti, or "
-                                 f"set KPROF_TIMER=events to time with CUDA events (rows kept under their own key)")
+            need_cupti()
 
     def measure(self, case, rule: StopRule):
         from .comm import COLLECTIVES  # not at the top: comm imports this module

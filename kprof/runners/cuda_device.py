@@ -19,7 +19,8 @@ from ..settings import env_ordered, env_seconds
 from .registry import Entry, or_on_cpu
 
 __all__ = ["CudaDevice", "energy_window_s", "capped_sample_s", "twice_if_unstable", "ENERGY_S",
-           "CAPPED_SAMPLE_S", "CAPPED_MAX_SAMPLE_S", "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES"]
+           "CAPPED_SAMPLE_S", "CAPPED_MAX_SAMPLE_S", "MAX_COPIES", "COPY_BYTES", "ACTIVATION_COPY_BYTES",
+           "cuda_zero", "need_cupti"]
 
 # Seconds of back-to-back calls behind each row's energy_j, the settle included: two to three steps of NVML's
 # ~98 ms counter, fitted past the first calls' ramp to the kernel's steady power.
@@ -101,26 +102,47 @@ def twice_if_unstable(measure: Callable[[], object]) -> tuple[object, str | None
         return measure(), str(exc)[:500]
 
 
+def cuda_zero(entry: Entry, gpu_key: str):
+    """torch, where CUDA device 0 is there and is a GPU of the key's model (a CUDA row's device and a collective's
+    first rank alike); else a UsageError saying how to measure."""
+    import torch
+
+    from ..errors import SettingError, UsageError
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and torch {torch.__version__} sees "
+                         f"none; run on a GPU machine{or_on_cpu(entry)}")
+    actual = torch.cuda.get_device_name(0)
+    if actual != gpu_key:
+        # a pool worker's device is one KPROF_PROFILE_GPUS may have named: the key then came from another GPU
+        raise SettingError(*(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); measure on a GPU of "
+                             f"that model (KPROF_PROFILE_GPUS and CUDA_VISIBLE_DEVICES name the GPUs), or omit "
+                             f"{name}" for name in ("gpu_name=", "--gpu-name")))
+    return torch
+
+
+def need_cupti() -> None:
+    """A UsageError where the cupti timer cannot run here, naming the fix."""
+    from ..errors import UsageError
+    from ..measure.gpu_timer import cupti_available
+
+    why = cupti_available()
+    if why:
+        raise UsageError(f"CUPTI is not usable here ({why}); install cupti-python with nvidia-cuda-cupti, "
+                         f"or set KPROF_TIMER=events to time with CUDA events (rows kept under their "
+                         f"own timing key)")
+
+
 class CudaDevice:
     """CUDA device 0 of this process (a pool gives each worker its own CUDA_VISIBLE_DEVICES)."""
 
     name = "cuda"
 
     def __init__(self, entry: Entry, gpu_key: str, environment):
-        import torch
-
-        from ..errors import SettingError, UsageError
+        from ..errors import UsageError
         from ..measure.nvml import gpu_environment
 
-        if not torch.cuda.is_available():
-            raise UsageError(f"backend {entry.backend} measures on a CUDA GPU and torch {torch.__version__} sees "
-                             f"none; run on a GPU machine{or_on_cpu(entry)}")
-        actual = torch.cuda.get_device_name(0)
-        if actual != gpu_key:
-            # a pool worker's device is one KPROF_PROFILE_GPUS may have named: the key then came from another GPU
-            raise SettingError(*(f"GPU key {gpu_key!r} differs from CUDA device 0 ({actual!r}); measure on a GPU of "
-                                 f"that model (KPROF_PROFILE_GPUS and CUDA_VISIBLE_DEVICES name the GPUs), or omit "
-                                 f"{name}" for name in ("gpu_name=", "--gpu-name")))
+        torch = cuda_zero(entry, gpu_key)
         torch.cuda.set_device(0)
         self.torch = torch
         from .catalog import parse_timing, timing_power
@@ -130,13 +152,7 @@ class CudaDevice:
         self._heater = None
         self.cold = l2 != "warm"
         if self.timer == "cupti":
-            from ..measure.gpu_timer import cupti_available
-
-            why = cupti_available()
-            if why:
-                raise UsageError(f"CUPTI is not usable here ({why}); install cupti-python with nvidia-cuda-cupti, "
-                                 f"or set KPROF_TIMER=events to time with CUDA events (rows kept under their "
-                                 f"own timing key)")
+            need_cupti()
         self.energy_s = energy_window_s()
         self.capped_sample_s = capped_sample_s()
         self.env = (environment or gpu_environment)()

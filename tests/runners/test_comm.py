@@ -302,6 +302,23 @@ def test_a_rank_directory_left_by_a_killed_run_is_removed_by_the_next_group(monk
     assert os.listdir(tmp_path) == []
 
 
+def test_an_nccl_worker_on_a_gpu_of_another_model_names_the_gpu_setting(monkeypatch):
+    """KPROF_PROFILE_GPUS naming A100s on a host whose device 0 (the key's) is an H200: an nccl worker refused with
+    only "omit --gpu-name", a flag the run was never given, and the same through the Python API. It is refused as a
+    CUDA row's device refuses it, naming the GPU settings and the keyword or flag."""
+    import torch
+
+    from kprof.errors import SettingError
+    from kprof.runners._comm_device import CommDevice
+    from kprof.runners.registry import lookup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(SettingError, match="differs from CUDA device 0 .*A100.*KPROF_PROFILE_GPUS") as exc:
+        CommDevice(lookup("all_reduce", "nccl"), "NVIDIA H200", lambda: pytest.fail("no environment is read"))
+    assert str(exc.value).endswith("or omit gpu_name=") and exc.value.cli.endswith("or omit --gpu-name")
+
+
 def test_a_gloo_spec_past_the_hosts_memory_is_an_oom_row_before_any_rank_starts(monkeypatch, tmp_path, capsys):
     """Every gloo rank is a process of this host: the ranks' buffers together (1 TiB a rank's message, 8 ranks)
     past its memory are an `oom` row, as a CPU GEMM's are, not a rank killed mid-allocation (`crash`)."""
