@@ -7,7 +7,7 @@ import datetime as _dt
 import time
 
 from ..errors import UsageError
-from ._render import console, emit_json, error, results_table, stdout_to_stderr
+from ._render import busy_host_note, console, emit_json, error, results_table, stdout_to_stderr
 
 __all__ = ["run_remote_cli"]
 
@@ -54,11 +54,8 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
         results_table(res)
         console().print(_summary(res, remote), markup=False)
     if res.host_busy:  # as a local run says it (the table alone does not show it), of the hosts that measured
-        stored, again = (("", "the same command with a new --output-dir") if mode == "fresh" else
-                         (" (their notes say host_busy)", "`kprof run --force`"))
-        console(stderr=True).print(f"note: other processes took their host's cores while {res.host_busy} of these CPU "
-                                   f"row(s) were timed: other work slowed them{stored}; measure again on a quieter "
-                                   f"host with {again}", markup=False)
+        console(stderr=True).print(busy_host_note(f"other processes took their host's cores while {res.host_busy} of "
+                                                  f"these CPU row(s) were timed", mode, remote=True), markup=False)
     if note := plot_skipped(output_dir, written):
         console(stderr=True).print(note, markup=False)
     return res.exit_code

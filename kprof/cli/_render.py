@@ -156,6 +156,18 @@ def error(message: str) -> None:
     console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", _one_line(message)))
 
 
+def busy_host_note(what: str, mode: str, remote: bool = False) -> str:
+    """The note under a run's table where other work took the host's cores while `what` (its CPU rows) were timed:
+    how the rows say so and how to measure them again. A --fresh run stored no row (no notes to read) and is measured
+    again as it was given, not with --force; a remote run measures on its remote's hosts, into a new --output-dir."""
+    if mode == "fresh":
+        stored, again = "", "the same command" + (" with a new --output-dir" if remote else "")
+    else:
+        stored = " (their notes say host_busy)"
+        again = "the same command with --force and a new --output-dir" if remote else "`kprof run --force`"
+    return f"note: {what}: other work slowed them{stored}; measure again on a quieter host with {again}"
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"

@@ -16,7 +16,7 @@ from .. import api
 from ..errors import UsageError
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Power, Spec, Specs, Table, Timer
-from ._render import console, emit_json, results_table, stdout_to_stderr
+from ._render import busy_host_note, console, emit_json, results_table, stdout_to_stderr
 
 
 def _one_mode(arguments) -> None:
@@ -81,8 +81,7 @@ def _busy_host_note(table: str, backend: str, measured: int, load_before: float,
     """A CPU row times the host, and other work on it slows every sample alike (their spread does not show it: a
     2-core host under load read GEMMs 10x slow with a small spread). Where the load average passed the cores while
     rows were timed, or rows say another process took their cores (`busy_rows`: the scheduler's involuntary switches,
-    which a minute's load average misses), say so: the rows' notes carry it (host_busy), but a user reads the table.
-    A --fresh run stored no row (no notes to read) and is measured again as it was given, not with --force."""
+    which a minute's load average misses), say so: the rows' notes carry it (host_busy), but a user reads the table."""
     import os
 
     from ..runners.registry import lookup
@@ -92,16 +91,12 @@ def _busy_host_note(table: str, backend: str, measured: int, load_before: float,
     load, cores = max(load_before, os.getloadavg()[0]), os.cpu_count() or 1
     if load <= cores and not busy_rows:
         return None
-    if mode == "fresh":
-        stored, again = "", "the same command"
-    else:
-        stored, again = " (their notes say host_busy)", "`kprof run --force`"
     if load > cores:
         what = (f"the host's load average ({load:.1f}) passed its {cores} cores while these {measured} CPU row(s) "
                 f"were timed")
     else:
         what = f"other processes took this one's cores while {busy_rows} of these {measured} CPU row(s) were timed"
-    return f"note: {what}: other work slowed them{stored}; measure again on a quieter host with {again}"
+    return busy_host_note(what, mode)
 
 
 def _devices_line(pool: dict | None) -> str | None:

@@ -341,15 +341,16 @@ def test_a_run_that_waited_for_every_spec_says_so(remote_yaml, db, capsys, monke
 
 def test_rows_a_busy_host_timed_are_named_as_a_local_run_names_them(remote_yaml, db, capsys, monkeypatch):
     """The worker's host ran past its cores while it timed the rows (their notes say host_busy): a local run says so
-    under its table, a remote run said nothing, and the table alone does not show it."""
+    under its table, a remote run said nothing, and the table alone does not show it. The fix it names is the remote
+    run's own (`kprof run --force` measured on this machine, under its own CPU's key)."""
     remote_yaml(RAY)
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))  # the worker's host, here in-process
     _in_process(monkeypatch, _InProcess())
     specs = SPECS + SPECS[:1]  # a spec twice: one row timed
     assert run_remote_cli("single_gemm", "torch-cpu", specs, remote="ray", output_dir="out", json=False) == 0
     assert ("note: other processes took their host's cores while 4 of these CPU row(s) were timed: other work slowed "
-            "them (their notes say host_busy); measure again on a quieter host with `kprof run --force`") \
-        in capsys.readouterr().err
+            "them (their notes say host_busy); measure again on a quieter host with the same command with --force and "
+            "a new --output-dir") in capsys.readouterr().err  # `kprof run --force` measured them here, not remotely
 
 
 def test_a_failed_submitit_job_reports_its_reason_and_the_summary_says_so(remote_yaml, db, capsys):
