@@ -41,15 +41,16 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
         res = run_remote(table, backend, raw_specs, remote=remote, remote_set=list(remote_set), output_dir=output_dir,
                          mode=mode, gpu_name=gpu_name, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power,
                          command=command, progress=progress)
+    doc = res.to_json()  # built once, for the snapshot and --json alike: at 100k specs, hundreds of MB
     written = snapshot(output_dir, res, raw_specs, started_at=started_at, seconds=time.perf_counter() - t0,
-                       command=command, method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
+                       command=command, method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power), doc=doc)
     for line in res.failures:
         error(line)
     if res.merge_report:
         error(f"{res.record['conflicts']} incoming event(s) conflict with the ledger's current rows; those segments "
               f"merged nothing; the conflicts are in {res.merge_report} (do not force it: compare the rows)")
     if json:
-        emit_json(res.to_json())
+        emit_json(doc)
     else:
         results_table(res)
         console().print(_summary(res, remote), markup=False)

@@ -353,6 +353,22 @@ def test_rows_a_busy_host_timed_are_named_as_a_local_run_names_them(remote_yaml,
             "a new --output-dir") in capsys.readouterr().err  # `kprof run --force` measured them here, not remotely
 
 
+def test_a_remote_run_builds_its_result_document_once(remote_yaml, db, capsys, monkeypatch):
+    """--json and the snapshot each built the document (at 100k specs, hundreds of MB each), as a local run did
+    before; it is built once."""
+    from kprof import api
+
+    remote_yaml(RAY)
+    _in_process(monkeypatch, _InProcess())
+    built = []
+    to_json = api.QueryResult.to_json
+    monkeypatch.setattr(api.QueryResult, "to_json", lambda self: built.append(1) or to_json(self))
+    rc, doc = _cli_json(capsys)
+    assert rc == 0 and len(built) == 1
+    with open("out/results.json") as f:
+        assert json.load(f) == doc
+
+
 def test_a_failed_submitit_job_reports_its_reason_and_the_summary_says_so(remote_yaml, db, capsys):
     """Both jobs refuse their chunk (the rows are keyed by another CPU): each failure names the worker's reason, not
     the log path submitit's error text ends with; the summary counts what came back."""
