@@ -143,8 +143,7 @@ def _check_runtime_env(target) -> None:
         RuntimeEnv(**env)
     except (TypeError, ValueError) as exc:
         field = "launch.ray.runtime_env"
-        given = (f"--remote-set {field}" if any(o.partition("=")[0].strip() == field for o in target.overrides)
-                 else where(target.path, target.name, field))
+        given = where(target.path, target.name, field, target.overrides)
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UsageError(f"{given} is refused by Ray ({why}); fix it: a mapping of Ray's runtime_env fields, e.g. "
                          f"{{env_vars: {{A: b}}}}, as remote.example.yaml shows") from None

@@ -190,9 +190,8 @@ class SlurmExecutor:
                              f"launch.slurm.cluster=local) to test on this machine") from None
         except OSError as exc:  # the folder is a file, or cannot be made (it was a traceback, exit 1)
             field = "launch.slurm.folder"
-            given = ("--output-dir's submitit folder" if s.folder is None else f"--remote-set {field}"
-                     if any(o.partition("=")[0].strip() == field for o in remote.overrides)
-                     else where(remote.path, remote.name, field))
+            given = ("--output-dir's submitit folder" if s.folder is None
+                     else where(remote.path, remote.name, field, remote.overrides))
             raise UsageError(f"{given} {self.folder!r} cannot be made ({exc.strerror}: {exc.filename}); give a "
                              f"directory that is there or can be made") from None
         params = dict(timeout_min=s.time, gpus_per_node=self.gpus, nodes=1, tasks_per_node=1, name="kprof")

@@ -76,7 +76,10 @@ FIELDS: dict[str, _Field] = {
 _SECTIONS = {"launch", "launch.ray", "launch.slurm"}
 
 
-def where(path: str, name: str, field: str) -> str:
+def where(path: str, name: str, field: str, overrides: list[str] | tuple = ()) -> str:
+    """Where a field's value was given: `--remote-set FIELD` where one of `overrides` set it, else the file's field."""
+    if any(item.partition("=")[0].strip() == field for item in overrides):
+        return f"--remote-set {field}"
     return f"{path}: remote {name!r}: field {field}"
 
 
@@ -267,8 +270,7 @@ def load_remote(name: str, path: str = CONFIG, overrides: list[str] | tuple = ()
     address = ray["address"] if kind == "ray" else "local"
     if address not in ("local", "auto") and not (address.startswith("ray://") and address[6:].strip()):
         field = "launch.ray.address"
-        given = (f"--remote-set {field}" if any(_override(o)[0] == field for o in overrides)
-                 else where(path, name, field))
+        given = where(path, name, field, overrides)
         raise UsageError(f"{given} is {address!r}, not \"local\", \"auto\" or ray://HOST:PORT: Ray takes a bare "
                          f"HOST:PORT for a node of the cluster and waits for it for good (Ctrl-C does not stop it); "
                          f"give ray://HOST:10001 (Ray Client on the head), or \"auto\" on a node of the cluster")
