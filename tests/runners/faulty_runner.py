@@ -4,7 +4,8 @@ worker while it measures; `hang` never returns; `fail` raises (a failed row); `c
 library may (a print, and a write to file descriptor 1, as C code does); `linger` delivers its row, then hangs as the
 runner is let go (a teardown that never ends). Table `faulty`, backend `cpu`, and
 `faulty_gpu` / `cuda2`: an entry whose every spec needs two GPUs. FAULTY_HANG_START=<file>: a `die` spec makes
-the file, and a worker started once it exists hangs in its start (importing this module)."""
+the file, and a worker started once it exists hangs in its start (importing this module). FAULTY_GATE=<file>: a
+`gate` spec waits (up to 120 s) until the file exists, so a test decides when its row comes."""
 
 import multiprocessing
 import os
@@ -25,7 +26,7 @@ if _HANG_START and multiprocessing.parent_process() is not None and os.path.exis
 
 class FaultyArgs(KernelArgs, frozen=True):
     n: Size
-    act: Literal["ok", "slow", "die", "hang", "fail", "chatty", "linger"] = "ok"
+    act: Literal["ok", "slow", "die", "hang", "fail", "chatty", "linger", "gate"] = "ok"
 
 
 class Faulty:
@@ -47,6 +48,10 @@ class Faulty:
             time.sleep(3600)
         if spec.act == "slow":
             time.sleep(0.5)
+        if spec.act == "gate":
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.environ["FAULTY_GATE"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         if spec.act == "chatty":
             print(f"a runner's own print, spec n={spec.n}", flush=True)
             os.write(1, b"a library's own write to fd 1\n")

@@ -154,18 +154,32 @@ def test_a_fresh_worker_that_does_not_start_is_given_up_within_the_start_limit(t
 @pytest.mark.slow
 def test_a_run_waiting_for_a_key_whose_worker_crashed_in_the_other_run_reads_its_failure(tmp_path):
     """Run B waited for the keys run A held; A's worker died on one (a failed row), and B measured that key again:
-    a second crash and a second failed event of one key. B reads A's failure, as it reads A's ok rows."""
-    specs = _specs(*["slow"] * 16, "die")  # 8 s: B's worker starts, then B claims, while A measures
-    first = _run(tmp_path, specs, wait=False, KPROF_CPU_WORKERS="1", KPROF_POOL="on")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(f.stat().st_size for f in tmp_path.glob("p.db-claims/*.claim")):
-        time.sleep(0.05)  # A has claimed its keys
-    code_b, doc_b, err_b = _run(tmp_path, specs, KPROF_CPU_WORKERS="1", KPROF_POOL="on")
+    a second crash and a second failed event of one key. B reads A's failure, as it reads A's ok rows. (A gate, not
+    a head start in seconds, keeps A's keys held while B claims: on a loaded host B's worker started after A ended.)"""
+    gate = tmp_path / "gate"  # A's first spec waits for it: B takes its claims while A holds every key, however slow
+    env = dict(KPROF_CPU_WORKERS="1", KPROF_POOL="on", FAULTY_GATE=str(gate))
+
+    def claimed(but=()):  # a run's claim file that holds keys: it has taken them
+        found = [f for f in tmp_path.glob("p.db-claims/*.claim") if f.name not in but and f.stat().st_size]
+        return found[0].name if found else None
+
+    def until(what):
+        deadline = time.monotonic() + 120
+        while (found := what()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
+
+    first = _run(tmp_path, _specs("gate", "die"), wait=False, **env)
+    a = until(claimed)  # A holds both keys
+    second = _run(tmp_path, _specs("gate", "die", "ok"), wait=False, **env)
+    assert until(lambda: claimed(but=(a,))), "B took no key"  # B claimed its own key: it found A's two held
+    gate.touch()
     code_a, _doc_a, err_a = _finish(first)
+    code_b, doc_b, err_b = _finish(second)
     assert code_a == 1 and code_b == 1, err_a + err_b
-    assert "spec(s) another run was measuring were waited for" in err_b, err_b
-    assert _by_n(doc_b)[1016]["status"] == "failed"  # A's failure, read
-    assert len(_events(tmp_path)) == 17  # 16 ok rows and one failure: each key measured once
+    assert "2 spec(s) another run was measuring were waited for" in err_b, err_b
+    assert _by_n(doc_b)[1001]["status"] == "failed"  # A's failure, read
+    assert len(_events(tmp_path)) == 3  # A's ok row and failure, B's own row: each key measured once
 
 
 @pytest.mark.slow
