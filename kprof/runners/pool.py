@@ -29,7 +29,7 @@ import msgspec
 
 from .. import _scratch
 from .._children import watch_parent
-from ..errors import UsageError
+from ..errors import SettingError, UsageError
 from ..ledger._codec import event_decoder
 from ..ledger.events import Environment, Event, Origin
 from ..settings import env_seconds
@@ -82,7 +82,7 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
                                         contract=msgspec.msgpack.decode(contract, type=Contract))
         device = prepare_device(entry, gpu_key)
     except Exception as exc:  # noqa: BLE001 - a device that cannot measure says why, and the parent decides
-        conn.send(("refused", type(exc).__name__, str(exc)))
+        conn.send(("refused", type(exc).__name__, str(exc), getattr(exc, "cli", str(exc))))  # a SettingError's 2 ways
         return
     try:
         conn.send(("ready", msgspec.msgpack.encode(_record(Environment, device.env))))
@@ -120,7 +120,7 @@ class _Worker:
         self.env = Environment()
         self.item: tuple | None = None  # (index, spec, parent) in flight
         self.since = time.monotonic()
-        self.refusal: tuple[str, str] | None = None
+        self.refusal: tuple[str, str, str] | None = None  # (type, message, its words for the verbs)
 
     def send(self, chunk: Chunk, item) -> None:
         self.item, self.state, self.since = item, "busy", time.monotonic()
@@ -181,11 +181,7 @@ class Pool:
                     break
                 self._poll(left, on_event=None)
             if not any(w.state == "ready" for w in self.workers):
-                first = next((w.refusal for w in self.workers if w.refusal), None)
-                reasons = "; ".join(f"{d['device']}: {d['why']}" for d in self.dropped)
-                if first and first[0] == "UsageError" and all(w.refusal == first for w in self.workers):
-                    raise UsageError(first[1])
-                raise UsageError(f"no worker could prepare its device ({reasons})")
+                raise self._refused()
         except BaseException:
             self.close()
             raise
@@ -210,6 +206,16 @@ class Pool:
                     w.process.kill()
             self.workers = []
             self._remove_spool()
+
+    def _refused(self) -> UsageError:
+        """Why no worker could prepare its device: the refusal itself where each gave the same one (a SettingError
+        worded for the verbs too: KPROF_PROFILE_GPUS naming GPUs of another model than the key), else each device's
+        reason."""
+        first = next((w.refusal for w in self.workers if w.refusal), None)
+        if first and first[0] in ("UsageError", "SettingError") and all(w.refusal == first for w in self.workers):
+            return SettingError(first[1], first[2]) if first[0] == "SettingError" else UsageError(first[1])
+        reasons = "; ".join(f"{d['device']}: {d['why']}" for d in self.dropped)
+        return UsageError(f"no worker could prepare its device ({reasons})")
 
     @property
     def _late(self) -> str:
@@ -251,7 +257,7 @@ class Pool:
             w.state = "ready"
             w.env = msgspec.msgpack.decode(message[1], type=Environment)
         elif kind == "refused":
-            w.refusal = (message[1], message[2])
+            w.refusal = (message[1], message[2], message[3])
             self._drop(w, f"{message[1]}: {message[2]}")
         elif kind == "event":
             _, index, path, data, seconds, timed = message

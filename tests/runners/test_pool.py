@@ -676,6 +676,37 @@ def test_an_interrupt_while_the_workers_start_stops_them_at_once(monkeypatch):
     assert [w.process.exitcode for w in made] == [-signal.SIGKILL] * 2
 
 
+def test_workers_refusing_a_gpu_of_another_model_say_it_in_the_words_of_the_verbs():
+    """KPROF_PROFILE_GPUS naming A100s on a host whose device 0 (the key's) is an H200: every worker refuses with
+    the device's SettingError, and the run said "no worker could prepare its device (gpu1: SettingError: ... or omit
+    gpu_name=)", the Python wording, to `kprof run`. The refusal all workers gave is raised as it was, both ways."""
+    from kprof.errors import SettingError
+    from kprof.runners import pool as pool_module
+    from kprof.runners.devices import Device
+    from kprof.runners.registry import lookup
+
+    class Refused:
+        def __init__(self, label):
+            self.device, self.state, self.refusal = Device(label, None), "starting", None
+
+        def stop(self, kill=False):
+            pass
+
+    error = SettingError("GPU key 'NVIDIA H200' differs from CUDA device 0 ('NVIDIA A100'); ... or omit gpu_name=",
+                         "GPU key 'NVIDIA H200' differs from CUDA device 0 ('NVIDIA A100'); ... or omit --gpu-name")
+    pool = pool_module.Pool(lookup("single_gemm", "torch-cpu"), "cpu", [])
+    try:
+        pool.workers = [Refused("gpu1"), Refused("gpu2")]
+        for w in pool.workers:  # as each worker's message reads (kprof.runners.pool._worker_main)
+            pool._message(w, ("refused", type(error).__name__, str(error), error.cli), None)
+        raised = pool._refused()
+        assert type(raised) is SettingError and (str(raised), raised.cli) == (str(error), error.cli)
+        assert [d["device"] for d in pool.dropped] == ["gpu1", "gpu2"]
+    finally:
+        pool.workers = []
+        pool.close()
+
+
 def test_an_interrupt_while_the_workers_are_stopped_leaves_no_spool(monkeypatch):
     """SIGTERM (or Ctrl-C) while the run waited for its workers to stop, once every row was stored, left the spool of
     segments, an empty `kprof-pool-*` directory, in the temporary directory for good."""
