@@ -211,8 +211,9 @@ def _refuse_output(path: str, doc: dict) -> None:
     one spec and refused for its field "table" or "backend", with a fix (--backend) the command already followed."""
     for tell, field, what, jq in _OUTPUTS:
         if tell in doc and isinstance(doc.get(field), list):
+            request = os.path.join(os.path.dirname(path), "request.json")  # beside it, in the snapshot
             where = (f'its specs are its "{field}" list: write them to a file of their own, e.g. jq \'{jq}\' {path} > '
-                     f"specs.json" if jq else "the snapshot's request.json holds its specs: jq '.specs' request.json > "
+                     f"specs.json" if jq else f"the snapshot's request.json holds its specs: jq '.specs' {request} > "
                      "specs.json")
             raise SpecError(f"--specs {path} is {what} for {doc['table']}/{doc['backend']}, not a file of specs; "
                             f"{where}", field=field)

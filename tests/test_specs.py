@@ -228,6 +228,18 @@ def test_a_document_kprof_wrote_names_where_its_specs_are(doc, jq, specs, tmp_pa
     assert _count(capsys, ["--specs", alone, "--db", empty_db])["missing"] == [A]
 
 
+def test_a_snapshots_curve_json_names_the_request_json_beside_it(tmp_path, capsys, empty_db):
+    """A snapshot's curve.json given to --specs named "jq '.specs' request.json", a file of the working directory,
+    not the snapshot's own request.json beside the curve.json."""
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    path = _write(snap, "curve.json", json.dumps({"table": "single_gemm", "backend": "torch-cpu", "axes": ["n"],
+                                                   "points": [{"n": 8}]}))
+    assert main(["count-missing", *GEMM, "--specs", path, "--db", empty_db]) == 2
+    err = capsys.readouterr().err
+    assert f"jq '.specs' {snap / 'request.json'} > specs.json" in err, err
+
+
 def test_a_spec_written_with_its_table_and_backend_is_not_taken_for_kprof_output(tmp_path, capsys, empty_db):
     path = _write(tmp_path, "spec.json", json.dumps({"table": "single_gemm", "backend": "torch-cpu", **A}))
     assert main(["count-missing", *GEMM, "--specs", path, "--db", empty_db]) == 2
