@@ -8,7 +8,8 @@ so a concurrent run, local or remote, skips them, and waits for the keys another
 holds `segments/` (each returned segment that checks out, as chunk-N.kseg), `refused/` (what a worker returned that
 is not a segment of its chunk's keys: chunk-N.bin, never merged), `remote-run.json` (where and how it ran, what each
 chunk returned and merged) and, on a conflict, `merge-report.json`: a conflicting segment merges nothing and the
-run exits 3. `fresh` mode merges nothing at all.
+run exits 3. `fresh` mode merges nothing at all. What is checked before anything is written or submitted beyond the
+remote's own fields (kprof.runners.remote_config) is kprof._remote_checks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from . import settings
+from ._remote_checks import check_remote_output_dir, check_runtime_env, check_task_env, refuse_spec_timeout
 from .api import QueryResult, _empty_root, _fresh_result, _keys, _prepare, _query
 from .errors import MergeConflict, UsageError
 from .ledger import Ledger
@@ -37,7 +38,7 @@ from .runners.claims import Claims
 from .runners.devices import need_of
 from .runners.registry import lookup
 from .runners.fill import still_wanted, to_measure
-from .runners.remote_config import CONFIG, load_remote, where
+from .runners.remote_config import CONFIG, load_remote
 
 __all__ = ["RemoteResult", "run_remote"]
 
@@ -91,78 +92,6 @@ def _received(output_dir: str, j: int, data: Any, keys: set) -> tuple[str, list]
     return path, events
 
 
-def _refuse_spec_timeout(target) -> None:
-    """KPROF_SPEC_TIMEOUT_S is kept by the local pool, which kills the worker process a spec hangs in; a remote
-    chunk is measured in the engine's one process, where no spec can be stopped, so a remote run refuses it rather
-    than ignore it."""
-    env_vars = ((target.ray.runtime_env if target.kind == "ray" and target.ray else None) or {}).get("env_vars")
-    there = "KPROF_SPEC_TIMEOUT_S" in (env_vars if isinstance(env_vars, dict) else {})
-    if there or os.environ.get("KPROF_SPEC_TIMEOUT_S", "").strip():
-        bound = ("each job's time limit, launch.slurm.time, bounds a chunk" if target.kind == "slurm" else
-                 "Ray bounds no task: stop a hung run with Ctrl-C")
-        raise UsageError(f"KPROF_SPEC_TIMEOUT_S is set{' in launch.ray.runtime_env' if there else ''}, but a remote "
-                         f"run measures each chunk in one process, where no spec can be stopped ({bound}); unset "
-                         f"KPROF_SPEC_TIMEOUT_S, or run locally")
-
-
-def _check_task_env(target) -> None:
-    """The KPROF_* values of launch.ray.runtime_env's env_vars, which the Ray tasks see over the environment they
-    inherit: checked as this machine's are (`check_settings`, the timing-method variables), before anything is
-    submitted, not found by every chunk on the cluster."""
-    from .method import check_method_env
-    from .runners.fill import check_settings
-
-    env_vars = ((target.ray.runtime_env if target.kind == "ray" and target.ray else None) or {}).get("env_vars")
-    given = {k: v for k, v in (env_vars if isinstance(env_vars, dict) else {}).items() if str(k).startswith("KPROF_")}
-    if not given:  # the local values were checked already
-        return
-    for name, value in given.items():
-        if not isinstance(value, str):
-            raise UsageError(f"launch.ray.runtime_env env_vars {name} is {value!r}, not a string; Ray's env_vars take "
-                             f"strings: quote it ({name}: '{value}')")
-    try:
-        with settings.given(given):  # the checks read these over this machine's environment, in this thread only
-            check_settings(here=False)
-            check_method_env()
-    except UsageError as exc:
-        raise UsageError(f"launch.ray.runtime_env env_vars: {exc}") from None
-
-
-def _check_runtime_env(target) -> None:
-    """launch.ray.runtime_env as Ray's own RuntimeEnv reads it (env_vars a mapping of strings, pip a string or a list,
-    ...), before a cluster is started or anything is written: Ray refused a bad one only as the first task was
-    submitted, with a traceback (exit 1), after the output directory and the ledger had been made."""
-    env = target.ray.runtime_env if target.kind == "ray" and target.ray else None
-    if not env:
-        return
-    try:
-        from ray.runtime_env import RuntimeEnv
-    except ImportError:  # no Ray here: the executor says how to install it
-        return
-    try:
-        RuntimeEnv(**env)
-    except (TypeError, ValueError) as exc:
-        field = "launch.ray.runtime_env"
-        given = where(target.path, target.name, field, target.overrides)
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UsageError(f"{given} is refused by Ray ({why}); fix it: a mapping of Ray's runtime_env fields, e.g. "
-                         f"{{env_vars: {{A: b}}}}, as remote.example.yaml shows") from None
-
-
-def _check_output_dir(output_dir: str | None) -> str:
-    from .artifacts import check_output_dir
-
-    if output_dir is None:
-        raise UsageError("--remote needs --output-dir DIR: the segments, remote-run.json and any merge-report.json "
-                         "go there; pass a new directory")
-    check_output_dir(output_dir)
-    for name in ("remote-run.json", "segments", "merge-report.json"):
-        if os.path.lexists(os.path.join(output_dir, name)):
-            raise UsageError(f"--output-dir {output_dir} already holds {name} of another remote run; pass a new "
-                             f"directory")
-    return output_dir
-
-
 def _write_json(path: str, doc: dict) -> None:
     """The document as JSON (msgspec's: NaN and infinities as null, never the bare NaN the standard module writes,
     which no strict parser reads), written whole or not at all."""
@@ -189,13 +118,13 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
     if mode not in ("jit", "force", "fresh"):
         raise UsageError(f"mode {mode!r} is not one of jit, force, fresh")
     target = load_remote(remote, config, list(remote_set))
-    _refuse_spec_timeout(target)
+    refuse_spec_timeout(target)
     from .runners.fill import check_settings
 
     check_settings(here=False)  # the workers inherit them: a bad one would fail every chunk after the jobs start
-    _check_task_env(target)
-    _check_runtime_env(target)
-    output_dir = _check_output_dir(output_dir)
+    check_task_env(target)
+    check_runtime_env(target)
+    output_dir = check_remote_output_dir(output_dir)
     method = dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     if lookup(table, backend).device == "cuda" and gpu_name is None:  # this machine's GPU, if any, is not remote's
         raise UsageError(f"backend {backend} measures on a CUDA GPU: pass --gpu-name with the GPU of remote "
