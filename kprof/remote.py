@@ -34,10 +34,10 @@ from .ledger.events import Failed, Measured, Origin
 from .runners import remote as _remotes
 from .merge import segment
 from .runners.chunk import Chunk
-from .runners.claims import Claims
+from .runners.claims import Claims, rounds
 from .runners.devices import need_of
 from .runners.registry import lookup
-from .runners.fill import still_wanted, to_measure
+from .runners.fill import to_measure
 from .runners.remote_config import CONFIG, load_remote
 
 __all__ = ["RemoteResult", "run_remote"]
@@ -180,10 +180,8 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
                     with Ledger.open(db, readonly=True) as ledger:
                         return ledger.view(table, backend, gpu_key, entry.contract, entry.args).query(canonical)[1]
 
-                rounds = [(todo, before_rows, {})] if claims is None else claims.rounds(
-                    todo, spec_keys, rows_now, lambda i, row: still_wanted(mode, row, before_rows[i]), before_rows)
                 waited: set[bytes] = set()
-                for batch, rows, held in rounds:
+                for batch, rows, held in rounds(claims, todo, spec_keys, rows_now, mode, before_rows):
                     waited.update(held)  # keys another run was measuring: read from the ledger once it stored them
                     record["waited_for"] = len(waited)
                     if batch:

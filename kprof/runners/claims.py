@@ -11,7 +11,7 @@ found a dead holder, and removes the file. Claiming is atomic across runs: it ha
         ...                              # measure mine; wait for held (take them again later)
         claims.drop(done)                # ends the claims of keys measured (or given up) before the run ends
 
-`rounds` is that loop, as `run` and a remote run both go through it.
+`Claims.rounds` is that loop, as `run` and a remote run both go through it (`rounds`: with a run's mode).
 
 A run measures its own claims, ending each as its row is stored, then takes the held keys again until none is
 held: a key whose holder finished it is read from the ledger (measured by the other run), one whose holder died
@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 from ..errors import UsageError
 
-__all__ = ["Claims", "WAIT_S", "own_event"]
+__all__ = ["Claims", "WAIT_S", "own_event", "rounds", "still_wanted"]
 
 WAIT_S = 0.5  # between looks at keys another run is measuring
 
@@ -191,3 +191,22 @@ def own_event(row) -> bytes | None:
     """The event id of a spec's row under its own key: None where it has none (a stale row is another key's, of
     another profiler revision or timing, e.g. a CPU row of another thread count, which another run may store)."""
     return None if row is None or row.status == "stale" else row.event_id
+
+
+def rounds(claims: Claims | None, todo: list[int], keys: list[bytes], rows_now: Callable[[], list], mode: str,
+           before: list) -> Iterator[tuple[list[int], list, dict[bytes, str]]]:
+    """`claims.rounds` of a run in `mode` (jit, force, fresh), a spec wanted while `still_wanted` says so; without
+    claims (a --fresh run, which stores nothing), one round of every spec, as the rows were."""
+    if claims is None:
+        return iter([(todo, before, {})])
+    return claims.rounds(todo, keys, rows_now, lambda i, row: still_wanted(mode, row, before[i]), before)
+
+
+def still_wanted(mode: str, row, before) -> bool:
+    """Whether the mode still leaves a key to measure, given its row now and when the run began."""
+    if mode == "jit":
+        return row is None or row.status != "ok"
+    if mode == "force":  # another run re-measured it since this one began: that is the refresh asked for (a row of
+        now, was = own_event(row), own_event(before)  # another key, e.g. another thread count's, is not)
+        return not (now is not None and was is not None and now != was)
+    return True

@@ -28,7 +28,7 @@ from ..ledger.build import failed
 from ..ledger.events import Environment, Measured, Origin
 from ..ledger.keys import KeyMaker
 from ..specs import ShapeCodec
-from .claims import own_event as _own
+from .claims import own_event as _own, rounds, still_wanted
 from .devices import Device, Devices, groups, need_of, pool_mode, usable_devices
 from .pool import Pool, Result
 from .registry import Entry
@@ -250,10 +250,8 @@ class _State:
 
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
         canonical, spec_keys, keys = self.canonical, self.spec_keys, self.keys
-        rounds = [(todo, self.before, {})] if self.claims is None else self.claims.rounds(
-            todo, spec_keys, lambda: rows_of(self.ledger), lambda i, row: still_wanted(self.mode, row, self.before[i]),
-            self.before)
-        for batch, rows, held in rounds:
+        for batch, rows, held in rounds(self.claims, todo, spec_keys, lambda: rows_of(self.ledger), self.mode,
+                                        self.before):
             self.waited.update(held)
             parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
             self.taken.update((i, rows[i]) for i in batch)
@@ -335,16 +333,6 @@ class _RowChanged(Exception):
     def __init__(self, row):
         super().__init__()
         self.row = row
-
-
-def still_wanted(mode: str, row, before) -> bool:
-    """Whether the mode still leaves a key to measure, given its row now and when the run began."""
-    if mode == "jit":
-        return row is None or row.status != "ok"
-    if mode == "force":  # another run re-measured it since this one began: that is the refresh asked for (a row of
-        now, was = _own(row), _own(before)  # another key, e.g. another thread count's, is not)
-        return not (now is not None and was is not None and now != was)
-    return True
 
 
 def _own_device(entry: Entry, devices: Devices, todo: list[int], canonical: list) -> bool:
