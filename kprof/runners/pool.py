@@ -191,9 +191,9 @@ class Pool:
         self.close(kill=exc_type is not None)
 
     def close(self, kill: bool = False) -> None:
-        """Stops the workers: an idle one is told to end (waited for up to 10 s), one busy or still starting, or
-        every one with `kill` (an interrupt, or an error, is in flight: a second Ctrl-C would find them waited for), is
-        killed."""
+        """Stops the workers: an idle one, or one whose spec's event came, is told to end (waited for up to 10 s); one
+        inside a spec or still starting, or every one with `kill` (an interrupt, or an error, is in flight: a second
+        Ctrl-C would find them waited for), is killed."""
         try:
             # one still starting has measured nothing: not waited for (an interrupt in start); nor is one inside a spec.
             # One whose last spec's event came (its item done) is only about to say idle: asked to stop, it ends itself
