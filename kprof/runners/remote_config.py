@@ -244,12 +244,15 @@ def load_remote(name: str, path: str = CONFIG, overrides: list[str] | tuple = ()
     kind = values.get("kind")
     if kind is None:
         raise UsageError(f"{where(path, name, 'kind')} is missing; set kind: ray or kind: slurm")
+    kind_given = any(_override(item)[0] == "kind" for item in overrides)
     for item in overrides:  # one for the other engine's section changed nothing this call uses
         key = _override(item)[0]
         if key.startswith("launch.") and key.split(".")[1] != kind:
-            raise UsageError(f"--remote-set {key} applies to kind {key.split('.')[1]}, and remote {name!r} is kind "
-                             f"{kind}, which reads launch.{kind}: set launch.{kind} fields, or pass --remote-set "
-                             f"kind={key.split('.')[1]} too")
+            other = key.split(".")[1]
+            fix = (f"--remote-set kind={kind} made it so; drop one of the two" if kind_given else
+                   f"set launch.{kind} fields, or pass --remote-set kind={other} too")
+            raise UsageError(f"--remote-set {key} applies to kind {other}, and remote {name!r} is kind {kind}, which "
+                             f"reads launch.{kind}: {fix}")
 
     def section(engine: str, required: str, fix: str) -> dict | None:
         """The fields of launch.<engine>; the section of the remote's kind must have `required`. A section of the

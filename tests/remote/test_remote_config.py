@@ -124,6 +124,9 @@ def test_overrides_apply_for_one_call(remote_yaml):
     (GOOD.replace("ray1", "r"), ["kind=slurm"], ["field launch.slurm.time is missing"]),
     (GOOD.replace("ray1", "r"), ["launch.slurm.time=30"],  # was taken, and changed nothing
      ["--remote-set launch.slurm.time applies to kind slurm, and remote 'r' is kind ray", "--remote-set kind=slurm"]),
+    (GOOD.replace("ray1", "r"), ["kind=slurm", "launch.ray.num_cpus=2"],  # was told to pass kind=ray too
+     ["--remote-set launch.ray.num_cpus applies to kind ray, and remote 'r' is kind slurm, which reads launch.slurm: "
+      "--remote-set kind=slurm made it so; drop one of the two"]),
 ])
 def test_a_bad_remote_is_refused_naming_the_field_and_the_fix(remote_yaml, db, text, overrides, expected):
     if text is not None:
