@@ -2,7 +2,8 @@
 # Runs GPU stages on the device machine, each under its own time limit, each logged to $OUT/<stage>.log:
 #   tests/benchmarks/gpu_stage.sh tests catalog timer nvml timing sweep
 # Stages: tests (pytest -m gpu), catalog / timer / nvml (smoke scripts), timing (gpu_timing.py),
-# sweep (gpu_sweep.py), pool (pool_check.py), placement (placement_check.py), moe (moe_decode_check.py), address (address_check.py), producer (producer_check.py), between (between_check.py, $BETWEEN_ARGS), scaling (pool_scaling.py, $SCALING_ARGS), model (model_step.py, $MODEL_ARGS), protocol (protocol_check.py, $PROTOCOL_ARGS), settle (capped_settle_check.py, $SETTLE_ARGS). The short table of each is printed at the end.
+# sweep (gpu_sweep.py), pool (pool_check.py), placement (placement_check.py), moe (moe_decode_check.py), address (address_check.py), producer (producer_check.py), between (between_check.py, $BETWEEN_ARGS), scaling (pool_scaling.py, $SCALING_ARGS), model (model_step.py, $MODEL_ARGS), protocol (protocol_check.py, $PROTOCOL_ARGS: all six cases are estimated at ~690 s, past $PROTOCOL_S's 330 default; its log's first line
+# estimates the cases given and says how to split them), settle (capped_settle_check.py, $SETTLE_ARGS). The short table of each is printed at the end.
 set -u
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}

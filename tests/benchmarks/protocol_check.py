@@ -32,7 +32,9 @@
 Each case runs in its own try/except (an error is recorded, the others go on). Every raw figure goes to
 protocol_check.json under --out ($OUT, else the current directory), rewritten after each case; progress goes
 to stderr; the verdict table (target, result, met) is printed last. --quick: 10 GEMMs, 16 sweep specs, 3 s of
-load, 2 s idle, 1 s energy references, 5 rows re-measured (a smoke run of every code path, ~1.5 minutes).
+load, 2 s idle, 1 s energy references, 5 rows re-measured (a smoke run of every code path, ~4 minutes).
+The estimate printed first says when the cases are more than the protocol stage's default time limit holds,
+and how to split them.
 
     python tests/benchmarks/protocol_check.py [--out DIR] [--quick] [--cases a,b,c,d,e,f] [--workdir DIR]
         [--prefill-only]
@@ -67,10 +69,15 @@ SMALL_KERNEL_MS = 0.020  # case b holds kernels from 20 µs up to its target
 TARGETS = {"a_p95": 0.02, "a_max": 0.04, "b_max": 0.03, "c_max": 0.03, "d_wall_per_spec_s": 0.35, "e_max": 0.05,
            "f_drift": 0.03, "f_fraction": 1.0, "total_wall_s": 600.0}  # total: one device call
 
-# What the estimate assumes: wall seconds per spec with energy on (the d target is 0.35; the 2026-11-30 sweep
-# took 0.84 with a 0.5 s energy window), a `run` call's own cost, and the fixed costs.
-EST_SPEC_S, EST_STARTUP_S, EST_CALIBRATE_S = 0.6, 20.0, 12.0
-EST_CALL_S = 0.3  # one `run` call of one spec: the ledger and the device prepared (cases b and c)
+# What the estimate assumes, from H200 runs with energy on (the default): wall seconds per row of a decode GEMM
+# (m <= 64; runs 52-55: a pass of the 40 in 43-47 s, its 16 prefill GEMMs in 21-27 s) and of a power-capped
+# prefill GEMM (m >= 2048; runs 77, 78 and 85: the 16 in 37-46 s a pass since the capped stop rule of
+# 2026-12-04), per spec of case d's sweep (0.8-1.24 s in runs 65-83; the d target is 0.35), calibrate's set (21
+# specs, 5 of them case a's and most of the rest power-capped GEMMs; 15 new rows took 18-23 s before that stop
+# rule), and the fixed costs. A row costs the same whether its `run` call holds 40 specs or one (runs 39, 44: the
+# bracketed rows of b and c, 160, in 180 s).
+EST_DECODE_S, EST_CAPPED_S, EST_SPEC_S = 0.85, 2.3, 1.0
+EST_STARTUP_S, EST_CALIBRATE_S = 20.0, 30.0
 
 
 def gemm(m: int, n: int, k: int, dtype: str = "bf16") -> dict:
@@ -273,22 +280,43 @@ def render(rows: list[Verdict]) -> str:
     return "\n".join([line(head), "  ".join("-" * x for x in w), *map(line, rows)])
 
 
-def estimate_seconds(cases: str, quick: bool) -> dict:
-    """Expected wall seconds per case (and in total) from the spec counts and the EST_* assumptions."""
-    n_gemm = len(gemm_specs(quick))
+def estimate_seconds(cases: str, quick: bool, gemms: list[dict] | None = None) -> dict:
+    """Expected wall seconds per case (and in total) from the specs and the EST_* assumptions. `gemms`: cases
+    a-c's GEMMs as run (--prefill-only keeps the power-capped ones); default gemm_specs(quick)."""
+    gemms = gemm_specs(quick) if gemms is None else gemms
+    rows = sum(EST_DECODE_S if g["m"] in DECODE_M else EST_CAPPED_S for g in gemms)  # one row of each GEMM
     n_sweep = sum(map(len, sweep_specs(quick).values()))
     load_s, idle_s, ref_s, n_re = _sizes(quick)
-    est = {"a": 4 * n_gemm * EST_SPEC_S + load_s + idle_s,
-           "b": 3 * n_gemm * (EST_SPEC_S + EST_CALL_S),  # the bracketed rows, shared with c
-           "c": n_gemm * (EST_SPEC_S + EST_CALL_S),
+    est = {"a": 4 * rows + load_s + idle_s,
+           "b": 3 * rows,  # the bracketed rows, shared with c
+           "c": rows,
            "d": n_sweep * EST_SPEC_S,
            "e": len(energy_specs()) * (EST_SPEC_S + ref_s + 1.5),  # + warm-up and the input build
-           "f": EST_CALIBRATE_S + n_re * EST_SPEC_S + (0 if "a" in cases else n_gemm * EST_SPEC_S)}
+           "f": EST_CALIBRATE_S + n_re * rows / max(len(gemms), 1) + (0 if "a" in cases else rows)}
     if "b" not in cases and "c" in cases:
-        est["c"] += 3 * n_gemm * (EST_SPEC_S + EST_CALL_S)
+        est["c"] += 3 * rows
     out = {c: round(est[c], 1) for c in cases}
     out["total"] = round(EST_STARTUP_S + sum(out.values()), 1)
     return out
+
+
+STAGE_S = 330.0  # gpu_stage.sh's protocol stage stops the script after $PROTOCOL_S seconds, 330 by default
+
+
+def budget_note(cases: str, quick: bool, gemms: list[dict] | None = None, limit: float = STAGE_S) -> str | None:
+    """Where the estimate of `cases` is over `limit` (the protocol stage's default time limit), how to split them
+    into calls that each fit it (in order; a case over the limit alone gets a call of its own); else None."""
+    total = estimate_seconds(cases, quick, gemms)["total"]
+    if total <= limit:
+        return None
+    calls = [""]
+    for c in cases:
+        if calls[-1] and estimate_seconds(calls[-1] + c, quick, gemms)["total"] > limit:
+            calls.append("")
+        calls[-1] += c
+    split = ", then ".join(f"--cases {','.join(g)}" for g in calls)
+    return (f"the estimate (~{total:.0f} s) is over the {limit:.0f} s that gpu_stage.sh's protocol stage gives it by "
+            f"default ($PROTOCOL_S): raise that, or split the cases over calls that fit it: {split}")
 
 
 def _sizes(quick: bool) -> tuple[float, float, float, int]:
@@ -722,16 +750,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cases = parse_cases(args.cases)
     out_dir = args.out or os.environ.get("OUT") or "."
-    estimate = estimate_seconds(cases, args.quick)
+    gemms, sweep = gemm_specs(args.quick), sweep_specs(args.quick)
+    if args.prefill_only:
+        gemms = [g for g in gemms if g["m"] not in DECODE_M]
+    estimate = estimate_seconds(cases, args.quick, gemms)
     log(f"protocol_check: cases {','.join(cases)}{' (quick)' if args.quick else ''}; estimated GPU wall "
-        f"~{estimate['total']:.0f} s ({estimate}; assumes {EST_SPEC_S} s/spec with energy)")
+        f"~{estimate['total']:.0f} s ({estimate}; assumes {EST_DECODE_S} s a decode GEMM row, {EST_CAPPED_S} s a "
+        f"power-capped one, {EST_SPEC_S} s a sweep spec, with energy)")
+    if note := budget_note(cases, args.quick, gemms):
+        log(f"note: {note}")
     started = time.perf_counter()
     workdir = args.workdir or tempfile.mkdtemp(prefix="kprof-protocol-")
     os.makedirs(workdir, exist_ok=True)
     ctx = Context(workdir)
-    gemms, sweep = gemm_specs(args.quick), sweep_specs(args.quick)
-    if args.prefill_only:
-        gemms = [g for g in gemms if g["m"] not in DECODE_M]
     inputs = {"a": gemms, "b": gemms, "c": gemms, "d": sweep, "e": energy_specs(), "f": gemms}
     run = {"a": case_a, "b": case_b, "c": case_c, "d": case_d, "e": case_e, "f": case_f}
     doc = {"config": {"quick": args.quick, "prefill_only": args.prefill_only, "cases": cases, "targets": TARGETS,

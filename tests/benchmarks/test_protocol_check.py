@@ -203,11 +203,36 @@ def test_the_table_is_aligned_and_ends_with_the_last_verdict():
 def test_the_estimate_fits_the_budget_and_quick_is_shorter():
     full, quick = pc.estimate_seconds(pc.CASES, False), pc.estimate_seconds(pc.CASES, True)
     assert set(full) == set(pc.CASES) | {"total"}
-    assert full["total"] <= pc.TARGETS["total_wall_s"]
+    assert quick["total"] <= pc.STAGE_S  # a smoke run of every case fits the protocol stage's default limit
     assert quick["total"] < full["total"] / 2
     assert full["total"] == pytest.approx(pc.EST_STARTUP_S + sum(full[c] for c in pc.CASES), abs=0.1)
     # case f measures its own rows only when case a did not
     assert pc.estimate_seconds("f", False)["f"] > full["f"]
+
+
+def test_the_estimate_counts_the_gemms_that_run_a_capped_row_dearer(tmp_path, monkeypatch):
+    """--prefill-only runs cases a-c on 16 of the 40 GEMMs: the estimate counted all 40 (run 85: 146 s said, case a
+    alone took 180 s), and costed a power-capped row as a decode one."""
+    prefill = [g for g in pc.gemm_specs(False) if g["m"] not in pc.DECODE_M]
+    load_s, idle_s, _ref, _n = pc._sizes(False)
+    assert pc.estimate_seconds("a", False, prefill)["a"] == pytest.approx(4 * 16 * pc.EST_CAPPED_S + load_s + idle_s)
+    assert pc.estimate_seconds("a", False)["a"] == pytest.approx(4 * (24 * pc.EST_DECODE_S + 16 * pc.EST_CAPPED_S)
+                                                                 + load_s + idle_s)
+    # main estimates the GEMMs it runs (case a itself stubbed: nothing runs on a GPU)
+    monkeypatch.setattr(pc, "case_a", lambda ctx, specs, quick: {"specs": specs})
+    assert pc.main(["--cases", "a", "--prefill-only", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "protocol_check.json").read_text())
+    assert doc["cases"]["a"]["specs"] == prefill
+    assert doc["config"]["estimate_s"] == pc.estimate_seconds("a", False, prefill)
+
+
+def test_cases_over_the_stage_limit_are_split_into_calls_that_fit_it():
+    assert pc.budget_note(pc.CASES, True) is None
+    note = pc.budget_note(pc.CASES, False)
+    assert note is not None and f"{pc.STAGE_S:.0f} s" in note
+    calls = [c.split(",") for c in note.split(": ")[-1].replace("--cases ", "").split(", then ")]
+    assert "".join(x for call in calls for x in call) == pc.CASES
+    assert all(pc.estimate_seconds("".join(call), False)["total"] <= pc.STAGE_S for call in calls)
 
 
 def test_cases_are_parsed_in_order_and_checked():
