@@ -168,11 +168,11 @@ def plot_series(c: dict) -> tuple[str | None, str, dict[str, list]]:
     """(x axis, metric, {label: [(x, value)]} in label order, numbers as numbers) of a curve.json document: time_ms
     against x, one series per y value (facets folded into the label); for collectives (rows with busbw_gbps),
     busbw_gbps against message_size_bytes, one series per world size (other varying axes folded into the label), as
-    nccl-tests' curves are read."""
+    nccl-tests' curves are read. No series where no spec field varies (a lone point is no curve)."""
     comm = "busbw_gbps" in c["metrics"]
     x, metric = ("message_size_bytes", "busbw_gbps") if comm else (c["x"], "time_ms")
     ok = [p for p in c["points"] if p.get(metric) is not None]
-    if not ok or x is None:
+    if not ok or not c["axes"]:
         return x, metric, {}
     if comm:
         rest = sorted((a for a in c["axes"] if a != x), key=lambda a: a != "world_size")  # world size first

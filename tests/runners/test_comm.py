@@ -445,3 +445,15 @@ def test_curve_points_keep_the_spec_size_not_the_metric_copy():
     assert sizes == [SMALL, LARGE] and all(type(v) is int for v in sizes)
     assert json.loads(msgspec.json.encode(curve))["points"][0]["message_size_bytes"] == SMALL
     assert artifacts.plot_series(curve)[2] == {"all": [(SMALL, 1.0), (LARGE, 1.0)]}
+
+
+def test_a_snapshot_of_one_collective_spec_draws_no_curve():
+    """curve.png is drawn where a spec field varies: a run of one collective spec drew a one-point busbw plot (a
+    compute run of one spec draws none)."""
+    spec = {"message_size_bytes": SMALL, "dtype": "fp32", "world_size": 2}
+    result = {"table": "all_reduce", "backend": "gloo", "gpu_name": "cpu", "results": [
+        {"spec": spec, "status": "ok", "citation": "kprof.0000000000000000",
+         "metrics": {"time_ms": 1.0, "algbw_gbps": 1.0, "busbw_gbps": 1.0,
+                     "message_size_bytes": float(SMALL), "energy_j": None}}]}
+    curve = artifacts.curve(result, ["message_size_bytes", "dtype", "world_size"])
+    assert curve["axes"] == [] and artifacts.plot_series(curve)[2] == {}
