@@ -166,6 +166,7 @@ def test_show_reads_a_row_of_another_timing_as_stale_as_query_does(h, capsys, lo
     assert doc["status"] == "stale" and doc["timing"].endswith(";threads=2"), doc["timing"]
     assert ("row: stale (timed cpu-wall;l2=warm;eager;threads=1; a query of this process reads "
             "single_gemm/torch-cpu rows timed cpu-wall;l2=warm;eager;threads=2") in text
+    assert "OMP_NUM_THREADS with MKL_NUM_THREADS unset)" in text  # MKL's count wins where both are set
     assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(32)), "--db", "p.db", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "stale"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
