@@ -40,8 +40,7 @@ def reading(path: str, db: str) -> Iterator[None]:
 def values(cursor: lmdb.Cursor, keys: list[bytes]) -> list:
     """Each key's value, or None, in input order. Looked up in sorted order: consecutive sorted keys share the
     B-tree's upper pages, which then stay in the CPU caches (about 2.5x faster than random order on 1M rows)."""
-    ordered = sorted(keys)
-    return list(map(dict(zip(ordered, map(cursor.get, ordered))).get, keys))
+    return list(map(dict(zip(ordered := sorted(keys), map(cursor.get, ordered))).get, keys))
 
 
 def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):

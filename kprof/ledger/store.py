@@ -115,7 +115,8 @@ class Ledger:
                     raise LedgerError(f"cannot open ledger {path}: this user cannot write its lock file {real}-lock, "
                                       f"where LMDB registers every reader; have its owner make it writable (chmod "
                                       f"a+rw), or read a copy of the ledger") from None
-                bad = f"its lock file {real}-lock is a directory: remove it" if os.path.isdir(real + "-lock") else exc
+                bad = f"its lock file {real}-lock is a directory: remove it" if os.path.isdir(real + "-lock") else (
+                    exc if os.path.isdir(os.path.dirname(real)) else f"there is no directory {os.path.dirname(real)}")
                 raise LedgerError(f"cannot open ledger {path}: {bad}; check the path and its permissions") from None
         env, users = entry[0], entry[1]
         try:

@@ -111,6 +111,13 @@ def test_a_path_whose_name_is_not_utf8_opens_as_the_os_names_it(tmp_path):
         assert synth.view(ledger).get_many([synth.spec(0)])[0].ok
 
 
+def test_a_new_ledger_in_a_directory_that_is_not_there_names_the_directory(tmp_path):
+    """LMDB's "No such file or directory" on a new ledger's path did not say that its directory is what is missing."""
+    with pytest.raises(LedgerError, match=f"there is no directory {re.escape(str(tmp_path / 'nodir'))}; check the"):
+        Ledger.open(str(tmp_path / "nodir" / "x.db"))
+    assert os.listdir(tmp_path) == []
+
+
 def test_readonly_ledger_refuses_writes(ledger_path):
     Ledger.open(ledger_path).close()
     ro = Ledger.open(ledger_path, readonly=True)
