@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -220,12 +221,67 @@ def _spin(seconds=0.0015):
         pass
 
 
-@pytest.mark.parametrize("fn", [lambda: time.sleep(0.0015), _spin], ids=["device-bound", "host-bound"])
-def test_measure_energy_on_a_synthetic_counter(fn):
+class FakeClock:
+    """Host time for the energy code (patched in as its `time`) that moves only in the calls under test: `step(dt)`,
+    a call taking dt s, moves it on, then waits until the polling thread has read the counter at the new time. Every
+    counter step is then polled within one call of it however late a loaded host runs the poller; on wall time a
+    starved poller dropped steps (6 timed of 12) and a fit missed a swing (665 W for 700)."""
+
+    def __init__(self, monkeypatch):
+        from kprof.measure import _nvml_energy, _sampling
+
+        self.now, self._read, self._polled = 0.0, threading.local(), -1.0
+        self._cond = threading.Condition()
+        monkeypatch.setattr(_nvml_energy, "time", self)
+        monkeypatch.setattr(_sampling, "time", self)
+
+    def perf_counter(self) -> float:
+        self._read.t = self.now
+        return self.now
+
+    def counter(self, mj_at):
+        """A counter reading mj_at(time): on the polling thread at the time its poll read just before (so a poll's
+        time and reading agree), the poll reported to `step`; on the calling thread at the time now."""
+
+        def read() -> int:
+            if threading.current_thread() is threading.main_thread():
+                return mj_at(self.now)
+            t = self._read.t
+            mj = mj_at(t)
+            with self._cond:
+                self._polled = max(self._polled, t)
+                self._cond.notify_all()
+            return mj
+
+        return read
+
+    def step(self, dt: float, spin: bool = False) -> None:
+        """A call of dt s: device-bound, it waits; host-bound (`spin`), it holds the interpreter while it waits."""
+        self.now += dt
+        deadline = time.monotonic() + 60
+        while spin and self._polled < self.now and time.monotonic() < deadline:
+            pass
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._polled >= self.now, timeout=60), "the counter was not polled"
+
+
+def _fake_counter(clock, power_w=700.0, tick=0.049, lag=0.01):
+    """FakeCounter's counter on `clock`."""
+    return clock.counter(lambda t: _counter_at(t - lag, power_w, tick) + 10**9)
+
+
+@pytest.mark.parametrize("bound", ["device", "host"], ids=["device-bound", "host-bound"])
+def test_measure_energy_on_a_synthetic_counter(bound, monkeypatch):
     switch = sys.getswitchinterval()
-    syncs = []
-    r = measure_energy(fn, seconds=0.6, warmup_s=0.05, sync=lambda: syncs.append(1), counter=FakeCounter())
+    clock, syncs, switches = FakeClock(monkeypatch), [], []
+
+    def fn():
+        switches.append(sys.getswitchinterval())
+        clock.step(0.0015, spin=bound == "host")
+
+    r = measure_energy(fn, seconds=0.6, warmup_s=0.05, sync=lambda: syncs.append(1), counter=_fake_counter(clock))
     assert sys.getswitchinterval() == switch
+    assert max(switches) <= 0.0005  # a host-bound call lets the poller in every 0.5 ms, not the default 5 ms
     assert isinstance(r, EnergyResult) and r.method == "nvml-energy-fit"
     assert r.ticks >= 8 and r.tick_s == pytest.approx(0.049, rel=0.1)
     assert r.window_s >= 0.6 and r.calls >= 50 and syncs
