@@ -459,25 +459,25 @@ def test_settled_energy_fits_three_counter_steps_or_more():
     assert r.window_s < 0.3 + 0.1, r
 
 
-def test_settled_energy_of_a_capped_kernel_fits_settled_fit_s():
+def test_settled_energy_of_a_capped_kernel_fits_settled_fit_s(monkeypatch):
     """The cap's controller swings a capped kernel's power over and under the limit for about a second: a fit that
     starts after the settle spans settled_fit_s, here 900 W for 0.15 s, 500 W for 0.15 s, then 700 W."""
     from kprof.measure.nvml import settled_energy
 
-    class Swing(FakeCounter):
-        def __call__(self) -> int:
-            t = math.floor(max(0.0, time.perf_counter() - self.base - self.lag) / self.tick) * self.tick
-            mj = 900 * min(t, 0.15) + 500 * min(max(t - 0.15, 0), 0.15) + 700 * max(t - 0.3, 0)
-            return int(1000 * mj) + 10**9
-
-    def settle(_run, swing):  # the swing starts as the settle ends: a host slow before it (CI's) moves nothing
-        swing.base = time.perf_counter()
-        return "capped"
+    def swing_mj(t):
+        t = math.floor(max(0.0, t) / 0.03) * 0.03
+        return int(1000 * (900 * min(t, 0.15) + 500 * min(max(t - 0.15, 0), 0.15) + 700 * max(t - 0.3, 0))) + 10**9
 
     for fit_s, settled_fit_s, near in ((0.2, None, False), (0.2, 0.8, True)):
-        run, swing = _back_to_back(lambda: time.sleep(0.001), 0.001), Swing(tick=0.03, lag=0.0)
-        r, _ = settled_energy(run, span_s=0.2, settle=lambda _run, swing=swing: settle(_run, swing),
-                              fit_after_settle=lambda s: True, fit_s=fit_s, settled_fit_s=settled_fit_s, counter=swing)
+        clock, base = FakeClock(monkeypatch), []
+
+        def settle(_run):  # the swing starts as the settle ends
+            base.append(clock.perf_counter())
+            return "capped"
+
+        r, _ = settled_energy(_back_to_back(lambda: clock.step(0.001), 0.001), span_s=0.2, settle=settle,
+                              fit_after_settle=lambda s: True, fit_s=fit_s, settled_fit_s=settled_fit_s,
+                              counter=clock.counter(lambda t: swing_mj(t - base[0]) if base else 10**9))
         assert r.window_s >= (settled_fit_s or fit_s), r
         assert (r.power_w == pytest.approx(700.0, rel=0.05)) is near, r
 
