@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -402,6 +403,12 @@ def test_an_interrupted_submitit_run_cancels_its_jobs_and_says_how_to_resume(rem
         return jobs
 
     def interrupted(jobs, poll_frequency):
+        # once each job's task is running: a local job's cancel reaches its controller, which stops only the tasks it
+        # has started; one interrupted while it started its task (a slow start, on a loaded host) left it running on
+        # to return its chunk
+        deadline = time.monotonic() + 120
+        while not all(job.stderr() or job.stdout() for job in jobs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise KeyboardInterrupt
         yield
 
