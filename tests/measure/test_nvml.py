@@ -205,14 +205,18 @@ def test_steady_points_drops_a_leading_ramp_only():
 # --- energy: the whole method against a synthetic counter -----------------------------------------------
 
 class FakeCounter:
-    """A counter on the host clock stepping every `tick` s, `lag` s behind, at `power_w`."""
+    """A counter on the host clock (or a FakeClock) stepping every `tick` s, `lag` s behind, at `power_w`."""
 
-    def __init__(self, power_w=700.0, tick=0.049, lag=0.01):
+    def __init__(self, power_w=700.0, tick=0.049, lag=0.01, clock=None):
         self.power_w, self.tick, self.lag = power_w, tick, lag
-        self.base = time.perf_counter()
+        self.base = (clock or time).perf_counter()
+        self._read = clock.counter(self.at) if clock else lambda: self.at(time.perf_counter())
 
     def __call__(self) -> int:
-        return _counter_at(time.perf_counter() - self.base - self.lag, self.power_w, self.tick) + 10**9
+        return self._read()
+
+    def at(self, t: float) -> int:
+        return _counter_at(t - self.base - self.lag, self.power_w, self.tick) + 10**9
 
 
 def _spin(seconds=0.0015):
@@ -346,13 +350,13 @@ class RampCounter(FakeCounter):
 
     def __init__(self, low_w=300.0, ramp=0.05, **kw):
         super().__init__(**kw)
-        self.low_w, self.ramp = low_w, ramp
+        self.low_w, self.ramp, self.clock = low_w, ramp, kw.get("clock") or time
 
     def start(self):
-        self.base = time.perf_counter()
+        self.base = self.clock.perf_counter()
 
-    def __call__(self) -> int:
-        t = max(0.0, time.perf_counter() - self.base - self.lag)
+    def at(self, t: float) -> int:
+        t = max(0.0, t - self.base - self.lag)
         t_step = math.floor(t / self.tick) * self.tick
         if t_step <= self.ramp:
             mj = 1000 * self.low_w * t_step
@@ -440,22 +444,24 @@ def test_settled_energy_waits_out_a_draw_over_the_power_limit():
     assert r.fit_from_s < 0.2 and r.power_w == pytest.approx(705.0, rel=0.03)  # the fit was not moved on
 
 
-def test_settled_energy_fits_three_counter_steps_or_more():
+def test_settled_energy_fits_three_counter_steps_or_more(monkeypatch):
     """NVML's counter steps about every 98 ms on an H200: a 0.25 s window past a 30 ms ramp holds two steps, one
     interval timed to a poll at each end (3-7 % off a 5 s window there). The window grows to fit three, as the
     over-limit check judges whole intervals; a counter that steps too rarely still stops at max_s."""
     from kprof.measure.nvml import settled_energy
 
     for start in (0.0, 0.05):
-        run = _back_to_back(lambda: time.sleep(0.001), 0.001)
-        counter = FakeCounter(power_w=700.0, tick=0.098)
+        clock = FakeClock(monkeypatch)
+        run = _back_to_back(lambda: clock.step(0.001), 0.001)
+        counter = FakeCounter(power_w=700.0, tick=0.098, clock=clock)
         counter.base -= start  # the counter's phase against the window's start
         r, _ = settled_energy(run, span_s=0.25, counter=counter)
         assert r.ticks >= 3 and r.method == "nvml-energy-fit", r
         assert r.window_s < 0.25 + 3 * 0.098 + 0.1, r
         assert r.power_w == pytest.approx(700.0, rel=0.03)
-    run = _back_to_back(lambda: time.sleep(0.001), 0.001)
-    r, _ = settled_energy(run, span_s=0.1, counter=FakeCounter(tick=0.2), max_s=0.3)
+    clock = FakeClock(monkeypatch)
+    run = _back_to_back(lambda: clock.step(0.001), 0.001)
+    r, _ = settled_energy(run, span_s=0.1, counter=FakeCounter(tick=0.2, clock=clock), max_s=0.3)
     assert r.window_s < 0.3 + 0.1, r
 
 
