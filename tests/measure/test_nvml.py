@@ -366,10 +366,11 @@ class RampCounter(FakeCounter):
 
 
 @pytest.mark.parametrize("settle_chunks", [0, 4, 20])
-def test_settled_energy_fits_the_settle_and_the_rest_as_one_window(settle_chunks):
+def test_settled_energy_fits_the_settle_and_the_rest_as_one_window(settle_chunks, monkeypatch):
     from kprof.measure.nvml import settled_energy
 
-    run = _back_to_back(lambda: time.sleep(0.001), 0.001)
+    clock = FakeClock(monkeypatch)
+    run = _back_to_back(lambda: clock.step(0.001), 0.001)
     settles = []
 
     def settle(run_chunk):
@@ -378,7 +379,7 @@ def test_settled_energy_fits_the_settle_and_the_rest_as_one_window(settle_chunks
         settles.append(len(run.marks))
         return "settled"
 
-    counter = RampCounter(ramp=0.05, tick=0.03)
+    counter = RampCounter(ramp=0.05, tick=0.03, clock=clock)
     counter.start()
     r, settled = settled_energy(run, span_s=0.4, settle=settle, counter=counter, calls_per_step=4)
     assert settled == "settled" and settles
