@@ -396,20 +396,21 @@ def test_settled_energy_fits_the_settle_and_the_rest_as_one_window(settle_chunks
     assert r.two_read_j_per_call * r.calls / r.window_s < r.power_w
 
 
-def test_settled_energy_of_a_capped_kernel_fits_from_the_end_of_the_settle():
+def test_settled_energy_of_a_capped_kernel_fits_from_the_end_of_the_settle(monkeypatch):
     """A power-capped kernel draws over the limit until the cap's controller holds it (here 900 W for 0.15 s, then
     700 W): with fit_after_settle the fit starts once the settle is over, and runs fit_s more."""
     from kprof.measure.nvml import settled_energy
 
     def settle(run_chunk):
-        t = time.perf_counter()
-        while time.perf_counter() - t < 0.18:
+        t = clock.perf_counter()
+        while clock.perf_counter() - t < 0.18:
             run_chunk(0.02)
         return "capped"
 
     for after, close in ((True, True), (False, False)):
-        run = _back_to_back(lambda: time.sleep(0.001), 0.001)
-        counter = RampCounter(low_w=900.0, ramp=0.15, tick=0.03)
+        clock = FakeClock(monkeypatch)
+        run = _back_to_back(lambda: clock.step(0.001), 0.001)
+        counter = RampCounter(low_w=900.0, ramp=0.15, tick=0.03, clock=clock)
         counter.start()
         r, _ = settled_energy(run, span_s=0.2, settle=settle, fit_after_settle=lambda s: after and s == "capped",
                               fit_s=0.25, counter=counter)
