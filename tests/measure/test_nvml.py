@@ -418,30 +418,33 @@ def test_settled_energy_of_a_capped_kernel_fits_from_the_end_of_the_settle(monke
         assert r.window_s >= (0.18 + 0.25 if after else 0.2)
 
 
-def test_settled_energy_waits_out_a_draw_over_the_power_limit():
+def test_settled_energy_waits_out_a_draw_over_the_power_limit(monkeypatch):
     """A kernel the settle did not call capped may still draw over the board's limit for a few hundred ms
     (here 900 W for 0.35 s, then 700 W, under a 700 W limit): with power_limit_w the fit starts past the last
     step drawn over it; without, the over-limit draw is in the energy."""
     from kprof.measure.nvml import settled_energy
 
     for limit, close in ((700.0, True), (None, False)):
-        run = _back_to_back(lambda: time.sleep(0.001), 0.001)
-        counter = RampCounter(low_w=900.0, ramp=0.35, tick=0.03)
+        clock = FakeClock(monkeypatch)
+        run = _back_to_back(lambda: clock.step(0.001), 0.001)
+        counter = RampCounter(low_w=900.0, ramp=0.35, tick=0.03, clock=clock)
         counter.start()
         r, _ = settled_energy(run, span_s=0.2, fit_s=0.2, counter=counter, power_limit_w=limit)
         assert (r.power_w == pytest.approx(700.0, rel=0.03)) is close, r
         assert (r.fit_from_s >= 0.3) is close, r
         assert r.window_s < 2.0 + 0.1
     # a kernel over the limit to the end: the run stops at max_s, and the fit still spans fit_s (not one step)
-    run = _back_to_back(lambda: time.sleep(0.001), 0.001)
-    counter = RampCounter(low_w=900.0, ramp=5.0, tick=0.03)
+    clock = FakeClock(monkeypatch)
+    run = _back_to_back(lambda: clock.step(0.001), 0.001)
+    counter = RampCounter(low_w=900.0, ramp=5.0, tick=0.03, clock=clock)
     counter.start()
     r, _ = settled_energy(run, span_s=0.2, fit_s=0.2, counter=counter, power_limit_w=700.0, max_s=0.6)
     assert r.window_s < 1.2 and r.window_s - r.fit_from_s >= 0.15, r  # stopped near max_s, far from 2 s
     assert r.power_w == pytest.approx(900.0, rel=0.03) and r.method == "nvml-energy-fit"
     # a kernel at the limit, not over it, is not held back
-    run = _back_to_back(lambda: time.sleep(0.001), 0.001)
-    r, _ = settled_energy(run, span_s=0.2, fit_s=0.2, counter=FakeCounter(power_w=705.0, tick=0.03),
+    clock = FakeClock(monkeypatch)
+    run = _back_to_back(lambda: clock.step(0.001), 0.001)
+    r, _ = settled_energy(run, span_s=0.2, fit_s=0.2, counter=FakeCounter(power_w=705.0, tick=0.03, clock=clock),
                           power_limit_w=700.0)
     assert r.fit_from_s < 0.2 and r.power_w == pytest.approx(705.0, rel=0.03)  # the fit was not moved on
 
