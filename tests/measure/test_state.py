@@ -166,16 +166,20 @@ def test_a_cap_seen_on_a_quarter_of_the_readings_is_a_capped_kernel():
 
 
 def _run_sampling(capped, min_s, max_s, rule, per_batch_ms, target=0.01):
-    """_sample over batches of 2 ms of wall whose samples are `per_batch_ms(i)` for batch i."""
-    import time
+    """_sample over batches of 2 ms whose samples are `per_batch_ms(i)` for batch i. The batches take 2 ms of a fake
+    clock, not of wall time: a batch a loaded host slept long in ran past the bounds on the sampling's length."""
+    import types
 
+    from kprof.measure import _sampling
     from kprof.measure._sampling import _sample
 
     count = {"i": 0}
+    clock = types.SimpleNamespace(now=0.0)
+    clock.perf_counter = lambda: clock.now
 
     def batch(k, n, during):
         during()
-        time.sleep(0.002)
+        clock.now += 0.002
         count["i"] += 1
         return [per_batch_ms(count["i"])] * k
 
@@ -184,7 +188,9 @@ def _run_sampling(capped, min_s, max_s, rule, per_batch_ms, target=0.01):
                           capped_block_s=0.02)
     state.capped, state.min_sample_s, state.reference = capped, min_s if capped else 0.0, 1700.0
     notes: dict = {}
-    _samples, why = _sample(batch, 1e-4, rule, time.perf_counter(), notes, state)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_sampling, "time", clock)
+        _samples, why = _sample(batch, 1e-4, rule, clock.perf_counter(), notes, state)
     return why, float(notes["sample_s"]), notes, state
 
 
