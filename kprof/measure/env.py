@@ -9,7 +9,7 @@ import socket
 from .. import __version__
 from .records import DeviceEnvironment
 
-__all__ = ["cpu_model", "cpu_environment", "torch_version"]
+__all__ = ["cpu_model", "cpu_environment", "torch_version", "host_notes"]
 
 
 def cpu_model() -> str:
@@ -41,3 +41,14 @@ def cpu_environment() -> DeviceEnvironment:
                        python=platform.python_version(), kprof=__version__, host=socket.gethostname(),
                        clocks={"threads": float(torch.get_num_threads()), "cpus": float(os.cpu_count() or 0)},
                        errors=errors)
+
+
+def host_notes(before: float, taken: list[str] = ()) -> dict[str, str]:
+    """A CPU row's notes on its host: the load average (the larger of `before` the row and now) as host_load_1m, and
+    host_busy where it passed the cores or `taken` names other signs of other work taking them (its switches)."""
+    load, cores = max(before, os.getloadavg()[0]), os.cpu_count() or 1
+    busy = [f"load {load:.2f} over {cores} cores"] * (load > cores) + list(taken)
+    notes = {"host_load_1m": f"{load:.2f}"}
+    if busy:
+        notes["host_busy"] = f"{'; '.join(busy)}: other work shared them"
+    return notes

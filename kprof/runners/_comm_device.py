@@ -23,6 +23,7 @@ import time
 import msgspec
 
 from ..errors import UsageError
+from ..measure.env import host_notes
 from ..measure.stats import StopRule, summarize
 from ..measure.nvml import gpu_topology
 from . import _ranks
@@ -127,10 +128,7 @@ class CommDevice:
             env = msgspec.structs.replace(env, gpu_uuid=",".join(i["uuid"] for i in info))
         else:  # a CPU row, as worker._CpuDevice's: the host's load beside it (other work slows every sample alike)
             notes["ranks_on"] = f"{n} CPU processes, 1 torch thread each"
-            load, cores = max(load, os.getloadavg()[0]), os.cpu_count() or 1
-            notes["host_load_1m"] = f"{load:.2f}"
-            if load > cores:
-                notes["host_busy"] = f"load {load:.2f} over {cores} cores: other work shared them"
+            notes.update(host_notes(load))  # the load only: the ranks, not this process, take the cores
             env = msgspec.structs.replace(env, clocks={**env.clocks, "threads": 1.0})  # each rank's, not this process's
         method = msgspec.structs.replace(method, notes=notes)
         return stats, method, None, msgspec.structs.replace(env, errors=errors), timed

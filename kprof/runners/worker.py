@@ -22,6 +22,7 @@ from ..ledger.keys import KeyMaker
 from ..specs import ShapeCodec
 from ..measure._attribution import TimerError
 from ..measure._nvml_access import NvmlError
+from ..measure.env import host_notes
 from ..measure.stats import StopRule, summarize
 from ._case import Unsupported, WrongResult, algorithm_notes
 from .registry import Entry
@@ -228,16 +229,12 @@ class _CpuDevice:
         # context switches: on the 2-core VM, quiet, 7-44 a row and at most 40 a second, a 1 s row of 9 samples among
         # them; beside one busy-looping process, 180-233 a row and 210-460 a second, the rows 1.2-3x slow). So 100 a
         # second, and 10 at least: one per two samples flagged a quiet host's slow rows.
-        load, cores = max(before, os.getloadavg()[0]), os.cpu_count() or 1
-        busy = [f"load {load:.2f} over {cores} cores"] if load > cores else []
         per_s, samples = switched / timing.wall_s, len(timing.samples_ms)
-        if switched >= 10 and per_s >= 100:
-            busy.append(f"{switched} involuntary context switches over {samples} samples")
+        taken = [f"{switched} involuntary context switches over {samples} samples"] * (switched >= 10 and per_s >= 100)
         method = Method(timer="cpu", l2="warm", graph=False, warmup=timing.warmup, budget_s=rule.budget_s,
                         stop_reason=timing.stop_reason,
                         notes={"calls_per_sample": str(timing.inner), "target_rel_ci": str(rule.target),
-                               "host_load_1m": f"{load:.2f}", "involuntary_switches": str(switched),
-                               **({"host_busy": f"{'; '.join(busy)}: other work shared them"} if busy else {}),
+                               "involuntary_switches": str(switched), **host_notes(before, taken),
                                **algorithm_notes(case), **case.notes})
         return stats, method, None, env, timing.wall_s
 
