@@ -30,7 +30,7 @@ from typing import Iterator
 
 from ..errors import UsageError
 from .chunk import Chunk, chunk_entry, chunk_segment
-from .remote_config import EXAMPLE, Remote, where
+from .remote_config import EXAMPLE, Remote, engine, where
 
 __all__ = ["executor_for", "RayExecutor", "SlurmExecutor", "run_chunk", "job_reason"]
 
@@ -94,7 +94,7 @@ class RayExecutor:
     """Chunks as Ray tasks, each on a GPU (gpus_per_worker each) or a CPU slot (CPU backends)."""
 
     def __init__(self, remote: Remote, device: str, need: int = 1):
-        ray = _engine("ray", remote, "ray[client]>=2.10")
+        ray = engine("ray", "ray[client]>=2.10", f"remote {remote.name!r} is kind ray, and ray is not installed here")
         self.remote, self.settings, self._ray = remote, remote.ray, ray
         self.gpus = _gpus(remote, "launch.ray.gpus_per_worker", device, need)
         self.owned = not ray.is_initialized()  # a connection made here is closed here; one made before is reused
@@ -177,7 +177,8 @@ class SlurmExecutor:
     POLL_S = 1.0  # submitit's Slurm watcher rate-limits its sacct calls itself
 
     def __init__(self, remote: Remote, device: str, output_dir: str, need: int = 1):
-        submitit = _engine("submitit", remote, "submitit>=1.5.4")
+        submitit = engine("submitit", "submitit>=1.5.4",
+                          f"remote {remote.name!r} is kind slurm, and submitit is not installed here")
         self.remote, self.settings, self._submitit = remote, remote.slurm, submitit
         s = self.settings
         self.gpus = _gpus(remote, "launch.slurm.gpus_per_node", device, need)
@@ -237,19 +238,6 @@ class SlurmExecutor:
             job.cancel(check=False)
         self.pending = {}
         return stopped
-
-
-def _engine(module: str, remote: Remote, requirement: str):
-    """The engine's module (ray or submitit); where it is not installed, a UsageError saying how to install it (it was
-    a ModuleNotFoundError traceback): `requirement` is the [remote] extra's floor (kprof is not on PyPI)."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise UsageError(f"remote {remote.name!r} is kind {remote.kind}, and {module} is not installed here ({exc}); "
-                         f"install it: pip install '{requirement}' (or every engine: pip install '.[remote]' in "
-                         f"kprof's checkout)") from None
 
 
 def job_reason(exc: BaseException) -> str:

@@ -16,7 +16,7 @@ import msgspec
 
 from ..errors import UsageError
 
-__all__ = ["Remote", "RaySettings", "SlurmSettings", "load_remote", "where", "FIELDS", "CONFIG", "EXAMPLE"]
+__all__ = ["Remote", "RaySettings", "SlurmSettings", "load_remote", "where", "FIELDS", "CONFIG", "EXAMPLE", "engine"]
 
 CONFIG = "remote.yaml"
 CONFIG_VERSION = 1
@@ -171,16 +171,22 @@ def _loader():
     return Loader
 
 
-def _yaml():
-    """PyYAML, which reads remote.yaml; where it is not installed, a UsageError saying how to install it (it was a
-    ModuleNotFoundError traceback)."""
+def engine(module: str, requirement: str, missing: str):
+    """Module `module` of the [remote] extra (ray, submitit, yaml); where it is not installed, a UsageError, `missing`
+    saying what needs it, and how to install it (it was a ModuleNotFoundError traceback): `requirement` is the
+    extra's floor (kprof is not on PyPI)."""
+    import importlib
+
     try:
-        import yaml
+        return importlib.import_module(module)
     except ImportError as exc:
-        raise UsageError(f"--remote reads remote.yaml with PyYAML, which is not installed here ({exc}); install it: "
-                         f"pip install 'pyyaml>=6' (or every engine: pip install '.[remote]' in kprof's "
-                         f"checkout)") from None
-    return yaml
+        raise UsageError(f"{missing} ({exc}); install it: pip install '{requirement}' (or every engine: pip install "
+                         f"'.[remote]' in kprof's checkout)") from None
+
+
+def _yaml():
+    """PyYAML, which reads remote.yaml."""
+    return engine("yaml", "pyyaml>=6", "--remote reads remote.yaml with PyYAML, which is not installed here")
 
 
 def _read(path: str) -> dict:
