@@ -12,12 +12,22 @@ from .runners.remote_config import where
 __all__ = ["refuse_spec_timeout", "check_task_env", "check_runtime_env", "check_remote_output_dir"]
 
 
+def _runtime_env(target) -> dict | None:
+    """launch.ray.runtime_env of a Ray remote (None: none, or a Slurm remote)."""
+    return target.ray.runtime_env if target.kind == "ray" and target.ray else None
+
+
+def _env_vars(target) -> dict:
+    """Its env_vars, where they are a mapping (else none: check_runtime_env names the mistake)."""
+    env_vars = (_runtime_env(target) or {}).get("env_vars")
+    return env_vars if isinstance(env_vars, dict) else {}
+
+
 def refuse_spec_timeout(target) -> None:
     """KPROF_SPEC_TIMEOUT_S is kept by the local pool, which kills the worker process a spec hangs in; a remote
     chunk is measured in the engine's one process, where no spec can be stopped, so a remote run refuses it rather
     than ignore it."""
-    env_vars = ((target.ray.runtime_env if target.kind == "ray" and target.ray else None) or {}).get("env_vars")
-    there = "KPROF_SPEC_TIMEOUT_S" in (env_vars if isinstance(env_vars, dict) else {})
+    there = "KPROF_SPEC_TIMEOUT_S" in _env_vars(target)
     if there or os.environ.get("KPROF_SPEC_TIMEOUT_S", "").strip():
         bound = ("each job's time limit, launch.slurm.time, bounds a chunk" if target.kind == "slurm" else
                  "Ray bounds no task: stop a hung run with Ctrl-C")
@@ -33,8 +43,7 @@ def check_task_env(target) -> None:
     from .method import check_method_env
     from .runners.fill import check_settings
 
-    env_vars = ((target.ray.runtime_env if target.kind == "ray" and target.ray else None) or {}).get("env_vars")
-    given = {k: v for k, v in (env_vars if isinstance(env_vars, dict) else {}).items() if str(k).startswith("KPROF_")}
+    given = {k: v for k, v in _env_vars(target).items() if str(k).startswith("KPROF_")}
     if not given:  # the local values were checked already
         return
     for name, value in given.items():
@@ -53,7 +62,7 @@ def check_runtime_env(target) -> None:
     """launch.ray.runtime_env as Ray's own RuntimeEnv reads it (env_vars a mapping of strings, pip a string or a list,
     ...), before a cluster is started or anything is written: Ray refused a bad one only as the first task was
     submitted, with a traceback (exit 1), after the output directory and the ledger had been made."""
-    env = target.ray.runtime_env if target.kind == "ray" and target.ray else None
+    env = _runtime_env(target)
     if not env:
         return
     try:
