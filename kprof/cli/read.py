@@ -12,10 +12,9 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
                   gpu_name: GpuName = None, db: Db = None, timer: Timer = None, l2: L2 = None,
                   cuda_graph: CudaGraph = None, power: Power = None, json: Json = False) -> int:
     """Count the specs without an ok row (missing, stale or failed). Never profiles."""
-    res = api.count_missing(table, backend, read_specs(spec, specs), gpu_name=gpu_name, db=db, timer=timer, l2=l2,
-                            cuda_graph=cuda_graph, power=power)
-    _unknown_gpu_key(res, stale=lambda: api.query(table, backend, read_specs(spec, specs), gpu_name=gpu_name, db=db,
-                                                  timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
+    given, method = read_specs(spec, specs), dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
+    res = api.count_missing(table, backend, given, gpu_name=gpu_name, db=db, **method)
+    _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method))
     if json:
         emit_json(res.to_json())
     else:
