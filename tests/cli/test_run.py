@@ -28,6 +28,22 @@ def _history(capsys, db, ref) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def _merge_while_measured(monkeypatch, segment: str, report_dir: str, m: int) -> None:
+    """Merges `segment` into the run's ledger as the spec of that `m` is measured, before its row is stored (another
+    writer storing a row for the key meanwhile)."""
+    import kprof.runners.fill as fill
+    from kprof.merge.merge import merge_into
+
+    keep = fill._State._keep
+
+    def keep_after_a_merge(self, res, errored):
+        if self.canonical[res.index]["m"] == m:
+            merge_into(self.ledger, [segment], report_dir)
+        return keep(self, res, errored)
+
+    monkeypatch.setattr(fill._State, "_keep", keep_after_a_merge)
+
+
 def _last_seq(db) -> int:
     led = Ledger.open(db, readonly=True)
     try:
@@ -530,7 +546,6 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
     run's event would supersede a row it never saw, so it is not stored. The merged row stands, the ledger audits
     clean, and it merges back into the team's ledger without conflict. An ok merged row is the row a jit run asks
     for: the spec reads ok (exit 0); a failed one leaves the spec without it: `error`, kind conflict (exit 1)."""
-    import kprof.runners.fill as fill
     from kprof.merge.export import export
     from kprof.merge.merge import merge_into
 
@@ -542,14 +557,7 @@ def test_a_row_merged_while_its_spec_was_measured_is_kept_and_the_measurement_re
         h.append(team, h.make_event(spec_x, local_gpu, kind="failed"))
     seg = str(tmp_path / "team.kseg")
     export(team, seg)
-    keep = fill._State._keep
-
-    def keep_after_a_merge(self, res, errored):
-        if self.canonical[res.index]["m"] == 3:
-            merge_into(self.ledger, [seg], str(tmp_path))
-        return keep(self, res, errored)
-
-    monkeypatch.setattr(fill._State, "_keep", keep_after_a_merge)
+    _merge_while_measured(monkeypatch, seg, str(tmp_path), m=3)
     out = _run(capsys, h, mine, spec_x, spec_y, rc=0 if merged == "ok" else 1)
     by_m = {r["spec"]["m"]: r for r in out["results"]}
     assert by_m[5]["status"] == "ok"
@@ -579,23 +587,14 @@ def test_a_row_of_another_thread_count_stored_while_a_spec_was_measured_is_no_co
     their own, yet where the other count's row landed while a spec was measured, the run read it (stale under its
     own count) as its key's row changed, and refused its measurement: `error`, kind conflict, naming the other
     run's event, exit 1. It is stored, and both counts' rows stand."""
-    import kprof.runners.fill as fill
     from kprof.merge.export import export
-    from kprof.merge.merge import merge_into
 
     spec_x, spec_y = {"m": 3, "n": 32, "k": 32, "dtype": "fp32"}, {"m": 5, "n": 32, "k": 32, "dtype": "fp32"}
     other, mine = str(tmp_path / "other.db"), str(tmp_path / "mine.db")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     one = _run(capsys, h, other, spec_x)["results"][0]["event"]
     seg = export(other, str(tmp_path / "other.kseg")).path
-    keep = fill._State._keep
-
-    def keep_after_the_other_counts_row(self, res, errored):
-        if self.canonical[res.index]["m"] == 3:
-            merge_into(self.ledger, [seg], str(tmp_path))
-        return keep(self, res, errored)
-
-    monkeypatch.setattr(fill._State, "_keep", keep_after_the_other_counts_row)
+    _merge_while_measured(monkeypatch, seg, str(tmp_path), m=3)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     out = _run(capsys, h, mine, spec_x, spec_y)
     assert [r["status"] for r in out["results"]] == ["ok", "ok"]
