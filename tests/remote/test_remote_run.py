@@ -654,3 +654,32 @@ def test_a_runtime_env_ray_refuses_is_one_line_before_anything_is_written(runtim
     assert field in message and "is refused by Ray" in message and why in message, message
     assert "\n" not in message and info.value.exit_code == 2
     assert not os.path.exists("out") and not os.path.exists(db)
+
+
+def _first_event_only(seg: bytes) -> bytes:
+    """The segment with its first event alone: what a worker that stopped after one spec would ship."""
+    import tempfile
+
+    from kprof.merge import segment
+
+    with tempfile.TemporaryDirectory() as tmp:
+        whole, part = os.path.join(tmp, "whole.kseg"), os.path.join(tmp, "part.kseg")
+        with open(whole, "wb") as f:
+            f.write(seg)
+        segment.write(part, list(segment.read(whole))[:1])
+        with open(part, "rb") as f:
+            return f.read()
+
+
+def test_a_chunk_returning_fewer_events_than_specs_says_which_are_left_missing(remote_yaml, db, capsys, monkeypatch):
+    """A worker's segment held one event for its chunk's two specs: the event merged and the chunk read `merged`
+    with no word of the other spec, which stayed missing (exit 1) unexplained. The chunk now says how many of its
+    specs came back without an event, and the run's failures list it."""
+    remote_yaml(RAY)
+    _in_process(monkeypatch, _InProcess(tamper=lambda j, seg: _first_event_only(seg) if j == 1 else seg))
+    res = run_remote("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out")
+    chunk = _record()["chunks"][1]
+    assert chunk["status"] == "merged" and chunk["events"] == 1 and chunk["added"] == 1
+    assert "no event for 1 of the chunk's 2 specs" in chunk["error"] and "run again" in chunk["error"]
+    assert res.exit_code == 1 and sorted(r["status"] for r in res.results) == ["missing", "ok", "ok", "ok"]
+    assert res.failures == [f"chunk 1 (2 specs): merged: {chunk['error']}"]
