@@ -65,15 +65,19 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
 
 
 def _samples(event: dict) -> list[str]:
-    """How the time was taken: the samples' count and spread, why sampling stopped, the method and its notes (a
-    collective's rank_min_median_ms, NCCL version, GPUs), and whether other work took the host's cores meanwhile (a
-    CPU row's host_busy: a 20 µs GEMM read 41 ms so, and only --json said why)."""
+    """How the time was taken: the samples' count (and how many are kept) and spread, why sampling stopped, the method
+    and its notes (a collective's rank_min_median_ms, NCCL version, GPUs), and whether other work took the host's cores
+    meanwhile (a CPU row's host_busy: a 20 µs GEMM read 41 ms so, and only --json said why)."""
     stats, method = event.get("stats") or {}, event.get("method") or {}
 
     def ms(v):
         return "-" if v is None else f"{v:.4g}"
 
-    lines = [f"samples: n={stats.get('n')}, median {ms(stats.get('median'))} ms (p10 {ms(stats.get('p10'))}, p90 "
+    n, kept = stats.get("n"), len(stats.get("samples") or ())
+    # A row keeps at most 512 of its samples, evenly spaced in time (kprof.measure.stats.summarize); its statistics
+    # are of all n: recomputed from the kept ones, a median reads differently, with no word why.
+    thinned = f" ({kept} kept, evenly spaced in time; the statistics are of all {n})" if 0 < kept < (n or 0) else ""
+    lines = [f"samples: n={n}{thinned}, median {ms(stats.get('median'))} ms (p10 {ms(stats.get('p10'))}, p90 "
              f"{ms(stats.get('p90'))}), cv {ms(stats.get('cv'))}; stop_reason={method.get('stop_reason')}"]
     notes = dict(method.get("notes") or {})
     busy = notes.pop("host_busy", None)

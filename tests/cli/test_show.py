@@ -257,3 +257,24 @@ def test_show_prints_how_a_row_was_timed_and_its_notes(h, capsys, local_gpu):
     assert "timer=cpu" in line and line.endswith("; notes: rank_min_median_ms=0.25")
     assert "stop_reason=budget" in text
     assert doc["event"]["method"]["notes"] == {"rank_min_median_ms": "0.25"}
+
+
+def test_show_says_when_a_row_keeps_fewer_samples_than_its_statistics_are_of(h, capsys, local_gpu):
+    """A row keeps at most 512 samples, evenly spaced in time, its statistics of all of them: a GEMM of 828 samples
+    showed `n=828` and --json 512 samples, whose median (0.039424 ms) was not the row's (0.039474 ms), with no word
+    that the samples were a subset."""
+    import msgspec
+
+    from kprof.measure.stats import summarize
+
+    samples = [0.03 + (i % 97) * 1e-4 for i in range(828)]
+    event = h.make_event(h.gemm(), local_gpu)
+    event = msgspec.structs.replace(event, stats=msgspec.convert(msgspec.to_builtins(summarize(samples)),
+                                                                 type(event.stats)))
+    (eid,) = h.append("p.db", event)
+    text, doc = _shown(h, capsys, f"kprof.{eid.hex()[:16]}")
+    assert doc["event"]["stats"]["n"] == 828 and len(doc["event"]["stats"]["samples"]) == 512
+    assert "samples: n=828 (512 kept, evenly spaced in time; the statistics are of all 828), median" in text
+    (whole,) = h.append("p.db", h.make_event(h.gemm(64), local_gpu))
+    text, _doc = _shown(h, capsys, f"kprof.{whole.hex()[:16]}")
+    assert "samples: n=5, median" in text
