@@ -159,9 +159,9 @@ class Summary(msgspec.Struct, frozen=True, array_like=True, gc=False):
     message: str | None = None
 
     @property
-    def stats(self) -> Stats | None:
-        return None if self.metrics is None else Stats(self.n, self.median, self.p10, self.p90, self.mean, self.stdev,
-                                                       self.cv, self.min, self.max)
+    def stats(self) -> StatsHead | None:  # no samples (a Stats would claim none): they are in the event
+        return None if self.metrics is None else StatsHead(self.n, self.median, self.p10, self.p90, self.mean,
+                                                           self.stdev, self.cv, self.min, self.max)
 
 
 class MeasuredHead(msgspec.Struct, frozen=True, gc=False, tag="measured"):

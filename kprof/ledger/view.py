@@ -17,7 +17,7 @@ from blake3 import blake3
 from ..errors import UnknownGpuKeyError
 from . import _codec, _verify
 from ._reducer import MEASURED, REBUILT, ScopeEntry, contract_id, opened, root_of
-from .events import Contract, Provenance, Stats, Summary
+from .events import Contract, Provenance, StatsHead, Summary
 from ..specs import ShapeCodec, spec_list
 from .keys import KeyMaker
 
@@ -56,7 +56,7 @@ class Row(msgspec.Struct, frozen=True, gc=False):
         return None if s is None or s.metrics is None else MappingProxyType(s.metrics)
 
     @property
-    def stats(self) -> Stats | None:
+    def stats(self) -> StatsHead | None:
         return self._summary.stats if self._summary is not None else None
 
     @property

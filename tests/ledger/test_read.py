@@ -100,3 +100,15 @@ def test_rows_leave_out_another_contracts_failed_row_as_get_many_does(ledger):
 # ---- audit -------------------------------------------------------------------------------------------------
 
 
+
+
+def test_a_rows_stats_claim_no_samples_the_event_keeps(ledger):
+    """A Row's stats are the view's summary, without the samples: they read as a Stats whose `samples` was [], beside
+    an `n` of 16, so a spread recomputed from them had nothing to work on and no word that the event holds them."""
+    event = synth.event(0)
+    ledger.append([event])
+    row = synth.view(ledger).get(**synth.spec(0))
+    assert row.stats.n == 16 and row.stats.median == event.stats.median
+    assert not hasattr(row.stats, "samples")
+    assert ledger.event(row.event_id).stats.samples == event.stats.samples and len(event.stats.samples) == 16
+    assert "samples" not in row.to_json()["stats"]
