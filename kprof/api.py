@@ -72,11 +72,12 @@ class QueryResult(msgspec.Struct):
     pool: dict | None = None  # where `run` measured: devices, whether forced, what the idle guard skipped
     host_busy: int = 0  # rows `run` measured while other work took the host's cores (their notes say host_busy)
     timed_rows: int = 0  # of `measured`, those that made a row (a failure times nothing)
+    ceiling_note: str | None = None  # why ok rows have no ceiling: the calibration was timed another way (threads)
 
     def to_json(self) -> dict:
         doc = msgspec.to_builtins(self)
         for extra in ("view_root_before", "exit_code", "seconds", "timed_seconds", "measured", "pool", "host_busy",
-                      "timed_rows"):
+                      "timed_rows", "ceiling_note"):
             doc.pop(extra)
         return doc
 
@@ -165,16 +166,30 @@ def _query(entry, canonical, gpu_key, db, ledger, mode) -> QueryResult:
         root, rows = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args).query(canonical)
     result = _result(entry, gpu_key, db, mode, root, rows, canonical)
     if ledger is not None and entry.metric_family == "compute":
-        _add_ceilings(entry, gpu_key, ledger, result.results)
+        result.ceiling_note = _add_ceilings(entry, gpu_key, ledger, result.results)
     return result
 
 
-def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> None:
+def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> str | None:
     """Each ok row's fraction of the device's ceilings, as `ceiling` (only once `kprof calibrate` has
-    measured them for this GPU key: before that the rows are exactly the contract's)."""
-    from .ceilings import annotate, ceilings
+    measured them for this GPU key: before that the rows are exactly the contract's). Returns why a ceiling is
+    absent where the ledger holds one timed another way only (a CPU calibration of another thread count)."""
+    from .ceilings import annotate, ceilings, elsewhere
 
-    annotate(results, ceilings(entry.backend, gpu_key, ledger=ledger, timing=entry.contract.timing))
+    timing = entry.contract.timing
+    found = ceilings(entry.backend, gpu_key, ledger=ledger, timing=timing)
+    annotate(results, found)
+    absent = [m for m in ("tflops", "memory_bandwidth_gbps") if m not in {c.metric for c in found if c.dtype is None}]
+    other = elsewhere(entry.backend, gpu_key, ledger, timing) if absent and any(
+        r["status"] == "ok" for r in results) else []
+    if not other:
+        return None
+    fix = ("; a torch-cpu timing names its torch threads ($MKL_NUM_THREADS, else $OMP_NUM_THREADS, else the physical "
+           "cores): set OMP_NUM_THREADS to that count (MKL_NUM_THREADS unset) to read its rows and ceilings, or"
+           if "threads=" in timing else "; with this read's --timer, --l2, --cuda-graph and --power,")
+    return (f"note: no {' or '.join(absent)} ceiling for these rows: the calibration rows of {gpu_key!r} here were "
+            f"timed {', '.join(other)}, not {timing} (profiler revision {entry.contract.profiler_revision}){fix} "
+            f"`kprof calibrate --backend {entry.backend}` measures the ceilings under this one")
 
 
 def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical) -> QueryResult:

@@ -48,8 +48,8 @@ from typing import NamedTuple
 
 from .runners.registry import lookup
 
-__all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "ceilings", "applicable",
-           "fractions", "annotate", "lookup_any"]
+__all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "ceilings", "elsewhere",
+           "applicable", "fractions", "annotate", "lookup_any"]
 
 
 class CeilingSet(NamedTuple):
@@ -205,6 +205,16 @@ def ceilings(backend: str, gpu_key: str, *, db: str | None = None, ledger=None,
     finally:
         if own:
             ledger.close()
+
+
+def elsewhere(backend: str, gpu_key: str, ledger, timing: str | None = None) -> list[str]:
+    """The timings (and revisions) of `gpu_key`'s calibration rows that `timing` reads stale: no ceiling under it."""
+    device, seen = lookup_any(backend).device, set()
+    for table, specs in _by_table(m for s in CEILING_SETS[device] for m in s.members).items():
+        entry = _entry(table, BASE_BACKEND[device], timing)
+        seen.update((r.provenance.timing, r.provenance.profiler_revision) for r in ledger.view(
+            table, BASE_BACKEND[device], gpu_key, entry.contract, entry.args).get_many(specs) if r.status == "stale")
+    return [f"{t} (profiler revision {n})" for t, n in sorted(seen)]
 
 
 def _label(table: str, spec: dict) -> str:

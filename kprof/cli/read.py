@@ -34,6 +34,8 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
         emit_json(res.to_json())
     else:
         results_table(res)
+    if json and res.ceiling_note:  # --json's rows carry `ceiling` only under the calibration's timing: say why none did
+        console(stderr=True).print(res.ceiling_note, markup=False)
     return 0
 
 

@@ -176,6 +176,8 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
         console(stderr=True).print(devices, markup=False)
     if no_plot:
         console(stderr=True).print(no_plot, markup=False)
+    if json and res.ceiling_note:  # only --json gives rows their `ceiling`: say why none did
+        console(stderr=True).print(res.ceiling_note, markup=False)
     busy = _busy_host_note(table, backend, res.timed_rows, load_before, mode, res.host_busy)
     if busy:
         console(stderr=True).print(busy, markup=False)

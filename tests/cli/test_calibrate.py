@@ -472,3 +472,38 @@ def test_the_text_output_names_a_failed_row_s_table_and_error_in_words(h, capsys
     assert f"single_gemm {huge}: error (oom: MemoryError: out of memory before building" in out
     assert f"memcpy {copy}: error (oom: " in out
     assert "'kind'" not in out and "no ceiling: no row of a calibration set is ok" in out
+
+
+def test_a_calibration_of_another_thread_count_is_named_not_silently_absent(h, capsys, monkeypatch):
+    """Ceilings calibrated on 1 torch thread, rows read on 2: `query --json` gave the rows no `ceiling` and said
+    nothing of why (the calibration reads stale under the other count). It now says on stderr, naming both timings and
+    the two fixes; the JSON document is the contract's, and the API's QueryResult carries the same note."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    h.append("p.db", *[_row(x, tflops=1.0 + i) for i, x in enumerate(CPU_GEMMS)],
+             *[_row(x, table="memcpy", gbps=10.0) for x in CPU_COPIES])
+    row = h.gemm(64, 64, 64)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    h.append("p.db", _row(row, tflops=0.5, gbps=1.0))
+    doc = h.read_json(capsys, "query", "p.db", row, extra=["--gpu-name", GPU])
+    assert set(doc) == h.QUERY_FIELDS and "ceiling" not in doc["results"][0]
+    assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(row), "--db", "p.db", "--gpu-name", GPU,
+                 "--json"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("note: no tflops or memory_bandwidth_gbps ceiling for these rows: the calibration rows of "
+                          "'Test GPU' here were timed cpu-wall;l2=warm;eager;threads=1 (profiler revision 1), not "
+                          "cpu-wall;l2=warm;eager;threads=2"), err
+    assert "set OMP_NUM_THREADS to that count" in err and "`kprof calibrate --backend torch-cpu`" in err
+    assert api.query(h.GEMM, h.CPU, [row], gpu_name=GPU, db="p.db").ceiling_note == err
+    assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(row), "--db", "p.db", "--gpu-name", GPU]) == 0
+    assert capsys.readouterr().err == ""  # the table shows no ceiling: nothing to explain
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the calibration's own count: its ceilings, and nothing to say
+    res = api.query(h.GEMM, h.CPU, [CPU_GEMMS[0]], gpu_name=GPU, db="p.db")
+    assert res.results[0]["ceiling"]["fraction"]["tflops"] == 1.0 / 3.0 and res.ceiling_note is None
+    # a CUDA calibration timed with events, rows read under the default timer: the read's own flags measure it
+    cupti = effective_entry(lookup(h.GEMM, "torch")).contract.timing
+    h.append("p.db", *[_row(x, backend="torch", timing="events;l2=cold;eager", tflops=100.0)
+                       for _t, x in GPU_FLOPS.members], _row(h.gemm(dtype="bf16"), backend="torch", timing=cupti))
+    note = api.query(h.GEMM, "torch", [h.gemm(dtype="bf16")], gpu_name=GPU, db="p.db").ceiling_note
+    assert "were timed events;l2=cold;eager (profiler revision 5), not cupti;l2=cold;eager" in note, note
+    assert note.endswith("; with this read's --timer, --l2, --cuda-graph and --power, `kprof calibrate --backend "
+                         "torch` measures the ceilings under this one"), note
