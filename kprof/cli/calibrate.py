@@ -55,6 +55,13 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
         if not found:
             out.print("no ceiling: no row of a calibration set is ok; the same command measures the rows that are "
                       "not", markup=False)
+    busy = [f"{c.metric} {c.method['host_busy']} of {c.method['measured']}" for c in found
+            if (c.method or {}).get("host_busy")]
+    if busy:  # a CPU ceiling is only as high as the host let it run: a low one puts every row's fraction too high
+        console(stderr=True).print(
+            f"note: other work took the host's cores while rows behind these ceilings were timed ({', '.join(busy)} "
+            f"row(s), their notes say host_busy): the ceilings may be low, and rows read above them; measure them "
+            f"again on a quieter host with `kprof calibrate --backend {backend} --force`", markup=False)
     return 0 if complete(backend, results, found) else 1
 
 

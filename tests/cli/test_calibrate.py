@@ -6,6 +6,7 @@ the arithmetic is, so a wrong maximum, citation or flag cannot pass by chance.""
 
 import json
 import os
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -507,3 +508,29 @@ def test_a_calibration_of_another_thread_count_is_named_not_silently_absent(h, c
     assert "were timed events;l2=cold;eager (profiler revision 5), not cupti;l2=cold;eager" in note, note
     assert note.endswith("; with this read's --timer, --l2, --cuda-graph and --power, `kprof calibrate --backend "
                          "torch` measures the ceilings under this one"), note
+
+
+def test_calibrate_on_a_busy_host_says_its_ceilings_may_be_low(h, capsys, monkeypatch):
+    """A calibration timed while other work took the host's cores (a 2-core host beside a busy loop read its GEMM
+    ceiling 7x low) exited 0 and said so only as `busy over 3 row(s)` at the end of a method line, nothing at all with
+    --json, where `run` prints a note: every row then read several times its ceiling. It now notes it on stderr, with
+    the command that measures the ceilings again."""
+    busy = {"host_load_1m": "4.20", "host_busy": "load 4.20 over 2 cores: other work shared them"}
+    h.append("p.db", _row(CPU_GEMMS[0], tflops=3.0, notes=busy), _row(CPU_GEMMS[1], tflops=2.0),
+             *[_row(x, table="memcpy", gbps=10.0, notes={"host_load_1m": "0.50"}) for x in CPU_COPIES])
+    found = ceilings(h.CPU, GPU, db="p.db")
+    from kprof.cli import calibrate as verb
+
+    ran = SimpleNamespace(table=h.GEMM, gpu_name=GPU, db="p.db", results=[])
+    monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], found))
+    monkeypatch.setattr(verb, "complete", lambda *a: True)
+    for json_flag in ([], ["--json"]):
+        assert main(["calibrate", "--backend", "torch-cpu", *json_flag]) == 0
+        err = " ".join(capsys.readouterr().err.split())
+        assert err == ("note: other work took the host's cores while rows behind these ceilings were timed (tflops 1 "
+                       "of 2 row(s), their notes say host_busy): the ceilings may be low, and rows read above them; "
+                       "measure them again on a quieter host with `kprof calibrate --backend torch-cpu --force`"), err
+    quiet = [c for c in found if c.metric == "memory_bandwidth_gbps"]
+    monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], quiet))
+    assert main(["calibrate", "--backend", "torch-cpu"]) == 0
+    assert capsys.readouterr().err == ""
