@@ -7,6 +7,8 @@ set of shapes (`kprof.ceilings`, which reads them and says what a set is and why
 
 from __future__ import annotations
 
+import os
+
 from .ceilings import (BASE_BACKEND, CEILING_SETS, CEILING_SPECS, Ceiling, CeilingSet, _by_table, annotate,
                        applicable, ceilings, fractions, lookup_any)
 
@@ -38,7 +40,9 @@ def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = Non
     # ceilings: each run annotated its rows before the later tables were measured, citing ceilings since replaced.
     timing = effective_entry(lookup(next(iter(tables)), base), timer=timer, l2=l2, cuda_graph=cuda_graph,
                              power=power).contract.timing
-    found = ceilings(backend, results[0].gpu_name, db=results[0].db, timing=timing)
+    # no ledger where nothing was stored (every spec unavailable): no ceiling, not a ledger path error
+    found = ceilings(backend, results[0].gpu_name, db=results[0].db, timing=timing) if os.path.exists(
+        results[0].db) else []
     for r in results:
         for doc in r.results:
             doc.pop("ceiling", None)

@@ -164,19 +164,15 @@ def ceilings(backend: str, gpu_key: str, *, db: str | None = None, ledger=None,
              timing: str | None = None) -> list[Ceiling]:
     """The ceilings of the device of `backend` under `gpu_key`, from the calibration rows measured with
     `timing` (a contract timing string such as "cupti;l2=cold;eager", or "cpu-wall;l2=warm;eager;threads=8"; None:
-    this process's method). A metric none of whose set is in the ledger is absent."""
-    import os
-
+    this process's method). A metric none of whose set is in the ledger is absent; a `db` that names no ledger raises
+    LedgerPathError, as every read does (a mistyped path must not read as "never calibrated")."""
     from .ledger import Ledger, ledger_path
 
     device = lookup_any(backend).device
     base = BASE_BACKEND[device]
     own = ledger is None
     if own:
-        path = ledger_path(db)
-        if not os.path.exists(path):
-            return []
-        ledger = Ledger.open(path, readonly=True)
+        ledger = Ledger.open(ledger_path(db), readonly=True)
     try:
         out = []
         for s in CEILING_SETS[device]:

@@ -534,3 +534,16 @@ def test_calibrate_on_a_busy_host_says_its_ceilings_may_be_low(h, capsys, monkey
     monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], quiet))
     assert main(["calibrate", "--backend", "torch-cpu"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_ceilings_of_a_db_that_names_no_ledger_raise_as_every_read_does(h, monkeypatch):
+    """`ceilings(db=...)` of a mistyped path answered [], as for a ledger never calibrated, where every other read
+    (api.query, perf_api) raises LedgerPathError naming the path. A calibration that stored nothing (every spec
+    unavailable: no ledger file) still finds no ceiling rather than a path error."""
+    from kprof.errors import LedgerPathError
+
+    with pytest.raises(LedgerPathError, match="no ledger at typo.db"):
+        ceilings(h.CPU, GPU, db="typo.db")
+    nothing = SimpleNamespace(gpu_name=GPU, db="never.db", results=[])
+    monkeypatch.setattr(api, "run", lambda *a, **k: nothing)
+    assert calibrate(h.CPU) == ([nothing, nothing], []) and not os.path.exists("never.db")
