@@ -366,9 +366,11 @@ def _why(doc: dict, c: Ceiling) -> str:
     the set does not hold, a working set smaller than any of the set's (a cache serves it), else a state other
     than the calibration's; each with what to do."""
     method = c.method or {}
+    # the command as it runs here: without --backend, calibrate measures a CUDA GPU (exit 2 on a CPU host)
+    again = f"`kprof calibrate --backend {(doc.get('provenance') or {}).get('backend') or BASE_BACKEND['cuda']}"
     if method.get("measured", 0) < method.get("of", 0):
-        return (f"the ceiling is the max over {method['measured']} of its {method['of']} shapes; `kprof calibrate` "
-                f"measures the rest")
+        return (f"the ceiling is the max over {method['measured']} of its {method['of']} shapes; {again}` measures "
+                f"the rest")
     dtype = (doc.get("spec") or {}).get("dtype")
     held = sorted({x["spec"]["dtype"] for x in c.shapes if "dtype" in x["spec"]})
     if c.metric == "tflops" and dtype and held and dtype not in held:
@@ -382,7 +384,7 @@ def _why(doc: dict, c: Ceiling) -> str:
                 f"is memory's")
     return (f"faster than every row of the set as it was measured ({method.get('summary', c.citation)}): the set "
             f"was measured in another state (clocks, power, other work on the host), or does not hold a shape "
-            f"this fast; `kprof calibrate --force` measures it again")
+            f"this fast; {again} --force` measures it again")
 
 
 def _bytes(metrics: dict, metric: str) -> float | None:

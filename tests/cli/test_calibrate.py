@@ -292,13 +292,15 @@ def test_a_row_above_a_ceiling_says_why(h):
     assert set(above["why"]) == {"tflops"}
     assert above["why"]["tflops"].startswith("faster than every row of the set as it was measured (max over 3/3 "
                                              "shapes (at single_gemm 768x768x768)")
-    assert "`kprof calibrate --force` measures it again" in above["why"]["tflops"]
+    # the command as it runs on the row's host: `kprof calibrate --force` measures a CUDA GPU (exit 2 on a CPU)
+    assert "`kprof calibrate --backend torch-cpu --force` measures it again" in above["why"]["tflops"]
     assert "why" not in ceiling_of("single_gemm", others[0])
 
     small = {"bytes": 1 << 20}  # 0.477 MiB a call at 50 GB/s (its time, 0.01 ms, is made up)
     h.append("p.db", _row(small, table="memcpy", gbps=50.0, time_ms=0.01))
     assert ceiling_of("memcpy", small)["why"] == {  # 3 of the 4 shapes: the matrix-vector product is missing
-        "memory_bandwidth_gbps": "the ceiling is the max over 3 of its 4 shapes; `kprof calibrate` measures the rest"}
+        "memory_bandwidth_gbps": "the ceiling is the max over 3 of its 4 shapes; `kprof calibrate --backend torch-cpu` "
+                                 "measures the rest"}
     (matvec,) = [x for t, x in CPU_BYTES.members if t == "single_gemm"]
     h.append("p.db", _row(matvec, gbps=5.0, tflops=0.001))  # 4.77 MiB a call: the least of the set
     why = ceiling_of("memcpy", small)["why"]["memory_bandwidth_gbps"]
