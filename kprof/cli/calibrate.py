@@ -55,6 +55,13 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
         if not found:
             out.print("no ceiling: no row of a calibration set is ok; the same command measures the rows that are "
                       "not", markup=False)
+        measured = sum(r.measured for r in results)
+        if rows and not measured:  # a second calibration reads the first's rows: say so, and how to measure anew
+            out.print(f"measured nothing: all {len(rows)} calibration spec(s) have rows in the ledger; --force "
+                      f"measures them again", markup=False)
+        elif rows:
+            out.print(f"measured {measured} of {len(rows)} calibration spec(s) in {sum(r.seconds for r in results):.1f}"
+                      f" s", markup=False)
     busy = [f"{c.metric} {c.method['host_busy']} of {c.method['measured']}" for c in found
             if (c.method or {}).get("host_busy")]
     if busy:  # a CPU ceiling is only as high as the host let it run: a low one puts every row's fraction too high

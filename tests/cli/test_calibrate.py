@@ -523,7 +523,7 @@ def test_calibrate_on_a_busy_host_says_its_ceilings_may_be_low(h, capsys, monkey
     found = ceilings(h.CPU, GPU, db="p.db")
     from kprof.cli import calibrate as verb
 
-    ran = SimpleNamespace(table=h.GEMM, gpu_name=GPU, db="p.db", results=[])
+    ran = SimpleNamespace(table=h.GEMM, gpu_name=GPU, db="p.db", results=[], measured=0, seconds=0.0)
     monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], found))
     monkeypatch.setattr(verb, "complete", lambda *a: True)
     for json_flag in ([], ["--json"]):
@@ -549,3 +549,20 @@ def test_ceilings_of_a_db_that_names_no_ledger_raise_as_every_read_does(h, monke
     nothing = SimpleNamespace(gpu_name=GPU, db="never.db", results=[])
     monkeypatch.setattr(api, "run", lambda *a, **k: nothing)
     assert calibrate(h.CPU) == ([nothing, nothing], []) and not os.path.exists("never.db")
+
+
+def test_calibrate_says_how_many_rows_it_measured_and_that_a_second_one_measured_none(h, capsys, monkeypatch):
+    """A second calibration (on a quieter host, say) read the first's rows and printed the same ceilings as if it had
+    measured them: nothing told the two apart. Its output now counts the specs it measured, and where none, says
+    --force measures them again."""
+    from kprof.ceilings import CeilingSet
+
+    monkeypatch.setitem(CEILING_SETS, "cpu", [CeilingSet("tflops", (("single_gemm", h.gemm()),), "fp32 GEMMs"),
+                                              CeilingSet("memory_bandwidth_gbps", (("memcpy", {"bytes": 1 << 16}),),
+                                                         "copies")])
+    outs = []
+    for force in ([], [], ["--force"]):
+        assert main(["calibrate", "--backend", h.CPU, "--db", "p.db", *force]) == 0
+        outs.append(capsys.readouterr().out.splitlines()[-1])
+    assert outs[0].startswith("measured 2 of 2 calibration spec(s) in ") and outs[2].startswith("measured 2 of 2 ")
+    assert outs[1] == "measured nothing: all 2 calibration spec(s) have rows in the ledger; --force measures them again"
