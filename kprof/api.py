@@ -245,6 +245,8 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
             root = filled.root_before or _empty_root(entry, gpu_key)
             result = _fresh_result(entry, canonical, gpu_key, db, [filled.fresh.get(k) for k in spec_keys], spec_keys,
                                    root)
+            if ledger is not None and entry.metric_family == "compute":  # stored or not, a row has its fractions
+                result.ceiling_note = _add_ceilings(entry, gpu_key, ledger, result.results)
         else:
             result = _query(entry, canonical, gpu_key, db, ledger, mode)
         for doc, k in zip(result.results, spec_keys):

@@ -566,3 +566,14 @@ def test_calibrate_says_how_many_rows_it_measured_and_that_a_second_one_measured
         outs.append(capsys.readouterr().out.splitlines()[-1])
     assert outs[0].startswith("measured 2 of 2 calibration spec(s) in ") and outs[2].startswith("measured 2 of 2 ")
     assert outs[1] == "measured nothing: all 2 calibration spec(s) have rows in the ledger; --force measures them again"
+
+
+def test_a_fresh_run_gives_its_rows_their_fractions_of_the_ceilings(h, local_gpu):
+    """`run --fresh` (measure, store nothing) gave its ok rows no `ceiling` where `run` and `query` give the same rows
+    theirs: trying a kernel against the device's ceilings without storing it read as "never calibrated"."""
+    h.append("p.db", *[_row(x, gpu=local_gpu, tflops=1.0 + i) for i, x in enumerate(CPU_GEMMS)])
+    before = h.digest("p.db")
+    (doc,) = api.run(h.GEMM, h.CPU, [h.gemm()], mode="fresh", db="p.db").results
+    assert doc["status"] == "ok" and doc["citation"] is None and h.digest("p.db") == before
+    assert doc["ceiling"]["values"] == {"tflops": 3.0}
+    assert doc["ceiling"]["fraction"] == {"tflops": doc["metrics"]["tflops"] / 3.0}
