@@ -11,7 +11,8 @@ from ._render import console, emit_json
 
 
 def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help=(
-               "The new segment file; a directory (existing, or ending in /): a file there named by its content."))],
+               "The new segment file; a directory (existing, or ending in /): a file there named by its content (none "
+               "where a segment there holds the same events already)."))],
            table: Annotated[str | None, Parameter(name="--table", help="Only this table's events.")] = None,
            backend: Annotated[str | None, Parameter(name="--backend", help="Only this backend's events.")] = None,
            gpu_name: Annotated[str | None, Parameter(name="--gpu-name", help=(
@@ -24,12 +25,16 @@ def export(*, output: Annotated[str, Parameter(name=["-o", "--output"], help=(
     from ..merge.export import export as run_export
 
     done = run_export(db, output, table=table, backend=backend, gpu_name=gpu_name, since=since)
-    doc = {"db": ledger_path(db), "segment": done.path, "ledger_id": done.ledger_id, "events": done.events}
+    doc = {"db": ledger_path(db), "segment": done.path, "ledger_id": done.ledger_id, "events": done.events,
+           "written": done.written}
     if json:
         emit_json(doc)
     elif done.path is None:
         console().print(f"no event of {doc['db']} to export{f' after seq {since}' if since else ''}: no segment "
                         f"written", markup=False)
+    elif not done.written:
+        console().print(f"the {done.events} event(s) of {doc['db']} are in {done.path} already (exported there "
+                        f"before): no segment written", markup=False)
     else:
         console().print(f"wrote {done.events} event(s) of {doc['db']} to {done.path}", markup=False)
     return 0

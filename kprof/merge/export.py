@@ -10,7 +10,7 @@ import os
 from typing import NamedTuple
 
 from ..errors import UsageError
-from ..ledger import Ledger, _verify
+from ..ledger import Ledger, _codec, _verify
 from ..ledger.events import Retracted
 from . import segment
 
@@ -21,13 +21,16 @@ class Exported(NamedTuple):
     path: str | None  # the segment written (named by its content in a directory); None: no event to export
     ledger_id: str
     events: int
+    written: bool = True  # False: no event to export, or a segment of the directory holds these events already
 
 
 def export(db: str | None, output: str, *, table: str | None = None, backend: str | None = None,
            gpu_name: str | None = None, since: int = 0) -> Exported:
     """Writes the ledger's events of sequence > `since` (of one table, backend and GPU key where given) to a new
     segment, in log order, from one snapshot. A retraction goes where the event it retracts would. `output` an existing
-    directory: the segment is named by its content there (see kprof.merge.segment.write).
+    directory: the segment is named by its content there (see kprof.merge.segment.write), and where a segment there
+    holds exactly these events of this ledger already (the same export made again, whose file would differ only by
+    its header's time), none is written: `path` is that segment's, `written` False.
 
     Refused before anything is written: an output that cannot be written (UsageError), filters that match none of
     the ledger's scopes (UsageError, naming the scopes it holds), and any event whose bytes do not hash to its id
@@ -74,13 +77,37 @@ def export(db: str | None, output: str, *, table: str | None = None, backend: st
                     if wanted(event.provenance):
                         chosen.append(eid)
             if not chosen:  # nothing to share: no empty segment to commit or merge
-                return Exported(None, ledger.ledger_id, 0)
+                return Exported(None, ledger.ledger_id, 0, False)
             if output.endswith(("/", os.sep)):  # a directory, by its trailing separator: made where it is not yet
                 os.makedirs(output, exist_ok=True)
+            if os.path.isdir(output) and (before := _exported_before(output, ledger.ledger_id, chosen)):
+                return Exported(before, ledger.ledger_id, len(chosen), False)
             # The same snapshot: the bytes written are those just checked.
             written = segment.write(output, (txn.get(eid, db=events_db) for eid in chosen), ledger.ledger_id,
                                     len(chosen))
         return Exported(written, ledger.ledger_id, len(chosen))
+
+
+def _exported_before(directory: str, ledger_id: str, chosen: list[bytes]) -> str | None:
+    """The segment of `directory` that holds exactly the events `chosen` (ids, in order) of the ledger `ledger_id`,
+    whole and unaltered, else None: exported again, they would be a second file of the same events (a segment's
+    name is the digest of its bytes, its header's time among them) that a directory committed to git keeps twice."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:  # a directory this user may write in but not list: nothing to compare with
+        return None
+    for name in names:
+        path = os.path.join(directory, name)
+        if not name.endswith(".kseg") or not os.path.isfile(path):
+            continue
+        try:
+            header = segment.header_of(path)
+            if (header.ledger_id, header.events) == (ledger_id, len(chosen)) and \
+                    [_codec.event_id(data) for data in segment.read(path)] == chosen:
+                return path
+        except UsageError:  # unreadable or damaged: not these events
+            continue
+    return None
 
 
 def _check_output(output: str) -> None:

@@ -162,3 +162,23 @@ def test_a_directory_path_naming_a_file_or_a_broken_link_is_refused(tmp_path, ca
         err = capsys.readouterr().err
         assert f"{tmp_path / name} is not a directory; give a new file path" in err, err
     assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "file").read_text() == "notes"
+
+
+def test_exporting_the_same_events_into_a_directory_again_writes_no_second_segment(tmp_path, capsys):
+    """`kprof export -o rows/` made twice wrote two segments of the same events, whose bytes differed only by their
+    header's time (so their names differed too): a directory committed to git gained a copy at every export, and
+    nothing said so. The second export names the segment that holds them and writes nothing."""
+    rows = tmp_path / "rows"
+    db = tmp_path / "a.db"
+    with Ledger.open(str(db)) as led:
+        led.append([synth.event(i) for i in range(5)])
+    first = _export(db, str(rows) + "/", capsys)
+    time.sleep(0.01)
+    assert main(["export", "--db", str(db), "-o", str(rows), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["segment"], doc["events"], doc["written"]) == (first, 5, False)
+    assert main(["export", "--db", str(db), "-o", str(rows)]) == 0
+    assert f"the 5 event(s) of {db} are in {first} already" in capsys.readouterr().out
+    assert os.listdir(rows) == [os.path.basename(first)]
+    later = _export(db, rows, capsys, "--since", "2")  # other events: a segment of their own
+    assert later != first and sorted(os.listdir(rows)) == sorted(os.path.basename(p) for p in (first, later))
