@@ -42,8 +42,21 @@ def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: li
     late = (f"; it is the parent of the row {here}, which a ledger cannot take after the row: merge the segments "
             f"into a ledger that holds neither, or leave it out") if now["parent"] == came["event"] else ""
     raise MergeConflict(f"{' and '.join(said)} (first: key {first['key'][:16]}, current {now['event'][:16]} {here}, "
-                        f"incoming {came['event'][:16]} of {first['segment']}{late}); {done}; {told}",
-                        report)
+                        f"incoming {came['event'][:16]} of {first['segment']}{late}); {done}{_fix(rows) * (not late)}; "
+                        f"{told}", report)
+
+
+def _fix(rows: list[dict]) -> str:
+    """The fix: leave out each segment in conflict with the ledger's rows (which stay), and one of each two segments
+    in conflict with each other."""
+    def named(paths) -> str:
+        return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more (see the report)" if len(paths) > 3 else "")
+
+    theirs = sorted({r["segment"] for r in rows if r["current"]["segment"] is None})
+    pairs = sorted({(r["current"]["segment"], r["segment"]) for r in rows if r["current"]["segment"] is not None})
+    ways = [f"leave out {named(theirs)} (the ledger keeps its rows)"] * bool(theirs)
+    ways += [f"leave out one of {named([f'{a} or {b}' for a, b in pairs])}"] * bool(pairs)
+    return f"; the fix: {' and '.join(ways)}"
 
 
 def _report(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: list[str]) -> dict:

@@ -518,6 +518,28 @@ def test_a_conflict_merges_nothing_and_reports_both_events(tmp_path):
     assert row["provenance"]["profiler_revision"] == 1
 
 
+def test_a_conflict_says_which_segments_to_leave_out(tmp_path, capsys):
+    """A refused merge named the conflicting segments but not what to do: it now says which segments to leave out
+    (each one at odds with the ledger's rows, which stay; one of two at odds with each other), and merging without
+    them merges the rest."""
+    ours = _ledger(tmp_path / "ours.db", synth.events(0, 10))
+    theirs = str(tmp_path / "theirs.kseg")
+    export(_ledger(tmp_path / "theirs.db", [synth.event(4, seed=3)]), theirs)  # key 4 again, not from ours
+    one, two = str(tmp_path / "one.kseg"), str(tmp_path / "two.kseg")
+    export(_ledger(tmp_path / "one.db", [synth.event(40)]), one)
+    export(_ledger(tmp_path / "two.db", [synth.event(40, seed=3)]), two)
+    fine = str(tmp_path / "fine.kseg")
+    export(_ledger(tmp_path / "fine.db", [synth.event(50)]), fine)
+    argv = ["--db", ours, "--output-dir", str(tmp_path / "out")]
+    assert main(["merge", theirs, one, two, fine, *argv]) == 3
+    err = capsys.readouterr().err
+    assert (f"nothing was merged; the fix: leave out {theirs} (the ledger keeps its rows) and leave out one "
+            f"of {one} or {two}; the conflicts are in") in err, err
+    assert main(["merge", one, fine, *argv]) == 0
+    with Ledger.open(ours, readonly=True) as led:
+        assert led.last_seq == 12
+
+
 @pytest.mark.parametrize("between", ["another row", "the same segment"])
 def test_a_row_another_writer_stores_between_the_check_and_the_write_is_held_against(tmp_path, monkeypatch,
                                                                                       between):
