@@ -121,9 +121,10 @@ def _checked(part: _Part) -> tuple[list[_Seen], list[bytes]]:
         try:
             event = decode(data)
         except msgspec.MsgspecError as exc:
-            raise SegmentError(f"{path}: event {i} {_newer(data, None) or f'does not decode ({exc})'}") from None
+            why = _newer(data, None) or f"does not decode ({exc}); {_FORGED}"
+            raise SegmentError(f"{path}: event {i} {why}") from None
         if encode(event) != data:
-            why = _newer(data, event) or "is not in canonical form (not written by kprof)"
+            why = _newer(data, event) or f"is not in canonical form (not written by kprof); {_FORGED}"
             raise SegmentError(f"{path}: event {i} {why}")
         kind = type(event)
         if kind is Retracted:
@@ -131,12 +132,13 @@ def _checked(part: _Part) -> tuple[list[_Seen], list[bytes]]:
             continue
         if provenance_key(event.provenance) != event.key:
             raise SegmentError(f"{path}: event {i} ({_codec.event_id(data).hex()[:16]}) carries a key its "
-                               f"provenance does not hash to (forged)")
+                               f"provenance does not hash to (forged); {_FORGED}")
         out.append(_Seen(kind, event.key, event.parent))
     return out, list(map(_codec.event_id, part.run.events))
 
 
 _FIX = "a newer kprof wrote it; upgrade kprof to merge it (nothing was merged)"
+_FORGED = "export it again from its ledger (nothing was merged)"
 
 
 def _newer(data: bytes, event) -> str | None:
@@ -197,8 +199,6 @@ class _Check:
         self.batch_ids.append(ids)
 
     def _against_ledger(self, part: _Part, events: list[_Seen], eids: list[bytes]) -> None:
-        from ..ledger import _verify
-
         txn, led = self.txn, self.ledger
         new_keys = list({event.key for event in events} - self.current.keys())
         stored: set[bytes] = set()

@@ -40,6 +40,7 @@ _MAX_EVENT = 1 << 26  # 64 MiB: no event comes near; a damaged length past it is
 BLOCK = 1 << 20  # bytes read (and hashed) at a time
 RUN = 10_000  # events per run of `read`
 _length = struct.Struct(">I")
+_AGAIN = "copy the file again from where it was written, or export it again from its ledger"  # a damaged one's fix
 
 
 class SegmentHeader(msgspec.Struct, frozen=True):
@@ -149,7 +150,8 @@ def named(directory: str, digest: bytes) -> str:
 def _exact(f: BinaryIO, n: int, what: str, at: int) -> bytes:
     data = f.read(n)
     if len(data) != n:
-        raise SegmentError(f"truncated at byte {at + len(data)}: {what} needs {n} bytes, {len(data)} remain")
+        raise SegmentError(f"truncated at byte {at + len(data)}: {what} needs {n} bytes, {len(data)} remain (the file "
+                           f"was cut short); {_AGAIN}")
     return data
 
 
@@ -188,12 +190,12 @@ def _header(f: BinaryIO) -> tuple[SegmentHeader, bytes]:
                            "wrote (a ledger is merged by exporting it first)")
     size = int.from_bytes(_exact(f, _LEN, "the header's length", len(MAGIC)), "big")
     if size > 4096:
-        raise SegmentError(f"the header's length ({size} bytes) is damaged")
+        raise SegmentError(f"the header's length ({size} bytes) is damaged; {_AGAIN}")
     raw = _exact(f, size, "the header", len(MAGIC) + _LEN)
     try:
         header = msgspec.msgpack.decode(raw, type=SegmentHeader)
     except msgspec.DecodeError as exc:
-        raise SegmentError(f"the header does not decode ({exc})") from None
+        raise SegmentError(f"the header does not decode ({exc}); {_AGAIN}") from None
     if header.format != FORMAT:  # every kprof that wrote segments wrote format 1: an older one is damage
         fix = ("a newer kprof wrote it; upgrade kprof to merge it" if header.format > FORMAT else
                "no kprof writes an older one (the header is damaged); export the segment again")
@@ -231,12 +233,13 @@ def runs(path: str, size: int, digests: list | None = None) -> Iterator[Run]:
         footer = reader.take(len(FOOTER) + 32, "the footer")
         if footer[:len(FOOTER)] != FOOTER:
             raise SegmentError(f"no footer at byte {at}: the header says {header.events} events, and the bytes "
-                               f"there are not the footer (events added, removed or damaged)")
+                               f"there are not the footer (events added, removed or damaged); {_AGAIN}")
         if footer[len(FOOTER):] != whole.digest():
-            raise SegmentError("the footer's digest does not match the bytes before it: the segment was altered "
-                               "or damaged")
+            raise SegmentError(f"the footer's digest does not match the bytes before it: the segment was altered "
+                               f"or damaged; {_AGAIN}")
         if reader.rest():
-            raise SegmentError(f"bytes follow the footer at byte {reader.offset}")
+            raise SegmentError(f"bytes follow the footer at byte {reader.offset} (one segment a file: merge segments "
+                               f"joined into one as their own files); {_AGAIN}")
         if digests is not None:
             digests.append(footer[len(FOOTER):])
 
@@ -266,7 +269,7 @@ class _Blocks:
         at = self.offset
         n = _length.unpack(self.take(_LEN, f"the length of event {i}"))[0]
         if n == 0 or n > _MAX_EVENT:
-            raise SegmentError(f"event {i} at byte {at}: a length of {n} bytes is damaged")
+            raise SegmentError(f"event {i} at byte {at}: a length of {n} bytes is damaged; {_AGAIN}")
         return self.take(n, f"event {i}")
 
     def take(self, n: int, what: str) -> bytes:
@@ -286,7 +289,7 @@ class _Blocks:
         self.buf, self.pos, self.mark = more, 0, 0
         if len(rest) + len(more) < n:
             raise SegmentError(f"truncated at byte {at + len(rest) + len(more)}: {what} needs {n} bytes, "
-                               f"{len(rest) + len(more)} remain")
+                               f"{len(rest) + len(more)} remain (the file was cut short); {_AGAIN}")
         self.pos = n - len(rest)
         return rest + more[:self.pos]
 

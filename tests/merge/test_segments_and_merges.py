@@ -274,14 +274,19 @@ def _damaged_copies(seg: str, tmp_path):
 
 
 def test_every_damaged_segment_is_rejected_whole_and_nothing_is_written(tmp_path, source):
+    """Each refusal names the file and the fix: a truncated or altered copy said what failed and where, but not what
+    to do ("truncated at byte 1000: ...", "the footer's digest does not match ...")."""
     _path, seg = source
     target = _ledger(tmp_path / "t.db", synth.events(100, 110))
     before = _digest(target)
+    fixes = ("copy the file again from where it was written, or export it again from its ledger",
+             "give a .kseg file `kprof export` wrote", "export it again from its ledger")
     for name, data in _damaged_copies(seg, tmp_path):
         bad = _write(tmp_path / f"{name}.kseg", data)
         with pytest.raises(SegmentError) as err:
             merge([bad], target)
-        assert str(err.value), name
+        assert str(err.value).startswith(f"segment {bad}: ") or str(err.value).startswith(f"{bad}: "), name
+        assert any(fix in str(err.value) for fix in fixes), (name, str(err.value))
         assert _digest(target) == before, name
 
 
