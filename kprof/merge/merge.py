@@ -281,10 +281,11 @@ def merge(paths: list[str], db: str | None = None, output_dir: str | None = None
     headers = {p: segment.header_of(p) for p in paths}
     paths = ordered(paths)
     early = None  # pass 1 made before the ledger is opened for writing
-    if not os.path.lexists(ledger_path(db)):  # a new ledger: a damaged segment or a conflict leaves no empty one
+    if not os.path.lexists(ledger_path(db)):  # a new ledger: a damaged segment, a conflict or no event leaves none
         check = _check(None, paths)
         if check.conflicts:
             refuse(None, ledger_path(db), check.conflicts, paths, output_dir)
+        early = None if check.seen else check  # segments of no event: no file made for nothing
     else:
         early = _check_before_upgrade(db, paths, output_dir)
     segments = [{"path": p, "ledger_id": headers[p].ledger_id, "events": headers[p].events} for p in paths]

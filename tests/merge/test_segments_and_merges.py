@@ -929,3 +929,16 @@ def test_a_ledger_given_to_merge_is_refused_with_the_fix(tmp_path, source, refus
     refused(["merge", path, "--db", target], f"segment {path}: not a kprof segment",
             "give a .kseg file `kprof export` wrote (a ledger is merged by exporting it first)")
     assert _digest(target) == before
+
+
+def test_a_segment_of_no_event_merged_into_a_new_ledger_makes_no_file(tmp_path, capsys):
+    """A segment holding no event (a worker's, or one written by hand) merged into a ledger not created yet made an
+    empty ledger file, so a mistyped --db became a ledger that `query` read as holding nothing. It merges nothing and
+    makes no file; into an existing ledger it changes nothing."""
+    empty = segment.write(str(tmp_path / "empty.kseg"), [], "x")
+    assert main(["merge", empty, "--db", str(tmp_path / "new.db")]) == 0
+    assert "merged 0 new event(s)" in capsys.readouterr().out
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("new.db")]
+    target = _ledger(tmp_path / "t.db", synth.events(0, 3))
+    before = _digest(target)
+    assert (merge([empty], target).added, _digest(target)) == (0, before)
