@@ -14,10 +14,11 @@ __all__ = ["refuse"]
 
 
 def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: list[str],
-           output_dir: str | None, merged: int = 0) -> None:
+           output_dir: str | None, merged: tuple[int, int] = (0, 0)) -> None:
     """Writes the conflicts' report to `output_dir` (default: the working directory) and raises MergeConflict, saying
     which conflicts are with the ledger's rows and which between the segments (`ledger` None: not created yet).
-    `merged`: the events earlier batches of this merge stored (a conflict found when a later batch was written)."""
+    `merged`: the events of this merge's earlier batches, now in the ledger, and how many of them it did not hold
+    before (a conflict found when a later batch was written)."""
     out = output_dir or "."
     report = _report(ledger, db_path, conflicts, paths)
     where = os.path.join(out, "merge-report.json")
@@ -33,9 +34,9 @@ def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: li
     said = [f"{n} incoming event(s) conflict with the ledger's current rows" for n in [len(rows) - between] if n]
     said += [f"{n} event(s) of the segments conflict with each other (attempts at one key, neither re-measuring "
              f"the other)" for n in [between] if n]
-    done = "nothing was merged" if not merged else (
-        f"the first {merged} event(s) were merged (whole batches, each checked, before another writer stored the row "
-        f"in conflict), nothing after them")
+    done = "nothing was merged" if not merged[0] else (
+        f"the first {merged[0]} event(s) of the segments were merged ({merged[1]} of them new to the ledger; whole "
+        f"batches, each checked, before another writer stored the row in conflict), nothing after them")
     first, now, came = rows[0], rows[0]["current"], rows[0]["incoming"]
     here = f"of {now['segment']}" if now["segment"] else "here"
     # A ledger's row stays its latest attempt: the row a re-measurement held here re-measured cannot be merged after it.

@@ -366,7 +366,7 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None,
         if _last_seq(ledger, txn) != seq:
             again = _check(ledger, paths, txn)
             if again.conflicts:
-                refuse(ledger, ledger.path, again.conflicts, paths, output_dir, merged=added + existing)
+                refuse(ledger, ledger.path, again.conflicts, paths, output_dir, (added + existing, added))
 
     try:
         for n, parts in enumerate(_batches(paths)):

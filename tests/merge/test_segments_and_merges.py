@@ -586,12 +586,14 @@ def test_a_row_another_writer_stores_between_the_check_and_the_write_is_held_aga
 
 def test_a_conflict_found_at_a_later_batch_says_what_the_earlier_batches_merged(tmp_path, monkeypatch):
     """A merge of several batches whose later batch meets a row another writer stored after the check said "nothing
-    was merged" while its earlier batches were in the ledger: it now says how many."""
+    was merged" while its earlier batches were in the ledger: it now says how many, and how many of them are new
+    (it called events the ledger held already merged: "the first 8 event(s) were merged" where 6 were)."""
     import kprof.merge.merge as m
 
     monkeypatch.setattr(m, "BATCH", 4)
     ours = _ledger(tmp_path / "ours.db", synth.events(0, 3))
-    theirs_db = _ledger(tmp_path / "theirs.db", [*synth.events(20, 29), synth.event(30)])
+    theirs_db = _ledger(tmp_path / "theirs.db", [*synth.events(20, 22), *synth.events(0, 2), *synth.events(22, 27),
+                                                 synth.event(30)])  # two events of the first batches held already
     seg = str(tmp_path / "theirs.kseg")
     export(theirs_db, seg)
     append, calls = Ledger.append_checked, []
@@ -603,10 +605,11 @@ def test_a_conflict_found_at_a_later_batch_says_what_the_earlier_batches_merged(
         return append(self, prepared, **kwargs)
 
     monkeypatch.setattr(Ledger, "append_checked", stored_before_the_last_batch)
-    with pytest.raises(MergeConflict, match=r"the first 8 event\(s\) were merged \(whole batches, each checked"):
+    with pytest.raises(MergeConflict, match=r"the first 8 event\(s\) of the segments were merged \(6 of them new to "
+                                            r"the ledger; whole batches, each checked"):
         merge([seg], ours, output_dir=str(tmp_path / "out"))
     with Ledger.open(ours, readonly=True) as led:
-        assert led.last_seq == 3 + 8 + 1
+        assert led.last_seq == 3 + 6 + 1
     assert audit(ours).ok
 
 
