@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import api
+from ..runners.registry import lookup
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Spec, Specs, Table, Timer
 from ._render import console, emit_json, results_table
@@ -55,10 +56,12 @@ def _unknown_gpu_key(res, stale=None) -> None:
     elif stale is not None and held:
         rows = [r for r in stale().results if r["status"] == "stale"]
         if rows:
-            timing = rows[0]["provenance"]["timing"]
+            timing, revision = rows[0]["provenance"]["timing"], rows[0]["provenance"]["profiler_revision"]
             threads = " (a CPU row's timing names its torch thread count: OMP_NUM_THREADS, MKL_NUM_THREADS)" * (
                 "threads=" in timing)
+            now = lookup(res.table, res.backend).contract.profiler_revision
+            one = (f"one of profiler revision {revision}, older than this kprof's {now})" if revision < now else
+                   f"one timed {timing!r}){threads}")  # an older revision's row: its timing is no matter
             have = "has a row" if len(rows) == 1 else "have rows"
             console(stderr=True).print(f"note: {len(rows)} of the {res.count} spec(s) {have} of another timing or "
-                                       f"profiler revision (stale; one timed {timing!r}){threads}; `kprof query` "
-                                       f"shows them", markup=False)
+                                       f"profiler revision (stale; {one}; `kprof query` shows them", markup=False)

@@ -150,3 +150,17 @@ def test_every_spec_missing_where_some_have_rows_of_another_thread_count_gets_a_
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert main(argv) == 0  # one ok row: not every spec missing, no note
     assert capsys.readouterr().err == ""
+
+
+def test_every_spec_missing_where_some_have_rows_of_an_older_revision_says_the_revision(ledger_path, capsys, h,
+                                                                                         local_gpu):
+    """Rows of an older profiler revision (merged from a ledger an older kprof filled) under this process's timing:
+    the note named their timing, the very timing this process reads, and sent the user to the torch thread count.
+    It names their revision and this kprof's."""
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu, revision=0))
+    assert main(["count-missing", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(), h.gemm(m=64)), "--db",
+                 ledger_path]) == 0
+    err = capsys.readouterr().err
+    assert ("note: 1 of the 2 spec(s) has a row of another timing or profiler revision (stale; one of profiler "
+            "revision 0, older than this kprof's 1); `kprof query` shows them") in err, err
+    assert "thread" not in err
