@@ -125,6 +125,18 @@ def _missing(exc: Exception, argv: list[str]) -> str | None:
     return f"{'/'.join(sorted(names, key=len)) or argument.field_info.name} is missing{what}"
 
 
+def _stream(verb: str | None, argv: list[str]) -> str | None:
+    """`-` given to export or merge, for stdout or stdin (cyclopts read it as an option: "-o needs a value", "Unknown
+    option: -"): segments are files, said with the fix; None for anything else."""
+    after = [argv[i - 1] if i else "" for i, a in enumerate(argv) if a == "-"]  # the token before each `-`
+    if not (verb == "export" and {"-o", "--output"} & set(after) or
+            verb == "merge" and any(a not in ("--db", "--output-dir") for a in after)):
+        return None
+    given, stream = ("-o -", "stdout") if verb == "export" else ("a segment -", "stdin")
+    return (f"{given}: a segment is a file, not {stream} (a merge reads each segment twice, checked and then merged); "
+            f"give a file path (or a directory), and copy the file between machines")
+
+
 def _one_pair(exc: Exception, verb: str | None, argv: list[str]) -> str | None:
     """A second table (a token left over) or a second --backend, worded as the rule it breaks: one table/backend pair
     per command (cyclopts said "Unused Tokens: ['rms_norm']" and "Parameter --backend specified multiple times"); None
@@ -218,7 +230,7 @@ def _main(argv: list[str]) -> int:
         from ._render import error
 
         verb = next((a for a in argv if a in {name for name, _t, _h in VERBS}), None)
-        said = _missing(exc, argv) or _one_pair(exc, verb, argv) or (
+        said = _stream(verb, argv) or _missing(exc, argv) or _one_pair(exc, verb, argv) or (
             str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc))
         error(f"{said}; see `kprof {verb + ' ' if verb else ''}--help`")
         return 2

@@ -117,6 +117,9 @@ def _check_output(output: str) -> None:
     fix = "give a new file path in a writable directory, or a directory (ending in /)"
     if not output.strip():
         raise UsageError(f"-o {output!r} is empty; {fix}")
+    if output == "-":  # `-o=-`: a file named "-" where stdout was meant
+        raise UsageError(f"-o -: a segment is a file, not stdout (a merge reads each segment twice, checked and then "
+                         f"merged); {fix}, and copy the file between machines")
     where = output if os.path.isdir(output) else os.path.dirname(os.path.abspath(output))  # "rows/": its parent
     if output.endswith(("/", os.sep)):
         where = os.path.abspath(output)  # the directory itself where something is there (a file, a broken link)

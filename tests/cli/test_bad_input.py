@@ -855,6 +855,22 @@ def test_a_required_argument_left_out_is_named_as_the_usage_line_names_it(argv, 
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["export", "-o", "-", "--db", "p.db"], "error: -o -: a segment is a file, not stdout"),
+    (["export", "--output", "-"], "error: -o -: a segment is a file, not stdout"),
+    (["export", "-o=-", "--db", "p.db"], "error: -o -: a segment is a file, not stdout"),
+    (["merge", "-", "--db", "p.db"], "error: a segment -: a segment is a file, not stdin"),
+    (["merge", "--db", "p.db", "a.kseg", "-"], "error: a segment -: a segment is a file, not stdin")])
+def test_a_segment_piped_through_stdout_or_stdin_is_refused_as_such(argv, said, tmp_path, capsys):
+    """`kprof export -o - | ssh host kprof merge -`, to ship rows between machines: `-o -` said "-o needs a value"
+    (it had one), `-o=-` wrote a file named "-", and `merge -` said "Unknown option: -". Each says a segment is a
+    file, and the fix, and nothing is written."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(said) and "give a" in err and "file path" in err and err.count("\n") == 1, err
+    assert os.listdir(tmp_path) == []
+
+
 def test_help_says_what_the_verbs_do(capsys):
     """run's --output-dir help left out the curve.png it writes; audit's said --remeasure exits 1 on a drift only,
     where a row that fails to measure exits 1 too."""
