@@ -12,7 +12,7 @@ from ..ledger._verify import AUDIT
 from ..ledger.audit import JOBS
 from ..ledger.audit import audit as run_audit
 from ._options import L2, CudaGraph, Db, Json, Power, Timer, number, whole
-from ._render import console, emit_json
+from ._render import console, emit_json, stdout_to_stderr
 
 
 def _remeasure_only(alias):
@@ -80,7 +80,8 @@ def _no_method_without_remeasure(method: dict) -> None:
 def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict, seed: int | None) -> int:
     from ..remeasure import remeasure
 
-    report = remeasure(db, n, tolerance, **method, seed=seed)
+    with stdout_to_stderr(json):  # what a runner prints while measuring: stdout is the document's alone
+        report = remeasure(db, n, tolerance, **method, seed=seed)
     if report.unregistered:  # rows of a plugin's table, drawn only where its module is loaded
         console(stderr=True).print(f"note: rows of {', '.join(report.unregistered)} were not drawn: no runner "
                                    f"registered here measures them; set KPROF_RUNNERS to the module that registers "

@@ -12,7 +12,7 @@ from cyclopts import Parameter
 from ..calibrate import calibrate as run_calibrate
 from ..calibrate import complete
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Timer
-from ._render import console, emit_json
+from ._render import console, emit_json, stdout_to_stderr
 
 
 def _figure(value: float) -> str:
@@ -31,9 +31,10 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
     bandwidth)."""
     from . import invocation
 
-    results, found = run_calibrate(backend, gpu_name=gpu_name, db=db, force=force,
-                                   command=shlex.join(invocation), timer=timer, l2=l2,
-                                   cuda_graph=cuda_graph, power=power)
+    with stdout_to_stderr(json):  # what a runner prints while measuring: stdout is the document's alone
+        results, found = run_calibrate(backend, gpu_name=gpu_name, db=db, force=force,
+                                       command=shlex.join(invocation), timer=timer, l2=l2,
+                                       cuda_graph=cuda_graph, power=power)
     rows = [row for r in results for row in r.results]
     if json:
         emit_json({"backend": backend, "gpu_name": results[0].gpu_name, "db": results[0].db,

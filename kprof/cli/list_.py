@@ -10,7 +10,7 @@ from cyclopts import Parameter
 
 from ..runners.registry import entries
 from ._options import Json
-from ._render import console, emit_json
+from ._render import console, emit_json, stdout_to_stderr
 
 Environments = Annotated[bool, Parameter(name="--environments", negative="", help=(
     "List each environment the backends name (Python, packages, CUDA, image) and whether this machine satisfies "
@@ -21,7 +21,8 @@ def list_(*, json: Json = False, environments: Environments = False) -> int:
     """List every table/backend pair kprof can measure."""
     if environments:
         return _environments(json)
-    docs = [e.describe() for e in entries()]
+    with stdout_to_stderr(json):  # a KPROF_RUNNERS module's print when imported: stdout is the document's alone
+        docs = [e.describe() for e in entries()]
     if json:
         emit_json({"count": len(docs), "entries": docs})
         return 0
@@ -48,16 +49,17 @@ def _environments(json: bool) -> int:
 
     from ..runners import environments as envs
 
-    used: dict[str, list[str]] = {}
-    for e in entries():
-        used.setdefault(e.subprocess_env, []).append(f"{e.table}/{e.backend}")
-    names = list(envs.ENVIRONMENTS) + [n for n in used if n not in envs.ENVIRONMENTS]
-    docs = []
-    for name in names:
-        env = envs.lookup(name)
-        differences = envs.check(name)
-        docs.append({"name": name, "environment": None if env is None else msgspec.to_builtins(env),
-                     "satisfied": not differences, "differences": differences, "entries": used.get(name, [])})
+    with stdout_to_stderr(json):  # what a KPROF_RUNNERS module or torch prints when imported goes to stderr
+        used: dict[str, list[str]] = {}
+        for e in entries():
+            used.setdefault(e.subprocess_env, []).append(f"{e.table}/{e.backend}")
+        names = list(envs.ENVIRONMENTS) + [n for n in used if n not in envs.ENVIRONMENTS]
+        docs = []
+        for name in names:
+            env = envs.lookup(name)
+            differences = envs.check(name)
+            docs.append({"name": name, "environment": None if env is None else msgspec.to_builtins(env),
+                         "satisfied": not differences, "differences": differences, "entries": used.get(name, [])})
     if json:
         emit_json({"count": len(docs), "environments": docs})
         return 0

@@ -24,7 +24,7 @@ from cyclopts import Parameter
 
 from ..errors import KprofError, UsageError
 from ._options import Json, Table, _db_given, number
-from ._render import console, emit_json
+from ._render import console, emit_json, stdout_to_stderr
 
 __all__ = ["measure", "diagnose"]
 
@@ -73,9 +73,10 @@ def measure(table: Table, *, backend: MeasureBackend, spec: MeasureSpec = None, 
     (raw,) = parse_spec_texts(spec)
     from . import invocation
 
-    doc = diagnose(table, backend, raw, output_dir=output_dir, duration_s=duration_s, telemetry_hz=telemetry_hz,
-                   clear_l2=not no_clear_l2, cuda_graph=cuda_graph, gpu_name=gpu_name, db=db,
-                   command=shlex.join(invocation), allow_telemetry_off=False)
+    with stdout_to_stderr(json):  # what a runner prints while measuring: stdout is the document's alone
+        doc = diagnose(table, backend, raw, output_dir=output_dir, duration_s=duration_s, telemetry_hz=telemetry_hz,
+                       clear_l2=not no_clear_l2, cuda_graph=cuda_graph, gpu_name=gpu_name, db=db,
+                       command=shlex.join(invocation), allow_telemetry_off=False)
     if json:
         emit_json(doc)
     else:

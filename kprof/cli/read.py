@@ -6,7 +6,7 @@ from .. import api
 from ..runners.registry import lookup
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Spec, Specs, Table, Timer
-from ._render import console, emit_json, results_table
+from ._render import console, emit_json, results_table, stdout_to_stderr
 
 
 def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = None,
@@ -14,8 +14,9 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
                   cuda_graph: CudaGraph = None, power: Power = None, json: Json = False) -> int:
     """Count the specs without an ok row (missing, stale or failed). Never profiles."""
     given, method = read_specs(spec, specs), dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
-    res = api.count_missing(table, backend, given, gpu_name=gpu_name, db=db, **method)
-    _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method))
+    with stdout_to_stderr(json):  # a KPROF_RUNNERS module's print when imported: stdout is the document's alone
+        res = api.count_missing(table, backend, given, gpu_name=gpu_name, db=db, **method)
+        _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method))
     if json:
         emit_json(res.to_json())
     else:
@@ -28,9 +29,10 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
           db: Db = None, timer: Timer = None, l2: L2 = None, cuda_graph: CudaGraph = None, power: Power = None,
           json: Json = False) -> int:
     """Read the rows of the given specs. Never profiles; missing rows are reported, not an error."""
-    res = api.query(table, backend, read_specs(spec, specs), gpu_name=gpu_name, db=db, timer=timer, l2=l2,
-                    cuda_graph=cuda_graph, power=power)
-    _unknown_gpu_key(res)
+    with stdout_to_stderr(json):  # a KPROF_RUNNERS module's print when imported: stdout is the document's alone
+        res = api.query(table, backend, read_specs(spec, specs), gpu_name=gpu_name, db=db, timer=timer, l2=l2,
+                        cuda_graph=cuda_graph, power=power)
+        _unknown_gpu_key(res)
     if json:
         emit_json(res.to_json())
     else:

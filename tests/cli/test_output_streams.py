@@ -159,3 +159,59 @@ def test_on_a_terminal_columns_0_still_prints_the_error_line(db):
     finally:
         os.close(main_fd)
     assert "table 'single_gemm' has no backend 'nope'" in out.decode()
+
+
+CHATTY = '''
+from kprof.ledger.events import Contract
+from kprof.runners._args import KernelArgs, Size
+from kprof.runners._case import Case, bind
+from kprof.runners.registry import Entry, register
+
+print("chatty: imported")
+
+
+class ChattyArgs(KernelArgs, frozen=True):
+    n: Size
+
+
+class Chatty:
+    def build(self, spec, device):
+        import torch
+
+        print("chatty: building")
+        x = torch.arange(spec.n, dtype=torch.float32, device=device) + 1.0
+
+        def call(x):
+            return x * 2.0
+
+        return Case(bind(call, (x,)), lambda: None, flops=float(spec.n), bytes=8.0 * spec.n, inputs=(x,), call=call)
+
+
+register(Entry("chatty", "torch-cpu", ChattyArgs, "elementwise", "compute",
+               Contract(algorithm="x * 2", layout="x[n]", numerics="fp32", timing="", profiler_revision=1),
+               runner="chatty_runner:Chatty", device="cpu"))
+'''
+
+
+@pytest.mark.parametrize("verb", [["list"], ["list", "--environments"], ["query"], ["count-missing"],
+                                  ["audit", "--remeasure", "1"]])
+def test_json_stdout_holds_the_document_alone_whatever_a_runner_prints(tmp_path, verb):
+    """A KPROF_RUNNERS module that prints when imported, or a runner that prints while it builds, wrote into the
+    --json document of every verb but `run`: `list`, `query`, `count-missing` (the import) and `audit --remeasure`
+    (the build too). What anything else prints goes to stderr."""
+    (tmp_path / "chatty_runner.py").write_text(CHATTY)
+    env = dict(os.environ, KPROF_RUNNERS="chatty_runner",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    db, spec = str(tmp_path / "chatty.db"), ["chatty", "--backend", "torch-cpu", "--spec", '{"n": 64}']
+    ran = subprocess.run([sys.executable, "-c", SCRIPT, "run", *spec, "--db", db], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    argv = [*verb, *spec, "--db", db] if verb[0] in ("query", "count-missing") else \
+        [*verb, "--db", db, "--seed", "1"] if verb[0] == "audit" else verb
+    done = subprocess.run([sys.executable, "-c", SCRIPT, *argv, "--json"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode in (0, 1), done.stderr
+    json.loads(done.stdout)  # the document alone
+    assert "chatty: imported" in done.stderr
+    if verb[0] == "audit":
+        assert "chatty: building" in done.stderr
