@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import api
+from ..method import effective_entry
 from ..runners.registry import lookup
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Spec, Specs, Table, Timer
@@ -16,7 +17,8 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
     given, method = read_specs(spec, specs), dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     with stdout_to_stderr(json):  # a KPROF_RUNNERS module's print when imported: stdout is the document's alone
         res = api.count_missing(table, backend, given, gpu_name=gpu_name, db=db, **method)
-        _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method))
+        _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method),
+                         now=lambda: effective_entry(lookup(table, backend), **method).contract)
     if json:
         emit_json(res.to_json())
     else:
@@ -42,11 +44,11 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
     return 0
 
 
-def _unknown_gpu_key(res, stale=None) -> None:
+def _unknown_gpu_key(res, stale=None, now=None) -> None:
     """One note on stderr where every spec is missing because the ledger has no row at all of the table/backend
     under this GPU key while it holds others (a mistyped --gpu-name reads as missing rows), or (count-missing, which
     counts stale rows as missing: `stale` runs the query that tells them) where some have rows of another timing or
-    revision (a CPU row of another thread count). The answer itself, its JSON and its exit 0 stay as the contract
+    revision (a CPU row of another thread count), naming what differs from the contract `now` gives. The answer itself, its JSON and its exit 0 stay as the contract
     says; `kprof export` refuses such a key instead."""
     if not res.count or res.missing_count < res.count:
         return
@@ -58,12 +60,16 @@ def _unknown_gpu_key(res, stale=None) -> None:
     elif stale is not None and held:
         rows = [r for r in stale().results if r["status"] == "stale"]
         if rows:
-            timing, revision = rows[0]["provenance"]["timing"], rows[0]["provenance"]["profiler_revision"]
-            threads = " (a CPU row's timing names its torch thread count: OMP_NUM_THREADS, MKL_NUM_THREADS)" * (
-                "threads=" in timing)
-            now = lookup(res.table, res.backend).contract.profiler_revision
-            one = (f"one of profiler revision {revision}, older than this kprof's {now})" if revision < now else
-                   f"one timed {timing!r}){threads}")  # an older revision's row: its timing is no matter
+            old, current = rows[0]["provenance"], now()
+            if old["timing"] != current.timing:  # a CPU row of another thread count, a CUDA row of another method
+                threads = " (a CPU row's timing names its torch thread count: OMP_NUM_THREADS, MKL_NUM_THREADS)" * (
+                    "threads=" in old["timing"])
+                what = f"one timed {old['timing']!r}, where this command reads {current.timing!r}){threads}"
+            elif old["profiler_revision"] != current.profiler_revision:  # a runner's revision bumped since
+                what = (f"one of profiler revision {old['profiler_revision']}, where the runner is now at "
+                        f"{current.profiler_revision}: `kprof run` measures it again)")
+            else:
+                what = "one of another algorithm, layout or numerics: `kprof run` measures it again)"
             have = "has a row" if len(rows) == 1 else "have rows"
             console(stderr=True).print(f"note: {len(rows)} of the {res.count} spec(s) {have} of another timing or "
-                                       f"profiler revision (stale; {one}; `kprof query` shows them", markup=False)
+                                       f"profiler revision (stale; {what}; `kprof query` shows them", markup=False)
