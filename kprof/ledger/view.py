@@ -175,8 +175,7 @@ class View:
 
     def _columns(self, txn, shapes: list) -> tuple[list, list, list, list, list]:
         """(status, key, event id, summary, base) of each canonical shape's row: the Row fields after `spec`."""
-        keys = self.keys.keys_of(shapes)
-        values = self._verified(txn, keys)
+        values = self._verified(txn, keys := self.keys.keys_of(shapes))
         statuses = ["missing" if v is None else "ok" if v.kind == MEASURED else "failed" for v in values]
         eids = [None if v is None else v.event_id for v in values]
         summaries = [None if v is None else v.summary for v in values]
@@ -221,17 +220,18 @@ class View:
         """Every current row of the scope, one per shape, as get_many answers it (see `_pick`; others' read stale)."""
         with self._read() as txn:
             indexed = self._indexed(txn, self.scope)  # sorted: the keys of one shape are adjacent
-            keys = [k[32:] for k in indexed]
-            rows = self._verified(txn, keys)
+            rows = self._verified(txn, keys := [k[32:] for k in indexed])
             for _shape, group in groupby(range(len(keys)), lambda i: indexed[i][:32]):
                 at = list(group)
                 if found := self._pick(txn, [keys[i] for i in at], [rows[i] for i in at]):
                     yield Row(dict(found[4].shape), *found)
 
     def _entry(self, txn) -> ScopeEntry | None:
-        """The scope's `scopes` entry (verified), or None where the ledger never held a row of it."""
+        """The scope's `scopes` entry (verified), or None where the ledger never held a row of it (nor its index)."""
         with _verify.reading(self.ledger.path, "scopes"):
             raw = txn.get(self.scope, db=self.ledger.dbs["scopes"])
+            if raw is None and self._indexed(txn, self.scope):  # a damaged entry key: not the root of no rows
+                raise _verify.damaged(self.ledger.path, f"scope {self.scope.hex()} has rows and no `scopes` entry")
             return None if raw is None else opened("scopes", self.scope, raw, ScopeEntry)
 
     def _root(self, txn) -> bytes:

@@ -182,6 +182,29 @@ def test_a_damaged_scope_entry_is_refused_not_read_as_another_view_root(h, rows,
     assert out == "" and sid.hex() in err and "kprof audit" in err, err
 
 
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_scope_entry_under_a_damaged_key_is_refused_not_read_as_a_scope_of_no_rows(h, rows, capsys, local_gpu,
+                                                                                     stale):
+    """A bit flipped in the key of a `scopes` entry left the scope without one: `query` read the view root of no rows
+    beside its ok rows (exit 0, a root naming another state), and a scope of stale rows only read every spec
+    `missing`. Rows indexed under a scope that has no entry are damage (exit 3)."""
+    db, specs, _eids = rows
+    if stale:  # the only rows of a spec of another profiler revision, in a scope of their own
+        db = db.replace("profile.db", "stale.db")
+        h.append(db, h.make_event(specs[0], local_gpu, revision=0))
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        sid, value = next(iter(txn.cursor(ledger.dbs["scopes"])))
+
+    def move(txn, dbs):
+        txn.delete(sid, db=dbs["scopes"])
+        txn.put(bytes([sid[0] ^ 1]) + sid[1:], value, db=dbs["scopes"])
+
+    _tamper(db, move)
+    assert main(_verbs(h, db, specs, "")["query"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and f"scope {sid.hex()} has rows and no `scopes` entry" in err and "kprof audit" in err, err
+
+
 def test_a_damaged_header_version_is_integrity_damage_not_a_path_error(h, rows, capsys):
     """A flipped bit in the LMDB version of the file's header (right after its magic number) read as "cannot open
     ledger ...: MDB_VERSION_MISMATCH; check the path and its permissions", exit 2, from every verb, `kprof audit`
