@@ -18,8 +18,7 @@ class Resolved(NamedTuple):
 
 def _by_prefix(txn, db, prefix_hex: str) -> list[bytes]:
     """The db's keys that start with the hex prefix, up to two (two are enough to call it ambiguous)."""
-    out: list[bytes] = []
-    cursor = txn.cursor(db)
+    out, cursor = [], txn.cursor(db)
     if cursor.set_range(bytes.fromhex(prefix_hex[: len(prefix_hex) // 2 * 2])):
         for k in cursor.iternext(values=False):
             if len(out) == 2 or not k.hex().startswith(prefix_hex):
@@ -57,14 +56,15 @@ def resolve(ledger, ref: str) -> Resolved:
             history = [(seq, hid, _verify.event(path, hid, txn.get(hid, db=dbs["events"]), key)) for seq, hid in seqs]
         row = _verify.rows(txn, dbs, path, [key], summaries=False)[0]
         current = row.event_id if row is not None else None
+        if {eid, current} - {None, *(hid for _seq, hid, _event in history)}:  # a damaged history key: not retracted
+            raise _verify.damaged(path, f"the history of key {key.hex()} lacks its event(s)")
         return Resolved(kind, key, eid if eid is not None else current, history, current)
 
 
 def _check_neighbours(txn, db, path: str, prefix_hex: str) -> None:
     """Where no event id has the prefix, the ids either side must hash from their bytes (else damage reads as none)."""
-    even = prefix_hex[: len(prefix_hex) // 2 * 2]
     cursor, items = txn.cursor(db), []
-    if cursor.set_range(bytes.fromhex(even)):
+    if cursor.set_range(bytes.fromhex(prefix_hex[: len(prefix_hex) // 2 * 2])):
         items.append(cursor.item())
         if cursor.prev():
             items.append(cursor.item())

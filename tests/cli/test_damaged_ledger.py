@@ -205,6 +205,26 @@ def test_a_scope_entry_under_a_damaged_key_is_refused_not_read_as_a_scope_of_no_
     assert out == "" and f"scope {sid.hex()} has rows and no `scopes` entry" in err and "kprof audit" in err, err
 
 
+def test_a_history_entry_under_a_damaged_key_is_refused_not_shown_as_retracted(h, rows, capsys):
+    """A bit flipped in the key of a `history` entry left the key without one: `show` of its ok row's citation said
+    "row: none (every measurement of this key is retracted)" with an empty history (exit 0), while `query` read the
+    row ok. An event, or a current row, that its key's history lacks is damage (exit 3)."""
+    db, specs, (eid, _other) = rows
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        key = msgspec.msgpack.decode(txn.get(eid, db=ledger.dbs["events"]))["key"]
+        value = txn.get(key, db=ledger.dbs["history"])
+
+    def move(txn, dbs):
+        txn.delete(key, db=dbs["history"])
+        txn.put(key[:-1] + bytes([key[-1] ^ 1]), value, db=dbs["history"])
+
+    _tamper(db, move)
+    for argv in (["show", "kprof." + eid.hex()[:16], "--db", db], ["show", eid.hex(), "--db", db, "--json"]):
+        assert main(argv) == 3
+        out, err = capsys.readouterr()
+        assert out == "" and f"the history of key {key.hex()} lacks its event(s)" in err, err
+
+
 def test_a_damaged_header_version_is_integrity_damage_not_a_path_error(h, rows, capsys):
     """A flipped bit in the LMDB version of the file's header (right after its magic number) read as "cannot open
     ledger ...: MDB_VERSION_MISMATCH; check the path and its permissions", exit 2, from every verb, `kprof audit`
