@@ -51,6 +51,7 @@ class SpecError(UsageError):
         self.index = index
         self.field = field
         self.value = value
+        self.reason = message  # the message without its "spec N: " (a JSONL file's specs are named by line too)
         where = f"spec {index}: " if index is not None else ""
         super().__init__(where + message)
 

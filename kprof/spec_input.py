@@ -17,7 +17,7 @@ import msgspec
 
 from .errors import SpecError, UsageError
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "read_specs", "parse_spec_texts", "parse_specs_file"]
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "JsonlSpecs", "read_specs", "parse_spec_texts", "parse_specs_file"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
 # A --specs file past this is refused unread: it is read whole, and its specs take ~16x its size in memory (a 44 MiB
@@ -25,6 +25,21 @@ MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
 MAX_FILE_BYTES = 256 << 20  # ~6 million GEMM specs
 
 _is_container = frozenset({dict, list}).__contains__
+
+
+class JsonlSpecs(list):
+    """The specs of a JSONL file, with the line of the file each is on (as editors number them, blank lines
+    counted): `kprof.specs.validate` names a spec it refuses by that line as well as by its index."""
+
+    def __init__(self, specs: list, where: str, lines: list[int]):
+        super().__init__(specs)
+        self.where, self.lines = where, lines
+
+    def locate(self, exc: SpecError) -> SpecError:
+        if exc.index is None or not 0 <= exc.index < len(self.lines):
+            return exc
+        return SpecError(f"{self.where} line {self.lines[exc.index]}: {exc.reason}", index=exc.index,
+                         field=exc.field, value=exc.value)
 
 
 class _Duplicate(Exception):
@@ -174,7 +189,8 @@ def parse_specs_file(path: str) -> list[Any]:
         if len(lines) < 2 or not _one_value(lines[0][1]):  # JSONL's first line is a whole value; else one document
             raise SpecError(f"--specs {path} is not valid JSON or JSONL ({_located(exc, data)}); fix the "
                             f"file") from None
-        doc = [_decode(ln, f"--specs {path} line {n}", i) for i, (n, ln) in enumerate(lines)]
+        doc = JsonlSpecs([_decode(ln, f"--specs {path} line {n}", i) for i, (n, ln) in enumerate(lines)],
+                         f"--specs {path}", [n for n, _ln in lines])
     if isinstance(doc, dict) and isinstance(doc.get("table"), str) and isinstance(doc.get("backend"), str):
         _refuse_output(path, doc)  # no spec has a field "backend": a document kprof wrote
     if isinstance(doc, dict) and isinstance(doc.get("specs"), list):

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import msgspec
 
 from .errors import SpecError, UsageError
-from .spec_input import MAX_DEPTH, MAX_FILE_BYTES, parse_spec_texts, parse_specs_file, read_specs
+from .spec_input import MAX_DEPTH, MAX_FILE_BYTES, JsonlSpecs, parse_spec_texts, parse_specs_file, read_specs
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "ShapeCodec", "is_text", "read_specs", "parse_spec_texts",
            "parse_specs_file", "spec_list", "validate"]
@@ -23,10 +23,10 @@ def is_text(value: str) -> bool:
 
 
 def spec_list(specs: Any) -> list:
-    """The caller's specs as a list: a list as it is, another iterable (a tuple, a generator) listed. One spec (a
-    mapping or a Struct), a string, None or anything not iterable is a UsageError: listing a dict would read its
-    keys as specs."""
-    if type(specs) is list:
+    """The caller's specs as a list: a list (a JsonlSpecs too) as it is, another iterable (a tuple, a generator)
+    listed. One spec (a mapping or a Struct), a string, None or anything not iterable is a UsageError: listing a dict
+    would read its keys as specs."""
+    if isinstance(specs, list):
         return specs
     if isinstance(specs, (Mapping, msgspec.Struct)):
         raise UsageError(f"specs: expected a list of specs, got one spec ({type(specs).__name__}); wrap it in a list, "
@@ -216,7 +216,10 @@ class ShapeCodec:
 def validate(args_type, raw: list[Any], table: str | None = None) -> list[dict]:
     """The specs as canonical dicts in KernelArgs field order; raises SpecError naming index, field and `table`."""
     codec = ShapeCodec(args_type, strict=True, name=table)  # 64.0 or 1e3 for an int field: refused, not 64 or 1000
-    shapes, _exact = codec.to_shapes(raw)
+    try:
+        shapes, _exact = codec.to_shapes(raw)
+    except SpecError as exc:  # a JSONL file's spec: named by its line too (blank lines make it no index + 1)
+        raise raw.locate(exc) if isinstance(raw, JsonlSpecs) else exc from None
     names = codec.field_names
     out = []
     for shape in shapes:

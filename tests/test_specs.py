@@ -178,6 +178,21 @@ def test_a_jsonl_line_is_named_by_its_number_in_the_file_counting_blank_lines(tm
     _no_db(db)
 
 
+@pytest.mark.parametrize("verb", ["run", "count-missing"])
+def test_a_jsonl_spec_refused_at_validation_is_named_by_its_line(verb, tmp_path, capsys, db):
+    """A valid JSON line whose spec does not fit the table was named "spec 2" alone: with blank lines before it, the
+    file's line 5, which the user's editor shows, could not be found from it."""
+    path = _write(tmp_path, "specs.jsonl", json.dumps(A) + "\n\n" + json.dumps(B) + "\n\n" + json.dumps({**A, "m": -2})
+                  + "\n" + json.dumps([A]) + "\n")
+    assert main([verb, *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'error: spec 2: --specs {path} line 5: field "m" = -2') and "use an integer" in err, err
+    path = _write(tmp_path, "specs.jsonl", json.dumps(A) + "\n\n" + json.dumps([A]) + "\n")
+    assert main([verb, *GEMM, "--specs", path, "--db", db]) == 2
+    assert f"spec 1: --specs {path} line 3: expected a JSON object" in capsys.readouterr().err
+    _no_db(db)
+
+
 @pytest.mark.parametrize("body, said", [
     ("[\n  A,\n  B,\n]\n", "trailing comma in array at line 4, column 1"),
     ('{"specs": [\n  A,\n  B\n', "it ends before every [ and { it opens is closed"),
