@@ -17,7 +17,8 @@ import msgspec
 
 from .errors import SpecError, UsageError
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "JsonlSpecs", "read_specs", "parse_spec_texts", "parse_specs_file"]
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "JsonlSpecs", "json_kind", "read_specs", "parse_spec_texts",
+           "parse_specs_file"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
 # A --specs file past this is refused unread: it is read whole, and its specs take ~16x its size in memory (a 44 MiB
@@ -25,6 +26,21 @@ MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
 MAX_FILE_BYTES = 256 << 20  # ~6 million GEMM specs
 
 _is_container = frozenset({dict, list}).__contains__
+
+
+def json_kind(value) -> str:
+    """A value that is no spec as JSON names it, with the value (`null`, `a number (42)`), not as Python does
+    (`NoneType`, `int`); another Python type by its name."""
+    kind = {type(None): "", bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list",
+            tuple: "a list", dict: "an object"}.get(type(value))
+    if kind is None:
+        return type(value).__name__
+    try:
+        shown = msgspec.json.encode(value).decode()
+    except (TypeError, ValueError, OverflowError):  # nan, a str that is not UTF-8: as Python writes it
+        shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"{kind} ({shown})" if kind else shown
 
 
 class JsonlSpecs(list):
@@ -201,13 +217,13 @@ def parse_specs_file(path: str) -> list[Any]:
                             f'"{extra[0]}"; {fix}', field=extra[0])
         doc = doc["specs"]
     if isinstance(doc, dict) and set(doc) == {"specs"}:  # the wrapper around one spec: no table has a field "specs"
-        held = "an object" if isinstance(doc["specs"], dict) else f"a JSON {type(doc['specs']).__name__}"
+        held = "an object" if isinstance(doc["specs"], dict) else json_kind(doc["specs"])
         raise SpecError(f'--specs {path}: "specs" holds {held}, not a list; write {{"specs": [{{...}}, ...]}}, the '
                         f'specs in a list even where there is one', field="specs")
     if isinstance(doc, dict):
         doc = [doc]
     if not isinstance(doc, list):
-        raise UsageError(f"--specs {path} holds a JSON {type(doc).__name__}; give an object, a list, "
+        raise UsageError(f"--specs {path} holds {json_kind(doc)}; give an object, a list, "
                          f"{{\"specs\": [...]}} or JSONL")
     if not doc:
         raise UsageError(f"--specs {path} holds no specs; it needs at least one")

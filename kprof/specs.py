@@ -10,7 +10,8 @@ from typing import Any, Mapping
 import msgspec
 
 from .errors import SpecError, UsageError
-from .spec_input import MAX_DEPTH, MAX_FILE_BYTES, JsonlSpecs, parse_spec_texts, parse_specs_file, read_specs
+from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, JsonlSpecs, json_kind, parse_spec_texts, parse_specs_file,
+                         read_specs)
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "ShapeCodec", "is_text", "read_specs", "parse_spec_texts",
            "parse_specs_file", "spec_list", "validate"]
@@ -127,7 +128,11 @@ class ShapeCodec:
 
     def _slow_to_shape(self, spec, index):
         if not isinstance(spec, Mapping):
-            raise SpecError(f"expected a JSON object of {self._table_fields()}, got {type(spec).__name__}", index=index)
+            fix = ("a spec is one object, not a list of them: one per --spec, one per JSONL line, or in one flat list "
+                   "(in Python, a flat list of dicts)" if isinstance(spec, (list, tuple))
+                   else "write each spec as an object of those fields")
+            raise SpecError(f"expected a JSON object of {self._table_fields()}, got {json_kind(spec)}; {fix}",
+                            index=index, value=spec)
         named = [name for name in spec if not isinstance(name, str)]
         if named:
             raise SpecError(f"field name {named[0]!r} ({type(named[0]).__name__}) is not a str; name each field as a "

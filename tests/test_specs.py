@@ -113,7 +113,9 @@ ERRORS = {
                                                        "use one of bf16, fp16, fp32\n"]),  # the CPU's: no fp8
     "missing field": ([A, {"m": 1, "n": 1, "dtype": "fp32"}],
                       ['spec 1: field "k" is missing; a single_gemm spec needs {m, n, k, dtype}']),
-    "not an object": ([A, [1, 2]], ["spec 1", "expected a JSON object of {m, n, k, dtype}"]),
+    "not an object": ([A, [1, 2]], ["spec 1", "expected a JSON object of {m, n, k, dtype}, got a list ([1,2]); a spec "
+                                   "is one object, not a list of them: one per --spec"]),
+    "null": ([A, None], ["spec 1: expected a JSON object of {m, n, k, dtype}, got null; write each spec as an object"]),
     "malformed json": ([A, '{"m": 32, "n": 48,'], ["spec 1", "--spec is not valid JSON", "write it as a JSON object"]),
 }
 
@@ -210,7 +212,8 @@ def test_a_pretty_printed_file_with_a_mistake_is_named_where_it_is_not_as_its_fi
     _no_db(db)
 
 
-@pytest.mark.parametrize("inner, held", [(json.dumps(A), "an object"), ("5", "a JSON int")])
+@pytest.mark.parametrize("inner, held", [(json.dumps(A), "an object"), ("5", "a number (5)"),
+                                         ("null", "null")])
 def test_a_specs_wrapper_around_something_not_a_list_says_so(inner, held, tmp_path, capsys, db):
     """{"specs": {...}} was read as one spec and refused for its field "specs", with "use only {m, n, k, dtype}"."""
     path = _write(tmp_path, "specs.json", f'{{"specs": {inner}}}')
@@ -281,7 +284,8 @@ def test_malformed_single_document_file(tmp_path, capsys, db):
 
 
 @pytest.mark.parametrize("text, needle", [("", "is empty"), ("  \n\n", "is empty"), ("[]", "holds no specs"),
-                                          ('{"specs": []}', "holds no specs"), ("42", "holds a JSON int")])
+                                          ('{"specs": []}', "holds no specs"), ("42", "holds a number (42)"),
+                                          ("null", "holds null;"), ('"m"', 'holds a string ("m");')])
 def test_empty_or_non_spec_file(text, needle, tmp_path, capsys, db):
     path = _write(tmp_path, "specs.json", text)
     assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
