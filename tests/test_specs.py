@@ -195,6 +195,20 @@ def test_a_jsonl_spec_refused_at_validation_is_named_by_its_line(verb, tmp_path,
     _no_db(db)
 
 
+@pytest.mark.parametrize("comment", ["# GEMMs of layer 1", "// decode", "/* prefill */"])
+@pytest.mark.parametrize("first", [True, False])
+def test_a_comment_in_a_specs_file_is_named_as_a_comment(comment, first, tmp_path, capsys, db):
+    """A comment line was "not valid JSON (invalid character (byte 0)); write it as a JSON object", or on line 1 "not
+    valid JSON or JSONL (invalid character at line 1, column 1)": neither said that JSON has no comments."""
+    body = [json.dumps(A), "", comment, json.dumps(B)] if not first else [comment, json.dumps(A), json.dumps(B)]
+    path = _write(tmp_path, "specs.jsonl", "\n".join(body) + "\n")
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --specs {path} line {1 if first else 3} is a comment ({comment}); JSON and JSONL have no "
+                   f"comments: remove the line, or keep notes in another file\n"), err
+    _no_db(db)
+
+
 @pytest.mark.parametrize("body, said", [
     ("[\n  A,\n  B,\n]\n", "trailing comma in array at line 4, column 1"),
     ('{"specs": [\n  A,\n  B\n', "it ends before every [ and { it opens is closed"),
