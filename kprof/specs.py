@@ -29,6 +29,9 @@ def spec_list(specs: Any) -> list:
     would read its keys as specs."""
     if isinstance(specs, list):
         return specs
+    if isinstance(specs, Mapping) and isinstance(specs.get("specs"), list):  # a specs file's {"specs": [...]}, loaded
+        raise UsageError('specs: expected a list of specs, got a {"specs": [...]} document (as a specs file holds); '
+                         'pass its list, doc["specs"]')
     if isinstance(specs, (Mapping, msgspec.Struct)):
         raise UsageError(f"specs: expected a list of specs, got one spec ({type(specs).__name__}); wrap it in a list, "
                          f"[spec]")

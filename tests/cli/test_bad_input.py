@@ -289,7 +289,9 @@ def test_a_bad_setting_is_refused_even_when_every_row_is_stored(name, value, tmp
 # ---- the Python API's arguments ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("specs, needle", [(None, "got NoneType"), ("m=1", "got str"), (5, "got int"),
-                                           (SPEC, "got one spec (dict); wrap it in a list")])
+                                           (SPEC, "got one spec (dict); wrap it in a list"),
+                                           ({"specs": [SPEC]}, 'got a {"specs": [...]} document (as a specs file '
+                                                               'holds); pass its list, doc["specs"]')])
 def test_the_python_api_refuses_specs_that_are_not_a_list_of_specs(specs, needle, tmp_path, h, local_gpu):
     db = str(tmp_path / "p.db")
     h.append(db, h.make_event(SPEC, local_gpu))
