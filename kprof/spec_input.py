@@ -138,9 +138,10 @@ def _decode(text: str, where: str, index: int | None):
         return _load(text, where, index)
     except msgspec.DecodeError as exc:
         # read before the table is looked up: the example is named as single_gemm's, not offered as every table's
-        raise SpecError(f"{where} is not valid JSON ({exc}); write it as a JSON object of the table's fields (`kprof "
-                        f"list` names them), e.g. '{{\"m\": 128, \"n\": 256, \"k\": 64, \"dtype\": \"bf16\"}}' for "
-                        f"single_gemm", index=index) from None
+        reason = _located(exc, text.encode("utf-8", "replace"), one_line=True)
+        raise SpecError(f"{where} is not valid JSON ({reason}); write it as a JSON object of the table's fields "
+                        f"(`kprof list` names them), e.g. '{{\"m\": 128, \"n\": 256, \"k\": 64, \"dtype\": \"bf16\"}}' "
+                        f"for single_gemm", index=index) from None
 
 
 def _one_value(line: str) -> bool:
@@ -151,18 +152,27 @@ def _one_value(line: str) -> bool:
     return True
 
 
-def _located(exc: msgspec.DecodeError, data: bytes) -> str:
+def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> str:
     """msgspec's reason with its byte offset as the line and column an editor shows (a pretty-printed file's error is
-    rarely on its first line), and a document that ends early said as such."""
+    rarely on its first line; `one_line`: a --spec or JSONL line, the column alone), and a document that ends early,
+    or is empty, said as such."""
     reason = str(exc)
     at = re.search(r" \(byte (\d+)\)$", reason)
     if at:
         offset = int(at.group(1))
         start = data.rfind(b"\n", 0, offset) + 1
         line, column = data.count(b"\n", 0, offset) + 1, len(data[start:offset].decode("utf-8", "replace")) + 1
-        return f"{reason[:at.start()]} at line {line}, column {column}"
+        one_line = one_line and b"\n" not in data.strip()  # a --spec of several lines: its line too
+        return f"{reason[:at.start()]} at {'' if one_line else f'line {line}, '}column {column}"
     if reason == "Input data was truncated":
-        return "it ends before every [ and { it opens is closed"
+        if not data.strip():
+            return "it is empty"
+        try:  # msgspec says so of a string ending in a lone surrogate escape ("\ud800"), which the stdlib reads
+            json.loads(data)
+        except ValueError:
+            return "it ends before every [ and { it opens is closed"
+        return ("it holds a \\u escape of half a UTF-16 surrogate pair (\\ud800 to \\udfff, alone), which is no "
+                "character; write the character itself")
     return reason
 
 
@@ -259,6 +269,8 @@ def _refuse_output(path: str, doc: dict) -> None:
 def read_specs(spec: list[str] | None, specs: str | None) -> list[Any]:
     if spec and specs:
         raise UsageError("pass either --spec (repeatable) or --specs PATH, not both")
+    if specs == "":  # not "no --specs": the path is what is wrong
+        raise UsageError("--specs '': the path is empty; pass the path of a JSON or JSONL file of specs")
     if not spec and not specs:
         raise UsageError("no specs given; pass --spec JSON (repeatable) or --specs PATH")
     return parse_spec_texts(spec) if spec else parse_specs_file(specs)

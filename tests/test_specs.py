@@ -209,6 +209,27 @@ def test_a_comment_in_a_specs_file_is_named_as_a_comment(comment, first, tmp_pat
     _no_db(db)
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--specs", ""], "error: --specs '': the path is empty; pass the path of a JSON or JSONL file of specs\n"),
+    (["--spec", " "], "error: spec 0: --spec is not valid JSON (it is empty); write it as a JSON object"),
+    (["--spec", '{"m": 1, "n": 2'], "--spec is not valid JSON (it ends before every [ and { it opens is closed)"),
+    (["--spec", '{"m": 1,, "n": 2}'], "--spec is not valid JSON (JSON is malformed: object keys must be strings at "
+                                      "column 9)"),
+    (["--spec", '{"m": 1,\n "n": 2 "k": 3}'], "--spec is not valid JSON (JSON is malformed: expected ',' or '}' at "
+                                              "line 2, column 9)"),
+    (["--spec", '{"dtype": "\\ud800"}'], "--spec is not valid JSON (it holds a \\u escape of half a UTF-16 "
+                                         "surrogate pair (\\ud800 to \\udfff, alone), which is no character"),
+])
+def test_an_empty_or_cut_off_spec_is_said_to_be_so(args, said, capsys, db):
+    """`--specs ''` read as no --specs at all ("no specs given; pass --spec JSON or --specs PATH"), and msgspec's
+    "Input data was truncated" stood for an empty --spec and for a string ending in a lone surrogate escape; its
+    byte offset in a one-line text was a byte, not a column."""
+    assert main(["count-missing", *GEMM, *args, "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "truncated" not in err and "(byte" not in err, err
+    _no_db(db)
+
+
 @pytest.mark.parametrize("body, said", [
     ("[\n  A,\n  B,\n]\n", "trailing comma in array at line 4, column 1"),
     ('{"specs": [\n  A,\n  B\n', "it ends before every [ and { it opens is closed"),
