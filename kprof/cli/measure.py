@@ -161,7 +161,10 @@ def _entry_and_spec(table: str, backend: str, spec: Any):
                              f"at a time, or use `kprof run` for a batch")
         spec = spec[0]
     if not isinstance(spec, dict) and not hasattr(spec, "__struct_fields__"):
-        raise UsageError(f"the spec must be a JSON object of {table}'s KernelArgs, not {type(spec).__name__}")
+        from ..spec_input import json_kind
+
+        raise UsageError(f"the spec must be a JSON object of {table}'s KernelArgs, not {json_kind(spec)}; pass one "
+                         f"object of {{{', '.join(entry.args.__struct_fields__)}}}")
     if hasattr(spec, "__struct_fields__"):
         import msgspec
 

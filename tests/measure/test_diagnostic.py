@@ -535,6 +535,8 @@ def gpu_here(monkeypatch):
     (_measure(spec=[GEMM_SPEC, {**GEMM_SPEC, "m": 1}]), "was given a batch of 2"),
     (_measure(spec=[]), "the spec is an empty list; pass one JSON object of single_gemm's KernelArgs {m, n, k, dtype}"),
     (_measure(spec={**GEMM_SPEC, "backend": "torch"}), "backend"),
+    (_measure(spec=None), "the spec must be a JSON object of single_gemm's KernelArgs, not null; pass one object of "
+                          "{m, n, k, dtype}"),
     (_measure(backend="torch-cpu"), "timed by wall clock on the CPU, not by CUPTI"),
     (_measure("--gpu-name", "NVIDIA B200"), "--gpu-name 'NVIDIA B200' differs from the GPU this would measure on"),
     (_measure("--db", ""), "--db '' is empty"),
