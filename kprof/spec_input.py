@@ -8,6 +8,7 @@ one silently: `{"m": 1, "m": 2}` would be read as m=2)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from itertools import chain, compress
@@ -17,7 +18,7 @@ import msgspec
 
 from .errors import SpecError, UsageError
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "JsonlSpecs", "json_kind", "read_specs", "parse_spec_texts",
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "JsonlSpecs", "json_kind", "long_int", "read_specs", "parse_spec_texts",
            "parse_specs_file"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
@@ -28,6 +29,14 @@ MAX_FILE_BYTES = 256 << 20  # ~6 million GEMM specs
 _is_container = frozenset({dict, list}).__contains__
 
 
+def long_int(value) -> str | None:
+    """An int too long to show in a message (past 40 digits) by its count of digits, else None: Python will not write
+    one past 4,300 digits at all (a ValueError, where the message meant to name it)."""
+    if not isinstance(value, int) or value.bit_length() <= 132:  # < 10**39.7: written whole
+        return None
+    return f"a {'negative ' if value < 0 else ''}{math.floor(math.log10(abs(value))) + 1:,}-digit integer"
+
+
 def json_kind(value) -> str:
     """A value that is no spec as JSON names it, with the value (`null`, `a number (42)`), not as Python does
     (`NoneType`, `int`); another Python type by its name."""
@@ -36,9 +45,12 @@ def json_kind(value) -> str:
     if kind is None:
         return type(value).__name__
     try:
-        shown = msgspec.json.encode(value).decode()
+        shown = long_int(value) or msgspec.json.encode(value).decode()
     except (TypeError, ValueError, OverflowError):  # nan, a str that is not UTF-8: as Python writes it
-        shown = repr(value)
+        try:
+            shown = repr(value)
+        except ValueError:  # a list holding an int past the 4,300 digits Python writes
+            shown = "..."
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return f"{kind} ({shown})" if kind else shown
 
@@ -164,6 +176,9 @@ def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> s
         line, column = data.count(b"\n", 0, offset) + 1, len(data[start:offset].decode("utf-8", "replace")) + 1
         one_line = one_line and b"\n" not in data.strip()  # a --spec of several lines: its line too
         return f"{reason[:at.start()]} at {'' if one_line else f'line {line}, '}column {column}"
+    if reason.startswith(("Integer value out of range", "Number out of range")):  # valid JSON, too large to read
+        return ("it holds a number too large to read (an integer past 4,300 digits, or a number past 1.8e308); use "
+                "one in the field's range")
     if reason == "Input data was truncated":
         if not data.strip():
             return "it is empty"

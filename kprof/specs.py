@@ -10,10 +10,10 @@ from typing import Any, Mapping
 import msgspec
 
 from .errors import SpecError, UsageError
-from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, JsonlSpecs, json_kind, parse_spec_texts, parse_specs_file,
-                         read_specs)
+from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, JsonlSpecs, json_kind, long_int, parse_spec_texts,
+                         parse_specs_file, read_specs)
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "ShapeCodec", "is_text", "read_specs", "parse_spec_texts",
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "ShapeCodec", "is_text", "long_int", "read_specs", "parse_spec_texts",
            "parse_specs_file", "spec_list", "validate"]
 
 
@@ -217,8 +217,8 @@ class ShapeCodec:
             fix = "use true or false (JSON booleans)"
         elif isinstance(ftype, msgspec.inspect.FloatType):
             fix = "use a number"
-        return SpecError(f'field "{name}" = {value!r}: {text.split(" - at ")[0]}; {fix}', index=index,
-                         field=name, value=value)
+        return SpecError(f'field "{name}" = {long_int(value) or repr(value)}: {text.split(" - at ")[0]}; {fix}',
+                         index=index, field=name, value=value)
 
 
 def validate(args_type, raw: list[Any], table: str | None = None) -> list[dict]:

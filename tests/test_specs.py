@@ -632,3 +632,44 @@ def test_a_float_field_keys_minus_zero_as_zero_and_refuses_nan_and_inf(tmp_path)
             keys.key({"n": 8, "scale": bad})
     with pytest.raises(SpecError, match='field "scale" = \'big\': Expected `float`, got `str`; use a number'):
         validate(Args, [{"n": 8, "scale": "big"}], "t")
+
+
+def test_an_int_too_long_to_print_is_named_by_its_digits_not_a_crash_or_damage(tmp_path, capsys, empty_db):
+    """Python writes no int past 4,300 digits: such a value (from a Python caller; JSON's reader refuses one) made
+    the message that was to name it raise ValueError, a traceback, and inside a ledger read an IntegrityError
+    ("ledger ... is damaged", exit 3); a 400-digit one was written whole. Each is a SpecError naming its digits."""
+    from kprof.errors import IntegrityError, SpecError
+    from kprof.ledger import Ledger
+    from kprof.ledger.events import Contract
+    from kprof.runners._args import KernelArgs, Size
+    from kprof.specs import validate
+
+    class Args(KernelArgs, frozen=True):
+        n: Size
+        offset: int = 0
+        scale: float = 1.0
+
+    huge = 10 ** 5000
+    for spec, said in [({"n": huge}, 'field "n" = a 5,001-digit integer: Expected `int` <= '),
+                       ({"n": -10 ** 60}, 'field "n" = a negative 61-digit integer: Expected `int` >= 1'),
+                       ({"n": 8, "scale": huge}, 'field "scale" = a 5,001-digit integer: Number out of range'),
+                       ([huge], "got a list (...); a spec is one object")]:
+        with pytest.raises(SpecError) as exc:
+            validate(Args, [spec], "t")
+        assert said in str(exc.value) and exc.value.index == 0, str(exc.value)
+    contract = Contract(algorithm="a", layout="l", numerics="n", timing="t", profiler_revision=1)
+    with Ledger.open(str(tmp_path / "p.db")) as ledger:
+        view = ledger.view("t", "cpu", "gpu", contract, Args)
+        for offset, digits in [(huge, "5,001"), (-10 ** 100, "negative 101")]:
+            try:
+                view.get_many([{"n": 8}, {"n": 8, "offset": offset}])
+            except IntegrityError as exc:
+                raise AssertionError(f"a spec read as a damaged ledger: {exc}") from None
+            except SpecError as exc:
+                assert str(exc) == (f'spec 1: field "offset" = a {digits}-digit integer: past the 64-bit integers a '
+                                    f'key can hold; use a smaller value')
+    big = "1" + "0" * 5000
+    assert main(["count-missing", *GEMM, "--spec", f'{{"m": {big}, "n": 1, "k": 1, "dtype": "fp32"}}', "--db",
+                 empty_db]) == 2
+    err = capsys.readouterr().err
+    assert "it holds a number too large to read (an integer past 4,300 digits" in err and "$[" not in err, err
