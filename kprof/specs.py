@@ -191,6 +191,8 @@ class ShapeCodec:
         if text.startswith("Object contains unknown field"):
             name = text.split("`")[1]
             fix = ("give the backend on its own instead (--backend; backend= in Python)" if name == "backend"
+                   else 'a {"specs": [...]} document is a whole --specs file (in Python, pass its list), not one '
+                   'spec or JSONL line' if name == "specs" and isinstance(spec.get(name), list)
                    else f"use only {self._table_fields()}")
             return SpecError(f'field "{name}" is not a KernelArgs field of {self.name}; {fix}',
                              index=index, field=name, value=spec.get(name))

@@ -115,6 +115,9 @@ ERRORS = {
                       ['spec 1: field "k" is missing; a single_gemm spec needs {m, n, k, dtype}']),
     "not an object": ([A, [1, 2]], ["spec 1", "expected a JSON object of {m, n, k, dtype}, got a list ([1,2]); a spec "
                                    "is one object, not a list of them: one per --spec"]),
+    "a wrapper as a spec": ([A, {"specs": [A]}], ['spec 1: field "specs" is not a KernelArgs field of single_gemm; a '
+                                                  '{"specs": [...]} document is a whole --specs file (in Python, pass '
+                                                  'its list), not one spec or JSONL line']),
     "null": ([A, None], ["spec 1: expected a JSON object of {m, n, k, dtype}, got null; write each spec as an object"]),
     "malformed json": ([A, '{"m": 32, "n": 48,'], ["spec 1", "--spec is not valid JSON", "write it as a JSON object"]),
 }
