@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shlex
 from itertools import chain, compress
 from typing import Any
 
@@ -191,7 +192,13 @@ def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> s
     return reason
 
 
-def parse_spec_texts(texts: list[str]) -> list[Any]:
+def parse_spec_texts(texts: list[str], files: bool = True) -> list[Any]:
+    """Each --spec's JSON. `files`: the verb takes --specs too (`measure` does not)."""
+    for i, text in enumerate(texts):  # `--spec specs.json` for --specs: said so, not "invalid character at column 1"
+        if text.strip()[:1] not in ("{", "[", '"') and os.path.isfile(text):
+            fix = (f"pass the file with --specs {shlex.quote(text)}" if files else
+                   f"give the spec itself, e.g. --spec \"$(cat {shlex.quote(text)})\"")
+            raise SpecError(f"--spec {text}: that is a file, and --spec takes one spec as JSON text; {fix}", index=i)
     return [_decode(t, "--spec", i) for i, t in enumerate(texts)]
 
 

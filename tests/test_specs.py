@@ -233,6 +233,16 @@ def test_an_empty_or_cut_off_spec_is_said_to_be_so(args, said, capsys, db):
     _no_db(db)
 
 
+def test_a_file_given_to_spec_is_said_to_be_for_specs(tmp_path, capsys, db):
+    """`--spec specs.json` (for --specs) read "--spec is not valid JSON (invalid character at column 1); write it as a
+    JSON object": the path was parsed as JSON."""
+    path = _write(tmp_path, "my specs.json", json.dumps([A, B]))
+    assert main(["count-missing", *GEMM, *_spec(A), "--spec", path, "--db", db]) == 2
+    said = f"error: spec 1: --spec {path}: that is a file, and --spec takes one spec as JSON text; pass the file with "
+    assert capsys.readouterr().err == said + f"--specs '{path}'\n"
+    _no_db(db)
+
+
 @pytest.mark.parametrize("body, said", [
     ("[\n  A,\n  B,\n]\n", "trailing comma in array at line 4, column 1"),
     ('{"specs": [\n  A,\n  B\n', "it ends before every [ and { it opens is closed"),

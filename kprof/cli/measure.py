@@ -70,7 +70,7 @@ def measure(table: Table, *, backend: MeasureBackend, spec: MeasureSpec = None, 
     if len(spec) > 1:
         raise UsageError(f"measure takes exactly one spec and {len(spec)} --spec were given; measure them one at a "
                          f"time, or use `kprof run` for a batch")
-    (raw,) = parse_spec_texts(spec)
+    (raw,) = parse_spec_texts(spec, files=False)
     from . import invocation
 
     with stdout_to_stderr(json):  # what a runner prints while measuring: stdout is the document's alone

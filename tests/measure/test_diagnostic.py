@@ -546,6 +546,15 @@ def test_bad_input_is_refused_with_nothing_written(argv, needle, capsys, gpu_her
     assert _files(tmp_path) == [] and gpu_here == []
 
 
+def test_a_file_given_to_spec_is_not_sent_to_a_specs_flag_measure_lacks(capsys, gpu_here, tmp_path, refused):
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps(GEMM_SPEC))
+    refused(["measure", "single_gemm", "--backend", "torch", "--spec", str(path), "--output-dir", str(tmp_path / "o")],
+            f"--spec {path}: that is a file, and --spec takes one spec as JSON text; give the spec itself, e.g. --spec "
+            f"\"$(cat {path})\"")
+    assert _files(tmp_path) == ["specs.json"] and gpu_here == []
+
+
 def test_a_comm_table_is_refused(monkeypatch, capsys, gpu_here, tmp_path, refused):
     from kprof.runners import registry
 
