@@ -176,7 +176,10 @@ def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> s
         start = data.rfind(b"\n", 0, offset) + 1
         line, column = data.count(b"\n", 0, offset) + 1, len(data[start:offset].decode("utf-8", "replace")) + 1
         one_line = one_line and b"\n" not in data.strip()  # a --spec of several lines: its line too
-        return f"{reason[:at.start()]} at {'' if one_line else f'line {line}, '}column {column}"
+        where = f"at column {column}" if one_line else f"at line {line}, column {column}"
+        if data.startswith(b"\xef\xbb\xbf", offset):  # past the file's start (ignored there): files joined with `cat`
+            return f"a byte-order mark (U+FEFF) {where}, as joining files saved with one leaves; remove it"
+        return f"{reason[:at.start()]} {where}"
     if reason.startswith(("Integer value out of range", "Number out of range")):  # valid JSON, too large to read
         return ("it holds a number too large to read (an integer past 4,300 digits, or a number past 1.8e308); use "
                 "one in the field's range")

@@ -379,6 +379,23 @@ def test_a_utf8_byte_order_mark_is_ignored(tmp_path, capsys, empty_db):
     assert _count(capsys, ["--specs", str(lines), "--db", empty_db])["missing"] == [A, B]
 
 
+@pytest.mark.parametrize("body, said", [
+    ("A\n\ufeffB\n", "spec 1: --specs {path} line 2 is not valid JSON (a byte-order mark (U+FEFF) at column 1, as "
+                       "joining files saved with one leaves; remove it)"),
+    ("[A,\n\ufeffB]\n", "--specs {path} is not valid JSON or JSONL (a byte-order mark (U+FEFF) at line 2, column 1, "
+                        "as joining files saved with one leaves; remove it)"),
+])
+def test_a_byte_order_mark_inside_a_file_is_named_as_such(body, said, tmp_path, capsys, db):
+    """Two files saved with a byte-order mark, joined: the second's mark read "invalid character at column 1", a
+    character no editor shows."""
+    path = tmp_path / "specs.jsonl"
+    path.write_bytes(("\ufeff" + body.replace("A", json.dumps(A)).replace("B", json.dumps(B))).encode())
+    assert main(["run", *GEMM, "--specs", str(path), "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert said.format(path=path) in err, err
+    _no_db(db)
+
+
 def test_both_spec_and_specs(tmp_path, capsys, db):
     path = _write(tmp_path, "specs.json", json.dumps([A]))
     assert main(["run", *GEMM, *_spec(B), "--specs", path, "--db", db]) == 2
