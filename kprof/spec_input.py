@@ -212,7 +212,8 @@ def parse_specs_file(path: str) -> list[Any]:
                          "path")
     if not os.path.isfile(path):
         what = ("is a directory" if os.path.isdir(path) else "is not a regular file (a device, pipe or socket)"
-                if os.path.exists(path) else "no such file")
+                if os.path.exists(path) else f"is a symbolic link to {os.readlink(path)}, which names no file (moved, "
+                "or a loop of links)" if os.path.islink(path) else "no such file")
         if not os.path.exists(path) and path.startswith("-"):  # `--specs --json`: the flag took the next one
             fix = f"{path} looks like a flag; give --specs the path of a JSON or JSONL file of specs"
         raise UsageError(f"--specs {path}: {what}; {fix}")

@@ -350,6 +350,18 @@ def test_missing_file(tmp_path, capsys, db):
     _no_db(db)
 
 
+@pytest.mark.parametrize("target", ["gone.json", "specs.json"])
+def test_a_specs_link_that_names_no_file_is_named_as_a_link(target, tmp_path, capsys, db):
+    """A dangling link, or one to itself, read "no such file", while `ls` lists the file."""
+    path = tmp_path / "specs.json"
+    path.symlink_to(target)
+    assert main(["run", *GEMM, "--specs", str(path), "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --specs {path}: is a symbolic link to {target}, which names no file (moved, or a loop of "
+                   f"links); pass the path of a JSON or JSONL file of specs\n"), err
+    _no_db(db)
+
+
 @pytest.mark.parametrize("kind", ["directory", "device"])
 def test_a_specs_path_that_is_no_file_is_named_for_what_it_is(kind, tmp_path, capsys, db):
     path = str(tmp_path) if kind == "directory" else os.devnull
