@@ -73,6 +73,8 @@ class ShapeCodec:
         self.field_names = tuple(f.name for f in info.fields)
         self._types = {f.name: f.type for f in info.fields}
         self._int_fields = {f.name for f in info.fields if isinstance(f.type, msgspec.inspect.IntType)}
+        # int fields whose bounds let a value past the 64 bits a key's msgpack holds through (a plugin's plain `int`)
+        self.wide_ints = tuple(n for n in sorted(self._int_fields) if not self._in_64_bits(self._types[n]))
         self._float_fields = tuple(f.name for f in info.fields if isinstance(f.type, msgspec.inspect.FloatType))
         hints = msgspec.structs.fields(args_type)
         by_name = {f.name: f for f in hints}
@@ -158,6 +160,17 @@ class ShapeCodec:
         except msgspec.ValidationError as exc:
             raise self._explain(exc, fixed, index) from None
 
+    @staticmethod
+    def _in_64_bits(t) -> bool:
+        low = t.ge if t.ge is not None else None if t.gt is None else t.gt + 1
+        high = t.le if t.le is not None else None if t.lt is None else t.lt - 1
+        return low is not None and high is not None and low >= -(1 << 63) and high < (1 << 64)
+
+    @staticmethod
+    def past_64_bits(name: str, value: int, index) -> SpecError:
+        return SpecError(f'field "{name}" = {long_int(value) or value}: past the 64-bit integers a key can hold; use a '
+                         f'smaller value', index=index, field=name, value=value)
+
     def _table_fields(self) -> str:
         return "{" + ", ".join(self.field_names) + "}"
 
@@ -226,13 +239,15 @@ class ShapeCodec:
 def validate(args_type, raw: list[Any], table: str | None = None) -> list[dict]:
     """The specs as canonical dicts in KernelArgs field order; raises SpecError naming index, field and `table`."""
     codec = ShapeCodec(args_type, strict=True, name=table)  # 64.0 or 1e3 for an int field: refused, not 64 or 1000
+    names, out = codec.field_names, []
     try:
         shapes, _exact = codec.to_shapes(raw)
+        for i, shape in enumerate(shapes):
+            d = msgspec.structs.asdict(shape)
+            for name in codec.wide_ints:  # refused here, as every spec's other mistakes, not when its key is made
+                if not -(1 << 63) <= d[name] < (1 << 64):
+                    raise codec.past_64_bits(name, d[name], i)
+            out.append({n: d[n] for n in names})
     except SpecError as exc:  # a JSONL file's spec: named by its line too (blank lines make it no index + 1)
         raise raw.locate(exc) if isinstance(raw, JsonlSpecs) else exc from None
-    names = codec.field_names
-    out = []
-    for shape in shapes:
-        d = msgspec.structs.asdict(shape)
-        out.append({n: d[n] for n in names})
     return out

@@ -715,3 +715,27 @@ def test_an_int_too_long_to_print_is_named_by_its_digits_not_a_crash_or_damage(t
                  empty_db]) == 2
     err = capsys.readouterr().err
     assert "it holds a number too large to read (an integer past 4,300 digits" in err and "$[" not in err, err
+
+
+def test_an_int_past_64_bits_is_refused_at_validation_with_its_index_and_line(tmp_path):
+    """A plugin's unbounded int field passed validation with 2**70 and was refused only when its key was made: by
+    `run --fresh` with no index at all, by the others with no JSONL line. validate refuses it with both."""
+    from kprof.errors import SpecError
+    from kprof.runners._args import KernelArgs, Size
+    from kprof.specs import parse_specs_file, validate
+
+    class Args(KernelArgs, frozen=True):
+        n: Size
+        offset: int = 0
+
+    ok = [{"n": 1, "offset": -(1 << 63)}, {"n": 1, "offset": (1 << 64) - 1}]
+    assert [s["offset"] for s in validate(Args, ok, "t")] == [-(1 << 63), (1 << 64) - 1]
+    for bad in (1 << 64, -(1 << 63) - 1, 2 ** 70):
+        with pytest.raises(SpecError) as exc:
+            validate(Args, [*ok, {"n": 1, "offset": bad}], "t")
+        said = f'spec 2: field "offset" = {bad}: past the 64-bit integers a key can hold; use a smaller value'
+        assert str(exc.value) == said
+    path = _write(tmp_path, "specs.jsonl", '{"n": 1}\n\n\n{"n": 2, "offset": 1180591620717411303424}\n')
+    with pytest.raises(SpecError, match=f'^spec 1: --specs {path} line 4: field "offset" = 1180591620717411303424: '
+                                        f'past the 64-bit'):
+        validate(Args, parse_specs_file(path), "t")

@@ -7,8 +7,7 @@ from itertools import repeat
 import msgspec
 from blake3 import blake3
 
-from ..errors import SpecError
-from ..specs import ShapeCodec, long_int
+from ..specs import ShapeCodec
 from . import _codec
 from .events import Contract, Provenance
 
@@ -51,8 +50,7 @@ class KeyMaker:
             fields = shape if isinstance(shape, dict) else msgspec.structs.asdict(shape)
             name, value = next((k, v) for k, v in fields.items() if isinstance(v, int) and not
                                -(1 << 63) <= v < (1 << 64))
-            raise SpecError(f'field "{name}" = {long_int(value) or value}: past the 64-bit integers a key can hold; '
-                            f'use a smaller value', index=index, field=name, value=value) from None
+            raise ShapeCodec.past_64_bits(name, value, index) from None
 
     def key(self, spec, index=None) -> bytes:
         return self._hasher.copy().update(self.shape_bytes(spec, index)).digest()
