@@ -19,8 +19,8 @@ import msgspec
 
 from .errors import SpecError, UsageError
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "JsonlSpecs", "json_kind", "long_int", "read_specs", "parse_spec_texts",
-           "parse_specs_file"]
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "JsonlSpecs", "json_kind", "json_text", "long_int", "read_specs",
+           "parse_spec_texts", "parse_specs_file"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
 # A --specs file past this is refused unread: it is read whole, and its specs take ~16x its size in memory (a 44 MiB
@@ -38,22 +38,31 @@ def long_int(value) -> str | None:
     return f"a {'negative ' if value < 0 else ''}{math.floor(math.log10(abs(value))) + 1:,}-digit integer"
 
 
-def json_kind(value) -> str:
-    """A value that is no spec as JSON names it, with the value (`null`, `a number (42)`), not as Python does
-    (`NoneType`, `int`); another Python type by its name."""
-    kind = {type(None): "", bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list",
-            tuple: "a list", dict: "an object"}.get(type(value))
-    if kind is None:
-        return type(value).__name__
+_JSON_KINDS = {type(None): "", bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "a list",
+               tuple: "a list", dict: "an object"}
+
+
+def json_text(value) -> str:
+    """A value of a JSON type as JSON writes it (`null`, `true`, `{"v":4}`: not Python's None, True, {'v': 4}), cut
+    to 60 characters; another value as Python writes it."""
     try:
-        shown = long_int(value) or msgspec.json.encode(value).decode()
+        as_json = type(value) in _JSON_KINDS and type(value) is not float  # JSON writes nan as null
+        shown = long_int(value) or (msgspec.json.encode(value).decode() if as_json else repr(value))
     except (TypeError, ValueError, OverflowError):  # nan, a str that is not UTF-8: as Python writes it
         try:
             shown = repr(value)
         except ValueError:  # a list holding an int past the 4,300 digits Python writes
             shown = "..."
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return f"{kind} ({shown})" if kind else shown
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def json_kind(value) -> str:
+    """A value that is no spec as JSON names it, with the value (`null`, `a number (42)`), not as Python does
+    (`NoneType`, `int`); another Python type by its name."""
+    kind = _JSON_KINDS.get(type(value))
+    if kind is None:
+        return type(value).__name__
+    return f"{kind} ({json_text(value)})" if kind else json_text(value)
 
 
 class JsonlSpecs(list):

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import msgspec
 
 from .errors import SpecError, UsageError
-from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, JsonlSpecs, json_kind, long_int, parse_spec_texts,
+from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, JsonlSpecs, json_kind, json_text, long_int, parse_spec_texts,
                          parse_specs_file, read_specs)
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "ShapeCodec", "is_text", "long_int", "read_specs", "parse_spec_texts",
@@ -232,7 +232,8 @@ class ShapeCodec:
             fix = "use true or false (JSON booleans)"
         elif isinstance(ftype, msgspec.inspect.FloatType):
             fix = "use a number"
-        return SpecError(f'field "{name}" = {long_int(value) or repr(value)}: {text.split(" - at ")[0]}; {fix}',
+        shown = repr(value) if isinstance(value, str) else json_text(value)  # null, true: as JSON writes them
+        return SpecError(f'field "{name}" = {shown}: {text.split(" - at ")[0]}; {fix}',
                          index=index, field=name, value=value)
 
 

@@ -118,6 +118,9 @@ ERRORS = {
     "a wrapper as a spec": ([A, {"specs": [A]}], ['spec 1: field "specs" is not a KernelArgs field of single_gemm; a '
                                                   '{"specs": [...]} document is a whole --specs file (in Python, pass '
                                                   'its list), not one spec or JSONL line']),
+    "null for a field": ([A, {**A, "dtype": None}], ['spec 1: field "dtype" = null: Expected `str`, got `null`']),
+    "an object for a field": ([A, {**A, "m": {"v": True}}], ['spec 1: field "m" = {"v":true}: Expected `int`, got '
+                                                             '`object`']),
     "null": ([A, None], ["spec 1: expected a JSON object of {m, n, k, dtype}, got null; write each spec as an object"]),
     "malformed json": ([A, '{"m": 32, "n": 48,'], ["spec 1", "--spec is not valid JSON", "write it as a JSON object"]),
 }
