@@ -45,12 +45,15 @@ def spec_list(specs: Any) -> list:
 def _scalar(value):
     """A numpy (or other array library's) scalar as the Python value it holds (`.item()`): a simulator's specs often
     come from arrays, and np.int64 is no int to msgspec, while np.float64 is a float that strict reading must refuse
-    for an int field as it refuses 64.0. Any other value as it is."""
+    for an int field as it refuses 64.0. Any other value as it is: an array, even of one value (`np.array([64])`,
+    `df["m"]` of one row), is no scalar, and msgspec names its type."""
     if type(value) in (int, float, str, bool) or not callable(getattr(value, "item", None)):
+        return value
+    if getattr(value, "ndim", 0) != 0:  # an array's .item() takes [[64]] too
         return value
     try:
         return value.item()
-    except (TypeError, ValueError):  # not one value (an array of several): msgspec names its type
+    except (TypeError, ValueError):  # not one value: msgspec names its type
         return value
 
 

@@ -596,6 +596,11 @@ def test_numpy_scalars_read_as_the_python_values_they_hold(empty_db):
             api.query("single_gemm", "torch-cpu", [A, {**A, "m": value}], db=empty_db)
         assert (info.value.index, info.value.field, info.value.value) == (1, "m", value)
         assert type(info.value.value) is type(value)
+    assert validate(entry.args, [{**A, "m": np.array(32)}]) == [A]  # a 0-d array holds one value as a scalar does
+    for value in (np.array([32]), np.array([[32]])):  # an array of one value was read as that value, 32
+        with pytest.raises(SpecError, match=r'spec 0: field "m" = array\(\[+32\]+\): Expected `int`, got '
+                                            r'`numpy.ndarray`; use an integer'):
+            validate(entry.args, [{**A, "m": value}])
 
 
 def test_field_names_of_a_str_subclass_read_as_their_str_and_a_name_not_a_str_is_named(empty_db):
