@@ -188,6 +188,11 @@ def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> s
         where = f"at column {column}" if one_line else f"at line {line}, column {column}"
         if data.startswith(b"\xef\xbb\xbf", offset):  # past the file's start (ignored there): files joined with `cat`
             return f"a byte-order mark (U+FEFF) {where}, as joining files saved with one leaves; remove it"
+        quote = data[offset:offset + 3].decode("utf-8", "replace")[:1]
+        if quote and quote in "'\u201c\u201d\u2018\u2019":  # a Python dict's repr; text copied from a document
+            what = "single quote" if quote == "'" else "typographic quote"
+            return (f"a {what} ({quote}) {where}: JSON quotes with \" alone; write \" (json.dumps writes a Python "
+                    f"dict as JSON)")
         return f"{reason[:at.start()]} {where}"
     if reason.startswith(("Integer value out of range", "Number out of range")):  # valid JSON, too large to read
         return ("it holds a number too large to read (an integer past 4,300 digits, or a number past 1.8e308); use "

@@ -411,6 +411,22 @@ def test_a_byte_order_mark_inside_a_file_is_named_as_such(body, said, tmp_path, 
     _no_db(db)
 
 
+@pytest.mark.parametrize("text, quote, column", [("{'m': 32}", "'", 2), ('{\u201cm\u201d: 32}', "\u201c", 2),
+                                                 ('{"dtype": \u2018fp32\u2019}', "\u2018", 11)])
+def test_a_quote_json_does_not_read_is_named(text, quote, column, tmp_path, capsys, db):
+    """A Python dict's repr ({'m': 32}) or text copied from a document (\u201cm\u201d) read "object keys must be
+    strings" or "invalid character": a quote no one sees as wrong."""
+    what = "single quote" if quote == "'" else "typographic quote"
+    said = f'a {what} ({quote}) at {{}}column {column}: JSON quotes with " alone; write " (json.dumps writes a Python'
+    assert main(["count-missing", *GEMM, "--spec", text, "--db", db]) == 2
+    assert said.format("") in capsys.readouterr().err
+    path = tmp_path / "specs.json"
+    path.write_text(f"[\n{json.dumps(A)},\n{text}\n]\n", encoding="utf-8")
+    assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
+    assert said.format("line 3, ") in capsys.readouterr().err
+    _no_db(db)
+
+
 def test_both_spec_and_specs(tmp_path, capsys, db):
     path = _write(tmp_path, "specs.json", json.dumps([A]))
     assert main(["run", *GEMM, *_spec(B), "--specs", path, "--db", db]) == 2
