@@ -230,6 +230,8 @@ def parse_specs_file(path: str) -> list[Any]:
                 "or a loop of links)" if os.path.islink(path) else "no such file")
         if not os.path.exists(path) and path.startswith("-"):  # `--specs --json`: the flag took the next one
             fix = f"{path} looks like a flag; give --specs the path of a JSON or JSONL file of specs"
+        elif path.startswith("~") and os.path.isfile(os.path.expanduser(path)):  # `--specs=~/s.json`: bash keeps ~
+            fix = f"the shell left ~ as it is (after =, or quoted); pass --specs {os.path.expanduser(path)}"
         raise UsageError(f"--specs {path}: {what}; {fix}")
     try:
         with open(path, "rb") as f:

@@ -353,6 +353,16 @@ def test_missing_file(tmp_path, capsys, db):
     _no_db(db)
 
 
+def test_a_specs_path_whose_tilde_the_shell_left_names_the_home_path(tmp_path, monkeypatch, capsys, db):
+    """`--specs=~/specs.json`: bash expands no ~ after "=", and the file read "no such file" beside the user's file."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write(tmp_path, "specs.json", json.dumps(A))
+    assert main(["run", *GEMM, "--specs=~/specs.json", "--db", db]) == 2
+    said = "error: --specs ~/specs.json: no such file; the shell left ~ as it is (after =, or quoted); pass --specs "
+    assert capsys.readouterr().err == said + f"{tmp_path}/specs.json\n"
+    _no_db(db)
+
+
 @pytest.mark.parametrize("target", ["gone.json", "specs.json"])
 def test_a_specs_link_that_names_no_file_is_named_as_a_link(target, tmp_path, capsys, db):
     """A dangling link, or one to itself, read "no such file", while `ls` lists the file."""
