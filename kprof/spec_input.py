@@ -193,6 +193,11 @@ def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> s
             what = "single quote" if quote == "'" else "typographic quote"
             return (f"a {what} ({quote}) {where}: JSON quotes with \" alone; write \" (json.dumps writes a Python "
                     f"dict as JSON)")
+        word = re.match(rb"True|False|None|NaN|Infinity", data[offset:])  # Python's words: JSON has no NaN either
+        if word:
+            said = {b"True": "true", b"False": "false", b"None": "null"}.get(word.group())
+            fix = f"JSON writes {said}" if said else "JSON has no such number; use a finite one"
+            return f"{word.group().decode()} {where} is Python's, not JSON: {fix}"
         return f"{reason[:at.start()]} {where}"
     if reason.startswith(("Integer value out of range", "Number out of range")):  # valid JSON, too large to read
         return ("it holds a number too large to read (an integer past 4,300 digits, or a number past 1.8e308); use "

@@ -437,6 +437,18 @@ def test_a_quote_json_does_not_read_is_named(text, quote, column, tmp_path, caps
     _no_db(db)
 
 
+@pytest.mark.parametrize("word, fix", [("True", "JSON writes true"), ("None", "JSON writes null"),
+                                       ("NaN", "JSON has no such number; use a finite one")])
+def test_a_python_word_in_json_is_named(word, fix, capsys, db):
+    """A Python dict's repr ({"causal": True}) or json.dumps of nan read "invalid character at column 79"."""
+    text = json.dumps({**PREFILL, "causal": "X"}).replace('"X"', word)
+    assert main(["count-missing", "attention_prefill", "--backend", "torch-cpu", "--spec", text, "--db", db]) == 2
+    column = text.index(word) + 1
+    said = f"--spec is not valid JSON ({word} at column {column} is Python's, not JSON: {fix})"
+    assert said in capsys.readouterr().err
+    _no_db(db)
+
+
 def test_both_spec_and_specs(tmp_path, capsys, db):
     path = _write(tmp_path, "specs.json", json.dumps([A]))
     assert main(["run", *GEMM, *_spec(B), "--specs", path, "--db", db]) == 2
