@@ -271,6 +271,10 @@ def parse_specs_file(path: str) -> list[Any]:
                          f"--specs {path}", [n for n, _ln in lines])
     if isinstance(doc, dict) and isinstance(doc.get("table"), str) and isinstance(doc.get("backend"), str):
         _refuse_output(path, doc)  # no spec has a field "backend": a document kprof wrote
+    if isinstance(doc, dict) and isinstance(doc.get("view_root_after"), str) and "command" in doc:  # names no table
+        request = os.path.join(os.path.dirname(path), "request.json")
+        raise SpecError(f"--specs {path} is a snapshot's job.meta.json (how its run went), not a file of specs; the "
+                        f"snapshot's request.json holds its specs: jq '.specs' {request} > specs.json", field="command")
     if isinstance(doc, dict) and isinstance(doc.get("specs"), list):
         extra = sorted(set(doc) - {"specs"})
         if extra:  # read as one spec, it would be refused for its field "specs", which is not the mistake

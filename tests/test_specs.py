@@ -309,6 +309,19 @@ def test_a_snapshots_curve_json_names_the_request_json_beside_it(tmp_path, capsy
     assert f"jq '.specs' {snap / 'request.json'} > specs.json" in err, err
 
 
+def test_a_snapshots_job_meta_json_names_the_request_json_beside_it(tmp_path, capsys, empty_db):
+    """job.meta.json, the one snapshot file naming no table, read 'field "command" is not a KernelArgs field'."""
+    snap = tmp_path / "snap"
+    assert main(["run", *GEMM, *_spec({"m": 1, "n": 8, "k": 8, "dtype": "fp32"}), "--fresh", "--output-dir",
+                 str(snap)]) == 0
+    capsys.readouterr()
+    assert main(["count-missing", *GEMM, "--specs", str(snap / "job.meta.json"), "--db", empty_db]) == 2
+    meta, request = snap / "job.meta.json", snap / "request.json"
+    assert capsys.readouterr().err == (f"error: --specs {meta} is a snapshot's job.meta.json (how its run went), not "
+                                       f"a file of specs; the snapshot's request.json holds its specs: jq '.specs' "
+                                       f"{request} > specs.json\n")
+
+
 def test_a_spec_written_with_its_table_and_backend_is_not_taken_for_kprof_output(tmp_path, capsys, empty_db):
     path = _write(tmp_path, "spec.json", json.dumps({"table": "single_gemm", "backend": "torch-cpu", **A}))
     assert main(["count-missing", *GEMM, "--specs", path, "--db", empty_db]) == 2
