@@ -245,7 +245,9 @@ def parse_specs_file(path: str) -> list[Any]:
                 raise UsageError(f"--specs {path} is {size:,} bytes, past the {MAX_FILE_BYTES >> 20} MiB a specs file "
                                  f"may hold (millions of specs); split it into smaller files, one command each")
             data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
+    except OSError as exc:  # the path was right: what it names is not readable
+        fix = ("make it readable by this user (chmod u+r), or pass a copy that is" if isinstance(exc, PermissionError)
+               else "pass a copy of it that can be read")
         raise UsageError(f"--specs {path}: cannot be read ({exc.strerror}); {fix}") from None
     data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors write: ignored
     try:

@@ -376,6 +376,25 @@ def test_a_specs_path_whose_tilde_the_shell_left_names_the_home_path(tmp_path, m
     _no_db(db)
 
 
+@pytest.mark.parametrize("error, fix", [
+    (PermissionError(13, "Permission denied"), "make it readable by this user (chmod u+r), or pass a copy that is"),
+    (OSError(5, "Input/output error"), "pass a copy of it that can be read"),
+])
+def test_a_specs_file_that_cannot_be_read_says_how_to_make_it_readable(error, fix, tmp_path, monkeypatch, capsys, db):
+    """A file this user may not read was told "pass the path of a JSON or JSONL file of specs": it was one."""
+    from kprof import spec_input
+
+    path = _write(tmp_path, "specs.json", json.dumps(A))
+
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(spec_input, "open", refuse, raising=False)  # root reads a chmod 000 file: refused here
+    assert main(["run", *GEMM, "--specs", path, "--db", db]) == 2
+    assert capsys.readouterr().err == f"error: --specs {path}: cannot be read ({error.strerror}); {fix}\n"
+    _no_db(db)
+
+
 @pytest.mark.parametrize("target", ["gone.json", "specs.json"])
 def test_a_specs_link_that_names_no_file_is_named_as_a_link(target, tmp_path, capsys, db):
     """A dangling link, or one to itself, read "no such file", while `ls` lists the file."""
