@@ -19,7 +19,7 @@ import msgspec
 
 from .errors import SpecError, UsageError
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "JsonlSpecs", "json_kind", "json_text", "long_int", "read_specs",
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "FileSpecs", "json_kind", "json_text", "long_int", "read_specs",
            "parse_spec_texts", "parse_specs_file"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
@@ -65,19 +65,55 @@ def json_kind(value) -> str:
     return f"{kind} ({json_text(value)})" if kind else json_text(value)
 
 
-class JsonlSpecs(list):
-    """The specs of a JSONL file, with the line of the file each is on (as editors number them, blank lines
-    counted): `kprof.specs.validate` names a spec it refuses by that line as well as by its index."""
+class FileSpecs(list):
+    """The specs of a --specs file, and the line of the file each starts on (as editors number them, blank lines
+    counted): `kprof.specs.validate` names a spec it refuses by that line as well as by its index. A JSONL file's lines
+    are kept as read; a JSON list's are found once a spec is refused, by reading the file again up to it."""
 
-    def __init__(self, specs: list, where: str, lines: list[int]):
+    def __init__(self, specs: list, path: str, lines: list[int] | None = None):
         super().__init__(specs)
-        self.where, self.lines = where, lines
+        self.path, self.lines = path, lines
+
+    def line_of(self, index: int) -> int | None:
+        if self.lines is not None:
+            return self.lines[index] if 0 <= index < len(self.lines) else None
+        try:
+            with open(self.path, "rb") as f:
+                text = f.read(MAX_FILE_BYTES + 1).decode("utf-8").removeprefix("\ufeff")
+        except (OSError, UnicodeDecodeError):  # gone or changed since: the index alone
+            return None
+        return _item_line(text, index) if "\n" in text.strip() else None  # one line: the index says where
 
     def locate(self, exc: SpecError) -> SpecError:
-        if exc.index is None or not 0 <= exc.index < len(self.lines):
+        line = None if exc.index is None else self.line_of(exc.index)
+        if line is None:
             return exc
-        return SpecError(f"{self.where} line {self.lines[exc.index]}: {exc.reason}", index=exc.index,
-                         field=exc.field, value=exc.value)
+        return SpecError(f"--specs {self.path} line {line}: {exc.reason}", index=exc.index, field=exc.field,
+                         value=exc.value)
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_LIST = re.compile(r"[ \t\n\r]*\[")
+_WRAPPED = re.compile(r'[ \t\n\r]*\{[ \t\n\r]*"specs"[ \t\n\r]*:[ \t\n\r]*\[')
+
+
+def _item_line(text: str, index: int) -> int | None:
+    """The line item `index` of a JSON document's list of specs (the document, or its "specs") starts on; None where
+    the document is no such list (one spec alone)."""
+    at = _WRAPPED.match(text) or _LIST.match(text)
+    if at is None:
+        return None
+    i, decoder = at.end(), json.JSONDecoder()
+    try:
+        for _ in range(index):  # each item before it read whole, so a "[" or "," inside a string is not counted
+            _item, i = decoder.raw_decode(text, _WS.match(text, i).end())
+            i = _WS.match(text, i).end()
+            if not text.startswith(",", i):
+                return None
+            i += 1
+    except ValueError:
+        return None
+    return text.count("\n", 0, _WS.match(text, i).end()) + 1
 
 
 class _Duplicate(Exception):
@@ -269,8 +305,8 @@ def parse_specs_file(path: str) -> list[Any]:
         if len(lines) < 2 or not _one_value(lines[0][1]):  # JSONL's first line is a whole value; else one document
             raise SpecError(f"--specs {path} is not valid JSON or JSONL ({_located(exc, data)}); fix the "
                             f"file") from None
-        doc = JsonlSpecs([_decode(ln, f"--specs {path} line {n}", i) for i, (n, ln) in enumerate(lines)],
-                         f"--specs {path}", [n for n, _ln in lines])
+        doc = FileSpecs([_decode(ln, f"--specs {path} line {n}", i) for i, (n, ln) in enumerate(lines)], path,
+                        [n for n, _ln in lines])
     if isinstance(doc, dict) and isinstance(doc.get("table"), str) and isinstance(doc.get("backend"), str):
         _refuse_output(path, doc)  # no spec has a field "backend": a document kprof wrote
     if isinstance(doc, dict) and isinstance(doc.get("view_root_after"), str) and "command" in doc:  # names no table
@@ -295,7 +331,7 @@ def parse_specs_file(path: str) -> list[Any]:
                          f"{{\"specs\": [...]}} or JSONL")
     if not doc:
         raise UsageError(f"--specs {path} holds no specs; it needs at least one")
-    return doc
+    return doc if isinstance(doc, FileSpecs) else FileSpecs(doc, path)
 
 
 # kprof's own documents: (a field that tells it, its list of specs, what it is, jq's filter for the specs alone)

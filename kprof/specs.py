@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import msgspec
 
 from .errors import SpecError, UsageError
-from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, JsonlSpecs, json_kind, json_text, long_int, parse_spec_texts,
+from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, FileSpecs, json_kind, json_text, long_int, parse_spec_texts,
                          parse_specs_file, read_specs)
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "ShapeCodec", "is_text", "long_int", "read_specs", "parse_spec_texts",
@@ -24,7 +24,7 @@ def is_text(value: str) -> bool:
 
 
 def spec_list(specs: Any) -> list:
-    """The caller's specs as a list: a list (a JsonlSpecs too) as it is, another iterable (a tuple, a generator)
+    """The caller's specs as a list: a list (a FileSpecs too) as it is, another iterable (a tuple, a generator)
     listed. One spec (a mapping or a Struct), a string, None or anything not iterable is a UsageError: listing a dict
     would read its keys as specs."""
     if isinstance(specs, list):
@@ -252,6 +252,6 @@ def validate(args_type, raw: list[Any], table: str | None = None) -> list[dict]:
                 if not -(1 << 63) <= d[name] < (1 << 64):
                     raise codec.past_64_bits(name, d[name], i)
             out.append({n: d[n] for n in names})
-    except SpecError as exc:  # a JSONL file's spec: named by its line too (blank lines make it no index + 1)
-        raise raw.locate(exc) if isinstance(raw, JsonlSpecs) else exc from None
+    except SpecError as exc:  # a --specs file's spec: named by its line too
+        raise raw.locate(exc) if isinstance(raw, FileSpecs) else exc from None
     return out

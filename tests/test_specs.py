@@ -201,6 +201,22 @@ def test_a_jsonl_spec_refused_at_validation_is_named_by_its_line(verb, tmp_path,
     _no_db(db)
 
 
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_pretty_printed_files_spec_refused_at_validation_is_named_by_its_line(wrapped, tmp_path, capsys, db):
+    """json.dump(specs, f, indent=2) puts a spec on six lines: "spec 3" alone left the user counting objects."""
+    from kprof.spec_input import _item_line
+
+    specs = [A, B, C, {**A, "m": 0}, C]
+    path = tmp_path / "specs.json"
+    path.write_text("\ufeff" + json.dumps({"specs": specs} if wrapped else specs, indent=2).replace("\n", "\r\n"))
+    assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
+    line = 1 + wrapped + 1 + 6 * 3  # "{" (wrapped), "[", three specs of six lines: the fourth opens on the next
+    assert f'error: spec 3: --specs {path} line {line}: field "m" = 0:' in capsys.readouterr().err
+    _no_db(db)
+    text = '[{"s": "a[,\\"\\n", "t": [1, {}]},\n\n  {"m": 0}]'  # a string's "[" or "," is no item of the list
+    assert (_item_line(text, 0), _item_line(text, 1), _item_line("{}", 0), _item_line("[1 2]", 1)) == (1, 3, None, None)
+
+
 @pytest.mark.parametrize("comment", ["# GEMMs of layer 1", "// decode", "/* prefill */"])
 @pytest.mark.parametrize("first", [True, False])
 def test_a_comment_in_a_specs_file_is_named_as_a_comment(comment, first, tmp_path, capsys, db):
