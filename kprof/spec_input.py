@@ -197,9 +197,12 @@ def _decode(text: str, where: str, index: int | None):
     except msgspec.DecodeError as exc:
         # read before the table is looked up: the example is named as single_gemm's, not offered as every table's
         reason = _located(exc, text.encode("utf-8", "replace"), one_line=True)
-        raise SpecError(f"{where} is not valid JSON ({reason}); write it as a JSON object of the table's fields "
-                        f"(`kprof list` names them), e.g. '{{\"m\": 128, \"n\": 256, \"k\": 64, \"dtype\": \"bf16\"}}' "
-                        f"for single_gemm", index=index) from None
+        fix = ("write it as a JSON object of the table's fields (`kprof list` names them), e.g. '{\"m\": 128, \"n\": "
+               "256, \"k\": 64, \"dtype\": \"bf16\"}' for single_gemm")
+        if reason.startswith("JSON is malformed: trailing characters"):  # a whole value, then more: several specs
+            fix = ("a --spec holds one spec: give each its own --spec, or put them in a --specs file"
+                   if where == "--spec" else "a JSONL line holds one spec, ending where its object does")
+        raise SpecError(f"{where} is not valid JSON ({reason}); {fix}", index=index) from None
 
 
 def _one_value(line: str) -> bool:
@@ -217,7 +220,7 @@ def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> s
     reason = str(exc)
     at = re.search(r" \(byte (\d+)\)$", reason)
     if at:
-        offset = int(at.group(1))
+        offset = int(at.group(1)) - reason.startswith("JSON is malformed: trailing characters")  # msgspec: one past
         start = data.rfind(b"\n", 0, offset) + 1
         line, column = data.count(b"\n", 0, offset) + 1, len(data[start:offset].decode("utf-8", "replace")) + 1
         one_line = one_line and b"\n" not in data.strip()  # a --spec of several lines: its line too

@@ -217,6 +217,20 @@ def test_a_pretty_printed_files_spec_refused_at_validation_is_named_by_its_line(
     assert (_item_line(text, 0), _item_line(text, 1), _item_line("{}", 0), _item_line("[1 2]", 1)) == (1, 3, None, None)
 
 
+def test_several_specs_in_one_spec_or_jsonl_line_are_said_to_be_one_each(tmp_path, capsys, db):
+    """`--spec '{...}{...}'` or two objects on one JSONL line read "trailing characters" one column past them, with
+    "write it as a JSON object" as the fix: each was one."""
+    one = json.dumps(A)
+    assert main(["count-missing", *GEMM, "--spec", f"{one} {one}", "--db", db]) == 2
+    assert (f"--spec is not valid JSON (JSON is malformed: trailing characters at column {len(one) + 2}); a --spec "
+            f"holds one spec: give each its own --spec, or put them in a --specs file\n") in capsys.readouterr().err
+    path = _write(tmp_path, "specs.jsonl", f"{one}\n{one},{one}\n")
+    assert main(["count-missing", *GEMM, "--specs", path, "--db", db]) == 2
+    assert (f"line 2 is not valid JSON (JSON is malformed: trailing characters at column {len(one) + 1}); a JSONL line "
+            f"holds one spec, ending where its object does\n") in capsys.readouterr().err
+    _no_db(db)
+
+
 @pytest.mark.parametrize("comment", ["# GEMMs of layer 1", "// decode", "/* prefill */"])
 @pytest.mark.parametrize("first", [True, False])
 def test_a_comment_in_a_specs_file_is_named_as_a_comment(comment, first, tmp_path, capsys, db):
