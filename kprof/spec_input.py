@@ -19,7 +19,7 @@ import msgspec
 
 from .errors import SpecError, UsageError
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "FileSpecs", "json_kind", "json_text", "long_int", "read_specs",
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "FileSpecs", "cut", "json_kind", "json_text", "long_int", "read_specs",
            "parse_spec_texts", "parse_specs_file"]
 
 MAX_DEPTH = 32  # levels of arrays and objects in one JSON document of specs
@@ -42,6 +42,11 @@ _JSON_KINDS = {type(None): "", bool: "a boolean", str: "a string", int: "a numbe
                tuple: "a list", dict: "an object"}
 
 
+def cut(text: str, limit: int = 60) -> str:
+    """Text of the caller's (a field's name or value) as a message shows it: past `limit` characters, its start."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def json_text(value) -> str:
     """A value of a JSON type as JSON writes it (`null`, `true`, `{"v":4}`: not Python's None, True, {'v': 4}), cut
     to 60 characters; another value as Python writes it."""
@@ -53,7 +58,7 @@ def json_text(value) -> str:
             shown = repr(value)
         except ValueError:  # a list holding an int past the 4,300 digits Python writes
             shown = "..."
-    return shown if len(shown) <= 60 else shown[:57] + "..."
+    return cut(shown)
 
 
 def json_kind(value) -> str:
@@ -186,7 +191,7 @@ def _load(data: bytes | str, where: str, index: int | None):
         found = _duplicate(data, doc)
         if found is not None:
             at, key = found
-            raise SpecError(f'{where} gives field "{key}" twice in one object; give each field once',
+            raise SpecError(f'{where} gives field "{cut(key)}" twice in one object; give each field once',
                             index=at if index is None else index, field=key)
     return doc
 

@@ -10,8 +10,8 @@ from typing import Any, Mapping
 import msgspec
 
 from .errors import SpecError, UsageError
-from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, FileSpecs, json_kind, json_text, long_int, parse_spec_texts,
-                         parse_specs_file, read_specs)
+from .spec_input import (MAX_DEPTH, MAX_FILE_BYTES, FileSpecs, cut, json_kind, json_text, long_int,
+                         parse_spec_texts, parse_specs_file, read_specs)
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "ShapeCodec", "is_text", "long_int", "read_specs", "parse_spec_texts",
            "parse_specs_file", "spec_list", "validate"]
@@ -149,9 +149,9 @@ class ShapeCodec:
         fixed = {str.__str__(name): _scalar(value) for name, value in spec.items()}
         for name, value in fixed.items():  # msgspec reads a str as UTF-8: a lone surrogate was a UnicodeEncodeError
             if any(isinstance(t, str) and not is_text(t) for t in (name, value)):
-                raise SpecError(f"field {name!r} = {value!r} is not UTF-8 text (a lone surrogate, as Python reads a "
-                                f"byte that is not UTF-8); use {self._table_fields()} with text values", index=index,
-                                field=name, value=value)
+                raise SpecError(f"field {cut(repr(name))} = {cut(repr(value))} is not UTF-8 text (a lone surrogate, "
+                                f"as Python reads a byte that is not UTF-8); use {self._table_fields()} with text values",
+                                index=index, field=name, value=value)
         for name in self._int_fields & fixed.keys():
             value = fixed[name]
             if self.strict and type(value) in (float, bool):
@@ -210,7 +210,7 @@ class ShapeCodec:
                    else 'a {"specs": [...]} document is a whole --specs file (in Python, pass its list), not one '
                    'spec or JSONL line' if name == "specs" and isinstance(spec.get(name), list)
                    else f"use only {self._table_fields()}")
-            return SpecError(f'field "{name}" is not a KernelArgs field of {self.name}; {fix}',
+            return SpecError(f'field "{cut(name)}" is not a KernelArgs field of {self.name}; {fix}',
                              index=index, field=name, value=spec.get(name))
         if text.startswith("Object missing required field"):
             name = text.split("`")[1]
@@ -235,8 +235,8 @@ class ShapeCodec:
             fix = "use true or false (JSON booleans)"
         elif isinstance(ftype, msgspec.inspect.FloatType):
             fix = "use a number"
-        shown = repr(value) if isinstance(value, str) else json_text(value)  # null, true: as JSON writes them
-        return SpecError(f'field "{name}" = {shown}: {text.split(" - at ")[0]}; {fix}',
+        shown = cut(repr(value)) if isinstance(value, str) else json_text(value)  # null, true: as JSON writes them
+        return SpecError(f'field "{name}" = {shown}: {cut(text.split(" - at ")[0], 120)}; {fix}',
                          index=index, field=name, value=value)
 
 

@@ -847,3 +847,20 @@ def test_an_int_past_64_bits_is_refused_at_validation_with_its_index_and_line(tm
     with pytest.raises(SpecError, match=f'^spec 1: --specs {path} line 4: field "offset" = 1180591620717411303424: '
                                         f'past the 64-bit'):
         validate(Args, parse_specs_file(path), "t")
+
+
+def test_a_long_name_or_value_is_shown_by_its_start(tmp_path, capsys, db):
+    """A 100,000-character dtype made a 200 kB message (the value, then msgspec's "Invalid enum value" of it again),
+    and so did a field name as long: each is shown by its first characters."""
+    long = "x" * 100_000
+    for doc in ({**A, "dtype": long}, {**A, long: 1}, {**A, "m": long}):
+        path = _write(tmp_path, "specs.json", json.dumps(doc))
+        assert main(["count-missing", *GEMM, "--specs", path, "--db", db]) == 2
+        err = capsys.readouterr().err
+        assert len(err) < 400 and "x" * 50 in err and "x..." in err, err
+        assert "use one of" in err or "use only" in err or "use an integer" in err, err
+    path = _write(tmp_path, "specs.json", f'{{"{long}": 1, "{long}": 2}}')
+    assert main(["count-missing", *GEMM, "--specs", path, "--db", db]) == 2
+    assert capsys.readouterr().err == f'error: --specs {path} gives field "{"x" * 57}..." twice in one object; give ' \
+                                      f'each field once\n'
+    _no_db(db)
