@@ -98,8 +98,7 @@ def _identity(path: str) -> tuple:
 def _check_file(path: str, real: str, entry: list) -> None:
     """Before each read and commit: the file and its lock file are those LMDB opened (a writer through a new lock would
     commit over this one's commits), and the file is not shorter than the pages LMDB uses (a read there: SIGBUS)."""
-    env, _users, identity, psize, lock, _dbs = entry
-    now = _identity(real)
+    env, _users, identity, psize, lock, _dbs, now = *entry, _identity(real)
     if now[:2] != identity or _identity(real + "-lock")[:2] != lock:
         what = f"ledger {path}" if now[:2] != identity else f"the lock file {real}-lock of ledger {path}"
         raise LedgerError(f"{what} was replaced or removed since this process opened it; open it again (add rows to "

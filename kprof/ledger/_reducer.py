@@ -195,8 +195,7 @@ class Reducer:
     What it reads back is checked as a reader checks it: a write into a damaged ledger is an IntegrityError, aborted."""
 
     def __init__(self, store: Store):
-        self.store = store
-        self._put, self._get = store.put, store.get
+        self.store, self._put, self._get = store, store.put, store.get
         self._scopes: dict[bytes, ScopeTotals] = {}
 
     def _scope(self, prov) -> tuple[bytes, ScopeTotals]:
@@ -227,8 +226,7 @@ class Reducer:
     def _set_current(self, entry: ScopeTotals, key: bytes, old: bytes | None, new: CurrentRow | None,
                      history: HistoryEntry) -> None:
         """Makes `new` (or none) the key's current row, and writes the key's `history` with its kind as status."""
-        store = self.store
-        history.status = NO_ROW if new is None else new.kind
+        store, history.status = self.store, NO_ROW if new is None else new.kind
         store.put("history", key, _codec.encode(history))
         stored = None if new is None else seal(key, new)
         if old == stored:

@@ -24,7 +24,7 @@ from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
 from ._path import _recognize, _without_lock, ledger_path
 from ._resolve import resolve
-from ._verify import event as verified_event, reading
+from ._verify import damaged, event as verified_event, reading
 from ._reducer import ScopeEntry, history_entry, opened, pack_seq, seq_of
 from .events import Failed, Measured, Retracted
 
@@ -301,9 +301,12 @@ class Ledger:
         return None if raw is None else verified_event(self.path, eid, raw)
 
     def history_of(self, txn, key: bytes) -> list[tuple[int, bytes]]:
-        """(seq, event id) of every event of a key, oldest first."""
-        entry = history_entry(key, txn.get(key, db=self.dbs["history"]))
-        return [(seq, txn.get(pack_seq(seq), db=self.dbs["log"])) for seq in entry.seqs]
+        """(seq, event id) of every event of a key, oldest first; IntegrityError where the log lacks one."""
+        seqs, log = history_entry(key, txn.get(key, db=self.dbs["history"])).seqs, self.dbs["log"]
+        if None in (ids := [txn.get(pack_seq(seq), db=log) for seq in seqs]):
+            raise damaged(self.path, f"the history of key {key.hex()} names seq {seqs[ids.index(None)]}, which is not "
+                                     f"in the log")
+        return list(zip(seqs, ids))
 
     def iter_log(self, txn=None) -> Iterator[tuple[int, bytes, bytes]]:
         """(seq, event id, event bytes) in log order, from one snapshot."""

@@ -278,3 +278,20 @@ def test_show_says_when_a_row_keeps_fewer_samples_than_its_statistics_are_of(h, 
     (whole,) = h.append("p.db", h.make_event(h.gemm(64), local_gpu))
     text, _doc = _shown(h, capsys, f"kprof.{whole.hex()[:16]}")
     assert "samples: n=5, median" in text
+
+
+def test_show_of_a_key_whose_history_names_a_seq_missing_from_the_log_names_the_log(ledger_path, capsys):
+    """A damaged log (the entry of one of the key's events gone): exit 3 naming the key, the seq and the log, not
+    an internal TypeError said of the `events` sub-database."""
+    from kprof.ledger._reducer import pack_seq
+
+    led = _ledger(ledger_path)
+    key = synth.event(0).key
+    first = led.resolve(key.hex()).history[0][1]
+    led.write(lambda txn: txn.delete(pack_seq(1), db=led.dbs["log"]))
+    led.close()
+    for ref in (key.hex()[:16], f"kprof.{first.hex()[:16]}"):
+        assert main(["show", ref, "--db", ledger_path, "--json"]) == 3
+        captured = capsys.readouterr()
+        assert captured.out == "" and "Traceback" not in captured.err and "TypeError" not in captured.err
+        assert f"the history of key {key.hex()} names seq 1, which is not in the log" in captured.err
