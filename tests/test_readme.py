@@ -120,3 +120,29 @@ def test_the_readme_runner_of_ones_own_registers_and_measures(tmp_path, monkeypa
     finally:
         for name in ("mykern.softmax", "mykern"):
             sys.modules.pop(name, None)
+
+
+def _documented(phrase: str) -> list[list[str]]:
+    """The field lists (`{a, b, ...}`) the README gives after `phrase`, up to the next paragraph or bullet."""
+    text = " ".join(README.split())
+    start = text.index(phrase)
+    end = min(i for i in (text.find(" - ", start + 1), text.find(" ## ", start + 1), len(text)) if i > 0)
+    return [[f.strip() for f in group.split(",")] for group in re.findall(r"`\{([^}`]*)\}`", text[start:end])]
+
+
+def test_the_readme_lists_the_fields_of_audit_json_as_the_audit_prints_them(tmp_path, capsys):
+    """An auditor reads `audit --json` and `audit --remeasure N --json` from the README: every field, in order."""
+    from kprof import synth
+    from kprof.cli import main
+    from kprof.ledger import Ledger
+    from kprof.remeasure import Drift, RemeasureReport
+
+    db = str(tmp_path / "a.db")
+    with Ledger.open(db) as led:
+        led.append(list(synth.events(0, 3)))
+    assert main(["audit", "--db", db, "--json", "--jobs", "1"]) == 0
+    assert _documented("The audit's `--json`:")[0] == list(json.loads(capsys.readouterr().out))
+    row = Drift("t", "b", {}, "kprof.00", 1.0, 1.0, 0.0, True)
+    doc = RemeasureReport(db, [], 0.05, 1, [row], 0.0).to_json()
+    report, rows = _documented("`kprof audit --remeasure N` measures")[-2:]
+    assert report == list(doc) and rows == list(doc["rows"][0])
