@@ -40,11 +40,15 @@ class Drift(NamedTuple):
     error: str | None = None
     first_drift: float | None = None  # the first measurement's drift, where it was over the tolerance
     host_busy: str | None = None  # a CPU re-measurement's host_busy note: other work took its cores while it was timed
+    stored_host_busy: str | None = None  # the stored row's own host_busy note: other work took its cores then
 
     @property
     def suspect(self) -> bool:
-        """Drifted slower while other work took the host's cores: the host may be the cause (it only slows a row)."""
-        return not self.ok and self.host_busy is not None and self.drift is not None and self.drift > 0
+        """Drifted slower while other work took the host's cores (the host may be the cause: it only slows a row), or
+        faster than a stored row timed while other work took them (that row may be the slow one)."""
+        if self.ok or self.drift is None:
+            return False
+        return (self.host_busy if self.drift > 0 else self.stored_host_busy) is not None
 
 
 class RemeasureReport(NamedTuple):
@@ -64,7 +68,8 @@ class RemeasureReport(NamedTuple):
 
     @property
     def busy(self) -> int:
-        """Rows that drifted slower as other work took the host's cores while they were re-measured (`suspect`)."""
+        """Rows whose drift other work on the host may explain (`suspect`): slower as it took the cores while they were
+        re-measured, or faster than a stored row timed while it took them."""
         return sum(r.suspect for r in self.rows)
 
     @property
@@ -157,6 +162,9 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     unregistered = sorted({f"{t}/{b}" for t, b, g in held if g in keys.values() and (t, b) not in registered})
     rng = random.Random(seed)
     chosen = rng.sample(candidates, min(n, len(candidates)))
+    with Ledger.open(db, readonly=True) as ledger:  # each stored row's own notes: one timed on a busy host says so
+        stored = {row.citation: ledger.event(row.event_id) for _e, _g, row in chosen}  # (None: damage, audit names it)
+    notes = {c: ev.method.notes for c, ev in stored.items() if ev is not None}
     by_entry: dict[tuple, list] = {}
     for entry, gpu_key, row in chosen:
         by_entry.setdefault((entry.table, entry.backend, gpu_key), []).append((entry, row))
@@ -165,6 +173,7 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     again = {k: [(e, r) for e, r in items if r.citation in drifted] for k, items in by_entry.items()}
     confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance, timed)}
     out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
+    out = [d._replace(stored_host_busy=notes.get(d.citation, {}).get("host_busy")) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
                            time.perf_counter() - started, seed, unregistered)
 

@@ -101,13 +101,19 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict, seed
             mark = "ok" if r.ok else "DRIFT" if r.error is None else "FAIL"
             now = "no time" if r.new_ms is None else f"{r.new_ms:.4g} ms"
             stored = "no time" if r.stored_ms is None else f"{r.stored_ms:.4g} ms"
-            busy = " (host busy)" if r.suspect else ""
+            busy = "" if not r.suspect else " (host busy)" if r.drift > 0 else " (stored on a busy host)"
             out.print(f"  {mark:5} {r.table}/{r.backend} {r.spec} {stored} -> {now} ({drift}) "
                       f"{r.citation}{busy}", markup=False)
-    if report.busy:  # other work slows every sample alike, which no spread shows: the drift may be the host's
-        console(stderr=True).print(f"note: other work took the host's cores while {report.busy} row(s) that drifted "
+    slower = sum(r.suspect and r.drift > 0 for r in report.rows)
+    if slower:  # other work slows every sample alike, which no spread shows: the drift may be the host's
+        console(stderr=True).print(f"note: other work took the host's cores while {slower} row(s) that drifted "
                                    f"slower were re-measured (host_busy in --json): the drift may be the host's, not "
                                    f"the row's; re-measure them on a quieter host", markup=False)
+    if report.busy > slower:  # the stored row was slowed: it, not this host, is off
+        console(stderr=True).print(f"note: {report.busy - slower} row(s) that drifted faster were stored while other "
+                                   f"work took their host's cores (stored_host_busy in --json): the stored row may be "
+                                   f"the slow one; measure it again on a quiet host with `kprof run --force`",
+                                   markup=False)
     return 1 if report.drifted or report.failed else 0
 
 

@@ -375,3 +375,31 @@ def _time_limit_bounds_remeasure(h, capsys, local_gpu, monkeypatch, faulty_runne
     rows = {r["spec"]["act"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["hang"]["error"].startswith("timeout: no result within 1 s (KPROF_SPEC_TIMEOUT_S)"), rows["hang"]
     assert rows["ok"]["error"] is None and rows["ok"]["new_ms"] > 0
+
+
+def test_a_drift_faster_than_a_row_stored_while_the_host_was_busy_names_the_stored_row(h, capsys, local_gpu):
+    """A row stored while other work took the host's cores (its notes say host_busy) and re-measured faster read as a
+    plain DRIFT, as if the kernel had moved: the stored row, slowed then, may be the one off. It is marked, counted
+    in host_busy, its note given as stored_host_busy, and stderr says to measure it again; still a drift (exit 1)."""
+    import msgspec
+
+    busy, quiet = h.gemm(32, 32, 32), h.gemm(48, 48, 48)
+    for spec in (busy, quiet):
+        ev = h.make_event(spec, local_gpu, time_ms=1e3)  # far slower than any real 32-48^3 GEMM: both drift faster
+        if spec == busy:
+            ev = msgspec.structs.replace(ev, method=msgspec.structs.replace(
+                ev.method, notes={"host_busy": "load 5.00 over 2 cores: other work shared them"}))
+        h.append("p.db", ev)
+    assert main(["audit", "--remeasure", "2", "--db", "p.db", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["drifted"] == 2 and doc["host_busy"] == 1
+    by_m = {r["spec"]["m"]: r for r in doc["rows"]}
+    assert by_m[32]["stored_host_busy"].startswith("load 5.00") and by_m[48]["stored_host_busy"] is None
+    assert main(["audit", "--remeasure", "2", "--db", "p.db"]) == 1
+    captured = capsys.readouterr()
+    (busy_line,) = [line for line in captured.out.splitlines() if "'m': 32" in line]
+    (quiet_line,) = [line for line in captured.out.splitlines() if "'m': 48" in line]
+    assert busy_line.endswith("(stored on a busy host)") and "busy" not in quiet_line
+    err = " ".join(captured.err.split())
+    assert "note: 1 row(s) that drifted faster were stored while other work took their host's cores" in err
+    assert "kprof run --force" in err
