@@ -19,7 +19,7 @@ __all__ = ["AUDIT", "reading", "damaged", "rows", "event", "values"]
 
 AUDIT = "run `kprof audit` for the full report"
 # Decoding errors of bytes a damaged file holds: msgspec's, and what unpacking a value of the wrong shape raises.
-_DAMAGE = (lmdb.Error, msgspec.MsgspecError, ValueError, TypeError, IndexError, KeyError, AttributeError)
+_DAMAGE = (lmdb.Error, msgspec.MsgspecError, ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError)
 
 
 def damaged(path: str, what: str) -> IntegrityError:

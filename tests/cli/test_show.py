@@ -295,3 +295,40 @@ def test_show_of_a_key_whose_history_names_a_seq_missing_from_the_log_names_the_
         captured = capsys.readouterr()
         assert captured.out == "" and "Traceback" not in captured.err and "TypeError" not in captured.err
         assert f"the history of key {key.hex()} names seq 1, which is not in the log" in captured.err
+
+
+
+
+def test_show_of_an_event_its_keys_history_does_not_hold_is_damage_not_a_retracted_row(ledger_path, capsys):
+    """A history entry a damaged page hides (LMDB finds no entry): show said the key's every measurement was
+    retracted (status `retracted`, exit 0) while query read its current row ok. The event asked for, and the current
+    row, must be in the key's history: else exit 3 naming the key and the event."""
+    led = _ledger(ledger_path)
+    key = synth.event(0).key
+    history = led.resolve(key.hex()).history
+    led.write(lambda txn: txn.delete(key, db=led.dbs["history"]))
+    led.close()
+    for eid in (history[0][1], history[-1][1]):  # an earlier event, and the current one
+        assert main(["show", f"kprof.{eid.hex()[:16]}", "--db", ledger_path, "--json"]) == 3
+        captured = capsys.readouterr()
+        assert captured.out == "" and "Traceback" not in captured.err
+        assert f"the history of key {key.hex()} lacks its event " in captured.err
+
+
+def test_show_of_a_history_entry_holding_a_negative_seq_is_damage_not_a_traceback(ledger_path, capsys):
+    """A damaged history value that still decodes, a seq below 0 in it: show crashed with OverflowError (packing the
+    seq as a log key), exit 1 and a traceback. It is an IntegrityError naming `history` (exit 3)."""
+    from kprof.ledger import _codec
+    from kprof.ledger._reducer import HistoryEntry, history_entry
+
+    led = _ledger(ledger_path)
+    key = synth.event(0).key
+    with led.read() as txn:
+        entry = history_entry(key, txn.get(key, db=led.dbs["history"]))
+    damaged = _codec.encode(HistoryEntry(entry.status, [-entry.seqs[0], *entry.seqs[1:]]))
+    led.write(lambda txn: txn.put(key, damaged, db=led.dbs["history"]))
+    led.close()
+    assert main(["show", key.hex()[:16], "--db", ledger_path, "--json"]) == 3
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert "reading sub-database `history` failed (OverflowError" in captured.err
