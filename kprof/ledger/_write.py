@@ -81,8 +81,7 @@ def canonical(event, index: int):
     except msgspec.ValidationError as exc:
         raise UsageError(f"event {index} of the batch does not fit the event schema: {exc}; build events with "
                          f"kprof.ledger.build") from None
-    again = _codec.encode(stored)
-    return (event, data) if again == data else (stored, again)
+    return (event, data) if (again := _codec.encode(stored)) == data else (stored, again)
 
 
 def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
@@ -126,8 +125,7 @@ def append_events(txn, dbs: dict, prepared) -> AppendResult:
                 raise UsageError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, itself a "
                                  f"retraction; retract a measured or failed event")
         store.put("events", eid, data)
-        seq += 1
-        store.put("log", pack_seq(seq), eid)
+        store.put("log", pack_seq(seq := seq + 1), eid)
         reducer.apply(event, eid, seq)
         added.append(eid)
     reducer.flush()
