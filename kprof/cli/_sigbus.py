@@ -21,11 +21,21 @@ import signal
 LINE = b"kprof: the ledger file is damaged (SIGBUS while reading it); run `kprof audit`\n"
 
 _installed: list = []  # the C callback, kept alive while installed
+_said: list = [lambda: (LINE, b"")]  # what a fault writes, on stderr and on stdout (see `say`)
 
 
 def _on_sigbus(signum: int) -> None:
-    os.write(2, LINE)
+    line, out = _said[0]()
+    if out:
+        os.write(1, out)
+    os.write(2, line)
     os._exit(3)
+
+
+def say(what=lambda: (LINE, b"")) -> None:
+    """Sets what a fault from now on writes: what() gives the line for stderr and what goes to stdout (the audit, whose
+    report the fault is: its finding, as a document where --json asks for one); say() puts back the one line."""
+    _said[0] = what
 
 
 def install():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, get_args
 
 from cyclopts import Parameter
@@ -44,7 +45,14 @@ def audit(*, db: Db = None, json: Json = False,
             raise UsageError(f"--jobs {jobs} applies to the audit, which --remeasure replaces; drop --jobs")
         return _remeasure(ledger_path(db), remeasure, 0.05 if tolerance is None else tolerance, json, method, seed)
     _no_method_without_remeasure({**method, "tolerance": tolerance, "seed": seed})
-    report = run_audit(ledger_path(db), JOBS if jobs is None else jobs)
+    from . import _sigbus
+
+    path, started = ledger_path(db), time.perf_counter()
+    _sigbus.say(lambda: _faulted(path, json, time.perf_counter() - started))  # a damaged page read here: a finding
+    try:
+        report = run_audit(path, JOBS if jobs is None else jobs)
+    finally:
+        _sigbus.say()
     report = report._replace(findings=[_in_audit(line) for line in report.findings])
     if json:
         emit_json(report._asdict())
@@ -58,6 +66,19 @@ def audit(*, db: Db = None, json: Json = False,
         for line in report.findings:
             out.print(f"  {line}", markup=False)
     return 0 if report.ok else 3
+
+
+def _faulted(path: str, json: bool, seconds: float) -> tuple[bytes, bytes]:
+    """What the audit says where reading the file faults in this process (SIGBUS: a damaged page LMDB read past the
+    file's end), as a report of one finding; the shards' faults are findings already (see kprof.ledger.audit)."""
+    import json as _json
+
+    finding = "structure: the file's pages are damaged: reading them faulted (SIGBUS); restore the file from a copy"
+    doc = {"path": path, "ok": False, "events": 0, "last_seq": 0, "findings": [finding], "counts": {"structure": 1},
+           "seconds": seconds}
+    out = _json.dumps(doc, indent=2) + "\n" if json else \
+        f"audit of {path}: 1 finding(s) — 0 events, last seq 0, {seconds:.2f} s\n  {finding}\n"
+    return f"kprof: the ledger file {path} is damaged (SIGBUS while the audit read it)\n".encode(), out.encode()
 
 
 def _in_audit(finding: str) -> str:

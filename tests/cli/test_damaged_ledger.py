@@ -244,3 +244,68 @@ def test_a_damaged_header_version_is_integrity_damage_not_a_path_error(h, rows, 
     assert main(["audit", "--db", db, "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
     assert not doc["ok"] and doc["counts"] == {"structure": 1} and "header invalid" in doc["findings"][0]
+
+
+
+
+@pytest.mark.parametrize("version", [2, 3, 5, 0x101, 0xFF01])
+def test_a_header_version_damaged_to_any_value_is_integrity_damage(h, rows, capsys, version):
+    """lmdb (3.0) picks its engine by the data format the header names, and refuses one it has none for with a plain
+    lmdb.Error ("LMDB data format v65281 is not supported by this build"): every verb, `kprof audit` included, said
+    "cannot open ledger ...; check the path and its permissions", exit 2. Any format but 1 in a ledger's header is
+    damage: exit 3 naming it, a finding of the audit, and nothing written."""
+    import sys
+
+    from kprof.ledger._path import _MAGIC_AT
+
+    db, specs, eids = rows
+    with open(db, "r+b") as f:
+        f.seek(_MAGIC_AT + 4)  # the data format, after the magic number
+        f.write(version.to_bytes(4, sys.byteorder))
+    with open(db, "rb") as f:
+        before = f.read()
+    for verb, argv in _verbs(h, db, specs, f"kprof.{eids[0].hex()[:16]}").items():
+        assert main(argv) == 3, verb
+        err = capsys.readouterr().err
+        assert f"is damaged: LMDB finds its header invalid (data format {version}, where a ledger's is 1)" in err, verb
+    assert main(["run", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(m=96)), "--db", db]) == 3
+    capsys.readouterr()
+    with open(db, "rb") as f:
+        assert f.read() == before
+    assert main(["audit", "--db", db, "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert not doc["ok"] and doc["counts"] == {"structure": 1} and f"data format {version}," in doc["findings"][0]
+
+
+@pytest.mark.skipif(not hasattr(_sigbus.signal, "SIGBUS"), reason="no SIGBUS here")
+@pytest.mark.parametrize("as_json", [True, False])
+def test_a_sigbus_while_the_audit_reads_the_file_is_its_finding_not_advice_to_run_it(tmp_path, as_json):
+    """A damaged page LMDB reads past the file's end faulted the audit's own opening of the file: `kprof audit --json`
+    printed no document, and one line saying to run `kprof audit`. The audit reports it as a structure finding
+    (stdout: its report, as JSON where asked), exit 3. The fault is a real one, where the audit reads the file."""
+    path = tmp_path / "mapped"
+    code = f"""
+import ctypes, mmap, os, sys
+import kprof.cli.audit
+from kprof.cli import main
+
+def faulting(db, jobs):
+    f = open({str(path)!r}, "wb+"); f.write(b"x" * 8192); f.flush()
+    m = mmap.mmap(f.fileno(), 8192)
+    os.truncate({str(path)!r}, 0)
+    buf = (ctypes.c_char * 8192).from_buffer(m)
+    ctypes.string_at(ctypes.addressof(buf) + 4096, 4)
+
+kprof.cli.audit.run_audit = faulting
+sys.exit(main(["audit", "--db", "p.db"{', "--json"' if as_json else ''}]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 3, proc
+    assert proc.stderr.decode().count("\n") == 1 and "run `kprof audit`" not in proc.stderr.decode()
+    finding = "structure: the file's pages are damaged: reading them faulted (SIGBUS); restore the file from a copy"
+    if as_json:
+        doc = json.loads(proc.stdout)
+        assert (doc["path"], doc["ok"], doc["findings"], doc["counts"]) == ("p.db", False, [finding], {"structure": 1})
+        assert list(doc) == ["path", "ok", "events", "last_seq", "findings", "counts", "seconds"]
+    else:
+        assert proc.stdout.decode().startswith("audit of p.db: 1 finding(s)") and finding in proc.stdout.decode()
