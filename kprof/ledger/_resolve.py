@@ -63,8 +63,8 @@ def resolve(ledger, ref: str) -> Resolved:
 
 def _check_neighbours(txn, db, path: str, prefix_hex: str) -> None:
     """Where no event id has the prefix, the ids either side must hash from their bytes (else damage reads as none)."""
-    cursor, items = txn.cursor(db), []
-    if cursor.set_range(bytes.fromhex(prefix_hex[: len(prefix_hex) // 2 * 2])):
+    even, cursor, items = prefix_hex[: len(prefix_hex) // 2 * 2], txn.cursor(db), []
+    if cursor.set_range(bytes.fromhex(even)):
         items.append(cursor.item())
         if cursor.prev():
             items.append(cursor.item())

@@ -312,7 +312,7 @@ def test_show_of_an_event_its_keys_history_does_not_hold_is_damage_not_a_retract
         assert main(["show", f"kprof.{eid.hex()[:16]}", "--db", ledger_path, "--json"]) == 3
         captured = capsys.readouterr()
         assert captured.out == "" and "Traceback" not in captured.err
-        assert f"the history of key {key.hex()} lacks its event " in captured.err
+        assert f"the history of key {key.hex()} lacks its event" in captured.err
 
 
 def test_show_of_a_history_entry_holding_a_negative_seq_is_damage_not_a_traceback(ledger_path, capsys):
