@@ -15,12 +15,8 @@ from .events import Event, Provenance
 # read checks; 4: every stored view value a named record (see _reducer). A file of an older format has its views
 # rebuilt from the log when it is opened (see store.Ledger._initialize); its events and log are never rewritten.
 FORMAT_VERSION = 4
-KEY_TAG = b"kprof/key/v1\x00"
-EVENT_TAG = b"kprof/event/v1\x00"
-SCOPE_TAG = b"kprof/scope/v1\x00"
-SHAPE_TAG = b"kprof/shape/v1\x00"
-ROOT_TAG = b"kprof/root/v1\x00"
-ROW_TAG = b"kprof/row/v1\x00"
+KEY_TAG, EVENT_TAG, SCOPE_TAG = b"kprof/key/v1\x00", b"kprof/event/v1\x00", b"kprof/scope/v1\x00"
+SHAPE_TAG, ROOT_TAG, ROW_TAG = b"kprof/shape/v1\x00", b"kprof/root/v1\x00", b"kprof/row/v1\x00"
 
 encoder = msgspec.msgpack.Encoder(order="deterministic")
 encode = encoder.encode
@@ -54,8 +50,7 @@ def provenance_key(provenance: Provenance) -> bytes:
 
 def provenance_prefix(provenance_without_shape: Provenance) -> bytes:
     """The bytes of a provenance's encoding before its shape (its last field): these + encode(shape) == the whole."""
-    data = encode(msgspec.structs.replace(provenance_without_shape, shape={"": 0}))
-    tail = encode({"": 0})
+    data, tail = encode(msgspec.structs.replace(provenance_without_shape, shape={"": 0})), encode({"": 0})
     assert data.endswith(tail)  # internal invariant of the encoding, not input validation
     return data[: -len(tail)]
 

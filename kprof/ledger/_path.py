@@ -1,8 +1,9 @@
 """Which file a ledger is, before LMDB opens it (and creates `<path>-lock` beside it): the path (`--db`, $KPROF_DB,
-./profile.db), whether an existing path can be a ledger, and whether a read-only open must do without the lock."""
+./profile.db), whether an existing path can be a ledger, and whether an open uses the lock."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import sys
@@ -15,7 +16,6 @@ __all__ = ["ledger_path"]
 # LMDB's magic number (lmdb.h MDB_MAGIC, native byte order), first in the meta page that opens every LMDB file, after
 # its 16-byte page header: all that is read of LMDB's format, enough to tell its files from text, SQLite or noise.
 _LMDB_MAGIC, _MAGIC_AT = (0xBEEFC0DE).to_bytes(4, sys.byteorder), 16
-_DB = (("db=", "'profile.db'"), ("--db ", "profile.db"))  # the ledger's path as a Python keyword, and as a verb's flag
 
 
 def ledger_path(db: str | os.PathLike | None = None) -> str:
@@ -42,7 +42,7 @@ def ledger_path(db: str | os.PathLike | None = None) -> str:
 def _not_a_ledger(path: str, what: str, damaged: str = "") -> LedgerPathError:
     fix = f"; if it held a ledger, {damaged}: restore it from a copy" if damaged else ""
     return LedgerPathError(*(f"{path} is not a kprof ledger ({what}); check that {db.strip(' =')} (or $KPROF_DB) names "
-                             f"the ledger file{fix}" for db, _eg in _DB))
+                             f"the ledger file{fix}" for db in ("db=", "--db ")))
 
 
 def _recognize(path: str, deadline: float, readonly: bool) -> None:
@@ -75,10 +75,19 @@ def _recognize(path: str, deadline: float, readonly: bool) -> None:
         raise _not_a_ledger(path, kind, "its header is damaged")
 
 
-def _without_lock(path: str) -> bool:
-    """Whether a read-only open must do without LMDB's lock file: there is none and this user cannot create it (a
-    read-only directory, a share). Safe only while no writer commits (its reader table keeps writers off a reader's
-    pages): each process opening the file keeps the lock file, so none has it open, and a writer would create it where
-    this user cannot (a reused page is an integrity error by the row digests). One this user cannot open is refused."""
-    directory = os.path.dirname(os.path.abspath(path))
-    return not os.path.lexists(path + "-lock") and not os.access(directory, os.W_OK)
+def _with_lock(path: str, real: str, readonly: bool) -> bool:
+    """Whether LMDB opens the file with its lock file `<real path>-lock`, given its blocks first (32 KiB: 510 readers;
+    one made keeps its size): LMDB writes it through a map, where a page no block backs (a full disk) faults (SIGBUS).
+    A reader does without one where none is and this user cannot make it (a read-only directory; no writer commits)."""
+    lock = real + "-lock"
+    if readonly and not os.path.lexists(lock) and not os.access(os.path.dirname(os.path.abspath(real)), os.W_OK):
+        return False
+    try:  # one this user cannot open or write is left to LMDB's open, which names it
+        with os.fdopen(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644), "rb") as f:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size or 32768)
+    except (OSError, AttributeError) as exc:  # (macOS has no posix_fallocate: there LMDB sizes it, as it did)
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise LedgerError(f"cannot open ledger {path}: its lock file {lock} cannot take its 32 KiB "
+                              f"({exc.strerror}): the disk is full or past a file size limit (ulimit -f); free "
+                              f"space and run again") from None
+    return True

@@ -171,8 +171,7 @@ class ScopeTotals(msgspec.Struct):
                           sorted(self.contracts))
 
     def add(self, other: "ScopeTotals") -> None:
-        self.rows += other.rows
-        self.acc += other.acc
+        self.rows, self.acc = self.rows + other.rows, self.acc + other.acc
         self.contracts |= other.contracts
 
 
@@ -250,8 +249,7 @@ class Reducer:
             raise IntegrityError(f"retraction {eid.hex()[:16]} names event {event.target.hex()[:16]}, which is "
                                  f"{'not stored' if target is None else 'a retraction'}; restore the file from a copy")
         _sid, entry = self._scope(target.provenance)
-        key = event.key
-        latest = latest_failed = None
+        key, latest, latest_failed = event.key, None, None
         for hid in map(s.logged, map(pack_seq, reversed(history.seqs))):
             if s.get("retracted", hid) is not None:
                 continue

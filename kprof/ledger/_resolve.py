@@ -29,8 +29,7 @@ def _by_prefix(txn, db, prefix_hex: str) -> list[bytes]:
 
 def resolve(ledger, ref: str) -> Resolved:
     """The event or key `ref` names, its history and its current event, every event re-hashed (see _verify)."""
-    text = ref.strip().lower() if isinstance(ref, str) else ""  # not a str: refused below, naming it
-    text = text.removeprefix("kprof.")
+    text = ref.strip().lower().removeprefix("kprof.") if isinstance(ref, str) else ""  # not a str: refused below
     if not 8 <= len(text) <= 64 or any(c not in "0123456789abcdef" for c in text):  # an id or key: 64 hex digits
         raise UsageError(f"{ref!r} is not a citation, event id or key; pass `kprof.<hex>` or 8 to 64 hex digits")
     dbs, path = ledger.dbs, ledger.path

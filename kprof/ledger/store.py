@@ -22,7 +22,7 @@ from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identi
                    _read_only_file, _reads, _release, _write_txn)
 from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
-from ._path import _recognize, _without_lock, ledger_path
+from ._path import _recognize, _with_lock, ledger_path
 from ._resolve import resolve
 from ._verify import damaged, event as verified_event, reading
 from ._reducer import ScopeEntry, history_entry, opened, pack_seq, seq_of
@@ -99,7 +99,7 @@ class Ledger:
             entry = None
         if entry is None:
             # Writable where the file allows, so that a reader and a writer in one process share it (Ledger enforces it)
-            lock = not (readonly and _without_lock(real))  # `<real path>-lock`: one for every name of the file
+            lock = _with_lock(path, real, readonly)  # `<real path>-lock`: one for every name of the file
             env_readonly = readonly and (not lock or not os.access(path, os.W_OK))
             try:
                 entry = [lmdb.open(os.fsencode(real), subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4,

@@ -1,6 +1,7 @@
 """The LMDB store: atomic idempotent appends, refused batches, versions, opening, map
 growth and resolving citations. How events change the views is test_reducer's."""
 
+import errno
 import os
 import random
 import re
@@ -206,6 +207,48 @@ def test_a_lock_file_that_is_a_directory_is_named(tmp_path, readonly):
         Ledger.open(path, readonly=readonly)
     os.rmdir(path + "-lock")
     with Ledger.open(path, readonly=True) as led:
+        assert led.last_seq == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="no posix_fallocate (macOS)")
+@pytest.mark.parametrize("readonly", [True, False])
+def test_a_lock_file_has_its_disk_blocks_before_lmdb_maps_it(tmp_path, readonly):
+    """LMDB sizes `<ledger>-lock` (a hole) and writes its reader table through a map of it: on a full disk the first
+    write to a page no block backed faulted (SIGBUS), and every verb, `kprof audit` too, said the ledger was damaged
+    (exit 3). Its blocks are taken before LMDB opens it, where a full disk refuses them (the next test); a lock file
+    a killed open left as a hole gets them too."""
+    path = str(tmp_path / "p.db")
+    with Ledger.open(path) as led:
+        led.append(list(synth.events(0, 1)))
+    for left in ("none", "a hole"):
+        os.remove(path + "-lock")
+        if left == "a hole":
+            with open(path + "-lock", "wb") as f:
+                f.truncate(32768)
+        with Ledger.open(path, readonly=readonly) as led:
+            assert led.last_seq == 1
+        st = os.stat(path + "-lock")
+        assert st.st_size == 32768 and st.st_blocks * 512 >= st.st_size, (left, st)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="no posix_fallocate (macOS)")
+@pytest.mark.parametrize("readonly", [True, False])
+def test_a_full_disk_refusing_the_lock_file_is_named_not_read_as_damage(tmp_path, monkeypatch, readonly):
+    path = str(tmp_path / "p.db")
+    with Ledger.open(path) as led:
+        led.append(list(synth.events(0, 1)))
+    os.remove(path + "-lock")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(LedgerError, match=f"cannot open ledger {re.escape(path)}: its lock file {re.escape(path)}-lock "
+                                          f"cannot take its 32 KiB \\(No space left on device\\): the disk is full or "
+                                          f"past a file size limit \\(ulimit -f\\); free space and run again"):
+        Ledger.open(path, readonly=readonly)
+    monkeypatch.undo()
+    with Ledger.open(path, readonly=True) as led:  # once there is space, as it was
         assert led.last_seq == 1
 
 
