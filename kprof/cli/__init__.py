@@ -1,23 +1,16 @@
 """The cyclopts app. Verbs are registered by import string, so `kprof list` or `kprof query` import only
-what they use (no torch, cupti or pynvml on the read path)."""
+what they use (no torch, cupti or pynvml on the read path). The app itself is built on first use (see _app)."""
 
 from __future__ import annotations
 
+import functools
 import sys
-
-from cyclopts import App, Parameter
-from cyclopts.exceptions import CycloptsError
 
 from .. import __version__
 from ..errors import KprofError, SettingError, UsageError
 
 __all__ = ["app", "main"]
 
-# negative_iterable="": no list flag gets cyclopts' `--empty-NAME` twin (`--empty-spec --specs FILE` was accepted and
-# every verb's help listed them): an empty list is never a request kprof takes.
-app = App(name="kprof", help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
-          version=__version__, exit_on_error=False, print_error=False, result_action="return_value",
-          default_parameter=Parameter(negative_iterable=""))
 # Verbs by import string, with their help here too, so `kprof --help` lists every verb without importing it.
 VERBS = [
     ("list", "kprof.cli.list_:list_",
@@ -43,11 +36,37 @@ VERBS = [
     ("merge", "kprof.cli.merge:merge",
      "Merge segment files into the ledger: every event checked, conflicts refused (exit 3), all or nothing."),
 ]
-for _name, _target, _help in VERBS:
-    app.command(_target, name=_name, help=_help)
+
+
+@functools.cache
+def _app():
+    """`app`, built where it is first asked for: the `kprof` script imports this module before `main` handles Ctrl-C
+    and SIGTERM, and cyclopts takes a while to load."""
+    from cyclopts import App, Parameter
+
+    # negative_iterable="": no list flag gets cyclopts' `--empty-NAME` twin (`--empty-spec --specs FILE` was accepted
+    # and every verb's help listed them): an empty list is never a request kprof takes.
+    app = App(name="kprof", help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
+              version=__version__, exit_on_error=False, print_error=False, result_action="return_value",
+              default_parameter=Parameter(negative_iterable=""))
+    for name, target, help_ in VERBS:
+        app.command(target, name=name, help=help_)
+    return app
+
+
+def __getattr__(name: str):
+    if name == "app":
+        return _app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 invocation: list[str] = []  # the command now running (`kprof` and its arguments), for the records it writes
+
+
+def _cyclopts_error(exc: Exception) -> bool:
+    """Whether exc is cyclopts' own error for a command line it cannot parse: one usage line (exit 2)."""
+    errors = sys.modules.get("cyclopts.exceptions")
+    return errors is not None and isinstance(exc, errors.CycloptsError)
 
 
 def _ledger_failure(exc: Exception) -> bool:
@@ -214,26 +233,21 @@ def _main(argv: list[str]) -> int:
         if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and \
                 hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    from ._sigbus import install
-
-    restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)
     import signal
     import threading
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     sigint = signal.getsignal(signal.SIGINT) if main_thread else None
+    restore = None  # the SIGBUS handler's, once installed (inside the try: an interrupt of the imports is handled)
     try:
-        _utf8(argv)
-        result = app(argv)
-    except CycloptsError as exc:  # one line, as every other usage error (cyclopts' own is a multi-line panel)
-        from ._render import error
+        from ._sigbus import install
 
-        verb = next((a for a in argv if a in {name for name, _t, _h in VERBS}), None)
-        said = _stream(verb, argv) or _missing(exc, argv) or _one_pair(exc, verb, argv) or (
-            str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc))
-        error(f"{said}; see `kprof {verb + ' ' if verb else ''}--help`")
-        return 2
+        restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)
+        _utf8(argv)
+        from . import app  # built here (see _app): a Ctrl-C while cyclopts loads is an interrupt, as in a verb
+
+        result = app(argv)
     except (KeyboardInterrupt, SystemExit) as exc:
         code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code
         if code not in (130, 143):  # a plain exit of a verb's own
@@ -252,9 +266,16 @@ def _main(argv: list[str]) -> int:
             error(exc.cli if isinstance(exc, SettingError) else str(exc))
         return exc.exit_code
     except Exception as exc:
+        from ._render import error
+
+        if _cyclopts_error(exc):  # one line, as every other usage error (cyclopts' own is a multi-line panel)
+            verb = next((a for a in argv if a in {name for name, _t, _h in VERBS}), None)
+            said = _stream(verb, argv) or _missing(exc, argv) or _one_pair(exc, verb, argv) or (
+                str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc))
+            error(f"{said}; see `kprof {verb + ' ' if verb else ''}--help`")
+            return 2
         if not _ledger_failure(exc):
             raise
-        from ._render import error
 
         if _write_refused(exc):
             error(f"writing the ledger failed ({type(exc).__name__}: {exc}): the disk is full, past a file size "
@@ -264,7 +285,8 @@ def _main(argv: list[str]) -> int:
         error(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full report")
         return 3
     finally:
-        restore()
+        if restore is not None:
+            restore()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
             signal.signal(signal.SIGINT, sigint)

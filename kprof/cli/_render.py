@@ -8,15 +8,13 @@ import os
 import sys
 from collections import Counter
 
-import msgspec
-
 from ..errors import OutputClosed, OutputError
-
-_json = msgspec.json.Encoder()  # keys in the order the contract lists them
 
 
 def emit_json(doc) -> None:
-    data = memoryview(msgspec.json.format(_json.encode(doc), indent=2) + b"\n")
+    import msgspec  # here: `main` imports this module before it handles Ctrl-C and SIGTERM
+
+    data = memoryview(msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n")  # keys in the contract's order
     out = sys.stdout
     try:
         out.flush()

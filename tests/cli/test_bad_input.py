@@ -625,6 +625,29 @@ def test_an_interrupted_fresh_or_force_run_says_what_the_same_command_does_again
     assert "--fresh" not in argv or "only what is missing" not in err, err  # `--fresh=false` is no --fresh
 
 
+@pytest.mark.parametrize("module", ["cyclopts", "msgspec", "ctypes"])
+@pytest.mark.parametrize("sig, code, said", [("SIGINT", 130, "Ctrl-C"), ("SIGTERM", 143, "SIGTERM")])
+def test_an_interrupt_while_kprof_starts_is_one_line_saying_what_it_left(module, sig, code, said, tmp_path):
+    """The `kprof` script imports kprof.cli before it calls main, and that import loaded cyclopts (a fifth of a
+    second, more on a busy host), then main loaded msgspec (for --json) and ctypes (the SIGBUS handler) before it
+    handled signals: a Ctrl-C then was a traceback, a SIGTERM a silent death by the signal. The signal here arrives
+    as the module is first imported, in a process started as the script starts."""
+    code_ = ("import os, signal, sys\n"
+             "class Stop:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             f"        if name == {module!r}:\n"
+             "            sys.meta_path.remove(self)\n"
+             f"            os.kill(os.getpid(), signal.{sig})\n"
+             "sys.meta_path.insert(0, Stop())\n"
+             "from kprof.cli import main\n"
+             "sys.exit(main())")
+    proc = subprocess.run([sys.executable, "-c", code_, "run", "single_gemm", "--db", str(tmp_path / "p.db")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.startswith(f"error: interrupted ({said}): every row stored before it stays in the ledger")
+    assert "Traceback" not in proc.stderr and os.listdir(tmp_path) == []
+
+
 def test_a_verb_s_own_exit_is_not_taken_for_an_interrupt(monkeypatch):
     import kprof.cli as cli
 
