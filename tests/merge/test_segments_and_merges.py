@@ -261,6 +261,41 @@ def test_a_conflict_whose_report_cannot_be_written_is_still_refused(tmp_path, mo
     assert not (tmp_path / "merge-report.json").exists()
 
 
+def test_a_conflict_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Two merges refused at once in one directory wrote into one file: each opened merge-report.json (emptying it)
+    and wrote from its start, so the shorter report ran on into the longer one's tail (no JSON); one interrupted
+    left an empty or part file where the earlier report was. A report is written under a name of its own, then
+    named."""
+    target = _ledger(tmp_path / "t.db", synth.events(0, 5))
+    segs = [str(tmp_path / f"c{i}.kseg") for i in range(2)]
+    for i, seg in enumerate(segs):
+        export(_ledger(tmp_path / f"c{i}.db", [synth.event(3, seed=1 + i)]), seg)
+    out = tmp_path / "out"
+    with pytest.raises(MergeConflict):
+        merge([segs[0]], target, output_dir=str(out))
+    earlier = (out / "merge-report.json").read_bytes()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(msgspec.json, "format", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        merge([segs[1]], target, output_dir=str(out))
+    assert os.listdir(out) == ["merge-report.json"] and (out / "merge-report.json").read_bytes() == earlier
+    monkeypatch.undo()
+    with pytest.raises(MergeConflict):
+        merge([segs[1]], target, output_dir=str(out))
+    report = json.loads((out / "merge-report.json").read_text())
+    assert report["keys"][0]["incoming"]["event"] == _eid(synth.event(3, seed=2)).hex()
+    assert os.stat(out / "merge-report.json").st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _damaged_copies(seg: str, tmp_path):
     data = _read(seg)
     step = max(1, len(data) // 150)
