@@ -148,7 +148,8 @@ class Claims:
                             keys[bytes.fromhex(line.lstrip("-"))] = not line.startswith("-")
                     held.update((k, name[: -len(".claim")]) for k, live in keys.items() if live)
                     continue
-                os.unlink(path)  # we got the lock: its holder is gone, and so are its claims
+                with contextlib.suppress(FileNotFoundError):  # (a run ending removes its file outside our lock)
+                    os.unlink(path)  # we got the lock: its holder is gone, and so are its claims
         return held
 
     def take(self, keys) -> tuple[list[bytes], dict[bytes, str]]:

@@ -221,6 +221,31 @@ def test_a_dead_runs_claims_expire(tmp_path):
         assert after.take([b"k1"]) == ([b"k1"], {})  # released when its run ended
 
 
+def test_a_run_ending_while_another_reads_its_claims_is_read_past(tmp_path, monkeypatch):
+    """A run ends its claims by removing its file and closing it, outside the directory lock: another run that had
+    opened the file found it unlocked, took its holder for dead and removed it too, which failed (the file was
+    gone), and that run stopped with "cannot use <ledger>-claims: ...: No such file or directory" (exit 2)."""
+    import fcntl
+
+    from kprof.runners import claims as claims_module
+    from kprof.runners.claims import Claims
+
+    db = str(tmp_path / "p.db")
+    ending = Claims(db, "ending").__enter__()
+    ending.take([b"k1"])
+    real = fcntl.flock
+
+    def flock(f, op):  # the run ends between another run's open of its file and its look at the file's lock
+        if op == fcntl.LOCK_SH | fcntl.LOCK_NB and ending._own is not None:
+            ending.release()
+        return real(f, op)
+
+    monkeypatch.setattr(claims_module.fcntl, "flock", flock)
+    with Claims(db, "reader") as reader:
+        assert reader.take([b"k1", b"k2"]) == ([b"k1", b"k2"], {})
+    assert os.listdir(f"{db}-claims") == ["lock"]
+
+
 def test_claim_rounds_wait_for_held_keys_and_drop_what_is_no_longer_wanted(tmp_path, monkeypatch):
     """A round yields the specs this run claimed and still wants; a key another run holds comes back in a later
     round once it is let go; a claimed key no longer wanted (stored by another run meanwhile) has its claim ended."""
