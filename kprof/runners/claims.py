@@ -207,7 +207,7 @@ def still_wanted(mode: str, row, before) -> bool:
     """Whether the mode still leaves a key to measure, given its row now and when the run began."""
     if mode == "jit":
         return row is None or row.status != "ok"
-    if mode == "force":  # another run re-measured it since this one began: that is the refresh asked for (a row of
-        now, was = own_event(row), own_event(before)  # another key, e.g. another thread count's, is not)
-        return not (now is not None and was is not None and now != was)
+    if mode == "force":  # another run measured it since this one began (again, or first: it had no row of its own key
+        now, was = own_event(row), own_event(before)  # then): that is the refresh asked for (a row of another key,
+        return not (now is not None and now != was)  # e.g. another thread count's, is not)
     return True

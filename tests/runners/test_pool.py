@@ -266,6 +266,22 @@ def test_claim_rounds_wait_for_held_keys_and_drop_what_is_no_longer_wanted(tmp_p
         assert next(rounds, None) is None
 
 
+def test_a_forced_key_another_run_measured_since_this_run_began_is_not_measured_again(tmp_path):
+    """Two `run --force` of specs without rows, the second started as the first ended (its rows stored before the
+    second took a key): the second measured every key again, two events a key, where a key that had a row when it
+    began was left to the other run's new row (the refresh asked for). A row of the key's own stored since the run
+    began, where it had none or only a stale one, is the refresh asked for too; one there when it began is not."""
+    from kprof.runners.claims import Claims, rounds
+
+    db = str(tmp_path / "p.db")
+    before = [None, SimpleNamespace(status="stale", event_id=b"old"), SimpleNamespace(status="ok", event_id=b"e2")]
+    now = [SimpleNamespace(status="ok", event_id=b"n0"), SimpleNamespace(status="failed", event_id=b"n1"),
+           SimpleNamespace(status="ok", event_id=b"e2")]
+    with Claims(db, "this") as this:
+        assert list(rounds(this, [0, 1, 2], [b"k0", b"k1", b"k2"], lambda: now, "force", before)) == [([2], now, {})]
+        assert this.claimed == {b"k2"}  # the others' claims ended at once
+
+
 def test_a_held_key_whose_holder_stored_a_failure_is_not_measured_again(tmp_path, monkeypatch):
     """Two runs of one spec whose worker crashes: the second waited for the first, then measured the key again
     (another crash, a second failed event), though concurrent runs never measure a key twice. The row the holder
