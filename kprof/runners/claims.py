@@ -170,20 +170,20 @@ class Claims:
         """The specs `todo` (indices into `keys`, their keys) in rounds: each takes the keys no other run holds, reads
         the rows now (`rows_now()`), and yields (the specs claimed that are still `wanted(i, row)`, the rows, the keys
         other runs hold); the claims of those not wanted (another run stored them meanwhile) end. The held ones are
-        taken again, WAIT_S after the round the caller has finished with, until none is held. A held key's row that
-        its holder stored since `before` (each spec's row when this run began), a failure too, is its answer: not
-        measured again; one its holder left as it was (it died before storing it) is measured here."""
-        pending, waited = todo, set()
+        taken again, WAIT_S after the round the caller has finished with, until none is held. A key's row that another
+        run stored since `before` (each spec's row when this run began), a failure too, is its answer: not measured
+        again, whether this run waited for it or the other run had ended before this one took the key; one a holder
+        left as it was (it died before storing it) is measured here."""
+        pending = todo
         while pending:
             mine, held = self.take([keys[i] for i in pending])
             rows = rows_now()
             mine_set = set(mine)
             batch = [i for i in pending if keys[i] in mine_set and wanted(i, rows[i])
-                     and not (i in waited and own_event(rows[i]) != own_event(before[i]))]
+                     and own_event(rows[i]) in (None, own_event(before[i]))]
             self.drop(mine_set - {keys[i] for i in batch})  # another run measured them meanwhile
             yield batch, rows, held
             pending = [i for i in pending if keys[i] in held]
-            waited.update(pending)
             if pending:
                 time.sleep(WAIT_S)
 

@@ -266,6 +266,20 @@ def test_claim_rounds_wait_for_held_keys_and_drop_what_is_no_longer_wanted(tmp_p
         assert next(rounds, None) is None
 
 
+def test_a_failure_another_run_stored_since_this_run_began_is_its_answer_held_or_not(tmp_path):
+    """Two runs of a spec that fails (an oom row), the second taking its key after the first had stored the failure
+    and ended: the second measured it again, a second failed event of one key (where it had waited for the key, the
+    failure was its answer). A row of the key's own stored since the run began is its answer either way; a failure
+    there when the run began is measured again, as jit asks."""
+    from kprof.runners.claims import Claims, rounds
+
+    db = str(tmp_path / "p.db")
+    before = [None, SimpleNamespace(status="failed", event_id=b"f1"), SimpleNamespace(status="stale", event_id=b"s")]
+    now = [SimpleNamespace(status="failed", event_id=b"f0"), before[1], before[2]]
+    with Claims(db, "this") as this:
+        assert list(rounds(this, [0, 1, 2], [b"k0", b"k1", b"k2"], lambda: now, "jit", before)) == [([1, 2], now, {})]
+
+
 def test_a_forced_key_another_run_measured_since_this_run_began_is_not_measured_again(tmp_path):
     """Two `run --force` of specs without rows, the second started as the first ended (its rows stored before the
     second took a key): the second measured every key again, two events a key, where a key that had a row when it
