@@ -216,10 +216,12 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
         db: str | None = None, progress: Callable[[int, int, dict], None] | None = None,
         watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None,
         command: str = "", timer: str | None = None, l2: str | None = None,
-        cuda_graph: bool | None = None, power: str | None = None) -> QueryResult:
+        cuda_graph: bool | None = None, power: str | None = None,
+        waiting: Callable[[int], None] | None = None) -> QueryResult:
     """JIT fill (mode "jit": measure what is missing), refresh ("force": measure all), or look without
     writing ("fresh": measure all, store nothing), timed by `timer`/`l2`/`cuda_graph`/`power` (see
-    `effective_entry`). Every spec and the method are validated before anything is measured."""
+    `effective_entry`). Every spec and the method are validated before anything is measured. `waiting(n)` is told,
+    every half second or so while it lasts, that n of the specs are another run's to measure (waited for, then read)."""
     if mode not in ("jit", "force", "fresh"):
         raise UsageError(f"mode {mode!r} is not one of jit, force, fresh")
     started = time.perf_counter()
@@ -237,7 +239,7 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
     check_settings()
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
     filled = fill(entry, canonical, gpu_key, db, mode, origin, progress=progress, watch=watch,
-                  conflict_dir=conflict_dir)
+                  conflict_dir=conflict_dir, waiting=waiting)
     spec_keys = filled.spec_keys
     ledger = _open_for_read(db, missing_ok=True)  # None: nothing was written (a fresh run, or nothing measurable)
     try:

@@ -128,7 +128,8 @@ def spec_time_limit() -> bool:
 
 def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin: Origin, *,
          progress: Callable[[int, int, dict], None] | None = None,
-         watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None) -> Filled:
+         watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None,
+         waiting: Callable[[int], None] | None = None) -> Filled:
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
     spec_keys = [keys.key(s) for s in canonical]
 
@@ -203,6 +204,7 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     # 3. and 4.
     state = _State(entry, canonical, keys, spec_keys, mode, before, progress, watch, conflict_dir, len(todo),
                    view_of)
+    state.waiting = waiting
     with contextlib.ExitStack() as stack:
         order = sorted(levels)
         first = stack.enter_context(workers_for(order[0]))  # a device that cannot measure: refused, nothing written
@@ -247,12 +249,15 @@ class _State:
         self.taken: dict[int, Any] = {}  # spec index -> its row (or None) when it was taken
         self.measured, self.timed, self.host_busy, self.timed_rows = 0, 0.0, 0, 0
         self.waited: set[bytes] = set()
+        self.waiting = None  # told, each round, how many of its keys other runs hold (where any do)
 
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
         canonical, spec_keys, keys = self.canonical, self.spec_keys, self.keys
         for batch, rows, held in rounds(self.claims, todo, spec_keys, lambda: rows_of(self.ledger), self.mode,
                                         self.before):
             self.waited.update(held)
+            if held and self.waiting:  # a run that only waits says nothing else for as long as the other one takes
+                self.waiting(len(held))
             parent_of = {i: (rows[i].event_id if rows[i] is not None else None) for i in batch}
             self.taken.update((i, rows[i]) for i in batch)
             items = [(i, canonical[i], parent_of[i]) for i in batch]

@@ -191,6 +191,28 @@ def test_a_run_waiting_for_a_key_whose_worker_crashed_in_the_other_run_reads_its
 
 
 @pytest.mark.slow
+def test_a_run_waiting_for_keys_another_run_measures_says_so(tmp_path):
+    """A run whose specs another run holds waits for them, and said nothing while it did: a second `kprof run` of a
+    long fill's specs sat silent (no progress: it measured nothing) for as long as the first took, as if hung."""
+    gate = tmp_path / "gate"
+    env = dict(KPROF_CPU_WORKERS="1", KPROF_POOL="on", FAULTY_GATE=str(gate))
+    first = _run(tmp_path, _specs("gate"), wait=False, **env)
+    deadline = time.monotonic() + 120
+    while not any(f.stat().st_size for f in tmp_path.glob("p.db-claims/*.claim")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = _run(tmp_path, _specs("gate", "ok"), wait=False, **env)
+    deadline = time.monotonic() + 120  # its own spec measured, it waits for the other's: then the gate opens
+    while len(_events(tmp_path) if (tmp_path / "p.db").exists() else []) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gate.touch()
+    (code_a, _doc_a, err_a), (code_b, doc_b, err_b) = _finish(first), _finish(second)
+    assert (code_a, code_b) == (0, 0), err_a + err_b
+    assert f"waiting: another run on {tmp_path / 'p.db'} is measuring 1 of these spec(s); each is read once that " \
+           f"run stores it" in err_b, err_b
+    assert "waiting" not in err_a and len(_events(tmp_path)) == 2
+
+
+@pytest.mark.slow
 def test_concurrent_runs_on_one_ledger_measure_each_key_once(tmp_path):
     specs = _specs(*["slow"] * 8)
     first = _run(tmp_path, specs, wait=False)
