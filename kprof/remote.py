@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
-import threading
 import time
 import uuid
 from typing import Any, Callable
 
 import msgspec
 
+from ._signals import held
 from ._remote_checks import check_remote_output_dir, check_runtime_env, check_task_env, refuse_spec_timeout
 from .api import QueryResult, _empty_root, _fresh_result, _keys, _prepare, _query
 from .errors import MergeConflict, UsageError
@@ -254,7 +253,7 @@ class _Run:
         self.keys += keys
         self.claims = claims
         for j, data in executor.submit(chunks, first):
-            with _whole():
+            with held():  # a chunk's merge and its record land together
                 self._returned(j, data)
         self.failed(executor)
 
@@ -296,31 +295,6 @@ class _Run:
         self.done += 1
         if self.progress:
             self.progress(self.done, len(self.record["chunks"]), chunk_doc)
-
-
-@contextlib.contextmanager
-def _whole():
-    """Ctrl-C (SIGINT) and SIGTERM held until the block ends, then handled as they would have been: a chunk's merge
-    and its record land together (an interrupt between the two left a merged chunk in remote-run.json as
-    `returned`, its rows uncounted). Signals reach the main thread only; in another, the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-    # None: a handler not set from Python, which Python cannot put back; left as it is
-    handlers = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
-    for s in handlers:
-        signal.signal(s, lambda signum, _frame: held.append(signum))
-    try:
-        yield
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-        for signum in held[:1]:
-            if callable(handlers[signum]):
-                handlers[signum](signum, None)
-            elif handlers[signum] == signal.SIG_DFL:
-                signal.raise_signal(signum)
 
 
 def _merge(db: str, path: str, output_dir: str, chunk_doc: dict, record: dict, report: dict | None) -> dict | None:

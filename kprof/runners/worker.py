@@ -78,9 +78,12 @@ def prepare_device(entry: Entry, gpu_key: str, environment: Callable[[], Environ
     """The device the entry measures on, checked and fingerprinted: raises UsageError (no GPU, another GPU
     than the key names, no CUPTI for the cupti timer, an environment other than the entry's) before anything is
     opened or written."""
+    from .._signals import held
     from .environments import require
 
-    require(entry)  # the packages and CUDA of entry.subprocess_env (kprof.runners.environments)
+    with held():  # torch's import (here, or in require) runs C++ that a Ctrl-C raised inside aborts: held till it ends
+        require(entry)  # the packages and CUDA of entry.subprocess_env (kprof.runners.environments)
+        import torch  # noqa: F401
     if entry.metric_family == "comm":  # collectives: timed on a group of rank processes (kprof.runners._comm_device)
         from ._comm_device import CommDevice
 

@@ -648,6 +648,32 @@ def test_an_interrupt_while_kprof_starts_is_one_line_saying_what_it_left(module,
     assert "Traceback" not in proc.stderr and os.listdir(tmp_path) == []
 
 
+def test_a_ctrl_c_while_torch_loads_lets_its_import_finish_then_is_the_one_line(tmp_path):
+    """torch's import runs C++ that calls back into Python, and a KeyboardInterrupt raised inside such a call ended
+    the run in `terminate called after throwing an instance of 'pybind11::error_already_set'` (SIGABRT), not the one
+    line: Ctrl-C and SIGTERM are held while torch loads, then handled. The signal here arrives as torch is first
+    imported, and Python code runs on inside the import, where the interrupt was raised."""
+    code_ = ("import os, signal, sys, time\n"
+             "class Stop:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name == 'torch':\n"
+             "            sys.meta_path.remove(self)\n"
+             "            os.kill(os.getpid(), signal.SIGINT)\n"
+             "            time.sleep(0.1)\n"
+             "sys.meta_path.insert(0, Stop())\n"
+             "from kprof.cli import main\n"
+             "code = main()\n"
+             "print(hasattr(sys.modules.get('torch'), 'Tensor'))\n"
+             "sys.exit(code)")
+    spec = json.dumps({"m": 8, "n": 8, "k": 8, "dtype": "fp32"})
+    proc = subprocess.run([sys.executable, "-c", code_, "run", "single_gemm", "--backend", "torch-cpu", "--spec", spec,
+                           "--db", str(tmp_path / "p.db")], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout.strip() == "True"  # the import finished before the interrupt was handled
+    assert proc.stderr.startswith("error: interrupted (Ctrl-C): every row stored before it stays in the ledger")
+    assert "Traceback" not in proc.stderr and os.listdir(tmp_path) == []
+
+
 def test_a_verb_s_own_exit_is_not_taken_for_an_interrupt(monkeypatch):
     import kprof.cli as cli
 

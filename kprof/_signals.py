@@ -1,0 +1,37 @@
+"""Ctrl-C (SIGINT) and SIGTERM held while a block runs, then handled as they would have been. No kprof imports."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+__all__ = ["held"]
+
+
+@contextlib.contextmanager
+def held():
+    """Runs the block with SIGINT and SIGTERM recorded, not acted on; at its end, the first one recorded is handled as
+    it would have been. For a block that must not be cut (a remote chunk's merge and its record, which an interrupt
+    between left a merged chunk in remote-run.json as `returned`), or that cannot take a Python exception (torch's
+    import, whose C++ calls back into Python: a KeyboardInterrupt raised there ended the process in `terminate
+    called after throwing ... pybind11::error_already_set`, SIGABRT). Signals reach the main thread only; in another,
+    the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+    # None: a handler not set from Python, which Python cannot put back; left as it is
+    handlers = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
+    for s in handlers:
+        signal.signal(s, lambda signum, _frame: seen.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for signum in seen[:1]:
+            if callable(handlers[signum]):
+                handlers[signum](signum, None)
+            elif handlers[signum] == signal.SIG_DFL:
+                signal.raise_signal(signum)
