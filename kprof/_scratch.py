@@ -21,17 +21,19 @@ SETTLE_S = 60.0
 
 def make(prefix: str, tag: str = "") -> tuple[str, object]:
     """(a new directory under the temporary directory, named prefix + tag + a random part; the function that removes
-    it): removal happens once, and only in the process that made it (a forked child calling it lets its parent's
-    directory be). Left-over directories of the same prefix, whatever their tag, are removed first."""
+    it, after `before()`: what must let go of the directory's files first): removal happens once, and only in the
+    process that made it (a forked child calling it lets its parent's directory be, and calls no `before`). Left-over
+    directories of the same prefix, whatever their tag, are removed first."""
     _sweep(prefix)
     path = tempfile.mkdtemp(prefix=prefix + tag)
     fd = hold(path, shared=True)  # held while the process lives (or until removed); forked children share it
     pid, done = os.getpid(), []
 
-    def remove() -> None:
+    def remove(before=lambda: None) -> None:
         if not done:
             done.append(True)
             if os.getpid() == pid:
+                before()
                 shutil.rmtree(path, ignore_errors=True)
             if fd is not None:
                 os.close(fd)

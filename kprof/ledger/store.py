@@ -10,6 +10,7 @@ import time
 import uuid
 import weakref
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Iterable, Iterator
 
 import lmdb
@@ -166,7 +167,8 @@ class Ledger:
                 raise LedgerError(f"cannot read ledger {path} (an older format) from its upgraded copy: writing it in "
                                   f"{os.path.dirname(copy)} failed ({exc}); free space there, or set TMPDIR") from None
             raise
-        ledger.path, ledger.readonly, ledger._source, ledger._temporary = path, True, was, weakref.finalize(ledger, rm)
+        ledger.path, ledger.readonly, ledger._source = path, True, was
+        ledger._temporary = weakref.finalize(ledger, rm, partial(_release, ledger.real_path, ledger.env))  # see close
         return ledger
 
     @staticmethod
@@ -346,10 +348,8 @@ class Ledger:
     def close(self) -> None:
         with nullcontext() if self._forked else self._writing, _lock:  # after any write; closed first: reads say so
             release, self._closed = not self._forked and os.getpid() == self._pid and not self._closed, True
-            if release:
-                _release(self.real_path, self.env)
-                if self._temporary:
-                    self._temporary()
+            if release:  # an upgraded copy's reader, closed or collected: the copy's environment (its own), then it
+                self._temporary() if self._temporary else _release(self.real_path, self.env)
         _live.discard(self)
 
     def __enter__(self):

@@ -191,6 +191,24 @@ def test_an_upgraded_copy_goes_when_its_reader_is_collected_or_the_process_exits
     assert os.listdir(temp) == []
 
 
+def test_a_reader_of_an_older_file_collected_unclosed_closes_its_copys_environment(tmp_path):
+    """Its copy was removed, but the copy's LMDB environment stayed open: the removed files' descriptors and mapping
+    were held, one set per reader, until the process ran out of descriptors (a simulator opening readers in a loop)."""
+    from kprof.ledger import store
+
+    path, _ = _copy(tmp_path, 3)
+    led = Ledger.open(path, readonly=True)
+    env, copy = led.env, led.real_path
+    assert _answers(led)[0].count("ok") and copy != os.path.realpath(path)
+    del led
+    gc.collect()
+    assert copy not in store._envs
+    with pytest.raises(lmdb.Error, match="closed"):
+        env.stat()
+    with Ledger.open(path, readonly=True) as again:  # and a reader opened after it reads as before
+        assert _answers(again)[0].count("ok")
+
+
 def test_the_upgraded_copy_of_a_killed_reader_goes_when_the_next_reader_opens(tmp_path, monkeypatch):
     """A reader killed by SIGKILL (the OOM killer, `timeout -s KILL`) runs no cleanup: its upgraded copy, as large as
     the ledger, stayed in the temporary directory for good, one per killed reader. The next reader's open removes
