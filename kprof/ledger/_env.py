@@ -17,6 +17,7 @@ _envs: dict[str, list] = {}  # realpath -> [env, users, (dev, ino) of the file i
 # (dbs: handles opened once: py-lmdb opens one in a write transaction, which waits for writers with the GIL held)
 _lock = threading.RLock()  # held by each Ledger's open and close: never two environments of a file, nor a wrong count
 _reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}  # this process's reads: id -> (env, txn, thread)
+_mapping = threading.RLock()  # held by a map change, and by a read from its check of the map to its entry in _reads
 GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
 CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
 
@@ -30,7 +31,7 @@ _inherited_handles: list = []
 
 
 def _forget_after_fork() -> None:
-    _lock.release()  # taken by the fork (below): no open or release of another thread was under way
+    _lock.release(), _mapping._at_fork_reinit()  # _lock: taken by the fork (below); _mapping: free in the child
     for ledger in list(_live):
         ledger._forked = True
     _inherited_handles.extend([entry[0] for entry in _envs.values()] + [txn for _env, txn, _t in _reads.values()])
@@ -46,13 +47,14 @@ def _change_map(env: lmdb.Environment, path: str, size: int) -> None:
     """env.set_mapsize(size), which ends every transaction this process has open on the file: first waits for other
     threads' reads to end; refuses where they do not, or where one is this thread's own (waiting would not end it)."""
     deadline = time.monotonic() + GROW_WAIT_S
-    while threads := [thread for e, _txn, thread in list(_reads.values()) if e is env]:
-        if threading.get_ident() in threads or time.monotonic() > deadline:
-            raise LedgerError(f"ledger {path}'s memory map must change size (the file grew past it), and this "
-                              f"process holds {len(threads)} read(s) open on it; end them (finish iterating "
-                              f"view.rows() or iter_log()), or open the ledger with a larger map_size")
-        time.sleep(0.01)
-    env.set_mapsize(size)
+    with _mapping:  # one at a time, and no read begins meanwhile (see Ledger.read)
+        while threads := [thread for e, _txn, thread in list(_reads.values()) if e is env]:
+            if threading.get_ident() in threads or time.monotonic() > deadline:
+                raise LedgerError(f"ledger {path}'s memory map must change size (the file grew past it), and this "
+                                  f"process holds {len(threads)} read(s) open on it; end them (finish iterating "
+                                  f"view.rows() or iter_log()), or open the ledger with a larger map_size")
+            time.sleep(0.01)
+        env.set_mapsize(size)
 
 
 def _begin(env: lmdb.Environment, path: str) -> lmdb.Transaction:

@@ -20,7 +20,7 @@ from .. import _scratch
 from ..errors import IntegrityError, LedgerError, LedgerPathError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
 from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identity, _inherited, _live, _lock,
-                   _read_only_file, _reads, _release, _write_txn)
+                   _mapping, _read_only_file, _reads, _release, _write_txn)
 from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
 from ._path import _recognize, _with_lock, ledger_path
@@ -175,7 +175,7 @@ class Ledger:
     def _initialize(path: str, env: lmdb.Environment, readonly: bool) -> bool:
         """Makes a new file a ledger, upgrades an older one (writers); False for a reader of an older file."""
         if readonly:
-            with _begin(env, path) as txn:  # a read: a reader of a current file never waits for a writer
+            with _mapping, _begin(env, path) as txn:  # a read: a reader of a current file never waits for a writer
                 found = _version(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
             return found is None or not 1 <= found < _codec.FORMAT_VERSION
 
@@ -229,11 +229,12 @@ class Ledger:
         self._guard()
         txn = None
         try:
-            _check_file(self.path, self.real_path, self._entry)
-            if self._source and _identity(self._source[0]) != self._source[1]:  # the older file this reads a copy of
-                raise LedgerError(f"ledger {self.path} changed since this reader copied it; open it again")
-            txn = _begin(self.env, self.path)
-            _reads[id(txn)] = (self.env, txn, threading.get_ident())
+            with _mapping:  # no map change (it ends every transaction of the process) between the check and _reads
+                _check_file(self.path, self.real_path, self._entry)
+                if self._source and _identity(self._source[0]) != self._source[1]:  # the older file this copied
+                    raise LedgerError(f"ledger {self.path} changed since this reader copied it; open it again")
+                txn = _begin(self.env, self.path)
+                _reads[id(txn)] = (self.env, txn, threading.get_ident())
             yield txn
         except (lmdb.Error, IntegrityError):  # LMDB's "closed object" (as damage, where a reading() said so)
             if self._closed:

@@ -386,3 +386,68 @@ def test_a_thread_closing_the_last_user_of_a_file_never_closes_it_under_another_
         closer.join()
         assert synth.view(second).count_missing([synth.spec(i) for i in range(5)]) == 2
     assert os.path.realpath(ledger_path) not in store._envs
+
+
+def test_no_transaction_of_another_thread_begins_while_a_thread_changes_the_map(ledger_path, monkeypatch):
+    """A map change (here adopting the size another process grew the map to) ends every transaction of the process:
+    another thread's read that began meanwhile, or a second change, failed inside LMDB and read as a damaged ledger
+    (IntegrityError, exit 3). A read arriving during a change waits for it. (The other process writes past the map.)"""
+    import time
+
+    from kprof.ledger import _env
+
+    with Ledger.open(ledger_path, map_size=1 << 20) as led:
+        led.append(list(synth.events(0, 3)))
+    reader = Ledger.open(ledger_path, readonly=True, map_size=1 << 20)
+    grow = ("import sys\nfrom kprof import synth\nfrom kprof.ledger import Ledger\n"
+            "with Ledger.open(sys.argv[1], map_size=1 << 24) as led:\n    led.append(list(synth.events(3, 2000)))\n")
+    subprocess.run([sys.executable, "-c", grow, ledger_path], check=True, timeout=120)
+    began, waiting, real_begin, real_change = threading.Event(), threading.Event(), store._begin, _env._change_map
+
+    class Watched:  # the exclusion, noting when a thread waits for it
+        def __init__(self, lock):
+            self.lock = lock
+
+        def acquire(self, blocking=True):
+            return self.lock.acquire(blocking)
+
+        def release(self):
+            self.lock.release()
+
+        def __enter__(self):
+            if not self.lock.acquire(blocking=False):
+                waiting.set()
+                self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    answers, seen = {}, []
+
+    def read(name):
+        answers[name] = [row.status for row in synth.view(reader).get_many([synth.spec(i) for i in range(5)])]
+
+    other = threading.Thread(target=read, args=("other",))
+
+    def change_meanwhile(*args):  # the first change: another thread reads now, and begins (or waits)
+        if other.ident is None:
+            other.start()
+            deadline = time.monotonic() + 60
+            while not (began.is_set() or waiting.is_set()) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen.append(began.is_set())
+        return real_change(*args)
+
+    watched = Watched(getattr(_env, "_mapping", threading.RLock()))
+    monkeypatch.setattr(_env, "_mapping", watched, raising=False)
+    monkeypatch.setattr(store, "_mapping", watched, raising=False)
+    monkeypatch.setattr(store, "_begin", lambda *args: (other.ident == threading.get_ident() and began.set())
+                        or real_begin(*args))
+    monkeypatch.setattr(_env, "_change_map", change_meanwhile)
+    try:
+        read("first")
+        other.join()
+    finally:
+        reader.close()
+    assert seen == [False]
+    assert answers == {"first": ["ok"] * 5, "other": ["ok"] * 5}
