@@ -24,7 +24,8 @@ CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to 
 # Files whose environment a forked child inherited: it may not use, reopen or close it (closing aborts the inherited
 # transactions, which frees the parent's reader slots in the lock file: its snapshots unprotected from writers).
 _inherited: set[str] = set()
-_FORK_FIX = "open the ledger in a spawned process (multiprocessing 'spawn' or 'forkserver', or a subprocess)"
+_FORK_FIX = ("open the ledger in a spawned process (multiprocessing 'spawn' or 'forkserver', or a subprocess), or in "
+             "a child forked while the parent had it closed (kprof.perf_api.close_all() closes perf_api's)")
 # The child's copies of the parent's environments and reads, held, never used or closed. Freed at exit harmlessly:
 # py-lmdb (1.7) checks the process id before it aborts or closes one; LMDB (0.9.23) keeps it off the parent's slots.
 _inherited_handles: list = []

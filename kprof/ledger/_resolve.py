@@ -53,8 +53,7 @@ def resolve(ledger, ref: str) -> Resolved:
             with _verify.reading(path, "history"):
                 seqs = ledger.history_of(txn, key)
             history = [(seq, hid, _verify.event(path, hid, txn.get(hid, db=dbs["events"]), key)) for seq, hid in seqs]
-        row = _verify.rows(txn, dbs, path, [key], summaries=False)[0]
-        current = row.event_id if row is not None else None
+        current = getattr(_verify.rows(txn, dbs, path, [key], summaries=False)[0], "event_id", None)  # None: no row
         if {eid, current} - {None, *(hid for _seq, hid, _event in history)}:  # a damaged history key: not retracted
             raise _verify.damaged(path, f"the history of key {key.hex()} lacks its event(s)")
         return Resolved(kind, key, eid if eid is not None else current, history, current)

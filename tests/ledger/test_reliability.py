@@ -440,6 +440,16 @@ def test_a_forked_child_is_told_to_use_a_spawned_process(tmp_path):
     assert "forked child" in reopened["message"] and "spawn" in reopened["message"]
 
 
+def test_a_forked_child_is_told_it_may_open_a_ledger_its_parent_closed_before_the_fork(tmp_path):
+    """The fix named only a spawned process, though a child forked while the parent held the ledger closed opens it
+    (for perf_api's cached ledgers: kprof.perf_api.close_all() before the fork), as a fork-based pool needs."""
+    path = _new_ledger(tmp_path / "fork.db", 10)
+    result = _run_helper("fork", path, cwd=tmp_path)
+    for seen in (result["child"]["reopened"], result["child"]["get_many"]):
+        assert "forked while the parent had it closed (kprof.perf_api.close_all() closes perf_api's)" in \
+            seen["message"], seen
+
+
 # ---- 6. reader slots ------------------------------------------------------------------------------------
 
 
