@@ -29,10 +29,9 @@ class Memo:
         """The answer remembered for this request under this stamp, or None."""
         with self._lock:
             entry = self._entries.get((view, op, digest)) if self._stamped(view, stamp) else None
-            if entry is None:
-                return None
-            self._entries.move_to_end((view, op, digest))
-            return entry[1]
+            if entry is not None:
+                self._entries.move_to_end((view, op, digest))
+            return entry and entry[1]
 
     def put(self, view: bytes, stamp: bytes, op: str, digest: Hashable, specs: int, answer) -> None:
         if specs > self.max_specs:

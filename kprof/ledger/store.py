@@ -98,7 +98,9 @@ class Ledger:
             del _envs[real]
             entry[2] = None
             entry = None
-        if entry is None:
+        if entry is None:  # first, close the environments of other files whose Ledgers were all collected unclosed
+            for other in [o for o, e in _envs.items() if o != real and not any(led.env is e[0] for led in list(_live))]:
+                _envs.pop(other)[0].close()  # (a read holds its Ledger: none is open there)
             # Writable where the file allows, so that a reader and a writer in one process share it (Ledger enforces it)
             lock = _with_lock(path, real, readonly)  # `<real path>-lock`: one for every name of the file
             env_readonly = readonly and (not lock or not os.access(path, os.W_OK))

@@ -2,6 +2,7 @@
 growth and resolving citations. How events change the views is test_reducer's."""
 
 import errno
+import gc
 import os
 import random
 import re
@@ -386,6 +387,29 @@ def test_a_thread_closing_the_last_user_of_a_file_never_closes_it_under_another_
         closer.join()
         assert synth.view(second).count_missing([synth.spec(i) for i in range(5)]) == 2
     assert os.path.realpath(ledger_path) not in store._envs
+
+
+def test_the_environment_of_a_ledger_collected_unclosed_is_closed_when_another_file_is_opened(tmp_path):
+    """A Ledger dropped without close kept its LMDB environment (the file's and its lock file's descriptors, its
+    mapping) until the process ended: a simulator opening the ledgers of many files that way ran out of descriptors."""
+    paths = [str(tmp_path / f"{i}.db") for i in range(3)]
+    for path in paths:
+        with Ledger.open(path) as led:
+            led.append(list(synth.events(0, 2)))
+    dropped, kept = Ledger.open(paths[0], readonly=True), Ledger.open(paths[1], readonly=True)
+    env, specs = dropped.env, [synth.spec(0), synth.spec(1)]
+    assert synth.view(dropped).count_missing(specs) == 0
+    del dropped
+    gc.collect()
+    with Ledger.open(paths[2], readonly=True) as third:
+        assert synth.view(third).count_missing(specs) == 0
+    with pytest.raises(lmdb.Error, match="closed"):
+        env.stat()
+    assert os.path.realpath(paths[0]) not in store._envs
+    assert synth.view(kept).count_missing(specs) == 0  # a Ledger alive keeps its own
+    kept.close()
+    with Ledger.open(paths[0], readonly=True) as again:
+        assert synth.view(again).count_missing(specs) == 0
 
 
 def test_no_transaction_of_another_thread_begins_while_a_thread_changes_the_map(ledger_path, monkeypatch):
