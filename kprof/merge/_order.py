@@ -79,7 +79,7 @@ def ordered(paths: list[str]) -> list[str]:
                 holder[eid] = holder.get(eid, 0) | 1 << s
                 try:
                     event = _link_decoder.decode(data)
-                except msgspec.MsgspecError:
+                except (msgspec.MsgspecError, RecursionError):  # nested past the decoder's depth too
                     continue
                 link = event.target if type(event) is _RetractedLink else event.parent
                 if link is not None:

@@ -120,7 +120,7 @@ def _checked(part: _Part) -> tuple[list[_Seen], list[bytes]]:
     for i, data in enumerate(part.run.events, part.first):
         try:
             event = decode(data)
-        except msgspec.MsgspecError as exc:
+        except (msgspec.MsgspecError, RecursionError) as exc:  # nested past the decoder's depth: a RecursionError
             why = _newer(data, None) or f"does not decode ({exc}); {_FORGED}"
             raise SegmentError(f"{path}: event {i} {why}") from None
         if encode(event) != data:
@@ -146,7 +146,7 @@ def _newer(data: bytes, event) -> str | None:
     any record of the event), said with the fix; None where nothing is unknown (the bytes are damaged or forged)."""
     try:
         doc = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if event is None:
         kind = doc.get("type") if isinstance(doc, dict) else None

@@ -980,3 +980,19 @@ def test_a_segment_of_no_event_merged_into_a_new_ledger_makes_no_file(tmp_path, 
     target = _ledger(tmp_path / "t.db", synth.events(0, 3))
     before = _digest(target)
     assert (merge([empty], target).added, _digest(target)) == (0, before)
+
+
+@pytest.mark.parametrize("nested", ["event", "unknown field"])
+def test_an_event_nested_past_the_decoders_depth_is_refused_as_forged(tmp_path, nested):
+    """Arrays nested a million deep (the whole event, or a field no schema declares, which the typed decode skips)
+    were a RecursionError traceback (exit 1) where the merge decoded it: refused as forged, nothing written."""
+    deep = b"\x91" * 1_000_000 + b"\xc0"
+    data = _codec.encode(synth.event(7))
+    data = deep if nested == "event" else bytes([data[0] + 1]) + data[1:] + b"\xa1z" + deep  # one more map entry
+    seg, good = str(tmp_path / "deep.kseg"), str(tmp_path / "good.kseg")
+    segment.write(seg, [data])
+    segment.write(good, [_codec.encode(synth.event(8))])
+    for segments in ([seg], [good, seg]):  # with another segment, the merge orders them first (reading each link)
+        with pytest.raises(SegmentError, match=f"^{re.escape(seg)}: event 0 .*export it again from its ledger"):
+            merge(segments, str(tmp_path / "t.db"))
+    assert not os.path.exists(tmp_path / "t.db")
