@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import sys
 from collections import Counter
@@ -129,14 +130,27 @@ def stdout_to_stderr(on: bool = True):
 
 
 def console(stderr: bool = False):
-    from rich.console import Console
-
     stream = sys.stderr if stderr else sys.stdout
     # Off a terminal (pipes, logs, tests), rich would wrap tables at 80 columns: give them room instead.
     width = None if stream.isatty() else 200
     # No markup: what is printed (paths, specs, exception text) is shown as it is; `rows[bold]/x.kseg` or
     # `pip install ray[client]` would otherwise lose their brackets. Styling goes through rich.text.Text.
-    return Console(file=stream, highlight=False, soft_wrap=True, width=width, markup=False)
+    return _console_class()(file=stream, highlight=False, soft_wrap=True, width=width, markup=False)
+
+
+@functools.cache
+def _console_class():
+    """rich's Console, printing every str (a line, a table's cell or title) with its control characters escaped:
+    the values printed come from segments and ledgers written elsewhere, and rich passes an escape sequence in a
+    metric name, note or message (ESC, `\\x1b]0;...`) to the terminal as it is, which obeys it (clears the screen,
+    retitles the window, recolours what follows). Newlines kprof writes itself still break lines."""
+    from rich.console import Console
+
+    class Escaping(Console):
+        def render_str(self, text: str, **kwargs):
+            return super().render_str("\n".join(map(_one_line, text.split("\n"))), **kwargs)
+
+    return Escaping
 
 
 def _one_line(message: str) -> str:

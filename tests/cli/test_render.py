@@ -173,3 +173,12 @@ def test_an_error_naming_a_value_with_control_characters_is_one_line_of_escapes(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "\x1b" not in err, err
     assert "a\\nb\\x1b[31m" in err, err
+
+
+def test_a_results_table_prints_control_characters_of_stored_values_as_escapes(capsys):
+    """A metric name of a merged row holding an escape sequence reached the terminal in the table's header."""
+    res = _result(["ok"])
+    res.results[0]["metrics"] = {"time_ms\x1b]0;owned\x07": 0.5}
+    results_table(res)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "time_ms\\x1b]0;own" in out

@@ -332,3 +332,21 @@ def test_show_of_a_history_entry_holding_a_negative_seq_is_damage_not_a_tracebac
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err
     assert "reading sub-database `history` failed (OverflowError" in captured.err
+
+
+def test_control_characters_in_stored_values_are_printed_as_escapes(ledger_path, capsys):
+    """A merged segment's notes, metric names and messages reached the terminal as they were: an escape sequence in
+    one cleared the screen, retitled the window or recoloured what followed. Printed escaped."""
+    import msgspec
+
+    esc = "\x1b[2J\x1b]0;owned\x07\x9b31m\u202e"
+    row = synth.event(0)
+    row = msgspec.structs.replace(row, metrics={**row.metrics, "time_ms" + esc: 1.0},
+                                  method=msgspec.structs.replace(row.method, notes={"why" + esc: "v" + esc}))
+    with Ledger.open(ledger_path) as led:
+        led.append([row, failed(synth.event(1).provenance, "crash", "boom" + esc)])
+    for key in (row.key, synth.event(1).key):
+        assert main(["show", key.hex(), "--db", ledger_path]) == 0
+        out = capsys.readouterr().out
+        assert not any(c in out for c in "\x1b\x07\x9b\u202e") and "\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e" in out
+    assert "error: crash: boom\\x1b[2J" in out
