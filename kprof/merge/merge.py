@@ -52,7 +52,7 @@ from ..errors import LedgerError, Uncreated, UsageError
 from ..ledger import Ledger, _codec, _verify, ledger_path
 from ..ledger._env import _identity
 from ..ledger.events import EventHead, Retracted
-from . import segment
+from . import _values, segment
 from ._order import expanded, ordered
 from ._report import refuse
 from .segment import SegmentError
@@ -126,6 +126,7 @@ def _checked(part: _Part) -> tuple[list[_Seen], list[bytes]]:
         if encode(event) != data:
             why = _newer(data, event) or f"is not in canonical form (not written by kprof); {_FORGED}"
             raise SegmentError(f"{path}: event {i} {why}")
+        _values.check(event, path, i, _FORGED)
         kind = type(event)
         if kind is Retracted:
             out.append(_Seen(kind, event.key, event.target))
@@ -182,8 +183,7 @@ class _Check:
         self.held, self.repeated = set(), 0  # ids passed over (held here, or given before); how many were given before
         self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
         self.children: dict[bytes, tuple[int, int]] = {}  # a parent's event id -> (segment, index) of its first child
-        self.conflicts: list[dict] = []
-        self.events = 0
+        self.conflicts, self.events = [], 0
         self.last_seq: int | None = None  # the ledger's last event as checked (None: no ledger)
         # per batch, what the write pass must find again (each run's digest) and the ids the check computed
         self.batch_digests: list[list[bytes]] = []

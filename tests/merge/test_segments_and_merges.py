@@ -996,3 +996,25 @@ def test_an_event_nested_past_the_decoders_depth_is_refused_as_forged(tmp_path, 
         with pytest.raises(SegmentError, match=f"^{re.escape(seg)}: event 0 .*export it again from its ledger"):
             merge(segments, str(tmp_path / "t.db"))
     assert not os.path.exists(tmp_path / "t.db")
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("measured_at", float("nan"), "measured_at nan, which is not a time"),
+    ("measured_at", 1e12, "measured_at 1000000000000.0, which is not a time"),
+    ("measured_at", -1e300, "measured_at -1e+300, which is not a time"),
+    ("metrics", {"time_ms": float("nan")}, "metric 'time_ms' = nan, which no measurement gives"),
+    ("metrics", {"energy_j": None, "tflops": float("-inf")}, "metric 'tflops' = -inf, which no measurement gives"),
+])
+def test_an_event_of_a_value_no_measurement_has_is_refused(tmp_path, field, value, said):
+    """A forged event whose id and key hash right but whose time is no date (nan, or past year 9999) merged, and
+    then every `query` and `show` of its row was an OverflowError or ValueError traceback; a nan or inf metric
+    merged as a row whose time JSON reads as null. Refused, naming the event and value, nothing written."""
+    forged = msgspec.structs.replace(synth.event(7), **{field: value})
+    seg = str(tmp_path / "odd.kseg")
+    segment.write(seg, [_codec.encode(synth.event(6)), _codec.encode(forged)])
+    with pytest.raises(SegmentError, match=f"^{re.escape(seg)}: event 1 holds {re.escape(said)}"):
+        merge([seg], str(tmp_path / "t.db"))
+    assert not os.path.exists(tmp_path / "t.db")
+    fine = msgspec.structs.replace(synth.event(7), measured_at=-1.5e9)  # before 1970 is a time
+    segment.write(str(tmp_path / "fine.kseg"), [_codec.encode(fine)])
+    assert merge([str(tmp_path / "fine.kseg")], str(tmp_path / "t.db")).added == 1
