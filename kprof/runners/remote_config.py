@@ -113,6 +113,7 @@ def _checked(where: str, field: _Field, value: Any, raw: bool) -> Any:
             except yaml.YAMLError as exc:  # the value as typed, and why it does not parse (not "None")
                 raise UsageError(f"{where} is {value!r}, not valid YAML ({getattr(exc, 'problem', None) or exc}); "
                                  f"give a mapping, e.g. {{env_vars: {{KPROF_TIMER: cupti}}}} {example}") from None
+            _bounded(value, where)
         if not isinstance(value, dict):
             raise UsageError(f"{where} is {value!r}, not a mapping; give one, e.g. {{env_vars: {{KPROF_TIMER: "
                              f"cupti}}}} {example}")
@@ -141,6 +142,29 @@ def _override(item: str) -> tuple[str, str]:
         raise UsageError(f"--remote-set {key}: not a field of a remote; the fields are {', '.join(FIELDS)} "
                          f"({EXAMPLE})")
     return key, value
+
+
+# Values a remote.yaml may hold once its aliases are expanded: a remote has a dozen, a runtime_env a few hundred.
+MAX_VALUES = 100_000
+
+
+def _bounded(doc: Any, where: str) -> None:
+    """A UsageError where YAML's aliases (`*name`) expand `doc` past MAX_VALUES values, or an alias names a mapping
+    or list that holds it: ten lists of ten aliases of the last, nine deep (a "billion laughs"), load in a few lines,
+    and naming or sending one (an error's repr, Ray's runtime_env, remote-run.json) took hours or all memory; an
+    alias of itself recursed without end. Counted, never expanded, and stopped at the bound."""
+    stack, count = [doc], 0
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise UsageError(f"{where} holds more than {MAX_VALUES:,} values once its aliases (*name) are expanded, or "
+                             f"an alias names a mapping or list that holds it; write the values out, without aliases "
+                             f"of aliases ({EXAMPLE})")
+        if isinstance(value, dict):
+            stack += [*value, *value.values()]
+        elif isinstance(value, list):
+            stack += value
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,6 +237,7 @@ def _read(path: str) -> dict:
         at = f" at line {mark.line + 1}" if mark is not None else ""
         raise UsageError(f"{path} is not valid YAML{at} ({getattr(exc, 'problem', None) or exc}); fix the "
                          f"file ({EXAMPLE})") from None
+    _bounded(doc, path)
     if not isinstance(doc, dict):
         raise UsageError(f"{path} is not a mapping with a `remotes:` section; {EXAMPLE}")
     unknown = sorted(set(doc) - {"version", "remotes"})

@@ -256,3 +256,33 @@ def test_the_remote_extra_installs_the_ray_client():
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     assert any(r.replace(" ", "").startswith("ray[client]") for r in extras["remote"]), extras["remote"]
+
+
+
+# Nine lists of ten aliases of the one before: 10**9 strings expanded, in a few lines (a "billion laughs").
+LAUGHS = ("{l0: &a0 [lol], " + ", ".join(f"l{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10))
+          + "}")
+HOLDER = f"  holder: {{kind: ray, launch: {{ray: {{address: local, runtime_env: {LAUGHS}}}}}}}\n"
+
+
+@pytest.mark.parametrize("text, overrides", [
+    ("remotes:\n" + HOLDER + "  r: {kind: *a9}\n", []),  # its repr in the error took hours
+    ("remotes:\n" + HOLDER.replace("holder", "r"), []),  # sent to Ray, and written to remote-run.json
+    ("remotes: {r: {kind: ray, launch: {ray: {address: local, runtime_env: &c {a: [*c]}}}}}\n", []),  # holds itself
+    (GOOD.replace("ray1", "r"), ["launch.ray.runtime_env=&c {a: [*c]}"]),
+])
+def test_aliases_that_expand_without_bound_are_refused_before_anything_walks_them(remote_yaml, text, overrides):
+    """A remote.yaml whose aliases expand to a billion values loads in a few lines, and then hung the run for hours or
+    took all memory; an alias of a mapping holding it was a RecursionError where it was sent. Refused, one line,
+    nothing written."""
+    path = remote_yaml(text)
+    with pytest.raises(UsageError, match=r"values once its aliases \(\*name\) are expanded, or an alias names a "
+                                         r"mapping or list that holds it; write the values out") as info:
+        load_remote("r", path, overrides)
+    assert info.value.exit_code == 2
+
+
+def test_aliases_within_bounds_still_share_a_value(remote_yaml):
+    ray = "{kind: ray, launch: {ray: {address: local, runtime_env: %s}}}"
+    path = remote_yaml(f"remotes:\n  r: {ray % '&e {env_vars: {A: b}}'}\n  s: {ray % '*e'}\n")
+    assert load_remote("s", path).ray.runtime_env == {"env_vars": {"A": "b"}}
