@@ -27,7 +27,8 @@ def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: li
     try:
         os.makedirs(out, exist_ok=True)
         # Written whole under a name of its own, then named: two merges refused at once in one directory wrote into
-        # one file (the longer one's tail after the other's report), and one interrupted left a part of it.
+        # one file (the longer one's tail after the other's report), and one interrupted left a part of it; a link
+        # planted as merge-report.json is replaced, never written through.
         fd, tmp = tempfile.mkstemp(dir=out, prefix=".merge-report-", suffix=".part")
         umask = os.umask(0o022)
         os.umask(umask)

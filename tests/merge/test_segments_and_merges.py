@@ -1018,3 +1018,22 @@ def test_an_event_of_a_value_no_measurement_has_is_refused(tmp_path, field, valu
     fine = msgspec.structs.replace(synth.event(7), measured_at=-1.5e9)  # before 1970 is a time
     segment.write(str(tmp_path / "fine.kseg"), [_codec.encode(fine)])
     assert merge([str(tmp_path / "fine.kseg")], str(tmp_path / "t.db")).added == 1
+
+
+def test_a_conflict_report_replaces_a_link_in_its_place_and_never_writes_through_it(tmp_path):
+    """merge-report.json was opened for writing where it lay: a link of that name (planted in a shared working
+    directory, the default) had the file it named overwritten with the report. The link itself is replaced."""
+    ours = _ledger(tmp_path / "ours.db", synth.events(0, 10))
+    theirs = _ledger(tmp_path / "theirs.db", [synth.event(4, seed=3)])
+    seg = str(tmp_path / "theirs.kseg")
+    export(theirs, seg)
+    victim, out = tmp_path / "victim.txt", tmp_path / "out"
+    victim.write_text("keep me\n")
+    out.mkdir()
+    (out / "merge-report.json").symlink_to(victim)
+    with pytest.raises(MergeConflict, match="the conflicts are in"):
+        merge([seg], ours, output_dir=str(out))
+    assert victim.read_text() == "keep me\n"
+    assert not (out / "merge-report.json").is_symlink()
+    assert json.loads((out / "merge-report.json").read_text())["conflicts"] == 1
+    assert sorted(os.listdir(out)) == ["merge-report.json"]
