@@ -74,7 +74,7 @@ def _received(output_dir: str, j: int, data: Any, keys: set) -> tuple[str, list]
     try:
         try:
             events = [event_decoder.decode(e) for e in segment.read(staged)]
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # one nested past the decoder's depth: RecursionError
             raise UsageError(f"an event of the segment does not decode ({exc})") from None
         foreign = [ev for ev in events if type(ev) not in (Measured, Failed) or ev.key not in keys]
         if foreign:

@@ -255,13 +255,29 @@ def _other_segment() -> bytes:
     return remote_module.run_chunk(chunk.encode())[0]
 
 
+def _deep_segment(tmp_path="deep.kseg") -> bytes:
+    """A whole segment whose one event holds, in a field no schema declares, arrays nested a million deep (skipped by
+    the decoder, recursively: a RecursionError where it was decoded)."""
+    from kprof import synth
+    from kprof.ledger import _codec
+    from kprof.merge import segment
+
+    data = _codec.encode(synth.event(7))
+    segment.write(tmp_path, [bytes([data[0] + 1]) + data[1:] + b"\xa1z" + b"\x91" * 1_000_000 + b"\xc0"])
+    with open(tmp_path, "rb") as f:
+        data = f.read()
+    os.unlink(tmp_path)
+    return data
+
+
 @pytest.mark.parametrize("returned, why", [
     (lambda seg: b"", "not a kprof segment"),
     (lambda seg: None, "the worker returned NoneType, not a segment's bytes"),
     (lambda seg: b"hello world" * 10, "not a kprof segment"),
     (lambda seg: seg[: len(seg) // 2], "truncated"),
     (lambda seg: _other_segment(), "event(s) of keys the chunk did not ask for"),
-], ids=["empty", "none", "junk", "truncated", "foreign"])
+    (lambda seg: _deep_segment(), "an event of the segment does not decode (maximum recursion depth"),
+], ids=["empty", "none", "junk", "truncated", "foreign", "deep"])
 def test_what_is_not_a_segment_of_the_chunks_keys_is_refused_and_kept_apart(remote_yaml, db, capsys, monkeypatch,
                                                                             returned, why):
     remote_yaml(RAY)
