@@ -162,10 +162,19 @@ def _one_line(message: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
 
 
+# The characters of an error line: a value of megabytes it names (a spec's string or field name, a path) is cut in
+# the middle, so the line still says what is wrong and how to fix it (it was printed whole, twice: 6 MB of stderr).
+ERROR_CHARS = 2_000
+
+
 def error(message: str) -> None:
     from rich.text import Text
 
-    console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", _one_line(message)))
+    line = _one_line(message)
+    if len(line) > ERROR_CHARS:
+        cut = len(line) - ERROR_CHARS + 100
+        line = f"{line[:ERROR_CHARS - 600]} ... ({cut:,} characters left out) ... {line[-500:]}"
+    console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", line))
 
 
 def busy_host_note(what: str, mode: str, remote: bool = False) -> str:

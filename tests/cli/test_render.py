@@ -182,3 +182,19 @@ def test_a_results_table_prints_control_characters_of_stored_values_as_escapes(c
     results_table(res)
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "time_ms\\x1b]0;own" in out
+
+
+@pytest.mark.parametrize("spec, start, end", [
+    ({"m": 1, "n": 1, "k": 1, "dtype": "x" * 3_000_000}, 'spec 0: field "dtype" = \'xxx',
+     "; use one of bf16, fp16, fp32"),
+    ({"m": 1, "n": 1, "k": 1, "dtype": "fp32", "y" * 3_000_000: 1}, 'spec 0: field "yyy',
+     "is not a KernelArgs field of single_gemm; use only {m, n, k, dtype}"),
+])
+def test_an_error_naming_a_value_of_megabytes_is_cut_and_keeps_the_fix(spec, start, end, tmp_path, capsys, monkeypatch):
+    """A spec's 3 MB string was printed whole in its error, twice: 6 MB on stderr for one bad field."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["count-missing", "single_gemm", "--backend", "torch-cpu", "--gpu-name", "x", "--spec",
+                 json.dumps(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 2_100, len(err)
+    assert err.startswith("error: " + start) and err.rstrip("\n").endswith(end) and "characters left out" in err
