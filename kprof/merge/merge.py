@@ -59,7 +59,7 @@ from .segment import SegmentError
 
 __all__ = ["merge", "merge_into", "MergeResult", "BATCH"]
 
-BATCH = 50_000  # events per write transaction (see the module docstring)
+BATCH, BATCH_BYTES = 50_000, 1 << 30  # events per write transaction, and bytes of them at most (see the docstring)
 RUN = 10_000  # events per run: read, hashed, checked and looked up as one
 _head_decoder = msgspec.msgpack.Decoder(EventHead)  # what the views need of an event; samples etc. skipped
 
@@ -86,19 +86,19 @@ class _Part(NamedTuple):
 
 
 def _batches(paths: list[str]) -> Iterator[list[_Part]]:
-    """The segments' events in batches of about BATCH: runs of min(RUN, BATCH) events, read as one, gathered
-    until a batch holds BATCH events (a batch may span segments; a run never does). Both passes cut the same
-    files into the same batches. Each segment's footer is checked once its last run is read."""
-    batch, n = [], 0
+    """The segments' events in batches of about BATCH: runs of min(RUN, BATCH) events, read as one, gathered until
+    a batch holds BATCH events or BATCH_BYTES (a batch may span segments; a run never does). Both passes cut the
+    same files into the same batches. Each segment's footer is checked once its last run is read."""
+    batch, n, size = [], 0, 0
     for s, path in enumerate(paths):
         first = 0
         for run in segment.runs(path, min(RUN, BATCH)):
             batch.append(_Part(s, path, first, run))
             first += len(run.events)
-            n += len(run.events)
-            if n >= BATCH:
+            n, size = n + len(run.events), size + sum(map(len, run.events))
+            if n >= BATCH or size > BATCH_BYTES:  # large events: a batch of fewer, not 50,000 of 64 MiB held at once
                 yield batch
-                batch, n = [], 0
+                batch, n, size = [], 0, 0
     if batch:
         yield batch
 

@@ -39,6 +39,7 @@ _LEN = 4
 _MAX_EVENT = 1 << 26  # 64 MiB: no event comes near; a damaged length past it is named, not allocated
 BLOCK = 1 << 20  # bytes read (and hashed) at a time
 RUN = 10_000  # events per run of `read`
+RUN_BYTES = 1 << 27  # 128 MiB: a run ends early past it (10,000 events of 64 MiB would be held at once, 640 GB)
 _length = struct.Struct(">I")
 _AGAIN = "copy the file again from where it was written, or export it again from its ledger"  # a damaged one's fix
 
@@ -213,9 +214,10 @@ def read(path: str, digests: list | None = None) -> Iterator[bytes]:
 
 
 def runs(path: str, size: int, digests: list | None = None) -> Iterator[Run]:
-    """The events in runs of `size` >= 1 (the last run of the file may be shorter), checked as `read` checks them:
-    the footer's digest at the end, where the generator raises for a damaged segment. Each run carries the digest of
-    its own bytes, so a second read can be held to the first run by run."""
+    """The events in runs of `size` >= 1 (the last run of the file may be shorter, and so may one whose events pass
+    RUN_BYTES), checked as `read` checks them: the footer's digest at the end, where the generator raises for a
+    damaged segment. Each run carries the digest of its own bytes, so a second read can be held to the first run by
+    run."""
     with _about(path), _opened(path) as f:
         header, head = _header(f)
         whole = blake3(head)
@@ -223,9 +225,12 @@ def runs(path: str, size: int, digests: list | None = None) -> Iterator[Run]:
         first = 0
         while first < header.events:
             reader.start_run()
-            events = []
+            events, held = [], 0
             for i in range(first, min(first + size, header.events)):
                 events.append(reader.event(i))
+                held += len(events[-1])
+                if held > RUN_BYTES:  # the same cut in every read of the file: a merge's passes find the same runs
+                    break
             first += len(events)
             yield Run(events, reader.end_run())
         at = reader.offset

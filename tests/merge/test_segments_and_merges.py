@@ -1037,3 +1037,22 @@ def test_a_conflict_report_replaces_a_link_in_its_place_and_never_writes_through
     assert not (out / "merge-report.json").is_symlink()
     assert json.loads((out / "merge-report.json").read_text())["conflicts"] == 1
     assert sorted(os.listdir(out)) == ["merge-report.json"]
+
+
+def test_runs_and_batches_of_large_events_end_at_their_byte_bounds_and_merge_the_same(tmp_path, monkeypatch):
+    """Runs and batches were counts of events (10,000 and 50,000) whatever their size: a segment of events near the
+    64 MiB an event may have was held whole, terabytes at once. Each ends once its events pass its byte bound; both
+    passes of a merge cut the file alike, and it merges as before."""
+    import kprof.merge.merge as m
+
+    events = [_codec.encode(e) for e in synth.events(0, 30)]
+    seg = str(tmp_path / "s.kseg")
+    segment.write(seg, events)
+    monkeypatch.setattr(segment, "RUN_BYTES", 5 * len(events[0]))
+    monkeypatch.setattr(m, "BATCH_BYTES", 10 * len(events[0]))
+    sizes = [len(run.events) for run in segment.runs(seg, 10_000)]
+    assert sum(sizes) == 30 and len(sizes) > 1 and max(sizes) <= 6
+    batches = [sum(len(part.run.events) for part in batch) for batch in m._batches([seg])]
+    assert sum(batches) == 30 and len(batches) > 1 and max(batches) <= 12
+    assert merge([seg], str(tmp_path / "t.db")).added == 30
+    assert _answers(str(tmp_path / "t.db"))[1][:30] == _answers(_ledger(tmp_path / "src.db", synth.events(0, 30)))[1][:30]
