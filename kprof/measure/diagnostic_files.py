@@ -188,9 +188,10 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
             continue
         try:
             doc = msgspec.json.decode(data)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # nested past the decoder's depth: a RecursionError
             continue  # not one of ours
-        if not isinstance(doc, dict) or not isinstance(doc.get("artifacts"), dict):
+        if not isinstance(doc, dict) or not isinstance(doc.get("artifacts"), dict) or not isinstance(
+                doc.get("mode", {}), dict):  # not one of ours either: `show` reads its mode's fields
             continue
         if isinstance(doc.get("format"), int) and doc["format"] > FORMAT:
             raise UsageError(f"{summary_path} has measure format {doc['format']}; this kprof reads up to {FORMAT}: "

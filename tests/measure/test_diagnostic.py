@@ -921,3 +921,19 @@ def test_the_benchmark_tables_and_archives_recorded_outputs(tmp_path):
 
     with tarfile.open(out / "measure_check.tar.gz") as tar:
         assert "measure_check/overhead-on-1/runtimes.csv" in tar.getnames()
+
+
+def test_show_passes_over_a_summary_json_that_is_not_one_of_ours(capsys, refused):
+    """A summary.json in any directory beside the output nested a million deep was a RecursionError traceback
+    whatever the citation, and one whose artifact matched but whose mode was not a mapping an AttributeError: each
+    is passed over as not one of ours."""
+    s = _output("measure_single_gemm_torch")
+    os.makedirs("deep")
+    pathlib.Path("deep/summary.json").write_text("[" * 1_000_000 + "]" * 1_000_000)
+    os.makedirs("odd")
+    pathlib.Path("odd/x.bin").write_bytes(b"")
+    empty = blake3(b"").hexdigest()
+    pathlib.Path("odd/summary.json").write_text(json.dumps({"artifacts": {"x.bin": {"blake3": empty}}, "mode": [1]}))
+    assert main(["show", s["summary_citation"]]) == 0
+    assert "measure_single_gemm_torch/summary.json" in capsys.readouterr().out
+    refused(["show", "kmeasure." + empty[:16]], "no measure output in . or the directories directly in it lists")
