@@ -179,7 +179,7 @@ class _Check:
         # (absent: the ledger's row)
         self.unchecked: set[bytes] = set()  # keys whose current row a segment's retraction withdrew, unknown after
         self.withdrawn: set[bytes] = set()  # the targets of the segments' retractions so far
-        self.seen: set[bytes] = set()  # event ids of the segments so far
+        self.seen: dict[bytes, bytes] = {}  # event id -> key, of the segments' events so far
         self.held, self.repeated = set(), 0  # ids passed over (held here, or given before); how many were given before
         self.kept: set[bytes] = set()  # keys whose events may be stored already (a row or a history here)
         self.children: dict[bytes, tuple[int, int]] = {}  # a parent's event id -> (segment, index) of its first child
@@ -222,13 +222,16 @@ class _Check:
                 self.repeated += eid in self.seen or eid in self.held
                 self.held.add(eid)
                 continue
-            self.seen.add(eid)
-            key = event.key
+            self.seen[eid] = key = event.key
             if event.kind is Retracted:
-                if event.link not in self.seen and (led is None or txn.get(event.link, db=led.dbs["events"]) is None):
+                held = None if event.link in self.seen or led is None else txn.get(event.link, db=led.dbs["events"])
+                if event.link not in self.seen and held is None:
                     raise UsageError(f"{path}: event {i} retracts event {event.link.hex()[:16]}, which neither this "
                                      f"ledger nor the segments before it hold; merge the segment that holds it first "
                                      f"(nothing was merged)")
+                if (self.seen[event.link] if held is None else _head_decoder.decode(held).key) != key:
+                    raise SegmentError(f"{path}: event {i} retracts event {event.link.hex()[:16]}, of another key than "
+                                       f"its own (forged); {_FORGED}")
                 if self.current[key] == event.link:  # else the current row stays: what follows is checked against it
                     known, back = self._brought_back(key, event.link)
                     if known:
@@ -391,10 +394,6 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None,
 def _stored_batches(ledger: Ledger, batch_ids: list[list[bytes]]) -> int:
     """The events of a merge's batches the ledger holds, counted from the first (they commit whole and in order): read
     from the ledger, since an interrupt can come between a batch's commit and the count of it."""
-    done = 0
     with ledger.read() as txn:
-        for ids in batch_ids:
-            if txn.get(ids[-1], db=ledger.dbs["events"]) is None:
-                break
-            done += len(ids)
-    return done
+        held = [txn.get(ids[-1], db=ledger.dbs["events"]) is not None for ids in batch_ids] + [False]
+    return sum(len(ids) for ids in batch_ids[:held.index(False)])

@@ -16,6 +16,7 @@ from kprof.ledger import Ledger, _codec
 from kprof import synth
 from kprof.ledger.audit import audit
 from kprof.ledger.build import retraction
+from kprof.ledger.events import Retracted
 from kprof.merge import segment
 from kprof.merge.export import export
 from kprof.merge.merge import merge
@@ -1056,3 +1057,24 @@ def test_runs_and_batches_of_large_events_end_at_their_byte_bounds_and_merge_the
     assert sum(batches) == 30 and len(batches) > 1 and max(batches) <= 12
     assert merge([seg], str(tmp_path / "t.db")).added == 30
     assert _answers(str(tmp_path / "t.db"))[1][:30] == _answers(_ledger(tmp_path / "src.db", synth.events(0, 30)))[1][:30]
+
+
+@pytest.mark.parametrize("target_in", ["ledger", "segment"])
+def test_a_retraction_of_another_keys_event_is_refused_as_forged_before_any_batch_is_written(tmp_path, monkeypatch,
+                                                                                           target_in):
+    """A retraction whose key is not its target's passed the check and was refused only by the ledger's append, as
+    its batch was written: the batches before it were merged already (a forged segment merged in part), and the
+    error said to "append the target first". Refused by the check, nothing written."""
+    import kprof.merge.merge as m
+
+    monkeypatch.setattr(m, "BATCH", 2)
+    target = synth.event(0) if target_in == "ledger" else synth.event(1)
+    ours = _ledger(tmp_path / "ours.db", [synth.event(0)])
+    before = _digest(ours)
+    forged = Retracted(key=synth.event(3).key, target=_eid(target), reason="forged", measured_at=1.8e9)
+    seg = str(tmp_path / "forged.kseg")
+    segment.write(seg, [*map(_codec.encode, synth.events(1, 6)), _codec.encode(forged)])
+    with pytest.raises(SegmentError, match=f"^{re.escape(seg)}: event 5 retracts event {_eid(target).hex()[:16]}, of "
+                                           f"another key than its own \\(forged\\); export it again"):
+        merge([seg], ours)
+    assert _digest(ours) == before
