@@ -212,6 +212,8 @@ def _more(hidden: list[dict]) -> str:
     return f"... and {len(hidden)} more row{'s' if len(hidden) != 1 else ''} ({by_status}); use --json for all"
 
 
+# The metric columns a table shows at most: a row has a handful (one merged from elsewhere may have any number).
+METRIC_COLUMNS = 12
 # The metric columns a narrow terminal drops first (the last first); time_ms, the row's measurement, is kept.
 _OPTIONAL = ("energy_j", "memory_bandwidth_gbps", "busbw_gbps", "algbw_gbps", "tflops")
 
@@ -253,11 +255,10 @@ def results_table(res, limit: int = TABLE_ROWS, out=None) -> None:
     out = out or console()
     shown, hidden = res.results[:limit], res.results[limit:]
     spec_cols = list(shown[0]["spec"]) if shown else []
-    metric_cols = []
-    for r in shown:
-        for k in r["metrics"] or {}:
-            if k not in metric_cols and k not in spec_cols:  # a comm row's message_size_bytes: its spec's
-                metric_cols.append(k)
+    metric_cols: dict[str, None] = {}  # first seen first; a dict: a merged row of 100,000 metrics took hours as a list
+    for r in shown:  # (not a comm row's message_size_bytes: its spec's column)
+        metric_cols.update((k, None) for k in r["metrics"] or {} if k not in spec_cols)
+    metric_cols, unshown = list(metric_cols)[:METRIC_COLUMNS], len(metric_cols) - METRIC_COLUMNS
     names = [*spec_cols, "status", *metric_cols, "citation"]
     cells = [[*(repr(v) if isinstance(v := r["spec"][c], float) else _fmt(v) for c in spec_cols), r["status"],
               *(_fmt((r["metrics"] or {}).get(c)) for c in metric_cols), r["citation"] or "-"] for r in shown]
@@ -273,6 +274,8 @@ def results_table(res, limit: int = TABLE_ROWS, out=None) -> None:
     if dropped:
         out.print(f"(not shown at {out.width} columns: {', '.join(dropped)}; widen the terminal, or use --json)",
                   markup=False)
+    if unshown > 0:
+        out.print(f"({unshown} more metric(s) of these rows not shown; use --json for all)", markup=False)
     if hidden:
         out.print(_more(hidden), markup=False)
     others = Counter(r["status"] for r in res.results if r["status"] != "ok")

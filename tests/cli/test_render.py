@@ -198,3 +198,17 @@ def test_an_error_naming_a_value_of_megabytes_is_cut_and_keeps_the_fix(spec, sta
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) < 2_100, len(err)
     assert err.startswith("error: " + start) and err.rstrip("\n").endswith(end) and "characters left out" in err
+
+
+def test_a_row_of_thousands_of_metrics_shows_the_first_and_counts_the_rest(capsys):
+    """A merged row of 100,000 metric names made a query's table a column each, gathered through a list (quadratic):
+    the query ran for hours. The table shows METRIC_COLUMNS of them and counts the rest (--json has them all)."""
+    from kprof.cli._render import METRIC_COLUMNS
+
+    res = _result(["ok", "ok"])
+    res.results[1]["metrics"] = {**res.results[1]["metrics"], **{f"m{i:05d}": 1.0 for i in range(3_000)}}
+    results_table(res)
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "status" in line)
+    assert "time_ms" in header and "tflops" in header and header.count("┃") == 4 + 1 + METRIC_COLUMNS + 1 + 1
+    assert f"({3_002 - METRIC_COLUMNS} more metric(s) of these rows not shown; use --json for all)" in out
