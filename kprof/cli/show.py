@@ -9,7 +9,7 @@ from cyclopts import Parameter
 
 from .. import api
 from ._options import Db, Json
-from ._render import console, emit_json
+from ._render import TABLE_ROWS, console, emit_json
 
 
 def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an event id or a key, or a unique "
@@ -20,7 +20,8 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
              "Where to look for a `kmeasure.<hex>` citation: a `kprof measure` output directory, or a directory "
              "holding some; repeatable. Default: the current directory and the directories directly in "
              "it."))] = None) -> int:
-    """Show a row's provenance, metrics and full history; or what a measure artifact is and where it lies."""
+    """Show a row's provenance, metrics and full history (its latest 50 events as a table, every one with --json); or
+    what a measure artifact is and where it lies."""
     if ref.strip().lower().startswith("kmeasure."):
         return _show_measure(ref, search_dir, json)
     if search_dir:
@@ -53,6 +54,9 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
     width = max((len(h["citation"]) for h in history), default=None)
     table = Table(*(Column(name, overflow="fold", min_width=width if name == "event" else None)
                     for name in ("seq", "event", "kind", "at", "detail")), title="history")
+    # The latest TABLE_ROWS events: a key of 20,000 (a segment merged from elsewhere) took 44 s to lay out, a table row
+    # at ~2 ms; the event shown is named above, and --json has them all.
+    earlier, history = history[:-TABLE_ROWS], history[-TABLE_ROWS:]
     for h in history:
         detail = {"measured": lambda: f"time_ms={h['metrics'].get('time_ms')}",
                   "failed": lambda: f"{h['error_kind']}: {h['message']}",
@@ -61,6 +65,9 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
         at = _dt.datetime.fromtimestamp(h["measured_at"], _dt.timezone.utc).isoformat(timespec="seconds")
         table.add_row(str(h["seq"]), h["citation"] + mark, h["type"], at, detail)
     out.print(table)
+    if earlier:
+        out.print(f"... and {len(earlier)} earlier event(s) of this key, seq {earlier[0]['seq']} to "
+                  f"{earlier[-1]['seq']}; use --json for all", markup=False)
     return 0
 
 

@@ -350,3 +350,27 @@ def test_control_characters_in_stored_values_are_printed_as_escapes(ledger_path,
         out = capsys.readouterr().out
         assert not any(c in out for c in "\x1b\x07\x9b\u202e") and "\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e" in out
     assert "error: crash: boom\\x1b[2J" in out
+
+
+def test_a_key_of_a_long_history_shows_its_latest_events_and_counts_the_rest(ledger_path, capsys):
+    """A key of 20,000 events (merged from elsewhere) laid out one table row each: `show` took 44 s, and minutes more
+    for more. The latest TABLE_ROWS show, a line counts the earlier ones, and --json has them all."""
+    import msgspec
+
+    from kprof.cli._render import TABLE_ROWS
+    from kprof.ledger import _codec
+
+    events, parent = [], None
+    for seed in range(TABLE_ROWS + 10):
+        events.append(msgspec.structs.replace(synth.event(0, seed=seed), parent=parent))
+        parent = _codec.event_id(_codec.encode(events[-1]))
+    with Ledger.open(ledger_path) as led:
+        led.append(events)
+    key = synth.event(0).key.hex()
+    assert main(["show", key, "--db", ledger_path]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == TABLE_ROWS and f"│ {TABLE_ROWS + 10} " in rows[-1] and "(current)" in rows[-1]
+    assert "... and 10 earlier event(s) of this key, seq 1 to 10; use --json for all" in out
+    assert main(["show", key, "--db", ledger_path, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["history"]) == TABLE_ROWS + 10
