@@ -94,8 +94,7 @@ class Ledger:
             if any(env is entry[0] for env, _txn, _thread in list(_reads.values())):
                 raise LedgerError(f"ledger {path} was replaced while this process reads the earlier file; end those "
                                   f"reads (finish iterating view.rows() or iter_log()), then open it again")
-            entry[0].close()
-            del _envs[real]
+            _envs.pop(real)[0].close()
             entry[2] = None
             entry = None
         if entry is None:  # first, close the environments of other files whose Ledgers were all collected unclosed
