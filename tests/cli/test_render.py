@@ -1,6 +1,7 @@
 """Tables of query/run results: a large result prints its first rows and a line counting the rest, fast."""
 
 import json
+import os
 
 import pytest
 
@@ -197,7 +198,22 @@ def test_an_error_naming_a_value_of_megabytes_is_cut_and_keeps_the_fix(spec, sta
                  json.dumps(spec)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) < 2_100, len(err)
-    assert err.startswith("error: " + start) and err.rstrip("\n").endswith(end) and "characters left out" in err
+    assert err.startswith("error: " + start) and err.rstrip("\n").endswith(end)
+
+
+def test_an_error_line_of_megabytes_from_any_verb_is_cut_in_its_middle(tmp_path, capsys, monkeypatch):
+    """Where no message of its own shortens a value (a setting's, here), the error line is cut in its middle at
+    ERROR_CHARS, keeping what is wrong and the fix: a 1 MB KPROF_POOL was written whole."""
+    from kprof.cli._render import ERROR_CHARS
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KPROF_POOL", "x" * 1_000_000)
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec",
+                 json.dumps({"m": 1, "n": 8, "k": 8, "dtype": "fp32"}), "--db", "p.db"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) <= ERROR_CHARS + 100 and "characters left out" in err, len(err)
+    assert err.startswith("error: KPROF_POOL='xxx") and err.rstrip("\n").endswith("or unset it")
+    assert not os.path.exists("p.db")
 
 
 def test_a_row_of_thousands_of_metrics_shows_the_first_and_counts_the_rest(capsys):
