@@ -5,7 +5,3 @@ from .events import (ERROR_KINDS, Contract, Environment, Event, Failed, Measured
 from .keys import KeyMaker, ShapeCodec, provenance_key
 from .store import AppendResult, Ledger, ledger_path
 from .view import STATUSES, Row, View, citation
-
-__all__ = ["AppendResult", "Contract", "ERROR_KINDS", "Environment", "Event", "Failed", "KeyMaker", "Ledger",
-           "Measured", "Method", "Origin", "Provenance", "Retracted", "Row", "STATUSES", "ShapeCodec", "Stats", "View",
-           "citation", "ledger_path", "provenance_key"]
