@@ -112,7 +112,7 @@ def _interrupted_note(argv: list[str], exc: BaseException) -> str:
                f"measures every spec"
     # --force measures every spec (every ceiling) again whenever it runs; without it, only what is missing
     what = "every ceiling" if verb == "calibrate" else "every spec"
-    again = (f"measures {what} again (--force; without it, only what is missing)" if given("--force")
+    again = (f"measures {what} anew (--force; without it, only what is missing)" if given("--force")
              else "measures only what is missing")
     if remote:
         return ("every chunk merged before it stays in the ledger, and the engine's unfinished jobs were cancelled; "

@@ -600,13 +600,13 @@ def test_a_second_interrupt_while_the_first_is_reported_is_still_one_line(again,
 @pytest.mark.parametrize("argv, note", [
     (["run", "--fresh"], "a --fresh run writes nothing: the ledger is as it was; the same command again measures every "
                          "spec"),
-    (["run", "--force"], "the same command again measures every spec again (--force; without it, only what is "
+    (["run", "--force"], "the same command again measures every spec anew (--force; without it, only what is "
                          "missing)"),
-    (["calibrate", "--force"], "the same command again measures every ceiling again (--force"),
+    (["calibrate", "--force"], "the same command again measures every ceiling anew (--force"),
     (["run", "--remote", "x", "--fresh"], "a --fresh run writes nothing: the ledger is as it was, and the engine's "
                                           "unfinished jobs were cancelled; the same command with a new --output-dir "
                                           "measures every spec"),  # the same command is refused: remote-run.json
-    (["run", "--remote=x", "--force"], "the same command with a new --output-dir sends every spec again (--force"),
+    (["run", "--remote=x", "--force"], "the same command with a new --output-dir sends every spec anew (--force"),
     (["run", "--fresh=false"], "every row stored before it stays in the ledger, and nothing half-written does; the "
                                "same command again measures only what is missing"),
 ])
