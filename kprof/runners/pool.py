@@ -21,7 +21,9 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 import time
+import uuid
 from multiprocessing.connection import wait
 from typing import Callable, Iterator, NamedTuple
 
@@ -65,9 +67,10 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
     reaches the whole process group: the parent handles it and stops its workers, so a worker ignores it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     unsent: list[str] = []  # the segment written and not yet sent to the parent
+    writing = threading.Lock()  # held while a segment is written: the watch below ends the process between writes
     # A run killed away (SIGKILL, the OOM killer) while this worker is inside a spec that hangs, or runs for minutes:
     # the pipe says so only at its next use, so the worker would hold its device, orphaned, for as long as the spec took
-    watch_parent(then=lambda: _leave(spool, unsent))
+    watch_parent(then=lambda: _leave(spool, unsent, writing))
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before anything imports torch
     from ..ledger.events import Contract
@@ -89,7 +92,9 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
         while (message := conn.recv()) is not None:
             chunk = Chunk.decode(message)
             for outcome, data in measure_chunk(chunk, device):
-                unsent.append(segment.write(spool, [data], chunk.origin.ledger_id, 1))
+                with writing:  # a file named in the spool: where another worker ended removed it, the write fails
+                    unsent.append(segment.write(os.path.join(spool, f"{uuid.uuid4().hex}.kseg"), [data],
+                                                chunk.origin.ledger_id, 1))
                 conn.send(("event", outcome.index, unsent[0], data, outcome.seconds, outcome.timed_seconds))
                 unsent.clear()
             if getattr(device, "lost", None):  # a failure left the device unusable: a fresh worker takes it over
@@ -97,11 +102,18 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
             conn.send(("idle",))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone (killed): end without a traceback
         _leave(spool, unsent)
+    except UsageError:
+        if os.path.isdir(spool):  # a segment the disk refused: the parent names the worker's death
+            raise
+        _leave(spool, unsent)  # the spool is gone: the run was killed and another of its workers ended first
 
 
-def _leave(spool: str, unsent: list[str]) -> None:
+def _leave(spool: str, unsent: list[str], writing: threading.Lock | None = None) -> None:
     """A worker's end without its parent: no segment that nothing will merge, and the last one out removes the spool
-    (what is left there, the next pool sweeps: kprof._scratch)."""
+    (what is left there, the next pool sweeps: kprof._scratch). A segment being written lands first (`writing`; a
+    write that hangs is waited for 10 s), so neither it nor its temporary file outlives the worker."""
+    if writing is not None:
+        writing.acquire(timeout=10)
     with contextlib.suppress(OSError):
         for path in unsent:
             os.unlink(path)

@@ -712,6 +712,35 @@ def test_a_worker_inside_a_hung_spec_ends_when_its_run_is_killed(tmp_path):
     assert os.listdir(tmp) == []
 
 
+def test_a_worker_whose_spool_another_worker_removed_writes_no_segment_beside_it(tmp_path, monkeypatch):
+    """The run killed, one worker ended first and removed the (empty) spool; another, about to write its next event,
+    found no directory there and wrote its segment beside it in TMPDIR, as a file named like the spool (or left its
+    temporary `.kseg-*.part` there, ended mid-write). A segment is named inside the spool: the write fails, the
+    worker ends quietly and nothing is left."""
+    import multiprocessing
+
+    import msgspec
+
+    from kprof.measure.env import cpu_model
+    from kprof.runners import pool
+    from kprof.runners.chunk import Chunk
+    from kprof.runners.registry import lookup
+
+    entry = lookup("rms_norm", "torch-cpu")
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the worker ignores Ctrl-C; this process must not
+    monkeypatch.setattr(pool, "watch_parent", lambda **k: None)
+    parent, child = multiprocessing.Pipe()
+    parent.send(Chunk.of(entry, cpu_model(), [{"tokens": 1, "hidden": 64, "dtype": "fp32"}]).encode())
+    parent.send(None)
+    spool = tmp_path / "spool"  # removed (never made, here) before the worker writes
+    pool._worker_main(child, None, entry.table, entry.backend, msgspec.msgpack.encode(entry.contract), cpu_model(),
+                      str(spool))
+    got = []
+    while parent.poll():
+        got.append(parent.recv())
+    assert [m[0] for m in got] == ["ready"] and os.listdir(tmp_path) == []
+
+
 def test_an_interrupt_while_a_segment_merges_leaves_no_temporary_directory(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM) while a worker's segment was merged left the temporary directory made for a conflict's
     report behind: one `kprof-*` directory per interrupted run."""
