@@ -13,7 +13,7 @@ from typing import Iterator
 from ._scratch import hold, unheld
 from .errors import UsageError
 
-__all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "READ_ONLY"]
+__all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "replace_whole", "READ_ONLY"]
 
 _FIX = "pass a new directory (it is created if absent)"
 READ_ONLY = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # the mode of an output's files
@@ -78,6 +78,23 @@ def write_once(path: str, data: bytes) -> None:
     with open(path, "xb") as f:  # "x": never overwrite
         f.write(data)
     os.chmod(path, READ_ONLY)
+
+
+def replace_whole(path: str, data: bytes) -> None:
+    """The file `path` holding `data`, whole or as it was: written under a name of its own beside it, then renamed
+    over it (two writers at once leave one's file whole, an interrupt leaves no part, and a link planted as `path` is
+    replaced, never written through). Its mode is the one open() would give a new file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}-", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)  # (mkstemp's are private to their owner)
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from ._outdir import replace_whole
 from ._signals import held
 from ._remote_checks import check_remote_output_dir, check_runtime_env, check_task_env, refuse_spec_timeout
 from .api import QueryResult, _empty_root, _fresh_result, _keys, _prepare, _query
@@ -94,10 +95,7 @@ def _received(output_dir: str, j: int, data: Any, keys: set) -> tuple[str, list]
 def _write_json(path: str, doc: dict) -> None:
     """The document as JSON (msgspec's: NaN and infinities as null, never the bare NaN the standard module writes,
     which no strict parser reads), written whole or not at all."""
-    tmp = f"{path}.part"
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(doc, enc_hook=str), indent=1) + b"\n")
-    os.replace(tmp, path)
+    replace_whole(path, msgspec.json.format(msgspec.json.encode(doc, enc_hook=str), indent=1) + b"\n")
 
 
 def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote_set: list[str] | tuple = (),

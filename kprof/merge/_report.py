@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import msgspec
 
+from .._outdir import replace_whole
 from ..errors import MergeConflict
 from ..ledger import Ledger, _codec
 from . import segment
@@ -23,25 +23,14 @@ def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: li
     out = output_dir or "."
     report = _report(ledger, db_path, conflicts, paths)
     where = os.path.join(out, "merge-report.json")
-    tmp = None
     try:
         os.makedirs(out, exist_ok=True)
-        # Written whole under a name of its own, then named: two merges refused at once in one directory wrote into
-        # one file (the longer one's tail after the other's report), and one interrupted left a part of it; a link
-        # planted as merge-report.json is replaced, never written through.
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".merge-report-", suffix=".part")
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # as a file open() makes (mkstemp's are private to their owner)
-        with os.fdopen(fd, "wb") as f:  # msgspec's JSON: a NaN metric as null, never a bare NaN
-            f.write(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
-        os.replace(tmp, where)
+        # whole or not at all: two merges refused at once in one directory wrote into one file, an interrupted one left
+        # a part of it, and a link planted as merge-report.json was written through (msgspec's JSON: NaN as null)
+        replace_whole(where, msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
         told = f"the conflicts are in {where}"
     except OSError as exc:  # the report is lost, the refusal is not
         told = f"their report could not be written to {where} ({exc.strerror}); give --output-dir"
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
     rows = report["keys"]
     between = sum(1 for r in rows if r["current"]["segment"] is not None)
     said = [f"{n} incoming event(s) conflict with the ledger's current rows" for n in [len(rows) - between] if n]
