@@ -266,9 +266,9 @@ class _Run:
             return
         chunk_doc.update(segment=path, status="returned", events=len(events))
         short = len(self.keys[j] - {ev.key for ev in events})
-        if short:  # a worker that stopped early (or another kprof's): the rest of the chunk is merged, these stay missing
-            chunk_doc["error"] = (f"the worker returned no event for {short} of the chunk's {chunk_doc['specs']} specs; "
-                                  f"they are left missing: run again to measure them")
+        if short:  # a worker that stopped early (or another kprof's): the rest is merged, these stay missing
+            chunk_doc["error"] = (f"the worker returned no event for {short} of the chunk's {chunk_doc['specs']} "
+                                  f"specs; they are left missing: run again to measure them")
         record["segments"].append(path)
         for ev in events:
             if type(ev) is not Measured:

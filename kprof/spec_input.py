@@ -307,8 +307,8 @@ def parse_specs_file(path: str) -> list[Any]:
         lines = [(n, ln) for n, ln in enumerate(data.decode("utf-8").split("\n"), 1) if ln.strip()]  # as editors number
         comment = next(((n, ln.strip()) for n, ln in lines if ln.lstrip().startswith(("#", "//", "/*"))), None)
         if comment:  # no line of valid JSON starts so (a string holds no newline): "invalid character" says too little
-            raise SpecError(f"--specs {path} line {comment[0]} is a comment ({cut(comment[1], 40)}); JSON and JSONL have no "
-                            f"comments: remove the line, or keep notes in another file")
+            raise SpecError(f"--specs {path} line {comment[0]} is a comment ({cut(comment[1], 40)}); JSON and JSONL "
+                            f"have no comments: remove the line, or keep notes in another file")
         if len(lines) < 2 or not _one_value(lines[0][1]):  # JSONL's first line is a whole value; else one document
             raise SpecError(f"--specs {path} is not valid JSON or JSONL ({_located(exc, data)}); fix the "
                             f"file") from None

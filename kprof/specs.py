@@ -150,7 +150,8 @@ class ShapeCodec:
         for name, value in fixed.items():  # msgspec reads a str as UTF-8: a lone surrogate was a UnicodeEncodeError
             if any(isinstance(t, str) and not is_text(t) for t in (name, value)):
                 raise SpecError(f"field {cut(repr(name))} = {cut(repr(value))} is not UTF-8 text (a lone surrogate, "
-                                f"as Python reads a byte that is not UTF-8); use {self._table_fields()} with text values",
+                                f"as Python reads a byte that is not UTF-8); use {self._table_fields()} with text "
+                                f"values",
                                 index=index, field=name, value=value)
         for name in self._int_fields & fixed.keys():
             value = fixed[name]

@@ -48,8 +48,8 @@ def _unknown_gpu_key(res, stale=None, now=None) -> None:
     """One note on stderr where every spec is missing because the ledger has no row at all of the table/backend
     under this GPU key while it holds others (a mistyped --gpu-name reads as missing rows), or (count-missing, which
     counts stale rows as missing: `stale` runs the query that tells them) where some have rows of another timing or
-    revision (a CPU row of another thread count), naming what differs from the contract `now` gives. The answer itself, its JSON and its exit 0 stay as the contract
-    says; `kprof export` refuses such a key instead."""
+    revision (a CPU row of another thread count), naming what differs from the contract `now` gives. The answer
+    itself, its JSON and its exit 0 stay as the contract says; `kprof export` refuses such a key instead."""
     if not res.count or res.missing_count < res.count:
         return
     held = [s for s in api.scopes(res.db) if (s.table, s.backend) == (res.table, res.backend)]

@@ -121,8 +121,8 @@ def _about(doc: dict) -> list[str]:
         prov = current["provenance"]
         lines.append(f"row: stale (timed {prov['timing']}; a query of this process reads {prov['table']}/"
                      f"{prov['backend']} rows timed {doc['timing']}, and reads it as stale where its spec has no row "
-                     f"timed so: a query in the row's method reads it, its flags or, on torch-cpu, OMP_NUM_THREADS with "
-                     f"MKL_NUM_THREADS unset)")
+                     f"timed so: a query in the row's method reads it, its flags or, on torch-cpu, OMP_NUM_THREADS "
+                     f"with MKL_NUM_THREADS unset)")
     elif status == "stale":
         prov = current["provenance"]
         lines.append(f"row: stale (profiler revision {prov['profiler_revision']}; this kprof measures "
