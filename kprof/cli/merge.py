@@ -47,14 +47,25 @@ def merge(segments: Annotated[list[str], Parameter(help=(
           db: Db = None, json: Json = False) -> int:
     """Merge segments into the ledger: every event checked, conflicts refused, all or nothing."""
     from ..errors import MergeConflict
+    from ..merge._order import _named, passed_over
     from ..merge.merge import merge as run_merge
+
+    skipped = passed_over(segments)  # a directory's files not named *.kseg: a segment renamed merged silently not
+
+    def say_skipped():  # once the directory was taken (a directory of no segment is refused, naming them)
+        if skipped:
+            console(stderr=True).print(f"note: not merged: {_named(skipped)} (not named *.kseg; a directory merges "
+                                       f"its .kseg files): rename a segment to end in .kseg, or pass it by name",
+                                       markup=False)
 
     try:
         result = run_merge(segments, db=db, output_dir=output_dir)
     except MergeConflict as exc:
+        say_skipped()
         if json:
             emit_json({"ok": False, "error": str(exc), "report": exc.report})
         raise
+    say_skipped()
     if json:
         emit_json({"ok": True, **result.to_json()})
     else:

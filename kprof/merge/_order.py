@@ -11,7 +11,7 @@ from ..errors import UsageError
 from ..ledger import _codec
 from . import segment
 
-__all__ = ["ordered", "expanded"]
+__all__ = ["ordered", "expanded", "passed_over"]
 
 RUN = 10_000  # events read (and hashed) as one
 
@@ -55,12 +55,30 @@ def expanded(paths) -> list[str]:
             continue
         found = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".kseg")]
         if not found:
-            sub = os.path.join(path, "segments")
+            sub, other = os.path.join(path, "segments"), passed_over([path])
             raise UsageError(f"{path} is a directory with no .kseg segment in it; " + (
                 f"a remote run's --output-dir keeps its segments in segments/: pass {sub}" if os.path.isdir(sub) else
-                "give segment files, or the directory `kprof export -o DIR` wrote"))
+                f"it holds {_named(other)}, not named *.kseg: rename a segment to end in .kseg, or pass it by name"
+                if other else "give segment files, or the directory `kprof export -o DIR` wrote"))
         out.extend(sorted(found, key=lambda p: (segment.header_of(p).created_at, os.path.basename(p))))
     return out
+
+
+def passed_over(paths) -> list[str]:
+    """The files of the directories among `paths` that a merge of them leaves out: those not named *.kseg (a
+    segment renamed, or a `.kseg.part` a remote run left unfinished), hidden ones (.gitkeep) aside."""
+    out = []
+    for path in map(os.fspath, paths):
+        if os.path.isdir(path):
+            out += sorted(os.path.join(path, n) for n in os.listdir(path) if not n.endswith(".kseg") and
+                          not n.startswith(".") and os.path.isfile(os.path.join(path, n)))
+    return out
+
+
+def _named(files: list[str], most: int = 5) -> str:
+    """Up to `most` of the files, then how many more."""
+    more = f" and {len(files) - most} more" if len(files) > most else ""
+    return ", ".join(files[:most]) + more
 
 
 def ordered(paths: list[str]) -> list[str]:

@@ -103,6 +103,28 @@ def test_a_directory_without_segments_is_refused(tmp_path, capsys):
     assert f"keeps its segments in segments/: pass {tmp_path / 'run' / 'segments'}" in capsys.readouterr().err
 
 
+def test_a_directory_s_files_not_named_kseg_are_named_not_skipped_silently(tmp_path, capsys):
+    """A segment renamed (gemm.seg) in a directory was passed over without a word: `merged 0 new event(s) ... from 1
+    segment(s)`, or 'no .kseg segment' for a directory of it alone. The merge names each file it leaves out."""
+    rows, db = tmp_path / "rows", tmp_path / "a.db"
+    rows.mkdir()
+    with Ledger.open(str(db)) as led:
+        led.append([synth.event(i) for i in range(3)])
+    os.replace(_export(db, rows, capsys), rows / "gemm.seg")
+    (rows / ".gitkeep").touch()  # hidden: not named
+    assert main(["merge", str(rows), "--db", str(tmp_path / "b.db")]) == 2
+    err = capsys.readouterr().err
+    assert f"it holds {rows / 'gemm.seg'}, not named *.kseg: rename a segment to end in .kseg" in err, err
+    assert not (tmp_path / "b.db").exists()
+    with Ledger.open(str(db)) as led:
+        led.append([synth.event(3)])
+    _export(db, rows, capsys, "--since", "3")
+    assert main(["merge", str(rows), "--db", str(tmp_path / "b.db")]) == 0
+    out, err = capsys.readouterr()
+    assert "merged 1 new event(s)" in out
+    assert f"note: not merged: {rows / 'gemm.seg'} (not named *.kseg" in err and ".gitkeep" not in err, err
+
+
 def test_the_python_merge_takes_a_directory_as_the_verb_does(tmp_path, capsys):
     """kprof.merge.merge.merge(["rows/"]) merges the directory's segments, oldest first, as `kprof merge rows/`
     does (it said 'cannot read segment rows: Is a directory')."""
