@@ -102,11 +102,13 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
                output_dir: str | None, mode: str = "jit", gpu_name: str | None = None, timer: str | None = None,
                l2: str | None = None, cuda_graph: bool | None = None, power: str | None = None, command: str = "",
                config: str = CONFIG, db: str | None = None,
-               progress: Callable[[int, int, dict], None] | None = None) -> RemoteResult:
+               progress: Callable[[int, int, dict], None] | None = None,
+               waiting: Callable[[int], None] | None = None) -> RemoteResult:
     """Measures the specs on the remote `remote` of `config` (with `remote_set` overrides) and merges each returned
     segment into the ledger at `db` ($KPROF_DB, else ./profile.db) as it arrives; mode jit (the missing specs),
     force (all) or fresh (all, nothing merged). Everything is validated before anything is written or submitted.
-    `progress(done, total, chunk record)` after each chunk. The result's exit_code: 3 on a merge conflict (that
+    `progress(done, total, chunk record)` after each chunk; `waiting(n)` each round that finds n of the keys held by
+    another run (this one waits for them, as a local run does). The result's exit_code: 3 on a merge conflict (that
     segment merged nothing; merge-report.json in output_dir), else 1 when rows remain missing, else 0."""
     from . import __version__
 
@@ -181,6 +183,8 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
                 for batch, rows, held in rounds(claims, todo, spec_keys, rows_now, mode, before_rows):
                     waited.update(held)  # keys another run was measuring: read from the ledger once it stored them
                     record["waited_for"] = len(waited)
+                    if held and waiting is not None:
+                        waiting(len(held))
                     if batch:
                         parts = [batch[j::n] for j in range(min(n, len(batch)))]  # round robin: sizes spread out
                         chunks = [Chunk.of(entry, gpu_key, [canonical[i] for i in part],

@@ -7,7 +7,7 @@ import datetime as _dt
 import time
 
 from ..errors import UsageError
-from ._render import busy_host_note, console, emit_json, error, results_table, stdout_to_stderr
+from ._render import busy_host_note, console, emit_json, error, results_table, stdout_to_stderr, waiting_note
 
 __all__ = ["run_remote_cli"]
 
@@ -40,7 +40,7 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
     with stdout_to_stderr(json):  # a worker's output, which Ray forwards to this process's stdout, too
         res = run_remote(table, backend, raw_specs, remote=remote, remote_set=list(remote_set), output_dir=output_dir,
                          mode=mode, gpu_name=gpu_name, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power,
-                         command=command, progress=progress)
+                         command=command, progress=progress, waiting=waiting_note(None, db))
     doc = res.to_json()  # built once, for the snapshot and --json alike: at 100k specs, hundreds of MB
     written = snapshot(output_dir, res, raw_specs, started_at=started_at, seconds=time.perf_counter() - t0,
                        command=command, method=dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power), doc=doc)

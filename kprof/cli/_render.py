@@ -288,3 +288,20 @@ def results_table(res, limit: int = TABLE_ROWS, out=None) -> None:
     if len(errors) > limit:
         more = len(errors) - limit
         out.print(f"... and {more} more error{'s' if more != 1 else ''}; use --json for all", markup=False)
+
+
+def waiting_note(bar, db: str | None):
+    """One line on stderr when the run (local or --remote) first finds specs another run on the ledger is measuring:
+    it waits for them, silent otherwise for as long as that run takes."""
+    said = []
+
+    def waiting(held: int) -> None:
+        if not said:
+            said.append(held)
+            from ..ledger import ledger_path
+
+            (bar.console if bar is not None else console(stderr=True)).print(
+                f"waiting: another run on {ledger_path(db)} is measuring {held} of these spec(s); each is read once "
+                f"that run stores it (measured here if it ends without)", markup=False)
+
+    return waiting

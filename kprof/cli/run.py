@@ -16,7 +16,7 @@ from .. import api
 from ..errors import UsageError
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Power, Spec, Specs, Table, Timer
-from ._render import busy_host_note, console, emit_json, results_table, stdout_to_stderr
+from ._render import busy_host_note, console, emit_json, results_table, stdout_to_stderr, waiting_note
 
 
 def _one_mode(arguments) -> None:
@@ -69,23 +69,6 @@ def _progress_lines():
                                    f"({rate * 60:.1f}/min); about {_clock((count - done) / rate)} left", markup=False)
 
     return update
-
-
-def _waiting_note(bar, db: str | None):
-    """One line on stderr when the run first finds specs another run on the ledger is measuring: it waits for them,
-    silent otherwise for as long as that run takes."""
-    said = []
-
-    def waiting(held: int) -> None:
-        if not said:
-            said.append(held)
-            from ..ledger import ledger_path
-
-            (bar.console if bar is not None else console(stderr=True)).print(
-                f"waiting: another run on {ledger_path(db)} is measuring {held} of these spec(s); each is read once "
-                f"that run stores it (measured here if it ends without)", markup=False)
-
-    return waiting
 
 
 def _clock(seconds: float) -> str:
@@ -172,7 +155,7 @@ def run(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = Non
     options = dict(mode=mode, gpu_name=gpu_name, db=db, command=command, timer=timer, l2=l2, cuda_graph=cuda_graph,
                    power=power, conflict_dir=output_dir)
     with stdout_to_stderr(json), bar or contextlib.nullcontext():  # stdout is the document's alone
-        res = api.run(table, backend, raw, progress=update, watch=watch, waiting=_waiting_note(bar, db), **options)
+        res = api.run(table, backend, raw, progress=update, watch=watch, waiting=waiting_note(bar, db), **options)
     devices = _devices_line(res.pool)
     doc = res.to_json() if json or output_dir is not None else None  # built once: at 100k specs, hundreds of MB
     no_plot = None

@@ -356,6 +356,35 @@ def test_a_run_that_waited_for_every_spec_says_so(remote_yaml, db, capsys, monke
             "were waited for; 0 event(s) merged") in capsys.readouterr().out
 
 
+def test_a_remote_run_waiting_for_keys_another_run_holds_says_so_as_a_local_run_does(remote_yaml, db, capsys,
+                                                                                      monkeypatch, h):
+    """Another run holds one key: the remote run sends the others, then waits for it, and said nothing while it did
+    (a local run prints `waiting: ...`); under --json too, on stderr, with stdout the document alone."""
+    import types
+
+    from kprof.api import _keys, _prepare
+    from kprof.runners import claims as claims_module
+    from kprof.runners.claims import Claims
+
+    remote_yaml(RAY)
+    entry, canonical, gpu_key, _ = _prepare("single_gemm", "torch-cpu", SPECS, None, db, {})
+    other = Claims(db, "other").__enter__()
+    other.take([_keys(entry, gpu_key).key(canonical[0])])
+
+    def sleep(_seconds):  # while this run waits, the other stores its row and ends
+        h.hand_row(db, SPECS[0], GPU)
+        other.release()
+
+    monkeypatch.setattr(claims_module, "time", types.SimpleNamespace(sleep=sleep))
+    _in_process(monkeypatch, _InProcess())
+    rc = run_remote_cli("single_gemm", "torch-cpu", SPECS, remote="ray", output_dir="out", json=True)
+    out, err = capsys.readouterr()
+    assert rc == 0 and json.loads(out)["missing_count"] == 0 and _record()["waited_for"] == 1
+    assert (f"waiting: another run on {db} is measuring 1 of these spec(s); each is read once that run stores it "
+            f"(measured here if it ends without)") in err, err
+    assert err.count("waiting:") == 1
+
+
 def test_rows_a_busy_host_timed_are_named_as_a_local_run_names_them(remote_yaml, db, capsys, monkeypatch):
     """The worker's host ran past its cores while it timed the rows (their notes say host_busy): a local run says so
     under its table, a remote run said nothing, and the table alone does not show it. The fix it names is the remote
