@@ -39,14 +39,15 @@ VERBS = [
 
 
 @functools.cache
-def _app():
+def _app(name: str = "kprof"):
     """`app`, built where it is first asked for: the `kprof` script imports this module before `main` handles Ctrl-C
-    and SIGTERM, and cyclopts takes a while to load."""
+    and SIGTERM, and cyclopts takes a while to load. `name` is the command its help's usage lines give (the
+    launcher's `python -m launcher kernel-profile`, as typed)."""
     from cyclopts import App, Parameter
 
     # negative_iterable="": no list flag gets cyclopts' `--empty-NAME` twin (`--empty-spec --specs FILE` was accepted
     # and every verb's help listed them): an empty list is never a request kprof takes.
-    app = App(name="kprof", help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
+    app = App(name=name, help="Profile GPU kernels into a content-addressed ledger and serve the rows.",
               version=__version__, exit_on_error=False, print_error=False, result_action="return_value",
               default_parameter=Parameter(negative_iterable=""))
     for name, target, help_ in VERBS:
@@ -225,10 +226,10 @@ def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",)) -> i
     from ._render import guarded
 
     with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way
-        return _main(argv)
+        return _main(argv, " ".join(prog))
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], prog: str = "kprof") -> int:
     for stream in (sys.stdout, sys.stderr):  # a non-UTF-8 terminal shows what it cannot encode as escapes, not a crash
         if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and \
                 hasattr(stream, "reconfigure"):
@@ -245,8 +246,8 @@ def _main(argv: list[str]) -> int:
 
         restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)
         _utf8(argv)
-        from . import app  # built here (see _app): a Ctrl-C while cyclopts loads is an interrupt, as in a verb
-
+        # built here (see _app): a Ctrl-C while cyclopts loads is an interrupt, as in a verb; the launcher's names it
+        app = sys.modules[__name__].app if prog == "kprof" else _app(prog)
         result = app(argv)
     except (KeyboardInterrupt, SystemExit) as exc:
         code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code
@@ -272,7 +273,7 @@ def _main(argv: list[str]) -> int:
             verb = next((a for a in argv if a in {name for name, _t, _h in VERBS}), None)
             said = _stream(verb, argv) or _missing(exc, argv) or _one_pair(exc, verb, argv) or (
                 str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc))
-            error(f"{said}; see `kprof {verb + ' ' if verb else ''}--help`")
+            error(f"{said}; see `{prog} {verb + ' ' if verb else ''}--help`")
             return 2
         if not _ledger_failure(exc):
             raise

@@ -88,3 +88,18 @@ def test_the_records_name_the_command_as_typed(tmp_path, h, local_gpu):
     assert command == shlex.join([os.path.basename(sys.executable), "-m", "launcher", "kernel-profile", *argv])
     shown = _proc([_kprof(), "show", citation, "--json"], tmp_path)
     assert json.loads(shown.stdout)["event"]["origin"]["command"] == command
+
+
+def test_the_launcher_s_help_and_usage_errors_name_the_command_as_typed(tmp_path):
+    """`python -m launcher kernel-profile query --help` said `Usage: kprof query ...`, and a usage error pointed at
+    `kprof query --help`: a command the launcher's user may not have on PATH. Both name the launcher form."""
+    form = f"{os.path.basename(sys.executable)} -m launcher kernel-profile"
+    top = _proc([sys.executable, "-m", "launcher", "kernel-profile", "--help"], tmp_path)
+    verb = _proc([sys.executable, "-m", "launcher", "kernel-profile", "query", "--help"], tmp_path)
+    bad = _proc([sys.executable, "-m", "launcher", "kernel-profile", "query"], tmp_path)
+    assert top.returncode == verb.returncode == 0 and bad.returncode == 2
+    assert f"Usage: {form} COMMAND" in top.stdout, top.stdout
+    assert f"Usage: {form} query " in verb.stdout, verb.stdout
+    assert f"see `{form} query --help`" in bad.stderr, bad.stderr
+    kprof = _proc([_kprof(), "query", "--help"], tmp_path)
+    assert "Usage: kprof query " in kprof.stdout  # the console script's own name
