@@ -201,3 +201,31 @@ def test_audit_of_a_truncated_ledger_does_not_send_the_reader_to_itself(ledger_p
         assert main(argv) == 3
         out = capsys.readouterr().out
         assert "is truncated" in out and "restore the file from a copy" in out and "kprof audit" not in out
+
+
+def test_audit_jobs_past_the_cpus_and_keys_run_as_many_shards_as_are_of_use(ledger_path, capsys, monkeypatch):
+    """`kprof audit --jobs 256` spawned 256 shard processes whatever the host and the ledger (50 s on 2 cores over a
+    ledger of two rows): it runs at most one per CPU and one per row key, says so, and finds what one shard finds."""
+    import os
+
+    from kprof.ledger import audit as audit_module
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 3)))
+    key = synth.event(1).key
+    led.write(lambda txn: txn.delete(key, db=led.dbs["current"]))  # a damaged view: a finding, whatever the shards
+    led.close()
+    asked, shards = [], audit_module._shards
+    monkeypatch.setattr(audit_module, "_shards", lambda path, jobs: asked.append(jobs) or shards(path, min(jobs, 2)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
+    docs, errs = [], []
+    for jobs in ("256", "1"):
+        assert main(["audit", "--db", ledger_path, "--json", "--jobs", jobs]) == 3
+        out, err = capsys.readouterr()
+        docs.append({k: v for k, v in json.loads(out).items() if k != "seconds"})
+        errs.append(err)
+    assert asked == [2, 1]  # two keys have a current row (four CPUs): two shards
+    assert "note: --jobs 256: the audit ran 2 shard process(es), as many as are of use" in errs[0], errs[0]
+    assert errs[1] == ""
+    assert docs[0] == docs[1] and f"current: entry {key.hex()[:24]} of the log's replay is not stored" in \
+        " ".join(docs[0]["findings"])
