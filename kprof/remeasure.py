@@ -60,6 +60,7 @@ class RemeasureReport(NamedTuple):
     seconds: float
     seed: int = 0  # the draw's: the same seed on the same ledger draws the same rows
     unregistered: list[str] = []  # "table/backend" of local rows no registered runner measures (a plugin not loaded)
+    older: int = 0  # local specs whose only rows are of an older profiler revision, timed as asked (stale: not drawn)
 
     @property
     def drifted(self) -> int:
@@ -149,7 +150,7 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     if explicit and device == "cuda" and "cuda" not in keys:
         raise UsageError(f"{_named(method)} re-measures CUDA rows and no CUDA GPU is visible here; run on the GPU "
                          f"the rows were measured on, or drop {_named(method)}")
-    candidates = []
+    candidates, older = [], 0
     with Ledger.open(db, readonly=True) as ledger:
         held = {(t, b, g) for t, b, g, _rows in ledger.scopes()}
         for entry in all_entries:
@@ -157,7 +158,10 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
             if gpu_key is None or (entry.table, entry.backend, gpu_key) not in held:
                 continue
             view = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
-            candidates += [(entry, gpu_key, row) for row in view.rows() if row.status == "ok"]
+            rows = list(view.rows())
+            candidates += [(entry, gpu_key, row) for row in rows if row.status == "ok"]
+            older += sum(r.status == "stale" and r.provenance.timing == entry.contract.timing
+                         and r.provenance.profiler_revision < entry.contract.profiler_revision for r in rows)
     registered = {(e.table, e.backend) for e in entries()}
     unregistered = sorted({f"{t}/{b}" for t, b, g in held if g in keys.values() and (t, b) not in registered})
     rng = random.Random(seed)
@@ -175,7 +179,7 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
     out = [d._replace(stored_host_busy=notes.get(d.citation, {}).get("host_busy")) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
-                           time.perf_counter() - started, seed, unregistered)
+                           time.perf_counter() - started, seed, unregistered, older)
 
 
 def _checked(n, tolerance, device) -> tuple[int, float]:

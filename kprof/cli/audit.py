@@ -182,6 +182,9 @@ def _nothing_to_remeasure(report) -> None:
 
     threads = f" (torch-cpu: on {cpu_threads()} torch thread(s), see OMP_NUM_THREADS)" \
         if cpu_model() in report.gpu_keys else ""
+    if report.older:  # the rows' timing is this process's: only the runner's revision moved on since they were measured
+        threads = (f"; {report.older} of this machine's row(s) there are of an older profiler revision (stale): `kprof "
+                   f"run` measures them at this kprof's, then audit them")
     console(stderr=True).print(f"note: nothing re-measured: {report.db} holds no current ok row of this machine's "
                                f"{' or '.join(repr(k) for k in report.gpu_keys) or 'devices'} under the timing "
                                f"method asked for{threads}{held}", markup=False)

@@ -403,3 +403,14 @@ def test_a_drift_faster_than_a_row_stored_while_the_host_was_busy_names_the_stor
     err = " ".join(captured.err.split())
     assert "note: 1 row(s) that drifted faster were stored while other work took their host's cores" in err
     assert "kprof run --force" in err
+
+
+def test_nothing_to_remeasure_names_rows_of_an_older_revision(h, capsys, local_gpu):
+    """A ledger whose rows here are all of an older profiler revision (kprof upgraded since they were measured),
+    timed as this process times them, re-measured nothing, and the note blamed the timing method and the torch thread
+    count (see OMP_NUM_THREADS): it names the stale rows and the fix, `kprof run`."""
+    h.append("p.db", h.make_event(h.gemm(32), local_gpu, revision=0), h.make_event(h.gemm(64), local_gpu, revision=0))
+    assert main(["audit", "--remeasure", "3", "--db", "p.db"]) == 0
+    err = capsys.readouterr().err
+    assert "2 of this machine's row(s) there are of an older profiler revision (stale): `kprof run`" in err
+    assert "OMP_NUM_THREADS" not in err
