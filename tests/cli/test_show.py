@@ -174,6 +174,23 @@ def test_show_reads_a_row_of_another_timing_as_stale_as_query_does(h, capsys, lo
     assert doc["status"] == "ok" and "row: ok" in text
 
 
+def test_show_of_a_failed_row_of_another_timing_says_query_reads_it_as_missing(h, capsys, local_gpu, monkeypatch):
+    """A torch-cpu row that failed on 1 thread reads `missing` in a query on 2 threads (a failure is no measurement to
+    read as stale), while `show` of its citation said only `row: failed`: it says the query reads it as missing, and
+    why; on 1 thread both read it as failed."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (one,) = h.append("p.db", h.make_event(h.gemm(32), local_gpu, kind="failed"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(32)), "--db", "p.db", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "missing"
+    text, doc = _shown(h, capsys, f"kprof.{one.hex()[:16]}")
+    assert ("row: failed (timed cpu-wall;l2=warm;eager;threads=1; a query of this process reads single_gemm/torch-cpu "
+            "rows timed cpu-wall;l2=warm;eager;threads=2, and reads it as missing") in text
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    text, doc = _shown(h, capsys, f"kprof.{one.hex()[:16]}")
+    assert doc["status"] == "failed" and "row: failed\n" in text
+
+
 def test_every_id_and_key_show_prints_can_be_recomputed_from_it(h, capsys, local_gpu):
     """An auditor recomputes each event id from `show --json`: blake3 of the tagged canonical bytes it prints
     (`canonical`), which decode to the fields it prints; and the key from the provenance printed. The fields alone
