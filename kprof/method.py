@@ -31,7 +31,7 @@ def _as_flag(name: str, value=_NOTHING, typed: bool = False) -> str:
         return flag
     if isinstance(value, bool):
         return flag if value else "--no-" + flag[2:]
-    shown = repr(value) if typed or (isinstance(value, str) and " " in value) else value
+    shown = repr(value) if typed or (isinstance(value, str) and (" " in value or not value)) else value
     return f"{flag} {shown}"
 
 
