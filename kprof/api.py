@@ -184,9 +184,10 @@ def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> str | Non
         r["status"] == "ok" for r in results) else []
     if not other:
         return None
-    fix = ("; a torch-cpu timing names its torch threads ($MKL_NUM_THREADS, else $OMP_NUM_THREADS, else the physical "
-           "cores): set OMP_NUM_THREADS to that count (MKL_NUM_THREADS unset) to read its rows and ceilings, or"
-           if "threads=" in timing else "; with this read's --timer, --l2, --cuda-graph and --power,")
+    fix = ("; they are of an older profiler revision (stale):" if all(o.startswith(f"{timing} (") for o in other)
+           else "; a torch-cpu timing names its torch threads ($MKL_NUM_THREADS, else $OMP_NUM_THREADS, else the "
+           "physical cores): set OMP_NUM_THREADS to that count (MKL_NUM_THREADS unset) to read its rows and ceilings, "
+           "or" if "threads=" in timing else "; with this read's --timer, --l2, --cuda-graph and --power,")
     return (f"note: no {' or '.join(absent)} ceiling for these rows: the calibration rows of {gpu_key!r} here were "
             f"timed {', '.join(other)}, not {timing} (profiler revision {entry.contract.profiler_revision}){fix} "
             f"`kprof calibrate --backend {entry.backend}` measures the ceilings under this one")

@@ -512,6 +512,22 @@ def test_a_calibration_of_another_thread_count_is_named_not_silently_absent(h, c
                          "torch` measures the ceilings under this one"), note
 
 
+def test_a_calibration_of_an_older_revision_says_so_not_to_set_the_thread_count(h, capsys, monkeypatch):
+    """Ceilings calibrated by an older kprof (an older profiler revision), rows read on the same thread count: the note
+    told to set OMP_NUM_THREADS to the count it already had. It says the calibration is of an older revision, and
+    that `kprof calibrate` measures the ceilings again."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    old = [msgspec.structs.replace(e, provenance=msgspec.structs.replace(e.provenance, profiler_revision=0))
+           for e in [_row(x, tflops=2.0) for x in CPU_GEMMS] + [_row(x, table="memcpy", gbps=10.0) for x in CPU_COPIES]]
+    row = h.gemm(64, 64, 64)
+    h.append("p.db", *[measured(e.provenance, e.metrics, e.stats, e.method) for e in old], _row(row, tflops=0.5))
+    note = api.query(h.GEMM, h.CPU, [row], gpu_name=GPU, db="p.db").ceiling_note
+    assert ("were timed cpu-wall;l2=warm;eager;threads=1 (profiler revision 0), not cpu-wall;l2=warm;eager;threads=1 "
+            "(profiler revision 1); they are of an older profiler revision (stale): `kprof calibrate --backend "
+            "torch-cpu` measures the ceilings under this one") in note, note
+    assert "OMP_NUM_THREADS" not in note
+
+
 def test_calibrate_on_a_busy_host_says_its_ceilings_may_be_low(h, capsys, monkeypatch):
     """A calibration timed while other work took the host's cores (a 2-core host beside a busy loop read its GEMM
     ceiling 7x low) exited 0 and said so only as `busy over 3 row(s)` at the end of a method line, nothing at all with
