@@ -149,6 +149,21 @@ def _refuse_on_cpu(entry: Entry, timer: str | None, l2: str | None, cuda_graph: 
                                    f"{calls}); omit {arg(name)}, or pass a CUDA backend (see `kprof list`)")
 
 
+def _refuse_on_comm(entry: Entry, name: str, given, value) -> None:
+    """A collective on GPUs is timed eagerly, one op per barrier, in the sustained power state (its device,
+    kprof.runners._comm_device, refuses to measure it otherwise): a graph or a loaded power state asked for is
+    refused on every verb, as its run refuses it, rather than read as rows no run can store. `given`: the explicit
+    value, else None (the setting came from its environment variable)."""
+    why = (f"{entry.table}/{entry.backend} times each collective eagerly, one op per barrier, in the sustained power "
+           f"state")
+    if given is None:
+        env = {"cuda_graph": _GRAPH, "power": _POWER}[name][1]
+        plain = _as_flag(name, False if name == "cuda_graph" else _POWER[3])
+        raise UsageError(f"{env}={environ()[env].strip()} does not apply: {why}; unset {env} (or pass {plain}) for "
+                         f"this backend")
+    raise refused(lambda arg: f"{arg(name, value)} does not apply: {why}; omit {arg(name)}")
+
+
 def check_method_env() -> None:
     """KPROF_TIMER, KPROF_L2, KPROF_CUDA_GRAPH and KPROF_POWER: a value no backend could use is a UsageError."""
     for setting in (_TIMER, _L2, _GRAPH, _POWER):
@@ -210,7 +225,10 @@ def effective_entry(entry: Entry, *, timer: str | None = None, l2: str | None = 
                                                                                timing=cpu_timing(cpu_threads())))
     from .runners.catalog import timing_string
 
-    timing = timing_string(_choice(_TIMER, timer), _choice(_L2, l2), _graph(cuda_graph), _choice(_POWER, power))
+    graph, state = _graph(cuda_graph), _choice(_POWER, power)
+    if entry.metric_family == "comm" and (graph or state != _POWER[3]):
+        _refuse_on_comm(entry, *(("cuda_graph", cuda_graph, True) if graph else ("power", power, state)))
+    timing = timing_string(_choice(_TIMER, timer), _choice(_L2, l2), graph, state)
     if timing == entry.contract.timing:
         return entry
     return msgspec.structs.replace(entry, contract=msgspec.structs.replace(entry.contract, timing=timing))

@@ -115,7 +115,6 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     """Re-measures `n` random current ok rows of the local device(s) (`device` "cuda" or "cpu" narrows it),
     the CUDA rows under the timing method `timer`/`l2`/`cuda_graph`/`power` (see `kprof.api.effective_entry`)."""
     from .ledger import Ledger, ledger_path
-    from .method import effective_entry
     from .runners.registry import entries
 
     n, tolerance = _checked(n, tolerance, device)
@@ -145,7 +144,7 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
         given = ", ".join(f"{name}={value!r}" for name, value in method.items() if value is not None)
         raise UsageError(f"{given} picks CUDA rows, and device='cpu' asks for the CPU's, which are timed by wall clock "
                          f"only; drop {given}, or pass device='cuda'")
-    all_entries = [effective_entry(e, **method) for e in entries() if device in (None, e.device)]
+    all_entries = [x for e in entries() if device in (None, e.device) and (x := _method_of(e, method))]
     keys = _local_keys({e.device for e in all_entries})
     if explicit and device == "cuda" and "cuda" not in keys:
         raise UsageError(f"{_named(method)} re-measures CUDA rows and no CUDA GPU is visible here; run on the GPU "
@@ -180,6 +179,20 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     out = [d._replace(stored_host_busy=notes.get(d.citation, {}).get("host_busy")) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
                            time.perf_counter() - started, seed, unregistered, older)
+
+
+def _method_of(entry, method: dict):
+    """The entry under the timing method asked for, or None for a collective that is never timed so (a graph, a
+    loaded power state: no row of it can exist to draw)."""
+    from .method import effective_entry
+
+    try:
+        return effective_entry(entry, **method)
+    except UsageError:
+        if entry.metric_family != "comm" or entry.device != "cuda":
+            raise
+        effective_entry(entry, **dict(method, cuda_graph=False, power="sustained"))  # another setting's refusal: raised
+        return None
 
 
 def _checked(n, tolerance, device) -> tuple[int, float]:

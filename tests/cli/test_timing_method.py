@@ -594,3 +594,43 @@ def test_cpu_threads_read_the_cpu_topology_once(monkeypatch):
     monkeypatch.setattr(method, "open", lambda *a, **kw: (opened.append(a[0]), open(*a, **kw))[1], raising=False)
     first = method.cpu_threads()
     assert method.cpu_threads() == first and len(opened) == len(os.sched_getaffinity(0))
+
+
+AR = {"message_size_bytes": 1024, "dtype": "bf16", "world_size": 2}
+
+
+@pytest.mark.parametrize("verb", ["query", "count-missing"])
+def test_a_collective_refuses_a_graph_or_loaded_method_as_its_run_does(h, capsys, monkeypatch, verb):
+    """A collective on GPUs is timed eagerly and sustained only (its run refuses a graph or the loaded power state,
+    exit 2), while `query`/`count-missing --cuda-graph` read it under a method no run can store and answered
+    `missing`, exit 0, as the Python API did: each refuses it now, naming the flag, or the variable that set it."""
+    h.append("p.db", _event_under(AR, H200, table="all_reduce", backend="nccl"))
+    read = [verb, "all_reduce", "--backend", "nccl", *h.spec_args(AR), "--db", "p.db", "--gpu-name", H200, "--json"]
+    for flags, said in ((["--cuda-graph"], "--cuda-graph does not apply: all_reduce/nccl times each collective "
+                                           "eagerly"), (["--power", "loaded"], "--power loaded does not apply")):
+        assert main([*read, *flags]) == 2
+        captured = capsys.readouterr()
+        assert said in captured.err and captured.out == ""
+    monkeypatch.setenv("KPROF_CUDA_GRAPH", "1")
+    assert main(read) == 2
+    assert "KPROF_CUDA_GRAPH=1 does not apply" in capsys.readouterr().err
+    assert main([*read, "--no-cuda-graph", "--timer", "events"]) == 0  # a flag that applies beats the variable
+    assert json.loads(capsys.readouterr().out)["missing_count"] == 1
+    monkeypatch.delenv("KPROF_CUDA_GRAPH")
+    assert main(read) == 0 and json.loads(capsys.readouterr().out)["missing_count"] == 0
+    with pytest.raises(UsageError, match="cuda_graph=True does not apply"):
+        api.query("all_reduce", "nccl", [AR], gpu_name=H200, db="p.db", cuda_graph=True)
+
+
+def test_remeasure_with_a_graph_draws_no_collective_and_still_measures(h, capsys, monkeypatch, local_gpu):
+    """`audit --remeasure --cuda-graph` (or under KPROF_CUDA_GRAPH=1) leaves the collectives out, none of whose rows
+    can be graph-timed, and re-measures the rows of that method."""
+    seen: list = []
+    _fake_worker(monkeypatch, seen)
+    h.append("p.db", _event_under(NORM, H200, cuda_graph=True), _event_under(AR, H200, table="all_reduce",
+                                                                             backend="nccl"))
+    assert main(["audit", "--remeasure", "5", "--db", "p.db", "--json", "--cuda-graph"]) == 0
+    assert json.loads(capsys.readouterr().out)["candidates"] == 1
+    monkeypatch.setenv("KPROF_CUDA_GRAPH", "1")
+    assert main(["audit", "--remeasure", "5", "--db", "p.db", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["candidates"] == 1
