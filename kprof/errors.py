@@ -67,7 +67,8 @@ class UnknownGpuKeyError(UsageError):
         if known:
             held = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)
             fix = (f"it holds {what} rows for GPU key{'s' if len(known) != 1 else ''} {held}; pass one of those as "
-                   f"the GPU key, or measure this one with `kprof run {table} --backend {backend}` on that GPU")
+                   f"the GPU key, or measure this one with `kprof run {table} --backend {backend} --db {db}` on that "
+                   f"GPU")
         else:
             fix = (f"it holds no {what} rows for any GPU key; measure them with `kprof run {table} --backend "
                    f"{backend} --db {db}`")

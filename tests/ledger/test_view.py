@@ -23,8 +23,8 @@ def test_get_under_an_unknown_gpu_key_names_the_keys_held(ledger):
     assert str(e) == (f"ledger {ledger.path} has no single_gemm/synthetic rows for GPU key 'No Such GPU': it holds "
                       f"single_gemm/synthetic rows for GPU keys 'Other GPU' (1 row), 'Synthetic GPU' (3 rows); pass "
                       f"one of those as the GPU key, or measure this one with `kprof run single_gemm --backend "
-                      f"synthetic` on that GPU (`kprof scopes --db {ledger.path}` lists every table, backend and "
-                      f"GPU key it holds)")
+                      f"synthetic --db {ledger.path}` on that GPU (`kprof scopes --db {ledger.path}` lists every "
+                      f"table, backend and GPU key it holds)")
 
 
 def test_get_with_no_rows_of_the_table_and_backend_says_so(ledger):
