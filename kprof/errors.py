@@ -59,24 +59,30 @@ class SpecError(UsageError):
 class UnknownGpuKeyError(UsageError):
     """A lookup of one row under a GPU key for which the ledger has never held a row of that table/backend
     (almost always a mistyped key, or another machine's). `known` holds (gpu_key, rows) of the GPU keys it does
-    hold for the table/backend."""
+    hold for the table/backend; `held` the (table, backend) of every scope it holds (named where `known` is empty:
+    a mistyped backend or table)."""
 
-    def __init__(self, table: str, backend: str, gpu_key: str, db: str, known: list[tuple[str, int]]):
+    def __init__(self, table: str, backend: str, gpu_key: str, db: str, known: list[tuple[str, int]],
+                 held: list[tuple[str, str]] = ()):
         self.table, self.backend, self.gpu_key, self.db, self.known = table, backend, gpu_key, db, known
-        what = f"{table}/{backend}"
+        self.held = sorted(set(held))
+        what, run = f"{table}/{backend}", f"`kprof run {table} --backend {backend} --db {db}`"
         if known:
-            held = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)
-            fix = (f"it holds {what} rows for GPU key{'s' if len(known) != 1 else ''} {held}; pass one of those as "
-                   f"the GPU key, or measure this one with `kprof run {table} --backend {backend} --db {db}` on that "
-                   f"GPU")
+            held_keys = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)
+            fix = (f"it holds {what} rows for GPU key{'s' if len(known) != 1 else ''} {held_keys}; pass one of those "
+                   f"as the GPU key, or measure this one with {run} on that GPU")
         else:
-            fix = (f"it holds no {what} rows for any GPU key; measure them with `kprof run {table} --backend "
-                   f"{backend} --db {db}`")
+            backends = [b for t, b in self.held if t == table]
+            there = (f"its {table} rows are of backend{'s' if len(backends) != 1 else ''} {', '.join(backends)}: pass "
+                     f"{'one of those' if len(backends) != 1 else 'that backend'}, or" if backends else
+                     f"it holds rows of {', '.join(f'{t}/{b}' for t, b in self.held)} only: pass one of those, or"
+                     if self.held else "it holds no rows:")
+            fix = f"it holds no {what} rows for any GPU key; {there} measure them with {run}"
         super().__init__(f"ledger {db} has no {what} rows for GPU key {gpu_key!r}: {fix} "
                          f"(`kprof scopes --db {db}` lists every table, backend and GPU key it holds)")
 
     def __reduce__(self):  # pickled across processes (a lookup in a process pool's worker) with its fields
-        return type(self), (self.table, self.backend, self.gpu_key, self.db, self.known)
+        return type(self), (self.table, self.backend, self.gpu_key, self.db, self.known, self.held)
 
 
 class LedgerError(UsageError):

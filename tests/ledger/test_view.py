@@ -27,12 +27,23 @@ def test_get_under_an_unknown_gpu_key_names_the_keys_held(ledger):
                       f"table, backend and GPU key it holds)")
 
 
-def test_get_with_no_rows_of_the_table_and_backend_says_so(ledger):
+def test_get_with_no_rows_of_the_table_and_backend_names_the_backends_and_tables_held(ledger):
+    """(A mistyped backend or table said only that the ledger held no rows of it: the backends it holds the table's
+    rows under, else the tables and backends it holds, are named.)"""
     ledger.append(list(synth.events(0, 2)))
     other = ledger.view(synth.TABLE, "other-backend", synth.GPU, contract=synth.CONTRACT, args_type=synth.SynthArgs)
-    with pytest.raises(UnknownGpuKeyError, match="it holds no single_gemm/other-backend rows for any GPU key; "
-                                                 "measure them with `kprof run single_gemm --backend other-backend"):
+    with pytest.raises(UnknownGpuKeyError) as err:
         other.get(**synth.spec(0))
+    assert err.value.held == [(synth.TABLE, synth.BACKEND)]
+    assert str(err.value) == (
+        f"ledger {ledger.path} has no single_gemm/other-backend rows for GPU key 'Synthetic GPU': it holds no "
+        f"single_gemm/other-backend rows for any GPU key; its single_gemm rows are of backend synthetic: pass that "
+        f"backend, or measure them with `kprof run single_gemm --backend other-backend --db {ledger.path}` "
+        f"(`kprof scopes --db {ledger.path}` lists every table, backend and GPU key it holds)")
+    table = ledger.view("rms_norm", synth.BACKEND, synth.GPU, contract=synth.CONTRACT, args_type=synth.SynthArgs)
+    with pytest.raises(UnknownGpuKeyError, match="; it holds rows of single_gemm/synthetic only: pass one of those, "
+                                                 "or measure them with `kprof run rms_norm --backend synthetic --db "):
+        table.get(**synth.spec(0))
 
 
 def test_bulk_reads_under_an_unknown_gpu_key_answer_missing(ledger):
