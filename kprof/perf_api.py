@@ -142,3 +142,21 @@ for _table in sorted({e.table for e in entries()}):
     globals()[_get.__name__], globals()[_count.__name__] = _get, _count
     __all__ += [_get.__name__, _count.__name__]
 del _table, _get, _count
+
+
+def __getattr__(name: str) -> Callable:
+    """get_<table>/count_<table> of a table registered since this module was imported (a runner module imported
+    after it), made now; of a table no runner registers, an AttributeError naming the tables there are."""
+    verb, _, table = name.partition("_")
+    if verb not in ("get", "count") or not table:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    tables = sorted({e.table for e in entries()})
+    if table not in tables:
+        raise AttributeError(f"kprof.perf_api has no {name}: no runner registers table {table!r}; its tables: "
+                             f"{', '.join(tables)} (see `kprof list`; a table of one's own runners is known where "
+                             f"KPROF_RUNNERS names the module that registers it)")
+    with _lock:
+        functions = _make(table)
+        for function in functions:
+            globals().setdefault(function.__name__, function)
+    return globals()[name]

@@ -220,3 +220,28 @@ def test_a_bad_spec_names_the_table_not_the_runners_struct(db):
         perf_api.count_single_gemm([{"m": 1, "n": 1, "k": 1}], backend="torch-cpu", db=db)
     with pytest.raises(SpecError, match='field "z" is not a KernelArgs field of single_gemm; use only'):
         perf_api.get_single_gemm(backend="torch-cpu", db=db, **SPEC, z=3)
+
+
+def test_a_table_no_runner_registers_is_named_with_the_tables_there_are(db):
+    """(perf_api.get_<typo> was Python's bare AttributeError, naming nothing that exists.)"""
+    with pytest.raises(AttributeError, match=r"kprof.perf_api has no get_single_gem: no runner registers table "
+                                             r"'single_gem'; its tables: all_gather, .*single_gemm \(see `kprof list`"):
+        perf_api.get_single_gem
+    with pytest.raises(AttributeError, match="no runner registers table 'gemm'"):
+        perf_api.count_gemm
+    assert not hasattr(perf_api, "no_such_name") and not hasattr(perf_api, "get_")
+
+
+def test_a_table_registered_after_the_import_has_its_functions(db, monkeypatch):
+    """(A runner module imported after kprof.perf_api registered its table, and perf_api.get_<table> of it was an
+    AttributeError: the functions were made only at import.)"""
+    from kprof.runners import registry
+
+    entry = msgspec.structs.replace(lookup("single_gemm", "torch-cpu"), table="late_gemm")
+    monkeypatch.setitem(registry.REGISTRY, ("late_gemm", "torch-cpu"), entry)
+    try:
+        assert perf_api.count_late_gemm([SPEC], backend="torch-cpu", gpu_key="Known CPU", db=db) == 1
+        with pytest.raises(UnknownGpuKeyError, match="no late_gemm/torch-cpu rows for GPU key 'Known CPU'"):
+            perf_api.get_late_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC)
+    finally:  # the functions leave with the table
+        vars(perf_api).pop("get_late_gemm", None), vars(perf_api).pop("count_late_gemm", None)
