@@ -46,14 +46,21 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
 
 def _unknown_gpu_key(res, stale=None, now=None) -> None:
     """One note on stderr where every spec is missing because the ledger has no row at all of the table/backend
-    under this GPU key while it holds others (a mistyped --gpu-name reads as missing rows), or (count-missing, which
+    under this GPU key while it holds others (a mistyped --gpu-name reads as missing rows), or other backends' rows of
+    the table and none of this one (a mistyped --backend), or (count-missing, which
     counts stale rows as missing: `stale` runs the query that tells them) where some have rows of another timing or
     revision (a CPU row of another thread count), naming what differs from the contract `now` gives. The answer
     itself, its JSON and its exit 0 stay as the contract says; `kprof export` refuses such a key instead."""
     if not res.count or res.missing_count < res.count:
         return
-    held = [s for s in api.scopes(res.db) if (s.table, s.backend) == (res.table, res.backend)]
-    if held and all(s.gpu_name != res.gpu_name for s in held):
+    scopes = api.scopes(res.db)
+    held = [s for s in scopes if (s.table, s.backend) == (res.table, res.backend)]
+    others = sorted({s.backend for s in scopes if s.table == res.table} - {res.backend})
+    if not held and others:  # a mistyped --backend reads as missing rows too
+        console(stderr=True).print(f"note: {res.db} has no {res.table}/{res.backend} rows for any GPU key; its "
+                                   f"{res.table} rows are of backend{'s' * (len(others) > 1)} {', '.join(others)}",
+                                   markup=False)
+    elif held and all(s.gpu_name != res.gpu_name for s in held):
         keys = ", ".join(f"{s.gpu_name!r} ({s.rows} row{'s' if s.rows != 1 else ''})" for s in held)
         console(stderr=True).print(f"note: {res.db} has no {res.table}/{res.backend} rows for GPU key "
                                    f"{res.gpu_name!r}; it holds: {keys}", markup=False)

@@ -111,6 +111,19 @@ def test_empty_gpu_name_is_a_usage_error(ledger_path, capsys, h):
 
 
 @pytest.mark.parametrize("verb", ["count-missing", "query"])
+def test_a_backend_with_no_rows_beside_others_of_the_table_gets_a_note(verb, ledger_path, capsys, h, local_gpu):
+    """(A --backend the ledger holds no rows of, where it holds the table's rows under another, answered "1 of 1
+    missing" with no hint, as a mistyped --gpu-name did before its note.) The answer stays; one note names them."""
+    h.append(ledger_path, h.make_event(h.gemm(), "NVIDIA H200", backend="torch"))
+    argv = [verb, h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path, "--json"]
+    assert main([*argv, "--gpu-name", "NVIDIA H200"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["missing_count"] == 1
+    assert captured.err.strip() == (f"note: {ledger_path} has no single_gemm/torch-cpu rows for any GPU key; its "
+                                    f"single_gemm rows are of backend torch")
+
+
+@pytest.mark.parametrize("verb", ["count-missing", "query"])
 def test_a_gpu_key_with_no_rows_beside_others_gets_a_note(verb, ledger_path, capsys, h, local_gpu):
     """A misspelled --gpu-name answered "2 of 2 missing" with no hint. The answer stays (exit 0, the same JSON);
     one note on stderr names the GPU keys the ledger holds for the table/backend."""
