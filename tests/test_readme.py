@@ -146,3 +146,17 @@ def test_the_readme_lists_the_fields_of_audit_json_as_the_audit_prints_them(tmp_
     doc = RemeasureReport(db, [], 0.05, 1, [row], 0.0).to_json()
     report, rows = _documented("`kprof audit --remeasure N` measures")[-2:]
     assert report == list(doc) and rows == list(doc["rows"][0])
+
+
+def test_the_work_formulas_name_each_table_s_spec_fields():
+    """(The MoE formula read `top_k`, a field no spec has (`topk`), and attention's `heads`: a simulator computing the
+    work from a spec reads the README's names as the spec's.)"""
+    from kprof.runners.registry import lookup
+
+    text = " ".join(README[README.index("The work counted:"):].split("bytes are the minimum")[0].split())
+    for table, label in [("single_gemm", "GEMM"), ("attention_decode", "attention"), ("attention_prefill", "attention"),
+                         ("moe_grouped_gemm", "`moe_grouped_gemm` (one projection)")]:
+        formula = text[text.index(label + " ") + len(label) + 1:].split()[0].rstrip(";,")
+        names = [n for n in formula.split("·") if not n.isdigit()]
+        fields = set(lookup(table, "torch-cpu").args.__struct_fields__) | {"q_len", "kv_len"}
+        assert names and set(names) <= fields, (table, formula)
