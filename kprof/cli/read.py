@@ -24,7 +24,22 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
     else:
         console().print(f"{res.missing_count} of {res.count} {table}/{backend} spec(s) missing for "
                         f"{res.gpu_name!r} in {res.db}", markup=False)
+        if res.missing_count:
+            console().print(f"measure them: {_run_command(res, spec, specs, gpu_name, method)}", markup=False)
     return 0
+
+
+def _run_command(res, spec, specs, gpu_name, method: dict) -> str:
+    """The `kprof run` that fills what count-missing found missing: this command's specs, ledger and method (a run
+    measures only the specs without an ok row)."""
+    import shlex
+
+    argv = ["kprof", "run", res.table, "--backend", res.backend, "--db", res.db]
+    argv += ["--gpu-name", gpu_name] if gpu_name is not None else []
+    for name, value in method.items():
+        if value is not None:
+            argv += [f"--{'no-' * (value is False)}cuda-graph"] if name == "cuda_graph" else [f"--{name}", value]
+    return shlex.join(argv + [a for s in spec or () for a in ("--spec", s)] + (["--specs", specs] if specs else []))
 
 
 def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = None, gpu_name: GpuName = None,

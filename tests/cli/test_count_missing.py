@@ -175,3 +175,27 @@ def test_a_row_stale_by_its_revision_is_not_said_to_be_of_another_thread_count(l
     err = capsys.readouterr().err.strip()
     assert err == ("note: 1 of the 1 spec(s) has a row of another timing or profiler revision (stale; one of profiler "
                    "revision 0, where the runner is now at 1: `kprof run` measures it again); `kprof query` shows them")
+
+
+def test_the_human_answer_names_the_run_that_measures_the_missing_specs(ledger_path, tmp_path, capsys, h, local_gpu,
+                                                                        monkeypatch):
+    """(count-missing said how many specs were missing and not how to fill them.) The line it adds is the exact
+    `kprof run` of these specs, ledger, GPU key and method: run as printed, it leaves none missing."""
+    import shlex
+
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu))
+    specs = tmp_path / "more specs.json"
+    specs.write_text(json.dumps([h.gemm(m=8), h.gemm()]))
+    for given in (["--spec", json.dumps(h.gemm(m=4)), "--spec", json.dumps(h.gemm()), "--gpu-name", local_gpu,
+                   "--no-cuda-graph"], ["--specs", str(specs)]):
+        argv = ["count-missing", h.GEMM, "--backend", h.CPU, *given, "--db", ledger_path]
+        assert main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0] == f"1 of 2 single_gemm/torch-cpu spec(s) missing for {local_gpu!r} in {ledger_path}"
+        command = shlex.split(lines[1].removeprefix("measure them: "))
+        assert sorted(command) == sorted(["kprof", "run", h.GEMM, "--backend", h.CPU, "--db", ledger_path, *given])
+        assert main(command[1:]) == 0
+        capsys.readouterr()
+        assert main(argv) == 0
+        assert capsys.readouterr().out.splitlines() == [lines[0].replace("1 of 2", "0 of 2")]
