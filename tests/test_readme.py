@@ -5,6 +5,8 @@ import pathlib
 import re
 import shutil
 
+import pytest
+
 from kprof.cli import VERBS
 
 README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
@@ -160,3 +162,28 @@ def test_the_work_formulas_name_each_table_s_spec_fields():
         names = [n for n in formula.split("·") if not n.isdigit()]
         fields = set(lookup(table, "torch-cpu").args.__struct_fields__) | {"q_len", "kv_len"}
         assert names and set(names) <= fields, (table, formula)
+
+
+def test_the_units_of_a_row_s_stats_are_stated_and_hold(tmp_path, monkeypatch):
+    """(The read API named a Row's stats without their units: a simulator could not tell ms from s, or cv from a
+    percentage.) The README states them, and a measured row's stats are so: its samples in ms, time_ms their median."""
+    import statistics
+
+    from kprof import api
+    from kprof.ledger import Ledger
+
+    assert "times in ms, as the samples are, and `cv` = stdev / mean" in " ".join(README.split())
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    db = str(tmp_path / "profile.db")
+    spec = {"tokens": 512, "hidden": 1024, "dtype": "fp32"}  # ~0.1 ms or more: fewer than 512 samples, all kept
+    assert api.run("rms_norm", "torch-cpu", [spec], db=db).exit_code == 0
+    with Ledger.open(db, readonly=True) as ledger:
+        gpu = api.scopes(db)[0].gpu_name
+        row = api.view(ledger, "rms_norm", "torch-cpu", gpu).get(**spec)
+        samples = ledger.event(row.event_id).stats.samples
+    st = row.stats
+    assert row.metrics["time_ms"] == st.median and st.n == len(samples)
+    assert st.median == pytest.approx(statistics.median(samples))
+    assert st.mean == pytest.approx(statistics.fmean(samples))
+    assert st.cv == pytest.approx(st.stdev / st.mean) and st.stdev == pytest.approx(statistics.stdev(samples))
+    assert 1e-3 < st.median < 1e3  # ms: a 512 x 1024 norm takes over a microsecond, under a second
