@@ -165,13 +165,12 @@ class Claims:
         return mine, {k: held[k] for k in keys if k in held}
 
     def rounds(self, todo: list[int], keys: list[bytes], rows_now: Callable[[], list],
-               wanted: Callable[[int, object], bool],
-               before: list) -> Iterator[tuple[list[int], list, dict[bytes, str]]]:
+               wanted: Callable[[int, object], bool]) -> Iterator[tuple[list[int], list, dict[bytes, str]]]:
         """The specs `todo` (indices into `keys`, their keys) in rounds: each takes the keys no other run holds, reads
         the rows now (`rows_now()`), and yields (the specs claimed that are still `wanted(i, row)`, the rows, the keys
         other runs hold); the claims of those not wanted (another run stored them meanwhile) end. The held ones are
         taken again, WAIT_S after the round the caller has finished with, until none is held. A key's row that another
-        run stored since `before` (each spec's row when this run began), a failure too, is its answer: not measured
+        run stored since the run began (`wanted` says so: `still_wanted`), a failure too, is its answer: not measured
         again, whether this run waited for it or the other run had ended before this one took the key; one a holder
         left as it was (it died before storing it) is measured here."""
         pending = todo
@@ -179,8 +178,7 @@ class Claims:
             mine, held = self.take([keys[i] for i in pending])
             rows = rows_now()
             mine_set = set(mine)
-            batch = [i for i in pending if keys[i] in mine_set and wanted(i, rows[i])
-                     and own_event(rows[i]) in (None, own_event(before[i]))]
+            batch = [i for i in pending if keys[i] in mine_set and wanted(i, rows[i])]
             self.drop(mine_set - {keys[i] for i in batch})  # another run measured them meanwhile
             yield batch, rows, held
             pending = [i for i in pending if keys[i] in held]
@@ -200,14 +198,18 @@ def rounds(claims: Claims | None, todo: list[int], keys: list[bytes], rows_now: 
     claims (a --fresh run, which stores nothing), one round of every spec, as the rows were."""
     if claims is None:
         return iter([(todo, before, {})])
-    return claims.rounds(todo, keys, rows_now, lambda i, row: still_wanted(mode, row, before[i]), before)
+    return claims.rounds(todo, keys, rows_now, lambda i, row: still_wanted(mode, row, before[i]))
 
 
 def still_wanted(mode: str, row, before) -> bool:
-    """Whether the mode still leaves a key to measure, given its row now and when the run began."""
-    if mode == "jit":
-        return row is None or row.status != "ok"
-    if mode == "force":  # another run measured it since this one began (again, or first: it had no row of its own key
-        now, was = own_event(row), own_event(before)  # then): that is the refresh asked for (a row of another key,
-        return not (now is not None and now != was)  # e.g. another thread count's, is not)
-    return True
+    """Whether the mode still leaves a key to measure, given its row now and when the run began. A row another writer
+    (a run, or a merge) stored under the key since then, a failure too, is its answer, in either mode that stores: for
+    force the refresh asked for, for jit the attempt asked for (a row of another key, e.g. another thread count's, is
+    neither). Every check of a key (its round, the moment it is measured, a row found changed as it is stored) asks
+    this, so none measures what another would refuse to store."""
+    if mode == "fresh":
+        return True
+    now, was = own_event(row), own_event(before)
+    if now is not None and now != was:
+        return False
+    return mode == "force" or row is None or row.status != "ok"

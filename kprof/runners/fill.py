@@ -300,7 +300,7 @@ class _State:
                 self.ledger.append([res.event], before=lambda _txn: self._unchanged(res.index))
             except _RowChanged as changed:
                 # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps
-                # it; an error only where that row is not one the mode asked for (a failed row, or a retraction)
+                # it, and the spec's answer (`still_wanted`); an error only where it is none (a retraction)
                 if still_wanted(self.mode, changed.row, self.before[res.index]):
                     now = changed.row.event_id
                     errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
@@ -313,8 +313,9 @@ class _State:
 
     def _to_measure(self, i: int) -> bool:
         """Asked just before spec i is measured: whether it still lacks the row its mode asks for. A row another
-        writer (a merge, which takes no claims) stored since the run took the key (an ok row, for jit; a new one,
-        for force) is the answer asked for: the spec is skipped and its claim ended."""
+        writer (a merge, which takes no claims) stored since the run began (ok or failed) is its answer, as in the
+        key's round (`still_wanted`): the spec is skipped and its claim ended, not measured for a row that could not
+        be stored."""
         if still_wanted(self.mode, self._row_now(i), self.before[i]):
             return True
         self.claims.drop([self.spec_keys[i]])

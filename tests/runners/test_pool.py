@@ -280,7 +280,7 @@ def test_claim_rounds_wait_for_held_keys_and_drop_what_is_no_longer_wanted(tmp_p
     rows = [SimpleNamespace(status="failed", event_id=b"e%d" % i) for i in range(3)]
     with Claims(db, "other") as other, Claims(db, "this") as this:
         other.take([b"k0"])
-        rounds = this.rounds([0, 1, 2], keys, lambda: rows, lambda i, row: i != 2, rows)
+        rounds = this.rounds([0, 1, 2], keys, lambda: rows, lambda i, row: i != 2)
         assert next(rounds) == ([1], rows, {b"k0": "other"})
         assert this.claimed == {b"k1"}  # k2 was claimed, not wanted, and let go
         other.drop([b"k0"])
@@ -323,7 +323,7 @@ def test_a_held_key_whose_holder_stored_a_failure_is_not_measured_again(tmp_path
     (another crash, a second failed event), though concurrent runs never measure a key twice. The row the holder
     stored since this run began, a failure too, is its answer."""
     from kprof.runners import claims as claims_module
-    from kprof.runners.claims import Claims
+    from kprof.runners.claims import Claims, rounds
 
     monkeypatch.setattr(claims_module, "WAIT_S", 0.0)
     db = str(tmp_path / "p.db")
@@ -331,8 +331,7 @@ def test_a_held_key_whose_holder_stored_a_failure_is_not_measured_again(tmp_path
     now = [SimpleNamespace(status="failed", event_id=b"new"), SimpleNamespace(status="failed", event_id=b"new1")]
     with Claims(db, "other") as other, Claims(db, "this") as this:
         other.take([b"k0", b"k1"])
-        rounds = this.rounds([0, 1], [b"k0", b"k1"], lambda: before if other.claimed else now, lambda i, row: True,
-                             before)
+        rounds = rounds(this, [0, 1], [b"k0", b"k1"], lambda: before if other.claimed else now, "jit", before)
         assert next(rounds) == ([], before, {b"k0": "other", b"k1": "other"})
         other.drop([b"k0", b"k1"])
         assert next(rounds) == ([], now, {})  # both read, neither measured
