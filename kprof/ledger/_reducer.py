@@ -142,11 +142,6 @@ def row_term(key: bytes, eid: bytes) -> int:
     return int.from_bytes(blake3(_codec.ROOT_TAG + key + eid).digest(), "big")
 
 
-def index_key(sid: bytes, shape: bytes, key: bytes) -> bytes:
-    """A `scope_index` key: scope id, the id of the shape's canonical bytes, the row key."""
-    return sid + _codec.shape_id(shape) + key
-
-
 class ScopeTotals(msgspec.Struct):
     """A scope's entry while a batch is applied: the accumulator an integer, the contract ids a set."""
 
@@ -216,7 +211,7 @@ class Reducer:
             return
         prov = event.provenance
         sid, entry = self._scope(prov)
-        put("scope_index", index_key(sid, encode(prov.shape), key), b"")
+        put("scope_index", sid + _codec.shape_id(encode(prov.shape)) + key, b"")  # see the module
         entry.contracts.add(contract_id(prov))
         if kind == FAILED:
             put("failures", key, eid)

@@ -13,7 +13,7 @@ import msgspec
 
 from ..errors import IntegrityError
 from . import _codec
-from ._reducer import NO_ROW, CurrentRow, HistoryEntry, RowHead, Sealed, seal_digests
+from ._reducer import NO_ROW, CurrentRow, HistoryEntry, RowHead, _decoders, _sealed, seal_digests
 
 __all__ = ["AUDIT", "reading", "damaged", "rows", "event", "values"]
 
@@ -68,7 +68,7 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
     if digests != list(map(_digest, sealed)):
         i = next(i for i, s in enumerate(sealed) if digests[i] != s.digest)
         raise damaged(path, f"the current row of key {fkeys[i].hex()} fails its digest")
-    decoder = _row if summaries else _head
+    decoder = _decoders[CurrentRow if summaries else RowHead]
     out: list = [None] * len(keys)
     for i, row in zip(found, map(decoder.decode, bodies)):
         out[i] = row
@@ -77,7 +77,8 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
         with reading(path, "history"):
             raws = values(txn.cursor(dbs["history"]), absent)
         present = [i for i, raw in enumerate(raws) if raw is not None]
-        entries = _each(path, "history", [absent[i] for i in present], [raws[i] for i in present], _history)
+        history = _decoders[HistoryEntry]
+        entries = _each(path, "history", [absent[i] for i in present], [raws[i] for i in present], history)
         for i, entry in zip(present, entries):
             if entry.status != NO_ROW:
                 raise damaged(path, f"key {absent[i].hex()} has no current row, but its history says it has one")
@@ -100,7 +101,3 @@ def _each(path: str, db: str, keys: list[bytes], raws: list[bytes], decoder) -> 
 
 
 _body, _digest = attrgetter("body"), attrgetter("digest")
-_sealed = msgspec.msgpack.Decoder(Sealed)
-_row = msgspec.msgpack.Decoder(CurrentRow)
-_head = msgspec.msgpack.Decoder(RowHead)
-_history = msgspec.msgpack.Decoder(HistoryEntry)
