@@ -21,10 +21,11 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from functools import partial
 from typing import Any, Callable
 
 from .api import check_gpu_key
-from .errors import SpecError
+from .errors import LedgerError, SpecError
 from .ledger import Ledger, ledger_path
 from .ledger.view import Row, View
 from .method import effective_entry, resolve_gpu_key
@@ -107,24 +108,34 @@ def _placed(exc: SpecError, table: str, function: str) -> SpecError:
                      field=exc.field, value=exc.value)
 
 
+def _answer(function: str, table: str, cached_view: Callable[[], View], read: Callable[[View], Any]) -> Any:
+    """read() of the cached view; where another thread found the file replaced meanwhile (closing the earlier file
+    under this call: "was replaced ... open it again"), read() of the new file's view."""
+    view = cached_view()
+    try:
+        while True:
+            try:
+                return read(view)
+            except LedgerError:
+                view, failed = cached_view(), view
+                if view is failed:  # not a replacement: the view cached still stands
+                    raise
+    except SpecError as exc:  # gpu_name=, as kprof.api has it, or an argument of this call, read as a spec field
+        raise _placed(exc, table, function) from None
+
+
 def _make(table: str) -> tuple[Callable, Callable]:
     def get(*, backend: str, gpu_key: str | None = None, db: str | None = None, timer: str | None = None,
             l2: str | None = None, cuda_graph: bool | None = None, power: str | None = None,
             **spec: Any) -> Row | None:
-        view = view_for(table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
-        try:
-            return view.get(**spec)
-        except SpecError as exc:  # gpu_name=, as kprof.api has it, read as a spec field
-            raise _placed(exc, table, f"get_{table}") from None
+        cached = partial(view_for, table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
+        return _answer(f"get_{table}", table, cached, lambda view: view.get(**spec))
 
     def count(specs: list[dict], *, backend: str, gpu_key: str | None = None, db: str | None = None,
               timer: str | None = None, l2: str | None = None, cuda_graph: bool | None = None,
               power: str | None = None) -> int:
-        view = view_for(table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
-        try:
-            return view.count_missing(specs)
-        except SpecError as exc:  # an argument of this call inside a spec: say where it goes
-            raise _placed(exc, table, f"count_{table}") from None
+        cached = partial(view_for, table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
+        return _answer(f"count_{table}", table, cached, lambda view: view.count_missing(specs))
 
     get.__name__ = get.__qualname__ = f"get_{table}"
     count.__name__ = count.__qualname__ = f"count_{table}"

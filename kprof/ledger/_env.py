@@ -44,17 +44,22 @@ def _forget_after_fork() -> None:
 os.register_at_fork(before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_forget_after_fork)
 
 
-def _change_map(env: lmdb.Environment, path: str, size: int) -> None:
-    """env.set_mapsize(size), which ends every transaction this process has open on the file: first waits for other
-    threads' reads to end; refuses where they do not, or where one is this thread's own (waiting would not end it)."""
+def _await_reads(env: lmdb.Environment, path: str, change: str, fix: str) -> None:
+    """Waits, holding _mapping (no read begins meanwhile: see Ledger.read), for other threads' reads of `env` to end
+    before a change that would end them; refuses where they do not, or where one is this thread's own."""
     deadline = time.monotonic() + GROW_WAIT_S
-    with _mapping:  # one at a time, and no read begins meanwhile (see Ledger.read)
-        while threads := [thread for e, _txn, thread in list(_reads.values()) if e is env]:
-            if threading.get_ident() in threads or time.monotonic() > deadline:
-                raise LedgerError(f"ledger {path}'s memory map must change size (the file grew past it), and this "
-                                  f"process holds {len(threads)} read(s) open on it; end them (finish iterating "
-                                  f"view.rows() or iter_log()), or open the ledger with a larger map_size")
-            time.sleep(0.01)
+    while threads := [thread for e, _txn, thread in list(_reads.values()) if e is env]:
+        if threading.get_ident() in threads or time.monotonic() > deadline:
+            raise LedgerError(f"ledger {path}{change}, and this process holds {len(threads)} read(s) open on it; end "
+                              f"them (finish iterating view.rows() or iter_log()), {fix}")
+        time.sleep(0.01)
+
+
+def _change_map(env: lmdb.Environment, path: str, size: int) -> None:
+    """env.set_mapsize(size), which ends every transaction this process has open on the file, once they end."""
+    with _mapping:  # one at a time
+        _await_reads(env, path, "'s memory map must change size (the file grew past it)",
+                     "or open the ledger with a larger map_size")
         env.set_mapsize(size)
 
 

@@ -19,8 +19,8 @@ import msgspec
 from .. import _scratch
 from ..errors import IntegrityError, LedgerError, LedgerPathError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
-from ._env import (CREATE_WAIT_S, _FORK_FIX, _begin, _check_file, _envs, _identity, _inherited, _live, _lock,
-                   _mapping, _read_only_file, _reads, _release, _write_txn)
+from ._env import (CREATE_WAIT_S, _FORK_FIX, _await_reads, _begin, _check_file, _envs, _identity, _inherited, _live,
+                   _lock, _mapping, _read_only_file, _reads, _release, _write_txn)
 from ._memo import Memo
 from ._write import AppendResult, append_events, canonical, rebuild_views
 from ._path import _recognize, _with_lock, ledger_path
@@ -91,11 +91,10 @@ class Ledger:
                               f"cannot open it again in a forked child; {_FORK_FIX}")
         entry = _envs.get(real)  # this process's environment of the file: [env, users, (device, inode), page size]
         if entry is not None and entry[2] != _identity(real)[:2]:  # replaced in place: close the earlier file's
-            if any(env is entry[0] for env, _txn, _thread in list(_reads.values())):
-                raise LedgerError(f"ledger {path} was replaced while this process reads the earlier file; end those "
-                                  f"reads (finish iterating view.rows() or iter_log()), then open it again")
-            _envs.pop(real)[0].close()
-            entry[2] = None
+            with _mapping:  # once other threads' reads of it end; none begins meanwhile (it would read a closed file)
+                _await_reads(entry[0], path, " was replaced in place", "then open it again")
+                _envs.pop(real)[0].close()
+                entry[2] = None
             entry = None
         if entry is None:  # first, close the environments of other files whose Ledgers were all collected unclosed
             for other in [o for o, e in _envs.items() if o != real and not any(led.env is e[0] for led in list(_live))]:
