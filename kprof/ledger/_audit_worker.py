@@ -37,19 +37,13 @@ class MemoryStore(Store):
         self.txn, self.dbs, self.data = txn, dbs, defaultdict(dict)  # data: db -> {key: value}
 
     def get(self, db, k):
-        return self.data[db].get(k)
+        return self.txn.get(k, db=self.dbs[db]) if db in ("log", "events") else self.data[db].get(k)
 
     def put(self, db, k, v):
         self.data[db][k] = v
 
     def delete(self, db, k):
         self.data[db].pop(k, None)
-
-    def logged(self, seq):
-        return self.txn.get(seq, db=self.dbs["log"])
-
-    def event(self, eid):
-        return _codec.event_decoder.decode(self.txn.get(eid, db=self.dbs["events"]))
 
 
 def replay_into(store: Store, events) -> None:

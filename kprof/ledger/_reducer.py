@@ -175,13 +175,19 @@ def root_of(scope: bytes, rows: int, acc: int) -> bytes:
 
 
 class Store:
-    """The views as the reducer sees them; LMDB and in-memory implementations provide these."""
+    """The views as the reducer sees them; LMDB and in-memory implementations provide get, put and delete."""
 
     def get(self, db: str, k: bytes) -> bytes | None: ...
     def put(self, db: str, k: bytes, v: bytes) -> None: ...
     def delete(self, db: str, k: bytes) -> None: ...
-    def logged(self, seq: bytes) -> bytes: ...  # the event id the log holds at seq (8 bytes)
-    def event(self, eid: bytes): ...  # decoded event
+
+    def logged(self, seq: bytes) -> bytes:
+        """The event id the log holds at seq (8 bytes)."""
+        return self.get("log", seq)
+
+    def event(self, eid: bytes):
+        data = self.get("events", eid)
+        return None if data is None else _codec.event_decoder.decode(data)
 
 
 class Reducer:

@@ -9,7 +9,7 @@ import msgspec
 
 from ..errors import UsageError
 from . import _codec
-from ._reducer import REBUILT, Reducer, pack_seq, seq_of
+from ._reducer import REBUILT, Reducer, Store, pack_seq, seq_of
 from .events import Retracted
 
 
@@ -22,7 +22,7 @@ class AppendResult(NamedTuple):
 _DELETED, _UNREAD = object(), object()
 
 
-class TxnStore:
+class TxnStore(Store):
     """The reducer's Store over one LMDB write transaction, with the batch's writes buffered and then
     written per sub-database in key order (`putmulti`): sorted inserts touch each B-tree page once."""
 
@@ -63,13 +63,6 @@ class TxnStore:
             buf.clear()
         self.deleting.clear()
         self.known.clear()  # what was read ahead may have been written since: read the transaction again
-
-    def logged(self, seq):
-        return self.get("log", seq)
-
-    def event(self, eid):
-        data = self.get("events", eid)
-        return None if data is None else _codec.event_decoder.decode(data)
 
 
 def canonical(event, index: int):
