@@ -16,8 +16,8 @@ _live: "weakref.WeakSet" = weakref.WeakSet()  # every open Ledger of this proces
 _envs: dict[str, list] = {}  # realpath -> [env, users, (dev, ino) of the file it maps, page size, of its lock, dbs]
 # (dbs: handles opened once: py-lmdb opens one in a write transaction, which waits for writers with the GIL held)
 _lock = threading.RLock()  # held by each Ledger's open and close: never two environments of a file, nor a wrong count
-_reads: dict[int, tuple[lmdb.Environment, lmdb.Transaction, int]] = {}  # this process's reads: id -> (env, txn, thread)
-_mapping = threading.RLock()  # held by a map change, and by a read from its check of the map to its entry in _reads
+_reads: dict[int, tuple] = {}  # this process's reads and writes: id -> (env, read txn or None, thread)
+_mapping = threading.RLock()  # held by a map change, and while a read (from its map check on) or a write enters _reads
 GROW_WAIT_S = 10.0  # how long a map change waits for this process's other snapshots (other threads') to end
 CREATE_WAIT_S = 1.0  # how long an open waits for a writer creating the file to write its header and sub-databases
 
@@ -50,8 +50,8 @@ def _await_reads(env: lmdb.Environment, path: str, change: str, fix: str) -> Non
     deadline = time.monotonic() + GROW_WAIT_S
     while threads := [thread for e, _txn, thread in list(_reads.values()) if e is env]:
         if threading.get_ident() in threads or time.monotonic() > deadline:
-            raise LedgerError(f"ledger {path}{change}, and this process holds {len(threads)} read(s) open on it; end "
-                              f"them (finish iterating view.rows() or iter_log()), {fix}")
+            raise LedgerError(f"ledger {path}{change}, and this process holds {len(threads)} read(s) or write(s) open "
+                              f"on it; end them (finish iterating view.rows() or iter_log()), {fix}")
         time.sleep(0.01)
 
 
@@ -77,17 +77,24 @@ def _begin(env: lmdb.Environment, path: str) -> lmdb.Transaction:
 
 
 def _write_txn(env: lmdb.Environment, path: str, fn, check=lambda: None):
-    """fn(txn), then check(), in one write transaction; retried after growing a full map or adopting another's size."""
+    """fn(txn), then check(), in one write transaction, in _reads from before it begins (a map change meanwhile failed
+    it with a raw LMDB error); retried after growing a full map or adopting another's size."""
+    writing = object()
     while True:
+        with _mapping:
+            _reads[id(writing)] = (env, None, threading.get_ident())
         try:
             with env.begin(write=True) as txn:
                 done = fn(txn)
                 check()
                 return done
         except lmdb.MapFullError:
-            _change_map(env, path, env.info()["map_size"] * 2)
+            size = env.info()["map_size"] * 2
         except lmdb.MapResizedError:
-            _change_map(env, path, 0)
+            size = 0
+        finally:
+            _reads.pop(id(writing))
+        _change_map(env, path, size)
 
 
 def _read_only_file(path: str) -> LedgerError:

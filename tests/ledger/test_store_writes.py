@@ -391,6 +391,45 @@ def test_map_growth_with_a_read_open_raises_ledger_error_and_the_snapshot_keeps_
     led.close()
 
 
+def test_a_map_change_waits_for_another_threads_write(ledger_path, monkeypatch):
+    """A write that fills the map grows it once this process's other transactions end; another thread's write that
+    began meanwhile (two Ledgers of one file share its environment) was not waited for: the change failed that write,
+    or itself, with a raw LMDB error, a batch lost. It waits for that write, and both batches are stored."""
+    from kprof.ledger import _env
+
+    first, second = Ledger.open(ledger_path, map_size=64 * 1024), Ledger.open(ledger_path, map_size=64 * 1024)
+    inside, real_change, errors = threading.Event(), _env._change_map, []
+
+    def hold(txn):  # runs in the other thread's write transaction
+        inside.set()
+        time.sleep(0.3)
+
+    def write_meanwhile():
+        try:
+            second.append([synth.event(5000)], before=hold)
+        except Exception as exc:  # the finding
+            errors.append(exc)
+
+    other = threading.Thread(target=write_meanwhile)
+
+    def change_meanwhile(*args):
+        if other.ident is None:
+            other.start()
+            assert inside.wait(30)
+        return real_change(*args)
+
+    monkeypatch.setattr(_env, "_change_map", change_meanwhile)
+    try:
+        result = first.append(list(synth.events(0, 400)))  # past the map: grows it
+        other.join()
+    finally:
+        first.close()
+        second.close()
+    assert errors == [] and result.last_seq in (400, 401)
+    with Ledger.open(ledger_path, readonly=True) as led:
+        assert led.last_seq == 401 and led.env.info()["map_size"] > 64 * 1024
+
+
 # ---- 7. a second open for writing after another process grew the map ----------------------------------------------
 
 
