@@ -68,7 +68,7 @@ def key_of_event(data: bytes | None) -> bytes | None:
     """The key an event's bytes carry (None where they do not decode as an event)."""
     try:
         return None if data is None else key_decoder.decode(data).key
-    except msgspec.DecodeError:
+    except _codec.UNDECODABLE:
         return None
 
 
@@ -161,7 +161,7 @@ class Shard:
                 continue
             try:
                 value = msgspec.msgpack.decode(raw)
-            except msgspec.DecodeError:
+            except _codec.UNDECODABLE:
                 report("meta", f"{name.decode()}: its bytes do not decode ({raw.hex()[:32]})")
                 continue
             if not valid(value):
@@ -191,7 +191,7 @@ class Shard:
                 try:
                     event = audit_decoder.decode(data)
                     prov = None if type(event) is Retracted else provenance_decoder.decode(event.provenance)
-                except msgspec.DecodeError as exc:
+                except _codec.UNDECODABLE as exc:
                     add("events", f"event {eid.hex()[:16]}: cannot be decoded ({exc})")
                     continue
                 if prov is not None:
@@ -219,7 +219,7 @@ class Shard:
         data = txn.get(event.target, db=self.ledger.dbs["events"])
         try:
             target = None if data is None else key_decoder.decode(data)
-        except msgspec.DecodeError:
+        except _codec.UNDECODABLE:
             target = None
         problem = ("which is not stored" if data is None else "which cannot be decoded" if target is None
                    else "of another key" if target.key != event.key

@@ -19,6 +19,7 @@ KEY_TAG, EVENT_TAG, SCOPE_TAG = b"kprof/key/v1\x00", b"kprof/event/v1\x00", b"kp
 SHAPE_TAG, ROOT_TAG, ROW_TAG = b"kprof/shape/v1\x00", b"kprof/root/v1\x00", b"kprof/row/v1\x00"
 
 encoder = msgspec.msgpack.Encoder(order="deterministic")
+UNDECODABLE = (msgspec.DecodeError, RecursionError)  # a stored value's decoding fails: damage (or nested too deep)
 encode = encoder.encode
 event_decoder = msgspec.msgpack.Decoder(Event)
 # Hashers that took their tag, copied per hash and never updated: no concatenated copy of the bytes hashed.
@@ -29,7 +30,7 @@ def stored_event(data: bytes, eid: bytes):
     """A stored event, decoded; IntegrityError (exit 3) naming it where its bytes do not fit the schema."""
     try:
         return event_decoder.decode(data)
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:
         raise IntegrityError(f"stored event {eid.hex()[:16]} cannot be decoded ({exc}); run `kprof audit` and "
                              f"restore the file from a copy") from None
 

@@ -114,7 +114,7 @@ def opened(db: str, key: bytes, raw: bytes, record_type: type):
         if seal_digest(key, sealed.body) != sealed.digest:
             raise damaged_entry(db, key, "it fails its digest")
         return _decoders[record_type].decode(sealed.body)
-    except msgspec.MsgspecError as exc:
+    except _codec.UNDECODABLE as exc:
         raise damaged_entry(db, key, f"it cannot be decoded ({exc})") from None
 
 
@@ -124,7 +124,7 @@ def history_entry(key: bytes, raw: bytes | None) -> HistoryEntry:
         return HistoryEntry(NO_ROW, [])
     try:
         return _decoders[HistoryEntry].decode(raw)
-    except msgspec.MsgspecError as exc:
+    except _codec.UNDECODABLE as exc:
         raise damaged_entry("history", key, f"it cannot be decoded ({exc})") from None
 
 

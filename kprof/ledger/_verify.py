@@ -18,8 +18,10 @@ from ._reducer import NO_ROW, CurrentRow, HistoryEntry, RowHead, _decoders, _sea
 __all__ = ["AUDIT", "reading", "damaged", "rows", "event", "values"]
 
 AUDIT = "run `kprof audit` for the full report"
-# Decoding errors of bytes a damaged file holds: msgspec's, and what unpacking a value of the wrong shape raises.
-_DAMAGE = (lmdb.Error, msgspec.MsgspecError, ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError)
+# Decoding errors of bytes a damaged file holds: msgspec's (RecursionError: nested past its depth), and what
+# unpacking a value of the wrong shape raises.
+_DAMAGE = (lmdb.Error, msgspec.MsgspecError, RecursionError, ValueError, TypeError, IndexError, KeyError,
+           AttributeError, OverflowError)
 
 
 def damaged(path: str, what: str) -> IntegrityError:
@@ -70,7 +72,7 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
         raise damaged(path, f"the current row of key {fkeys[i].hex()} fails its digest")
     decoder = _decoders[CurrentRow if summaries else RowHead]
     out: list = [None] * len(keys)
-    for i, row in zip(found, map(decoder.decode, bodies)):
+    for i, row in zip(found, _each(path, "current", fkeys, bodies, decoder)):
         out[i] = row
     if len(found) < len(keys):
         absent = [keys[i] for i, v in enumerate(stored) if v is None]
@@ -91,11 +93,11 @@ def _each(path: str, db: str, keys: list[bytes], raws: list[bytes], decoder) -> 
     """Each stored value decoded on its own (a damaged one cannot run into the next); the first that fails named."""
     try:
         return list(map(decoder.decode, raws))
-    except msgspec.MsgspecError:
+    except _codec.UNDECODABLE:
         for key, raw in zip(keys, raws):
             try:
                 decoder.decode(raw)
-            except msgspec.MsgspecError as exc:
+            except _codec.UNDECODABLE as exc:
                 raise damaged(path, f"the {db} entry of key {key.hex()} cannot be decoded ({exc})") from None
         raise
 

@@ -90,7 +90,7 @@ def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
     reducer.store.flush()
     try:
         count = msgspec.msgpack.decode(txn.get(REBUILT, db=dbs["meta"]) or b"\x00")
-    except msgspec.DecodeError:
+    except _codec.UNDECODABLE:
         count = 0
     txn.put(REBUILT, _codec.encode((count if type(count) is int and count > 0 else 0) + 1), db=dbs["meta"])
     return n

@@ -40,7 +40,7 @@ def _version(raw: bytes | None) -> int | None:
     """A stored format version: None where absent, 0 where damaged (not a positive integer)."""
     try:
         found = None if raw is None else msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
+    except _codec.UNDECODABLE:
         return 0
     return found if raw is None or (type(found) is int and found >= 1) else 0
 

@@ -244,3 +244,37 @@ def test_a_damaged_header_version_is_integrity_damage_not_a_path_error(h, rows, 
     assert main(["audit", "--db", db, "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
     assert not doc["ok"] and doc["counts"] == {"structure": 1} and "header invalid" in doc["findings"][0]
+
+
+@pytest.mark.parametrize("where", ["current", "events"])
+def test_a_value_nested_past_the_decoders_depth_is_damage_naming_its_key(h, rows, capsys, where):
+    """A stored value holding, past the fields this kprof reads, a field nested thousands of levels deep (a crafted
+    file; a newer kprof's field is skipped) raised the decoder's RecursionError: a traceback. It is damage (exit 3)
+    naming the row's key, or the event."""
+    from kprof.ledger._reducer import seal_digest
+
+    db, specs, (eid, _other) = rows
+    deep = b"\x91" * 5000 + b"\xc0"  # [[[...[None]...]]]
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        key, value = next(iter(txn.cursor(ledger.dbs["current"])))
+        event = txn.get(eid, db=ledger.dbs["events"])
+    body = bytes(msgspec.msgpack.decode(value, type=Sealed).body)
+    assert body[0] == 0x93 and event[0] == 0x89  # an array of 3 fields, a map of 9
+    body = b"\x94" + body[1:] + deep  # one more field, sealed as a writer seals it
+    event = b"\x8a" + event[1:] + msgspec.msgpack.encode("newer") + deep
+    crafted = _codec.event_id(event)
+
+    def craft(txn, dbs):
+        if where == "current":
+            txn.put(key, _codec.encode(Sealed(msgspec.Raw(body), seal_digest(key, body))), db=dbs["current"])
+        else:
+            txn.put(crafted, event, db=dbs["events"])
+
+    _tamper(db, craft)
+    argvs = [_verbs(h, db, specs, "")[verb] for verb in ("query", "count-missing")] if where == "current" else [
+        ["show", crafted.hex(), "--db", db, "--json"]]
+    for argv in argvs:
+        assert main(argv) == 3, argv
+        out, err = capsys.readouterr()
+        named = key.hex() if where == "current" else crafted.hex()[:16]
+        assert out == "" and named in err and "RecursionError" not in err and "kprof audit" in err, err
