@@ -57,7 +57,8 @@ def event(path: str, eid: bytes, data: bytes | None, key: bytes | None = None):
     return ev
 
 
-def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histories: dict | None = None) -> list:
+def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histories: dict | None = None,
+         indexed: bool = False) -> list:
     """Per key, None or its verified current row (a CurrentRow; with `summaries=False` a RowHead). `histories` takes
     each key without one and its history value (a merge asks). Checks run per column; a failing one names the row."""
     with reading(path, "current"):
@@ -79,6 +80,8 @@ def rows(txn, dbs, path: str, keys: list[bytes], summaries: bool = True, histori
         with reading(path, "history"):
             raws = values(txn.cursor(dbs["history"]), absent)
         present = [i for i, raw in enumerate(raws) if raw is not None]
+        if indexed and len(present) < len(absent):  # keys read from scope_index: each was written, so has a history
+            raise damaged(path, f"scope_index names key {absent[raws.index(None)].hex()}, which has no history")
         history = _decoders[HistoryEntry]
         entries = _each(path, "history", [absent[i] for i in present], [raws[i] for i in present], history)
         for i, entry in zip(present, entries):

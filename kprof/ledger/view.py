@@ -159,8 +159,8 @@ class View:
         rows = self._verified(txn, self.keys.keys_of(shapes), summaries=False)
         return bytes(row is not None and row.kind == MEASURED for row in rows)
 
-    def _verified(self, txn, keys: list[bytes], summaries: bool = True) -> list:
-        return _verify.rows(txn, self.ledger.dbs, self.ledger.path, keys, summaries)
+    def _verified(self, txn, keys: list[bytes], summaries: bool = True, indexed: bool = False) -> list:
+        return _verify.rows(txn, self.ledger.dbs, self.ledger.path, keys, summaries, indexed=indexed)
 
     @contextmanager
     def _read(self):
@@ -186,7 +186,7 @@ class View:
         if entry is not None and entry.contracts != [self._contract_id]:  # else no spec can be stale
             for i in [i for i, v in enumerate(values) if v is None]:  # may have a row of another contract
                 held = [k[32:] for k in self._indexed(txn, self.scope + _codec.shape_id(_codec.encode(shapes[i])))]
-                if found := self._pick(txn, held, self._verified(txn, held)):
+                if found := self._pick(txn, held, self._verified(txn, held, indexed=True)):
                     statuses[i], _key, eids[i], summaries[i], bases[i] = found
         return statuses, keys, eids, summaries, bases
 
@@ -222,7 +222,7 @@ class View:
         """Every current row of the scope, one per shape, as get_many answers it (see `_pick`; others' read stale)."""
         with self._read() as txn:
             indexed = self._indexed(txn, self.scope)  # sorted: the keys of one shape are adjacent
-            rows = self._verified(txn, keys := [k[32:] for k in indexed])
+            rows = self._verified(txn, keys := [k[32:] for k in indexed], indexed=True)
             for _shape, group in groupby(range(len(keys)), lambda i: indexed[i][:32]):
                 at = list(group)
                 if found := self._pick(txn, [keys[i] for i in at], [rows[i] for i in at]):

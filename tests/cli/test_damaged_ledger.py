@@ -278,3 +278,27 @@ def test_a_value_nested_past_the_decoders_depth_is_damage_naming_its_key(h, rows
         out, err = capsys.readouterr()
         named = key.hex() if where == "current" else crafted.hex()[:16]
         assert out == "" and named in err and "RecursionError" not in err and "kprof audit" in err, err
+
+
+def test_a_stale_row_under_a_damaged_scope_index_key_is_refused_not_read_as_missing(h, rows, capsys, local_gpu):
+    """A spec's row of an earlier profiler revision is found through `scope_index` (scope, shape, row key): a bit
+    flipped in an entry's row key named a key the ledger never held, and `query` read the stale row `missing` (exit
+    0). A key the index names must have a history, as every key written has (exit 3)."""
+    db, _specs, _eids = rows
+    spec = h.gemm(m=128)
+    stale = h.make_event(spec, local_gpu, revision=0)
+    h.append(db, stale)
+    args = ["query", h.GEMM, "--backend", h.CPU, *h.spec_args(spec), "--db", db, "--json"]
+    assert main(args) == 0 and [r["status"] for r in json.loads(capsys.readouterr().out)["results"]] == ["stale"]
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        entry = next(k for k in txn.cursor(ledger.dbs["scope_index"]).iternext(values=False) if k[32:] == stale.key)
+    moved = entry[:-1] + bytes([entry[-1] ^ 1])
+
+    def move(txn, dbs):
+        txn.delete(entry, db=dbs["scope_index"])
+        txn.put(moved, b"", db=dbs["scope_index"])
+
+    _tamper(db, move)
+    assert main(args) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and moved[32:].hex() in err and "kprof audit" in err, err
