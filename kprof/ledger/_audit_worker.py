@@ -86,11 +86,12 @@ class Shard:
         """Whether this shard owns a row key (an empty or absent one, from damage, is shard 0's)."""
         return (k[0] if k else 0) * self.shards // 256 == self.shard
 
-    def _range(self, cursor, name: str):
-        """(key, value) over this shard's key range, counted into `walked`, each key checked to follow the last."""
-        hi, seen, last, add = self.hi, 0, None, self.found.add
+    def _range(self, cursor, name: str, whole: bool = False):
+        """(key, value) over this shard's key range (`whole`: every key), counted into `walked`, each key checked to
+        follow the last."""
+        (lo, hi), seen, last, add = (b"", None) if whole else (self.lo, self.hi), 0, None, self.found.add
         try:
-            if not (cursor.set_range(self.lo) if self.lo else cursor.first()):
+            if not (cursor.set_range(lo) if lo else cursor.first()):
                 return
             for k, v in cursor:
                 if hi is not None and k >= hi:
@@ -100,24 +101,16 @@ class Shard:
                 last, seen = k, seen + 1
                 yield k, v
         except lmdb.Error as exc:
-            add("structure", f"{name}: walk failed after {seen} entries of shard {self.shard}'s range: {exc}")
+            where = "" if whole else f" of shard {self.shard}'s range"
+            add("structure", f"{name}: walk failed after {seen} entries{where}: {exc}")
         finally:
             self.walked[name] = seen
 
     def structure(self, txn) -> None:
-        """Walks its share of the other sub-databases: keys strictly increasing, as many as the header counts."""
+        """Walks its share of the other sub-databases whole: keys strictly increasing, as many as the header counts."""
         rest = [(name, db) for name, db in sorted(self.ledger.dbs.items()) if name not in WALKED_WHERE_READ]
         for name, db in rest[self.shard::self.shards]:
-            expected, seen, last = txn.stat(db)["entries"], 0, None
-            try:
-                for key in txn.cursor(db).iternext(values=False):
-                    if last is not None and key <= last:
-                        self.found.add("structure", f"{name}: keys out of order at entry {seen}")
-                        break
-                    last, seen = key, seen + 1
-            except lmdb.Error as exc:
-                self.found.add("structure", f"{name}: walk failed at entry {seen}: {exc}")
-                continue
+            expected, seen = txn.stat(db)["entries"], sum(1 for _entry in self._range(txn.cursor(db), name, True))
             if seen != expected:
                 self.found.add("structure", f"{name}: header counts {expected} entries, walk found {seen}")
 
