@@ -226,9 +226,12 @@ class View:
         with self._read() as txn:
             indexed = self._indexed(txn, self.scope)  # sorted: the keys of one shape are adjacent
             rows = self._verified(txn, keys := [k[32:] for k in indexed], indexed=True)
-            for _shape, group in groupby(range(len(keys)), lambda i: indexed[i][:32]):
+            for shape, group in groupby(range(len(keys)), lambda i: indexed[i][:32]):
                 at = list(group)
                 if found := self._pick(txn, [keys[i] for i in at], [rows[i] for i in at]):
+                    if shape != self.scope + _codec.shape_id(_codec.encode(found[4].shape)):  # else yielded twice
+                        raise _verify.damaged(self.ledger.path, f"scope_index entry {(shape + found[1]).hex()} is not "
+                                                                f"under its row's shape")
                     yield Row(dict(found[4].shape), *found)
 
     def _entry(self, txn) -> ScopeEntry | None:

@@ -306,3 +306,29 @@ def test_a_stale_row_under_a_damaged_scope_index_key_is_refused_not_read_as_miss
     assert main(args) == 3
     out, err = capsys.readouterr()
     assert out == "" and (moved[32:] if byte < 0 else moved).hex() in err and "kprof audit" in err, err
+
+
+def test_view_rows_under_a_damaged_shape_id_are_refused_not_yielded_twice(h, rows, local_gpu):
+    """view.rows() yields one row per spec: a bit flipped in the shape id of a spec's stale entry (the spec re-measured
+    since) moved it to a shape of its own, and the spec was yielded twice, ok and stale. An entry must be under its
+    row's shape (exit 3)."""
+    from kprof import api
+    from kprof.errors import IntegrityError
+
+    db, specs, _eids = rows
+    stale = h.make_event(specs[0], local_gpu, revision=0)
+    h.append(db, stale)
+    with Ledger.open(db, readonly=True) as ledger:
+        assert [r.status for r in api.view(ledger, h.GEMM, h.CPU, local_gpu).rows()] == ["ok", "ok"]
+        with ledger.read() as txn:
+            entry = next(k for k in txn.cursor(ledger.dbs["scope_index"]).iternext(values=False) if k[32:] == stale.key)
+    moved = entry[:16] + bytes([entry[16] ^ 0x80]) + entry[17:]
+
+    def move(txn, dbs):
+        txn.delete(entry, db=dbs["scope_index"])
+        txn.put(moved, b"", db=dbs["scope_index"])
+
+    _tamper(db, move)
+    with Ledger.open(db, readonly=True) as ledger:
+        with pytest.raises(IntegrityError, match=f"scope_index entry {moved.hex()} is not under its row's shape"):
+            list(api.view(ledger, h.GEMM, h.CPU, local_gpu).rows())
