@@ -59,13 +59,13 @@ class SpecError(UsageError):
 class UnknownGpuKeyError(UsageError):
     """A lookup of one row under a GPU key for which the ledger has never held a row of that table/backend
     (almost always a mistyped key, or another machine's). `known` holds (gpu_key, rows) of the GPU keys it does
-    hold for the table/backend; `held` the (table, backend) of every scope it holds (named where `known` is empty:
-    a mistyped backend or table)."""
+    hold for the table/backend; `held` the (table, backend) of every scope it holds, from the ledger's scopes
+    (named where `known` is empty: a mistyped backend or table)."""
 
     def __init__(self, table: str, backend: str, gpu_key: str, db: str, known: list[tuple[str, int]],
                  held: list[tuple[str, str]] = ()):
         self.table, self.backend, self.gpu_key, self.db, self.known = table, backend, gpu_key, db, known
-        self.held = sorted(set(held))
+        self.held = sorted({scope[:2] for scope in held})  # (table, backend, ...) tuples: their pairs
         what, run = f"{table}/{backend}", f"`kprof run {table} --backend {backend} --db {db}`"
         if known:
             held_keys = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)

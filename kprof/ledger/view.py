@@ -112,8 +112,7 @@ class View:
             with _verify.reading(self.ledger.path, "scopes"):
                 held = self.ledger.scopes()
             known = sorted((g, n) for t, b, g, n in held if (t, b) == (self.table, self.backend))
-            raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, known,
-                                     [(t, b) for t, b, _g, _n in held])
+            raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, known, held)
         return row if row.status == "ok" else None
 
     def get_many(self, specs: Iterable[Mapping[str, Any]]) -> list[Row]:
