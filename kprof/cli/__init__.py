@@ -207,11 +207,17 @@ def _utf8(argv: list[str]) -> None:
             raw = value.encode("utf-8", "surrogatepass")
         try:
             raw.decode("utf-8")
-            at = 0
+            at = None
         except UnicodeDecodeError as exc:
             at = exc.start
         text = raw.decode("utf-8", "backslashreplace")
         shown = f"argument '{text}'" if name == "argument" else f"KPROF_DB='{text}'"
+        locale = sys.getfilesystemencoding()
+        if at is None and locale.lower().replace("-", "") != "utf8":  # UTF-8 as given, read in the locale's encoding
+            raise UsageError(f"{shown} is UTF-8, but Python reads arguments and variables here as {locale} (a C or "
+                             f"POSIX locale with UTF-8 mode off); set PYTHONUTF8=1, or a UTF-8 locale "
+                             f"(LC_ALL=C.UTF-8), and run it again")
+        at = at or 0  # a str from Python whose escaped bytes are UTF-8 (no byte of a command line reads so)
         raise UsageError(f"{shown} is not UTF-8 text (byte {at} is 0x{raw[at]:02x}); kprof reads and records its "
                          f"arguments and ledger path as UTF-8: pass the value in UTF-8 (rename a file whose name is in "
                          f"another encoding)")

@@ -1030,3 +1030,22 @@ def test_a_value_that_is_not_utf8_is_refused_naming_its_bytes(flag, tmp_path, h,
         argv += [flag, value]
     err = refused(argv, "is not UTF-8 text (byte ", " is 0xff); ", "x\\xffy")
     assert err.count("\n") == 1 and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["--gpu-name", "KPROF_DB"])
+def test_a_utf8_value_under_a_c_locale_without_utf8_mode_names_the_locale(where, tmp_path):
+    """Under LC_ALL=C with PYTHONUTF8=0, Python reads a UTF-8 argument's bytes as ascii escapes: the value was called
+    not UTF-8 at its first byte (`byte 0 is 0xc3`, which starts a valid `Ü`), with the fix to pass it in UTF-8, as it
+    was. The message says Python's encoding is the cause and how to change it; nothing is written."""
+    env = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C", "PYTHONIOENCODING": "utf-8"}
+    argv = [sys.executable, "-m", "kprof", "run", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps(SPEC)]
+    if where == "KPROF_DB":
+        env["KPROF_DB"] = "ledgé.db"
+    else:
+        argv += ["--gpu-name", "Ünïcødé", "--db", "x.db"]
+    p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    value = "KPROF_DB='ledgé.db'" if where == "KPROF_DB" else "argument 'Ünïcødé'"
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert f"error: {value} is UTF-8, but Python reads arguments and variables here as ascii" in p.stderr, p.stderr
+    assert "set PYTHONUTF8=1, or a UTF-8 locale (LC_ALL=C.UTF-8)" in p.stderr and "byte 0" not in p.stderr
+    assert os.listdir(tmp_path) == []
