@@ -369,9 +369,11 @@ def test_a_bad_flag_value_refuses_remeasure(h, capsys, flags, message):
     (["--timer", "cpu-wall"], "--timer cpu-wall is not one of cupti, events on any backend"),
     (["--l2", "bogus"], "--l2 bogus is not one of cold, warm on any backend"),
     (["--power", "hot"], "--power hot is not one of sustained, loaded on any backend"),
-    # an empty value (`--timer=`, or blank) is named as such, not as a flag with nothing after it
+    # an empty or blank value (`--timer=`, or blank) is named as such, not as a flag with nothing after it
     (["--timer="], "--timer '' is not one of cupti, events on any backend"),
+    (["--timer", ""], "--timer '' is not one of cupti, events on any backend"),
     (["--l2", " "], "--l2 '' is not one of cold, warm on any backend"),
+    (["--power", ""], "--power '' is not one of sustained, loaded on any backend"),
 ])
 @pytest.mark.parametrize("verb", ["run", "query", "count-missing", "calibrate"])
 def test_a_cpu_backend_refuses_a_cuda_method(h, capsys, tmp_path, verb, flags, shown):
