@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shlex
 from typing import Sequence
 
 import msgspec
@@ -171,7 +172,7 @@ def find_artifact(ref: str, dirs: Sequence[str] | None = None) -> dict:
     absent = [d for d in dirs or () if not os.path.isdir(d)]
     if absent:
         what = "not a directory" if os.path.exists(absent[0]) else "no such directory"
-        raise UsageError(f"--dir {absent[0]}: {what}; pass the `kprof measure` output directory (or the "
+        raise UsageError(f"--dir {shlex.quote(absent[0])}: {what}; pass the `kprof measure` output directory (or the "
                          f"directory holding it)")
     found: dict[str, tuple[str, str, dict, dict]] = {}  # artifact path -> (name, summary path, summary, entry)
     unreadable: list[str] = []

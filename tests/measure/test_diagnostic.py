@@ -809,6 +809,8 @@ def test_show_refuses_unknown_ambiguous_and_changed_artifacts(capsys, tmp_path, 
             "no measure output in a or the directories directly in it lists")
     refused(["show", "kmeasure.0000000000000000", "--dir", "nosuch"], "--dir nosuch: no such directory")
     refused(["show", "kmeasure.0000000000000000", "--dir", "a/summary.json"], "--dir a/summary.json: not a directory")
+    refused(["show", "kmeasure.0000000000000000", "--dir", ""], "--dir '': no such directory")  # read `--dir :`
+    refused(["show", "kmeasure.0000000000000000", "--dir", "my runs"], "--dir 'my runs': no such directory")
     refused(["show", "kmeasure.xyz"], "is not a measure citation")
     refused(["show", "kprof.0123456789abcdef", "--dir", "a"], "--dir is where kmeasure")
     _output("b")  # the same recording: identical bytes, two paths, which more hex digits cannot tell apart
