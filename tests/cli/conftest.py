@@ -26,10 +26,12 @@ COUNT_FIELDS = {"table", "backend", "gpu_name", "db", "count", "missing_count", 
 
 @pytest.fixture(autouse=True)
 def _fast_and_isolated(monkeypatch, tmp_path):
-    """A short timing budget per spec, no inherited $KPROF_DB, and a scratch cwd (./profile.db lands there)."""
+    """A short timing budget per spec, no inherited $KPROF_DB or $COLUMNS, and a scratch cwd (./profile.db lands
+    there)."""
     monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.05")
     monkeypatch.delenv("KPROF_TARGET_CI", raising=False)
     monkeypatch.delenv("KPROF_DB", raising=False)
+    monkeypatch.delenv("COLUMNS", raising=False)  # an exported one lays tables out at its width off a terminal
     monkeypatch.chdir(tmp_path)
 
 

@@ -136,6 +136,19 @@ def test_a_columns_setting_no_help_can_be_laid_out_in_is_set_aside(columns):
     assert p.returncode == 0 and "Usage: kprof query" in p.stdout and p.stderr == "", p.stderr
 
 
+def test_off_a_terminal_a_columns_setting_lays_the_table_out_that_wide(db, capsys, monkeypatch):
+    """Off a terminal (a pipe, a log) the table was laid out 200 wide whatever COLUMNS said, while the help followed
+    it: `COLUMNS=60 kprof query ... | cat` printed 112 columns."""
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(_query(db)) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert max(map(len, table)) <= 60 and "not shown at 60 columns: tflops, memory_bandwidth_gbps" in out, out
+    monkeypatch.delenv("COLUMNS")
+    assert main(_query(db)) == 0  # no COLUMNS: room for every column, as before
+    assert "not shown" not in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_on_a_terminal_columns_0_still_prints_the_error_line(db):
     import pty
