@@ -150,9 +150,19 @@ def _console_class():
 
     class Escaping(Console):
         def render_str(self, text: str, **kwargs):
-            return super().render_str("\n".join(map(_one_line, text.split("\n"))), **kwargs)
+            return super().render_str(_shown(text, self.encoding), **kwargs)
 
     return Escaping
+
+
+def _shown(text: str, encoding: str) -> str:
+    """text as printed on a stream of `encoding`: control characters escaped, and, on a stream that is not UTF-8 (a C
+    locale, PYTHONIOENCODING=ascii), what it cannot encode too, before rich lays it out (the stream escaped `é` after,
+    as `\\xe9`, and every column to its right moved)."""
+    text = "\n".join(map(_one_line, text.split("\n")))
+    if encoding.lower().replace("-", "").startswith("utf"):
+        return text
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def _one_line(message: str) -> str:
@@ -264,6 +274,8 @@ def results_table(res, limit: int = TABLE_ROWS, out=None) -> None:
     names = [*spec_cols, "status", *metric_cols, "citation"]
     cells = [[*(repr(v) if isinstance(v := r["spec"][c], float) else _fmt(v) for c in spec_cols), r["status"],
               *(_fmt((r["metrics"] or {}).get(c)) for c in metric_cols), r["citation"] or "-"] for r in shown]
+    # measured as printed: a value a stream that is not UTF-8 escapes is wider than its characters
+    names, cells = [_shown(n, out.encoding) for n in names], [[_shown(c, out.encoding) for c in row] for row in cells]
     keep, widths = _fit(names, cells, out.width)
     dropped = [n for i, n in enumerate(names) if i not in keep]
     citation = max((len(row[-1]) for row in cells), default=None)

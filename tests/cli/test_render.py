@@ -228,3 +228,23 @@ def test_a_row_of_thousands_of_metrics_shows_the_first_and_counts_the_rest(capsy
     header = next(line for line in out.splitlines() if "status" in line)
     assert "time_ms" in header and "tflops" in header and header.count("┃") == 4 + 1 + METRIC_COLUMNS + 1 + 1
     assert f"({3_002 - METRIC_COLUMNS} more metric(s) of these rows not shown; use --json for all)" in out
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_on_a_stream_that_is_not_utf8_the_table_stays_aligned(encoding):
+    """Under a C locale or PYTHONIOENCODING=ascii the stream escaped what it cannot encode after rich laid the table
+    out (`é✓` printed as `\\xe9\\u2713` in a cell sized for two characters): every column right of it moved. The
+    values are escaped first and the cells sized as printed."""
+    import io
+
+    from kprof.cli._render import _console_class
+
+    res = _wide_result()
+    res.results[0]["metrics"] = {**res.results[0]["metrics"], "débit✓": 1.5}
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding=encoding, errors="backslashreplace")
+    results_table(res, out=_console_class()(file=stream, width=200, highlight=False, soft_wrap=True, markup=False))
+    stream.flush()
+    lines = [line for line in raw.getvalue().decode(encoding).splitlines() if line[:1] in "+|"]
+    assert len({len(line) for line in lines}) == 1, lines
+    assert "d\\xe9bit\\u2713" in lines[1] if encoding == "ascii" else "débit\\u2713" in lines[1]
