@@ -223,16 +223,50 @@ def _utf8(argv: list[str]) -> None:
                          f"another encoding)")
 
 
-def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",)) -> int:
+def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), program: bool | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143: an
     interrupt; 141: the reader of stdout left). `prog` is the command's words before the verb, as the records name it
-    (the launcher's `python -m launcher kernel-profile`)."""
+    (the launcher's `python -m launcher kernel-profile`). `program`: the call is the process (the `kprof` script,
+    `python -m kprof`, the launcher; by default where argv is None), which then ends by the signal of a 130, 141 or
+    143 (see _end_by_signal)."""
+    program = argv is None if program is None else program
+    if program:
+        import atexit
+
+        atexit.register(_end_by_signal)  # before anything a verb registers: it runs last
     argv = sys.argv[1:] if argv is None else list(argv)
     invocation[:] = [*prog, *argv]
     from ._render import guarded
 
     with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way
-        return _main(argv, " ".join(prog))
+        code = _main(argv, " ".join(prog))
+    if program:
+        _ending[:] = [code]
+    return code
+
+
+_ending: list[int] = []  # the exit code of the program's verb, for _end_by_signal
+_SIGNALS = {130: "SIGINT", 141: "SIGPIPE", 143: "SIGTERM"}
+
+
+def _end_by_signal() -> None:
+    """At the exit of a program whose verb was interrupted (130, 143) or whose stdout's reader left (141), after every
+    other exit handler: the process ends by that signal, as a shell tool does (the shell still reads 130, 141, 143).
+    It exited with the code instead, which bash takes for a signal the program handled and carries on past: Ctrl-C of
+    `for t in ...; do kprof run ...; done` went on to the next run, and xargs, make and find -exec went on past a 141
+    where they stop on a process the signal ended."""
+    import contextlib
+    import os
+    import signal
+
+    if not _ending or _ending[0] not in _SIGNALS:
+        return
+    for stream in (sys.stdout, sys.stderr):  # what is buffered (the interrupt's line), before the process ends
+        with contextlib.suppress(Exception):
+            stream.flush()
+    sig = getattr(signal, _SIGNALS[_ending[0]])
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
 
 
 def _main(argv: list[str], prog: str = "kprof") -> int:

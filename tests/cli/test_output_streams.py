@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -45,6 +46,35 @@ def test_a_reader_that_left_ends_the_verb_quietly_with_141(db, extra):
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+@pytest.mark.parametrize("program", [["-m", "kprof"], ["-m", "launcher", "kernel-profile"]])
+def test_the_program_whose_reader_left_ends_by_sigpipe_as_a_shell_tool_does(db, program):
+    """It exited 141, which a shell reads as SIGPIPE's but xargs, make and find -exec take for a failure and go on
+    past (`xargs -n1 kprof show | head -1` ran every show left); it ends by SIGPIPE, once its exit handlers ran."""
+    import signal
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, *program, *_query(db)], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (-signal.SIGPIPE, "")
+
+
+def test_a_shell_still_reads_141_of_the_program_a_reader_left(db):
+    """What a shell reads is still 141, and `set -e`, `||` and `$?` see it as before."""
+    read, write = os.pipe()
+    os.close(read)
+    cmd = " ".join(map(shlex.quote, [sys.executable, "-m", "kprof", *_query(db)]))
+    try:
+        done = subprocess.run(["sh", "-c", f'{cmd}; echo "rc=$?" >&2'], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.stderr == "rc=141\n"
 
 
 def test_help_to_a_reader_that_left_is_quiet_too():
