@@ -35,13 +35,15 @@ PROGRESS_EVERY_S = 60.0  # off a terminal (a log file), one progress line a minu
 
 def _progress():
     """A rich progress display on a terminal: the run's total, and one line per worker with its spec. Off one (a log
-    of a long fill), a line on stderr at most every PROGRESS_EVERY_S: done of total, the rate and the time left."""
-    if not sys.stderr.isatty():
+    of a long fill), or on one that cannot redraw it (TERM=dumb: an editor's shell, where the bar showed nothing for
+    the whole run), a line on stderr at most every PROGRESS_EVERY_S: done of total, the rate and the time left."""
+    err = console(stderr=True)
+    if not sys.stderr.isatty() or not err.is_interactive:  # (FORCE_COLOR, set for a CI log, makes rich's a terminal)
         return None, _progress_lines(), None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                   TimeRemainingColumn(), console=console(stderr=True), transient=True)
+                   TimeRemainingColumn(), console=err, transient=True)
     total = bar.add_task("measuring", total=None)
     lines: dict[str, int] = {}
 

@@ -826,3 +826,30 @@ def test_a_run_off_a_terminal_reports_its_progress_on_stderr(ledger_path, capsys
     lines = [ln for ln in err.splitlines() if ln.startswith("progress: ")]
     assert [ln.split(" spec(s)")[0] for ln in lines] == ["progress: 1 of 3", "progress: 2 of 3"], err
     assert all("/min); about " in ln and ln.endswith(" left") for ln in lines)
+
+
+def test_a_run_on_a_dumb_terminal_reports_its_progress_in_lines(ledger_path, capsys, h, monkeypatch):
+    """On a terminal that cannot redraw a bar (TERM=dumb: an editor's shell, a serial console) the bar drew nothing
+    and, transient, left nothing: a run of hours said nothing until it ended. It reports in lines, as off a
+    terminal."""
+    import sys
+
+    from kprof.cli import run as run_module
+
+    monkeypatch.setattr(run_module, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    specs = [h.gemm(), h.gemm(n=48), h.gemm(k=16)]
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["missing_count"] == 0
+    lines = [ln for ln in err.splitlines() if ln.startswith("progress: ")]
+    assert [ln.split(" spec(s)")[0] for ln in lines] == ["progress: 1 of 3", "progress: 2 of 3"], err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a CI log that asks for colours: no bar drawn there
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("TERM", "xterm-256color")
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json",
+                 "--force"]) == 0
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and sum(ln.startswith("progress: ") for ln in err.splitlines()) == 2, err
