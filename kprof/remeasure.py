@@ -121,7 +121,7 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     if n < 1:
         raise UsageError(f"--remeasure {n}: give the number of rows to re-measure, at least 1")
     if not 0 < tolerance < 1e6:
-        raise UsageError(f"--tolerance {tolerance}: give a relative tolerance such as 0.05 (5%)")
+        raise UsageError(f"--tolerance {tolerance:g}: give a relative tolerance such as 0.05 (5%)")  # -1, not -1.0
     db = ledger_path(db)  # None: $KPROF_DB, else ./profile.db, as every verb's db
     if not os.path.isfile(db):
         raise LedgerPathError(*(f"no ledger file at {db}; pass {flag} or set KPROF_DB" for flag in ("db=...", "--db")))

@@ -175,8 +175,9 @@ def test_remeasure_rejects_bad_counts(h, capsys):
     _run(h, capsys, h.gemm())
     assert main(["audit", "--remeasure", "0", "--db", "p.db"]) == 2
     assert "--remeasure 0" in capsys.readouterr().err
-    assert main(["audit", "--remeasure", "1", "--tolerance", "-1", "--db", "p.db"]) == 2
-    assert "--tolerance -1" in capsys.readouterr().err
+    for given, shown in (("-1", "-1"), ("0", "0"), ("1e400", "inf")):  # it read `--tolerance -1.0`, `0.0`
+        assert main(["audit", "--remeasure", "1", "--tolerance", given, "--db", "p.db"]) == 2
+        assert f"error: --tolerance {shown}: give a relative tolerance" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs, named", [({"n": 1.5}, "n=1.5 is not a whole number"),
