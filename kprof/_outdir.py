@@ -23,36 +23,38 @@ _ROOM = 64  # bytes of a path kept for the staging folder and a file's name insi
 def check_output_dir(path: str, names, what: str) -> None:
     """Refuses a directory the files `names` (`what` they make, e.g. "a snapshot") could not be written to: empty,
     holding any of them already (outputs are immutable), not a directory, or not writable, nor creatable (a
-    directory is made and removed again in its parent to prove it). Leaves nothing."""
+    directory is made and removed again in its parent to prove it). Leaves nothing. With no `names` (a merge's
+    report, replaced), an existing directory is as good as a new one, and the messages say so."""
+    fix = _FIX if names else "pass a directory (it is created if absent)"
     if not path.strip():
-        raise UsageError(f"--output-dir {path!r} is empty; {_FIX}, or omit --output-dir")
+        raise UsageError(f"--output-dir {path!r} is empty; {fix}, or omit --output-dir")
     bare = path.rstrip(os.sep) or path  # `notes.txt/`: lexists() and abspath() would not see the file notes.txt
     if os.path.isdir(path):
         held = [name for name in names if os.path.lexists(os.path.join(path, name))]
         if held:
             raise UsageError(f"--output-dir {path} already holds {what} ({', '.join(held)}); outputs are immutable: "
-                             f"{_FIX}")
+                             f"{fix}")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise UsageError(f"--output-dir {path} is not writable for this user; {_FIX}, or fix its permissions")
+            raise UsageError(f"--output-dir {path} is not writable for this user; {fix}, or fix its permissions")
         return
     if os.path.lexists(bare):
         kind = "a file" if os.path.exists(bare) else "a broken link"
-        raise UsageError(f"--output-dir {path} is {kind}, not a directory; {_FIX}")
+        raise UsageError(f"--output-dir {path} is {kind}, not a directory; {fix}")
     ancestor = os.path.dirname(os.path.abspath(path))
     while not os.path.isdir(ancestor):  # the nearest existing directory it would be created in
         if os.path.lexists(ancestor):
-            raise UsageError(f"--output-dir {path} passes through {ancestor}, which is not a directory; {_FIX}")
+            raise UsageError(f"--output-dir {path} passes through {ancestor}, which is not a directory; {fix}")
         ancestor = os.path.dirname(ancestor)
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UsageError(f"--output-dir {path} cannot be created: {ancestor} is not writable for this user; {_FIX}")
+        raise UsageError(f"--output-dir {path} cannot be created: {ancestor} is not writable for this user; {fix}")
     try:  # permissions are not all: a read-only mount, or /proc and /sys, refuse a directory whatever they say
         os.rmdir(tempfile.mkdtemp(prefix=".kprof-probe-", dir=ancestor))
     except OSError as exc:
-        raise UsageError(f"--output-dir {path} cannot be created in {ancestor} ({exc.strerror}); {_FIX}") from None
-    _check_names(path, ancestor)
+        raise UsageError(f"--output-dir {path} cannot be created in {ancestor} ({exc.strerror}); {fix}") from None
+    _check_names(path, ancestor, fix)
 
 
-def _check_names(path: str, ancestor: str) -> None:
+def _check_names(path: str, ancestor: str, fix: str) -> None:
     """Refuses a directory to be created whose name is longer than the file system takes: the probe above makes a
     short name, so a 300-byte one passed it and failed only when the output was written, after the work."""
     def limit(name: str, default: int) -> int:
@@ -66,11 +68,11 @@ def _check_names(path: str, ancestor: str) -> None:
         if len(os.fsencode(name)) > most:
             shown = name if len(name) <= 40 else name[:40] + "..."
             raise UsageError(f"--output-dir {path} cannot be created: the name {shown} is {len(os.fsencode(name))} "
-                             f"bytes, longer than the {most} a name may have in {ancestor}; {_FIX}")
+                             f"bytes, longer than the {most} a name may have in {ancestor}; {fix}")
     whole, room = len(os.fsencode(os.path.abspath(path))), limit("PC_PATH_MAX", 4096) - _ROOM
     if whole > room:  # the files go in a staging folder inside it: their paths must fit too
         raise UsageError(f"--output-dir {path[:60]}... cannot be created: its path is {whole} bytes, and the files in "
-                         f"it need the path to be at most {room}; {_FIX}")
+                         f"it need the path to be at most {room}; {fix}")
 
 
 def write_once(path: str, data: bytes) -> None:

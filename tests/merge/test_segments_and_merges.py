@@ -239,8 +239,11 @@ def test_merge_refuses_an_output_dir_it_could_not_write_before_merging(tmp_path,
     target = _ledger(tmp_path / "t.db", synth.events(100, 105))
     before = _answers(target)
     (tmp_path / "a-file").write_text("x")
-    refused(["merge", seg, "--db", target, "--output-dir", str(tmp_path / "a-file")], "is a file, not a directory")
-    refused(["merge", seg, "--db", target, "--output-dir", ""], "is empty")
+    # an existing directory takes the report too (it is replaced): the fix said "pass a new directory", a run's
+    err = refused(["merge", seg, "--db", target, "--output-dir", str(tmp_path / "a-file")],
+                  "is a file, not a directory; pass a directory (it is created if absent)")
+    assert "new directory" not in err
+    refused(["merge", seg, "--db", target, "--output-dir", ""], "is empty; pass a directory (it is created if absent)")
     assert _answers(target) == before
 
 
