@@ -816,6 +816,12 @@ def test_a_spec_whose_row_a_merge_stored_before_the_run_reached_it_is_not_measur
 def test_a_run_off_a_terminal_reports_its_progress_on_stderr(ledger_path, capsys, h, monkeypatch):
     """A long fill whose stderr is a log (nohup, a batch job) said nothing until it ended: off a terminal, a line
     at most every PROGRESS_EVERY_S says how many specs are done of how many, the rate and the time left."""
+    lines = _progress_lines(ledger_path, capsys, h, monkeypatch)
+    assert all("/min); about " in ln and ln.endswith(" left") for ln in lines)
+
+
+def _progress_lines(ledger_path, capsys, h, monkeypatch) -> list[str]:
+    """The progress lines of a run of three specs, a line after each (PROGRESS_EVERY_S 0), checked to count them."""
     from kprof.cli import run as run_module
 
     monkeypatch.setattr(run_module, "PROGRESS_EVERY_S", 0.0)
@@ -825,7 +831,7 @@ def test_a_run_off_a_terminal_reports_its_progress_on_stderr(ledger_path, capsys
     assert json.loads(out)["missing_count"] == 0
     lines = [ln for ln in err.splitlines() if ln.startswith("progress: ")]
     assert [ln.split(" spec(s)")[0] for ln in lines] == ["progress: 1 of 3", "progress: 2 of 3"], err
-    assert all("/min); about " in ln and ln.endswith(" left") for ln in lines)
+    return lines
 
 
 def test_a_run_on_a_dumb_terminal_reports_its_progress_in_lines(ledger_path, capsys, h, monkeypatch):
@@ -834,18 +840,11 @@ def test_a_run_on_a_dumb_terminal_reports_its_progress_in_lines(ledger_path, cap
     terminal."""
     import sys
 
-    from kprof.cli import run as run_module
-
-    monkeypatch.setattr(run_module, "PROGRESS_EVERY_S", 0.0)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     monkeypatch.setenv("TERM", "dumb")
     monkeypatch.delenv("FORCE_COLOR", raising=False)
+    _progress_lines(ledger_path, capsys, h, monkeypatch)
     specs = [h.gemm(), h.gemm(n=48), h.gemm(k=16)]
-    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json"]) == 0
-    out, err = capsys.readouterr()
-    assert json.loads(out)["missing_count"] == 0
-    lines = [ln for ln in err.splitlines() if ln.startswith("progress: ")]
-    assert [ln.split(" spec(s)")[0] for ln in lines] == ["progress: 1 of 3", "progress: 2 of 3"], err
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a CI log that asks for colours: no bar drawn there
     monkeypatch.setenv("FORCE_COLOR", "1")
     monkeypatch.setenv("TERM", "xterm-256color")
