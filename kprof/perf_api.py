@@ -34,7 +34,7 @@ from .runners.registry import RESERVED, entries, lookup
 __all__: list[str] = ["view_for", "close_all"]
 
 _lock = threading.Lock()
-_ledgers: dict[str, tuple[Ledger, tuple]] = {}  # realpath -> (ledger, _identity of the file it opened)
+_ledgers: dict[str, tuple[Ledger, tuple, str]] = {}  # path -> (ledger, _identity of the file it opened, its realpath)
 _views: dict[tuple, View] = {}
 _ARGUMENTS = tuple(name for name in RESERVED if name != "gpu_name")  # the keywords of get_<table> and count_<table>
 
@@ -47,12 +47,12 @@ def _identity(path: str) -> tuple:
     return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _stands(path: str, ledger: Ledger, identity: tuple) -> bool:
+def _stands(path: str, ledger: Ledger, identity: tuple, real: str) -> bool:
     """Whether a cached ledger still reads the file at `path`: the same file (not replaced in place), and where it
     reads an upgraded copy of an older-format file (which holds the file as it was when opened), one not written
     since (a writer upgrades the file in place, then appends)."""
     now = _identity(path)
-    return now == identity if ledger.real_path != path else now[:2] == identity[:2]
+    return now == identity if ledger.real_path != real else now[:2] == identity[:2]
 
 
 def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | None = None, *, timer: str | None = None,
@@ -61,7 +61,9 @@ def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | Non
     `timer`/`l2`/`cuda_graph`/`power` (see `kprof.method.effective_entry`); gpu_key None: this machine's device."""
     entry = effective_entry(lookup(table, backend), timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     given = ledger_path(db)
-    path = os.path.realpath(given)
+    # The key: the path as given, from the working directory now (not normalized: `link/../x` is not always `x`).
+    # Not realpath, which reads every directory of the path on each lookup: _stands finds the file that is there.
+    path = given if os.path.isabs(given) else os.path.join(os.getcwd(), given)
     cached = (path, table, backend, gpu_key, entry.contract)  # gpu_key None: the view holds the key resolved once
     with _lock:
         held = _ledgers.get(path)
@@ -71,12 +73,12 @@ def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | Non
             # thread's) is in that file, which closing it would end under the read; otherwise the open closes it.
             fresh = Ledger.open(given, readonly=True)
             _drop(path)
-            _ledgers[path] = (fresh, identity)
+            _ledgers[path] = (fresh, identity, os.path.realpath(given))
         view = _views.get(cached)
         if view is None:
             if path not in _ledgers:
                 identity = _identity(path)  # before opening: a file replaced meanwhile is opened again next time
-                _ledgers[path] = (Ledger.open(given, readonly=True), identity)
+                _ledgers[path] = (Ledger.open(given, readonly=True), identity, os.path.realpath(given))
             key = resolve_gpu_key(entry, None, keyword="gpu_key") if gpu_key is None else check_gpu_key(gpu_key)
             view = _views[cached] = _ledgers[path][0].view(table, backend, key, entry.contract, entry.args)
     return view

@@ -169,6 +169,38 @@ def test_an_older_format_ledger_written_since_it_was_read_is_read_anew(db):
         "time_ms": 0.2}
 
 
+def test_a_lookup_reads_no_directory_and_a_link_pointed_elsewhere_is_read_anew(db, tmp_path, monkeypatch):
+    """A lookup resolved the ledger's path (realpath: a system call per directory on the way) on every call, about a
+    tenth of its time: only opening a ledger resolves it. A link to the ledger pointed at another file still reads
+    that file, and a relative path the directory it names now."""
+    link = tmp_path / "link.db"
+    link.symlink_to(db)
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=str(link), **SPEC).metrics == {
+        "time_ms": 0.1, "tflops": 1.0, "memory_bandwidth_gbps": 1.0, "energy_j": None}
+    resolved = []
+    real = os.path.realpath
+    monkeypatch.setattr(os.path, "realpath", lambda *a, **k: resolved.append(a) or real(*a, **k))
+    for _ in range(3):
+        assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=str(link), **SPEC) is not None
+    assert resolved == []
+    link.unlink()
+    link.symlink_to(_write(str(tmp_path / "other.db"), 0.5))
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=str(link),
+                                    **SPEC).metrics["time_ms"] == 0.5
+    (tmp_path / "sub").mkdir()
+    _write(str(tmp_path / "sub" / "link.db"), 0.7)
+    monkeypatch.chdir(tmp_path / "sub")
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db="link.db",
+                                    **SPEC).metrics["time_ms"] == 0.7
+    monkeypatch.chdir(tmp_path)
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db="link.db",
+                                    **SPEC).metrics["time_ms"] == 0.5
+    (tmp_path / "gone").mkdir()
+    monkeypatch.chdir(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()  # a working directory removed: an absolute path is read as ever
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC) is not None
+
+
 def test_the_gpu_key_of_this_machine_is_resolved_once_per_view(db, monkeypatch):
     calls = []
     monkeypatch.setattr(perf_api, "resolve_gpu_key", lambda entry, name, **_: calls.append(name) or "Known CPU")

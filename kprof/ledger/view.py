@@ -181,9 +181,9 @@ class View:
         eids = [None if v is None else v.event_id for v in values]
         summaries = [None if v is None else v.summary for v in values]
         bases = [None if v is None else self.keys.base for v in values]
-        entry = self._entry(txn)
-        if entry is not None and entry.contracts != [self._contract_id]:  # else no spec can be stale
-            for i in [i for i, v in enumerate(values) if v is None]:  # may have a row of another contract
+        absent = [i for i, v in enumerate(values) if v is None]  # each may have a row of another contract
+        if absent and (entry := self._entry(txn)) is not None and entry.contracts != [self._contract_id]:
+            for i in absent:  # (one contract's scope, or all found: no spec can be stale)
                 held = [k[32:] for k in self._indexed(txn, self.scope + _codec.shape_id(_codec.encode(shapes[i])))]
                 if found := self._pick(txn, held, self._verified(txn, held, indexed=True)):
                     statuses[i], _key, eids[i], summaries[i], bases[i] = found
