@@ -133,8 +133,12 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
     spec_keys = [keys.key(s) for s in canonical]
 
+    views: dict = {}  # one View per ledger read: making one defines its shapes' Struct, and a run asks twice a spec
+
     def view_of(ledger):
-        return ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
+        if ledger not in views:
+            views[ledger] = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args)
+        return views[ledger]
 
     def query(ledger):
         if ledger is None:
