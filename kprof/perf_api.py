@@ -12,8 +12,10 @@ ledger has never held a row of that table/backend raises UnknownGpuKeyError (exi
 `cuda_graph` and `power` choose it as in `kprof.api` (each defaulting to its KPROF_* variable; see
 `kprof.method.effective_entry`). Ledgers and views are opened once per (db, table, backend, gpu_key, method) and
 reused while the same file is at the path (a file replaced there is opened again, as is an older-format file, read
-from an upgraded copy, once a writer has written it); a lookup costs one key hash and one B-tree read. The ledgers
-are closed at exit. Nothing here imports torch, cupti or pynvml.
+from an upgraded copy, once a writer has written it). A lookup reads the timing method's variables from the
+environment, checks the file at the path (a stat) and the ledger's own file, then hashes one key and reads its
+verified row from the B-tree: about 0.1 ms on a 2-core machine. The ledgers are closed at exit. Nothing here imports
+torch, cupti or pynvml.
 """
 
 from __future__ import annotations
