@@ -332,3 +332,21 @@ def test_view_rows_under_a_damaged_shape_id_are_refused_not_yielded_twice(h, row
     with Ledger.open(db, readonly=True) as ledger:
         with pytest.raises(IntegrityError, match=f"scope_index entry {moved.hex()} is not under its row's shape"):
             list(api.view(ledger, h.GEMM, h.CPU, local_gpu).rows())
+
+
+def test_a_history_entry_naming_another_keys_event_is_refused_not_shown_as_its_history(h, rows, capsys):
+    """A history entry whose seqs gained the seq of another key's event (its bytes still hash to its id) is damage:
+    `show` of the row's citation refuses it (exit 3) instead of listing the other key's measurement as this key's."""
+    db, specs, (eid, other) = rows
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        key = msgspec.msgpack.decode(txn.get(eid, db=ledger.dbs["events"]))["key"]
+        seq_of = {e: seq for seq, e, _data in ledger.iter_log(txn)}
+
+    def graft(txn, dbs):
+        entry = msgspec.msgpack.decode(txn.get(key, db=dbs["history"]), type=HistoryEntry)
+        txn.put(key, _codec.encode(HistoryEntry(entry.status, sorted([*entry.seqs, seq_of[other]]))), db=dbs["history"])
+
+    _tamper(db, graft)
+    assert main(["show", "kprof." + eid.hex()[:16], "--db", db]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and f"event {other.hex()} belongs to key" in err and "kprof audit" in err, err
