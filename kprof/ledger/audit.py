@@ -70,8 +70,8 @@ def _unstored(path: str, add) -> None:
     with Ledger.open(path, readonly=True) as ledger:
         try:
             with ledger.read() as txn:
-                events = ledger.dbs["events"]
-                missing = ((k, eid) for k, eid in txn.cursor(ledger.dbs["log"]) if txn.get(eid, db=events) is None)
+                log, events = ledger.dbs["log"], ledger.dbs["events"]  # a key not of 8 bytes: the log's walk names it
+                missing = ((k, eid) for k, eid in txn.cursor(log) if len(k) == 8 and txn.get(eid, db=events) is None)
                 for k, eid in islice(missing, _audit_worker.MAX_LISTED):
                     add("log", f"seq {int.from_bytes(k, 'big')}: event {eid.hex()[:16]} is not in the event store")
         except lmdb.Error as exc:  # the shards' walks name the damage; this listing stops at it

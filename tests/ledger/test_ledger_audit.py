@@ -99,6 +99,18 @@ def test_a_gap_in_the_log(ledger_path):
     assert f"log: event {eid.hex()[:16]} is stored but not in the log" in report.findings
 
 
+def test_a_log_key_that_is_not_a_sequence_number_is_named_as_such(ledger_path):
+    """A 9-byte key among the log's 8-byte sequence numbers is named as what it is, not read as a number (which
+    reported a gap at some huge seq and every sequence after it as out of place)."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 8)))
+        bad = pack_seq(3) + b"\x01"  # sorts between seq 3 and seq 4
+        led.write(lambda txn: txn.put(bad, bytes(32), db=led.dbs["log"]))
+    report = audit(ledger_path)
+    assert report.findings == [f"log: entry {bad.hex()[:24]} after seq 3: a key of 9 bytes, not a sequence number "
+                               f"(8)"], report.findings
+
+
 def test_an_event_logged_twice(ledger_path):
     with Ledger.open(ledger_path) as led:
         led.append(list(synth.events(0, 8)))
