@@ -111,6 +111,23 @@ def test_a_log_key_that_is_not_a_sequence_number_is_named_as_such(ledger_path):
                                f"(8)"], report.findings
 
 
+def test_a_log_header_count_the_walk_disagrees_with_is_named(ledger_path):
+    """The entry count in the `log` sub-database's record (in LMDB's main tree) is checked against the walk: one
+    more than the walk finds is structural damage, though every entry read back is well formed."""
+    import struct
+
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 8)))
+    with open(ledger_path, "r+b") as f:
+        data = f.read()
+        at = data.rfind(b"log") + 3 + 4 + 2 + 2 + 3 * 8  # the record's name, then pad, flags, depth, 3 page counts
+        assert struct.unpack_from("<Q", data, at) == (8,)  # md_entries
+        f.seek(at)
+        f.write(struct.pack("<Q", 9))
+    report = audit(ledger_path)
+    assert report.findings == ["structure: log: header counts 9 entries, walk found 8"], report.findings
+
+
 def test_an_event_logged_twice(ledger_path):
     with Ledger.open(ledger_path) as led:
         led.append(list(synth.events(0, 8)))
