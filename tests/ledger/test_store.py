@@ -64,6 +64,16 @@ def test_retraction_of_unknown_event_is_refused_whole(ledger):
     assert ledger.last_seq == 0
 
 
+def test_retraction_of_another_keys_event_is_refused_whole(ledger):
+    """A retraction names its own key: one naming a stored event of another key would retract nothing of its key
+    (and hide the other row in audits), so it is refused as an unknown target is, and nothing is written."""
+    other, mine = synth.event(0), synth.event(1)
+    oid = ledger.append([other, mine]).added[0]
+    with pytest.raises(UsageError, match=f"names event {oid.hex()[:16]}, which is not in this ledger under key"):
+        ledger.append([synth.event(2), retraction(oid, mine.key, "x")])
+    assert ledger.last_seq == 2
+
+
 def test_event_with_forged_key_is_refused(ledger):
     ev = msgspec.structs.replace(synth.event(0), key=b"\1" * 32)
     with pytest.raises(IntegrityError, match="provenance hashes to another key"):
