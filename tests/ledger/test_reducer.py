@@ -155,6 +155,34 @@ def test_retraction_reverts_to_previous_row(ledger):
     assert audit(ledger.path).ok
 
 
+def test_the_failures_view_holds_each_keys_latest_failure_not_retracted(ledger):
+    """`failures` maps a key to its latest failed attempt that is not retracted, whatever row is current; checked
+    entry by entry (the replay that audit compares with runs the same reducer, so it cannot tell a view never
+    written)."""
+    measured = synth.event(0, seed=1)
+    f1, f2 = (failed(measured.provenance, "oom", f"attempt {s}", measured_at=1.8e9 + s) for s in (1, 2))
+    def eid(event):
+        return _codec.event_id(_codec.encode(event))
+
+    def failure():
+        with ledger.read() as txn:
+            return txn.get(measured.key, db=ledger.dbs["failures"])
+
+    ledger.append([measured])
+    assert failure() is None
+    ledger.append([f1])
+    assert failure() == eid(f1)
+    ledger.append([synth.event(0, seed=3)])  # measured again: the failure stays the latest one
+    assert failure() == eid(f1)
+    ledger.append([f2])
+    assert failure() == eid(f2)
+    ledger.append([retraction(eid(f2), measured.key, "bad clocks")])
+    assert failure() == eid(f1)
+    ledger.append([retraction(eid(f1), measured.key, "bad clocks")])
+    assert failure() is None
+    assert audit(ledger.path).ok
+
+
 def test_a_key_whose_attempts_were_all_retracted_keeps_its_history_when_measured_again(ledger):
     """A key with no current row may have a history (format 2 keeps it as one entry): a new event of that key,
     extends the history instead of replacing it."""
