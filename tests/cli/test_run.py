@@ -67,10 +67,12 @@ def test_jit_measures_only_missing_specs(ledger_path, capsys, h, local_gpu):
     assert second["results"][2]["status"] == "ok"
     assert _last_seq(ledger_path) == 3  # only c was measured
 
-    # a third identical run measures nothing
+    # a third identical run measures nothing, and starts nothing: no device is prepared, the file is not written
+    before = h.digest(ledger_path)
     assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(a, b, c), "--db", ledger_path]) == 0
-    assert "measured 0 spec(s)" in capsys.readouterr().out
-    assert _last_seq(ledger_path) == 3
+    out, err = capsys.readouterr()
+    assert "measured 0 spec(s)" in out and "devices:" not in err, err
+    assert _last_seq(ledger_path) == 3 and h.digest(ledger_path) == before
     for r in second["results"]:
         assert len(_history(capsys, ledger_path, r["key"])["history"]) == 1
 
