@@ -115,6 +115,13 @@ def test_export_filters_and_since(tmp_path, source):
     assert export(path, later, since=40).events == 3  # the re-measurement, the failure... after seq 40
     with pytest.raises(UsageError, match="exists"):
         export(path, later)
+    # rows of another GPU and another backend beside them: each filter exports its own rows only
+    with Ledger.open(path) as led:
+        led.append([synth.event(0, gpu="Other GPU"), synth.event(1, gpu="Other GPU"), synth.event(2, backend="other")])
+    assert export(path, str(tmp_path / "gpu2.kseg"), gpu_name=synth.GPU).events == everything + 1  # backend other
+    assert export(path, str(tmp_path / "other.kseg"), gpu_name="Other GPU").events == 2
+    assert export(path, str(tmp_path / "backend.kseg"), backend="other").events == 1
+    assert export(path, str(tmp_path / "both.kseg"), backend=synth.BACKEND, gpu_name=synth.GPU).events == everything
 
 
 @pytest.mark.parametrize("kwargs, named", [({"since": 1.5}, "since=1.5 is not a whole number"),
