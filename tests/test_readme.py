@@ -192,3 +192,15 @@ def test_the_units_of_a_row_s_stats_are_stated_and_hold(tmp_path, monkeypatch):
     assert st.mean == pytest.approx(statistics.fmean(samples))
     assert st.cv == pytest.approx(st.stdev / st.mean) and st.stdev == pytest.approx(statistics.stdev(samples))
     assert 1e-3 < st.median < 1e3  # ms: a 512 x 1024 norm takes over a microsecond, under a second
+
+
+def test_the_memo_of_bulk_lookups_is_told_once_with_its_bounds():
+    """(The read API said "repeated lookups" were answered from a memo, where `view.get` is not, and the ledger
+    section told the memo again, with its bounds.) The read API section says which lookups and the bounds, once."""
+    from kprof.ledger._memo import MAX_ENTRIES, MAX_SPECS
+
+    bounds = f"at most {MAX_SPECS:,} specs' answers ({MAX_ENTRIES} requests)"
+    section = README[README.index("### The Python read API"):]
+    section = " ".join(section[:section.index("\n## ")].split())
+    assert "Repeated bulk lookups (`get_many`, `missing`, `count_<table>`, `api.query`)" in section and bounds in section
+    assert " ".join(README.split()).count(bounds) == 1
