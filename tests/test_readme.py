@@ -204,3 +204,19 @@ def test_the_memo_of_bulk_lookups_is_told_once_with_its_bounds():
     section = " ".join(section[:section.index("\n## ")].split())
     assert "Repeated bulk lookups (`get_many`, `missing`, `count_<table>`, `api.query`)" in section and bounds in section
     assert " ".join(README.split()).count(bounds) == 1
+
+
+def test_what_the_readme_says_a_cpu_backend_does_with_a_cuda_method_holds(tmp_path, monkeypatch, capsys):
+    """(The README said torch-cpu refuses a CUDA method "set by flag or variable", where KPROF_TIMER=events is not
+    read for a CPU backend: its rows are timed by the wall clock, exit 0.) The flag is refused, the variable not."""
+    from kprof.cli import main
+
+    text = " ".join(README.split())
+    assert "refuses a CUDA method given by flag with exit 2 (the variables do not apply to it" in text
+    spec = ["--spec", '{"m": 1, "n": 8, "k": 8, "dtype": "fp32"}']
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    db = str(tmp_path / "p.db")
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--db", db, "--timer", "events", *spec]) == 2
+    monkeypatch.setenv("KPROF_TIMER", "events")
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--db", db, "--json", *spec]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["provenance"]["timing"].startswith("cpu-wall;")
