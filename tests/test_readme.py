@@ -220,3 +220,20 @@ def test_what_the_readme_says_a_cpu_backend_does_with_a_cuda_method_holds(tmp_pa
     monkeypatch.setenv("KPROF_TIMER", "events")
     assert main(["run", "single_gemm", "--backend", "torch-cpu", "--db", db, "--json", *spec]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["provenance"]["timing"].startswith("cpu-wall;")
+
+
+def test_what_the_readme_says_of_an_output_dir_holds(tmp_path, monkeypatch):
+    """(The README said `--output-dir` must be new, where a directory holding other files takes a snapshot; only one
+    holding a snapshot is refused.)"""
+    from kprof.cli import main
+
+    assert "`--output-dir` is created if absent; one that holds a snapshot already is refused, exit 2" in " ".join(
+        README.split())
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    run = ["run", "single_gemm", "--backend", "torch-cpu", "--db", str(tmp_path / "p.db"),
+           "--spec", '{"m": 1, "n": 8, "k": 8, "dtype": "fp32"}']
+    assert main([*run, "--output-dir", str(tmp_path / "out")]) == 0 and (tmp_path / "out" / "request.json").exists()
+    assert main([*run, "--output-dir", str(tmp_path / "out")]) == 2
+    assert main([*run, "--output-dir", str(tmp_path / "new" / "dir")]) == 0
