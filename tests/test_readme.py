@@ -237,3 +237,14 @@ def test_what_the_readme_says_of_an_output_dir_holds(tmp_path, monkeypatch):
     assert main([*run, "--output-dir", str(tmp_path / "out")]) == 0 and (tmp_path / "out" / "request.json").exists()
     assert main([*run, "--output-dir", str(tmp_path / "out")]) == 2
     assert main([*run, "--output-dir", str(tmp_path / "new" / "dir")]) == 0
+
+
+def test_the_readme_reads_in_a_first_user_s_order():
+    """(The GPU section came after the pool, collectives and remote runs, which it is the ground of: a first user read
+    how idle GPUs are shared out before how one GPU row is measured.) What kprof is, the two commands, the tour, the
+    Python read API, then measuring on a GPU, before anything that spreads GPU work out."""
+    headings = re.findall(r"^#{2,3} (.*)$", README, re.M)
+    order = ["A short tour", "The Python read API", "Measuring on a GPU", "The measure diagnostic", "Sharing rows",
+             "Many GPUs, one host", "Collectives", "Remote runs", "How the ledger is built"]
+    at = [next(i for i, h in enumerate(headings) if h.startswith(name)) for name in order]
+    assert at == sorted(at) and at[:3] == [0, 1, 2], headings
