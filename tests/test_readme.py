@@ -248,3 +248,23 @@ def test_the_readme_reads_in_a_first_user_s_order():
              "Many GPUs, one host", "Collectives", "Remote runs", "How the ledger is built"]
     at = [next(i for i, h in enumerate(headings) if h.startswith(name)) for name in order]
     assert at == sorted(at) and at[:3] == [0, 1, 2], headings
+
+
+def test_the_upgraded_copy_a_reader_reads_is_told_once_and_holds(tmp_path):
+    """(The read API and the ledger section each told that a reader of an older format reads an upgraded copy.) The
+    ledger section tells it once, a read-only `Ledger` among the readers, and what it says holds: the file is left
+    as it was, and once a writer has upgraded it the copy's reads say to open the ledger again."""
+    from kprof.errors import LedgerError
+    from kprof.ledger import Ledger
+
+    text = " ".join(README.split())
+    assert text.count("an upgraded copy") == 1 and "a `Ledger` opened read-only) never writes the file" in text
+    db = tmp_path / "old.db"
+    fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "ledgers" / "synthetic-v3.db"
+    shutil.copy(fixture, db)
+    with Ledger.open(str(db), readonly=True) as reader:
+        assert reader.scopes() and db.read_bytes() == fixture.read_bytes()
+        with Ledger.open(str(db)):
+            pass
+        with pytest.raises(LedgerError, match="open it again"):
+            reader.scopes()
