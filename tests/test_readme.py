@@ -268,3 +268,20 @@ def test_the_upgraded_copy_a_reader_reads_is_told_once_and_holds(tmp_path):
             pass
         with pytest.raises(LedgerError, match="open it again"):
             reader.scopes()
+
+
+def test_every_read_verb_the_tour_names_is_a_reader_of_the_ledger_section(tmp_path, capsys):
+    """(The tour named `export` a read verb; the ledger section's readers, which never write the file, left it out.)
+    Both list the same verbs, and `export` of an older format's file leaves the file as it was."""
+    from kprof.cli import main
+
+    text = " ".join(README.split())
+    tour = re.search(r"The read verbs \(([^)]*)\)", text).group(1)
+    readers = re.search(r"A reader \(([^)]*)\) never writes the file", text).group(1)
+    verbs = lambda names: {n.strip(" `") for n in names.split(",") if n.strip().startswith("`")}  # noqa: E731
+    assert verbs(tour) and verbs(tour) <= verbs(readers), (tour, readers)
+    db = tmp_path / "old.db"
+    fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "ledgers" / "synthetic-v3.db"
+    shutil.copy(fixture, db)
+    assert main(["export", "-o", str(tmp_path / "all.kseg"), "--db", str(db)]) == 0
+    assert db.read_bytes() == fixture.read_bytes()
