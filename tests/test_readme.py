@@ -20,11 +20,6 @@ def test_readme_opens_with_exactly_two_commands():
     assert "kprof run" in lines[0] and "pytest" in lines[1]
 
 
-def test_readme_says_what_kprof_is_before_its_first_command():
-    """(The README opened on the install commands and the snapshot's files; what kprof is came after them.)"""
-    before = README[len("# kprof"):README.index("```")]
-    assert "kprof gives a trustworthy number" in before
-
 def test_every_verb_appears_in_the_readme():
     missing = [name for name, _target, _help in VERBS if f"kprof {name}" not in README]
     assert not missing, f"verbs not shown in README.md: {missing}"
