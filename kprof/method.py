@@ -186,14 +186,22 @@ def cpu_threads() -> int:
                                  f"torch-cpu rows on every core this process may use")
             return int(raw.split(",")[0])
     try:
-        cpus = sorted(os.sched_getaffinity(0))
+        cpus = frozenset(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform
         return os.cpu_count() or 1
+    return _cores_among(cpus)
+
+
+@functools.lru_cache(maxsize=64)  # asked on every lookup (perf_api's get_<table>): counted once per affinity set
+def _cores_among(cpus: frozenset[int]) -> int:
+    """The physical cores among logical CPUs `cpus` (each CPU its own where the topology is not said). Cached by the
+    set, so a changed affinity is counted afresh; `_cores_among.cache_clear()` forgets the counts (a test that
+    changes what `_core_of` says)."""
     cores = [_core_of(cpu) for cpu in cpus]
     return len(cpus) if None in cores else len(set(cores))
 
 
-@functools.lru_cache(maxsize=None)  # asked on every lookup (perf_api's get_<table>): read once per CPU, not per call
+@functools.lru_cache(maxsize=None)  # read once per CPU, not per count
 def _core_of(cpu: int) -> str | None:
     """The physical core of logical CPU `cpu` (the kernel's list of its SMT siblings), or None where it is not said."""
     try:

@@ -93,10 +93,30 @@ def test_cpu_threads_default_to_the_physical_cores_the_process_may_use(monkeypat
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(method.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    method._cores_among.cache_clear()  # counted by affinity set: forget any count of this set
     monkeypatch.setattr(method, "_core_of", lambda cpu: {0: "0,2", 2: "0,2", 1: "1,3", 3: "1,3", 5: "5"}[cpu])
     assert method.cpu_threads() == 3
     monkeypatch.setattr(method, "_core_of", lambda cpu: None)  # topology not said: every CPU
+    method._cores_among.cache_clear()  # the same set, another topology (a host's topology does not change)
     assert method.cpu_threads() == 5
+
+
+def test_cpu_threads_count_the_cores_once_per_affinity(monkeypatch):
+    """Every torch-cpu lookup asks for the thread count: the cores were counted again on each (~30 us a lookup on a
+    128-CPU host); they are counted once per affinity set, and a changed affinity or variable is still seen."""
+    from kprof import method
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    method._cores_among.cache_clear()
+    asked, cpus = [], {0, 1, 2, 3}
+    monkeypatch.setattr(method.os, "sched_getaffinity", lambda pid: set(cpus))
+    monkeypatch.setattr(method, "_core_of", lambda cpu: (asked.append(cpu), str(cpu % 2))[1])
+    assert method.cpu_threads() == 2 and method.cpu_threads() == 2 and sorted(asked) == [0, 1, 2, 3]
+    cpus -= {1, 3}  # the process moved to one core's two siblings
+    assert method.cpu_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert method.cpu_threads() == 7
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
@@ -592,6 +612,7 @@ def test_cpu_threads_read_the_cpu_topology_once(monkeypatch):
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     getattr(method._core_of, "cache_clear", lambda: None)()  # read afresh here
+    method._cores_among.cache_clear()
     opened = []
     monkeypatch.setattr(method, "open", lambda *a, **kw: (opened.append(a[0]), open(*a, **kw))[1], raising=False)
     first = method.cpu_threads()
