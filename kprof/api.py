@@ -149,6 +149,10 @@ def _row_json(row: Row, family: str, spec: dict) -> dict:
     return doc
 
 
+def _error(s) -> dict | None:  # a row's error as the contract's JSON has it, from its summary (None: ok or missing)
+    return {"kind": s.error_kind, "message": s.message} if s is not None and s.error_kind else None
+
+
 def _keys(entry, gpu_key: str) -> KeyMaker:
     return KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
 
@@ -158,14 +162,14 @@ def _empty_root(entry, gpu_key: str) -> bytes:
     return root_of(scope_id(entry.table, entry.backend, gpu_key), 0, 0)
 
 
-def _query(entry, canonical, gpu_key, db, ledger, mode) -> QueryResult:
+def _query(entry, canonical, gpu_key, db, ledger, mode, full: int | None = None) -> QueryResult:
     if ledger is None:
         keys = _keys(entry, gpu_key)
         root, rows = _empty_root(entry, gpu_key), [Row(s, "missing", keys.key(s)) for s in canonical]
     else:
         root, rows = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args).query(canonical)
-    result = _result(entry, gpu_key, db, mode, root, rows, canonical)
-    if ledger is not None and entry.metric_family == "compute":
+    result = _result(entry, gpu_key, db, mode, root, rows, canonical, full)
+    if ledger is not None and entry.metric_family == "compute" and full is None:
         result.ceiling_note = _add_ceilings(entry, gpu_key, ledger, result.results)
     return result
 
@@ -193,24 +197,23 @@ def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> str | Non
             f"`kprof calibrate --backend {entry.backend}` measures the ceilings under this one")
 
 
-def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical) -> QueryResult:
-    results = [_row_json(row, entry.metric_family, spec) for row, spec in zip(rows, canonical)]
+def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical, full: int | None = None) -> QueryResult:
+    results = [_row_json(row, entry.metric_family, spec) if full is None or i < full else
+               {"spec": spec, "status": row.status, "error": _error(None if row.ok else row.summary)}
+               for i, (row, spec) in enumerate(zip(rows, canonical))]
     missing = sum(r["status"] != "ok" for r in results)
     return QueryResult(entry.table, entry.backend, gpu_key, db, mode, len(results), missing, root.hex(), results)
 
 
 def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
           db: str | None = None, timer: str | None = None, l2: str | None = None,
-          cuda_graph: bool | None = None, power: str | None = None) -> QueryResult:
-    """The rows of the specs under the timing method `timer`/`l2`/`cuda_graph`/`power` (see `effective_entry`)."""
+          cuda_graph: bool | None = None, power: str | None = None, full: int | None = None) -> QueryResult:
+    """The rows of the specs under the timing method `timer`/`l2`/`cuda_graph`/`power` (see `effective_entry`).
+    `full`: only the first `full` rows as the contract's JSON, the others {spec, status, error}, and no ceilings."""
     entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
                                              dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
-    ledger = _open_for_read(db)
-    try:
-        return _query(entry, canonical, gpu_key, db, ledger, "query")
-    finally:
-        if ledger is not None:
-            ledger.close()
+    with _open_for_read(db) as ledger:
+        return _query(entry, canonical, gpu_key, db, ledger, "query", full)
 
 
 def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_name: str | None = None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from .. import api
-from ..api import _open_for_read, _prepare, _result
 from ..method import effective_entry
 from ..runners.registry import lookup
 from ..specs import read_specs
@@ -49,8 +48,8 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
     """Read the rows of the given specs. Never profiles; missing rows are reported, not an error."""
     with stdout_to_stderr(json):  # a KPROF_RUNNERS module's print when imported: stdout is the document's alone
         given, method = read_specs(spec, specs), dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
-        res = api.query(table, backend, given, gpu_name=gpu_name, db=db, **method) if json else _shown(
-            table, backend, given, gpu_name, db, method, TABLE_ROWS)
+        # a table prints its first TABLE_ROWS rows: only those are built as the contract's JSON (100,000 rows took 2 s)
+        res = api.query(table, backend, given, gpu_name=gpu_name, db=db, full=None if json else TABLE_ROWS, **method)
         _unknown_gpu_key(res)
     if json:
         emit_json(res.to_json())
@@ -59,22 +58,6 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
     if json and res.ceiling_note:  # --json's rows carry `ceiling` only under the calibration's timing: say why none did
         console(stderr=True).print(res.ceiling_note, markup=False)
     return 0
-
-
-def _shown(table, backend, given, gpu_name, db, method: dict, shown: int) -> api.QueryResult:
-    """`api.query` as the table prints it: its first `shown` rows as the contract's JSON, the others as the table
-    counts and prints them ({spec, status, error}), and no ceilings (a table shows none). Every row's JSON took 2 s
-    of a 100,000-spec query's 3.3 s, to print 50 of them."""
-    entry, canonical, gpu_key, db = _prepare(table, backend, given, gpu_name, db, method)
-    with _open_for_read(db) as ledger:
-        root, rows = ledger.view(entry.table, entry.backend, gpu_key, entry.contract, entry.args).query(canonical)
-        res = _result(entry, gpu_key, db, "query", root, rows[:shown], canonical)
-    for row, spec in zip(rows[shown:], canonical[shown:]):
-        s = None if row.ok else row.summary  # an ok row is a measured event's: it has no error
-        error = {"kind": s.error_kind, "message": s.message} if s is not None and s.error_kind else None
-        res.results.append({"spec": spec, "status": row.status, "error": error})
-    res.count, res.missing_count = len(rows), sum(not row.ok for row in rows)
-    return res
 
 
 def _unknown_gpu_key(res, stale=None, now=None) -> None:
