@@ -284,7 +284,10 @@ def results_table(res, limit: int = TABLE_ROWS, out=None) -> None:
                   title=f"{res.table} / {res.backend} on {res.gpu_name} ({res.mode})")
     for row in cells:
         table.add_row(*(row[i] for i in keep))
+    width = out.width  # where even the kept columns cannot fit, each keeps a character (rich left some none: cut)
+    out.width = width if widths else max(width, 1 + sum(3 + (citation if names[i] == "citation" else 1) for i in keep))
     out.print(table)
+    out.width = width
     if dropped:
         out.print(f"(not shown at {out.width} columns: {', '.join(dropped)}; widen the terminal, or use --json)",
                   markup=False)

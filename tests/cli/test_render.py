@@ -141,6 +141,19 @@ def test_an_80_column_table_shows_every_number_and_citation_whole():
     assert "memory_bandwidth_gbps" in wide and "51.02" in wide and "not shown" not in wide
 
 
+@pytest.mark.parametrize("width", [20, 24, 27])
+def test_a_table_too_wide_for_any_fit_still_shows_every_value(width):
+    """Below ~28 columns (a narrow pane, or COLUMNS=24 with the output to a log) rich gave the spec and status columns
+    no room at all: the rows printed as empty cells beside their citations. Each column keeps a character at least,
+    its values folded, never cut (the table is wider than the terminal, as it was already)."""
+    res = _wide_result()
+    body = [line for line in _render(res, width).splitlines() if line.startswith("│")]
+    columns = list(zip(*(line.split("│")[1:-1] for line in body)))
+    assert len(columns) == 7 and all(any(cell.strip() for cell in column) for column in columns), body
+    assert ["".join(cell.strip() for cell in column) for column in columns[:5]] == [
+        "11664", "102410241024", "256256256", "fp32fp32fp32", "okokok"]
+
+
 def test_a_collective_table_shows_the_message_size_once():
     rows = [{"spec": {"message_size_bytes": 1048576, "dtype": "fp32", "world_size": 2}, "status": "ok",
              "metrics": {"time_ms": 0.5, "algbw_gbps": 2.1, "busbw_gbps": 2.1, "message_size_bytes": 1048576.0,
