@@ -3,6 +3,8 @@ the error (kprof.cli.main returns it)."""
 
 from __future__ import annotations
 
+import shlex
+
 __all__ = [
     "KprofError",
     "UsageError",
@@ -66,7 +68,8 @@ class UnknownGpuKeyError(UsageError):
                  held: list[tuple[str, str]] = ()):
         self.table, self.backend, self.gpu_key, self.db, self.known = table, backend, gpu_key, db, known
         self.held = sorted({scope[:2] for scope in held})  # (table, backend, ...) tuples: their pairs
-        what, run = f"{table}/{backend}", f"`kprof run {table} --backend {backend} --db {db}`"
+        quoted = shlex.quote(db)  # as a shell takes it: the commands below are copied as they are
+        what, run = f"{table}/{backend}", f"`kprof run {table} --backend {backend} --db {quoted}`"
         if known:
             held_keys = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)
             fix = (f"it holds {what} rows for GPU key{'s' if len(known) != 1 else ''} {held_keys}; pass one of those "
@@ -79,7 +82,7 @@ class UnknownGpuKeyError(UsageError):
                      if self.held else "it holds no rows:")
             fix = f"it holds no {what} rows for any GPU key; {there} measure them with {run}"
         super().__init__(f"ledger {db} has no {what} rows for GPU key {gpu_key!r}: {fix} "
-                         f"(`kprof scopes --db {db}` lists every table, backend and GPU key it holds)")
+                         f"(`kprof scopes --db {quoted}` lists every table, backend and GPU key it holds)")
 
     def __reduce__(self):  # pickled across processes (a lookup in a process pool's worker) with its fields
         return type(self), (self.table, self.backend, self.gpu_key, self.db, self.known, self.held)

@@ -46,6 +46,27 @@ def test_get_with_no_rows_of_the_table_and_backend_names_the_backends_and_tables
         table.get(**synth.spec(0))
 
 
+def test_the_commands_an_unknown_gpu_key_names_take_a_ledger_path_with_a_space_whole(tmp_path):
+    """`--db my runs/p.db` was named unquoted: the command copied ran with `--db my` and a stray `runs/p.db`. Each
+    command named reads the ledger's path back whole, as a shell splits it."""
+    import re
+    import shlex
+
+    from kprof.ledger import Ledger
+
+    path = str(tmp_path / "my runs" / "p.db")
+    (tmp_path / "my runs").mkdir()
+    with Ledger.open(path) as led:
+        led.append(list(synth.events(0, 1)))
+        with pytest.raises(UnknownGpuKeyError) as err:
+            synth.view(led, gpu="No Such GPU").get(**synth.spec(0))
+    commands = re.findall(r"`(kprof [^`]*)`", str(err.value))
+    assert len(commands) == 2, str(err.value)
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[argv.index("--db") + 1:] == [path], command
+
+
 def test_bulk_reads_under_an_unknown_gpu_key_answer_missing(ledger):
     ledger.append(list(synth.events(0, 2)))
     view = synth.view(ledger, gpu="No Such GPU")
