@@ -96,7 +96,7 @@ def guarded():
     # each help line out that wide (a MemoryError).
     bounds = {"COLUMNS": (20, 10_000), "LINES": (1, float("inf"))}
     sizes = {name: os.environ.pop(name) for name, (low, high) in bounds.items()
-             if not os.environ.get(name, str(low)).strip().isdigit()
+             if not os.environ.get(name, str(low)).strip().isdecimal()
              or not low <= int(os.environ.get(name, low)) <= high}
     try:
         yield

@@ -146,7 +146,7 @@ def test_in_process_a_failed_write_of_stdout_is_an_exit_code_not_a_traceback(db,
                                                       f"({os.strerror(code)}); ")
 
 
-@pytest.mark.parametrize("columns", ["0", "abc", "-3"])
+@pytest.mark.parametrize("columns", ["0", "abc", "-3", "²"])  # ²: a digit to isdigit(), not to int()
 def test_a_columns_setting_that_is_no_width_is_set_aside(capsys, monkeypatch, columns):
     """COLUMNS=0 made rich print nothing (on a terminal every answer and error line was lost) and the help a
     ValueError traceback."""
