@@ -210,6 +210,8 @@ def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = 
           cuda_graph: bool | None = None, power: str | None = None, full: int | None = None) -> QueryResult:
     """The rows of the specs under the timing method `timer`/`l2`/`cuda_graph`/`power` (see `effective_entry`).
     `full`: only the first `full` rows as the contract's JSON, the others {spec, status, error}, and no ceilings."""
+    if full is not None and (type(full) is not int or full < 0):  # a bool is no count; "50" failed in a comparison
+        raise UsageError(f"full={full!r} is not a row count; pass an int >= 0, or omit it for every row's JSON")
     entry, canonical, gpu_key, db = _prepare(table, backend, specs, gpu_name, db,
                                              dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power))
     with _open_for_read(db) as ledger:
@@ -344,8 +346,7 @@ def show(ref: str, *, db: str | None = None) -> dict:
     re-hashed to its id on the way. `status` is the key's row (ok, failed, stale, retracted), `revision` the profiler
     revision this kprof measures its table and backend at, `parent_elsewhere` the key and provenance of the event's
     parent where this ledger holds it under another key (None: in the key's history, absent, or no parent)."""
-    ledger = Ledger.open(ledger_path(db), readonly=True)
-    try:
+    with Ledger.open(ledger_path(db), readonly=True) as ledger:
         found = ledger.resolve(ref)
         history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]
         chosen = next((h for h in history if h["event"] == (found.event_id or b"").hex()), None)
@@ -353,8 +354,6 @@ def show(ref: str, *, db: str | None = None) -> dict:
         # none here (a merged segment left it out)
         parent = (chosen or {}).get("parent")
         other = None if parent in {None, *(h["event"] for h in history)} else ledger.event(bytes.fromhex(parent))
-    finally:
-        ledger.close()
     current = next((h for h in history if h["current"]), None)
     return {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
             "current": found.current.hex() if found.current else None, "status": _key_status(current),

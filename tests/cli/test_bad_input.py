@@ -308,6 +308,18 @@ def test_the_python_api_refuses_specs_that_are_not_a_list_of_specs(specs, needle
     assert sorted(os.listdir(tmp_path)) == ["p.db", "p.db-lock"]
 
 
+@pytest.mark.parametrize("full", ["50", True, -1, 2.0])
+def test_the_python_api_names_a_full_that_is_no_row_count(full, tmp_path, h, local_gpu):
+    """api.query's full= (how many rows are given as the contract's JSON): "50" was a TypeError traceback from a
+    comparison inside, and True or -1 were taken as counts (one row, none); each is refused, naming the value."""
+    db = str(tmp_path / "p.db")
+    h.append(db, h.make_event(SPEC, local_gpu))
+    with pytest.raises(UsageError, match=re.escape(f"full={full!r} is not a row count; pass an int >= 0")):
+        api.query(h.GEMM, h.CPU, [SPEC], db=db, full=full)
+    short = api.query(h.GEMM, h.CPU, [SPEC, SPEC], db=db, full=1).results
+    assert "metrics" in short[0] and short[1] == {"spec": short[0]["spec"], "status": "ok", "error": None}
+
+
 def test_the_python_api_names_a_db_that_is_not_a_path_and_a_view_of_no_ledger(tmp_path):
     with pytest.raises(UsageError, match="db=3 is not a path \\(int\\)"):
         api.query("single_gemm", "torch-cpu", [SPEC], db=3)
