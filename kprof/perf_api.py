@@ -32,6 +32,7 @@ from .ledger import Ledger, ledger_path
 from .ledger.view import Row, View
 from .method import effective_entry, resolve_gpu_key
 from .runners.registry import RESERVED, entries, lookup
+from .specs import spec_list
 
 __all__: list[str] = ["view_for", "close_all"]
 
@@ -139,7 +140,8 @@ def _make(table: str) -> tuple[Callable, Callable]:
               timer: str | None = None, l2: str | None = None, cuda_graph: bool | None = None,
               power: str | None = None) -> int:
         cached = partial(view_for, table, backend, gpu_key, db, timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
-        return _answer(f"count_{table}", table, cached, lambda view: view.count_missing(specs))
+        listed = spec_list(specs)  # once: a read retried on the file found replaced (_answer) reads them again
+        return _answer(f"count_{table}", table, cached, lambda view: view.count_missing(listed))
 
     get.__name__ = get.__qualname__ = f"get_{table}"
     count.__name__ = count.__qualname__ = f"count_{table}"

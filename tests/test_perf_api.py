@@ -150,6 +150,23 @@ def test_a_call_whose_ledger_another_thread_reopened_meanwhile_reads_the_new_fil
     assert perf_api.count_single_gemm([SPEC, {**SPEC, "m": 64}], backend="torch-cpu", gpu_key="Known CPU", db=db) == 1
 
 
+def test_a_count_of_a_generator_retried_on_the_new_file_counts_every_spec(db, tmp_path, monkeypatch):
+    """count_<table> takes any iterable of specs; a read retried on a file found replaced (as above) counted the
+    generator the first read had used up: 0 missing, whatever the new file held. The specs are listed once."""
+    new, real = _write(str(tmp_path / "new.db"), 0.5), perf_api.view_for
+
+    def replaced_meanwhile(*args, **kwargs):
+        view = real(*args, **kwargs)
+        if os.path.exists(new):
+            os.replace(new, db)  # after the lookup found the file standing, before its read
+        return view
+
+    monkeypatch.setattr(perf_api, "view_for", replaced_meanwhile)
+    specs = (spec for spec in [SPEC, {**SPEC, "m": 64}, {**SPEC, "m": 128}])
+    assert perf_api.count_single_gemm(specs, backend="torch-cpu", gpu_key="Known CPU", db=db) == 2
+    assert not os.path.exists(new)  # the retry was met
+
+
 def test_an_older_format_ledger_written_since_it_was_read_is_read_anew(db):
     """A reader of an older-format file reads an upgraded copy, the file as it was: once a writer has upgraded the
     file and added rows, the next call reads them (a simulator's process outlives many runs)."""
