@@ -2,6 +2,7 @@
 
 from .events import (ERROR_KINDS, Contract, Environment, Event, Failed, Measured, Method, Origin, Provenance,
                      Retracted, Stats)
-from .keys import KeyMaker, ShapeCodec, provenance_key
+from ._codec import provenance_key
+from .keys import KeyMaker, ShapeCodec
 from .store import AppendResult, Ledger, ledger_path
 from .view import STATUSES, Row, View, citation

@@ -11,9 +11,7 @@ from ..specs import ShapeCodec
 from . import _codec
 from .events import Contract, Provenance
 
-__all__ = ["KeyMaker", "ShapeCodec", "provenance_key"]
-
-provenance_key = _codec.provenance_key
+__all__ = ["KeyMaker", "ShapeCodec"]
 
 
 class KeyMaker:

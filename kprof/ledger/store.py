@@ -229,7 +229,8 @@ class Ledger:
         self._guard()
         txn = None
         try:
-            with _mapping:  # no map change (it ends every transaction of the process) between the check and _reads
+            mine = [t for e, _txn, t in list(_reads.values()) if e is self.env and t == threading.get_ident()]
+            with nullcontext() if mine else _mapping:  # no map change till in _reads (one waits for this thread's)
                 _check_file(self.path, self.real_path, self._entry)
                 if self._source and _identity(self._source[0]) != self._source[1]:  # the older file this copied
                     raise LedgerError(f"ledger {self.path} changed since this reader copied it; open it again")
