@@ -74,7 +74,13 @@ def block_means(batches: list[tuple[float, float, int]], block_s: float, start: 
 
 
 def summarize(samples_ms: list[float], keep: int = 512) -> SampleStats:
-    """Summary of the samples (ms). Raw samples are kept up to `keep`, evenly thinned beyond it."""
+    """Summary of the samples (ms). Raw samples are kept up to `keep`, evenly thinned beyond it. Raises ValueError
+    where there are none or one is no duration (NaN, infinite or negative: a broken timer), as no statistic of them
+    holds: sorted around a NaN, the median is any sample, and a negative mean reads as no spread (cv 0)."""
+    bad = next((x for x in samples_ms if not 0 <= x < math.inf), None)  # a NaN fails both comparisons
+    if not samples_ms or bad is not None:
+        what = "no samples" if not samples_ms else f"a sample of {bad!r} ms among {len(samples_ms)}"
+        raise ValueError(f"the timer gave {what}: a row's statistics need durations, finite and >= 0")
     xs = sorted(samples_ms)
     n = len(xs)
     mean = statistics.fmean(xs)

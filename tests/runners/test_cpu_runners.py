@@ -304,6 +304,24 @@ def test_summarize_single_sample_and_thinning():
     assert s.samples == sorted(s.samples)
 
 
+@pytest.mark.parametrize("xs", [[1.0, math.nan, 2.0], [math.nan, 1.0, 2.0, 3.0], [1.0, 2.0, math.inf], [-5.0, 1.0, 2.0],
+                                [-1.0, -2.0, -3.0], []])
+def test_summarize_refuses_samples_that_are_no_duration(xs, monkeypatch):
+    """A broken timer's NaN or inf failed its row as "AttributeError: 'float' object has no attribute 'numerator'"
+    (statistics.stdev), and negative samples summarized with cv 0.0 beside a stdev of 3.8: each is refused, naming
+    the sample, and a row timed so fails saying it."""
+    with pytest.raises(ValueError, match="the timer gave .*: a row's statistics need durations, finite and >= 0"):
+        summarize(xs)
+    assert summarize([0.0, 0.0, 0.0]).median == 0.0  # an events timer's sample is clamped at 0: still a duration
+    monkeypatch.setattr("kprof.measure.cpu_timer.time_cpu",
+                        lambda fn, rule: types.SimpleNamespace(samples_ms=xs, stop_reason="budget", warmup=2, inner=1,
+                                                               wall_s=0.01))
+    entry = lookup("single_gemm", "torch-cpu")
+    (out,) = measure_specs(entry, [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}], "test cpu")
+    assert type(out.event) is Failed and out.event.error_kind == "crash"
+    assert out.event.message.startswith("ValueError: the timer gave ")
+
+
 def test_median_halfwidth():
     assert median_halfwidth([1.0, 1.0, 1.0, 1.0]) == math.inf  # too few samples
     assert median_halfwidth([3.0] * 50) == 0.0
