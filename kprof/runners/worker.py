@@ -6,6 +6,8 @@ stay outside the timed closure; the check runs before any timing, so a wrong ker
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import resource
 import sys
@@ -66,6 +68,16 @@ def _metrics(case, time_ms: float, energy_j: float | None) -> dict:
     seconds = time_ms / 1e3
     return {"time_ms": time_ms, "tflops": case.flops / seconds / 1e12 if case.flops else None,
             "memory_bandwidth_gbps": case.bytes / seconds / 1e9 if case.bytes else None, "energy_j": energy_j}
+
+
+def _check_work(entry: Entry, case) -> None:
+    """Raises ValueError unless the case's counted work (flops, bytes) is a finite number >= 0: a plugin's negative,
+    NaN or infinite count made an ok row of a negative, NaN (null in --json: "does not apply") or infinite rate."""
+    for name in ("flops", "bytes"):
+        value = getattr(case, name)
+        if not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            raise ValueError(f"runner {entry.runner} build() counted {name}={value!r}: the work of one call is a "
+                             f"finite number >= 0 (0: not counted, its rate null)")
 
 
 def _record(kind: type, value):
@@ -133,6 +145,8 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             if not callable(getattr(case, "check", None)):  # a plugin's build that returned nothing, or no Case
                 raise TypeError(f"runner {entry.runner} build() returned {type(case).__name__}, not a "
                                 f"kprof.runners._case.Case")
+            if entry.metric_family != "comm":
+                _check_work(entry, case)
             t_check = time.perf_counter()
             case.check()
             t_measure = time.perf_counter()

@@ -257,6 +257,21 @@ def test_a_build_that_returns_no_case_says_so(monkeypatch):
                                  "kprof.runners._case.Case")
 
 
+@pytest.mark.parametrize("field,value", [("flops", -1.0), ("flops", math.nan), ("bytes", math.inf), ("bytes", "12")])
+def test_a_case_whose_counted_work_is_no_count_fails_its_row_untimed(field, value, monkeypatch):
+    """A plugin's Case(flops=-1.0) stored an ok row of negative tflops, flops=nan one whose tflops --json printed as
+    null (a metric that does not apply) and bytes=inf one of infinite bandwidth: the row fails before any timing,
+    naming the runner, the field and its value."""
+    entry = lookup("single_gemm", "torch-cpu")
+    real = type(entry.load_runner()()).build
+    monkeypatch.setattr(type(entry.load_runner()()), "build",
+                        lambda self, spec, device: real(self, spec, device)._replace(**{field: value}))
+    (out,) = measure_specs(entry, [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}], "test cpu")
+    assert type(out.event) is Failed and out.event.error_kind == "crash" and out.timed_seconds == 0
+    assert out.event.message == (f"ValueError: runner kprof.runners.gemm:SingleGemm build() counted {field}={value!r}: "
+                                 f"the work of one call is a finite number >= 0 (0: not counted, its rate null)")
+
+
 def test_a_runner_that_calls_sys_exit_fails_its_row_and_a_sigterm_still_stops_the_run(monkeypatch):
     """A plugin's build() that called sys.exit(0) (or a library it calls) ended `kprof run` with exit 0, no output and
     no row: it fails its row as a crash and the others are measured. SIGTERM, which kprof.cli raises as
