@@ -70,14 +70,20 @@ def _metrics(case, time_ms: float, energy_j: float | None) -> dict:
             "memory_bandwidth_gbps": case.bytes / seconds / 1e9 if case.bytes else None, "energy_j": energy_j}
 
 
-def _check_work(entry: Entry, case) -> None:
-    """Raises ValueError unless the case's counted work (flops, bytes) is a finite number >= 0: a plugin's negative,
-    NaN or infinite count made an ok row of a negative, NaN (null in --json: "does not apply") or infinite rate."""
+def _check_case(entry: Entry, case) -> None:
+    """Raises ValueError unless the case's counted work (flops, bytes) is a finite number >= 0 (a plugin's negative,
+    NaN or infinite count made an ok row of a negative, NaN (null in --json: "does not apply") or infinite rate), and
+    its notes name none that the row's time is read from (`_time_ms`: a note "estimator": "mean" made a CPU row's
+    time the mean of its samples)."""
     for name in ("flops", "bytes"):
         value = getattr(case, name)
         if not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
             raise ValueError(f"runner {entry.runner} build() counted {name}={value!r}: the work of one call is a "
                              f"finite number >= 0 (0: not counted, its rate null)")
+    taken = sorted({"estimator", "copy_mean_ms"} & set(case.notes))
+    if taken:
+        raise ValueError(f"runner {entry.runner} build() gave the note {taken[0]!r}, which kprof reads the row's time "
+                         f"by: give the runner's note another name")
 
 
 def _record(kind: type, value):
@@ -146,7 +152,7 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
                 raise TypeError(f"runner {entry.runner} build() returned {type(case).__name__}, not a "
                                 f"kprof.runners._case.Case")
             if entry.metric_family != "comm":
-                _check_work(entry, case)
+                _check_case(entry, case)
             t_check = time.perf_counter()
             case.check()
             t_measure = time.perf_counter()

@@ -272,6 +272,21 @@ def test_a_case_whose_counted_work_is_no_count_fails_its_row_untimed(field, valu
                                  f"the work of one call is a finite number >= 0 (0: not counted, its rate null)")
 
 
+@pytest.mark.parametrize("notes", [{"estimator": "mean"}, {"estimator": "copy_mean", "copy_mean_ms": "1.0"}])
+def test_a_case_note_the_rows_time_is_read_by_fails_its_row_untimed(notes, monkeypatch):
+    """A plugin's Case(notes={"estimator": "mean"}) made its CPU row's time_ms the mean of the samples (24x the median
+    of a row with one slow sample), and {"estimator": "copy_mean", ...} a time the runner wrote: refused, naming it."""
+    entry = lookup("single_gemm", "torch-cpu")
+    real = type(entry.load_runner()()).build
+    monkeypatch.setattr(type(entry.load_runner()()), "build",
+                        lambda self, spec, device: real(self, spec, device)._replace(notes=notes))
+    (out,) = measure_specs(entry, [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}], "test cpu")
+    assert type(out.event) is Failed and out.event.error_kind == "crash" and out.timed_seconds == 0
+    assert out.event.message == ("ValueError: runner kprof.runners.gemm:SingleGemm build() gave the note "
+                                 f"{sorted(notes)[0]!r}, which kprof reads the row's time by: give the runner's note "
+                                 "another name")
+
+
 def test_a_runner_that_calls_sys_exit_fails_its_row_and_a_sigterm_still_stops_the_run(monkeypatch):
     """A plugin's build() that called sys.exit(0) (or a library it calls) ended `kprof run` with exit 0, no output and
     no row: it fails its row as a crash and the others are measured. SIGTERM, which kprof.cli raises as
