@@ -4,6 +4,7 @@ import json
 import pathlib
 import re
 import shutil
+import time
 
 import pytest
 
@@ -187,6 +188,22 @@ def test_the_units_of_a_row_s_stats_are_stated_and_hold(tmp_path, monkeypatch):
     assert st.mean == pytest.approx(statistics.fmean(samples))
     assert st.cv == pytest.approx(st.stdev / st.mean) and st.stdev == pytest.approx(statistics.stdev(samples))
     assert 1e-3 < st.median < 1e3  # ms: a 512 x 1024 norm takes over a microsecond, under a second
+
+
+def test_what_the_readme_says_of_a_short_cpu_call_s_grouped_samples_holds():
+    """(The README said a row's stats are of its samples, never that a short CPU call's sample is the time per call of
+    a group of calls: a 2 µs copy's cv, p10 and p90, of 12-call means, read as single calls' spread.) It says so, with
+    the bounds the timer uses, and the timer groups a short call and not a long one."""
+    from kprof.measure.cpu_timer import _GROUP_NS, time_cpu
+    from kprof.measure.stats import StopRule
+
+    text = " ".join(README.split())
+    assert f"A CPU sample of a call under {_GROUP_NS // 2000} µs" in text and f"of about {_GROUP_NS // 1000} µs" in text
+    assert "`calls_per_sample` in the row's notes" in text
+    rule = StopRule(budget_s=0.05)
+    short = time_cpu(lambda: sum(range(20)), rule)
+    assert short.inner >= 2 and sorted(short.samples_ms)[len(short.samples_ms) // 2] < _GROUP_NS / 2e6  # per call
+    assert time_cpu(lambda: time.sleep(0.03), rule).inner == 1
 
 
 def test_the_memo_of_bulk_lookups_is_told_once_with_its_bounds():
