@@ -160,6 +160,9 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             method = msgspec.structs.replace(method, notes={**method.notes, "build_s": f"{t_check - t_build:.4f}",
                                                             "check_s": f"{t_measure - t_check:.4f}"})
             time_ms = _time_ms(stats, method.notes)
+            if not time_ms > 0:  # (the events timer clamps a negative reading at 0): no rate can be read from it
+                raise ValueError(f"the timer read the row's time as {time_ms!r} ms: the call is shorter than this timer "
+                                 f"resolves; time it with `--timer cupti` on a GPU")
             metrics = case.metrics(time_ms, energy) if entry.metric_family == "comm" else _metrics(case, time_ms, energy)
             event = measured(prov, metrics, _record(Stats, stats), method,
                              environment=_record(Environment, env), origin=origin, parent=parent)

@@ -287,6 +287,19 @@ def test_a_case_note_the_rows_time_is_read_by_fails_its_row_untimed(notes, monke
                                  "another name")
 
 
+def test_a_row_whose_time_reads_zero_fails_naming_it(monkeypatch):
+    """A timer that read a call as 0 ms (the events timer clamps a negative reading at 0) failed its row as a bare
+    ZeroDivisionError from the rates; the row fails naming the time read and the timer that resolves it."""
+    from kprof.runners import worker
+
+    monkeypatch.setattr(worker, "_time_ms", lambda stats, notes: 0.0)
+    entry = lookup("single_gemm", "torch-cpu")
+    (out,) = measure_specs(entry, [{"m": 16, "n": 16, "k": 16, "dtype": "fp32"}], "test cpu")
+    assert type(out.event) is Failed and out.event.error_kind == "crash"
+    assert out.event.message.startswith("ValueError: the timer read the row's time as 0.0 ms") and "cupti" in \
+        out.event.message
+
+
 def test_a_runner_that_calls_sys_exit_fails_its_row_and_a_sigterm_still_stops_the_run(monkeypatch):
     """A plugin's build() that called sys.exit(0) (or a library it calls) ended `kprof run` with exit 0, no output and
     no row: it fails its row as a crash and the others are measured. SIGTERM, which kprof.cli raises as
