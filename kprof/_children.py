@@ -10,7 +10,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-__all__ = ["watch_parent", "in_processes"]
+__all__ = ["watch_parent", "in_processes", "cpus"]
 
 
 def watch_parent(interval_s: float = 0.5, then=lambda: None) -> None:
@@ -25,6 +25,14 @@ def watch_parent(interval_s: float = 0.5, then=lambda: None) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="kprof-parent-watch").start()
+
+
+def cpus() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity; all of the machine's where the platform has none)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return frozenset(range(os.cpu_count() or 1))
 
 
 def in_processes(work, jobs: int, *args) -> list:

@@ -6,10 +6,10 @@ keyword arguments of the Python API (`timer='x'`) and with the verbs' flags (`--
 from __future__ import annotations
 
 import functools
-import os
 
 import msgspec
 
+from ._children import cpus
 from .errors import SettingError, UsageError
 from .runners.registry import Entry, or_on_cpu
 from .settings import environ
@@ -185,11 +185,7 @@ def cpu_threads() -> int:
                 raise UsageError(f"{name}={raw!r} is not a number of threads; e.g. {name}=1, or unset it to measure "
                                  f"torch-cpu rows on every core this process may use")
             return int(raw.split(",")[0])
-    try:
-        cpus = frozenset(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
-    return _cores_among(cpus)
+    return _cores_among(cpus())
 
 
 @functools.lru_cache(maxsize=64)  # asked on every lookup (perf_api's get_<table>): counted once per affinity set

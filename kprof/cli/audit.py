@@ -51,16 +51,16 @@ def audit(*, db: Db = None, json: Json = False,
     path, started = ledger_path(db), time.perf_counter()
     _sigbus.say(lambda: _faulted(path, json, time.perf_counter() - started))  # a damaged page read here: a finding
     try:
-        useful = _useful_jobs(path, JOBS if jobs is None else jobs)
-        report = run_audit(path, useful)
+        report = run_audit(path, JOBS if jobs is None else jobs)
     finally:
         _sigbus.say()
-    if jobs is not None and useful < jobs:  # what was asked for, not silently something else
-        console(stderr=True).print(f"note: --jobs {jobs}: the audit ran {useful} shard process(es), as many as are of "
-                                   f"use (one per CPU this process may use, at most one per row key)", markup=False)
+    if jobs is not None and 0 < report.shards < jobs:  # what was asked for, not silently something else (0: no shard)
+        console(stderr=True).print(f"note: --jobs {jobs}: the audit ran {report.shards} shard process(es), as many as "
+                                   f"are of use (one per CPU this process may use, at most one per row key)",
+                                   markup=False)
     report = report._replace(findings=[_in_audit(line) for line in report.findings])
     if json:
-        emit_json(report._asdict())
+        emit_json({k: v for k, v in report._asdict().items() if k != "shards"})
     else:
         from rich.text import Text
 
@@ -71,33 +71,6 @@ def audit(*, db: Db = None, json: Json = False,
         for line in report.findings:
             out.print(f"  {line}", markup=False)
     return 0 if report.ok else 3
-
-
-def _useful_jobs(path: str, jobs: int) -> int:
-    """The shard processes of use, at most `jobs`: a shard replays its keys on a core of its own, so processes past the
-    CPUs this one may use only queue, each a fresh interpreter (--jobs 256 on 2 cores took 50 s over a ledger of two
-    rows), and a shard past the keys has none to replay. Every shard count checks every key: the findings are the
-    same. A file that does not open is left to the audit, which reports it."""
-    import os
-
-    import lmdb
-
-    from ..errors import KprofError
-    from ..ledger import Ledger
-
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        cpus = os.cpu_count() or 1
-    if not 1 <= jobs <= 256 or not os.path.isfile(path):  # refused by the audit, naming the value or the path
-        return jobs
-    keys = jobs
-    try:
-        with Ledger.open(path, readonly=True) as ledger, ledger.read() as txn:
-            keys = txn.stat(ledger.dbs["current"])["entries"]
-    except (KprofError, OSError, lmdb.Error):
-        pass
-    return max(1, min(jobs, cpus, keys))
 
 
 def _faulted(path: str, json: bool, seconds: float) -> tuple[bytes, bytes]:

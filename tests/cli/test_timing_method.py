@@ -92,7 +92,7 @@ def test_cpu_threads_default_to_the_physical_cores_the_process_may_use(monkeypat
     from kprof import method
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(method.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
     method._cores_among.cache_clear()  # counted by affinity set: forget any count of this set
     monkeypatch.setattr(method, "_core_of", lambda cpu: {0: "0,2", 2: "0,2", 1: "1,3", 3: "1,3", 5: "5"}[cpu])
     assert method.cpu_threads() == 3
@@ -110,7 +110,7 @@ def test_cpu_threads_count_the_cores_once_per_affinity(monkeypatch):
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     method._cores_among.cache_clear()
     asked, cpus = [], {0, 1, 2, 3}
-    monkeypatch.setattr(method.os, "sched_getaffinity", lambda pid: set(cpus))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
     monkeypatch.setattr(method, "_core_of", lambda cpu: (asked.append(cpu), str(cpu % 2))[1])
     assert method.cpu_threads() == 2 and method.cpu_threads() == 2 and sorted(asked) == [0, 1, 2, 3]
     cpus -= {1, 3}  # the process moved to one core's two siblings

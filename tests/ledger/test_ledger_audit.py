@@ -428,6 +428,25 @@ def test_the_findings_do_not_depend_on_the_number_of_shards(ledger_path, jobs):
     assert sorted(base.findings) == sorted(other.findings) and base.counts == other.counts
 
 
+def test_the_library_audit_runs_no_more_shards_than_usable_cpus_and_row_keys(ledger_path, monkeypatch):
+    """`audit(path, 256)` from Python spawned 256 shard processes over a ledger of three rows (only `kprof audit --jobs`
+    was capped): the audit itself runs at most one per CPU this process may use and one per row key, and says how
+    many it ran."""
+    import os
+
+    import kprof.ledger.audit as audit_module
+
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 3)))
+    asked, real = [], audit_module._shards
+    monkeypatch.setattr(audit_module, "_shards", lambda path, jobs: asked.append(jobs) or real(path, min(jobs, 2)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3, 4}, raising=False)
+    report = audit(ledger_path, 256)
+    assert report.ok and report.events == 3 and asked == [3] and report.shards == 3  # three keys
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    assert audit(ledger_path, 256).shards == 2 and asked[-1] == 2  # two CPUs
+
+
 def test_audit_jobs_out_of_range_is_a_usage_error(ledger_path, capsys):
     Ledger.open(ledger_path).close()
     assert main(["audit", "--db", ledger_path, "--jobs", "0"]) == 2
