@@ -99,6 +99,22 @@ class LedgerPathError(SettingError, LedgerError):
     """The ledger path (`db`) names no ledger (nothing there, not a ledger, empty): worded twice, as a SettingError,
     naming the keyword (`db=...`) for Python callers and the flag (`--db`) for the verbs."""
 
+    @classmethod
+    def absent(cls, path: str) -> "LedgerPathError":
+        """Nothing at `path`, where a reader looks for the ledger: the message says where the path came from when it
+        was not given ($KPROF_DB, or ./profile.db with KPROF_DB unset; a path given that is the same is that too) and
+        the fix that fits it."""
+        import os
+
+        env = os.environ.get("KPROF_DB", "")
+        if env and path == env:  # "set KPROF_DB" would say to do what was done
+            where, fix = " (named by $KPROF_DB)", "set KPROF_DB to the ledger file (or unset it), or pass {}"
+        else:
+            where = " (the default: no {} given and KPROF_DB unset)" if not env and path == "profile.db" else ""
+            fix = "pass {} or set KPROF_DB"
+        return cls(*(f"no ledger at {path}{where.format(db)}; {fix.format(db)}, or `kprof run` to create one"
+                     for db in ("db=...", "--db")))
+
 
 class Uncreated(LedgerError):
     """An LMDB file holding nothing, not even sub-databases: a ledger whose creation was killed before it committed.

@@ -124,7 +124,7 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
         raise UsageError(f"--tolerance {tolerance:g}: give a relative tolerance such as 0.05 (5%)")  # -1, not -1.0
     db = ledger_path(db)  # None: $KPROF_DB, else ./profile.db, as every verb's db
     if not os.path.isfile(db):
-        raise LedgerPathError(*(f"no ledger file at {db}; pass {flag} or set KPROF_DB" for flag in ("db=...", "--db")))
+        raise LedgerPathError.absent(db)
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 32)  # reported, so the draw can be replayed with --seed
     elif type(seed) is not int or seed < 0:

@@ -83,8 +83,7 @@ class Ledger:
         elif os.path.islink(path):  # to nothing (it does not exist): LMDB would create `<path>-lock`, then fail
             raise LedgerPathError(f"ledger path {path} is a symbolic link to nothing (dangling, a loop); fix the link")
         elif readonly:
-            raise LedgerPathError(*(f"no ledger at {path}; pass {db} or set KPROF_DB, or `kprof run` to create one"
-                                    for db in ("db=...", "--db")))
+            raise LedgerPathError.absent(path)
         real = os.path.realpath(path)
         if real in _inherited:
             raise LedgerError(f"ledger {path} was open in the parent when this process was forked, and LMDB "

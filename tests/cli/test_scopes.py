@@ -72,6 +72,30 @@ def test_a_ledger_that_does_not_exist_is_a_usage_error_and_stays_absent(tmp_path
     assert not os.path.exists(db)
 
 
+def test_a_ledger_that_does_not_exist_is_named_with_where_its_path_came_from(tmp_path, monkeypatch, capsys):
+    """`KPROF_DB=/x/missing.db kprof scopes` said "pass --db or set KPROF_DB", KPROF_DB set: the message names the path
+    and what named it ($KPROF_DB, or the default where it is unset), with the fix that fits; so does the Python API."""
+    import pytest
+
+    from kprof.errors import LedgerPathError
+
+    missing = str(tmp_path / "x" / "missing.db")
+    monkeypatch.setenv("KPROF_DB", missing)
+    assert main(["scopes"]) == 2
+    err = capsys.readouterr().err
+    assert f"no ledger at {missing} (named by $KPROF_DB); set KPROF_DB to the ledger file (or unset it), or pass " \
+           f"--db, or `kprof run` to create one" in err and "or set KPROF_DB" not in err
+    monkeypatch.delenv("KPROF_DB")
+    monkeypatch.chdir(tmp_path)
+    assert main(["scopes"]) == 2
+    assert "no ledger at profile.db (the default: no --db given and KPROF_DB unset); pass --db or set KPROF_DB, or " \
+           "`kprof run` to create one" in capsys.readouterr().err
+    with pytest.raises(LedgerPathError, match=r"^no ledger at profile\.db \(the default: no db=\.\.\. given and "
+                                              r"KPROF_DB unset\); pass db=\.\.\. or set KPROF_DB"):
+        api.scopes()
+    assert not os.listdir(tmp_path)  # nothing made
+
+
 def test_default_db_is_kprof_db_then_cwd(tmp_path, monkeypatch, capsys, h):
     h.append(str(tmp_path / "profile.db"), h.make_event(h.gemm(), H200))
     assert main(["scopes", "--json"]) == 0
