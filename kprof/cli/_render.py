@@ -232,26 +232,29 @@ _OPTIONAL = ("energy_j", "memory_bandwidth_gbps", "busbw_gbps", "algbw_gbps", "t
 
 def _fit(columns: list[str], cells: list[list[str]], width: int) -> tuple[list[int], dict[int, int] | None]:
     """(the indices of the columns to show within `width`, a terminal's; {index: width} of each). Each is as wide
-    as its widest cell, so no number or citation is cut or split: optional metric columns are dropped, least useful
-    first, until they fit, and headers longer than their cells fold where no room is left (the shortest shortfalls
-    are made whole first). Widths None where even the rest cannot fit: every cell folds then (a number split over
-    two lines, still never cut)."""
+    as its widest cell, so no number or citation is cut or split, and as half its header, which folds onto two lines
+    at most: optional metric columns are dropped, least useful first, until they fit (a header of 21 characters over
+    cells of 5 folded onto five lines, `energy_j` over `-` onto eight), and headers longer than their cells fold where
+    no room is left (the shortest shortfalls are made whole first). Where even the rest cannot fit so, headers fold
+    further; widths None where the cells cannot: every cell folds then (a number split over two lines, never cut)."""
     need = [max((len(row[i]) for row in cells), default=1) for i in range(len(columns))]
+    two_lines = [max(n, -(-len(name) // 2)) for n, name in zip(need, columns)]
 
-    def room(shown):  # each column's padding and border take 3 characters, the table's last border 1
-        return width - sum(need[i] + 3 for i in shown) - 1
+    def room(shown, widths):  # each column's padding and border take 3 characters, the table's last border 1
+        return width - sum(widths[i] + 3 for i in shown) - 1
 
     shown = list(range(len(columns)))
     for name in _OPTIONAL:
-        if room(shown) >= 0:
+        if room(shown, two_lines) >= 0:
             break
         shown = [i for i in shown if columns[i] != name]
-    spare = room(shown)
+    least = two_lines if room(shown, two_lines) >= 0 else need
+    spare = room(shown, least)
     if spare < 0:
         return shown, None
-    widths = {i: need[i] for i in shown}
-    for i in sorted(shown, key=lambda i: len(columns[i]) - need[i]):
-        grow = min(max(0, len(columns[i]) - need[i]), spare)
+    widths = {i: least[i] for i in shown}
+    for i in sorted(shown, key=lambda i: len(columns[i]) - widths[i]):
+        grow = min(max(0, len(columns[i]) - widths[i]), spare)
         widths[i] += grow
         spare -= grow
     return shown, widths

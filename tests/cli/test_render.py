@@ -154,6 +154,22 @@ def test_a_table_too_wide_for_any_fit_still_shows_every_value(width):
         "11664", "102410241024", "256256256", "fp32fp32fp32", "okokok"]
 
 
+def test_headers_fold_onto_two_lines_at_most_from_80_to_120_columns():
+    """At 95 to 100 columns `memory_bandwidth_gbps` folded onto five lines over its numbers and `energy_j` onto eight
+    over its dashes: an optional metric now gives way (named below) before a header takes more than two lines, and
+    every number and citation stays whole."""
+    res = _wide_result()
+    for width in range(80, 121):
+        lines = _render(res, width).splitlines()
+        top = next(i for i, line in enumerate(lines) if line.startswith("┏"))
+        rule = next(i for i, line in enumerate(lines) if line.startswith("┡"))
+        assert rule - top - 1 <= 2, (width, "\n".join(lines[top:rule + 1]))
+        assert max(len(line) for line in lines if line[:1] in "┏┃┡│└") <= width
+        for r in res.results:
+            assert r["citation"] in "\n".join(lines) and f" {r['metrics']['time_ms']:.4g} " in "\n".join(lines)
+    assert " 51.02 " in _render(res, 100)  # a metric whose header fits on two lines is kept
+
+
 def test_a_collective_table_shows_the_message_size_once():
     rows = [{"spec": {"message_size_bytes": 1048576, "dtype": "fp32", "world_size": 2}, "status": "ok",
              "metrics": {"time_ms": 0.5, "algbw_gbps": 2.1, "busbw_gbps": 2.1, "message_size_bytes": 1048576.0,
