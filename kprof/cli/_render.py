@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import os
 import sys
 from collections import Counter
@@ -303,8 +304,9 @@ def results_table(res, limit: int = TABLE_ROWS, out=None) -> None:
     out.print(f"{res.count - res.missing_count} of {res.count} ok, {res.missing_count} missing{split}; db {res.db}; "
               f"view root {res.view_root[:16]}", markup=False)
     errors = [r for r in res.results if r.get("error")]
-    for r in errors[:limit]:
-        out.print(f"error for {r['spec']}: {r['error']['kind']}: {r['error']['message']}", markup=False)
+    for r in errors[:limit]:  # a stored failure (failed) or this run's (error), its spec as --spec takes it
+        out.print(f"{r['status']} spec {json.dumps(r['spec'])} ({r['error']['kind']}): {r['error']['message']}",
+                  markup=False)
     if len(errors) > limit:
         more = len(errors) - limit
         out.print(f"... and {more} more error{'s' if more != 1 else ''}; use --json for all", markup=False)

@@ -207,7 +207,7 @@ def test_a_long_table_builds_the_json_of_the_rows_it_prints_only(ledger_path, ca
     assert len(built) == 50
     assert "... and 10 more rows (9 missing, 1 failed); use --json for all" in out
     assert "1 of 60 ok, 59 missing (58 missing, 1 failed)" in out
-    assert f"error for {specs[55]}: crash: segfault in the kernel" in out
+    assert f"failed spec {json.dumps(specs[55])} (crash): segfault in the kernel" in out
     built.clear()
     doc = _query(capsys, h, ledger_path, *specs)
     assert len(built) == len(doc["results"]) == 60 and doc["missing_count"] == 59

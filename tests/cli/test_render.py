@@ -38,7 +38,7 @@ def test_a_20000_spec_query_prints_the_first_rows_and_counts_the_rest(ledger_pat
     tail = out.splitlines()[-3:]
     assert tail[0] == "... and 19950 more rows (1 ok, 19948 missing, 1 failed); use --json for all"
     assert tail[1].startswith(f"2 of 20000 ok, 19998 missing (19997 missing, 1 failed); db {ledger_path}; view root ")
-    assert tail[2] == "error for {'m': 61, 'n': 32, 'k': 32, 'dtype': 'fp32'}: crash: segfault in the kernel"
+    assert tail[2] == 'failed spec {"m": 61, "n": 32, "k": 32, "dtype": "fp32"} (crash): segfault in the kernel'
 
 
 def test_a_table_of_the_limit_is_whole_and_one_more_row_is_counted(capsys):
@@ -62,9 +62,21 @@ def test_the_columns_and_limit_follow_the_rows_shown(capsys):
 def test_error_lines_are_capped_too(capsys):
     results_table(_result(["missing"] * 80, errors=60))
     lines = capsys.readouterr().out.splitlines()
-    assert sum(line.startswith("error for {") for line in lines) == 50
+    assert sum(line.startswith('error spec {"m": ') for line in lines) == 50
     assert lines[-1] == "... and 10 more errors; use --json for all"
     assert "... and 30 more rows (20 missing, 10 error); use --json for all" in lines
+
+
+def test_a_failure_line_says_the_rows_status_and_names_its_spec_as_json(capsys):
+    """A query's failed row printed `error for {'m': 1, ...}`: "error", where its status reads failed, and the spec as a
+    Python dict, not as --spec takes it. The line now starts with the row's status and names the spec as JSON."""
+    res = _result(["missing", "missing"], errors=2)
+    res.results[0]["status"] = "failed"
+    results_table(res)
+    lines = [line for line in capsys.readouterr().out.splitlines() if " spec {" in line]
+    assert lines == ['failed spec {"m": 1, "n": 8, "k": 8, "dtype": "fp32"} (oom): out of memory',
+                     'error spec {"m": 2, "n": 8, "k": 8, "dtype": "fp32"} (oom): out of memory']
+    assert json.loads(lines[0].split(" spec ", 1)[1].split(" (oom)")[0]) == res.results[0]["spec"]
 
 
 def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback(tmp_path, h, local_gpu):
