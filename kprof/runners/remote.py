@@ -28,6 +28,7 @@ import socket
 import threading
 from typing import Iterator
 
+from .. import _scratch
 from ..errors import UsageError
 from .chunk import Chunk, chunk_entry, chunk_segment
 from .remote_config import EXAMPLE, Remote, engine, where
@@ -39,8 +40,6 @@ __all__ = ["executor_for", "RayExecutor", "SlurmExecutor", "run_chunk", "job_rea
 def run_chunk(data: bytes) -> tuple[bytes, dict]:
     """What a remote worker runs: the chunk (Chunk.encode bytes) measured on this process's device, as a segment's
     bytes, and where it ran. A CPU chunk is refused on another CPU model than its key (the rows would lie)."""
-    import tempfile
-
     chunk = Chunk.decode(data)
     if chunk_entry(chunk).device == "cpu":
         from ..measure.env import cpu_model
@@ -49,13 +48,14 @@ def run_chunk(data: bytes) -> tuple[bytes, dict]:
         if here != chunk.gpu_key:
             raise UsageError(f"this worker's CPU is {here!r}, the chunk's rows are keyed {chunk.gpu_key!r}; pass "
                              f"--gpu-name {here!r} to measure on this remote")
+    tmp, remove = _scratch.make("kprof-chunk-")  # one a killed chunk left (SIGKILL, a time limit) the next removes
     try:
-        with tempfile.TemporaryDirectory(prefix="kprof-chunk-") as tmp:
-            with open(chunk_segment(chunk, tmp), "rb") as f:
-                segment = f.read()
+        with open(chunk_segment(chunk, tmp), "rb") as f:
+            segment = f.read()
     finally:  # a collective's ranks end with their chunk: an engine keeps its worker process for the next task, where
         from . import _ranks  # they held memory (CUDA contexts on GPUs the engine then hands out as free) for no one
 
+        remove()
         _ranks.shutdown()
     return segment, {"host": socket.gethostname(), "pid": os.getpid(),
                      "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}

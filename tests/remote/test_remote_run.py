@@ -544,6 +544,28 @@ def test_a_time_limit_fails_the_chunk_and_stores_no_crash_row(monkeypatch):
         remote_module.run_chunk(chunk.encode())
 
 
+def test_a_killed_chunks_scratch_directory_is_removed_by_the_next_chunk(tmp_path, monkeypatch):
+    """A remote chunk killed mid-measure (SIGKILL, a Slurm time limit) left its `kprof-chunk-*` directory in the
+    worker's temporary directory for good, the next chunk there making one more: it now removes those no live chunk
+    holds (an empty one once a minute old: its maker may be about to hold it), and its own."""
+    import tempfile
+
+    from kprof.ledger.events import Origin
+    from kprof.runners.chunk import Chunk
+    from kprof.runners.registry import lookup
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "kprof-chunk-killed").mkdir()
+    (tmp_path / "kprof-chunk-killed" / "part.kseg").write_bytes(b"kprof")
+    (tmp_path / "kprof-chunk-empty").mkdir()
+    os.utime(tmp_path / "kprof-chunk-empty", (time.time() - 3600,) * 2)
+    (tmp_path / "kprof-chunk-new").mkdir()  # a chunk starting now: not yet held
+    chunk = Chunk.of(lookup("single_gemm", "torch-cpu"), GPU, [{"m": 2, "n": 8, "k": 8, "dtype": "fp32"}], None,
+                     Origin())
+    assert remote_module.run_chunk(chunk.encode())[0]
+    assert os.listdir(tmp_path) == ["kprof-chunk-new"]
+
+
 def test_a_collectives_ranks_end_with_its_remote_chunk():
     """A remote worker is the engine's process, and Ray keeps it for its next task: the rank processes of a collective
     chunk lived on in it once the chunk had returned (~230 MB each; on nccl, CUDA contexts on GPUs that Ray then hands
