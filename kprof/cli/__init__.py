@@ -236,7 +236,9 @@ def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), prog
         atexit.register(_end_by_signal)  # before anything a verb registers: it runs last
     argv = sys.argv[1:] if argv is None else list(argv)
     invocation[:] = [*prog, *argv]
-    from ._render import guarded
+    from ._render import guarded, typed_as
+
+    typed_as[:] = prog  # the command as typed, which messages name (see _render.as_typed)
 
     with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way
         code = _main(argv, " ".join(prog))

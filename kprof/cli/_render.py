@@ -7,6 +7,7 @@ import errno
 import functools
 import json
 import os
+import shlex
 import sys
 from collections import Counter
 
@@ -151,9 +152,20 @@ def _console_class():
 
     class Escaping(Console):
         def render_str(self, text: str, **kwargs):
-            return super().render_str(_shown(text, self.encoding), **kwargs)
+            return super().render_str(_shown(as_typed(text), self.encoding), **kwargs)
 
     return Escaping
+
+
+typed_as: list[str] = ["kprof"]  # the words of the command now running before its verb (set by kprof.cli.main)
+
+
+def as_typed(text: str) -> str:
+    """text with each command it names in backticks, `kprof <verb> ...`, as the command was typed: the launcher's
+    `python -m launcher kernel-profile <verb> ...` (its messages said `kprof`, which that user may not have)."""
+    if typed_as == ["kprof"] or "`kprof " not in text:
+        return text
+    return text.replace("`kprof ", f"`{shlex.join(typed_as)} ")
 
 
 def _shown(text: str, encoding: str) -> str:
@@ -183,7 +195,7 @@ ERROR_CHARS = 2_000
 def error(message: str) -> None:
     from rich.text import Text
 
-    line = _one_line(message)
+    line = _one_line(as_typed(message))
     if len(line) > ERROR_CHARS:
         cut = len(line) - ERROR_CHARS + 100
         line = f"{line[:ERROR_CHARS - 600]} ... ({cut:,} characters left out) ... {line[-500:]}"

@@ -34,7 +34,9 @@ def _run_command(res, spec, specs, gpu_name, method: dict) -> str:
     measures only the specs without an ok row)."""
     import shlex
 
-    argv = ["kprof", "run", res.table, "--backend", res.backend, "--db", res.db]
+    from ._render import typed_as
+
+    argv = [*typed_as, "run", res.table, "--backend", res.backend, "--db", res.db]
     argv += ["--gpu-name", gpu_name] if gpu_name is not None else []
     for name, value in method.items():
         if value is not None:

@@ -103,3 +103,24 @@ def test_the_launcher_s_help_and_usage_errors_name_the_command_as_typed(tmp_path
     assert f"see `{form} query --help`" in bad.stderr, bad.stderr
     kprof = _proc([_kprof(), "query", "--help"], tmp_path)
     assert "Usage: kprof query " in kprof.stdout  # the console script's own name
+
+
+def test_messages_name_the_command_as_typed(tmp_path, capsys, h, local_gpu):
+    """Through the launcher, messages other than the usage line named `kprof run`, `kprof query` and count-missing's
+    `measure them: kprof run ...`, a command its user may not have: they name the form typed; kprof's say `kprof`."""
+    from kprof.cli import main
+
+    launcher = ("python", "-m", "launcher", "kernel-profile")
+    absent = str(tmp_path / "absent.db")
+    assert main(["scopes", "--db", absent], prog=launcher) == 2
+    err = capsys.readouterr().err
+    assert "`python -m launcher kernel-profile run` to create one" in err and "kprof run" not in err, err
+    db = str(tmp_path / "profile.db")
+    h.append(db, h.make_event(GEMM, local_gpu))
+    argv = ["count-missing", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps({**GEMM, "m": 8}),
+            "--db", db]
+    assert main(argv, prog=launcher) == 0
+    out = capsys.readouterr().out
+    assert f"measure them: python -m launcher kernel-profile run single_gemm --backend torch-cpu --db {db} " in out
+    assert main(argv) == 0 and "measure them: kprof run single_gemm" in capsys.readouterr().out
+    assert main(["scopes", "--db", absent]) == 2 and "`kprof run` to create one" in capsys.readouterr().err
