@@ -19,6 +19,7 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
         res = api.count_missing(table, backend, given, gpu_name=gpu_name, db=db, **method)
         _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method),
                          now=lambda: effective_entry(lookup(table, backend), **method).contract)
+        _newer_rows(res, res.missing, method)
     if json:
         emit_json(res.to_json())
     else:
@@ -53,6 +54,7 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
         # a table prints its first TABLE_ROWS rows: only those are built as the contract's JSON (100,000 rows took 2 s)
         res = api.query(table, backend, given, gpu_name=gpu_name, db=db, full=None if json else TABLE_ROWS, **method)
         _unknown_gpu_key(res)
+        _newer_rows(res, [r["spec"] for r in res.results if r["status"] in ("missing", "stale")], method)
     if json:
         emit_json(res.to_json())
     else:
@@ -98,3 +100,37 @@ def _unknown_gpu_key(res, stale=None, now=None) -> None:
             have = "has a row" if len(rows) == 1 else "have rows"
             console(stderr=True).print(f"note: {len(rows)} of the {res.count} spec(s) {have} of another timing or "
                                        f"profiler revision (stale; {what}; `kprof query` shows them", markup=False)
+
+
+_LOOKED_AT = 1_000
+
+
+def _newer_rows(res, specs: list[dict], method: dict) -> None:
+    """One note on stderr where specs without an ok row have rows of a newer profiler revision than this kprof's
+    runner measures: a newer kprof's rows, which this one reads as missing (or, beside an older row, stale). They are
+    found as a view of a revision past any reads them: stale, each with its revision. The first _LOOKED_AT such specs
+    are looked at (each is looked up in the ledger's index: 20,000 took a query's time again)."""
+    import msgspec
+
+    from .. import __version__
+    from ..ledger import Ledger
+
+    if not specs:
+        return
+    entry = effective_entry(lookup(res.table, res.backend), **method)
+    ours = entry.contract.profiler_revision
+    past = msgspec.structs.replace(entry.contract, profiler_revision=1 << 62)
+    with Ledger.open(res.db, readonly=True) as ledger:
+        rows = ledger.view(res.table, res.backend, res.gpu_name, past, entry.args).get_many(specs[:_LOOKED_AT])
+    newer = [r.provenance.profiler_revision for r in rows if r.status == "stale" and
+             r.provenance.profiler_revision > ours]
+    if newer:
+        revisions = ", ".join(map(str, sorted(set(newer))))
+        have = "has a row" if len(newer) == 1 else "have rows"
+        of = f"the first {_LOOKED_AT:,} spec(s) without an ok row" if len(specs) > _LOOKED_AT else \
+            f"{res.count} spec(s)"
+        console(stderr=True).print(f"note: {len(newer)} of {of} {have} of profiler revision "
+                                   f"{revisions} in {res.db}, newer than this kprof's ({__version__}: "
+                                   f"{res.table}/{res.backend} at revision {ours}), which reads such rows as missing, "
+                                   f"or stale beside an older one; upgrade kprof to read them (`kprof run` here "
+                                   f"measures those specs again, at revision {ours})", markup=False)

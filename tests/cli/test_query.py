@@ -212,3 +212,23 @@ def test_a_long_table_builds_the_json_of_the_rows_it_prints_only(ledger_path, ca
     doc = _query(capsys, h, ledger_path, *specs)
     assert len(built) == len(doc["results"]) == 60 and doc["missing_count"] == 59
     assert doc["results"][55]["error"] == {"kind": "crash", "message": "segfault in the kernel"}
+
+
+def test_rows_of_a_newer_profiler_revision_are_named_in_a_note(ledger_path, capsys, h, local_gpu):
+    """Rows a newer kprof measured (a newer profiler revision) read as missing with no word: a user of an older install
+    reading a newer ledger was not told why. `query` and `count-missing` now say so on stderr; the answer stays."""
+    from kprof.method import effective_entry
+    from kprof.runners.registry import lookup
+
+    ours = effective_entry(lookup(h.GEMM, h.CPU)).contract.profiler_revision
+    h.append(ledger_path, h.make_event(h.gemm(m=8), local_gpu, revision=ours + 3),
+             h.make_event(h.gemm(m=16), local_gpu))
+    specs = h.spec_args(h.gemm(m=8), h.gemm(m=16), h.gemm(m=32))
+    for verb in ("query", "count-missing"):
+        assert main([verb, h.GEMM, "--backend", h.CPU, *specs, "--db", ledger_path, "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["missing_count"] == 2
+        assert f"note: 1 of 3 spec(s) has a row of profiler revision {ours + 3} in {ledger_path}, newer than this " \
+               f"kprof's" in err and "upgrade kprof to read them" in err, err
+    assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(m=32)), "--db", ledger_path]) == 0
+    assert "newer" not in capsys.readouterr().err
