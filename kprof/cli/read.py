@@ -32,12 +32,27 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
 
 def _run_command(res, spec, specs, gpu_name, method: dict) -> str:
     """The `kprof run` that fills what count-missing found missing: this command's specs, ledger and method (a run
-    measures only the specs without an ok row)."""
+    measures only the specs without an ok row). A method the environment chose (KPROF_TIMER=events, a CPU row's
+    OMP_NUM_THREADS) is written out too, as the ledger is: run where that variable is unset, it measures the same
+    keys."""
     import shlex
 
+    from ..runners.catalog import parse_timing, timing_power, timing_threads
+    from ..settings import environ
     from ._render import typed_as
 
+    entry, env = lookup(res.table, res.backend), environ()
+    timing = effective_entry(entry, **method).contract.timing
     argv = [*typed_as, "run", res.table, "--backend", res.backend, "--db", res.db]
+    if entry.device == "cuda":  # a setting not given as a flag: the value its variable chose, where not the default
+        timer, l2, graph = parse_timing(timing)
+        resolved = dict(timer=timer, l2=l2, cuda_graph=graph, power=timing_power(timing))
+        default = dict(timer="cupti", l2="cold", cuda_graph=False, power="sustained")
+        method = {name: resolved[name] if value is None and resolved[name] != default[name] else value
+                  for name, value in method.items()}
+    threads = next((name for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS") if env.get(name, "").strip()), None)
+    if threads and timing_threads(timing) is not None:  # a torch-cpu row's thread count, as the variable gave it
+        argv[:0] = [f"{threads}={timing_threads(timing)}"]
     argv += ["--gpu-name", gpu_name] if gpu_name is not None else []
     for name, value in method.items():
         if value is not None:

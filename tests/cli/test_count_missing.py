@@ -184,6 +184,8 @@ def test_the_human_answer_names_the_run_that_measures_the_missing_specs(ledger_p
     import shlex
 
     monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # a thread count set here would lead the command
+        monkeypatch.delenv(name, raising=False)
     h.append(ledger_path, h.make_event(h.gemm(), local_gpu))
     specs = tmp_path / "more specs.json"
     specs.write_text(json.dumps([h.gemm(m=8), h.gemm()]))
@@ -199,3 +201,37 @@ def test_the_human_answer_names_the_run_that_measures_the_missing_specs(ledger_p
         capsys.readouterr()
         assert main(argv) == 0
         assert capsys.readouterr().out.splitlines() == [lines[0].replace("1 of 2", "0 of 2")]
+
+
+@pytest.mark.parametrize("backend, env, gpu", [
+    ("torch", {"KPROF_TIMER": "events", "KPROF_L2": "warm", "KPROF_CUDA_GRAPH": "1", "KPROF_POWER": "loaded"},
+     "NVIDIA H200"),
+    ("torch-cpu", {"OMP_NUM_THREADS": "1"}, None)])
+def test_the_run_it_names_keeps_a_method_the_environment_chose(ledger_path, capsys, h, local_gpu, monkeypatch,
+                                                                backend, env, gpu):
+    """`KPROF_TIMER=events kprof count-missing ...` (or a CPU row's OMP_NUM_THREADS=1) named a `kprof run` without that
+    method: pasted where the variable is unset, it measured other keys (the default method's, or every core's) and
+    left these missing. The command now carries the method as the environment chose it: read as printed with the
+    variables unset, it names the very keys count-missing counted."""
+    import shlex
+
+    h.append(ledger_path, h.make_event(h.gemm(), local_gpu))
+    for name in ("KPROF_TIMER", "KPROF_L2", "KPROF_CUDA_GRAPH", "KPROF_POWER", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    given = ["--spec", json.dumps(h.gemm(m=4)), "--db", ledger_path, *(["--gpu-name", gpu] if gpu else [])]
+    assert main(["count-missing", h.GEMM, "--backend", backend, *given]) == 0
+    command = shlex.split(capsys.readouterr().out.splitlines()[1].removeprefix("measure them: "))
+    assert main(["query", h.GEMM, "--backend", backend, *given, "--json"]) == 0
+    key = json.loads(capsys.readouterr().out)["results"][0]["key"]
+    prefix = [word for word in command if "=" in word and word.split("=")[0] in env]
+    assert prefix == [f"{name}={value}" for name, value in env.items() if name.endswith("_THREADS")]
+    for name in env:
+        monkeypatch.delenv(name)
+    for word in prefix:
+        monkeypatch.setenv(*word.split("=", 1))
+    argv = command[len(prefix) + 1:]
+    assert argv[0] == "run"
+    assert main(["query", *argv[1:], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["key"] == key
