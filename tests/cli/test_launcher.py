@@ -124,3 +124,14 @@ def test_messages_name_the_command_as_typed(tmp_path, capsys, h, local_gpu):
     assert f"measure them: python -m launcher kernel-profile run single_gemm --backend torch-cpu --db {db} " in out
     assert main(argv) == 0 and "measure them: kprof run single_gemm" in capsys.readouterr().out
     assert main(["scopes", "--db", absent]) == 2 and "`kprof run` to create one" in capsys.readouterr().err
+
+
+def test_launcher_help_is_an_answer_not_a_usage_error(tmp_path):
+    """`python -m launcher --help` printed its usage on stderr and exited 2, as a mistyped command does: a script that
+    checks the help exits 0 failed. Asked for, the usage goes to stdout, exit 0, and names where the verbs are listed."""
+    for flag in ("--help", "-h"):
+        p = _proc([sys.executable, "-m", "launcher", flag], tmp_path)
+        assert (p.returncode, p.stderr) == (0, ""), p.stderr
+        assert "python -m launcher kernel-profile <verb>" in p.stdout and "kernel-profile --help" in p.stdout
+    p = _proc([sys.executable, "-m", "launcher", "kernel-profile", "--help"], tmp_path)
+    assert p.returncode == 0 and "count-missing" in p.stdout
