@@ -24,8 +24,8 @@ def _remeasure_only(alias):
 
 def audit(*, db: Db = None, json: Json = False,
           jobs: Annotated[int | None, Parameter(name="--jobs", converter=whole, help=(
-              "Shard processes the audit runs, each replaying a share of the keys (1 to 256; default: one per "
-              f"core, up to 8, here {JOBS}); no more run than the CPUs this process may use or the ledger's keys."))
+              "Shard processes the audit runs, each replaying a share of the keys (1 to 256; default: one per CPU "
+              f"this process may use, up to 8, here {JOBS}); no more run than those CPUs or the ledger's keys."))
           ] = None,
           remeasure: Annotated[int | None, Parameter(name="--remeasure", converter=whole, help=(
               "Instead: re-measure N random current rows of this machine's device and report their drift "

@@ -1,4 +1,5 @@
 import json
+import os
 
 import msgspec
 import pytest
@@ -229,3 +230,22 @@ def test_audit_jobs_past_the_cpus_and_keys_run_as_many_shards_as_are_of_use(ledg
     assert errs[1] == ""
     assert docs[0] == docs[1] and f"current: entry {key.hex()[:24]} of the log's replay is not stored" in \
         " ".join(docs[0]["findings"])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a process that may use two CPUs or more, to run one allowed only one")
+def test_the_default_jobs_the_help_states_is_of_the_cpus_this_process_may_use(tmp_path):
+    """`kprof audit --help` said "default: one per core, up to 8, here N" with N the machine's CPU count: a process
+    allowed fewer CPUs (taskset, a container's cpuset) ran fewer shards than the help stated. The default now counts
+    the CPUs this process may use, and the help states that number."""
+    import subprocess
+    import sys
+
+    one = min(os.sched_getaffinity(0))
+    code = ("from kprof.ledger.audit import JOBS; from kprof.cli import main; print(JOBS); "
+            "main(['audit', '--help'])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "COLUMNS": "400"}, preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "1"
+    assert "default: one per CPU this process may use, up to 8, here 1)" in p.stdout
