@@ -16,7 +16,7 @@ def show(ref: Annotated[str, Parameter(help="A citation (`kprof.<hex>`), an even
                                         "prefix of 8 to 64 hex digits; or a measure artifact's citation "
                                         "(`kmeasure.<hex>`).")], *,
          db: Db = None, json: Json = False,
-         search_dir: Annotated[list[str] | None, Parameter(name="--dir", consume_multiple=False, help=(
+         search_dir: Annotated[list[str] | None, Parameter(name="--dir", consume_multiple=False, metavar="DIR", help=(
              "Where to look for a `kmeasure.<hex>` citation: a `kprof measure` output directory, or a directory "
              "holding some; repeatable. Default: the current directory and the directories directly in "
              "it."))] = None) -> int:

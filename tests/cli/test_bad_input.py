@@ -842,6 +842,15 @@ def test_no_verb_has_negative_list_flags(verb, capsys):
     assert "--empty-" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("verb", [verb for verb, _t, _h in VERBS])
+def test_no_verb_shows_a_repeatable_flag_as_taking_several_values(verb, capsys):
+    """`kprof show --help` listed `--dir STR...`, a flag taking several values at once; it takes one a use
+    (`--dir a b` is refused: "--dir takes one value"), repeated as `--dir a --dir b`. It reads `--dir DIR` now."""
+    assert main([verb, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "STR..." not in out and not re.search(r"--\S+ [A-Z_=]+\.\.\.", out), out
+
+
 def test_a_negative_list_flag_is_not_parsed(tmp_path, capsys, h):
     (tmp_path / "specs.json").write_text(json.dumps([SPEC]))
     assert main(["query", h.GEMM, "--backend", h.CPU, "--empty-spec", "--specs", "specs.json"]) == 2
