@@ -11,6 +11,7 @@ from cyclopts import Parameter
 
 from ..calibrate import calibrate as run_calibrate
 from ..calibrate import complete
+from ..ledger import ledger_path
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Timer
 from ._render import console, emit_json, stdout_to_stderr
 
@@ -66,10 +67,11 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
     busy = [f"{c.metric} {c.method['host_busy']} of {c.method['measured']}" for c in found
             if (c.method or {}).get("host_busy")]
     if busy:  # a CPU ceiling is only as high as the host let it run: a low one puts every row's fraction too high
+        again = shlex.join(["kprof", "calibrate", "--backend", backend, "--db", ledger_path(db), "--force"])
         console(stderr=True).print(
             f"note: other work took the host's cores while rows behind these ceilings were timed ({', '.join(busy)} "
             f"row(s), their notes say host_busy): the ceilings may be low, and rows read above them; measure them "
-            f"again on a quieter host with `kprof calibrate --backend {backend} --force`", markup=False)
+            f"again on a quieter host with `{again}`", markup=False)
     return 0 if complete(backend, results, found) else 1
 
 

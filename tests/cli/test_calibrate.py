@@ -549,7 +549,8 @@ def test_calibrate_on_a_busy_host_says_its_ceilings_may_be_low(h, capsys, monkey
     """A calibration timed while other work took the host's cores (a 2-core host beside a busy loop read its GEMM
     ceiling 7x low) exited 0 and said so only as `busy over 3 row(s)` at the end of a method line, nothing at all with
     --json, where `run` prints a note: every row then read several times its ceiling. It now notes it on stderr, with
-    the command that measures the ceilings again."""
+    the command that measures the ceilings again: of this ledger (the command named none, so after `calibrate --db
+    team.db` it measured ./profile.db's ceilings and left team.db's low)."""
     busy = {"host_load_1m": "4.20", "host_busy": "load 4.20 over 2 cores: other work shared them"}
     h.append("p.db", _row(CPU_GEMMS[0], tflops=3.0, notes=busy), _row(CPU_GEMMS[1], tflops=2.0),
              *[_row(x, table="memcpy", gbps=10.0, notes={"host_load_1m": "0.50"}) for x in CPU_COPIES])
@@ -560,11 +561,12 @@ def test_calibrate_on_a_busy_host_says_its_ceilings_may_be_low(h, capsys, monkey
     monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], found))
     monkeypatch.setattr(verb, "complete", lambda *a: True)
     for json_flag in ([], ["--json"]):
-        assert main(["calibrate", "--backend", "torch-cpu", *json_flag]) == 0
+        assert main(["calibrate", "--backend", "torch-cpu", "--db", "p.db", *json_flag]) == 0
         err = " ".join(capsys.readouterr().err.split())
         assert err == ("note: other work took the host's cores while rows behind these ceilings were timed (tflops 1 "
                        "of 2 row(s), their notes say host_busy): the ceilings may be low, and rows read above them; "
-                       "measure them again on a quieter host with `kprof calibrate --backend torch-cpu --force`"), err
+                       "measure them again on a quieter host with `kprof calibrate --backend torch-cpu --db p.db "
+                       "--force`"), err
     quiet = [c for c in found if c.metric == "memory_bandwidth_gbps"]
     monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], quiet))
     assert main(["calibrate", "--backend", "torch-cpu"]) == 0
