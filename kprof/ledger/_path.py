@@ -19,11 +19,11 @@ _LMDB_MAGIC, _MAGIC_AT = (0xBEEFC0DE).to_bytes(4, sys.byteorder), 16
 
 
 def ledger_path(db: str | os.PathLike | None = None) -> str:
-    """The ledger file to use: `db` when given, else $KPROF_DB, else ./profile.db. An empty or blank `db` (often an
-    unset shell variable) is refused rather than taken for the default, and so is a blank KPROF_DB."""
+    """The ledger file: `db`, else $KPROF_DB (spaces around it dropped), else ./profile.db; a blank one is refused."""
     if db is not None and not isinstance(db, (str, os.PathLike)):
         raise UsageError(f"db={db!r} is not a path ({type(db).__name__}); pass the ledger file's path as a str")
-    path = (os.environ.get("KPROF_DB", "") or "profile.db") if db is None else os.fspath(db)
+    env = os.environ.get("KPROF_DB", "")  # an empty one is unset; a blank one stays blank, refused below
+    path = os.fspath(db) if db is not None else env.strip() or env or "profile.db"
     names = ("KPROF_DB=",) * 2 if db is None else ("db=", "--db ")  # as a Python keyword, and as a verb's flag
     if not path.strip():
         raise LedgerPathError(*(f"{n}{path!r} is {'blank' if db is None else 'empty'}; pass the ledger file (e.g. {n}"

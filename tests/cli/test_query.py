@@ -192,6 +192,22 @@ def test_default_db_is_kprof_db_then_cwd(tmp_path, monkeypatch, capsys, h, local
     assert not os.path.exists(tmp_path / "profile.db")
 
 
+def test_spaces_around_kprof_db_do_not_matter(tmp_path, monkeypatch, capsys, h, local_gpu):
+    """The README says surrounding spaces of a KPROF_* setting do not matter, but KPROF_DB=' env.db ' was read as the
+    file ' env.db ': a read said "no ledger at  env.db " (the spaces unseen), and `run` created a ledger of that name
+    beside the one meant. The spaces are dropped, as every other KPROF_* setting's are."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "0.02")
+    h.append("env.db", h.make_event(h.gemm(), local_gpu))
+    monkeypatch.setenv("KPROF_DB", " env.db ")
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["db"] == "env.db" and doc["results"][0]["status"] == "ok"
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm(m=8)), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["db"] == "env.db"
+    assert sorted(os.listdir(tmp_path)) == ["env.db", "env.db-claims", "env.db-lock"]
+
+
 def test_a_long_table_builds_the_json_of_the_rows_it_prints_only(ledger_path, capsys, h, local_gpu, monkeypatch):
     """A table prints its first 50 rows and counts the rest: it built every row's JSON first (2 s of a 100,000-spec
     query's 3.3 s). It builds those it prints; a failed row past them still prints its error, and is counted, and
