@@ -33,8 +33,8 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
 def _run_command(res, spec, specs, gpu_name, method: dict) -> str:
     """The `kprof run` that fills what count-missing found missing: this command's specs, ledger and method (a run
     measures only the specs without an ok row). A method the environment chose (KPROF_TIMER=events, a CPU row's
-    OMP_NUM_THREADS) is written out too, as the ledger is: run where that variable is unset, it measures the same
-    keys."""
+    OMP_NUM_THREADS) is written out too, as the ledger is, and the KPROF_RUNNERS a table of one's own needs: run where
+    those variables are unset, it measures the same keys."""
     import shlex
 
     from ..runners.catalog import parse_timing, timing_power, timing_threads
@@ -53,6 +53,8 @@ def _run_command(res, spec, specs, gpu_name, method: dict) -> str:
     threads = next((name for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS") if env.get(name, "").strip()), None)
     if threads and timing_threads(timing) is not None:  # a torch-cpu row's thread count, as the variable gave it
         argv[:0] = [f"{threads}={timing_threads(timing)}"]
+    if not entry.runner.startswith("kprof.") and env.get("KPROF_RUNNERS", "").strip():  # a table of one's own
+        argv[:0] = [f"KPROF_RUNNERS={env['KPROF_RUNNERS'].strip()}"]
     argv += ["--gpu-name", gpu_name] if gpu_name is not None else []
     for name, value in method.items():
         if value is not None:

@@ -235,3 +235,39 @@ def test_the_run_it_names_keeps_a_method_the_environment_chose(ledger_path, caps
     assert argv[0] == "run"
     assert main(["query", *argv[1:], "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["key"] == key
+
+
+def test_the_run_it_names_for_a_table_of_one_s_own_names_its_module(ledger_path, tmp_path, capsys, h, monkeypatch):
+    """`KPROF_RUNNERS=mykern.softmax kprof count-missing my_softmax ...` named `kprof run my_softmax ...`: pasted where
+    the variable is unset, that is "unknown table 'my_softmax'". The command now begins with the KPROF_RUNNERS it
+    needs (and only a table of one's own needs it)."""
+    import importlib
+    import pathlib
+    import shlex
+    import sys
+
+    from kprof.runners import registry
+
+    readme = (pathlib.Path(__file__).parent.parent.parent / "README.md").read_text()
+    block = readme[readme.index("# mykern/softmax.py, then:"):]
+    (tmp_path / "mykern").mkdir()
+    (tmp_path / "mykern" / "__init__.py").write_text("")
+    (tmp_path / "mykern" / "softmax.py").write_text(block[:block.index("```")])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.entries()  # the catalog first: a registry that is not empty is taken as loaded
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KPROF_RUNNERS", " mykern.softmax ")
+    h.append(ledger_path, h.make_event(h.gemm(), "some GPU"))
+    try:
+        importlib.import_module("mykern.softmax")  # as KPROF_RUNNERS has it imported where the registry loads
+        for table, spec in (("my_softmax", {"tokens": 8, "vocab": 64}), (h.GEMM, h.gemm(m=8))):
+            assert main(["count-missing", table, "--backend", h.CPU, "--spec", json.dumps(spec),
+                         "--db", ledger_path]) == 0
+            command = shlex.split(capsys.readouterr().out.splitlines()[1].removeprefix("measure them: "))
+            assert command[:3] == (["KPROF_RUNNERS=mykern.softmax", "kprof", "run"] if table == "my_softmax" else
+                                   ["kprof", "run", table])
+    finally:
+        for name in ("mykern.softmax", "mykern"):
+            sys.modules.pop(name, None)
