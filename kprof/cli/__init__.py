@@ -271,6 +271,16 @@ def _end_by_signal() -> None:
     os.kill(os.getpid(), sig)
 
 
+def _audit_of_db(message: str, argv: list[str]) -> str:
+    """A damaged ledger's advice to "run `kprof audit`" names the ledger given with --db: `kprof audit` alone audits
+    $KPROF_DB or ./profile.db, and would report another file clean."""
+    import shlex
+
+    db = next((b for a, b in zip(argv, argv[1:]) if a == "--db"), None) or next(
+        (a.removeprefix("--db=") for a in argv if a.startswith("--db=")), None)
+    return message.replace("run `kprof audit`", f"run `kprof audit --db {shlex.quote(db)}`") if db else message
+
+
 def _main(argv: list[str], prog: str = "kprof") -> int:
     for stream in (sys.stdout, sys.stderr):  # a non-UTF-8 terminal shows what it cannot encode as escapes, not a crash
         if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and \
@@ -306,7 +316,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
         from ._render import error
 
         if str(exc):  # OutputClosed says nothing: the reader of stdout went away
-            error(exc.cli if isinstance(exc, SettingError) else str(exc))
+            error(_audit_of_db(exc.cli if isinstance(exc, SettingError) else str(exc), argv))
         return exc.exit_code
     except Exception as exc:
         from ._render import error
@@ -325,7 +335,8 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
                   f"limit (ulimit -f) or failing; nothing of the failed transaction was stored and every earlier "
                   f"row stays (`kprof audit` confirms it). Free space and run again")
             return 2
-        error(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full report")
+        error(_audit_of_db(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full "
+                           f"report", argv))
         return 3
     finally:
         if restore is not None:

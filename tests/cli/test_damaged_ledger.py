@@ -350,3 +350,22 @@ def test_a_history_entry_naming_another_keys_event_is_refused_not_shown_as_its_h
     assert main(["show", "kprof." + eid.hex()[:16], "--db", db]) == 3
     out, err = capsys.readouterr()
     assert out == "" and f"event {other.hex()} belongs to key" in err and "kprof audit" in err, err
+
+
+def test_the_audit_a_damaged_ledger_s_error_names_is_of_that_ledger(h, rows, capsys, monkeypatch, tmp_path):
+    """`kprof query ... --db team.db` on a damaged ledger said "run `kprof audit` for the full report": run as said,
+    that audits $KPROF_DB or ./profile.db, another file, and may report it clean. The advice names the ledger given
+    with --db (and stays as it was where none was: `kprof audit` reads the same default)."""
+    db, specs, _eids = rows
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        key, value = next(iter(txn.cursor(ledger.dbs["current"])))
+    _tamper(db, lambda txn, dbs: txn.put(key, value[:-1] + bytes([value[-1] ^ 1]), db=dbs["current"]))
+    monkeypatch.chdir(tmp_path)
+    count = ["count-missing", h.GEMM, "--backend", h.CPU, *h.spec_args(*specs), f"--db={db}"]
+    for argv in (_verbs(h, db, specs, "")["query"], count, ["show", key.hex(), "--db", db]):
+        assert main(argv) == 3, argv
+        err = capsys.readouterr().err
+        assert f"run `kprof audit --db {db}` for the full report" in err, err
+    monkeypatch.setenv("KPROF_DB", db)
+    assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(*specs)]) == 3
+    assert "; run `kprof audit` for the full report" in capsys.readouterr().err
