@@ -194,7 +194,7 @@ def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> str | Non
            "or" if "threads=" in timing else "; with this read's --timer, --l2, --cuda-graph and --power,")
     return (f"note: no {' or '.join(absent)} ceiling for these rows: the calibration rows of {gpu_key!r} here were "
             f"timed {', '.join(other)}, not {timing} (profiler revision {entry.contract.profiler_revision}){fix} "
-            f"`kprof calibrate --backend {entry.backend}` measures the ceilings under this one")
+            f"`kprof calibrate --backend {entry.backend} --db {ledger.path}` measures the ceilings under this one")
 
 
 def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical, full: int | None = None) -> QueryResult:

@@ -512,7 +512,8 @@ def test_a_calibration_of_another_thread_count_is_named_not_silently_absent(h, c
     assert err.startswith("note: no tflops or memory_bandwidth_gbps ceiling for these rows: the calibration rows of "
                           "'Test GPU' here were timed cpu-wall;l2=warm;eager;threads=1 (profiler revision 1), not "
                           "cpu-wall;l2=warm;eager;threads=2"), err
-    assert "set OMP_NUM_THREADS to that count" in err and "`kprof calibrate --backend torch-cpu`" in err
+    # the calibrate it names is of this ledger: without --db it measured ./profile.db's ceilings, not p.db's
+    assert "set OMP_NUM_THREADS to that count" in err and "`kprof calibrate --backend torch-cpu --db p.db`" in err
     assert api.query(h.GEMM, h.CPU, [row], gpu_name=GPU, db="p.db").ceiling_note == err
     assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(row), "--db", "p.db", "--gpu-name", GPU]) == 0
     assert capsys.readouterr().err == ""  # the table shows no ceiling: nothing to explain
@@ -526,7 +527,7 @@ def test_a_calibration_of_another_thread_count_is_named_not_silently_absent(h, c
     note = api.query(h.GEMM, "torch", [h.gemm(dtype="bf16")], gpu_name=GPU, db="p.db").ceiling_note
     assert "were timed events;l2=cold;eager (profiler revision 5), not cupti;l2=cold;eager" in note, note
     assert note.endswith("; with this read's --timer, --l2, --cuda-graph and --power, `kprof calibrate --backend "
-                         "torch` measures the ceilings under this one"), note
+                         "torch --db p.db` measures the ceilings under this one"), note
 
 
 def test_a_calibration_of_an_older_revision_says_so_not_to_set_the_thread_count(h, capsys, monkeypatch):
@@ -541,7 +542,7 @@ def test_a_calibration_of_an_older_revision_says_so_not_to_set_the_thread_count(
     note = api.query(h.GEMM, h.CPU, [row], gpu_name=GPU, db="p.db").ceiling_note
     assert ("were timed cpu-wall;l2=warm;eager;threads=1 (profiler revision 0), not cpu-wall;l2=warm;eager;threads=1 "
             "(profiler revision 1); they are of an older profiler revision (stale): `kprof calibrate --backend "
-            "torch-cpu` measures the ceilings under this one") in note, note
+            "torch-cpu --db p.db` measures the ceilings under this one") in note, note
     assert "OMP_NUM_THREADS" not in note
 
 
