@@ -867,3 +867,21 @@ def test_a_run_on_a_dumb_terminal_reports_its_progress_in_lines(ledger_path, cap
                  "--force"]) == 0
     err = capsys.readouterr().err
     assert "\x1b" not in err and sum(ln.startswith("progress: ") for ln in err.splitlines()) == 2, err
+
+
+@pytest.mark.parametrize("runner", ["kprof.runners.gemm:NoSuchRunner", "no_such_module_here:Runner"])
+def test_a_runner_that_does_not_load_is_refused_before_a_ledger_is_made(tmp_path, capsys, h, monkeypatch, runner):
+    """A plugin entry whose runner does not load (a typo in its name, a module that does not import) was refused with
+    exit 2 only once the run had made the ledger, its lock file and its claims directory: bad input left files
+    behind. It is refused before anything is made, as every other bad input is."""
+    import msgspec
+
+    from kprof.runners import registry
+
+    registry.entries()  # the catalog first: a registry that is not empty is taken as loaded
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    registry.register(msgspec.structs.replace(lookup(h.GEMM, h.CPU), table="typo_gemm", runner=runner))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "typo_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", "new.db"]) == 2
+    assert "names runner" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
