@@ -210,7 +210,9 @@ def busy_host_note(what: str, mode: str, remote: bool = False) -> str:
         stored, again = "", "the same command" + (" with a new --output-dir" if remote else "")
     else:
         stored = " (their notes say host_busy)"
-        again = "the same command with --force and a new --output-dir" if remote else "`kprof run --force`"
+        # this command's own words, not `kprof run --force` (which names no table)
+        again = "the same command with --force and a new --output-dir" if remote else \
+            "the same command with --force (and a new --output-dir, where it had one)"
     return f"note: {what}: other work slowed them{stored}; measure again on a quieter host with {again}"
 
 
