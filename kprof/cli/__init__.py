@@ -7,6 +7,7 @@ import functools
 import sys
 
 from .. import __version__
+from .._limits import hit  # here, not where an error is handled: that import may be refused a descriptor (ulimit -n)
 from ..errors import KprofError, SettingError, UsageError
 
 __all__ = ["app", "main"]
@@ -315,6 +316,9 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
     except KprofError as exc:
         from ._render import error
 
+        if (limit := hit(exc.__context__)) is not None:  # raised for a limit it ran into (ulimit -n, -v), worded so
+            error(f"{limit} (every row stored before stays)")
+            return 2
         if str(exc):  # OutputClosed says nothing: the reader of stdout went away
             error(_audit_of_db(exc.cli if isinstance(exc, SettingError) else str(exc), argv))
         return exc.exit_code
@@ -326,6 +330,9 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
             said = _stream(verb, argv) or _missing(exc, argv) or _one_pair(exc, verb, argv) or (
                 str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc))
             error(f"{said}; see `{prog} {verb + ' ' if verb else ''}--help`")
+            return 2
+        if (limit := hit(exc)) is not None:  # a resource limit (ulimit -n, -v), not damage: a traceback before
+            error(f"{limit} (every row stored before stays)")
             return 2
         if not _ledger_failure(exc):
             raise

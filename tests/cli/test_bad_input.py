@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from kprof import api
+from kprof import api, synth
+from kprof._limits import hit
 from kprof.cli import VERBS, main
 from kprof.errors import LedgerError, UsageError
 from kprof.ledger import Ledger
@@ -1095,3 +1096,38 @@ def test_a_utf8_value_under_a_c_locale_without_utf8_mode_names_the_locale(where,
     assert f"error: {value} is UTF-8, but Python reads arguments and variables here as ascii" in p.stderr, p.stderr
     assert "set PYTHONUTF8=1, or a UTF-8 locale (LC_ALL=C.UTF-8)" in p.stderr and "byte 0" not in p.stderr
     assert os.listdir(tmp_path) == []
+
+
+_FEW_DESCRIPTORS = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)); held = []\n"
+                    "while len(held) < 70:\n    try:\n        held.append(os.open(os.devnull, os.O_RDONLY))\n"
+                    "    except OSError:\n        break\n"
+                    "[os.close(fd) for fd in held[:int(sys.argv[1])]]\n"
+                    "from kprof.cli import main; sys.exit(main(sys.argv[2:]))")  # `ulimit -n`, all but N taken
+
+
+@pytest.mark.parametrize("exc, said", [
+    (OSError(24, "Too many open files"), "too many open files ([Errno 24] Too many open files): this process may have"),
+    (Exception("p.db: Too many open files in system"), "the system's table of open files is full (p.db: Too many open "
+                                                        "files in system); close files elsewhere"),
+    (MemoryError(), "out of "), (ValueError("no limit"), None)])
+def test_a_limit_is_told_from_the_error_that_met_it(exc, said):
+    """What a descriptor, file-table or memory error met, told by its errno or (LMDB's) its text: the system's full
+    file table (ENFILE) is not this process's ulimit -n."""
+    assert hit(exc) is None if said is None else hit(exc).startswith(said), hit(exc)
+
+
+@pytest.mark.parametrize("free, verb", [(6, ["audit", "--jobs", "2"]), (8, ["audit", "--jobs", "2"]),
+                                        (5, ["run", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps(SPEC)])])
+def test_too_few_file_descriptors_is_one_line_naming_ulimit_n(tmp_path, free, verb):
+    """A process out of file descriptors (`ulimit -n`) where audit makes its shard processes' pipes was an OSError
+    traceback (exit 1), and a run refused its claims directory said to fix or remove it; either is one line naming
+    the limit and its fix now, exit 2, and the ledger is as it was."""
+    db = str(tmp_path / "p.db")
+    with Ledger.open(db) as led:
+        led.append(list(synth.events(1, 3)))
+    before = (tmp_path / "p.db").read_bytes()
+    proc = subprocess.run([sys.executable, "-c", _FEW_DESCRIPTORS, str(free), *verb, "--db", db],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "too many open files" in proc.stderr and "ulimit -n 64" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and (tmp_path / "p.db").read_bytes() == before
