@@ -1,5 +1,5 @@
 """The process's resource limits (ulimit -n, ulimit -v): the one an error ran into, named with its value and fix (LMDB's
-errors carry only the system's message, so they are matched by its text)."""
+errors carry only the system's message, so they are matched by its text), and the memory map a ledger may ask for."""
 
 from __future__ import annotations
 
@@ -27,3 +27,10 @@ def hit(exc: BaseException | None) -> str | None:
                     f"limit (ulimit -v unlimited) and run again")
     return None
 
+
+def map_size(requested: int) -> int:
+    """The memory map to open a ledger with: `requested`, within a quarter of the address space ulimit -v allows (the
+    rest is the process's own: Python, torch, its threads). LMDB maps at least the pages the file uses, and a write
+    that fills the map grows it (see ledger._env)."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return requested if soft == resource.RLIM_INFINITY else min(requested, soft // 4)

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 import lmdb
 import msgspec
 
-from .. import _scratch
+from .. import _limits, _scratch
 from ..errors import IntegrityError, LedgerError, LedgerPathError, LedgerVersionError, Uncreated, UsageError
 from . import _codec
 from ._env import (CREATE_WAIT_S, _FORK_FIX, _await_reads, _begin, _check_file, _envs, _identity, _inherited, _live,
@@ -33,7 +33,7 @@ __all__ = ["Ledger", "AppendResult", "DEFAULT_MAP_SIZE", "ledger_path"]
 
 DBS = ("events", "log", "current", "scope_index", "history", "failures", "retracted", "scopes", "meta")
 VIEW_DBS = ("current", "scope_index", "history", "failures", "retracted", "scopes")
-DEFAULT_MAP_SIZE = 1 << 34  # 16 GiB of address space; the file only grows as pages are used
+DEFAULT_MAP_SIZE = 1 << 34  # 16 GiB of address space (less under ulimit -v); the file only grows as pages are used
 
 
 def _version(raw: bytes | None) -> int | None:
@@ -72,7 +72,7 @@ class Ledger:
         while True:
             try:
                 with _lock:  # one thread at a time opens or releases an environment (one per file in a process)
-                    return cls._open(path, readonly, map_size, readahead, deadline)
+                    return cls._open(path, readonly, _limits.map_size(map_size), readahead, deadline)
             except _Creating:
                 time.sleep(0.01)
 

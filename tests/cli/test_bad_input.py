@@ -1131,3 +1131,28 @@ def test_too_few_file_descriptors_is_one_line_naming_ulimit_n(tmp_path, free, ve
     assert proc.returncode == 2, proc.stderr
     assert "too many open files" in proc.stderr and "ulimit -n 64" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and (tmp_path / "p.db").read_bytes() == before
+
+
+_ADDRESS_SPACE = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]),) * 2); "
+                  "from kprof.cli import main; sys.exit(main(sys.argv[2:]))")  # `ulimit -v`
+
+
+def test_a_ledger_opens_under_an_address_space_limit_below_its_16_gib_map(tmp_path):
+    """Every ledger was opened with a 16 GiB memory map, so under any `ulimit -v` below that (a batch queue's) every
+    verb failed to open it ("Cannot allocate memory; check the path and its permissions", exit 2): the map is kept
+    within a quarter of the limit (LMDB maps the pages in use, and grows the map as a write needs), and a 4 GiB
+    limit reads, exports and merges rows."""
+    db, seg, merged = (str(tmp_path / n) for n in ("p.db", "p.kseg", "m.db"))
+    with Ledger.open(db) as led:
+        led.append(list(synth.events(1, 3)))
+
+    def limited(*args):
+        return subprocess.run([sys.executable, "-c", _ADDRESS_SPACE, str(4 << 30), *args], capture_output=True,
+                              text=True, cwd=tmp_path)
+
+    for args in (["scopes", "--db", db], ["audit", "--db", db], ["export", "-o", seg, "--db", db],
+                 ["merge", seg, "--db", merged]):
+        proc = limited(*args)
+        assert proc.returncode == 0, (args, proc.stderr)
+    with Ledger.open(merged, readonly=True) as led, Ledger.open(db, readonly=True) as source:
+        assert led.last_seq == source.last_seq == 2
