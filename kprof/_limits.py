@@ -19,7 +19,8 @@ def hit(exc: BaseException | None) -> str | None:
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             return (f"too many open files ({said}): this process may have {soft} open (ulimit -n {soft}); raise the "
                     f"limit (e.g. ulimit -n 4096) and run again")
-        if isinstance(err, MemoryError) or code == errno.ENOMEM or os.strerror(errno.ENOMEM) in said:
+        if isinstance(err, MemoryError) or code == errno.ENOMEM or os.strerror(errno.ENOMEM) in said or \
+                isinstance(err, ImportError) and "failed to map segment" in said:  # a library (torch) dlopen refused
             soft = resource.getrlimit(resource.RLIMIT_AS)[0]
             if soft == resource.RLIM_INFINITY:
                 return f"out of memory ({said}); free memory (end other work) and run again"

@@ -1156,3 +1156,16 @@ def test_a_ledger_opens_under_an_address_space_limit_below_its_16_gib_map(tmp_pa
         assert proc.returncode == 0, (args, proc.stderr)
     with Ledger.open(merged, readonly=True) as led, Ledger.open(db, readonly=True) as source:
         assert led.last_seq == source.last_seq == 2
+
+
+def test_a_run_whose_torch_cannot_be_mapped_under_ulimit_v_is_one_line(tmp_path):
+    """Under an address space limit too small for torch's libraries, a run ended with an ImportError traceback ("failed
+    to map segment from shared object", exit 1, read as rows left missing); it is one line naming the limit and its
+    fix, exit 2, and no ledger is made."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # numpy's OpenBLAS sizes its buffers by thread: not that limit
+    proc = subprocess.run([sys.executable, "-c", _ADDRESS_SPACE, str(150 << 20), "run", "single_gemm", "--backend",
+                           "torch-cpu", "--spec", json.dumps(SPEC), "--db", "p.db"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "out of address space" in proc.stderr and "ulimit -v allows this process 153600 KiB" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "p.db")
