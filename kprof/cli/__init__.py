@@ -4,6 +4,8 @@ what they use (no torch, cupti or pynvml on the read path). The app itself is bu
 from __future__ import annotations
 
 import functools
+import re
+import shlex
 import sys
 
 from .. import __version__
@@ -139,6 +141,10 @@ def _missing(exc: Exception, argv: list[str]) -> str | None:
     helps = (argument.parameter.help or "").rstrip(".")
     what = f": {helps[:1].lower()}{helps[1:]}" if helps else ""
     given = next((n for n in names if n in argv or any(a.startswith(n + "=") for a in argv)), None)
+    after = argv[argv.index(given) + 1:][:1] if given in argv else []  # what followed: `--db -x.db`, read as a flag
+    if after and after[0].startswith("-") and not re.fullmatch(r"--?[A-Za-z][A-Za-z-]*", after[0]):  # no flag's name
+        return (f"{given} needs a value{what}; {after[0]!r} after it reads as an option: to pass it as the value, "
+                f"write {shlex.quote(f'{given}={after[0]}')}")
     if given:
         return f"{given} needs a value{what}"
     if argument.field_info.kind is argument.field_info.POSITIONAL_OR_KEYWORD:

@@ -954,6 +954,26 @@ def test_a_required_argument_left_out_is_named_as_the_usage_line_names_it(argv, 
 
 
 @pytest.mark.parametrize("argv, said", [
+    (["query", "single_gemm", "--backend", "torch-cpu", "--spec", "{}", "--db", "-old.db"],
+     "error: --db needs a value: ledger file. Default: $KPROF_DB, else ./profile.db; '-old.db' after it reads as an "
+     "option: to pass it as the value, write --db=-old.db; see `kprof query --help`"),
+    (["export", "-o", "-rows.kseg"], "; '-rows.kseg' after it reads as an option: to pass it as the value, write "
+                                     "-o=-rows.kseg; see `kprof export --help`"),
+    (["query", "single_gemm", "--backend", "torch-cpu", "--db", "--spec", "{}"],
+     "error: --db needs a value: ledger file. Default: $KPROF_DB, else ./profile.db; see `kprof query --help`"),
+    (["query", "single_gemm", "--backend", "torch-cpu", "--spec", "{}", "--db", "-old ledger.db"],
+     ": to pass it as the value, write '--db=-old ledger.db'; see `kprof query --help`")])
+def test_a_value_starting_with_a_dash_is_said_to_read_as_an_option(argv, said, tmp_path, capsys):
+    """A ledger or segment whose name starts with '-' (`--db -old.db`) was refused as "--db needs a value", where one
+    was given, with no way to pass it; the line says the value read as an option and how to pass it (`--db=-old.db`),
+    and a flag's name after the flag (`--db --spec`) is still only a missing value."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith(said + "\n") and err.count("\n") == 1, err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv, said", [
     (["export", "-o", "-", "--db", "p.db"], "error: -o -: a segment is a file, not stdout"),
     (["export", "--output", "-"], "error: -o -: a segment is a file, not stdout"),
     (["export", "-o=-", "--db", "p.db"], "error: -o -: a segment is a file, not stdout"),
