@@ -139,7 +139,9 @@ def _missing(exc: Exception, argv: list[str]) -> str | None:
         return None
     names = [n for n in argument.parameter.name or () if n.startswith("-")]
     helps = (argument.parameter.help or "").rstrip(".")
-    what = f": {helps[:1].lower()}{helps[1:]}" if helps else ""
+    first = helps.split(" ")[0]  # "The table" reads "the table", and an acronym ("GPU key") stays as it is
+    lower = helps[:1] if len(first) > 1 and first.isupper() else helps[:1].lower()
+    what = f": {lower}{helps[1:]}" if helps else ""
     given = next((n for n in names if n in argv or any(a.startswith(n + "=") for a in argv)), None)
     after = argv[argv.index(given) + 1:][:1] if given in argv else []  # what followed: `--db -x.db`, read as a flag
     if after and after[0].startswith("-") and not re.fullmatch(r"--?[A-Za-z][A-Za-z-]*", after[0]):  # no flag's name

@@ -943,7 +943,9 @@ def test_a_second_table_or_backend_is_refused_by_the_one_pair_rule(argv, said, t
     (["show"], "error: REF is missing: a citation (`kprof.<hex>`), an event id or a key"),
     (["merge"], "error: SEGMENTS is missing: segment files to merge"),
     (["export"], "error: -o/--output is missing: the new segment file"),
-    (["export", "-o"], "error: -o needs a value: the new segment file")])
+    (["export", "-o"], "error: -o needs a value: the new segment file"),
+    (["query", "single_gemm", "--backend", "torch-cpu", "--gpu-name"], "error: --gpu-name needs a value: GPU key of "
+                                                                          "the rows")])
 def test_a_required_argument_left_out_is_named_as_the_usage_line_names_it(argv, said, tmp_path, capsys):
     """cyclopts said `Command "query" parameter --table requires an argument` for a query with no table: a
     positional TABLE read as a flag to add, and nothing said what it takes."""
