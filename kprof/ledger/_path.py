@@ -83,7 +83,7 @@ def _with_lock(path: str, real: str, readonly: bool) -> bool:
     if readonly and not os.path.lexists(lock) and not os.access(os.path.dirname(os.path.abspath(real)), os.W_OK):
         return False
     try:  # one this user cannot open or write is left to LMDB's open, which names it
-        with os.fdopen(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644), "rb") as f:
+        with os.fdopen(os.open(lock, os.O_RDWR | os.O_CREAT, 0o666), "rb") as f:  # as umask allows, as the file
             os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size or 32768)
     except (OSError, AttributeError) as exc:  # (macOS has no posix_fallocate: there LMDB sizes it, as it did)
         if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):

@@ -30,9 +30,8 @@ class KeyMaker:
 
     def keys_of(self, shapes: list) -> list[bytes]:
         """Keys of canonical shapes in bulk: chained maps over C methods, no Python frame per key."""
-        n = len(shapes)
         try:
-            return list(map(blake3.digest, map(blake3.update, map(blake3.copy, repeat(self._hasher, n)),
+            return list(map(blake3.digest, map(blake3.update, map(blake3.copy, repeat(self._hasher, len(shapes))),
                                                map(_codec.encode, shapes))))
         except OverflowError:  # an int field without bounds holding an int msgpack cannot carry: name it
             for i, shape in enumerate(shapes):

@@ -104,7 +104,8 @@ class Ledger:
             try:
                 entry = [lmdb.open(os.fsencode(real), subdir=False, readonly=env_readonly, max_dbs=len(DBS) + 4,
                                    map_size=map_size, lock=lock, sync=True, metasync=True, readahead=readahead,
-                                   max_readers=510), 0, _identity(real)[:2], 0, _identity(real + "-lock")[:2], None]
+                                   max_readers=510, mode=0o666), 0, _identity(real)[:2], 0,  # (as umask allows)
+                         _identity(real + "-lock")[:2], None]
             except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:  # the header's version, or the lock file's
                 lock_file = f" (or its lock file: remove {real}-lock while no process has the ledger open)" * (
                     isinstance(exc, lmdb.VersionMismatchError))

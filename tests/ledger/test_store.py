@@ -485,3 +485,15 @@ def test_no_transaction_of_another_thread_begins_while_a_thread_changes_the_map(
         reader.close()
     assert seen == [False]
     assert answers == {"first": ["ok"] * 5, "other": ["ok"] * 5}
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_the_ledger_and_its_lock_file_are_made_as_the_umask_allows(tmp_path, umask, mode):
+    """The ledger and its lock file were made rw-r--r-- whatever the umask, so under umask 002 in a group's directory
+    a teammate could not even read the ledger (LMDB's readers write the lock file's reader table); both are made as
+    the umask allows now, as the claims and segments are."""
+    code = "import sys; from kprof.ledger import Ledger; Ledger.open(sys.argv[1]).close()"
+    db = tmp_path / "p.db"
+    subprocess.run([sys.executable, "-c", code, str(db)], check=True, preexec_fn=lambda: os.umask(umask))
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()} == \
+        {"p.db": oct(mode), "p.db-lock": oct(mode)}
