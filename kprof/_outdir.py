@@ -13,7 +13,7 @@ from typing import Iterator
 from ._scratch import hold, unheld
 from .errors import UsageError
 
-__all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "replace_whole", "READ_ONLY"]
+__all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "make_read_only", "replace_whole"]
 
 _FIX = "pass a new directory (it is created if absent)"
 READ_ONLY = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # the mode of an output's files
@@ -79,7 +79,18 @@ def write_once(path: str, data: bytes) -> None:
     """A new file `path` holding `data`, read-only (never written over an existing file)."""
     with open(path, "xb") as f:  # "x": never overwrite
         f.write(data)
-    os.chmod(path, READ_ONLY)
+    make_read_only(path)
+
+
+def make_read_only(path: str) -> None:
+    """An output's file made read-only for those the umask lets read it (umask 077: its owner alone)."""
+    os.chmod(path, READ_ONLY & ~_umask())
+
+
+def _umask() -> int:
+    umask = os.umask(0o022)  # (read by setting it)
+    os.umask(umask)
+    return umask
 
 
 def replace_whole(path: str, data: bytes) -> None:
@@ -89,9 +100,7 @@ def replace_whole(path: str, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}-", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
-            umask = os.umask(0o022)
-            os.umask(umask)
-            os.fchmod(f.fileno(), 0o666 & ~umask)  # (mkstemp's are private to their owner)
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # (mkstemp's are private to their owner)
             f.write(data)
         os.replace(tmp, path)
     finally:

@@ -143,7 +143,7 @@ def _plot(c: dict, path: str) -> bool:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    os.chmod(path, _outdir.READ_ONLY)
+    _outdir.make_read_only(path)
     return True
 
 

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 
@@ -428,6 +429,21 @@ def test_an_output_dir_under_a_read_only_directory_is_refused_before_any_work(tm
     assert f"--output-dir {locked / 'run1'} cannot be created: {locked} is not writable" in proc.stderr
     assert existing.returncode == 2 and f"--output-dir {locked} is not writable" in existing.stderr
     assert sorted(os.listdir(tmp_path)) == ["locked"] and os.listdir(locked) == []  # no ledger, no snapshot
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o444), (0o077, 0o400)])
+def test_a_snapshot_is_read_only_for_those_the_umask_lets_read_it(tmp_path, capsys, h, umask, mode):
+    """The snapshot's files were made r--r--r-- whatever the umask, so under umask 077 a run into an existing shared
+    --output-dir left its results, command and host readable by every user; they are read-only as the umask allows."""
+    os.mkdir("snap", 0o755)
+    was = os.umask(umask)
+    try:
+        assert main(_run_into("snap", h, "p.db")) == 0
+    finally:
+        os.umask(was)
+    capsys.readouterr()
+    modes = {name: stat.S_IMODE(os.stat(os.path.join("snap", name)).st_mode) for name in os.listdir("snap")}
+    assert "results.json" in modes and set(modes.values()) == {mode}, modes
 
 
 def test_a_snapshot_that_cannot_be_written_after_the_run_says_so(tmp_path, capsys, h, monkeypatch):
