@@ -232,6 +232,20 @@ def _utf8(argv: list[str]) -> None:
                          f"another encoding)")
 
 
+def _here() -> None:
+    """Refuses a current directory removed since the shell entered it (a batch job's scratch directory cleaned up):
+    relative paths name nothing there, and spawned processes (audit's shards, workers) and torch's libraries failed
+    to start in it, as a traceback or a C library's fatal error."""
+    import os
+
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        shown = f" ({os.environ['PWD']})" if os.environ.get("PWD") else ""
+        raise UsageError(f"the current directory{shown} was removed; cd to a directory that exists and run the "
+                         f"command again") from None
+
+
 def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), program: bool | None = None) -> int:
     """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143: an
     interrupt; 141: the reader of stdout left). `prog` is the command's words before the verb, as the records name it
@@ -307,6 +321,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
 
         restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)
         _utf8(argv)
+        _here()
         # built here (see _app): a Ctrl-C while cyclopts loads is an interrupt, as in a verb; the launcher's names it
         app = sys.modules[__name__].app if prog == "kprof" else _app(prog)
         result = app(argv)

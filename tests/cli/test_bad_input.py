@@ -1207,3 +1207,20 @@ def test_a_run_whose_torch_cannot_be_mapped_under_ulimit_v_is_one_line(tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "out of address space" in proc.stderr and "ulimit -v allows this process 153600 KiB" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "p.db")
+
+
+def test_a_current_directory_removed_since_is_named_not_a_traceback(tmp_path):
+    """Run from a directory removed since (a batch job's scratch cleaned up), audit's shard processes failed to spawn
+    (a FileNotFoundError traceback, exit 1) and a run's torch died in MKL ("Cannot load libtorch_cpu.so"); the
+    directory is named, with the fix, exit 2."""
+    db = str(tmp_path / "p.db")
+    with Ledger.open(db) as led:
+        led.append(list(synth.events(1, 3)))
+    code = ("import os, sys; os.mkdir(sys.argv[1]); os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); "
+            "from kprof.cli import main; sys.exit(main(sys.argv[2:]))")
+    gone = str(tmp_path / "gone")
+    proc = subprocess.run([sys.executable, "-c", code, gone, "audit", "--db", db], capture_output=True, text=True,
+                          env=dict(os.environ, PWD=gone))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"error: the current directory ({gone}) was removed; cd to a directory that exists and run " \
+                          f"the command again\n"
