@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import msgspec
@@ -12,6 +13,8 @@ from ..ledger import Ledger, _codec
 from . import segment
 
 __all__ = ["refuse"]
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file size limit (ulimit -f)
 
 
 def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: list[str],
@@ -30,7 +33,9 @@ def refuse(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: li
         replace_whole(where, msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
         told = f"the conflicts are in {where}"
     except OSError as exc:  # the report is lost, the refusal is not
-        told = f"their report could not be written to {where} ({exc.strerror}); give --output-dir"
+        full = "free space there or raise the file size limit (ulimit -f), or " * (exc.errno in _FULL)
+        told = f"their report could not be written to {where} ({exc.strerror}); {full}give --output-dir another " \
+               f"directory"
     rows = report["keys"]
     between = sum(1 for r in rows if r["current"]["segment"] is not None)
     said = [f"{n} incoming event(s) conflict with the ledger's current rows" for n in [len(rows) - between] if n]

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -270,6 +272,22 @@ def test_a_conflict_whose_report_cannot_be_written_is_still_refused(tmp_path, mo
         merge([seg], target)
     monkeypatch.setattr(os, "makedirs", real)
     assert not (tmp_path / "merge-report.json").exists()
+
+
+def test_a_conflict_whose_report_a_full_disk_refuses_says_to_free_space(tmp_path):
+    """A report the disk refused (here `ulimit -f`: File too large) in the --output-dir given said to "give
+    --output-dir", the flag given; it says to free space or raise the file size limit, or give another directory."""
+    target = _ledger(tmp_path / "t.db", synth.events(0, 5))
+    seg = str(tmp_path / "c.kseg")
+    export(_ledger(tmp_path / "c.db", [synth.event(3, seed=1)]), seg)
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64)); from kprof.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "merge", seg, "--db", target, "--output-dir",
+                           str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr
+    assert "merge-report.json (File too large); free space there or raise the file size limit (ulimit -f), or give " \
+           "--output-dir another directory" in proc.stderr, proc.stderr
+    assert os.listdir(tmp_path / "out") == []
 
 
 def test_a_conflict_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
