@@ -175,8 +175,10 @@ def _cuda_difference(env: str, specifier: str) -> str | None:
     try:
         import torch
     except Exception as e:  # noqa: BLE001 - a torch that does not import is the difference, reported as text
-        return f"{env} needs torch built with CUDA {specifier} and torch does not import ({type(e).__name__}: {e}): " \
-               f"reinstall a CUDA build of torch"
+        from .._limits import hit  # a process limit (ulimit -v: its libraries cannot be mapped), not the build
+
+        return f"{env} needs torch built with CUDA {specifier} and torch does not import" + (
+            f" ({type(e).__name__}: {e}): reinstall a CUDA build of torch" if hit(e) is None else f": {hit(e)}")
     cuda = torch.version.cuda
     fix = f"install a CUDA {specifier} build of torch, e.g. pip install torch --index-url {_TORCH_CUDA_INDEX}"
     if cuda is None:

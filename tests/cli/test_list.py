@@ -1,4 +1,5 @@
 import json
+import os
 
 import msgspec
 import pytest
@@ -111,3 +112,18 @@ def test_a_field_with_a_default_is_listed_with_it(capsys, monkeypatch):
     monkeypatch.setattr("kprof.cli.list_.console", lambda: Console(file=sys.stdout, width=400))
     assert main(["list"]) == 0
     assert '│ n, act="ok", scale=1.0 ' in capsys.readouterr().out
+
+
+def test_environments_name_an_address_space_limit_that_keeps_torch_from_importing(tmp_path):
+    """Under `ulimit -v` too small for torch's libraries, `list --environments` told to reinstall a CUDA build of
+    torch; it names the limit and its fix."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (150 << 20,) * 2); from kprof.cli import "
+            "main; sys.exit(main(['list', '--environments']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    said = next(line for line in proc.stdout.splitlines() if "torch does not import" in line)
+    assert "ulimit -v allows this process 153600 KiB; raise the limit" in said and "reinstall" not in said, said
