@@ -31,6 +31,7 @@ import msgspec
 
 from .. import _scratch
 from .._children import watch_parent
+from .._limits import hit
 from ..errors import SettingError, UsageError
 from ..ledger._codec import event_decoder
 from ..ledger.events import Environment, Event, Origin
@@ -85,6 +86,8 @@ def _worker_main(conn, visible: str | None, table: str, backend: str, contract: 
                                         contract=msgspec.msgpack.decode(contract, type=Contract))
         device = prepare_device(entry, gpu_key)
     except Exception as exc:  # noqa: BLE001 - a device that cannot measure says why, and the parent decides
+        if (limit := hit(exc)) is not None:  # a process limit (ulimit -v: torch's libraries not mapped), named so
+            exc = UsageError(limit)
         conn.send(("refused", type(exc).__name__, str(exc), getattr(exc, "cli", str(exc))))  # a SettingError's 2 ways
         return
     try:

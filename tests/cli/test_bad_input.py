@@ -1224,3 +1224,17 @@ def test_a_current_directory_removed_since_is_named_not_a_traceback(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"error: the current directory ({gone}) was removed; cd to a directory that exists and run " \
                           f"the command again\n"
+
+
+def test_pool_workers_whose_torch_cannot_be_mapped_under_ulimit_v_name_the_limit(tmp_path):
+    """CPU workers (KPROF_CPU_WORKERS) that could not import torch under `ulimit -v` ended the run with "no worker
+    could prepare its device (cpu0: ImportError: ... failed to map segment ...)"; the limit and its fix are named."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", KPROF_CPU_WORKERS="2")
+    specs = [json.dumps({**SPEC, "m": m}) for m in (8, 16)]
+    proc = subprocess.run([sys.executable, "-c", _ADDRESS_SPACE, str(150 << 20), "run", "single_gemm", "--backend",
+                           "torch-cpu", "--spec", specs[0], "--spec", specs[1], "--db", "p.db"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: out of address space (") and \
+        "ulimit -v allows this process 153600 KiB; raise the limit" in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / "p.db")
