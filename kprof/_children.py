@@ -1,16 +1,19 @@
 """Child processes (an audit's shards, a run's pool workers, a collective's ranks): spawned, each ending itself once
 the process that started it has gone (killed, or ended without waiting) rather than working on for no one. No kprof
-imports."""
+imports but its errors."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
+import signal
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 
-__all__ = ["watch_parent", "in_processes", "cpus"]
+from .errors import UsageError
+
+__all__ = ["watch_parent", "in_processes", "Faulted", "cpus"]
 
 
 def watch_parent(interval_s: float = 0.5, then=lambda: None) -> None:
@@ -35,18 +38,62 @@ def cpus() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
+class Faulted(Exception):
+    """A child process ended by a fault reading memory (SIGBUS, SIGSEGV): a mapped file's page it could not read."""
+
+
+_FAULTS = (signal.SIGBUS, signal.SIGSEGV)
+
+
+def _child(conn, work, i: int, jobs: int, args: tuple) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C or SIGTERM of the group: the parent handles it, and ends us
+        signal.signal(sig, signal.SIG_IGN)
+    watch_parent()
+    try:
+        out = work(i, jobs, *args)
+    except Exception as exc:  # noqa: BLE001 - the caller reports it
+        out = exc
+    conn.send(out)
+
+
+def _ended(i: int, jobs: int, code: int) -> UsageError:
+    """Why child i ended without its result where no fault did (a limit, a kill): the work did not finish."""
+    if code >= 0:
+        return UsageError(f"process {i + 1} of {jobs} exited ({code}) before it finished; run it again")
+    name, (soft, hard) = signal.Signals(-code).name, resource.getrlimit(resource.RLIMIT_CPU)
+    cpu = soft != resource.RLIM_INFINITY  # a CPU time limit (ulimit -t): SIGXCPU at its soft value, SIGKILL at its hard
+    why = {"SIGXCPU": f"the CPU time limit: ulimit -t is {f'{soft} s' if cpu else 'unlimited'}",
+           "SIGKILL": "the OOM killer, the job's time limit" + f", or the CPU time limit: ulimit -t is {hard} s" * cpu}
+    more = " (or run more processes, --jobs: each does less)" * cpu
+    return UsageError(f"process {i + 1} of {jobs} was ended by {name} ({why.get(name, 'a signal sent to it')}) before "
+                      f"it finished: nothing is known of its part; raise the limit{more} and run it again")
+
+
 def in_processes(work, jobs: int, *args) -> list:
     """work(i, jobs, *args) for each i in range(jobs), each in a spawned process of its own (LMDB handles cannot
-    cross a fork) that ends once this one has gone; per i, its result or the exception it raised
-    (BrokenProcessPool where a process died: the pool cannot say which one the OS stopped)."""
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=watch_parent)
+    cross a fork) that ends once this one has gone; per i, its result or the exception it raised, Faulted where a
+    fault ended its process. A process ended otherwise (a CPU time limit, the OOM killer: no finding of the work) is
+    a UsageError, saying which limit."""
+    ctx, children = multiprocessing.get_context("spawn"), []
     try:
+        for i in range(jobs):
+            mine, theirs = ctx.Pipe(duplex=False)
+            children.append((ctx.Process(target=_child, args=(theirs, work, i, jobs, args), daemon=True), mine))
+            children[-1][0].start()
+            theirs.close()
         out = []
-        for future in [pool.submit(work, i, jobs, *args) for i in range(jobs)]:
+        for i, (process, mine) in enumerate(children):
             try:
-                out.append(future.result())
-            except Exception as exc:  # noqa: BLE001 - the caller reports it
-                out.append(exc)
+                out.append(mine.recv())
+            except EOFError:  # it ended without sending: how says why
+                process.join()
+                if -process.exitcode not in _FAULTS:
+                    raise _ended(i, jobs, process.exitcode) from None
+                out.append(Faulted(signal.Signals(-process.exitcode).name))
         return out
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        for process, mine in children:
+            mine.close()
+            if process.is_alive():
+                process.kill()
+            process.join()

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
 from typing import NamedTuple
 
 import lmdb
 
-from .._children import cpus, in_processes
+from .._children import Faulted, cpus, in_processes
 from ..errors import IntegrityError, UsageError
 from . import _audit_worker
 from ._reducer import ScopeTotals, seal
@@ -42,8 +41,8 @@ def _shards(path: str, jobs: int, work=_audit_worker.main) -> list[dict]:
 
 
 def _fatal(shard: int, exc: Exception) -> dict:
-    text = (f"shard {shard}'s process was killed while it read the file: the file's pages are damaged"
-            if isinstance(exc, BrokenProcessPool) else f"shard {shard}: {type(exc).__name__}: {exc}")
+    text = (f"shard {shard}'s process was killed by {exc} while it read the file: the file's pages are damaged"
+            if isinstance(exc, Faulted) else f"shard {shard}: {type(exc).__name__}: {exc}")
     return {"findings": [f"structure: {text}"], "counts": {"structure": 1}, "fatal": True}
 
 

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kprof.cli import main
-from kprof.errors import IntegrityError
+from kprof.errors import IntegrityError, UsageError
 from kprof.ledger import Ledger, _codec, build
 from kprof import synth
 from kprof.ledger._audit_worker import Findings, Shard
@@ -392,15 +392,15 @@ def _flip_current(key: bytes):
     return go
 
 
-def _killed_on_shard_1(shard: int, shards: int, path: str) -> dict:
-    """A shard's work whose process the OS kills on shard 1, as a damaged page's fault does."""
+def _killed_on_shard_1(shard: int, shards: int, path: str, sig: str = "SIGBUS") -> dict:
+    """A shard's work whose process a signal ends on shard 1: SIGBUS, as a damaged page's fault does."""
     import os
     import signal
 
     from kprof.ledger import _audit_worker
 
     if shard == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, sig))
     return _audit_worker.main(shard, shards, path)
 
 
@@ -412,9 +412,26 @@ def test_a_shard_process_killed_is_a_structure_finding_not_a_hang(ledger_path):
     led.close()
     results = _shards(ledger_path, 2, _killed_on_shard_1)
     assert len(results) == 2 and results[1]["fatal"] is True
-    assert results[1]["findings"] == ["structure: shard 1's process was killed while it read the file: the file's "
-                                      "pages are damaged"]
+    assert results[1]["findings"] == ["structure: shard 1's process was killed by SIGBUS while it read the file: the "
+                                      "file's pages are damaged"]
     assert all(r.get("fatal") or r["findings"] == [] for r in results)  # shard 0 either finished clean or was cut
+
+
+@pytest.mark.parametrize("sig, why", [("SIGXCPU", "the CPU time limit: ulimit -t is"),
+                                      ("SIGKILL", "the OOM killer, the job's time limit")])
+def test_a_shard_ended_by_a_limit_is_no_finding_of_damage(ledger_path, sig, why):
+    """A shard's process ended by a CPU time limit (ulimit -t: SIGXCPU, then SIGKILL) or the OOM killer was reported
+    as "killed while it read the file: the file's pages are damaged" (exit 3) of a sound ledger; only a fault says
+    so now, and a shard ended otherwise is a usage error naming the signal and the limit: the audit did not finish."""
+    from functools import partial
+
+    from kprof.ledger.audit import _shards
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    with pytest.raises(UsageError, match=f"process 2 of 2 was ended by {sig} \\({why}.*nothing is known of its part"):
+        _shards(ledger_path, 2, partial(_killed_on_shard_1, sig=sig))
 
 
 @pytest.mark.parametrize("jobs", [1, 3])
