@@ -118,7 +118,8 @@ class Ledger:
                                       f"a+rw), or read a copy of the ledger") from None
                 bad = f"its lock file {real}-lock is a directory: remove it" if os.path.isdir(real + "-lock") else (
                     exc if os.path.isdir(os.path.dirname(real)) else f"there is no directory {os.path.dirname(real)}")
-                raise LedgerError(f"cannot open ledger {path}: {bad}; check the path and its permissions") from None
+                fix = _limits.hit(exc) or f"{bad}; check the path and its permissions"  # or a limit: ulimit -n, -v
+                raise LedgerError(f"cannot open ledger {path}: {fix}") from None
         env, users = entry[0], entry[1]
         try:
             try:

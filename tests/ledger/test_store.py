@@ -497,3 +497,19 @@ def test_the_ledger_and_its_lock_file_are_made_as_the_umask_allows(tmp_path, uma
     subprocess.run([sys.executable, "-c", code, str(db)], check=True, preexec_fn=lambda: os.umask(umask))
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in tmp_path.iterdir()} == \
         {"p.db": oct(mode), "p.db-lock": oct(mode)}
+
+
+def test_a_ledger_opened_out_of_file_descriptors_names_ulimit_n_not_its_permissions(tmp_path):
+    """Opening a ledger with no descriptor left (`ulimit -n`) said "Too many open files; check the path and its
+    permissions" to a Python caller (a simulator's perf_api lookups in a batch job): it names the limit and its fix."""
+    db = str(tmp_path / "p.db")
+    Ledger.open(db).close()
+    code = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+            "from kprof.ledger import Ledger\nheld = []\n"
+            "while len(held) < 70:\n    try:\n        held.append(os.open(os.devnull, os.O_RDONLY))\n"
+            "    except OSError:\n        break\n"
+            "os.close(held.pop())\n"
+            "try:\n    Ledger.open(sys.argv[1], readonly=True)\nexcept Exception as exc:\n    print(exc)\n")
+    said = subprocess.run([sys.executable, "-c", code, db], capture_output=True, text=True, check=True).stdout
+    assert said.startswith(f"cannot open ledger {db}: too many open files (") and "ulimit -n 64" in said, said
+    assert "permissions" not in said
