@@ -29,6 +29,7 @@ from typing import BinaryIO, Iterable, Iterator, NamedTuple
 import msgspec
 from blake3 import blake3
 
+from .._limits import hit
 from ..errors import UsageError
 
 __all__ = ["SegmentHeader", "SegmentError", "Run", "FORMAT", "write", "read", "runs", "header_of", "named"]
@@ -82,9 +83,9 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
         count = len(events)
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kseg-", suffix=".part")
-    except OSError as e:
-        raise UsageError(f"cannot write segment {path} ({e.strerror or e}); give a path in a writable "
-                         f"directory") from None
+    except OSError as e:  # a limit (ulimit -n) named as such, else where to write it instead
+        raise UsageError(f"cannot write segment {path}: {hit(e)}" if hit(e) else f"cannot write segment {path} "
+                         f"({e.strerror or e}); give a path in a writable directory") from None
     try:
         umask = os.umask(0o022)
         os.umask(umask)

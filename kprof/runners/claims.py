@@ -29,6 +29,7 @@ import os
 import time
 from typing import Callable, Iterator
 
+from .._limits import hit
 from ..errors import UsageError
 
 __all__ = ["Claims", "WAIT_S", "own_event", "rounds", "still_wanted"]
@@ -66,8 +67,8 @@ class Claims:
             yield
         except OSError as e:
             bad = self._named(e.filename)
-            raise UsageError(f"cannot use {self._where}: {bad}: {e.strerror}; fix or remove {bad} "
-                             f"(no rows are kept there)") from None
+            raise UsageError(f"cannot use {self._where}: " + (hit(e) or f"{bad}: {e.strerror}; fix or remove {bad} "
+                                                                      f"(no rows are kept there)")) from None
 
     @property
     def _where(self) -> str:

@@ -941,3 +941,23 @@ def test_a_spool_left_by_a_killed_run_is_removed_by_the_next_pool(tmp_path, monk
         pool.close()
         os.close(held)
     assert os.listdir(tmp_path) == ["kprof-pool-live"]
+
+
+def test_a_claims_directory_or_segment_refused_a_descriptor_names_ulimit_n(tmp_path):
+    """A run's claims, or a segment, refused a file descriptor (`ulimit -n`) told a Python caller (api.run, export) to
+    "fix or remove" the claims directory, or to give a path in a writable directory; each names the limit now."""
+    import subprocess
+    import sys
+
+    code = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+            "from kprof.runners.claims import Claims\nfrom kprof.merge import segment\nheld = []\n"
+            "while len(held) < 70:\n    try:\n        held.append(os.open(os.devnull, os.O_RDONLY))\n"
+            "    except OSError:\n        break\n"
+            "for fn in (lambda: Claims(sys.argv[1] + '/p.db', 'r').__enter__(),\n"
+            "           lambda: segment.write(sys.argv[1] + '/s.kseg', [])):\n"
+            "    try:\n        fn()\n    except Exception as exc:\n        print(exc)\n")
+    said = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+    assert len(said) == 2 and said[0].startswith("cannot use ") and said[1].startswith("cannot write segment "), said
+    assert all("too many open files" in s and "ulimit -n 64" in s for s in said), said
+    assert "fix or remove" not in said[0] and "writable directory" not in said[1]
