@@ -196,6 +196,19 @@ def _one_pair(exc: Exception, verb: str | None, argv: list[str]) -> str | None:
     return None
 
 
+def _dashed(exc: Exception) -> str | None:
+    """A file named with a leading '-' given as an argument (`kprof merge -rows.kseg`), which cyclopts read as an
+    unknown option ("-r is not a recognized option"), said with the way to pass it; None for any other error."""
+    import os
+
+    from cyclopts.exceptions import UnknownOptionError
+
+    token = getattr(getattr(exc, "token", None), "value", None)
+    if not isinstance(exc, UnknownOptionError) or not token or not os.path.lexists(token):
+        return None
+    return f"{token!r} reads as an option, and names a file here: to pass the file, write ./{token}"
+
+
 def _utf8(argv: list[str]) -> None:
     """Refuses an argument, or a $KPROF_DB, holding bytes that are not UTF-8 (Python reads them as lone surrogates: a
     file name in another encoding, a C locale's text): specs are UTF-8 JSON, LMDB opens a ledger by its UTF-8 path, and
@@ -350,7 +363,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
 
         if _cyclopts_error(exc):  # one line, as every other usage error (cyclopts' own is a multi-line panel)
             verb = next((a for a in argv if a in {name for name, _t, _h in VERBS}), None)
-            said = _stream(verb, argv) or _missing(exc, argv) or _one_pair(exc, verb, argv) or (
+            said = _stream(verb, argv) or _missing(exc, argv) or _one_pair(exc, verb, argv) or _dashed(exc) or (
                 str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc))
             error(f"{said}; see `{prog} {verb + ' ' if verb else ''}--help`")
             return 2

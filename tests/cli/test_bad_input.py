@@ -991,6 +991,19 @@ def test_a_value_starting_with_a_dash_is_said_to_read_as_an_option(argv, said, t
     assert os.listdir(tmp_path) == []
 
 
+def test_a_segment_named_with_a_leading_dash_is_said_to_read_as_an_option(tmp_path, capsys):
+    """`kprof merge -rows.kseg` (a file of that name here) was "Unknown option: -rows.kseg. -r is not a recognized
+    option": the file is named, with the way to pass it (./-rows.kseg); an unknown option that names no file is
+    cyclopts' line still."""
+    (tmp_path / "-rows.kseg").write_bytes(b"")
+    assert main(["merge", "-rows.kseg", "--db", "p.db"]) == 2
+    assert capsys.readouterr().err == ("error: '-rows.kseg' reads as an option, and names a file here: to pass the "
+                                       "file, write ./-rows.kseg; see `kprof merge --help`\n")
+    assert main(["merge", "-none.kseg", "--db", "p.db"]) == 2
+    assert capsys.readouterr().err.startswith("error: Unknown option: -none.kseg")
+    assert sorted(os.listdir(tmp_path)) == ["-rows.kseg"]
+
+
 @pytest.mark.parametrize("argv, said", [
     (["export", "-o", "-", "--db", "p.db"], "error: -o -: a segment is a file, not stdout"),
     (["export", "--output", "-"], "error: -o -: a segment is a file, not stdout"),
