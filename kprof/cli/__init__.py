@@ -367,16 +367,17 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
                 str(exc)[:-1] if str(exc).endswith(".") and not str(exc).endswith("...") else str(exc))
             error(f"{said}; see `{prog} {verb + ' ' if verb else ''}--help`")
             return 2
+        left = "; ".join(getattr(exc, "__notes__", ())) or "every row stored before stays"  # (a merge's batches)
         if (limit := hit(exc)) is not None:  # a resource limit (ulimit -n, -v), not damage: a traceback before
-            error(f"{limit} (every row stored before stays)")
+            error(f"{limit} ({left})")
             return 2
         if not _ledger_failure(exc):
             raise
 
         if _write_refused(exc):
             error(f"writing the ledger failed ({type(exc).__name__}: {exc}): the disk is full, past a file size "
-                  f"limit (ulimit -f) or failing; nothing of the failed transaction was stored and every earlier "
-                  f"row stays (`kprof audit` confirms it). Free space and run again")
+                  f"limit (ulimit -f) or failing; nothing of the failed transaction was stored ({left}; `kprof "
+                  f"audit` confirms it). Free space and run again")
             return 2
         error(_audit_of_db(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full "
                            f"report", argv))

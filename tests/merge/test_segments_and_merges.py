@@ -677,6 +677,37 @@ def test_a_conflict_found_at_a_later_batch_says_what_the_earlier_batches_merged(
     assert audit(ours).ok
 
 
+def test_a_full_disk_at_a_later_batch_says_what_the_earlier_batches_merged(tmp_path, monkeypatch, capsys):
+    """A merge of several batches whose later batch the disk refused (full, or `ulimit -f`) said only that "nothing of
+    the failed transaction was stored", where the merge is said to be all or nothing: it says how many events the
+    earlier batches put in the ledger, and that the same merge again merges the rest, as an interrupt's line does."""
+    import lmdb
+
+    import kprof.merge.merge as m
+
+    monkeypatch.setattr(m, "BATCH", 4)
+    ours = _ledger(tmp_path / "ours.db", synth.events(0, 3))
+    seg = str(tmp_path / "theirs.kseg")
+    export(_ledger(tmp_path / "theirs.db", synth.events(20, 30)), seg)
+    append, calls = Ledger.append_checked, []
+
+    def full_at_the_second_batch(self, prepared, **kwargs):
+        calls.append(len(prepared))
+        if len(calls) == 2:
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+        return append(self, prepared, **kwargs)
+
+    monkeypatch.setattr(Ledger, "append_checked", full_at_the_second_batch)
+    assert main(["merge", seg, "--db", ours]) == 2
+    err = capsys.readouterr().err
+    assert "writing the ledger failed" in err and "the first 4 of the merge's 10 event(s) are in the ledger" in err
+    assert "the same merge again merges the rest" in err, err
+    monkeypatch.setattr(Ledger, "append_checked", append)
+    assert main(["merge", seg, "--db", ours]) == 0
+    with Ledger.open(ours, readonly=True) as led:
+        assert led.last_seq == 13
+
+
 def test_segments_that_conflict_with_each_other_are_named_and_leave_no_new_ledger(tmp_path, capsys):
     """Two segments re-measuring one row, neither from the other, merged into a ledger not created yet: the
     conflict is named as one between the segments (both paths), the report carries both events' kinds, metrics and
