@@ -301,6 +301,8 @@ class Ledger:
 
     def event(self, eid: bytes):
         """The stored event `eid`, its bytes re-hashed (IntegrityError where they do not hash to it), or None."""
+        if not isinstance(eid, (bytes, bytearray, memoryview)):  # a citation, say: the caller's, not the file's damage
+            raise UsageError(f"event id {eid!r} is not bytes; pass a Row's event_id, or ledger.resolve(ref).event_id")
         with reading(self.path, "events"):
             raw = self._get("events", eid)
         return None if raw is None else verified_event(self.path, eid, raw)

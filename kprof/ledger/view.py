@@ -71,8 +71,7 @@ class Row(msgspec.Struct, frozen=True, gc=False):
     @property
     def measured_at(self) -> str | None:
         s = self._summary
-        when = None if s is None else _dt.datetime.fromtimestamp(s.measured_at, _dt.timezone.utc)
-        return when and when.isoformat(timespec="seconds")
+        return s and _dt.datetime.fromtimestamp(s.measured_at, _dt.timezone.utc).isoformat(timespec="seconds")
 
     def __repr__(self) -> str:  # what a reader asks for: not the key's bytes, the raw samples or the provenance
         time_ms = "" if self.metrics is None else f", time_ms={self.metrics.get('time_ms')!r}"

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from kprof.cli import main
-from kprof.errors import IntegrityError, SpecError
+from kprof.errors import IntegrityError, SpecError, UsageError
 from kprof.ledger import Ledger, _codec
 from kprof import synth
 from kprof.ledger._reducer import pack_seq
@@ -112,6 +112,21 @@ def test_a_rows_stats_claim_no_samples_the_event_keeps(ledger):
     assert not hasattr(row.stats, "samples")
     assert ledger.event(row.event_id).stats.samples == event.stats.samples and len(event.stats.samples) == 16
     assert "samples" not in row.to_json()["stats"]
+
+
+@pytest.mark.parametrize("given", ["citation", "hex", None, 123])
+def test_an_event_looked_up_by_anything_but_its_id_bytes_is_a_usage_error_not_damage(ledger, given):
+    """`ledger.event(row.citation)` (or the id's hex, None, an int) read as "ledger ... is damaged: reading
+    sub-database `events` failed (TypeError ...); run `kprof audit`" (exit 3) of a sound ledger: it is the caller's
+    argument, refused as a UsageError naming it and the fix, and the row's event_id still reads its event."""
+    ledger.append([synth.event(0)])
+    row = synth.view(ledger).get(**synth.spec(0))
+    ref = {"citation": row.citation, "hex": row.event_id.hex()}.get(given, given)
+    with pytest.raises(UsageError, match=r"is not bytes; pass a Row's event_id, or ledger.resolve\(ref\)") as err:
+        ledger.event(ref)
+    assert not isinstance(err.value, IntegrityError) and repr(ref) in str(err.value)
+    assert ledger.event(row.event_id).key == row.key == ledger.event(bytearray(row.event_id)).key
+    assert row.measured_at.endswith("+00:00") and synth.view(ledger).get_many([synth.spec(1)])[0].measured_at is None
 
 
 def test_a_scope_whose_scopes_entry_is_gone_is_damage_not_the_root_of_an_empty_scope(ledger_path):
