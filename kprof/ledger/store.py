@@ -248,19 +248,18 @@ class Ledger:
                 _reads.pop(id(txn), None)
                 txn.abort()
 
-    def _get(self, db: str, k: bytes):
-        with self.read() as txn:
-            return txn.get(k, db=self.dbs[db])
+    def _get(self, db: str, k: bytes, decoded: type | None = None):
+        with reading(self.path, db), self.read() as txn:  # an LMDB or decoding error: damage, naming the db
+            raw = txn.get(k, db=self.dbs[db])
+            return raw if decoded is None else msgspec.msgpack.decode(raw, type=decoded)
 
     @property
     def ledger_id(self) -> str:
-        with reading(self.path, "meta"):
-            return msgspec.msgpack.decode(self._get("meta", b"ledger_id"), type=str)
+        return self._get("meta", b"ledger_id", str)
 
     @property
     def last_seq(self) -> int:
-        with reading(self.path, "meta"):
-            return msgspec.msgpack.decode(self._get("meta", b"last_seq"), type=int)
+        return self._get("meta", b"last_seq", int)
 
     def write(self, fn):
         """Runs fn(txn) in one write transaction, committed only where `_check_file` passes; grows a full map."""
@@ -282,6 +281,8 @@ class Ledger:
 
     def _prepare(self, events: Iterable) -> list[tuple]:
         """(event, canonical bytes, event id) per event, every key verified against its provenance."""
+        if not isinstance(events, Iterable):  # an event where a batch goes: append([event]), append_batches([[...]])
+            raise UsageError(f"a batch is an iterable of events, not {type(events).__name__!r}; pass a list: [event]")
         prepared = []
         for i, given in enumerate(events):
             if type(given) not in (Measured, Failed, Retracted):
@@ -303,8 +304,7 @@ class Ledger:
         """The stored event `eid`, its bytes re-hashed (IntegrityError where they do not hash to it), or None."""
         if not isinstance(eid, (bytes, bytearray, memoryview)):  # a citation, say: the caller's, not the file's damage
             raise UsageError(f"event id {eid!r} is not bytes; pass a Row's event_id, or ledger.resolve(ref).event_id")
-        with reading(self.path, "events"):
-            raw = self._get("events", eid)
+        raw = self._get("events", eid)
         return None if raw is None else verified_event(self.path, eid, raw)
 
     def history_of(self, txn, key: bytes) -> list[tuple[int, bytes]]:

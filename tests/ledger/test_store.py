@@ -47,6 +47,21 @@ def test_batches_commit_in_order_and_a_refused_batch_stops_the_rest(ledger):
     assert audit(ledger.path).ok
 
 
+@pytest.mark.parametrize("call", ["append", "append_batches"])
+def test_an_event_where_a_batch_goes_is_a_usage_error_not_a_bare_type_error(ledger, call):
+    """append(event) or append_batches([event, event]) (events, not batches of them) raised a bare TypeError
+    ("'Measured' object is not iterable") from inside the store; it is a UsageError naming the type and the fix, and
+    nothing is written. The meta and event reads, under one damage check in _get, still answer."""
+    ev, other = synth.event(0), synth.event(1)
+    with pytest.raises(UsageError, match="a batch is an iterable of events, not 'Measured'; pass a list: \\[event\\]"):
+        ledger.append(ev) if call == "append" else ledger.append_batches([ev, other])
+    assert ledger.last_seq == 0 and ledger.event(_codec.event_id(_codec.encode(ev))) is None
+    with pytest.raises(UsageError, match="not 'int'"):
+        ledger.append(5)
+    eid = ledger.append([ev]).added[0]
+    assert ledger.last_seq == 1 and ledger.event(eid).key == ev.key and len(ledger.ledger_id) == 32
+
+
 def test_a_failing_write_of_a_batch_is_what_the_caller_sees(ledger, monkeypatch):
     def boom(self, fn):
         raise OSError("disk gone")
