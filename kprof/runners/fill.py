@@ -130,6 +130,9 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
          progress: Callable[[int, int, dict], None] | None = None,
          watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None,
          waiting: Callable[[int], None] | None = None) -> Filled:
+    for name, hook in (("progress", progress), ("watch", watch), ("waiting", waiting)):
+        if hook is not None and not callable(hook):  # refused before anything is measured, not after the first row
+            raise UsageError(f"{name}={hook!r} is not callable; pass a function (see kprof.api.run), or omit it")
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
     spec_keys = [keys.key(s) for s in canonical]
 

@@ -233,6 +233,17 @@ def test_a_python_caller_is_told_of_another_devices_gpu_name_by_its_keyword(tmp_
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("hook", ["progress", "watch", "waiting"])
+def test_a_python_callers_hook_that_is_not_callable_is_refused_before_any_work(tmp_path, ledger_path, hook):
+    """api.run(progress=3) measured and stored the first spec, then raised a bare TypeError ('int' object is not
+    callable) from inside the fill; a hook that is not callable is a UsageError naming it, and nothing is written."""
+    from kprof.errors import UsageError
+
+    with pytest.raises(UsageError, match=f"^{hook}=3 is not callable; pass a function"):
+        api.run("single_gemm", "torch-cpu", [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], db=ledger_path, **{hook: 3})
+    assert os.listdir(tmp_path) == []
+
+
 def test_gpu_name_of_the_local_device_is_accepted(ledger_path, capsys, h, local_gpu):
     doc = _run(capsys, h, ledger_path, h.gemm(), extra=["--gpu-name", local_gpu])
     assert doc["gpu_name"] == local_gpu and doc["missing_count"] == 0
