@@ -53,7 +53,10 @@ def _identity(path: str) -> tuple:
 def _stands(path: str, ledger: Ledger, identity: tuple, real: str) -> bool:
     """Whether a cached ledger still reads the file at `path`: the same file (not replaced in place), and where it
     reads an upgraded copy of an older-format file (which holds the file as it was when opened), one not written
-    since (a writer upgrades the file in place, then appends)."""
+    since (a writer upgrades the file in place, then appends). One a caller closed (`view_for(...).ledger`) is opened
+    again: no Ledger.open of the caller's can reopen perf_api's."""
+    if ledger._closed:
+        return False
     now = _identity(path)
     return now == identity if ledger.real_path != real else now[:2] == identity[:2]
 

@@ -100,6 +100,20 @@ def test_a_ledger_replaced_in_place_is_read_anew(db, tmp_path):
     assert perf_api.count_single_gemm([SPEC], backend="torch-cpu", gpu_key="Known CPU", db=db) == 0
 
 
+def test_a_cached_ledger_its_caller_closed_is_opened_again(db):
+    """A notebook's `with perf_api.view_for(...).ledger:` (or view.ledger.close()) closed the ledger perf_api caches:
+    every later get_/count_ of that db raised "ledger ... is closed; open it again with Ledger.open", which no call of
+    the caller's could do (only close_all()). perf_api opens it again, and a view held from before says it is closed."""
+    view = perf_api.view_for("single_gemm", "torch-cpu", "Known CPU", db)
+    with view.ledger:
+        assert view.get(**SPEC).metrics["time_ms"] == 0.1
+    assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC).metrics["time_ms"] == 0.1
+    assert perf_api.count_single_gemm([SPEC], backend="torch-cpu", gpu_key="Known CPU", db=db) == 0
+    assert perf_api.view_for("single_gemm", "torch-cpu", "Known CPU", db) is not view
+    with pytest.raises(LedgerError, match="is closed"):
+        view.get(**SPEC)
+
+
 def test_a_replacement_met_while_another_thread_reads_the_earlier_file_leaves_that_read_whole(db, tmp_path):
     """Reopening a replaced file must not close the earlier one under another thread's read (its rows would read as
     a damaged ledger): the call that finds it replaced waits for that read to end (it was refused: a simulator's
