@@ -133,6 +133,8 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     for name, hook in (("progress", progress), ("watch", watch), ("waiting", waiting)):
         if hook is not None and not callable(hook):  # refused before anything is measured, not after the first row
             raise UsageError(f"{name}={hook!r} is not callable; pass a function (see kprof.api.run), or omit it")
+    if not isinstance(origin.command, str):  # else refused by the schema once measured, naming kprof.ledger.build
+        raise UsageError(f"command={origin.command!r} is not a str; pass the command line its rows record, or omit it")
     keys = KeyMaker(entry.table, entry.backend, gpu_key, entry.contract, ShapeCodec(entry.args, name=entry.table))
     spec_keys = [keys.key(s) for s in canonical]
 

@@ -244,6 +244,17 @@ def test_a_python_callers_hook_that_is_not_callable_is_refused_before_any_work(t
     assert os.listdir(tmp_path) == []
 
 
+def test_a_python_callers_command_that_is_not_a_str_is_refused_before_any_work(tmp_path, ledger_path):
+    """api.run(command=5) measured the spec, then its event was refused by the schema ('build events with
+    kprof.ledger.build', a call the caller never made), leaving an empty ledger; it is refused first, naming it."""
+    from kprof.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^command=\['kprof', 'run'\] is not a str; pass the command line"):
+        api.run("single_gemm", "torch-cpu", [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], db=ledger_path,
+                command=["kprof", "run"])
+    assert os.listdir(tmp_path) == []
+
+
 def test_gpu_name_of_the_local_device_is_accepted(ledger_path, capsys, h, local_gpu):
     doc = _run(capsys, h, ledger_path, h.gemm(), extra=["--gpu-name", local_gpu])
     assert doc["gpu_name"] == local_gpu and doc["missing_count"] == 0
