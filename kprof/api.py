@@ -342,10 +342,10 @@ def _event_json(seq, eid, event, current) -> dict:
 
 def show(ref: str, *, db: str | None = None) -> dict:
     """What `kprof show` prints: the row a citation, event id or key (or a unique hex prefix of 8+) names, as
-    {ref, resolved_as, key, current, status, revision, event, history, parent_elsewhere}; every event in it
-    re-hashed to its id on the way. `status` is the key's row (ok, failed, stale, retracted), `revision` the profiler
-    revision this kprof measures its table and backend at, `parent_elsewhere` the key and provenance of the event's
-    parent where this ledger holds it under another key (None: in the key's history, absent, or no parent)."""
+    {ref, resolved_as, key, current, status, revision, timing, event, history, parent_elsewhere}, each event in it
+    re-hashed to its id. `status` is the key's row (ok, failed, stale, retracted), `revision` the profiler revision
+    this kprof measures its table and backend at, `timing` the method `query` reads it in, `parent_elsewhere` the key
+    and provenance of the event's parent held here under another key (None: in the key's history, absent, or none)."""
     with Ledger.open(ledger_path(db), readonly=True) as ledger:
         found = ledger.resolve(ref)
         history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]

@@ -129,6 +129,17 @@ def test_an_event_looked_up_by_anything_but_its_id_bytes_is_a_usage_error_not_da
     assert row.measured_at.endswith("+00:00") and synth.view(ledger).get_many([synth.spec(1)])[0].measured_at is None
 
 
+def test_show_names_every_key_it_returns_in_its_docstring(ledger_path):
+    """help(kprof.api.show) listed its document's keys without `timing`, which it returns (and the README names)."""
+    from kprof import api
+
+    with Ledger.open(ledger_path) as led:
+        led.append([synth.event(0)])
+    doc = api.show(_eid(synth.event(0)).hex(), db=ledger_path)
+    listed = api.show.__doc__.split("{", 1)[1].split("}", 1)[0].replace("\n", " ").split(", ")
+    assert [name.strip() for name in listed] == list(doc)
+
+
 def test_a_scope_whose_scopes_entry_is_gone_is_damage_not_the_root_of_an_empty_scope(ledger_path):
     """A `scopes` entry a damaged page hides (LMDB finds none): query answered its rows ok under the view root of a
     scope that holds none, a root naming no state the ledger was ever in. Rows found without their scope's entry
