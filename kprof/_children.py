@@ -96,4 +96,5 @@ def in_processes(work, jobs: int, *args) -> list:
             mine.close()
             if process.is_alive():
                 process.kill()
-            process.join()
+            if process.pid is not None:  # none where its start failed (a limit): the error raised says so
+                process.join()

@@ -434,6 +434,34 @@ def test_a_shard_ended_by_a_limit_is_no_finding_of_damage(ledger_path, sig, why)
         _shards(ledger_path, 2, partial(_killed_on_shard_1, sig=sig))
 
 
+def test_a_shard_process_that_cannot_start_raises_its_error_and_leaves_none_running(ledger_path, monkeypatch):
+    """A shard process whose start failed (out of file descriptors, ulimit -n; or processes) raised an AssertionError
+    ('can only join a started process') from the clean-up, hiding the OSError that names the limit from a Python
+    caller of audit; the error is raised as it is, and the shards started before it are ended."""
+    import errno
+    import multiprocessing
+    import os
+
+    from kprof.ledger.audit import _shards
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    spawn = multiprocessing.get_context("spawn").Process
+    real, started = spawn.start, []
+
+    def start(process):
+        if started:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        real(process)
+        started.append(process)
+
+    monkeypatch.setattr(spawn, "start", start)
+    with pytest.raises(OSError, match="Too many open files"):
+        _shards(ledger_path, 2)  # (audit's: as many as there are usable CPUs)
+    assert len(started) == 1 and started[0].exitcode is not None  # ended and reaped
+
+
 @pytest.mark.parametrize("jobs", [1, 3])
 def test_the_findings_do_not_depend_on_the_number_of_shards(ledger_path, jobs):
     led = Ledger.open(ledger_path)
