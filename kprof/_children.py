@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import resource
 import signal
 import threading
@@ -53,7 +54,12 @@ def _child(conn, work, i: int, jobs: int, args: tuple) -> None:
         out = work(i, jobs, *args)
     except Exception as exc:  # noqa: BLE001 - the caller reports it
         out = exc
-    conn.send(out)
+    try:
+        if isinstance(out, Exception):  # one whose class takes other arguments pickles, then fails in the parent
+            pickle.loads(pickle.dumps(out))
+        conn.send(out)  # (pickled whole before a byte is sent)
+    except Exception as exc:  # noqa: BLE001 - it does not pickle: what it was, as text
+        conn.send(RuntimeError(f"{type(out).__name__}: {out} (it could not be sent back: {exc})"))
 
 
 def _ended(i: int, jobs: int, code: int) -> UsageError:

@@ -434,6 +434,40 @@ def test_a_shard_ended_by_a_limit_is_no_finding_of_damage(ledger_path, sig, why)
         _shards(ledger_path, 2, partial(_killed_on_shard_1, sig=sig))
 
 
+class _TwoArgs(Exception):
+    def __init__(self, what: str, where: str):
+        super().__init__(f"{what} at {where}")
+
+
+def _raises_on_shard_1(shard: int, shards: int, path: str, kind: str) -> dict:
+    """A shard's work that raises on shard 1 an exception the parent cannot get back as it is."""
+    import threading
+
+    from kprof.ledger import _audit_worker
+
+    if shard == 1:
+        raise _TwoArgs("bad page", "key 7") if kind == "unpickles" else ValueError("bad page", threading.Lock())
+    return _audit_worker.main(shard, shards, path)
+
+
+@pytest.mark.parametrize("kind", ["unpickles", "pickles"])
+def test_a_shard_exception_that_does_not_pickle_is_its_shards_finding(ledger_path, kind):
+    """A shard's exception whose class takes other arguments than its message was a TypeError traceback out of the
+    audit (it pickled, then failed in the parent), and one that does not pickle ended its process: 'exited (1) before
+    it finished; run it again', which fails again; each is its shard's finding, with its type and message."""
+    from functools import partial
+
+    from kprof.ledger.audit import _shards
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    results = _shards(ledger_path, 2, partial(_raises_on_shard_1, kind=kind))
+    assert results[1]["fatal"] is True and "bad page" in results[1]["findings"][0]
+    assert (_TwoArgs if kind == "unpickles" else ValueError).__name__ in results[1]["findings"][0]
+    assert results[0]["findings"] == []
+
+
 def test_a_shard_process_that_cannot_start_raises_its_error_and_leaves_none_running(ledger_path, monkeypatch):
     """A shard process whose start failed (out of file descriptors, ulimit -n; or processes) raised an AssertionError
     ('can only join a started process') from the clean-up, hiding the OSError that names the limit from a Python
