@@ -127,9 +127,11 @@ def _newer_rows(res, specs: list[dict], method: dict) -> None:
     runner measures: a newer kprof's rows, which this one reads as missing (or, beside an older row, stale). They are
     found as a view of a revision past any reads them: stale, each with its revision. The first _LOOKED_AT such specs
     are looked at (each is looked up in the ledger's index: 20,000 took a query's time again)."""
+    import lmdb
     import msgspec
 
     from .. import __version__
+    from ..errors import KprofError
     from ..ledger import Ledger
 
     if not specs:
@@ -137,8 +139,11 @@ def _newer_rows(res, specs: list[dict], method: dict) -> None:
     entry = effective_entry(lookup(res.table, res.backend), **method)
     ours = entry.contract.profiler_revision
     past = msgspec.structs.replace(entry.contract, profiler_revision=1 << 62)
-    with Ledger.open(res.db, readonly=True) as ledger:
-        rows = ledger.view(res.table, res.backend, res.gpu_name, past, entry.args).get_many(specs[:_LOOKED_AT])
+    try:  # a second read, after the answer: where it fails (the file removed or replaced since), the answer stands
+        with Ledger.open(res.db, readonly=True) as ledger:
+            rows = ledger.view(res.table, res.backend, res.gpu_name, past, entry.args).get_many(specs[:_LOOKED_AT])
+    except (KprofError, lmdb.Error, OSError):
+        return
     newer = [r.provenance.profiler_revision for r in rows if r.status == "stale" and
              r.provenance.profiler_revision > ours]
     if newer:

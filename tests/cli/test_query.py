@@ -248,3 +248,27 @@ def test_rows_of_a_newer_profiler_revision_are_named_in_a_note(ledger_path, caps
                f"kprof's" in err and "upgrade kprof to read them" in err, err
     assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(m=32)), "--db", ledger_path]) == 0
     assert "newer" not in capsys.readouterr().err
+
+
+def test_the_newer_revision_note_never_fails_the_answer(ledger_path, capsys, h, local_gpu, monkeypatch):
+    """The note on rows of a newer profiler revision reads the ledger a second time, after the answer: where that read
+    failed (the file removed or moved since, as a cleanup or a copy's rename does), the answer was lost, exit 2 naming
+    no ledger at the path; the answer stands, with no note."""
+    import os
+
+    from kprof import api
+
+    h.append(ledger_path, h.make_event(h.gemm(m=16), local_gpu))
+    for verb in ("query", "count_missing"):
+        def answered_then_moved(*args, _real=getattr(api, verb), **kwargs):
+            res = _real(*args, **kwargs)
+            os.replace(ledger_path, ledger_path + ".moved")
+            return res
+
+        monkeypatch.setattr(api, verb, answered_then_moved)
+        argv = [verb.replace("_", "-"), h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(m=16), h.gemm(m=32)), "--db",
+                ledger_path, "--json"]
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["missing_count"] == 1 and "note" not in err, err
+        os.replace(ledger_path + ".moved", ledger_path)
