@@ -51,15 +51,17 @@ def _run_command(res, spec, specs, gpu_name, method: dict) -> str:
         method = {name: resolved[name] if value is None and resolved[name] != default[name] else value
                   for name, value in method.items()}
     threads = next((name for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS") if env.get(name, "").strip()), None)
-    if threads and timing_threads(timing) is not None:  # a torch-cpu row's thread count, as the variable gave it
-        argv[:0] = [f"{threads}={timing_threads(timing)}"]
+    assign = []  # NAME=value words, the value alone quoted: a quoted word is a command to a shell, not an assignment
     if not entry.runner.startswith("kprof.") and env.get("KPROF_RUNNERS", "").strip():  # a table of one's own
-        argv[:0] = [f"KPROF_RUNNERS={env['KPROF_RUNNERS'].strip()}"]
+        assign += [f"KPROF_RUNNERS={shlex.quote(env['KPROF_RUNNERS'].strip())}"]
+    if threads and timing_threads(timing) is not None:  # a torch-cpu row's thread count, as the variable gave it
+        assign += [f"{threads}={timing_threads(timing)}"]
     argv += ["--gpu-name", gpu_name] if gpu_name is not None else []
     for name, value in method.items():
         if value is not None:
             argv += [f"--{'no-' * (value is False)}cuda-graph"] if name == "cuda_graph" else [f"--{name}", value]
-    return shlex.join(argv + [a for s in spec or () for a in ("--spec", s)] + (["--specs", specs] if specs else []))
+    return " ".join(assign + [shlex.join(argv + [a for s in spec or () for a in ("--spec", s)] +
+                                         (["--specs", specs] if specs else []))])
 
 
 def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = None, gpu_name: GpuName = None,

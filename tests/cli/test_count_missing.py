@@ -271,3 +271,39 @@ def test_the_run_it_names_for_a_table_of_one_s_own_names_its_module(ledger_path,
     finally:
         for name in ("mykern.softmax", "mykern"):
             sys.modules.pop(name, None)
+
+
+def test_the_kprof_runners_it_names_stays_an_assignment_in_a_shell(ledger_path, tmp_path, capsys, h, monkeypatch):
+    """KPROF_RUNNERS='mykern.softmax, mykern' (spaces after a comma do not matter to it) was written as the one quoted
+    word 'KPROF_RUNNERS=mykern.softmax, mykern': a shell takes a quoted word for a command to run, not an assignment
+    ("command not found"). The value alone is quoted, so the shell sets the variable and runs the command."""
+    import importlib
+    import pathlib
+    import subprocess
+    import sys
+
+    from kprof.runners import registry
+
+    readme = (pathlib.Path(__file__).parent.parent.parent / "README.md").read_text()
+    block = readme[readme.index("# mykern/softmax.py, then:"):]
+    (tmp_path / "mykern").mkdir()
+    (tmp_path / "mykern" / "__init__.py").write_text("")
+    (tmp_path / "mykern" / "softmax.py").write_text(block[:block.index("```")])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.entries()  # the catalog first: a registry that is not empty is taken as loaded
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KPROF_RUNNERS", "mykern.softmax, mykern")
+    h.append(ledger_path, h.make_event(h.gemm(), "some GPU"))
+    try:
+        importlib.import_module("mykern.softmax")  # as KPROF_RUNNERS has it imported where the registry loads
+        assert main(["count-missing", "my_softmax", "--backend", h.CPU, "--spec", '{"tokens": 8, "vocab": 64}',
+                     "--db", ledger_path]) == 0
+        command = capsys.readouterr().out.splitlines()[1].removeprefix("measure them: ")
+    finally:
+        for name in ("mykern.softmax", "mykern"):
+            sys.modules.pop(name, None)
+    echo = command.replace(" kprof run ", " printenv KPROF_RUNNERS # ", 1)  # what a shell runs it with
+    said = subprocess.run(["sh", "-c", echo], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert said.returncode == 0 and said.stdout == "mykern.softmax, mykern\n", (command, said.stderr)
