@@ -106,7 +106,7 @@ class LedgerPathError(SettingError, LedgerError):
         the fix that fits it."""
         import os
 
-        env = os.environ.get("KPROF_DB", "")
+        env = os.environ.get("KPROF_DB", "").strip()  # as ledger_path reads it: spaces around it dropped
         if env and path == env:  # "set KPROF_DB" would say to do what was done
             where, fix = " (named by $KPROF_DB)", "set KPROF_DB to the ledger file (or unset it), or pass {}"
         else:

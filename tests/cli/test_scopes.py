@@ -96,6 +96,18 @@ def test_a_ledger_that_does_not_exist_is_named_with_where_its_path_came_from(tmp
     assert not os.listdir(tmp_path)  # nothing made
 
 
+
+def test_a_missing_ledger_named_by_kprof_db_with_spaces_around_it_says_kprof_db_named_it(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """KPROF_DB=' /x/missing.db ' (spaces around a setting do not matter: the path read is /x/missing.db) said "pass
+    --db or set KPROF_DB", the variable set: the missing ledger is named as $KPROF_DB's, with the fix that fits."""
+    missing = str(tmp_path / "missing.db")
+    monkeypatch.setenv("KPROF_DB", f" {missing} ")
+    assert main(["scopes"]) == 2
+    err = capsys.readouterr().err
+    assert f"no ledger at {missing} (named by $KPROF_DB); set KPROF_DB to the ledger file" in err, err
+    assert not os.listdir(tmp_path)
+
 def test_default_db_is_kprof_db_then_cwd(tmp_path, monkeypatch, capsys, h):
     h.append(str(tmp_path / "profile.db"), h.make_event(h.gemm(), H200))
     assert main(["scopes", "--json"]) == 0
