@@ -17,6 +17,7 @@ query and count-missing never import torch, cupti or pynvml.
 from __future__ import annotations
 
 import os
+import shlex
 import time
 import uuid
 from typing import Any, Callable, Literal
@@ -24,12 +25,10 @@ from typing import Any, Callable, Literal
 import msgspec
 
 from .errors import KprofError, UsageError
-from .ledger import Ledger, ledger_path
+from .ledger import KeyMaker, Ledger, Row, citation, ledger_path
 from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
 from .ledger.events import Measured, Origin, summary_of
-from .ledger.keys import KeyMaker
-from .ledger.view import Row, citation
 from .runners.registry import METRICS, lookup
 from .method import effective_entry, refused, resolve_gpu_key
 from .specs import ShapeCodec, is_text, spec_list, validate
@@ -194,7 +193,8 @@ def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> str | Non
            "or" if "threads=" in timing else "; with this read's --timer, --l2, --cuda-graph and --power,")
     return (f"note: no {' or '.join(absent)} ceiling for these rows: the calibration rows of {gpu_key!r} here were "
             f"timed {', '.join(other)}, not {timing} (profiler revision {entry.contract.profiler_revision}){fix} "
-            f"`kprof calibrate --backend {entry.backend} --db {ledger.path}` measures the ceilings under this one")
+            f"`kprof calibrate --backend {entry.backend} --db {shlex.quote(ledger.path)}` measures the ceilings "
+            f"under this one")
 
 
 def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical, full: int | None = None) -> QueryResult:

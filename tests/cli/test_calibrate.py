@@ -530,6 +530,24 @@ def test_a_calibration_of_another_thread_count_is_named_not_silently_absent(h, c
                          "torch --db p.db` measures the ceilings under this one"), note
 
 
+
+def test_the_calibrate_a_ceiling_note_names_quotes_its_ledger_as_a_shell_takes_it(h, monkeypatch):
+    """The note of a calibration timed another way named `kprof calibrate ... --db my runs/p.db`: copied, the shell
+    reads --db my and a stray argument. The path is quoted, as the unknown GPU key's commands quote it."""
+    import shlex
+
+    db = "my runs/p.db"
+    os.mkdir("my runs")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    h.append(db, *[_row(x, tflops=1.0 + i) for i, x in enumerate(CPU_GEMMS)],
+             *[_row(x, table="memcpy", gbps=10.0) for x in CPU_COPIES])
+    row = h.gemm(64, 64, 64)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    h.append(db, _row(row, tflops=0.5, gbps=1.0))
+    note = api.query(h.GEMM, h.CPU, [row], gpu_name=GPU, db=db).ceiling_note
+    command = note[note.rindex("`kprof calibrate"):].split("`")[1]
+    assert shlex.split(command) == ["kprof", "calibrate", "--backend", "torch-cpu", "--db", db], note
+
 def test_a_calibration_of_an_older_revision_says_so_not_to_set_the_thread_count(h, capsys, monkeypatch):
     """Ceilings calibrated by an older kprof (an older profiler revision), rows read on the same thread count: the note
     told to set OMP_NUM_THREADS to the count it already had. It says the calibration is of an older revision, and
