@@ -67,7 +67,13 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
     busy = [f"{c.metric} {c.method['host_busy']} of {c.method['measured']}" for c in found
             if (c.method or {}).get("host_busy")]
     if busy:  # a CPU ceiling is only as high as the host let it run: a low one puts every row's fraction too high
-        again = shlex.join(["kprof", "calibrate", "--backend", backend, "--db", ledger_path(db), "--force"])
+        from ..settings import environ  # a CPU ceiling's timing names its thread count, as this variable chose it
+
+        env = environ()
+        threads = [f"{n}={shlex.quote(env[n].strip())}" for n in ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
+                   if env.get(n, "").strip()][:1]  # (MKL's decides where both are set)
+        again = " ".join(threads + [shlex.join(["kprof", "calibrate", "--backend", backend, "--db", ledger_path(db),
+                                                "--force"])])
         console(stderr=True).print(
             f"note: other work took the host's cores while rows behind these ceilings were timed ({', '.join(busy)} "
             f"row(s), their notes say host_busy): the ceilings may be low, and rows read above them; measure them "

@@ -579,6 +579,8 @@ def test_calibrate_on_a_busy_host_says_its_ceilings_may_be_low(h, capsys, monkey
     ran = SimpleNamespace(table=h.GEMM, gpu_name=GPU, db="p.db", results=[], measured=0, seconds=0.0)
     monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], found))
     monkeypatch.setattr(verb, "complete", lambda *a: True)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
     for json_flag in ([], ["--json"]):
         assert main(["calibrate", "--backend", "torch-cpu", "--db", "p.db", *json_flag]) == 0
         err = " ".join(capsys.readouterr().err.split())
@@ -591,6 +593,29 @@ def test_calibrate_on_a_busy_host_says_its_ceilings_may_be_low(h, capsys, monkey
     assert main(["calibrate", "--backend", "torch-cpu"]) == 0
     assert capsys.readouterr().err == ""
 
+
+
+def test_the_calibrate_a_busy_host_note_names_keeps_the_thread_count_the_environment_chose(h, capsys, monkeypatch):
+    """`OMP_NUM_THREADS=4 kprof calibrate --backend torch-cpu` on a busy host named `kprof calibrate --backend torch-cpu
+    --db p.db --force`: pasted where the variable is unset, it calibrates at the default thread count, another timing,
+    and the 4-thread ceilings stay low. The command begins with the thread variable that chose the count."""
+    import shlex
+
+    busy = {"host_load_1m": "4.20", "host_busy": "load 4.20 over 2 cores: other work shared them"}
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    h.append("p.db", _row(CPU_GEMMS[0], tflops=3.0, notes=busy), _row(CPU_GEMMS[1], tflops=2.0),
+             *[_row(x, table="memcpy", gbps=10.0) for x in CPU_COPIES])
+    found = ceilings(h.CPU, GPU, db="p.db")
+    from kprof.cli import calibrate as verb
+
+    ran = SimpleNamespace(table=h.GEMM, gpu_name=GPU, db="p.db", results=[], measured=0, seconds=0.0)
+    monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], found))
+    monkeypatch.setattr(verb, "complete", lambda *a: True)
+    assert main(["calibrate", "--backend", "torch-cpu", "--db", "p.db"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert shlex.split(err[err.rindex("with `"):].split("`")[1]) == [
+        "OMP_NUM_THREADS=4", "kprof", "calibrate", "--backend", "torch-cpu", "--db", "p.db", "--force"], err
 
 def test_ceilings_of_a_db_that_names_no_ledger_raise_as_every_read_does(h, monkeypatch):
     """`ceilings(db=...)` of a mistyped path answered [], as for a ledger never calibrated, where every other read
