@@ -66,7 +66,8 @@ def _ended(i: int, jobs: int, code: int) -> UsageError:
     """Why child i ended without its result where no fault did (a limit, a kill): the work did not finish."""
     if code >= 0:
         return UsageError(f"process {i + 1} of {jobs} exited ({code}) before it finished; run it again")
-    name, (soft, hard) = signal.Signals(-code).name, resource.getrlimit(resource.RLIMIT_CPU)
+    name = next((s.name for s in signal.Signals if s == -code), f"signal {-code}")  # (SIGRTMIN+1: no member)
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
     cpu = soft != resource.RLIM_INFINITY  # a CPU time limit (ulimit -t): SIGXCPU at its soft value, SIGKILL at its hard
     why = {"SIGXCPU": f"the CPU time limit: ulimit -t is {f'{soft} s' if cpu else 'unlimited'}",
            "SIGKILL": "the OOM killer, the job's time limit" + f", or the CPU time limit: ulimit -t is {hard} s" * cpu}

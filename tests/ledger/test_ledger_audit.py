@@ -496,6 +496,33 @@ def test_a_shard_process_that_cannot_start_raises_its_error_and_leaves_none_runn
     assert len(started) == 1 and started[0].exitcode is not None  # ended and reaped
 
 
+
+def _killed_by_a_real_time_signal(shard: int, shards: int, path: str) -> dict:
+    import os
+    import signal
+
+    from kprof.ledger import _audit_worker
+
+    if shard == 1:
+        os.kill(os.getpid(), signal.SIGRTMIN + 1)  # (its default action ends the process)
+    return _audit_worker.main(shard, shards, path)
+
+
+def test_a_shard_ended_by_a_signal_python_names_no_member_of_is_named_by_number(ledger_path):
+    """A shard's process ended by a real-time signal (SIGRTMIN+1, as a job's scheduler may send) was a ValueError
+    traceback ('35 is not a valid Signals') out of the audit; it is the usage error of a shard ended by a signal,
+    naming the signal's number."""
+    import signal
+
+    from kprof.ledger.audit import _shards
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    with pytest.raises(UsageError, match=f"process 2 of 2 was ended by signal {signal.SIGRTMIN + 1} \\(a signal sent "
+                                         f"to it\\)"):
+        _shards(ledger_path, 2, _killed_by_a_real_time_signal)
+
 @pytest.mark.parametrize("jobs", [1, 3])
 def test_the_findings_do_not_depend_on_the_number_of_shards(ledger_path, jobs):
     led = Ledger.open(ledger_path)
