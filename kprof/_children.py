@@ -11,6 +11,7 @@ import resource
 import signal
 import threading
 import time
+from multiprocessing import resource_tracker
 
 from .errors import UsageError
 
@@ -44,11 +45,13 @@ class Faulted(Exception):
 
 
 _FAULTS = (signal.SIGBUS, signal.SIGSEGV)
+_GROUP = {signal.SIGINT, signal.SIGTERM}  # a Ctrl-C or SIGTERM of the group: the parent handles it, ends its children
 
 
 def _child(conn, work, i: int, jobs: int, args: tuple) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C or SIGTERM of the group: the parent handles it, and ends us
+    for sig in _GROUP:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP)  # blocked since it started (see in_processes): now ignored
     watch_parent()
     try:
         out = work(i, jobs, *args)
@@ -82,11 +85,16 @@ def in_processes(work, jobs: int, *args) -> list:
     fault ended its process. A process ended otherwise (a CPU time limit, the OOM killer: no finding of the work) is
     a UsageError, saying which limit."""
     ctx, children = multiprocessing.get_context("spawn"), []
+    resource_tracker.ensure_running()  # here: started by the first child's start, it unblocks the signals (below)
     try:
         for i in range(jobs):
             mine, theirs = ctx.Pipe(duplex=False)
             children.append((ctx.Process(target=_child, args=(theirs, work, i, jobs, args), daemon=True), mine))
-            children[-1][0].start()
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP)  # the child's from its start (a Ctrl-C while
+            try:  # it starts was a KeyboardInterrupt traceback from it); here one waits the few ms till unblocked
+                children[-1][0].start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             theirs.close()
         out = []
         for i, (process, mine) in enumerate(children):

@@ -622,6 +622,27 @@ def test_a_killed_audit_leaves_no_shard_running(tmp_path):
     assert not any(_alive(pid) for pid in children)
 
 
+
+def test_a_ctrl_c_that_reaches_a_shard_process_while_it_starts_is_left_to_the_parent(tmp_path):
+    """A Ctrl-C (or SIGTERM) of the process group reached a shard process that was still starting (importing kprof,
+    before it set the signals aside): it printed a KeyboardInterrupt traceback under the interrupt's line, or its part
+    read as "ended by SIGINT". A shard starts with them blocked, and ignores them from then on: the parent handles
+    them. Here the signal reaches the shards alone (each sends it to itself as it starts): they finish their work."""
+    import subprocess
+    import sys
+
+    (tmp_path / "shard_work.py").write_text(
+        "import os, signal\n"
+        "if os.environ.setdefault('FIRST_PID', str(os.getpid())) != str(os.getpid()):  # a shard, as it starts\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "def work(i, n):\n"
+        "    return i\n")
+    (tmp_path / "parent.py").write_text("from kprof._children import in_processes\nimport shard_work\n"
+                                        "if __name__ == '__main__': print(in_processes(shard_work.work, 2))\n")
+    done = subprocess.run([sys.executable, str(tmp_path / "parent.py")], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[0, 1]\n", ""), done.stderr
+
 def _alive(pid: int) -> bool:
     import os
 
