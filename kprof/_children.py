@@ -1,6 +1,6 @@
 """Child processes (an audit's shards, a run's pool workers, a collective's ranks): spawned, each ending itself once
 the process that started it has gone (killed, or ended without waiting) rather than working on for no one. No kprof
-imports but its errors."""
+imports but its errors and the limits' words."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import threading
 import time
 from multiprocessing import resource_tracker
 
+from ._limits import hit
 from .errors import UsageError
 
 __all__ = ["watch_parent", "in_processes", "Faulted", "cpus"]
@@ -82,8 +83,8 @@ def _ended(i: int, jobs: int, code: int) -> UsageError:
 def in_processes(work, jobs: int, *args) -> list:
     """work(i, jobs, *args) for each i in range(jobs), each in a spawned process of its own (LMDB handles cannot
     cross a fork) that ends once this one has gone; per i, its result or the exception it raised, Faulted where a
-    fault ended its process. A process ended otherwise (a CPU time limit, the OOM killer: no finding of the work) is
-    a UsageError, saying which limit."""
+    fault ended its process. A process ended otherwise (a CPU time limit, the OOM killer: no finding of the work), or
+    one whose work ran into a limit (ulimit -v: a MemoryError; ulimit -n), is a UsageError, saying which limit."""
     ctx, children = multiprocessing.get_context("spawn"), []
     resource_tracker.ensure_running()  # here: started by the first child's start, it unblocks the signals (below)
     try:
@@ -105,6 +106,8 @@ def in_processes(work, jobs: int, *args) -> list:
                 if -process.exitcode not in _FAULTS:
                     raise _ended(i, jobs, process.exitcode) from None
                 out.append(Faulted(signal.Signals(-process.exitcode).name))
+            if isinstance(out[-1], Exception) and (limit := hit(out[-1])) is not None:  # (MemoryError): no finding
+                raise UsageError(f"process {i + 1} of {jobs} ran into a limit before it finished: {limit}")
         return out
     finally:
         for process, mine in children:

@@ -497,6 +497,28 @@ def test_a_shard_process_that_cannot_start_raises_its_error_and_leaves_none_runn
 
 
 
+
+def _out_of_memory_on_shard_1(shard: int, shards: int, path: str) -> dict:
+    from kprof.ledger import _audit_worker
+
+    if shard == 1:
+        raise MemoryError  # what its replay raises under an address space limit (ulimit -v) too small for it
+    return _audit_worker.main(shard, shards, path)
+
+
+def test_a_shard_that_runs_out_of_memory_is_no_finding_of_damage(ledger_path):
+    """`ulimit -v 200000; kprof audit` of a sound ledger: a shard's replay raised MemoryError, reported as the finding
+    "structure: shard 0: MemoryError: ", exit 3, the ledger called damaged. A shard's work that ran into a limit is a
+    usage error naming it (exit 2): the audit did not finish."""
+    from kprof.ledger.audit import _shards
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    with pytest.raises(UsageError, match=r"process 2 of 2 ran into a limit before it finished: out of (memory|address "
+                                         r"space) \(MemoryError\)"):
+        _shards(ledger_path, 2, _out_of_memory_on_shard_1)
+
 def _killed_by_a_real_time_signal(shard: int, shards: int, path: str) -> dict:
     import os
     import signal
