@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -13,7 +14,8 @@ from typing import Iterator
 from ._scratch import hold, unheld
 from .errors import UsageError
 
-__all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "make_read_only", "replace_whole"]
+__all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "make_read_only", "replace_whole",
+           "new_file"]
 
 _FIX = "pass a new directory (it is created if absent)"
 READ_ONLY = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # the mode of an output's files
@@ -83,24 +85,29 @@ def write_once(path: str, data: bytes) -> None:
 
 
 def make_read_only(path: str) -> None:
-    """An output's file made read-only for those the umask lets read it (umask 077: its owner alone)."""
-    os.chmod(path, READ_ONLY & ~_umask())
+    """An output's file made read-only for those the umask let read it as it was made (umask 077: its owner alone).
+    (The umask is never read: reading it means setting it, and another thread's file made meanwhile took that.)"""
+    os.chmod(path, os.stat(path).st_mode & READ_ONLY)
 
 
-def _umask() -> int:
-    umask = os.umask(0o022)  # (read by setting it)
-    os.umask(umask)
-    return umask
+def new_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """(descriptor, path) of a new file of a name of its own in `directory`, made as open() makes one: its mode as the
+    umask allows (mkstemp's is its owner's alone, whatever the umask)."""
+    while True:
+        path = os.path.join(directory, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666), path
+        except FileExistsError:
+            continue
 
 
 def replace_whole(path: str, data: bytes) -> None:
     """The file `path` holding `data`, whole or as it was: written under a name of its own beside it, then renamed
     over it (two writers at once leave one's file whole, an interrupt leaves no part, and a link planted as `path` is
     replaced, never written through). Its mode is the one open() would give a new file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}-", suffix=".part")
+    fd, tmp = new_file(os.path.dirname(path) or ".", f".{os.path.basename(path)}-", ".part")
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # (mkstemp's are private to their owner)
             f.write(data)
         os.replace(tmp, path)
     finally:

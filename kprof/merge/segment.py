@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import stat
 import struct
-import tempfile
 import time
 from contextlib import contextmanager
 from typing import BinaryIO, Iterable, Iterator, NamedTuple
@@ -30,6 +29,7 @@ import msgspec
 from blake3 import blake3
 
 from .._limits import hit
+from .._outdir import new_file
 from ..errors import UsageError
 
 __all__ = ["SegmentHeader", "SegmentError", "Run", "FORMAT", "write", "read", "runs", "header_of", "named"]
@@ -82,14 +82,11 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
         events = list(events)
         count = len(events)
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kseg-", suffix=".part")
+        fd, tmp = new_file(directory, ".kseg-", ".part")  # its mode as the umask allows, as open() makes one
     except OSError as e:  # a limit (ulimit -n) named as such, else where to write it instead
         raise UsageError(f"cannot write segment {path}: {hit(e)}" if hit(e) else f"cannot write segment {path} "
                          f"({e.strerror or e}); give a path in a writable directory") from None
     try:
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # as a file open() makes (mkstemp's are private to their owner)
         with os.fdopen(fd, "wb") as f:
             digest = _stream(f, events, SegmentHeader(FORMAT, ledger_id, time.time(), count))
         target = named(path, digest) if directory == path else path

@@ -446,6 +446,33 @@ def test_a_snapshot_is_read_only_for_those_the_umask_lets_read_it(tmp_path, caps
     assert "results.json" in modes and set(modes.values()) == {mode}, modes
 
 
+def test_writing_outputs_never_sets_the_process_umask(tmp_path, capsys, h, monkeypatch):
+    """A snapshot's, a segment's and a replaced report's modes were had by reading the umask, which means setting it
+    (to 022) for a moment: another thread's file made meanwhile (a perf_api caller's, a pool's) took 022 where the
+    process keeps 027. Their modes come from the umask as the kernel applies it; os.umask is never called."""
+    from kprof import _outdir
+    from kprof.merge import segment
+
+    def umask(_mask):
+        raise AssertionError("os.umask called while writing an output")
+
+    real, was = os.umask, os.umask(0o027)
+    monkeypatch.setattr(os, "umask", umask)
+    try:
+        os.mkdir("snap")
+        assert main(_run_into("snap", h, "p.db")) == 0
+        _outdir.replace_whole(str(tmp_path / "report.json"), b"{}")
+        with Ledger.open("p.db", readonly=True) as led:
+            data = [raw for _seq, _eid, raw in led.iter_log()]
+            written = segment.write(str(tmp_path / "rows.kseg"), data, led.ledger_id, len(data))
+    finally:
+        real(was)
+    capsys.readouterr()
+    assert {stat.S_IMODE(os.stat(os.path.join("snap", n)).st_mode) for n in os.listdir("snap")} == {0o440}
+    assert stat.S_IMODE(os.stat(tmp_path / "report.json").st_mode) == 0o640
+    assert stat.S_IMODE(os.stat(written).st_mode) & 0o777 in (0o640, 0o440)
+
+
 def test_a_snapshot_that_cannot_be_written_after_the_run_says_so(tmp_path, capsys, h, monkeypatch):
     """Checked before the run, the directory can still fail after it (a full disk): a clear error, no traceback,
     and the way to the snapshot without measuring again."""
