@@ -250,6 +250,23 @@ def test_rows_of_a_newer_profiler_revision_are_named_in_a_note(ledger_path, caps
     assert "newer" not in capsys.readouterr().err
 
 
+def test_the_newer_revision_note_samples_a_large_request(ledger_path, capsys, h, local_gpu, tmp_path):
+    """The note looked up the stale rows of up to 1,000 specs (about 45 µs each: 16 % of count-missing's whole process
+    on 10,000 specs); it looks at _LOOKED_AT specs spread over those without an ok row, and says it sampled them."""
+    from kprof.cli import read
+    from kprof.method import effective_entry
+    from kprof.runners.registry import lookup
+
+    ours = effective_entry(lookup(h.GEMM, h.CPU)).contract.profiler_revision
+    h.append(ledger_path, *(h.make_event(h.gemm(m=m), local_gpu, revision=ours + 1) for m in range(1, 201)))
+    specs = tmp_path / "specs.jsonl"
+    specs.write_text("".join(json.dumps(h.gemm(m=m)) + "\n" for m in range(1, 201)))
+    assert main(["count-missing", h.GEMM, "--backend", h.CPU, "--specs", str(specs), "--db", ledger_path]) == 0
+    looked = len(range(0, 200, -(-200 // read._LOOKED_AT)))
+    assert looked <= read._LOOKED_AT and f"note: {looked} of {looked} spec(s) sampled from the 200 without an ok row " \
+        f"have rows of profiler revision {ours + 1}" in capsys.readouterr().err
+
+
 def test_the_newer_revision_note_never_fails_the_answer(ledger_path, capsys, h, local_gpu, monkeypatch):
     """The note on rows of a newer profiler revision reads the ledger a second time, after the answer: where that read
     failed (the file removed or moved since, as a cleanup or a copy's rename does), the answer was lost, exit 2 naming
