@@ -62,8 +62,9 @@ def _child(conn, work, i: int, jobs: int, args: tuple) -> None:
         if isinstance(out, Exception):  # one whose class takes other arguments pickles, then fails in the parent
             pickle.loads(pickle.dumps(out))
         conn.send(out)  # (pickled whole before a byte is sent)
-    except Exception as exc:  # noqa: BLE001 - it does not pickle: what it was, as text
-        conn.send(RuntimeError(f"{type(out).__name__}: {out} (it could not be sent back: {exc})"))
+    except Exception as exc:  # noqa: BLE001 - it does not pickle: what it was, as text; a limit that pickling ran
+        # into (a large result under ulimit -v: MemoryError) as itself, no finding of the work (see in_processes)
+        conn.send(exc if hit(exc) else RuntimeError(f"{type(out).__name__}: {out} (it could not be sent back: {exc})"))
 
 
 def _ended(i: int, jobs: int, code: int) -> UsageError:

@@ -519,6 +519,32 @@ def test_a_shard_that_runs_out_of_memory_is_no_finding_of_damage(ledger_path):
                                          r"space) \(MemoryError\)"):
         _shards(ledger_path, 2, _out_of_memory_on_shard_1)
 
+class _PicklesOutOfMemory:
+    def __reduce__(self):
+        raise MemoryError  # what pickling a large result raises under an address space limit (ulimit -v)
+
+
+def _result_out_of_memory_on_shard_1(shard: int, shards: int, path: str) -> dict:
+    from kprof.ledger import _audit_worker
+
+    out = _audit_worker.main(shard, shards, path)
+    return {**out, "scopes": _PicklesOutOfMemory()} if shard == 1 else out
+
+
+def test_a_shard_whose_result_runs_out_of_memory_as_it_is_sent_is_no_finding_of_damage(ledger_path):
+    """A shard's replay finished, then pickling its result to send it back raised MemoryError (ulimit -v): it was sent
+    as the text 'RuntimeError: dict: {...the whole result...} (it could not be sent back: )', the finding "structure:
+    shard 1: RuntimeError: ...", exit 3, a sound ledger called damaged. It is the usage error of a limit (exit 2)."""
+    from kprof.ledger.audit import _shards
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    with pytest.raises(UsageError, match=r"process 2 of 2 ran into a limit before it finished: out of (memory|address "
+                                         r"space) \(MemoryError\)"):
+        _shards(ledger_path, 2, _result_out_of_memory_on_shard_1)
+
+
 def _killed_by_a_real_time_signal(shard: int, shards: int, path: str) -> dict:
     import os
     import signal
