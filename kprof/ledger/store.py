@@ -302,8 +302,8 @@ class Ledger:
 
     def event(self, eid: bytes):
         """The stored event `eid`, its bytes re-hashed (IntegrityError where they do not hash to it), or None."""
-        if not isinstance(eid, (bytes, bytearray, memoryview)):  # a citation, say: the caller's, not the file's damage
-            raise UsageError(f"event id {eid!r} is not bytes; pass a Row's event_id, or ledger.resolve(ref).event_id")
+        if not isinstance(eid, (bytes, bytearray, memoryview)) or not eid:  # a citation, b"": not the file's damage
+            raise UsageError(f"event id {eid!r} is not an id's bytes; pass a Row's or ledger.resolve(ref)'s event_id")
         raw = self._get("events", eid)
         return None if raw is None else verified_event(self.path, eid, raw)
 

@@ -114,15 +114,16 @@ def test_a_rows_stats_claim_no_samples_the_event_keeps(ledger):
     assert "samples" not in row.to_json()["stats"]
 
 
-@pytest.mark.parametrize("given", ["citation", "hex", None, 123])
+@pytest.mark.parametrize("given", ["citation", "hex", None, 123, b""])
 def test_an_event_looked_up_by_anything_but_its_id_bytes_is_a_usage_error_not_damage(ledger, given):
-    """`ledger.event(row.citation)` (or the id's hex, None, an int) read as "ledger ... is damaged: reading
-    sub-database `events` failed (TypeError ...); run `kprof audit`" (exit 3) of a sound ledger: it is the caller's
-    argument, refused as a UsageError naming it and the fix, and the row's event_id still reads its event."""
+    """`ledger.event(row.citation)` (or the id's hex, None, an int, an empty id) read as "ledger ... is damaged:
+    reading sub-database `events` failed (TypeError, BadValsizeError ...); run `kprof audit`" (exit 3) of a sound
+    ledger: it is the caller's argument, refused as a UsageError naming it and the fix, and the row's event_id still
+    reads its event."""
     ledger.append([synth.event(0)])
     row = synth.view(ledger).get(**synth.spec(0))
     ref = {"citation": row.citation, "hex": row.event_id.hex()}.get(given, given)
-    with pytest.raises(UsageError, match=r"is not bytes; pass a Row's event_id, or ledger.resolve\(ref\)") as err:
+    with pytest.raises(UsageError, match=r"is not an id's bytes; pass a Row's or ledger.resolve\(ref\)'s") as err:
         ledger.event(ref)
     assert not isinstance(err.value, IntegrityError) and repr(ref) in str(err.value)
     assert ledger.event(row.event_id).key == row.key == ledger.event(bytearray(row.event_id)).key
