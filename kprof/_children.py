@@ -81,11 +81,12 @@ def _ended(i: int, jobs: int, code: int) -> UsageError:
                       f"it finished: nothing is known of its part; raise the limit{more} and run it again")
 
 
-def in_processes(work, jobs: int, *args) -> list:
+def in_processes(work, jobs: int, *args, found=lambda out: False) -> list:
     """work(i, jobs, *args) for each i in range(jobs), each in a spawned process of its own (LMDB handles cannot
     cross a fork) that ends once this one has gone; per i, its result or the exception it raised, Faulted where a
     fault ended its process. A process ended otherwise (a CPU time limit, the OOM killer: no finding of the work), or
-    one whose work ran into a limit (ulimit -v: a MemoryError; ulimit -n), is a UsageError, saying which limit."""
+    one whose work ran into a limit (ulimit -v: a MemoryError; ulimit -n), is a UsageError saying which limit: raised
+    where no other raised or `found(result)` something (an audit's damage found elsewhere stands), else in its place."""
     ctx, children = multiprocessing.get_context("spawn"), []
     resource_tracker.ensure_running()  # here: started by the first child's start, it unblocks the signals (below)
     try:
@@ -104,11 +105,13 @@ def in_processes(work, jobs: int, *args) -> list:
                 out.append(mine.recv())
             except EOFError:  # it ended without sending: how says why
                 process.join()
-                if -process.exitcode not in _FAULTS:
-                    raise _ended(i, jobs, process.exitcode) from None
-                out.append(Faulted(signal.Signals(-process.exitcode).name))
+                code = process.exitcode
+                out.append(Faulted(signal.Signals(-code).name) if -code in _FAULTS else _ended(i, jobs, code))
             if isinstance(out[-1], Exception) and (limit := hit(out[-1])) is not None:  # (MemoryError): no finding
-                raise UsageError(f"process {i + 1} of {jobs} ran into a limit before it finished: {limit}")
+                out[-1] = UsageError(f"process {i + 1} of {jobs} ran into a limit before it finished: {limit}")
+        ended, others = [o for o in out if isinstance(o, UsageError)], [o for o in out if not isinstance(o, UsageError)]
+        if ended and not any(isinstance(o, Exception) or found(o) for o in others):
+            raise ended[0]
         return out
     finally:
         for process, mine in children:

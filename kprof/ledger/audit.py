@@ -36,7 +36,7 @@ JOBS = min(8, len(cpus()))  # the default: a shard process per usable CPU, up to
 
 def _shards(path: str, jobs: int, work=_audit_worker.main) -> list[dict]:
     """Every shard's `work(shard, jobs, path)`, each in a process of its own (see kprof._children)."""
-    outs = in_processes(work, jobs, path)
+    outs = in_processes(work, jobs, path, found=lambda res: bool(res["findings"]))  # (a shard not done: see _fatal)
     return [_fatal(i, out) if isinstance(out, Exception) else out for i, out in enumerate(outs)]
 
 

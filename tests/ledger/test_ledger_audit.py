@@ -571,6 +571,34 @@ def test_a_shard_ended_by_a_signal_python_names_no_member_of_is_named_by_number(
                                          f"to it\\)"):
         _shards(ledger_path, 2, _killed_by_a_real_time_signal)
 
+def _finding_on_0_killed_on_1(shard: int, shards: int, path: str) -> dict:
+    """Shard 0 finds damage; shard 1's process is ended by SIGKILL (the OOM killer, a time limit)."""
+    import os
+    import signal
+
+    from kprof.ledger import _audit_worker
+
+    if shard == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    res = _audit_worker.main(shard, shards, path)
+    res["findings"].append("events: planted damage")
+    return res
+
+
+def test_damage_one_shard_found_stands_when_another_is_ended_by_a_limit(ledger_path):
+    """A shard ended by a limit or a kill (no finding of its own) raised a usage error ("raise the limit", exit 2) at
+    once, and the damage another shard had found was dropped: a damaged ledger read as unfinished. The findings stand
+    (exit 3), the unfinished shard among them; with nothing found elsewhere it is still the usage error."""
+    from kprof.ledger.audit import _shards
+
+    led = Ledger.open(ledger_path)
+    led.append(list(synth.events(0, 40)))
+    led.close()
+    results = _shards(ledger_path, 2, _finding_on_0_killed_on_1)
+    assert "events: planted damage" in results[0]["findings"] and results[1]["fatal"] is True
+    assert "process 2 of 2 was ended by SIGKILL" in results[1]["findings"][0]
+
+
 @pytest.mark.parametrize("jobs", [1, 3])
 def test_the_findings_do_not_depend_on_the_number_of_shards(ledger_path, jobs):
     led = Ledger.open(ledger_path)
