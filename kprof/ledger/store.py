@@ -145,8 +145,7 @@ class Ledger:
             except lmdb.Error as exc:
                 if "mdb_txn_commit" in str(exc):  # creating or upgrading it, refused by a full disk: not damage
                     raise
-                raise IntegrityError(f"ledger {path} is damaged ({exc}); run `kprof audit --db {path}` and restore "
-                                     f"from a copy") from None
+                raise damaged(path, str(exc)) from None  # (the verbs add the quoted --db to its `kprof audit`)
         except BaseException:
             if not users or entry[1] > users:  # a new environment, or this open's use of a shared one
                 _release(real, env)

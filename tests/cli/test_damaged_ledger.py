@@ -369,3 +369,33 @@ def test_the_audit_a_damaged_ledger_s_error_names_is_of_that_ledger(h, rows, cap
     monkeypatch.setenv("KPROF_DB", db)
     assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(*specs)]) == 3
     assert "; run `kprof audit` for the full report" in capsys.readouterr().err
+
+
+def test_the_audit_lmdb_s_own_damage_names_runs_in_a_shell_on_that_ledger(h, local_gpu, tmp_path, capsys):
+    """A ledger whose main tree LMDB finds of the wrong page type (MDB_CORRUPTED, as it is opened) said "run `kprof
+    audit --db team ledgers/p.db`": the path unquoted, so a shell ran `kprof audit --db team` with two stray
+    arguments (a usage error) instead of the audit. Pasted as printed, it audits that ledger (exit 3, its damage)."""
+    import shlex
+    import struct
+
+    import lmdb
+
+    db = str(tmp_path / "team ledgers" / "p.db")
+    os.mkdir(os.path.dirname(db))
+    h.append(db, h.make_event(h.gemm(m=32), local_gpu))
+    env = lmdb.open(db, subdir=False, lock=False)
+    psize = env.stat()["psize"]
+    env.close()
+    with open(db, "r+b") as f:
+        metas = [(struct.unpack_from("<Q", m, 144)[0], struct.unpack_from("<Q", m, 128)[0])
+                 for m in (f.read(psize), f.read(psize))]
+        f.seek(max(metas)[1] * psize)  # the main tree's root page, of the newer meta page
+        f.write(b"\xab" * psize)
+    prog = (sys.executable, "-m", "kprof")
+    assert main(["scopes", "--db", db], prog=prog) == 3
+    err = capsys.readouterr().err
+    command = err[err.index(f"`{shlex.join(prog)} audit"):].split("`")[1]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(__file__)))}
+    env.pop("KPROF_DB", None)
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and db in done.stdout + done.stderr, (command, done.stdout, done.stderr)
