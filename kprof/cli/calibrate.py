@@ -13,7 +13,7 @@ from ..calibrate import calibrate as run_calibrate
 from ..calibrate import complete
 from ..ledger import ledger_path
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, Power, Timer
-from ._render import console, emit_json, stdout_to_stderr
+from ._render import console, emit_json, stdout_to_stderr, typed_as
 
 
 def _figure(value: float) -> str:
@@ -72,7 +72,7 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
         env = environ()
         threads = [f"{n}={shlex.quote(env[n].strip())}" for n in ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
                    if env.get(n, "").strip()][:1]  # (MKL's decides where both are set)
-        again = " ".join(threads + [shlex.join(["kprof", "calibrate", "--backend", backend, "--db", ledger_path(db),
+        again = " ".join(threads + [shlex.join([*typed_as, "calibrate", "--backend", backend, "--db", ledger_path(db),
                                                 "--force"])])
         console(stderr=True).print(
             f"note: other work took the host's cores while rows behind these ceilings were timed ({', '.join(busy)} "

@@ -617,6 +617,31 @@ def test_the_calibrate_a_busy_host_note_names_keeps_the_thread_count_the_environ
     assert shlex.split(err[err.rindex("with `"):].split("`")[1]) == [
         "OMP_NUM_THREADS=4", "kprof", "calibrate", "--backend", "torch-cpu", "--db", "p.db", "--force"], err
 
+
+def test_the_calibrate_a_busy_host_note_names_is_the_command_as_typed(h, capsys, monkeypatch):
+    """`OMP_NUM_THREADS=4 python -m launcher kernel-profile calibrate --backend torch-cpu` on a busy host named
+    `OMP_NUM_THREADS=4 kprof calibrate ...`: the launcher's user may have no `kprof` (every other command a message
+    names is the launcher's there; this one, begun by the thread variable, was left as it was). It is as typed."""
+    import shlex
+    import sys
+
+    busy = {"host_load_1m": "4.20", "host_busy": "load 4.20 over 2 cores: other work shared them"}
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    h.append("p.db", _row(CPU_GEMMS[0], tflops=3.0, notes=busy), _row(CPU_GEMMS[1], tflops=2.0),
+             *[_row(x, table="memcpy", gbps=10.0) for x in CPU_COPIES])
+    found = ceilings(h.CPU, GPU, db="p.db")
+    from kprof.cli import calibrate as verb
+
+    ran = SimpleNamespace(table=h.GEMM, gpu_name=GPU, db="p.db", results=[], measured=0, seconds=0.0)
+    monkeypatch.setattr(verb, "run_calibrate", lambda *a, **k: ([ran], found))
+    monkeypatch.setattr(verb, "complete", lambda *a: True)
+    launcher = (sys.executable, "-m", "launcher", "kernel-profile")
+    assert main(["calibrate", "--backend", "torch-cpu", "--db", "p.db"], prog=launcher) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert shlex.split(err[err.rindex("with `"):].split("`")[1]) == [
+        "OMP_NUM_THREADS=4", *launcher, "calibrate", "--backend", "torch-cpu", "--db", "p.db", "--force"], err
+
 def test_ceilings_of_a_db_that_names_no_ledger_raise_as_every_read_does(h, monkeypatch):
     """`ceilings(db=...)` of a mistyped path answered [], as for a ledger never calibrated, where every other read
     (api.query, perf_api) raises LedgerPathError naming the path. A calibration that stored nothing (every spec
