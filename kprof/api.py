@@ -181,7 +181,7 @@ def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> str | Non
 
     timing = entry.contract.timing
     found = ceilings(entry.backend, gpu_key, ledger=ledger, timing=timing)
-    annotate(results, found)
+    annotate(results, found, ledger.path)
     absent = [m for m in ("tflops", "memory_bandwidth_gbps") if m not in {c.metric for c in found if c.dtype is None}]
     other = elsewhere(entry.backend, gpu_key, ledger, timing) if absent and any(
         r["status"] == "ok" for r in results) else []

@@ -46,7 +46,7 @@ def calibrate(backend: str, *, gpu_name: str | None = None, db: str | None = Non
     for r in results:
         for doc in r.results:
             doc.pop("ceiling", None)
-        annotate(r.results, found)
+        annotate(r.results, found, r.db)
     return results, found
 
 

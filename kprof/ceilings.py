@@ -242,12 +242,10 @@ def _clock_scale(event) -> float | None:
         return None
     top = env.clocks.get("sm_max_mhz")
     timed = None
-    method = getattr(event, "method", None)
-    if method is not None:
-        try:
-            timed = float(method.notes.get("timed_sm_mhz_median", ""))
-        except ValueError:
-            timed = None
+    try:  # the SM clock its timed calls ran at, where its method says it (a Failed event has none)
+        timed = float(event.method.notes.get("timed_sm_mhz_median", ""))
+    except (AttributeError, ValueError):
+        pass
     timed = timed or env.clocks.get("sm_mhz_median")
     if not top or not timed or timed <= 0:
         return None
@@ -341,10 +339,10 @@ def _shares(metrics: dict, by: dict[str, Ceiling]) -> dict[str, float] | None:
     return out or None
 
 
-def annotate(results: list[dict], found: list[Ceiling]) -> None:
+def annotate(results: list[dict], found: list[Ceiling], db: str | None = None) -> None:
     """Adds `ceiling` to each ok row (a query result document) that has a metric with a ceiling: fractions, each
     ceiling's value and citation, how each was measured, and, when a fraction exceeds 1, `above_ceiling: true`
-    with `why` (see the module docstring). Rows are left exactly as they were when no ceiling exists."""
+    with `why` (see the module docstring), whose commands name the ledger `db`. A row with no ceiling is as it was."""
     if not found:
         return
     for doc in results:
@@ -355,20 +353,23 @@ def annotate(results: list[dict], found: list[Ceiling]) -> None:
         ceiling = {"fraction": share, "values": {m: by[m].value for m in share},
                    "citations": {m: by[m].citation for m in share},
                    "method": {m: (by[m].method or {}).get("summary", "") for m in share}}
-        above = {m: _why(doc, by[m]) for m, v in share.items() if v > 1.0}
+        above = {m: _why(doc, by[m], db) for m, v in share.items() if v > 1.0}
         if above:
             ceiling["above_ceiling"] = True
             ceiling["why"] = above
         doc["ceiling"] = ceiling
 
 
-def _why(doc: dict, c: Ceiling) -> str:
+def _why(doc: dict, c: Ceiling, db: str | None) -> str:
     """Why a row may beat the ceiling `c`, from what the row and the ceiling say: a set measured in part, a dtype
     the set does not hold, a working set smaller than any of the set's (a cache serves it), else a state other
     than the calibration's; each with what to do."""
+    from shlex import quote
+
     method = c.method or {}
-    # the command as it runs here: without --backend, calibrate measures a CUDA GPU (exit 2 on a CPU host)
-    again = f"`kprof calibrate --backend {(doc.get('provenance') or {}).get('backend') or BASE_BACKEND['cuda']}"
+    # the command as it runs here (on ledger db): without --backend, calibrate measures a CUDA GPU (exit 2 on a CPU)
+    again = f"`kprof calibrate --backend {(doc.get('provenance') or {}).get('backend') or BASE_BACKEND['cuda']}" + (
+        f" --db {quote(db)}" if db else "")
     if method.get("measured", 0) < method.get("of", 0):
         return (f"the ceiling is the max over {method['measured']} of its {method['of']} shapes; {again}` measures "
                 f"the rest")

@@ -310,14 +310,14 @@ def test_a_row_above_a_ceiling_says_why(h):
     assert above["why"]["tflops"].startswith("faster than every row of the set as it was measured (max over 3/3 "
                                              "shapes (at single_gemm 768x768x768)")
     # the command as it runs on the row's host: `kprof calibrate --force` measures a CUDA GPU (exit 2 on a CPU)
-    assert "`kprof calibrate --backend torch-cpu --force` measures it again" in above["why"]["tflops"]
+    assert "`kprof calibrate --backend torch-cpu --db p.db --force` measures it again" in above["why"]["tflops"]
     assert "why" not in ceiling_of("single_gemm", others[0])
 
     small = {"bytes": 1 << 20}  # 0.477 MiB a call at 50 GB/s (its time, 0.01 ms, is made up)
     h.append("p.db", _row(small, table="memcpy", gbps=50.0, time_ms=0.01))
     assert ceiling_of("memcpy", small)["why"] == {  # 3 of the 4 shapes: the matrix-vector product is missing
-        "memory_bandwidth_gbps": "the ceiling is the max over 3 of its 4 shapes; `kprof calibrate --backend torch-cpu` "
-                                 "measures the rest"}
+        "memory_bandwidth_gbps": "the ceiling is the max over 3 of its 4 shapes; `kprof calibrate --backend torch-cpu "
+                                 "--db p.db` measures the rest"}
     (matvec,) = [x for t, x in CPU_BYTES.members if t == "single_gemm"]
     h.append("p.db", _row(matvec, gbps=5.0, tflops=0.001))  # 4.77 MiB a call: the least of the set
     why = ceiling_of("memcpy", small)["why"]["memory_bandwidth_gbps"]
@@ -372,6 +372,23 @@ def test_the_arithmetic_ceiling_is_taken_at_the_max_sm_clock(h):
     annotate(docs, [c])
     assert docs[0]["ceiling"]["fraction"]["tflops"] == pytest.approx(1.0) and "above_ceiling" not in docs[0]["ceiling"]
     assert docs[1]["ceiling"]["above_ceiling"] is True
+
+
+def test_the_calibrate_a_row_above_its_ceiling_names_is_of_its_ledger(h, capsys, tmp_path, monkeypatch):
+    """`kprof query ... --db 'team ledgers/p.db' --json` of a row above its ceiling said why with "`kprof calibrate
+    --backend torch-cpu --force` measures it again": pasted, that calibrates $KPROF_DB or ./profile.db (creating it),
+    and the ceilings of the ledger read stay as they were. The command names the ledger read, quoted for a shell."""
+    import shlex
+
+    db = str(tmp_path / "team ledgers" / "p.db")
+    os.makedirs(os.path.dirname(db))
+    monkeypatch.chdir(os.path.dirname(db))
+    others = _above_ceiling_ledger(h)
+    monkeypatch.chdir(tmp_path)
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(others[1]), "--gpu-name", GPU, "--db", db,
+                 "--json"]) == 0
+    why = json.loads(capsys.readouterr().out)["results"][0]["ceiling"]["why"]["tflops"]
+    assert shlex.split(why.split("`")[1]) == ["kprof", "calibrate", "--backend", h.CPU, "--db", db, "--force"], why
 
 
 def test_a_row_is_bounded_by_the_ceiling_of_its_own_dtype(h):
