@@ -308,13 +308,13 @@ def _end_by_signal() -> None:
 
 
 def _audit_of_db(message: str, argv: list[str]) -> str:
-    """A damaged ledger's advice to "run `kprof audit`" names the ledger given with --db: `kprof audit` alone audits
-    $KPROF_DB or ./profile.db, and would report another file clean."""
+    """The `kprof audit` a message names (a damaged ledger's, a failed write's) names the ledger given with --db:
+    `kprof audit` alone audits $KPROF_DB or ./profile.db, and would report another file clean."""
     import shlex
 
     db = next((b for a, b in zip(argv, argv[1:]) if a == "--db"), None) or next(
         (a.removeprefix("--db=") for a in argv if a.startswith("--db=")), None)
-    return message.replace("run `kprof audit`", f"run `kprof audit --db {shlex.quote(db)}`") if db else message
+    return message.replace("`kprof audit`", f"`kprof audit --db {shlex.quote(db)}`") if db else message
 
 
 def _main(argv: list[str], prog: str = "kprof") -> int:
@@ -375,9 +375,9 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
             raise
 
         if _write_refused(exc):
-            error(f"writing the ledger failed ({type(exc).__name__}: {exc}): the disk is full, past a file size "
-                  f"limit (ulimit -f) or failing; nothing of the failed transaction was stored ({left}; `kprof "
-                  f"audit` confirms it). Free space and run again")
+            error(_audit_of_db(f"writing the ledger failed ({type(exc).__name__}: {exc}): the disk is full, past a "
+                               f"file size limit (ulimit -f) or failing; nothing of the failed transaction was stored "
+                               f"({left}; `kprof audit` confirms it). Free space and run again", argv))
             return 2
         error(_audit_of_db(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full "
                            f"report", argv))

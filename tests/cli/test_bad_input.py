@@ -587,6 +587,28 @@ def test_a_full_disk_while_run_creates_the_ledger_is_named_not_called_damage(tmp
     assert "damaged" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_the_audit_a_failed_write_names_runs_in_a_shell_on_that_ledger(h, local_gpu, tmp_path):
+    """A run whose write a full disk refused (here `ulimit -f`) said "`kprof audit` confirms it" without the --db it
+    was given: pasted, that audits $KPROF_DB or ./profile.db, another file, and may call it clean. It names the
+    ledger, quoted for a shell, and run as printed audits it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    db = str(tmp_path / "team ledgers" / "p.db")
+    os.mkdir(os.path.dirname(db))
+    h.append(db, h.make_event(h.gemm(m=32), local_gpu))
+    prog = (sys.executable, "-m", "kprof")
+    limited = _LIMITED.replace("main(sys.argv[2:])", f"main(sys.argv[2:], prog={prog!r})")
+    env = {**os.environ, "PYTHONPATH": root}
+    env.pop("KPROF_DB", None)
+    proc = subprocess.run([sys.executable, "-c", limited, str(os.path.getsize(db)), "run", h.GEMM, "--backend",
+                           h.CPU, *h.spec_args(*[h.gemm(m=8, k=k) for k in (16, 32, 48)]), "--db", db],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "writing the ledger failed" in proc.stderr, proc.stderr
+    err = " ".join(proc.stderr.split())
+    command = err[err.index(f"`{shlex.join(prog)} audit"):].split("`")[1]
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and f"audit of {db}: clean" in done.stdout, (command, done.stdout, done.stderr)
+
+
 @pytest.mark.parametrize("verb", ["scopes", "audit"])
 def test_a_reader_of_an_older_format_whose_temporary_copy_cannot_be_written_says_where(tmp_path, verb):
     """A reader of an older format reads an upgraded copy it makes in the temporary directory; that copy refused
