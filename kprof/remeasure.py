@@ -20,6 +20,7 @@ import math
 import numbers
 import os
 import random
+import shlex
 import time
 from typing import NamedTuple
 
@@ -171,10 +172,10 @@ def remeasure(db: str | None, n: int, tolerance: float = 0.05, *, timer: str | N
     by_entry: dict[tuple, list] = {}
     for entry, gpu_key, row in chosen:
         by_entry.setdefault((entry.table, entry.backend, gpu_key), []).append((entry, row))
-    out: list[Drift] = _measure(by_entry, tolerance, timed)
+    out: list[Drift] = _measure(by_entry, tolerance, timed, db)
     drifted = {d.citation for d in out if d.drift is not None and not d.ok}
     again = {k: [(e, r) for e, r in items if r.citation in drifted] for k, items in by_entry.items()}
-    confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance, timed)}
+    confirmed = {d.citation: d for d in _measure({k: v for k, v in again.items() if v}, tolerance, timed, db)}
     out = [d if d.citation not in confirmed else confirmed[d.citation]._replace(first_drift=d.drift) for d in out]
     out = [d._replace(stored_host_busy=notes.get(d.citation, {}).get("host_busy")) for d in out]
     return RemeasureReport(db, sorted(set(keys.values())), tolerance, len(candidates), out,
@@ -230,9 +231,9 @@ def _in_worker(entry, specs: list, gpu_key: str):
             yield res.index, res.event
 
 
-def _measure(by_entry: dict[tuple, list], tolerance: float, timed: bool = False) -> list[Drift]:
+def _measure(by_entry: dict[tuple, list], tolerance: float, timed: bool, db: str) -> list[Drift]:
     """Each (entry, stored row) measured again, grouped by scope, as a Drift; `timed`: in a worker, bounded by
-    KPROF_SPEC_TIMEOUT_S where it is set."""
+    KPROF_SPEC_TIMEOUT_S where it is set; `db`: the ledger's path, which a Drift's command names."""
     from .errors import SpecError
     from .runners.worker import measure_specs
     from .specs import validate
@@ -246,7 +247,7 @@ def _measure(by_entry: dict[tuple, list], tolerance: float, timed: bool = False)
             if not (isinstance(stored, float) and 0 < stored < math.inf):  # a merged row may hold any float
                 out.append(Drift(entry.table, entry.backend, row.spec, row.citation, None, None, None, False,
                                  f"not comparable: the stored time_ms is {stored}, not a positive time; "
-                                 f"`kprof show {row.citation}` shows where the row came from"))
+                                 f"`kprof show {row.citation} --db {shlex.quote(db)}` shows where the row came from"))
                 continue
             try:
                 validate(entry.args, [row.spec], entry.table)

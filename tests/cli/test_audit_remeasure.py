@@ -259,6 +259,29 @@ def test_a_stored_row_without_a_positive_time_fails_alone(h, capsys, local_gpu, 
     assert out.count("no time -> no time (not comparable") == 3 and "3 failed to measure" in out
 
 
+def test_the_show_a_row_without_a_positive_time_names_runs_in_a_shell_on_that_ledger(h, capsys, local_gpu, tmp_path):
+    """`kprof audit --remeasure N --db 'team ledgers/p.db'` of a row whose stored time is 0 said "`kprof show
+    kprof.<hex>` shows where the row came from": pasted, that looks in $KPROF_DB or ./profile.db, another ledger
+    (no ledger there: exit 2). The command names the ledger audited, quoted for a shell, and shows the row."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    db = str(tmp_path / "team ledgers" / "p.db")
+    os.mkdir(os.path.dirname(db))
+    event = h.make_event(h.gemm(16, 16, 16), local_gpu)
+    h.append(db, msgspec.structs.replace(event, metrics={**event.metrics, "time_ms": 0.0}))
+    prog = (sys.executable, "-m", "kprof")
+    assert main(["audit", "--remeasure", "1", "--db", db], prog=prog) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    command = out[out.index(f"`{shlex.join(prog)} show"):].split("`")[1]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    env.pop("KPROF_DB", None)
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and shlex.split(command)[4] in done.stdout, (command, done.stdout, done.stderr)
+
+
 def test_nothing_to_remeasure_is_said(h, capsys, local_gpu):
     """A ledger of another machine's rows (or of only failed and stale ones here) re-measured nothing and printed
     "0 drifted", exit 0, as if a check had passed: a note on stderr says nothing was re-measured and whose rows
