@@ -136,10 +136,20 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict, seed
                                    f"slower were re-measured (host_busy in --json): the drift may be the host's, not "
                                    f"the row's; re-measure them on a quieter host", markup=False)
     if report.busy > slower:  # the stored row was slowed: it, not this host, is off
+        from json import dumps
+        from types import SimpleNamespace
+
+        from .read import _run_command  # the run of those specs, on this ledger under this method
+
+        specs: dict[tuple, list] = {}
+        for r in report.rows:
+            if r.suspect and r.drift <= 0:
+                specs.setdefault((r.table, r.backend), []).append(dumps(r.spec))
+        again = "; ".join(f"`{_run_command(SimpleNamespace(table=t, backend=b, db=report.db), s, None, None, method)}"
+                          f" --force`" for (t, b), s in specs.items())
         console(stderr=True).print(f"note: {report.busy - slower} row(s) that drifted faster were stored while other "
                                    f"work took their host's cores (stored_host_busy in --json): the stored row may be "
-                                   f"the slow one; measure it again on a quiet host with `kprof run --force`",
-                                   markup=False)
+                                   f"the slow one; measure it again on a quiet host with {again}", markup=False)
     return 1 if report.drifted or report.failed else 0
 
 

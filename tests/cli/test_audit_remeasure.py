@@ -426,7 +426,41 @@ def test_a_drift_faster_than_a_row_stored_while_the_host_was_busy_names_the_stor
     assert busy_line.endswith("(stored on a busy host)") and "busy" not in quiet_line
     err = " ".join(captured.err.split())
     assert "note: 1 row(s) that drifted faster were stored while other work took their host's cores" in err
-    assert "kprof run --force" in err
+    assert "kprof run --force" not in err  # (it named no table: a usage error as written)
+
+
+def test_the_run_a_row_stored_while_the_host_was_busy_names_is_of_its_spec_ledger_and_method(h, capsys, local_gpu,
+                                                                                             tmp_path, monkeypatch):
+    """The note on a row stored while the host was busy said to measure it again "with `kprof run --force`": pasted,
+    a usage error (no table, no backend), and with them it measures $KPROF_DB's or ./profile.db's rows. It names the
+    run of that row's spec on the audited ledger, its thread count as the environment chose it, and --force."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    import msgspec
+
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    db = str(tmp_path / "team ledgers" / "p.db")
+    (tmp_path / "team ledgers").mkdir()
+    ev = h.make_event(h.gemm(32, 32, 32), local_gpu, time_ms=1e3)  # far slower than a real 32^3 GEMM: faster now
+    h.append(db, msgspec.structs.replace(ev, method=msgspec.structs.replace(
+        ev.method, notes={"host_busy": "load 5.00 over 2 cores: other work shared them"})))
+    prog = (sys.executable, "-m", "kprof")
+    assert main(["audit", "--remeasure", "1", "--db", db], prog=prog) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    command = err[err.index("quiet host with `"):].split("`")[1]
+    words = shlex.split(command)
+    assert words[:11] == ["OMP_NUM_THREADS=1", *prog, "run", h.GEMM, "--backend", h.CPU, "--db", db, "--spec"], command
+    assert json.loads(words[11]) == h.gemm(32, 32, 32) and words[12:] == ["--force"], command
+    env = {k: v for k, v in os.environ.items() if k not in ("KPROF_DB", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (command, done.stdout, done.stderr)
+    assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(32, 32, 32)), "--db", db, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["metrics"]["time_ms"] < 1e3  # measured again, here
 
 
 def test_nothing_to_remeasure_names_rows_of_an_older_revision(h, capsys, local_gpu):
