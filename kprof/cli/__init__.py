@@ -330,10 +330,12 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
     sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     restore = None  # the SIGBUS handler's, once installed (inside the try: an interrupt of the imports is handled)
     try:
-        from ._sigbus import install
+        from ._render import as_typed
+        from ._sigbus import LINE, _line, install
 
         restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)
         _utf8(argv)
+        _line[0] = as_typed(_audit_of_db(LINE.decode(), argv)).encode()  # (argv is UTF-8 text now)
         _here()
         # built here (see _app): a Ctrl-C while cyclopts loads is an interrupt, as in a verb; the launcher's names it
         app = sys.modules[__name__].app if prog == "kprof" else _app(prog)

@@ -20,8 +20,9 @@ import signal
 
 LINE = b"kprof: the ledger file is damaged (SIGBUS while reading it); run `kprof audit`\n"
 
+_line = [LINE]  # the line as a verb gives it: its `kprof audit` names the --db given, as typed (see kprof.cli.main)
 _installed: list = []  # the C callback, kept alive while installed
-_said: list = [lambda: (LINE, b"")]  # what a fault writes, on stderr and on stdout (see `say`)
+_said: list = [lambda: (_line[0], b"")]  # what a fault writes, on stderr and on stdout (see `say`)
 
 
 def _on_sigbus(signum: int) -> None:
@@ -32,7 +33,7 @@ def _on_sigbus(signum: int) -> None:
     os._exit(3)
 
 
-def say(what=lambda: (LINE, b"")) -> None:
+def say(what=lambda: (_line[0], b"")) -> None:
     """Sets what a fault from now on writes: what() gives the line for stderr and what goes to stdout (the audit, whose
     report the fault is: its finding, as a document where --json asks for one); say() puts back the one line."""
     _said[0] = what

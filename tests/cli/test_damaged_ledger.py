@@ -399,3 +399,30 @@ def test_the_audit_lmdb_s_own_damage_names_runs_in_a_shell_on_that_ledger(h, loc
     env.pop("KPROF_DB", None)
     done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 3 and db in done.stdout + done.stderr, (command, done.stdout, done.stderr)
+
+
+@pytest.mark.skipif(not hasattr(_sigbus.signal, "SIGBUS"), reason="no SIGBUS here")
+def test_the_audit_a_sigbus_names_is_of_the_ledger_given_as_typed(tmp_path):
+    """A fault reading the mapping of `--db 'team ledgers/p.db'` said "run `kprof audit`": pasted, that audits
+    $KPROF_DB or ./profile.db, another file (and the launcher's user may have no `kprof`). The line names the ledger
+    given, quoted for a shell, in the command as typed."""
+    import shlex
+
+    db = str(tmp_path / "team ledgers" / "p.db")
+    path = tmp_path / "mapped"
+    code = f"""
+import ctypes, mmap, os, sys
+import kprof.cli as cli
+def app(argv):
+    f = open({str(path)!r}, "wb+"); f.write(b"x" * 8192); f.flush()
+    m = mmap.mmap(f.fileno(), 8192)
+    os.truncate({str(path)!r}, 0)
+    buf = (ctypes.c_char * 8192).from_buffer(m)
+    ctypes.string_at(ctypes.addressof(buf) + 4096, 4)
+cli._app = lambda prog: app
+sys.exit(cli.main(["scopes", "--db", {db!r}], prog=(sys.executable, "-m", "launcher", "kernel-profile")))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stdout == "", proc.stderr
+    assert shlex.split(proc.stderr.split("`")[1]) == [sys.executable, "-m", "launcher", "kernel-profile", "audit",
+                                                      "--db", db], proc.stderr
