@@ -3,6 +3,7 @@ the error (kprof.cli.main returns it)."""
 
 from __future__ import annotations
 
+import json
 import shlex
 
 __all__ = [
@@ -62,14 +63,17 @@ class UnknownGpuKeyError(UsageError):
     """A lookup of one row under a GPU key for which the ledger has never held a row of that table/backend
     (almost always a mistyped key, or another machine's). `known` holds (gpu_key, rows) of the GPU keys it does
     hold for the table/backend; `held` the (table, backend) of every scope it holds, from the ledger's scopes
-    (named where `known` is empty: a mistyped backend or table)."""
+    (named where `known` is empty: a mistyped backend or table); `spec` the spec looked up, which the run named
+    measures."""
 
     def __init__(self, table: str, backend: str, gpu_key: str, db: str, known: list[tuple[str, int]],
-                 held: list[tuple[str, str]] = ()):
+                 held: list[tuple[str, str]] = (), spec: dict | None = None):
         self.table, self.backend, self.gpu_key, self.db, self.known = table, backend, gpu_key, db, known
         self.held = sorted({scope[:2] for scope in held})  # (table, backend, ...) tuples: their pairs
+        self.spec = spec
         quoted = shlex.quote(db)  # as a shell takes it: the commands below are copied as they are
-        what, run = f"{table}/{backend}", f"`kprof run {table} --backend {backend} --db {quoted}`"
+        given = f" --spec {shlex.quote(json.dumps(spec))}" if spec is not None else ""  # (without one: a usage error)
+        what, run = f"{table}/{backend}", f"`kprof run {table} --backend {backend} --db {quoted}{given}`"
         if known:
             held_keys = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)
             fix = (f"it holds {what} rows for GPU key{'s' if len(known) != 1 else ''} {held_keys}; pass one of those "
@@ -85,7 +89,7 @@ class UnknownGpuKeyError(UsageError):
                          f"(`kprof scopes --db {quoted}` lists every table, backend and GPU key it holds)")
 
     def __reduce__(self):  # pickled across processes (a lookup in a process pool's worker) with its fields
-        return type(self), (self.table, self.backend, self.gpu_key, self.db, self.known, self.held)
+        return type(self), (self.table, self.backend, self.gpu_key, self.db, self.known, self.held, self.spec)
 
 
 class LedgerError(UsageError):

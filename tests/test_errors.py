@@ -12,6 +12,7 @@ from kprof.errors import (LedgerPathError, LedgerVersionError, MergeConflict, Se
 @pytest.mark.parametrize("error", [
     UnknownGpuKeyError("single_gemm", "torch-cpu", "NVIDIA H200", "profile.db", [("AMD EPYC", 8)]),
     UnknownGpuKeyError("single_gemm", "torch", "AMD EPYC", "profile.db", [], [("single_gemm", "torch-cpu")]),
+    UnknownGpuKeyError("memcpy", "torch", "AMD EPYC", "p.db", [], [("single_gemm", "torch")], {"bytes": 4096}),
     LedgerVersionError("profile.db", 9, 4),
     MergeConflict("1 conflict; nothing merged", {"conflicts": [{"key": "ab"}]}),
     SettingError("timer='x' is bad", "--timer x is bad"),

@@ -332,3 +332,28 @@ def test_a_table_registered_after_the_import_has_its_functions(db, monkeypatch):
             perf_api.get_late_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC)
     finally:  # the functions leave with the table
         vars(perf_api).pop("get_late_gemm", None), vars(perf_api).pop("count_late_gemm", None)
+
+
+def test_the_run_an_unknown_gpu_key_names_measures_the_spec_looked_up(tmp_path, monkeypatch):
+    """`get_memcpy(..., bytes=4096, db='team ledgers/p.db')` of a scope the ledger never held said to measure it "with
+    `kprof run memcpy --backend torch-cpu --db 'team ledgers/p.db'`": no spec, a usage error as written ("no specs
+    given"). The run names the spec looked up; pasted into a shell it measures it, and the lookup finds the row."""
+    from kprof.measure.env import cpu_model
+
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("KPROF_DB", raising=False)
+    (tmp_path / "team ledgers").mkdir()
+    path = _write(str(tmp_path / "team ledgers" / "p.db"), gpu_key=cpu_model())
+    with pytest.raises(UnknownGpuKeyError) as err:
+        perf_api.get_memcpy(backend="torch-cpu", gpu_key=cpu_model(), bytes=4096, db=path)
+    command = str(err.value).split("measure them with `")[1].split("`")[0]
+    bin_dir = tmp_path / "bin"  # `kprof` as the script runs it: this interpreter, this checkout
+    bin_dir.mkdir()
+    (bin_dir / "kprof").write_text(f"#!/bin/sh\nexec {sys.executable} -m kprof \"$@\"\n")
+    (bin_dir / "kprof").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (command, done.stdout, done.stderr)
+    assert perf_api.get_memcpy(backend="torch-cpu", gpu_key=cpu_model(), bytes=4096, db=path) is not None

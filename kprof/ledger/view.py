@@ -110,8 +110,8 @@ class View:
         if unknown:
             with _verify.reading(self.ledger.path, "scopes"):
                 held = self.ledger.scopes()
-            known = sorted((g, n) for t, b, g, n in held if (t, b) == (self.table, self.backend))
-            raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, known, held)
+            raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, sorted(
+                (g, n) for t, b, g, n in held if (t, b) == (self.table, self.backend)), held, row.spec)
         return row if row.status == "ok" else None
 
     def get_many(self, specs: Iterable[Mapping[str, Any]]) -> list[Row]:

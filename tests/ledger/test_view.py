@@ -1,5 +1,7 @@
 """View.get under a GPU key the ledger has never held rows of: an error naming the keys it holds, not None."""
 
+import json
+
 import msgspec
 import pytest
 
@@ -23,7 +25,7 @@ def test_get_under_an_unknown_gpu_key_names_the_keys_held(ledger):
     assert str(e) == (f"ledger {ledger.path} has no single_gemm/synthetic rows for GPU key 'No Such GPU': it holds "
                       f"single_gemm/synthetic rows for GPU keys 'Other GPU' (1 row), 'Synthetic GPU' (3 rows); pass "
                       f"one of those as the GPU key, or measure this one with `kprof run single_gemm --backend "
-                      f"synthetic --db {ledger.path}` on that GPU (`kprof scopes --db {ledger.path}` lists every "
+                      f"synthetic --db {ledger.path} --spec '{json.dumps(synth.spec(0))}'` on that GPU (`kprof scopes --db {ledger.path}` lists every "
                       f"table, backend and GPU key it holds)")
 
 
@@ -38,7 +40,8 @@ def test_get_with_no_rows_of_the_table_and_backend_names_the_backends_and_tables
     assert str(err.value) == (
         f"ledger {ledger.path} has no single_gemm/other-backend rows for GPU key 'Synthetic GPU': it holds no "
         f"single_gemm/other-backend rows for any GPU key; its single_gemm rows are of backend synthetic: pass that "
-        f"backend, or measure them with `kprof run single_gemm --backend other-backend --db {ledger.path}` "
+        f"backend, or measure them with `kprof run single_gemm --backend other-backend --db {ledger.path} --spec "
+        f"'{json.dumps(synth.spec(0))}'` "
         f"(`kprof scopes --db {ledger.path}` lists every table, backend and GPU key it holds)")
     table = ledger.view("rms_norm", synth.BACKEND, synth.GPU, contract=synth.CONTRACT, args_type=synth.SynthArgs)
     with pytest.raises(UnknownGpuKeyError, match="; it holds rows of single_gemm/synthetic only: pass one of those, "
@@ -64,7 +67,7 @@ def test_the_commands_an_unknown_gpu_key_names_take_a_ledger_path_with_a_space_w
     assert len(commands) == 2, str(err.value)
     for command in commands:
         argv = shlex.split(command)
-        assert argv[argv.index("--db") + 1:] == [path], command
+        assert argv[argv.index("--db") + 1] == path, command
 
 
 def test_bulk_reads_under_an_unknown_gpu_key_answer_missing(ledger):
