@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import operator
 import os
+import shlex
 from typing import NamedTuple
 
 from ..errors import UsageError
@@ -145,4 +146,4 @@ def _check_filters(ledger: Ledger, table: str | None, backend: str | None, gpu_n
                                                               ("--gpu-name", gpu_name)) if value is not None)
     held = "; ".join(f"{t} / {b} / {g}" for t, b, g, _rows in sorted(scopes)) or "no scopes (it is empty)"
     raise UsageError(f"no events in {ledger.path} match {asked}; it holds (table / backend / GPU key): {held}. "
-                     f"Fix the filter (`kprof scopes` lists them)")
+                     f"Fix the filter (`kprof scopes --db {shlex.quote(ledger.path)}` lists them)")

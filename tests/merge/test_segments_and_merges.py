@@ -159,6 +159,23 @@ def test_export_refuses_a_filter_no_scope_matches_and_writes_nothing(tmp_path, s
     assert not [n for n in os.listdir(tmp_path) if n.startswith("out.kseg")]
 
 
+def test_the_scopes_a_filter_no_scope_matches_names_list_the_ledger_exported(tmp_path, capsys):
+    """`kprof export --db 'team ledgers/p.db' --table nosuch` said "(`kprof scopes` lists them)": pasted, that lists
+    $KPROF_DB's or ./profile.db's scopes (here: no ledger, exit 2). Run as printed, it lists the exported ledger's."""
+    import shlex
+
+    (tmp_path / "team ledgers").mkdir()
+    path = _ledger(tmp_path / "team ledgers" / "p.db", synth.events(0, 2))
+    prog = (sys.executable, "-m", "kprof")
+    assert main(["export", "--db", path, "--table", "nosuch", "-o", str(tmp_path / "out.kseg")], prog=prog) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    command = err[err.index(f"`{shlex.join(prog)} scopes"):].split("`")[1]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    env.pop("KPROF_DB", None)
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and synth.GPU in done.stdout, (command, done.stdout, done.stderr)
+
+
 @pytest.mark.parametrize("output, needle", [("", "is empty"), ("nodir/x.kseg", "does not exist"),
                                             ("a-file/x.kseg", "a-file is not a directory")])
 def test_export_refuses_an_output_it_cannot_write_before_reading_the_ledger(tmp_path, source, capsys, output,
