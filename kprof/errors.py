@@ -4,6 +4,7 @@ the error (kprof.cli.main returns it)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 __all__ = [
@@ -63,17 +64,18 @@ class UnknownGpuKeyError(UsageError):
     """A lookup of one row under a GPU key for which the ledger has never held a row of that table/backend
     (almost always a mistyped key, or another machine's). `known` holds (gpu_key, rows) of the GPU keys it does
     hold for the table/backend; `held` the (table, backend) of every scope it holds, from the ledger's scopes
-    (named where `known` is empty: a mistyped backend or table); `spec` the spec looked up, which the run named
-    measures."""
+    (named where `known` is empty: a mistyped backend or table); `spec` the spec looked up and `timing` the method
+    it was looked up under (the contract's timing), which the run named measures."""
 
     def __init__(self, table: str, backend: str, gpu_key: str, db: str, known: list[tuple[str, int]],
-                 held: list[tuple[str, str]] = (), spec: dict | None = None):
+                 held: list[tuple[str, str]] = (), spec: dict | None = None, timing: str | None = None):
         self.table, self.backend, self.gpu_key, self.db, self.known = table, backend, gpu_key, db, known
         self.held = sorted({scope[:2] for scope in held})  # (table, backend, ...) tuples: their pairs
-        self.spec = spec
+        self.spec, self.timing = spec, timing
         quoted = shlex.quote(db)  # as a shell takes it: the commands below are copied as they are
         given = f" --spec {shlex.quote(json.dumps(spec))}" if spec is not None else ""  # (without one: a usage error)
-        what, run = f"{table}/{backend}", f"`kprof run {table} --backend {backend} --db {quoted}{given}`"
+        what, run = f"{table}/{backend}", f"`{_method(timing)}kprof run {table} --backend {backend} --db {quoted}" \
+                                          f"{_method(timing, flags=True)}{given}`"
         if known:
             held_keys = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)
             fix = (f"it holds {what} rows for GPU key{'s' if len(known) != 1 else ''} {held_keys}; pass one of those "
@@ -89,7 +91,24 @@ class UnknownGpuKeyError(UsageError):
                          f"(`kprof scopes --db {quoted}` lists every table, backend and GPU key it holds)")
 
     def __reduce__(self):  # pickled across processes (a lookup in a process pool's worker) with its fields
-        return type(self), (self.table, self.backend, self.gpu_key, self.db, self.known, self.held, self.spec)
+        return type(self), (self.table, self.backend, self.gpu_key, self.db, self.known, self.held, self.spec,
+                            self.timing)
+
+
+def _method(timing: str | None, flags: bool = False) -> str:
+    """The words of a `kprof run` that measure under `timing` (a contract's, "cupti;l2=cold;eager;power=loaded",
+    "cpu-wall;l2=warm;eager;threads=4") where the variables that choose a method are unset: its thread count as the
+    variable that sets it (MKL's where set here, as it decides), else (flags) a CUDA method's non-default flags."""
+    timer, *parts = (timing or "cpu-wall").split(";")
+    said = dict(part.partition("=")[::2] for part in parts)  # l2, eager or graph, power, threads
+    if not flags:
+        name = "MKL_NUM_THREADS" if os.environ.get("MKL_NUM_THREADS", "").strip() else "OMP_NUM_THREADS"
+        return f"{name}={said['threads']} " if "threads" in said else ""
+    if timer not in ("cupti", "events"):  # a CPU timer's (cpu-wall): no flag chooses it
+        return ""
+    words = [f" --timer {timer}"] * (timer != "cupti") + [f" --l2 {said.get('l2')}"] * (said.get("l2") != "cold")
+    words += [" --cuda-graph"] * ("graph" in said) + [f" --power {said.get('power')}"] * ("power" in said)
+    return "".join(words)
 
 
 class LedgerError(UsageError):

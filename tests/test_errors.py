@@ -13,6 +13,7 @@ from kprof.errors import (LedgerPathError, LedgerVersionError, MergeConflict, Se
     UnknownGpuKeyError("single_gemm", "torch-cpu", "NVIDIA H200", "profile.db", [("AMD EPYC", 8)]),
     UnknownGpuKeyError("single_gemm", "torch", "AMD EPYC", "profile.db", [], [("single_gemm", "torch-cpu")]),
     UnknownGpuKeyError("memcpy", "torch", "AMD EPYC", "p.db", [], [("single_gemm", "torch")], {"bytes": 4096}),
+    UnknownGpuKeyError("memcpy", "torch", "AMD EPYC", "p.db", [], [], {"bytes": 4096}, "events;l2=warm;graph"),
     LedgerVersionError("profile.db", 9, 4),
     MergeConflict("1 conflict; nothing merged", {"conflicts": [{"key": "ab"}]}),
     SettingError("timer='x' is bad", "--timer x is bad"),
@@ -24,3 +25,15 @@ def test_an_error_comes_back_from_pickling_whole(error):
     ProcessPoolExecutor called itself broken, instead of naming the GPU keys the ledger holds.)"""
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error) and vars(back) == vars(error)
+
+
+def test_the_run_an_unknown_gpu_key_names_measures_under_the_method_looked_up():
+    """The `kprof run` an unknown GPU key's error names measured under the default CUDA method whatever the lookup's
+    (get_memcpy(..., timer='events')): pasted, it measured rows the lookup still did not read. It names the method's
+    flags where they are not the defaults, as the ledger keys them."""
+    timing = "events;l2=warm;graph;power=loaded"
+    error = UnknownGpuKeyError("memcpy", "torch", "H100", "p.db", [], [], {"bytes": 1}, timing)
+    assert "`kprof run memcpy --backend torch --db p.db --timer events --l2 warm --cuda-graph --power loaded --spec " \
+           "'{\"bytes\": 1}'`" in str(error)
+    default = UnknownGpuKeyError("memcpy", "torch", "H100", "p.db", [], [], {"bytes": 1}, "cupti;l2=cold;eager")
+    assert "`kprof run memcpy --backend torch --db p.db --spec '{\"bytes\": 1}'`" in str(default)

@@ -357,3 +357,29 @@ def test_the_run_an_unknown_gpu_key_names_measures_the_spec_looked_up(tmp_path, 
     done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (command, done.stdout, done.stderr)
     assert perf_api.get_memcpy(backend="torch-cpu", gpu_key=cpu_model(), bytes=4096, db=path) is not None
+
+
+def test_the_run_an_unknown_gpu_key_names_measures_under_the_thread_count_looked_up(tmp_path, monkeypatch):
+    """A lookup under OMP_NUM_THREADS=3 set in the process (os.environ, as a simulator's script sets it) named `kprof
+    run ... --spec S` without the variable: pasted in a shell without it, the run measured under the physical cores'
+    count, and the lookup, under 3 threads, still found no row. The run names the thread count as the variable."""
+    from kprof.measure.env import cpu_model
+
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv("KPROF_DB", raising=False)
+    path = _write(str(tmp_path / "p.db"), gpu_key=cpu_model())
+    with pytest.raises(UnknownGpuKeyError) as err:
+        perf_api.get_memcpy(backend="torch-cpu", gpu_key=cpu_model(), bytes=4096, db=path)
+    command = str(err.value).split("measure them with `")[1].split("`")[0]
+    assert command.startswith("OMP_NUM_THREADS=3 kprof run memcpy"), command
+    bin_dir = tmp_path / "bin"  # `kprof` as the script runs it: this interpreter, this checkout
+    bin_dir.mkdir()
+    (bin_dir / "kprof").write_text(f"#!/bin/sh\nexec {sys.executable} -m kprof \"$@\"\n")
+    (bin_dir / "kprof").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # a shell without the variable
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (command, done.stdout, done.stderr)
+    assert perf_api.get_memcpy(backend="torch-cpu", gpu_key=cpu_model(), bytes=4096, db=path) is not None

@@ -110,8 +110,8 @@ class View:
         if unknown:
             with _verify.reading(self.ledger.path, "scopes"):
                 held = self.ledger.scopes()
-            raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, sorted(
-                (g, n) for t, b, g, n in held if (t, b) == (self.table, self.backend)), held, row.spec)
+            raise UnknownGpuKeyError(self.table, self.backend, self.gpu_key, self.ledger.path, [s[2:] for s in sorted(
+                held) if s[:2] == (self.table, self.backend)], held, row.spec, self.contract.timing)
         return row if row.status == "ok" else None
 
     def get_many(self, specs: Iterable[Mapping[str, Any]]) -> list[Row]:
