@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .errors import measure_command
 from .runners.registry import lookup
 
 __all__ = ["CEILING_SETS", "CEILING_SPECS", "BASE_BACKEND", "CeilingSet", "Ceiling", "ceilings", "elsewhere",
@@ -364,12 +365,9 @@ def _why(doc: dict, c: Ceiling, db: str | None) -> str:
     """Why a row may beat the ceiling `c`, from what the row and the ceiling say: a set measured in part, a dtype
     the set does not hold, a working set smaller than any of the set's (a cache serves it), else a state other
     than the calibration's; each with what to do."""
-    from shlex import quote
-
-    method = c.method or {}
-    # the command as it runs here (on ledger db): without --backend, calibrate measures a CUDA GPU (exit 2 on a CPU)
-    again = f"`kprof calibrate --backend {(doc.get('provenance') or {}).get('backend') or BASE_BACKEND['cuda']}" + (
-        f" --db {quote(db)}" if db else "")
+    method, prov = c.method or {}, doc.get("provenance") or {}
+    # the command as it runs here, on ledger db under the row's method (without --backend it measures a CUDA GPU)
+    again = f"`{measure_command('calibrate', prov.get('backend') or BASE_BACKEND['cuda'], db, prov.get('timing'))}"
     if method.get("measured", 0) < method.get("of", 0):
         return (f"the ceiling is the max over {method['measured']} of its {method['of']} shapes; {again}` measures "
                 f"the rest")
@@ -380,7 +378,7 @@ def _why(doc: dict, c: Ceiling, db: str | None) -> str:
                 f"{dtype}, whose arithmetic may run faster")
     moved, least = _bytes(doc.get("metrics") or {}, c.metric), (method.get("bytes_per_call") or [None])[0]
     if moved is not None and least and moved < least:
-        warm = "l2=warm" in ((doc.get("provenance") or {}).get("timing") or "")
+        warm = "l2=warm" in (prov.get("timing") or "")
         return (f"moves {_size(moved)} a call, less than any row of the set ({_size(least)}): a cache can serve a "
                 f"working set that small{', and this row is timed with warm caches' if warm else ''}; the ceiling "
                 f"is memory's")

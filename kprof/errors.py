@@ -13,6 +13,7 @@ __all__ = [
     "SettingError",
     "SpecError",
     "UnknownGpuKeyError",
+    "measure_command",
     "LedgerError",
     "LedgerPathError",
     "LedgerVersionError",
@@ -74,8 +75,7 @@ class UnknownGpuKeyError(UsageError):
         self.spec, self.timing = spec, timing
         quoted = shlex.quote(db)  # as a shell takes it: the commands below are copied as they are
         given = f" --spec {shlex.quote(json.dumps(spec))}" if spec is not None else ""  # (without one: a usage error)
-        what, run = f"{table}/{backend}", f"`{_method(timing)}kprof run {table} --backend {backend} --db {quoted}" \
-                                          f"{_method(timing, flags=True)}{given}`"
+        what, run = f"{table}/{backend}", f"`{measure_command(f'run {table}', backend, db, timing)}{given}`"
         if known:
             held_keys = ", ".join(f"{g!r} ({rows} row{'s' if rows != 1 else ''})" for g, rows in known)
             fix = (f"it holds {what} rows for GPU key{'s' if len(known) != 1 else ''} {held_keys}; pass one of those "
@@ -95,20 +95,20 @@ class UnknownGpuKeyError(UsageError):
                             self.timing)
 
 
-def _method(timing: str | None, flags: bool = False) -> str:
-    """The words of a `kprof run` that measure under `timing` (a contract's, "cupti;l2=cold;eager;power=loaded",
-    "cpu-wall;l2=warm;eager;threads=4") where the variables that choose a method are unset: its thread count as the
-    variable that sets it (MKL's where set here, as it decides), else (flags) a CUDA method's non-default flags."""
+def measure_command(verb: str, backend: str, db: str | None, timing: str | None) -> str:
+    """`kprof <verb> --backend B --db 'P'` (no --db where db is None) that measures under `timing` (a contract's,
+    "cupti;l2=cold;eager;power=loaded", "cpu-wall;l2=warm;eager;threads=4") where the variables that choose a method
+    are unset: its thread count as the variable that sets it (MKL's where set here, as it decides), a CUDA method's
+    non-default flags."""
     timer, *parts = (timing or "cpu-wall").split(";")
     said = dict(part.partition("=")[::2] for part in parts)  # l2, eager or graph, power, threads
-    if not flags:
-        name = "MKL_NUM_THREADS" if os.environ.get("MKL_NUM_THREADS", "").strip() else "OMP_NUM_THREADS"
-        return f"{name}={said['threads']} " if "threads" in said else ""
-    if timer not in ("cupti", "events"):  # a CPU timer's (cpu-wall): no flag chooses it
-        return ""
-    words = [f" --timer {timer}"] * (timer != "cupti") + [f" --l2 {said.get('l2')}"] * (said.get("l2") != "cold")
-    words += [" --cuda-graph"] * ("graph" in said) + [f" --power {said.get('power')}"] * ("power" in said)
-    return "".join(words)
+    name = "MKL_NUM_THREADS" if os.environ.get("MKL_NUM_THREADS", "").strip() else "OMP_NUM_THREADS"
+    words = [f"{name}={said.get('threads')}"] * ("threads" in said) + ["kprof", *verb.split(), "--backend", backend]
+    words += ["--db", shlex.quote(db)] * bool(db)
+    if timer in ("cupti", "events"):  # a CUDA method's flags (a CPU timer's, cpu-wall, has none)
+        words += [f"--timer {timer}"] * (timer != "cupti") + [f"--l2 {said.get('l2')}"] * (said.get("l2") != "cold")
+        words += ["--cuda-graph"] * ("graph" in said) + [f"--power {said.get('power')}"] * ("power" in said)
+    return " ".join(words)
 
 
 class LedgerError(UsageError):

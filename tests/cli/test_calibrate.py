@@ -6,6 +6,7 @@ the arithmetic is, so a wrong maximum, citation or flag cannot pass by chance.""
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import msgspec
@@ -310,14 +311,15 @@ def test_a_row_above_a_ceiling_says_why(h):
     assert above["why"]["tflops"].startswith("faster than every row of the set as it was measured (max over 3/3 "
                                              "shapes (at single_gemm 768x768x768)")
     # the command as it runs on the row's host: `kprof calibrate --force` measures a CUDA GPU (exit 2 on a CPU)
-    assert "`kprof calibrate --backend torch-cpu --db p.db --force` measures it again" in above["why"]["tflops"]
+    assert "kprof calibrate --backend torch-cpu --db p.db --force` measures it again" in above["why"]["tflops"]
     assert "why" not in ceiling_of("single_gemm", others[0])
 
     small = {"bytes": 1 << 20}  # 0.477 MiB a call at 50 GB/s (its time, 0.01 ms, is made up)
     h.append("p.db", _row(small, table="memcpy", gbps=50.0, time_ms=0.01))
-    assert ceiling_of("memcpy", small)["why"] == {  # 3 of the 4 shapes: the matrix-vector product is missing
-        "memory_bandwidth_gbps": "the ceiling is the max over 3 of its 4 shapes; `kprof calibrate --backend torch-cpu "
-                                 "--db p.db` measures the rest"}
+    (why,) = ceiling_of("memcpy", small)["why"].items()  # 3 of the 4 shapes: the matrix-vector product is missing
+    assert why[0] == "memory_bandwidth_gbps" and re.fullmatch(r"the ceiling is the max over 3 of its 4 shapes; `("
+                                                              r"OMP_NUM_THREADS=\d+ )?kprof calibrate --backend "
+                                                              r"torch-cpu --db p.db` measures the rest", why[1])
     (matvec,) = [x for t, x in CPU_BYTES.members if t == "single_gemm"]
     h.append("p.db", _row(matvec, gbps=5.0, tflops=0.001))  # 4.77 MiB a call: the least of the set
     why = ceiling_of("memcpy", small)["why"]["memory_bandwidth_gbps"]
@@ -387,8 +389,26 @@ def test_the_calibrate_a_row_above_its_ceiling_names_is_of_its_ledger(h, capsys,
     monkeypatch.chdir(tmp_path)
     assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(others[1]), "--gpu-name", GPU, "--db", db,
                  "--json"]) == 0
-    why = json.loads(capsys.readouterr().out)["results"][0]["ceiling"]["why"]["tflops"]
-    assert shlex.split(why.split("`")[1]) == ["kprof", "calibrate", "--backend", h.CPU, "--db", db, "--force"], why
+    doc = json.loads(capsys.readouterr().out)["results"][0]
+    why, threads = doc["ceiling"]["why"]["tflops"], doc["provenance"]["timing"].rpartition("threads=")[2]
+    assert shlex.split(why.split("`")[1]) == [f"OMP_NUM_THREADS={threads}", "kprof", "calibrate", "--backend", h.CPU,
+                                              "--db", db, "--force"], why
+
+
+def test_the_calibrate_a_row_above_its_ceiling_names_is_of_its_thread_count(h, capsys, monkeypatch):
+    """A torch-cpu row above its ceiling, read under OMP_NUM_THREADS=1, said "`kprof calibrate --backend torch-cpu
+    --db p.db --force` measures it again": pasted in a shell without the variable, that measured ceilings under the
+    physical cores' thread count, not the ones the row is read against. The command names the thread count the row
+    (and its ceilings) were timed under, as the variable that sets it."""
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    others = _above_ceiling_ledger(h)
+    assert main(["query", "single_gemm", "--backend", h.CPU, *h.spec_args(others[1]), "--gpu-name", GPU, "--db",
+                 "p.db", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["results"][0]
+    assert doc["provenance"]["timing"].endswith(";threads=1")
+    assert "`OMP_NUM_THREADS=1 kprof calibrate --backend torch-cpu --db p.db --force` measures it again" in \
+        doc["ceiling"]["why"]["tflops"]
 
 
 def test_a_row_is_bounded_by_the_ceiling_of_its_own_dtype(h):
