@@ -100,15 +100,16 @@ def _interrupted_note(argv: list[str], exc: BaseException) -> str:
     """What an interrupt left, by verb: every commit is whole, so only the verbs that write have more to say (a
     merge of several batches says which it committed, as a note on the interrupt)."""
     verb = next((a for a in argv if not a.startswith("-")), "")
-    for raised in (exc, exc.__context__):  # cyclopts ends a Ctrl-C as SystemExit(130), raised while handling it
-        if getattr(raised, "__notes__", None):
-            return raised.__notes__[-1]
+    # cyclopts ends a Ctrl-C as SystemExit(130), raised while handling it
+    notes = [n for raised in (exc, exc.__context__) for n in getattr(raised, "__notes__", None) or ()]
 
     def given(flag: str) -> bool:  # `--fresh=false` is no --fresh
         return any(a == flag or a.startswith(flag + "=") and a.partition("=")[2].strip().lower() not in _FALSE
                    for a in argv)
 
     remote = verb == "run" and given("--remote")
+    if notes and (remote or verb not in ("run", "calibrate")):  # a merge's batches (merge, a remote run's chunks)
+        return notes[-1]
     if verb == "run" and given("--fresh"):  # it stores nothing, and measures every spec whenever it runs
         cancelled = ", and the engine's unfinished jobs were cancelled" if remote else ""
         again = "with a new --output-dir" if remote else "again"  # the remote run's record is in the one given
@@ -121,9 +122,10 @@ def _interrupted_note(argv: list[str], exc: BaseException) -> str:
     if remote:
         return ("every chunk merged before it stays in the ledger, and the engine's unfinished jobs were cancelled; "
                 f"the same command with a new --output-dir {again.replace('measures', 'sends', 1)}")
-    if verb in ("run", "calibrate"):
-        return f"every row stored before it stays in the ledger, and nothing half-written does; the same command " \
-               f"again {again}"
+    if verb in ("run", "calibrate"):  # a local run's note counts the rows it stored (a calibration's, one table's)
+        stored = f" ({notes[-1]})" if notes and verb == "run" else ""
+        return f"every row stored before it stays in the ledger{stored}, and nothing half-written does; the same " \
+               f"command again {again}"
     if verb == "merge":
         return "a merge is all or nothing: the ledger holds none of its events; run it again"
     return "nothing was left half-written"

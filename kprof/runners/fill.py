@@ -229,18 +229,25 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
             origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
             state.claims = stack.enter_context(claims)
         state.ledger, state.origin = ledger, origin
-        for n in order:
-            if n == order[0]:
-                workers = first
-            else:
-                try:
-                    workers = stack.enter_context(workers_for(n))
-                except UsageError as exc:  # this level's devices cannot measure: its specs say why
-                    for i in levels[n]:
-                        errored[spec_keys[i]] = {"kind": "unavailable", "message": str(exc)}
-                    continue
-            state.fill(workers, levels[n], errored, rows_of)
-            info["dropped"].extend(workers.dropped)
+        try:
+            for n in order:
+                if n == order[0]:
+                    workers = first
+                else:
+                    try:
+                        workers = stack.enter_context(workers_for(n))
+                    except UsageError as exc:  # this level's devices cannot measure: its specs say why
+                        for i in levels[n]:
+                            errored[spec_keys[i]] = {"kind": "unavailable", "message": str(exc)}
+                        continue
+                state.fill(workers, levels[n], errored, rows_of)
+                info["dropped"].extend(workers.dropped)
+        except (KeyboardInterrupt, SystemExit) as exc:  # the interrupt's line (the CLI) says how far the run got
+            with contextlib.suppress(Exception):  # a ledger the interrupt left unreadable: no count
+                if ledger is not None:
+                    exc.add_note(f"this run stored {state.stored()} row(s) of the {state.total} spec(s) it had to "
+                                 f"measure")
+            raise
     info["waited_for"] = len(state.waited)
     return Filled(errored, state.fresh, state.measured, state.timed, info, root_before, spec_keys, state.host_busy,
                   state.timed_rows)
@@ -321,6 +328,13 @@ class _State:
             self.claims.drop([k])
         if self.progress:
             self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index])
+
+    def stored(self) -> int:
+        """The specs this run took whose row the ledger now holds anew, as the ledger reads (a count kept as each
+        was appended missed one where a signal came between its commit and the count)."""
+        taken = list(self.taken)
+        rows = self.view_of(self.ledger).query([self.canonical[i] for i in taken])[1]
+        return sum(_own(row) != _own(self.taken[i]) for i, row in zip(taken, rows))
 
     def _to_measure(self, i: int) -> bool:
         """Asked just before spec i is measured: whether it still lacks the row its mode asks for. A row another

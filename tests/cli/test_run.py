@@ -432,6 +432,30 @@ def test_a_run_interrupted_while_its_snapshot_is_written_leaves_none_and_runs_ag
     assert not [n for n in os.listdir(out_dir) if n.startswith(".")] and _last_seq(ledger_path) == 1
 
 
+def test_an_interrupted_run_says_how_many_rows_it_stored_as_the_ledger_holds_them(ledger_path, capsys, h,
+                                                                                   monkeypatch):
+    """Ctrl-C or SIGTERM of a long fill said only "every row stored before it stays": how far it got took a
+    `count-missing`. The line counts the rows this run stored as the ledger reads them, the one whose commit the
+    signal came just after too."""
+    append, appended = Ledger.append, []
+
+    def append_then_interrupted(self, *args, **kwargs):
+        result = append(self, *args, **kwargs)
+        appended.append(result)
+        if len(appended) == 2:  # the row is committed; the signal comes before the run goes on
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(Ledger, "append", append_then_interrupted)
+    specs = [h.gemm(m=m) for m in (8, 16, 32, 64)]
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path]) == 130
+    err = capsys.readouterr().err
+    assert "ledger (this run stored 2 row(s) of the 4 spec(s) it had to measure), and nothing half-written" in err
+    assert main(["count-missing", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path,
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["missing_count"] == 2
+
+
 class _Killed(BaseException):
     """The process ends here: no except or cleanup of the writer's runs (a SIGKILL), only the kernel's release of
     its flocks, which closing the fd does."""
