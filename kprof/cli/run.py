@@ -47,8 +47,8 @@ def _progress():
     total = bar.add_task("measuring", total=None)
     lines: dict[str, int] = {}
 
-    def update(done, count, spec):
-        bar.update(total, completed=done, total=count, description="measuring")
+    def update(done, count, spec, failed=0):
+        bar.update(total, completed=done, total=count, description=f"measuring{_failed(failed, ' (', ')')}")
 
     def watch(worker, spec):
         if worker not in lines:
@@ -61,16 +61,22 @@ def _progress():
 def _progress_lines():
     started = last = time.monotonic()
 
-    def update(done, count, spec):
+    def update(done, count, spec, failed=0):
         nonlocal last
         now = time.monotonic()
         if done >= count or now - last < PROGRESS_EVERY_S:
             return
         last, rate = now, done / max(now - started, 1e-9)
         console(stderr=True).print(f"progress: {done} of {count} spec(s) done in {_clock(now - started)} "
-                                   f"({rate * 60:.1f}/min); about {_clock((count - done) / rate)} left", markup=False)
+                                   f"({rate * 60:.1f}/min); about {_clock((count - done) / rate)} left"
+                                   f"{_failed(failed, '; ')}", markup=False)
 
     return update
+
+
+def _failed(failed: int, before: str, after: str = "") -> str:
+    """The failed rows so far, where any, for a progress line or the bar (an oom on most specs shows as it comes)."""
+    return f"{before}{failed} failed{after}" if failed else ""
 
 
 def _clock(seconds: float) -> str:

@@ -268,6 +268,8 @@ class _State:
         self.measured, self.timed, self.host_busy, self.timed_rows = 0, 0.0, 0, 0
         self.waited: set[bytes] = set()
         self.waiting = None  # told, each round, how many of its keys other runs hold (where any do)
+        self.failed = 0  # this run's measurements that made a failed row (an oom, a crash, a timeout)
+        self.counts_failures = progress is not None and _takes_failed(progress)
 
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
         canonical, spec_keys, keys = self.canonical, self.spec_keys, self.keys
@@ -295,6 +297,7 @@ class _State:
         self.measured += 1
         if type(res.event) is not Measured:
             errored[k] = {"kind": res.event.error_kind, "message": res.event.message}
+            self.failed += 1
         else:
             self.host_busy += "host_busy" in res.event.method.notes
             self.timed_rows += 1
@@ -327,7 +330,8 @@ class _State:
         if self.claims is not None:  # stored (or given up): a run waiting for it reads it now, not when this one ends
             self.claims.drop([k])
         if self.progress:
-            self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index])
+            self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index],
+                          **({"failed": self.failed} if self.counts_failures else {}))
 
     def stored(self) -> int:
         """The specs this run took whose row the ledger now holds anew, as the ledger reads (a count kept as each
@@ -356,6 +360,17 @@ class _State:
         """Spec i's row as the ledger holds it now (ok, failed, stale or missing); its event id is what `fill` took
         as its event's parent when it took the key."""
         return self.view_of(self.ledger).query([self.canonical[i]])[1][0]
+
+
+def _takes_failed(progress) -> bool:
+    """Whether a progress hook takes the keyword `failed` (the failed rows so far); a hook of three arguments is
+    called with three."""
+    import inspect
+
+    try:
+        return "failed" in inspect.signature(progress).parameters
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return False
 
 
 class _RowChanged(Exception):

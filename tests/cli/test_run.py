@@ -898,6 +898,26 @@ def _progress_lines(ledger_path, capsys, h, monkeypatch) -> list[str]:
     return lines
 
 
+def test_a_run_s_progress_counts_the_failed_specs_so_far(ledger_path, capsys, h, monkeypatch):
+    """A long fill where most specs failed (out of memory) said so only at its end: neither the progress line off a
+    terminal nor the bar counted them. Both count the failed rows so far, the line after its time left."""
+    from kprof.cli import run as run_module
+
+    monkeypatch.setattr(run_module, "PROGRESS_EVERY_S", 0.0)
+    specs = [HUGE, {**HUGE, "n": 48}, h.gemm()]
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert [r["status"] for r in json.loads(out)["results"]] == ["error", "error", "ok"]
+    lines = [ln for ln in err.splitlines() if ln.startswith("progress: ")]
+    assert [ln.split(" spec(s)")[0] for ln in lines] == ["progress: 1 of 3", "progress: 2 of 3"], err
+    assert lines[0].endswith(" left; 1 failed") and lines[1].endswith(" left; 2 failed"), err
+    seen = []
+    monkeypatch.setattr(run_module, "_progress_lines", lambda: lambda done, count, spec, failed=0: seen.append(failed))
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json",
+                 "--force"]) == 1
+    assert seen[-3:] == [1, 2, 2], seen  # the hook the bar updates with is told the same count
+
+
 def test_a_run_on_a_dumb_terminal_reports_its_progress_in_lines(ledger_path, capsys, h, monkeypatch):
     """On a terminal that cannot redraw a bar (TERM=dumb: an editor's shell, a serial console) the bar drew nothing
     and, transient, left nothing: a run of hours said nothing until it ended. It reports in lines, as off a
