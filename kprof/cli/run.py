@@ -61,9 +61,12 @@ def _progress():
 def _progress_lines():
     started = last = time.monotonic()
 
-    def update(done, count, spec, failed=0):
+    def update(done, count, spec, failed=0, opening=None):
         nonlocal last
         now = time.monotonic()
+        if opening is not None:  # a log shows the run began, not nothing for its first minute
+            console(stderr=True).print(_opening_line(count, opening), markup=False)
+            return
         if done >= count or now - last < PROGRESS_EVERY_S:
             return
         last, rate = now, done / max(now - started, 1e-9)
@@ -72,6 +75,12 @@ def _progress_lines():
                                    f"{_failed(failed, '; ')}", markup=False)
 
     return update
+
+
+def _opening_line(count: int, opening: dict) -> str:
+    present = f" ({opening['present']} already have an ok row)" if opening["present"] else ""
+    where = ", ".join(opening["devices"]) + (" (in this process)" if opening["in_process"] else "")
+    return f"measuring {count} spec(s){present} on {where}"
 
 
 def _failed(failed: int, before: str, after: str = "") -> str:

@@ -229,6 +229,10 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
             origin = msgspec.structs.replace(origin, ledger_id=ledger.ledger_id)
             state.claims = stack.enter_context(claims)
         state.ledger, state.origin = ledger, origin
+        if "opening" in state.keywords:  # the opening call: what is to measure, what is there already, and where
+            present = len(set(spec_keys)) - len(todo) - len(short)
+            progress(0, len(todo), None, **({"failed": 0} if "failed" in state.keywords else {}),
+                     opening=dict(present=present, devices=info["devices"], in_process=info["in_process"]))
         try:
             for n in order:
                 if n == order[0]:
@@ -269,7 +273,7 @@ class _State:
         self.waited: set[bytes] = set()
         self.waiting = None  # told, each round, how many of its keys other runs hold (where any do)
         self.failed = 0  # this run's measurements that made a failed row (an oom, a crash, a timeout)
-        self.counts_failures = progress is not None and _takes_failed(progress)
+        self.keywords = _keywords(progress)
 
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
         canonical, spec_keys, keys = self.canonical, self.spec_keys, self.keys
@@ -331,7 +335,7 @@ class _State:
             self.claims.drop([k])
         if self.progress:
             self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index],
-                          **({"failed": self.failed} if self.counts_failures else {}))
+                          **({"failed": self.failed} if "failed" in self.keywords else {}))
 
     def stored(self) -> int:
         """The specs this run took whose row the ledger now holds anew, as the ledger reads (a count kept as each
@@ -362,15 +366,17 @@ class _State:
         return self.view_of(self.ledger).query([self.canonical[i]])[1][0]
 
 
-def _takes_failed(progress) -> bool:
-    """Whether a progress hook takes the keyword `failed` (the failed rows so far); a hook of three arguments is
-    called with three."""
+def _keywords(progress) -> set[str]:
+    """Which of the keywords beyond (done, total, spec) a progress hook takes: `failed` (the failed rows so far),
+    and `opening` (present: the specs whose row is there already, devices, in_process), given in a first call before
+    any spec is measured (done 0, spec None, failed 0 where it takes that too). A hook of three arguments is called
+    with three, once a spec is measured."""
     import inspect
 
     try:
-        return "failed" in inspect.signature(progress).parameters
+        return {"failed", "opening"} & set(inspect.signature(progress).parameters) if progress else set()
     except (TypeError, ValueError):  # a builtin or a callable without a signature
-        return False
+        return set()
 
 
 class _RowChanged(Exception):

@@ -918,6 +918,21 @@ def test_a_run_s_progress_counts_the_failed_specs_so_far(ledger_path, capsys, h,
     assert seen[-3:] == [1, 2, 2], seen  # the hook the bar updates with is told the same count
 
 
+def test_a_run_off_a_terminal_says_what_it_measures_as_it_begins(ledger_path, capsys, h):
+    """Off a terminal a fill printed nothing until its first minute had passed (its devices line comes at the end):
+    a long fill's log showed nothing at its start. An opening line says how many specs it measures, how many are
+    stored already, and on which devices."""
+    specs = [h.gemm(), h.gemm(n=48), h.gemm(k=16)]
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(specs[0]), "--db", ledger_path]) == 0
+    capsys.readouterr()
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["results"]) == 3
+    assert err.splitlines()[0] == "measuring 2 spec(s) (1 already have an ok row) on cpu0 (in this process)", err
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path]) == 0
+    assert "measuring" not in capsys.readouterr().err  # nothing to measure: no opening line
+
+
 def test_a_run_on_a_dumb_terminal_reports_its_progress_in_lines(ledger_path, capsys, h, monkeypatch):
     """On a terminal that cannot redraw a bar (TERM=dumb: an editor's shell, a serial console) the bar drew nothing
     and, transient, left nothing: a run of hours said nothing until it ended. It reports in lines, as off a
