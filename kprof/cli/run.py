@@ -47,7 +47,7 @@ def _progress():
     total = bar.add_task("measuring", total=None)
     lines: dict[str, int] = {}
 
-    def update(done, count, spec, failed=0):
+    def update(done, count, spec, failed=0, opening=None):  # the opening call gives the total before a spec ends
         bar.update(total, completed=done, total=count, description=f"measuring{_failed(failed, ' (', ')')}")
 
     def watch(worker, spec):

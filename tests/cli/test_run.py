@@ -933,6 +933,36 @@ def test_a_run_off_a_terminal_says_what_it_measures_as_it_begins(ledger_path, ca
     assert "measuring" not in capsys.readouterr().err  # nothing to measure: no opening line
 
 
+def test_a_run_s_bar_has_its_total_before_the_first_spec_ends(ledger_path, capsys, h, monkeypatch):
+    """On a terminal the bar read `0/?`, without a total or a time left, until the first spec finished (a minute or
+    more for a large one): it has the total of the specs to measure from the start."""
+    import sys
+
+    from rich.progress import Progress
+
+    from kprof.runners import fill
+
+    seen, keep, update = [], fill._State._keep, Progress.update
+
+    def keep_noting(self, res, errored):
+        seen.append("a spec ended")
+        keep(self, res, errored)
+
+    def noting(self, task, **fields):
+        if fields.get("description", "").startswith("measuring"):
+            seen.append((fields["completed"], fields["total"]))
+        update(self, task, **fields)
+
+    monkeypatch.setattr(fill._State, "_keep", keep_noting)
+    monkeypatch.setattr(Progress, "update", noting)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    specs = [h.gemm(), h.gemm(n=48)]
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["missing_count"] == 0
+    assert seen[:2] == [(0, 2), "a spec ended"], seen
+
+
 def test_a_run_on_a_dumb_terminal_reports_its_progress_in_lines(ledger_path, capsys, h, monkeypatch):
     """On a terminal that cannot redraw a bar (TERM=dumb: an editor's shell, a serial console) the bar drew nothing
     and, transient, left nothing: a run of hours said nothing until it ended. It reports in lines, as off a
