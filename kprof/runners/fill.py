@@ -271,14 +271,17 @@ class _State:
         self.taken: dict[int, Any] = {}  # spec index -> its row (or None) when it was taken
         self.measured, self.timed, self.host_busy, self.timed_rows = 0, 0.0, 0, 0
         self.waited: set[bytes] = set()
+        self.elsewhere = 0  # specs of the total another run is measuring, or whose row another writer stored
         self.waiting = None  # told, each round, how many of its keys other runs hold (where any do)
         self.failed = 0  # this run's measurements that made a failed row (an oom, a crash, a timeout)
         self.keywords = _keywords(progress)
 
     def fill(self, workers, todo: list[int], errored: dict, rows_of) -> None:
         canonical, spec_keys, keys = self.canonical, self.spec_keys, self.keys
+        self.elsewhere += len(todo)  # out of the total until a round hands it to this run
         for batch, rows, held in rounds(self.claims, todo, spec_keys, lambda: rows_of(self.ledger), self.mode,
                                         self.before):
+            self.elsewhere -= len(batch)
             self.waited.update(held)
             if held and self.waiting:  # a run that only waits says nothing else for as long as the other one takes
                 self.waiting(len(held))
@@ -334,7 +337,7 @@ class _State:
         if self.claims is not None:  # stored (or given up): a run waiting for it reads it now, not when this one ends
             self.claims.drop([k])
         if self.progress:
-            self.progress(self.measured, max(self.total, self.measured), self.canonical[res.index],
+            self.progress(self.measured, max(self.total - self.elsewhere, self.measured), self.canonical[res.index],
                           **({"failed": self.failed} if "failed" in self.keywords else {}))
 
     def stored(self) -> int:
@@ -352,6 +355,7 @@ class _State:
         if still_wanted(self.mode, self._row_now(i), self.before[i]):
             return True
         self.claims.drop([self.spec_keys[i]])
+        self.elsewhere += 1
         return False
 
     def _unchanged(self, i: int) -> None:

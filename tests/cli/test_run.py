@@ -877,6 +877,37 @@ def test_a_spec_whose_row_a_merge_stored_before_the_run_reached_it_is_not_measur
     assert _last_seq(mine) == 2 and main(["audit", "--db", mine]) == 0
 
 
+def test_a_run_s_progress_total_leaves_out_a_spec_whose_row_a_merge_stored_meanwhile(tmp_path, capsys, h,
+                                                                                     monkeypatch):
+    """The progress total counted the specs whose row another writer stored while the run went on (a merge, a run it
+    waited for): never measured here, they kept "about X left" above the work left. The total is the specs this run
+    measures."""
+    import kprof.runners.fill as fill
+    from kprof.cli import run as run_module
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge_into
+
+    monkeypatch.setenv("KPROF_POOL", "off")
+    specs = [{"m": 3, "n": 32, "k": 32, "dtype": "fp32"}, {"m": 5, "n": 32, "k": 32, "dtype": "fp32"},
+             {"m": 7, "n": 32, "k": 32, "dtype": "fp32"}]
+    team, mine = str(tmp_path / "team.db"), str(tmp_path / "mine.db")
+    _run(capsys, h, team, specs[1])
+    seg = str(tmp_path / "team.kseg")
+    export(team, seg)
+    keep, seen = fill._State._keep, []
+
+    def keep_then_merge(self, res, errored):
+        keep(self, res, errored)
+        if self.canonical[res.index]["m"] == 3:
+            merge_into(self.ledger, [seg], str(tmp_path))
+
+    monkeypatch.setattr(fill._State, "_keep", keep_then_merge)
+    monkeypatch.setattr(run_module, "_progress_lines", lambda: lambda done, count, spec, failed=0: seen.append(
+        (done, count)))
+    assert _run(capsys, h, mine, *specs)["missing_count"] == 0
+    assert seen == [(1, 3), (2, 2)], seen  # the merged spec left the total once the run found its row
+
+
 def test_a_run_off_a_terminal_reports_its_progress_on_stderr(ledger_path, capsys, h, monkeypatch):
     """A long fill whose stderr is a log (nohup, a batch job) said nothing until it ended: off a terminal, a line
     at most every PROGRESS_EVERY_S says how many specs are done of how many, the rate and the time left."""
