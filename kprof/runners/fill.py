@@ -268,7 +268,7 @@ class _State:
         self.ledger = self.claims = self.origin = None
         self.view_of = view_of  # the ledger's View of this fill's scope and contract
         self.fresh: dict[bytes, Any] = {}
-        self.taken: dict[int, Any] = {}  # spec index -> its row (or None) when it was taken
+        self.taken: dict[int, Any] = {}  # spec index -> its row (or None) when it was taken, till another's answers it
         self.measured, self.timed, self.host_busy, self.timed_rows = 0, 0.0, 0, 0
         self.waited: set[bytes] = set()
         self.elsewhere = 0  # specs of the total another run is measuring, or whose row another writer stored
@@ -317,6 +317,7 @@ class _State:
             try:
                 merge_into(self.ledger, [res.segment], report_dir)
             except MergeConflict as exc:  # an error only where the row another writer stored is not one asked for
+                self.taken.pop(res.index)  # not this run's row: the interrupt's count leaves it out
                 if still_wanted(self.mode, self._row_now(res.index), self.before[res.index]):
                     errored[k] = {"kind": "conflict", "message": str(exc)}
             finally:  # an interrupt too: no report, so not one dir per spec (or per interrupted run) left
@@ -327,6 +328,7 @@ class _State:
             try:  # one commit per spec: a crash keeps what was finished
                 self.ledger.append([res.event], before=lambda _txn: self._unchanged(res.index))
             except _RowChanged as changed:
+                self.taken.pop(res.index)  # the row is another writer's, not this run's (`stored`)
                 # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps
                 # it, and the spec's answer (`still_wanted`); an error only where it is none (a retraction)
                 if still_wanted(self.mode, changed.row, self.before[res.index]):
@@ -354,6 +356,7 @@ class _State:
         be stored."""
         if still_wanted(self.mode, self._row_now(i), self.before[i]):
             return True
+        self.taken.pop(i)  # another writer's row answers it: not one this run stored (`stored`)
         self.claims.drop([self.spec_keys[i]])
         self.elsewhere += 1
         return False

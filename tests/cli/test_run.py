@@ -456,6 +456,38 @@ def test_an_interrupted_run_says_how_many_rows_it_stored_as_the_ledger_holds_the
     assert json.loads(capsys.readouterr().out)["missing_count"] == 2
 
 
+def test_an_interrupted_run_counts_no_row_a_merge_stored_for_a_spec_it_took(tmp_path, ledger_path, capsys, h,
+                                                                            monkeypatch, local_gpu):
+    """A merge (`kprof merge`, which takes no claims) stored the row of a spec the run had taken, before the run
+    measured it: the run skipped it, and the interrupt's line counted that row as one this run stored (2 of 3, where
+    it stored 1). The count leaves out a row another writer stored."""
+    import kprof.runners.fill as fill
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge_into
+
+    specs = [h.gemm(m=m) for m in (3, 5, 7)]
+    team = str(tmp_path / "team.db")
+    h.append(team, h.make_event(specs[0], local_gpu))
+    seg = export(team, str(tmp_path / "team.kseg")).path
+    to_measure, append = fill._State._to_measure, Ledger.append
+
+    def after_a_merge(self, i):
+        if self.canonical[i]["m"] == 3:
+            merge_into(self.ledger, [seg], str(tmp_path))
+        return to_measure(self, i)
+
+    def append_then_interrupted(self, events, *args, **kwargs):
+        result = append(self, events, *args, **kwargs)
+        if events[0].provenance.shape["m"] == 5:  # the run's own row of m=5 is committed; then the signal
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(fill._State, "_to_measure", after_a_merge)
+    monkeypatch.setattr(Ledger, "append", append_then_interrupted)
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path]) == 130
+    assert "(this run stored 1 row(s) of the 3 spec(s) it had to measure)" in capsys.readouterr().err
+
+
 class _Killed(BaseException):
     """The process ends here: no except or cleanup of the writer's runs (a SIGKILL), only the kernel's release of
     its flocks, which closing the fd does."""
