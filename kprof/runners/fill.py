@@ -268,7 +268,8 @@ class _State:
         self.ledger = self.claims = self.origin = None
         self.view_of = view_of  # the ledger's View of this fill's scope and contract
         self.fresh: dict[bytes, Any] = {}
-        self.taken: dict[int, Any] = {}  # spec index -> its row (or None) when it was taken, till another's answers it
+        self.taken: dict[int, Any] = {}  # spec index -> its row (or None) when it was taken
+        self.kept: set[int] = set()  # the specs measured whose row this run stores, or stored (what `stored` reads)
         self.measured, self.timed, self.host_busy, self.timed_rows = 0, 0.0, 0, 0
         self.waited: set[bytes] = set()
         self.elsewhere = 0  # specs of the total another run is measuring, or whose row another writer stored
@@ -300,6 +301,7 @@ class _State:
 
     def _keep(self, res: Result, errored: dict) -> None:
         k = self.spec_keys[res.index]
+        self.kept.add(res.index)
         self.timed += res.timed_seconds
         self.measured += 1
         if type(res.event) is not Measured:
@@ -317,7 +319,7 @@ class _State:
             try:
                 merge_into(self.ledger, [res.segment], report_dir)
             except MergeConflict as exc:  # an error only where the row another writer stored is not one asked for
-                self.taken.pop(res.index)  # not this run's row: the interrupt's count leaves it out
+                self.kept.discard(res.index)  # not this run's row: the interrupt's count leaves it out
                 if still_wanted(self.mode, self._row_now(res.index), self.before[res.index]):
                     errored[k] = {"kind": "conflict", "message": str(exc)}
             finally:  # an interrupt too: no report, so not one dir per spec (or per interrupted run) left
@@ -328,7 +330,7 @@ class _State:
             try:  # one commit per spec: a crash keeps what was finished
                 self.ledger.append([res.event], before=lambda _txn: self._unchanged(res.index))
             except _RowChanged as changed:
-                self.taken.pop(res.index)  # the row is another writer's, not this run's (`stored`)
+                self.kept.discard(res.index)  # the row is another writer's, not this run's (`stored`)
                 # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps
                 # it, and the spec's answer (`still_wanted`); an error only where it is none (a retraction)
                 if still_wanted(self.mode, changed.row, self.before[res.index]):
@@ -343,11 +345,12 @@ class _State:
                           **({"failed": self.failed} if "failed" in self.keywords else {}))
 
     def stored(self) -> int:
-        """The specs this run took whose row the ledger now holds anew, as the ledger reads (a count kept as each
-        was appended missed one where a signal came between its commit and the count)."""
-        taken = list(self.taken)
-        rows = self.view_of(self.ledger).query([self.canonical[i] for i in taken])[1]
-        return sum(_own(row) != _own(self.taken[i]) for i, row in zip(taken, rows))
+        """The specs this run measured whose row the ledger now holds anew, as the ledger reads (a count kept as each
+        was appended missed one where a signal came between its commit and the count); only those it measured are
+        read, not every spec it took (a large request's, on its way out)."""
+        kept = sorted(self.kept)
+        rows = self.view_of(self.ledger).query([self.canonical[i] for i in kept])[1]
+        return sum(_own(row) != _own(self.taken[i]) for i, row in zip(kept, rows))
 
     def _to_measure(self, i: int) -> bool:
         """Asked just before spec i is measured: whether it still lacks the row its mode asks for. A row another
@@ -356,7 +359,6 @@ class _State:
         be stored."""
         if still_wanted(self.mode, self._row_now(i), self.before[i]):
             return True
-        self.taken.pop(i)  # another writer's row answers it: not one this run stored (`stored`)
         self.claims.drop([self.spec_keys[i]])
         self.elsewhere += 1
         return False
