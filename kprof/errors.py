@@ -99,15 +99,17 @@ def measure_command(verb: str, backend: str, db: str | None, timing: str | None)
     """`kprof <verb> --backend B --db 'P'` (no --db where db is None) that measures under `timing` (a contract's,
     "cupti;l2=cold;eager;power=loaded", "cpu-wall;l2=warm;eager;threads=4") where the variables that choose a method
     are unset: its thread count as the variable that sets it (MKL's where set here, as it decides), a CUDA method's
-    non-default flags."""
+    flags that are not the defaults or whose variable is set here (pasted where it is set, it would choose)."""
     timer, *parts = (timing or "cpu-wall").split(";")
     said = dict(part.partition("=")[::2] for part in parts)  # l2, eager or graph, power, threads
     name = "MKL_NUM_THREADS" if os.environ.get("MKL_NUM_THREADS", "").strip() else "OMP_NUM_THREADS"
     words = [f"{name}={said.get('threads')}"] * ("threads" in said) + ["kprof", *verb.split(), "--backend", backend]
     words += ["--db", shlex.quote(db)] * bool(db)
-    if timer in ("cupti", "events"):  # a CUDA method's flags (a CPU timer's, cpu-wall, has none)
-        words += [f"--timer {timer}"] * (timer != "cupti") + [f"--l2 {said.get('l2')}"] * (said.get("l2") != "cold")
-        words += ["--cuda-graph"] * ("graph" in said) + [f"--power {said.get('power')}"] * ("power" in said)
+    method = {"timer": (timer, "cupti"), "l2": (said.get("l2"), "cold"), "cuda_graph": ("graph" in said, False),
+              "power": (said.get("power", "sustained"), "sustained")}  # each (value, default)
+    for flag, (value, default) in method.items() if timer in ("cupti", "events") else ():  # cpu-wall has no flags
+        if value != default or os.environ.get(f"KPROF_{flag.upper()}", "").strip():  # a variable here: it would choose
+            words += [f"--{'no-' * (value is False)}cuda-graph"] if flag == "cuda_graph" else [f"--{flag} {value}"]
     return " ".join(words)
 
 

@@ -37,3 +37,18 @@ def test_the_run_an_unknown_gpu_key_names_measures_under_the_method_looked_up():
            "'{\"bytes\": 1}'`" in str(error)
     default = UnknownGpuKeyError("memcpy", "torch", "H100", "p.db", [], [], {"bytes": 1}, "cupti;l2=cold;eager")
     assert "`kprof run memcpy --backend torch --db p.db --spec '{\"bytes\": 1}'`" in str(default)
+
+
+def test_the_run_an_unknown_gpu_key_names_overrides_the_method_variables_set_here(monkeypatch):
+    """A lookup that named the default method (get_memcpy(..., l2='cold', cuda_graph=False)) where KPROF_L2=warm and
+    KPROF_CUDA_GRAPH=1 are set named `kprof run ...` without flags: pasted in that shell, the variables chose a warm L2
+    and graphs, and the lookup still found no row. The flags whose variable is set here are named."""
+    monkeypatch.setenv("KPROF_L2", "warm")
+    monkeypatch.setenv("KPROF_CUDA_GRAPH", "1")
+    monkeypatch.delenv("KPROF_TIMER", raising=False)
+    monkeypatch.delenv("KPROF_POWER", raising=False)
+    error = UnknownGpuKeyError("memcpy", "torch", "H100", "p.db", [], [], {"bytes": 1}, "cupti;l2=cold;eager")
+    assert "`kprof run memcpy --backend torch --db p.db --l2 cold --no-cuda-graph --spec '{\"bytes\": 1}'`" in \
+           str(error)
+    cpu = UnknownGpuKeyError("memcpy", "torch-cpu", "H100", "p.db", [], [], {"bytes": 1}, "cpu-wall;l2=warm;eager")
+    assert "`kprof run memcpy --backend torch-cpu --db p.db --spec" in str(cpu)  # the CPU's one method: no flags
