@@ -333,8 +333,8 @@ class _State:
                 self.kept.discard(res.index)  # the row is another writer's, not this run's (`stored`)
                 # another writer (a merge) stored a row for the key while it was measured: kept, as a merge keeps
                 # it, and the spec's answer (`still_wanted`); an error only where it is none (a retraction)
-                if still_wanted(self.mode, changed.row, self.before[res.index]):
-                    now = changed.row.event_id
+                if still_wanted(self.mode, changed.args[0], self.before[res.index]):
+                    now = changed.args[0].event_id
                     errored[k] = {"kind": "conflict", "message": f"the key's row changed while it was measured (now "
                                   f"{now.hex()[:16] if now else 'none'}: a merge, or a retraction); this measurement "
                                   f"was not stored"}
@@ -376,10 +376,8 @@ class _State:
 
 
 def _keywords(progress) -> set[str]:
-    """Which of the keywords beyond (done, total, spec) a progress hook takes: `failed` (the failed rows so far),
-    and `opening` (present: the specs whose row is there already, devices, in_process), given in a first call before
-    any spec is measured (done 0, spec None, failed 0 where it takes that too). A hook of three arguments is called
-    with three, once a spec is measured."""
+    """Which keywords past (done, total, spec) a progress hook takes (one of three is called with three): `failed`, the
+    failed rows so far; `opening` ({present, devices, in_process}), in a first call (done 0, spec None) before any."""
     import inspect
 
     try:
@@ -389,11 +387,8 @@ def _keywords(progress) -> set[str]:
 
 
 class _RowChanged(Exception):
-    """A key's row changed while its spec was measured (`_State._unchanged`): the measurement is not stored."""
-
-    def __init__(self, row):
-        super().__init__()
-        self.row = row
+    """A key's row changed while its spec was measured (`_State._unchanged`): the measurement is not stored. Its one
+    argument is the row the key holds now."""
 
 
 def _own_device(entry: Entry, devices: Devices, todo: list[int], canonical: list) -> bool:
