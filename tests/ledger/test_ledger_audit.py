@@ -571,16 +571,10 @@ def test_a_shard_ended_by_a_signal_python_names_no_member_of_is_named_by_number(
                                          f"to it\\)"):
         _shards(ledger_path, 2, _killed_by_a_real_time_signal)
 
+
 def _finding_on_0_killed_on_1(shard: int, shards: int, path: str) -> dict:
     """Shard 0 finds damage; shard 1's process is ended by SIGKILL (the OOM killer, a time limit)."""
-    import os
-    import signal
-
-    from kprof.ledger import _audit_worker
-
-    if shard == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    res = _audit_worker.main(shard, shards, path)
+    res = _killed_on_shard_1(shard, shards, path, "SIGKILL")
     res["findings"].append("events: planted damage")
     return res
 
