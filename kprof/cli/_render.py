@@ -7,6 +7,7 @@ import errno
 import functools
 import json
 import os
+import re
 import shlex
 import sys
 from collections import Counter
@@ -160,12 +161,17 @@ def _console_class():
 typed_as: list[str] = ["kprof"]  # the words of the command now running before its verb (set by kprof.cli.main)
 
 
+# a backtick, then any NAME=value assignments a suggested command begins with (`OMP_NUM_THREADS=1 kprof run ...`)
+_SUGGESTED = re.compile(r"(`(?:[A-Z][A-Z0-9_]*=(?:'[^']*'|\S+) )*)kprof ")
+
+
 def as_typed(text: str) -> str:
-    """text with each command it names in backticks, `kprof <verb> ...`, as the command was typed: the launcher's
-    `python -m launcher kernel-profile <verb> ...` (its messages said `kprof`, which that user may not have)."""
-    if typed_as == ["kprof"] or "`kprof " not in text:
+    """text with each command it names in backticks, `kprof <verb> ...` (after the variables it sets, if any), as the
+    command was typed: the launcher's `python -m launcher kernel-profile <verb> ...` (its messages said `kprof`, which
+    that user may not have)."""
+    if typed_as == ["kprof"] or "kprof " not in text:
         return text
-    return text.replace("`kprof ", f"`{shlex.join(typed_as)} ")
+    return _SUGGESTED.sub(lambda m: f"{m.group(1)}{shlex.join(typed_as)} ", text)
 
 
 def _shown(text: str, encoding: str) -> str:

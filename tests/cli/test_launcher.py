@@ -135,3 +135,15 @@ def test_launcher_help_is_an_answer_not_a_usage_error(tmp_path):
         assert "python -m launcher kernel-profile <verb>" in p.stdout and "kernel-profile --help" in p.stdout
     p = _proc([sys.executable, "-m", "launcher", "kernel-profile", "--help"], tmp_path)
     assert p.returncode == 0 and "count-missing" in p.stdout
+
+
+def test_a_suggested_command_that_sets_variables_first_is_named_as_typed(monkeypatch):
+    """A library message's command that begins with the variables it sets (`OMP_NUM_THREADS=1 kprof run ...`: an
+    unknown GPU key's run, a row's ceiling `why`) kept `kprof` under the launcher: the rewrite matched "`kprof " only.
+    The variables stay first and the command is the form typed; `kprof` outside backticks is left alone."""
+    from kprof.cli import _render
+
+    monkeypatch.setattr(_render, "typed_as", ["python", "-m", "launcher", "kernel-profile"])
+    said = _render.as_typed("measure with `KPROF_RUNNERS='a, b' OMP_NUM_THREADS=1 kprof run t --db p.db`; kprof run")
+    assert said == ("measure with `KPROF_RUNNERS='a, b' OMP_NUM_THREADS=1 python -m launcher kernel-profile run t "
+                    "--db p.db`; kprof run")
