@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), prog
         atexit.register(_end_by_signal)  # before anything a verb registers: it runs last
     argv = sys.argv[1:] if argv is None else list(argv)
     invocation[:] = [*prog, *argv]
-    from ._render import guarded, typed_as
+    from ._render import db_given, guarded, typed_as
 
-    typed_as[:] = prog  # the command as typed, which messages name (see _render.as_typed)
+    typed_as[:], db_given[:] = prog, []  # the command as typed, which messages name (see _render.as_typed); the --db
 
     with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way
         code = _main(argv, " ".join(prog))
@@ -309,14 +309,10 @@ def _end_by_signal() -> None:
     os.kill(os.getpid(), sig)
 
 
-def _audit_of_db(message: str, argv: list[str]) -> str:
-    """The `kprof audit` a message names (a damaged ledger's, a failed write's) names the ledger given with --db:
-    `kprof audit` alone audits $KPROF_DB or ./profile.db, and would report another file clean."""
-    import shlex
-
-    db = next((b for a, b in zip(argv, argv[1:]) if a == "--db"), None) or next(
+def _db_given(argv: list[str]) -> str | None:
+    """The ledger given with --db (`--db X` or `--db=X`), which a suggested `kprof audit` names (see _render)."""
+    return next((b for a, b in zip(argv, argv[1:]) if a == "--db"), None) or next(
         (a.removeprefix("--db=") for a in argv if a.startswith("--db=")), None)
-    return message.replace("`kprof audit`", f"`kprof audit --db {shlex.quote(db)}`") if db else message
 
 
 def _main(argv: list[str], prog: str = "kprof") -> int:
@@ -332,12 +328,13 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
     sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     restore = None  # the SIGBUS handler's, once installed (inside the try: an interrupt of the imports is handled)
     try:
-        from ._render import as_typed
+        from ._render import as_typed, db_given
         from ._sigbus import LINE, _line, install
 
         restore = install()  # a read of a damaged mapping: one line, exit 3 (see _sigbus)
         _utf8(argv)
-        _line[0] = as_typed(_audit_of_db(LINE.decode(), argv)).encode()  # (argv is UTF-8 text now)
+        db_given[:] = [db] if (db := _db_given(argv)) else []  # given, once argv is UTF-8 text
+        _line[0] = as_typed(LINE.decode()).encode()
         _here()
         # built here (see _app): a Ctrl-C while cyclopts loads is an interrupt, as in a verb; the launcher's names it
         app = sys.modules[__name__].app if prog == "kprof" else _app(prog)
@@ -360,7 +357,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
             error(f"{limit} (every row stored before stays)")
             return 2
         if str(exc):  # OutputClosed says nothing: the reader of stdout went away
-            error(_audit_of_db(exc.cli if isinstance(exc, SettingError) else str(exc), argv))
+            error(exc.cli if isinstance(exc, SettingError) else str(exc))
         return exc.exit_code
     except Exception as exc:
         from ._render import error
@@ -379,12 +376,11 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
             raise
 
         if _write_refused(exc):
-            error(_audit_of_db(f"writing the ledger failed ({type(exc).__name__}: {exc}): the disk is full, past a "
-                               f"file size limit (ulimit -f) or failing; nothing of the failed transaction was stored "
-                               f"({left}; `kprof audit` confirms it). Free space and run again", argv))
+            error(f"writing the ledger failed ({type(exc).__name__}: {exc}): the disk is full, past a file size "
+                  f"limit (ulimit -f) or failing; nothing of the failed transaction was stored ({left}; `kprof audit` "
+                  f"confirms it). Free space and run again")
             return 2
-        error(_audit_of_db(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full "
-                           f"report", argv))
+        error(f"the ledger file is damaged ({type(exc).__name__}: {exc}); run `kprof audit` for the full report")
         return 3
     finally:
         if restore is not None:

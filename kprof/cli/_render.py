@@ -159,6 +159,7 @@ def _console_class():
 
 
 typed_as: list[str] = ["kprof"]  # the words of the command now running before its verb (set by kprof.cli.main)
+db_given: list[str] = []  # the --db it was given, where one was (set by kprof.cli._main)
 
 
 # a backtick, then any NAME=value assignments a suggested command begins with (`OMP_NUM_THREADS=1 kprof run ...`)
@@ -168,7 +169,10 @@ _SUGGESTED = re.compile(r"(`(?:[A-Z][A-Z0-9_]*=(?:'[^']*'|\S+) )*)kprof ")
 def as_typed(text: str) -> str:
     """text with each command it names in backticks, `kprof <verb> ...` (after the variables it sets, if any), as the
     command was typed: the launcher's `python -m launcher kernel-profile <verb> ...` (its messages said `kprof`, which
-    that user may not have)."""
+    that user may not have); a `kprof audit` it names audits the --db given (alone, it audits $KPROF_DB or
+    ./profile.db, another file, which may read clean)."""
+    if db_given:
+        text = text.replace("`kprof audit`", f"`kprof audit --db {shlex.quote(db_given[0])}`")
     if typed_as == ["kprof"] or "kprof " not in text:
         return text
     return _SUGGESTED.sub(lambda m: f"{m.group(1)}{shlex.join(typed_as)} ", text)
