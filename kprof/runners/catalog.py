@@ -99,7 +99,7 @@ _SDPA_NUMERICS = {
 }
 
 _GEMM_LAYOUT = "a[m,k] row-major, b[k,n] row-major, c[m,n] row-major"
-_PREFILL_LAYOUT = "q/k/v [batch,heads,seq,head_dim] contiguous"
+_PREFILL_LAYOUT = "q [batch,heads,seq,head_dim], k/v [batch,kv_heads,seq,head_dim] contiguous"
 _DECODE_LAYOUT = "q [batch,heads,1,head_dim], k/v [batch,kv_heads,kv_len,head_dim] contiguous"
 # CUDA rows time attention on the layout a model's QKV projection leaves (kprof.runners.attention).
 _PACKED = "[batch,tokens,(heads+2*kv_heads)*head_dim]"
@@ -155,13 +155,17 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # rotate over the same placements, one CUDA graph each (revision 4 graph rows timed one allocation).
 GPU_REVISION = 5
 CPU_REVISION = 1
+# A torch-cpu table's own revision where it moved past CPU_REVISION. attention_prefill 2 (2026-12-05): its layout names
+# k/v [batch,kv_heads,seq,head_dim], as the runner builds them; revision 1 said q/k/v [batch,heads,seq,head_dim],
+# untrue of every GQA row (num_kv_heads < num_heads), whose k and v hold num_kv_heads heads.
+CPU_REVISIONS = {"attention_prefill": 2}
 
 
 ENTRIES: list[Entry] = []  # every entry, in declaration order; kprof.runners.registry indexes them
 
 
 def _register(table, args, kind, runner, backend, device, algorithm, layout, numerics, timing, description):
-    revision = GPU_REVISION if device == "cuda" else CPU_REVISION
+    revision = GPU_REVISION if device == "cuda" else CPU_REVISIONS.get(table, CPU_REVISION)
     ENTRIES.append(Entry(table=table, backend=backend, args=args, kernel_kind=kind, metric_family="compute",
                          contract=Contract(algorithm=algorithm, layout=layout, numerics=numerics, timing=timing,
                                            profiler_revision=revision),

@@ -42,12 +42,13 @@ SMALL = {
     "moe_grouped_gemm": {"tokens": 24, "experts": 6, "topk": 2, "hidden": 32, "intermediate": 40, "dtype": "bf16"},
     "memcpy": {"bytes": 3 * 1_048_573 + 5},  # three pattern periods and a remainder
 }
-# The first release's torch-cpu contracts: their keys must never change.
+# The first release's torch-cpu contracts: their keys change only with a revision of their own (revision, if not 1).
 FIRST_CPU_CONTRACTS = {
     "single_gemm": ("torch.matmul", "a[m,k] row-major, b[k,n] row-major, c[m,n] row-major"),
     "rms_norm": ("torch.nn.functional.rms_norm", "x[tokens,hidden] contiguous, w[hidden]"),
     "silu_mul": ("silu(x[:, :h]) * x[:, h:]", "x[tokens,2*hidden] contiguous"),
-    "attention_prefill": ("torch sdpa (auto backend)", "q/k/v [batch,heads,seq,head_dim] contiguous"),
+    "attention_prefill": ("torch sdpa (auto backend)",
+                          "q [batch,heads,seq,head_dim], k/v [batch,kv_heads,seq,head_dim] contiguous", 2),
     "attention_decode": ("torch sdpa (auto backend)",
                          "q [batch,heads,1,head_dim], k/v [batch,kv_heads,kv_len,head_dim] contiguous"),
 }
@@ -205,11 +206,25 @@ def test_entry_device_timing_and_runner(entry):
 
 
 def test_first_cpu_contracts_are_unchanged():
-    for table, (algorithm, layout) in FIRST_CPU_CONTRACTS.items():
+    for table, (algorithm, layout, *revision) in FIRST_CPU_CONTRACTS.items():
         contract = lookup(table, "torch-cpu").contract
         assert msgspec.structs.asdict(contract) == {
             "algorithm": algorithm, "layout": layout, "numerics": "dtype=spec; fp32 accumulate",
-            "timing": "cpu-wall;l2=warm;eager", "profiler_revision": 1}
+            "timing": "cpu-wall;l2=warm;eager", "profiler_revision": revision[0] if revision else 1}
+
+
+@pytest.mark.parametrize("table", ["attention_prefill", "attention_decode"])
+def test_a_cpu_attention_layout_names_the_shapes_its_gqa_case_holds(table):
+    """The layout string's q, k and v dims are the built tensors' shapes: under GQA k and v hold num_kv_heads heads
+    (the prefill layout said q/k/v [batch,heads,seq,head_dim])."""
+    entry = lookup(table, "torch-cpu")
+    spec = msgspec.convert({**SMALL[table], "num_heads": 8, "num_kv_heads": 2}, entry.args)
+    dims = {"batch": spec.batch, "heads": 8, "kv_heads": 2, "head_dim": spec.head_dim, "1": 1,
+            "seq": getattr(spec, "seq_len", None), "kv_len": getattr(spec, "kv_len", None)}
+    said = {name: tuple(dims[d] for d in shape.split(","))
+            for names, shape in re.findall(r"([a-z/]+) \[([^\]]+)\]", entry.contract.layout) for name in names.split("/")}
+    q, k, v = entry.load_runner()().build(spec, "cpu").inputs
+    assert said == {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape)}
 
 
 def test_the_power_state_is_named_only_when_loaded():
