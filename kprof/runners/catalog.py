@@ -212,6 +212,10 @@ _register("memcpy", MemcpyArgs, "memory", "kprof.runners.memcpy:Memcpy", "torch-
 # is the median over iterations of the slowest rank's time. `nccl` needs world_size GPUs (gpus_arg); `gloo` is its
 # CPU twin. message_size_bytes is nccl-tests' size (see kprof.runners.comm). The family counts its own revisions.
 COMM_REVISION = 1
+# A (table, backend)'s own revision where it moved past COMM_REVISION. all_to_all on gloo 2 (2026-12-05): its algorithm
+# names torch.distributed.all_to_all_single, the function its ranks call; revision 1 named torch.distributed.all_to_all,
+# the list-of-tensors call they never made. nccl's all_to_all keeps that name and revision 1, the key of its GPU rows.
+COMM_REVISIONS = {("all_to_all", "gloo"): 2}
 _COMM = {
     # table: (args, runner, layout per rank, reduces, description)
     "all_reduce": (AllReduceArgs, "AllReduce", "x[size/elt] contiguous, reduced in place", True,
@@ -227,16 +231,19 @@ _COMM = {
 
 def _register_comm(table, args, runner, layout, reduces, what):
     call = {"all_gather": "all_gather_single (all_gather_into_tensor before torch 2.13)",
-            "reduce_scatter": "reduce_scatter_single (reduce_scatter_tensor before torch 2.13)"}.get(table, table)
+            "reduce_scatter": "reduce_scatter_single (reduce_scatter_tensor before torch 2.13)",
+            "all_to_all": "all_to_all_single"}.get(table, table)
     numerics = "dtype=spec; " + ("sum in dtype, as the library reduces" if reduces else "elements moved verbatim")
     for backend, device, timing, env, by in (
             ("nccl", "cuda", GPU_TIMING, "cuda_env", "NCCL (its choice of algorithm and protocol), one GPU per rank"),
             ("gloo", "cpu", CPU_TIMING, "default_env", "gloo, one CPU process per rank")):
+        revision = COMM_REVISIONS.get((table, backend), COMM_REVISION)
+        named = table if table == "all_to_all" and revision == 1 else call  # the name of a revision-1 all_to_all key
         ENTRIES.append(Entry(
             table=table, backend=backend, args=args, kernel_kind="collective", metric_family="comm",
-            contract=Contract(algorithm=f"torch.distributed.{call} on {by}",
+            contract=Contract(algorithm=f"torch.distributed.{named} on {by}",
                               layout=f"per rank {layout}; size = message_size_bytes (nccl-tests' size)",
-                              numerics=numerics, timing=timing, profiler_revision=COMM_REVISION),
+                              numerics=numerics, timing=timing, profiler_revision=revision),
             runner=f"kprof.runners.comm:{runner}", device=device, subprocess_env=env,
             gpus_arg="world_size" if device == "cuda" else "", description=f"{what} ({backend})"))
 
