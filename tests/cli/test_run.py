@@ -344,6 +344,17 @@ def test_output_dir_snapshot(tmp_path, ledger_path, capsys, h, local_gpu):
     assert meta["view_root_after"] == doc["view_root"] and meta["view_root_before"] != meta["view_root_after"]
 
 
+def test_a_snapshot_of_a_run_in_a_directory_whose_name_is_not_utf8_records_it_escaped(tmp_path, capsys, h,
+                                                                                     monkeypatch):
+    """A run in a directory named in another encoding (a byte 0xff) with relative paths measured and stored its rows,
+    then its snapshot's record of the cwd (a surrogate) was a traceback, exit 1, and no snapshot."""
+    here = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"x\xffy"))
+    os.mkdir(here)
+    monkeypatch.chdir(here)
+    _run(capsys, h, "p.db", h.gemm(), extra=["--output-dir", "snap"])
+    assert _read(os.path.join(here, "snap", "job.meta.json"))["cwd"] == f"{tmp_path}/x\\xffy"
+
+
 @pytest.mark.parametrize("json_out", [True, False])
 def test_a_run_builds_its_result_document_once_and_only_where_it_is_written(tmp_path, ledger_path, capsys, h,
                                                                          monkeypatch, json_out):
