@@ -178,14 +178,31 @@ def as_typed(text: str) -> str:
     return _SUGGESTED.sub(lambda m: f"{m.group(1)}{shlex.join(typed_as)} ", text)
 
 
-def _shown(text: str, encoding: str) -> str:
+def _shown(text: str, encoding: str, one_line: bool = False) -> str:
     """text as printed on a stream of `encoding`: control characters escaped, and, on a stream that is not UTF-8 (a C
     locale, PYTHONIOENCODING=ascii), what it cannot encode too, before rich lays it out (the stream escaped `é` after,
-    as `\\xe9`, and every column to its right moved)."""
-    text = "\n".join(map(_one_line, text.split("\n")))
+    as `\\xe9`, and every column to its right moved); a quoted word of a command so, as $'...' (see _c_quoted).
+    `one_line`: its newlines escaped too (an error's line)."""
+    lines = [text] if one_line else text.split("\n")
     if encoding.lower().replace("-", "").startswith("utf"):
-        return text
-    return text.encode(encoding, "backslashreplace").decode(encoding)
+        return "\n".join(map(_one_line, lines))
+    lines = [_one_line(_QUOTED.sub(lambda m: _c_quoted(m[1], encoding), line)) for line in lines]
+    return "\n".join(lines).encode(encoding, "backslashreplace").decode(encoding)
+
+
+# a quoted word, as shlex.quote writes a path or value of a command (after a space, `=`, a backtick; not `device's`)
+_QUOTED = re.compile(r"(?<![\w'$])'([^']*)'(?!\w)")
+
+
+def _c_quoted(word: str, encoding: str) -> str:
+    """A quoted word holding what the stream cannot encode, as the shell's $'...' of its UTF-8 bytes: pasted, it names
+    the same file (`--db 'd\\xe9.db'`, escaped as Python does, named another, which `kprof run` then created)."""
+    try:
+        word.encode(encoding)
+        return f"'{word}'"
+    except UnicodeEncodeError:
+        return "$'" + "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}"
+                           for b in word.encode("utf-8", "surrogateescape")) + "'"
 
 
 def _one_line(message: str) -> str:
@@ -205,11 +222,12 @@ ERROR_CHARS = 2_000
 def error(message: str) -> None:
     from rich.text import Text
 
-    line = _one_line(as_typed(message))
+    out = console(stderr=True)
+    line = _shown(as_typed(message), out.encoding, one_line=True)
     if len(line) > ERROR_CHARS:
         cut = len(line) - ERROR_CHARS + 100
         line = f"{line[:ERROR_CHARS - 600]} ... ({cut:,} characters left out) ... {line[-500:]}"
-    console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", line))
+    out.print(Text.assemble(("error:", "bold red"), " ", line))
 
 
 def busy_host_note(what: str, mode: str, remote: bool = False) -> str:

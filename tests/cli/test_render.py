@@ -94,6 +94,32 @@ def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback(tmp_path, h, l
     assert p.returncode == 0 and b"on \\xdcn\\xef \\u65e5\\u672c (query)" in p.stdout, p.stdout
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_a_suggested_command_on_a_terminal_that_is_not_utf8_names_the_same_file_pasted(tmp_path, h, local_gpu,
+                                                                                      encoding):
+    """Under PYTHONIOENCODING=ascii, count-missing's `kprof run` named `--db 'd\\xe9 \\u4e2d.db'`, which a shell
+    passes as those backslashes (run then made a new ledger by that name); it is $'...' of the name's UTF-8 bytes,
+    as is a value an error quotes."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    h.append(str(tmp_path / "dé 中.db"), h.make_event(h.gemm(), local_gpu))
+    env = {**os.environ, "PYTHONIOENCODING": encoding}
+    argv = [sys.executable, "-m", "kprof", "count-missing", "single_gemm", "--backend", "torch-cpu", "--db", "dé 中.db"]
+    p = subprocess.run([*argv, "--spec", json.dumps(h.gemm(m=8))], cwd=tmp_path, env=env, capture_output=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    word = p.stdout.decode(encoding).split("--db ")[1].split(" --spec")[0]
+    assert word == "$'d\\xc3\\xa9 \\xe4\\xb8\\xad.db'", word
+    said = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True).stdout
+    assert said == "dé 中.db".encode()
+    p = subprocess.run([*argv, "--spec", json.dumps(h.gemm(dtype="fp32中"))], cwd=tmp_path, env=env,
+                       capture_output=True, timeout=120)
+    assert p.returncode == 2 and "= $'fp32\\xe4\\xb8\\xad': " in p.stderr.decode(encoding), p.stderr
+
+
 def test_the_summary_line_says_which_statuses_the_missing_rows_have(capsys):
     results_table(_result(["ok", "missing", "failed", "failed"], errors=0))
     assert "1 of 4 ok, 3 missing (1 missing, 2 failed); db p.db" in capsys.readouterr().out
