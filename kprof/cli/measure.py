@@ -58,7 +58,7 @@ def measure(table: Table, *, backend: MeasureBackend, spec: MeasureSpec = None, 
                 "Launch back to back with a warm L2 (a continuous window, for sustained power and clock drift). "
                 "Default: a cold L2 before each launch, exactly as rows are timed."))] = False,
             cuda_graph: Annotated[bool, Parameter(name="--cuda-graph", negative="", help=(
-                "Replay the kernel from a CUDA graph. With --no-clear-l2 a replay holds >= 100 µs of launches, so "
+                "Replay the kernel from a CUDA graph. With --no-clear-l2 a replay holds >= 100 us of launches, so "
                 "slow host dispatch does not leave the GPU idle; with a cold L2 each replay is swept first, as a "
                 "graph row is."))] = False,
             gpu_name: MeasureGpuName = None, db: MeasureDb = None, json: Json = False) -> int:

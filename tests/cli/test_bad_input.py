@@ -1141,6 +1141,22 @@ def test_a_specs_document_with_keys_beside_specs_names_them(verb, extra, said, t
     assert os.listdir(tmp_path) == ["specs.json"]
 
 
+def test_every_help_is_laid_out_whole_on_a_terminal_that_is_not_utf8(monkeypatch):
+    """Under a C locale (PYTHONIOENCODING=ascii) `kprof measure --help` printed `100 \\xb5s` for `100 µs`, escaped by
+    the stream after the panel was laid out: that line's border stood three columns right of the others."""
+    import io
+
+    from kprof.cli import VERBS
+
+    for verb in ["", *(name for name, _target, _help in VERBS)]:
+        raw = io.BytesIO()
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii", errors="backslashreplace"))
+        assert main([verb, "--help"] if verb else ["--help"]) == 0
+        sys.stdout.flush()
+        panel = [line for line in raw.getvalue().decode("ascii").splitlines() if line.startswith(("+", "|"))]
+        assert panel and len({len(line) for line in panel}) == 1, (verb, [line for line in panel if "\\" in line])
+
+
 def test_no_help_text_loses_a_placeholder(capsys):
     """The help texts are markdown: `kprof.<hex>` outside backticks read as an HTML tag and vanished (`kprof show
     --help` said "A citation (kprof.)"). Every <placeholder> in a verb's parameter help is printed."""
