@@ -208,10 +208,11 @@ def _c_quoted(word: str, encoding: str) -> str:
 def _one_line(message: str) -> str:
     """The message with every character that is not printable text (a newline, tab or terminal escape in a path or
     value it names, an undecodable byte's surrogate) as its escape, `\\n`: an error is one line, and shows the value
-    as typed."""
+    as typed (an undecodable byte as `\\xff`, not Python's `\\udcff`)."""
     if message.isprintable():
         return message
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+    return "".join(c if c.isprintable() else f"\\x{ord(c) - 0xdc00:02x}" if "\udc80" <= c <= "\udcff" else
+                   ascii(c)[1:-1] for c in message)
 
 
 # The characters of an error line: a value of megabytes it names (a spec's string or field name, a path) is cut in

@@ -243,6 +243,17 @@ def test_an_error_naming_a_value_with_control_characters_is_one_line_of_escapes(
     assert "a\\nb\\x1b[31m" in err, err
 
 
+def test_an_error_naming_a_path_with_an_undecodable_byte_shows_the_byte(tmp_path, capsys, monkeypatch, h):
+    """Run in a directory named with byte 0xff, a ledger whose directory is missing was named `.../\\udcff/nodir`,
+    Python's surrogate for the byte, which no shell or file manager shows; it is `\\xff`, as a refused argument's is."""
+    here = os.path.join(os.fsencode(tmp_path), b"x\xff")
+    os.mkdir(here)
+    monkeypatch.chdir(here)
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", *h.spec_args(h.gemm()), "--db", "nodir/p.db"]) == 2
+    err = capsys.readouterr().err
+    assert f"there is no directory {tmp_path}/x\\xff/nodir; " in err and "udc" not in err, err
+
+
 def test_a_results_table_prints_control_characters_of_stored_values_as_escapes(capsys):
     """A metric name of a merged row holding an escape sequence reached the terminal in the table's header."""
     res = _result(["ok"])
