@@ -61,6 +61,12 @@ def expanded(paths) -> list[str]:
                 f"it holds {_named(other)}, not named *.kseg: rename a segment to end in .kseg, or pass it by name"
                 if other else "give segment files, or the directory `kprof export -o DIR` wrote"))
         out.extend(sorted(found, key=lambda p: (segment.header_of(p).created_at, os.path.basename(p))))
+    for path in out:  # a merge's report (--json, a conflict's files) names each as UTF-8 text: a traceback, merged
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"segment {path} is named in another encoding than UTF-8, which kprof reports its "
+                             f"segments' paths in; rename it (nothing was merged)") from None
     return out
 
 

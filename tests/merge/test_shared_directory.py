@@ -125,6 +125,20 @@ def test_a_directory_s_files_not_named_kseg_are_named_not_skipped_silently(tmp_p
     assert f"note: not merged: {rows / 'gemm.seg'} (not named *.kseg" in err and ".gitkeep" not in err, err
 
 
+def test_a_segment_named_in_another_encoding_than_utf8_is_refused_before_anything_is_merged(tmp_path, capsys):
+    """A segment named with byte 0xff in a directory merged, then `merge --json` failed on its path in the report:
+    a traceback, exit 1, the events merged and no document. It is refused first, named, exit 2."""
+    rows, db = tmp_path / "rows", tmp_path / "a.db"
+    rows.mkdir()
+    with Ledger.open(str(db)) as led:
+        led.append([synth.event(i) for i in range(3)])
+    os.replace(_export(db, rows, capsys), os.path.join(os.fsencode(rows), b"\xff.kseg"))
+    assert main(["merge", str(rows), "--db", str(tmp_path / "b.db"), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"error: segment {rows}/\\xff.kseg is named in another encoding than UTF-8" in err, err
+    assert not (tmp_path / "b.db").exists()
+
+
 def test_the_python_merge_takes_a_directory_as_the_verb_does(tmp_path, capsys):
     """kprof.merge.merge.merge(["rows/"]) merges the directory's segments, oldest first, as `kprof merge rows/`
     does (it said 'cannot read segment rows: Is a directory')."""
