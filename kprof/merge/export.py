@@ -102,11 +102,12 @@ def _exported_before(directory: str, ledger_id: str, chosen: list[bytes]) -> str
         if not name.endswith(".kseg") or not os.path.isfile(path):
             continue
         try:
+            name.encode()  # named in another encoding than UTF-8 (byte 0xff): not a path the report can give
             header = segment.header_of(path)
             if (header.ledger_id, header.events) == (ledger_id, len(chosen)) and \
                     [_codec.event_id(data) for data in segment.read(path)] == chosen:
                 return path
-        except UsageError:  # unreadable or damaged: not these events
+        except (UsageError, UnicodeEncodeError):  # unreadable or damaged: not these events
             continue
     return None
 

@@ -139,6 +139,19 @@ def test_a_segment_named_in_another_encoding_than_utf8_is_refused_before_anythin
     assert not (tmp_path / "b.db").exists()
 
 
+def test_an_export_beside_its_events_in_a_segment_named_in_another_encoding_writes_its_own(tmp_path, capsys):
+    """`export -o DIR --json` where DIR held the same events under a name with byte 0xff reported that file as the
+    export: a traceback on its path (exit 1, no document). That file is passed over: a segment is written and named."""
+    rows, db = tmp_path / "rows", tmp_path / "a.db"
+    rows.mkdir()
+    with Ledger.open(str(db)) as led:
+        led.append([synth.event(i) for i in range(3)])
+    os.replace(_export(db, rows, capsys), os.path.join(os.fsencode(rows), b"\xff.kseg"))
+    assert main(["export", "--db", str(db), "-o", str(rows), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["written"] and doc["events"] == 3 and os.path.isfile(doc["segment"])
+
+
 def test_the_python_merge_takes_a_directory_as_the_verb_does(tmp_path, capsys):
     """kprof.merge.merge.merge(["rows/"]) merges the directory's segments, oldest first, as `kprof merge rows/`
     does (it said 'cannot read segment rows: Is a directory')."""
