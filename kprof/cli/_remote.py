@@ -4,6 +4,7 @@ kprof.runners.remote). `kprof.cli.run` binds the flags and calls `run_remote_cli
 from __future__ import annotations
 
 import datetime as _dt
+import shlex
 import time
 
 from ..errors import UsageError
@@ -22,7 +23,7 @@ def run_remote_cli(table: str, backend: str, raw_specs: list, *, remote: str, re
     required: both before anything is written."""
     if db is not None:
         raise UsageError(f"--db {db} cannot be used with --remote: a remote run merges into the default ledger "
-                         f"($KPROF_DB, else ./profile.db); set KPROF_DB={db} instead, or drop --remote")
+                         f"($KPROF_DB, else ./profile.db); set KPROF_DB={shlex.quote(db)} instead, or drop --remote")
     if output_dir is None:
         raise UsageError("--remote needs --output-dir DIR (the segments, remote-run.json and any merge-report.json "
                          "go there); pass a new directory")

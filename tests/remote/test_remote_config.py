@@ -174,6 +174,8 @@ def test_db_is_refused_with_remote(remote_yaml, db):
     message = _refused(db, db="other.db")
     assert "--db other.db cannot be used with --remote" in message and "KPROF_DB=other.db" in message
     assert not os.path.exists("other.db")
+    message = _refused(db, db="my rows.db")  # as a shell takes it: `KPROF_DB=my rows.db` set it to `my`
+    assert "set KPROF_DB='my rows.db' instead" in message and not os.path.exists("my rows.db")
 
 
 def test_output_dir_is_required(remote_yaml, db):
