@@ -15,11 +15,17 @@ from ._scratch import hold, unheld
 from .errors import UsageError
 
 __all__ = ["check_output_dir", "staged", "drop_unfinished", "write_once", "make_read_only", "replace_whole",
-           "new_file"]
+           "new_file", "as_text"]
 
 _FIX = "pass a new directory (it is created if absent)"
 READ_ONLY = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH  # the mode of an output's files
 _ROOM = 64  # bytes of a path kept for the staging folder and a file's name inside an output directory
+
+
+def as_text(path: str) -> str:
+    """`path` as a record's UTF-8 text: a byte of a name in another encoding (a directory named with 0xff, which
+    Python reads as a surrogate no JSON encoder takes) escaped, `\\xff`."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def check_output_dir(path: str, names, what: str) -> None:

@@ -218,7 +218,6 @@ def snapshot(path: str, res, specs: list, *, started_at, seconds: float, command
             "exit_code": res.exit_code, "started_at": started_at.isoformat(timespec="seconds"),
             "duration_s": round(seconds, 3), "timed_s": round(res.timed_seconds, 3),
             "view_root_before": res.view_root_before, "view_root_after": res.view_root,
-            "cwd": os.fsencode(os.getcwd()).decode("utf-8", "backslashreplace"),  # a name's non-UTF-8 bytes escaped
-            "devices": res.pool}
+            "cwd": _outdir.as_text(os.getcwd()), "devices": res.pool}
     doc = res.to_json() if doc is None else doc
     return write_snapshot(path, request, doc, meta, list(entry.args.__struct_fields__))

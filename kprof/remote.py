@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from ._outdir import replace_whole
+from ._outdir import as_text, replace_whole
 from ._signals import held
 from ._remote_checks import check_remote_output_dir, check_runtime_env, check_task_env, refuse_spec_timeout
 from .api import QueryResult, _empty_root, _fresh_result, _keys, _prepare, _query
@@ -159,7 +159,7 @@ def run_remote(table: str, backend: str, raw_specs: list, *, remote: str, remote
         raise
     os.makedirs(os.path.join(output_dir, "segments"))
     record: dict[str, Any] = {
-        "remote": target.name, "config": os.path.abspath(target.path), "kind": target.kind,
+        "remote": target.name, "config": as_text(os.path.abspath(target.path)), "kind": target.kind,
         "overrides": list(remote_set),
         "launch": msgspec.to_builtins(target.ray if target.kind == "ray" else target.slurm),
         "kprof_version": __version__, "table": table, "backend": backend, "gpu_name": gpu_key, "mode": mode,

@@ -399,6 +399,24 @@ def test_rows_a_busy_host_timed_are_named_as_a_local_run_names_them(remote_yaml,
             "a new --output-dir") in capsys.readouterr().err  # `kprof run --force` measured them here, not remotely
 
 
+def test_a_remote_run_in_a_directory_whose_name_is_not_utf8_records_it_escaped(tmp_path, remote_yaml, capsys,
+                                                                              monkeypatch):
+    """Run in a directory named with byte 0xff (relative paths), the chunks merged, then remote-run.json's absolute
+    path of remote.yaml (a surrogate) was a traceback, exit 1, and no snapshot; it is recorded with the byte escaped."""
+    here = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"x\xff"))
+    os.mkdir(here)
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("KPROF_DB", "profile.db")
+    remote_yaml(RAY)
+    os.replace(tmp_path / "remote.yaml", os.path.join(here, "remote.yaml"))
+    _in_process(monkeypatch, _InProcess())
+    rc, doc = _cli_json(capsys)
+    assert rc == 0 and doc["missing_count"] == 0
+    assert _record()["config"] == f"{tmp_path}/x\\xff/remote.yaml"
+    with open("out/job.meta.json") as f:
+        assert json.load(f)["cwd"] == f"{tmp_path}/x\\xff"
+
+
 def test_a_remote_run_builds_its_result_document_once(remote_yaml, db, capsys, monkeypatch):
     """--json and the snapshot each built the document (at 100k specs, hundreds of MB each), as a local run did
     before; it is built once."""
