@@ -232,10 +232,16 @@ def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> s
         where = f"at column {column}" if one_line else f"at line {line}, column {column}"
         if data.startswith(b"\xef\xbb\xbf", offset):  # past the file's start (ignored there): files joined with `cat`
             return f"a byte-order mark (U+FEFF) {where}, as joining files saved with one leaves; remove it"
-        quote = data[offset:offset + 3].decode("utf-8", "replace")[:1]
-        if quote and quote in "'\u201c\u201d\u2018\u2019":  # a Python dict's repr; text copied from a document
-            what = "single quote" if quote == "'" else "typographic quote"
-            return (f"a {what} ({quote}) {where}: JSON quotes with \" alone; write \" (json.dumps writes a Python "
+        char = data[offset:offset + 4].decode("utf-8", "replace")[:1]
+        if char > " " and char.isspace():  # a no-break space, as a document or web page gives
+            return f"the character U+{ord(char):04X} {where}, which JSON does not read as a space; write a space"
+        if char and char < " ":  # a NUL (of UTF-16 text, between every letter), a tab in a string
+            utf16 = "; the file is UTF-16 text: save it as UTF-8" if data.count(b"\0") * 4 >= len(data) > 1 else ""
+            return (f"the control character U+{ord(char):04X} {where}, which JSON takes only inside a string, as "
+                    f"\\u{ord(char):04x}{utf16}")
+        if char and char in "'\u201c\u201d\u2018\u2019":  # a Python dict's repr; text copied from a document
+            what = "single quote" if char == "'" else "typographic quote"
+            return (f"a {what} ({char}) {where}: JSON quotes with \" alone; write \" (json.dumps writes a Python "
                     f"dict as JSON)")
         word = re.match(rb"True|False|None|NaN|Infinity", data[offset:])  # Python's words: JSON has no NaN either
         if word:

@@ -483,6 +483,27 @@ def test_a_byte_order_mark_inside_a_file_is_named_as_such(body, said, tmp_path, 
     _no_db(db)
 
 
+def test_a_character_json_does_not_read_is_named_and_utf16_said_so(tmp_path, capsys, db):
+    """A file saved as UTF-16 without a byte-order mark read "object keys must be strings at line 1, column 2" (a
+    NUL between its letters); a no-break space copied from a web page "object keys must be strings at column 8";
+    a trailing NUL or a tab inside a string "invalid character". Each names the character, and UTF-16 the fix."""
+    path = tmp_path / "specs.json"
+    path.write_bytes(json.dumps(A).encode("utf-16-le"))
+    assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
+    assert ("(the control character U+0000 at line 1, column 2, which JSON takes only inside a string, as \\u0000; "
+            "the file is UTF-16 text: save it as UTF-8)") in capsys.readouterr().err
+    path.write_bytes(json.dumps(A).encode() + b"\n\0")
+    assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert "line 2 is not valid JSON (the control character U+0000 at column 1, " in err and "UTF-16" not in err, err
+    assert main(["count-missing", *GEMM, "--spec", json.dumps(A).replace(" ", "\u00a0", 1), "--db", db]) == 2
+    assert "(the character U+00A0 at column 6, which JSON does not read as a space; write a space)" in \
+        capsys.readouterr().err
+    assert main(["count-missing", *GEMM, "--spec", json.dumps(A).replace("fp", "f\tp"), "--db", db]) == 2
+    assert "(the control character U+0009 at column " in capsys.readouterr().err
+    _no_db(db)
+
+
 @pytest.mark.parametrize("text, quote, column", [("{'m': 32}", "'", 2), ('{\u201cm\u201d: 32}', "\u201c", 2),
                                                  ('{"dtype": \u2018fp32\u2019}', "\u2018", 11)])
 def test_a_quote_json_does_not_read_is_named(text, quote, column, tmp_path, capsys, db):
