@@ -303,7 +303,8 @@ def parse_specs_file(path: str) -> list[Any]:
     try:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
-        raise SpecError(f"--specs {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}); save it "
+        said = "UTF-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "not UTF-8"  # as PowerShell's > writes
+        raise SpecError(f"--specs {path} is {said} text (byte {exc.start} is 0x{data[exc.start]:02x}); save it "
                         f"as UTF-8 JSON or JSONL") from None
     if not text:
         raise UsageError(f"--specs {path} is empty; it needs at least one spec")

@@ -488,6 +488,9 @@ def test_a_character_json_does_not_read_is_named_and_utf16_said_so(tmp_path, cap
     NUL between its letters); a no-break space copied from a web page "object keys must be strings at column 8";
     a trailing NUL or a tab inside a string "invalid character". Each names the character, and UTF-16 the fix."""
     path = tmp_path / "specs.json"
+    path.write_bytes(json.dumps(A).encode("utf-16"))  # with its byte-order mark, as PowerShell's > writes it
+    assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
+    assert f"--specs {path} is UTF-16 text (byte 0 is 0xff); save it as UTF-8" in capsys.readouterr().err
     path.write_bytes(json.dumps(A).encode("utf-16-le"))
     assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
     assert ("(the control character U+0000 at line 1, column 2, which JSON takes only inside a string, as \\u0000; "
