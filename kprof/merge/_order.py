@@ -4,6 +4,7 @@ another's event re-measures before that one."""
 from __future__ import annotations
 
 import os
+import sys
 
 import msgspec
 
@@ -65,8 +66,13 @@ def expanded(paths) -> list[str]:
         try:
             path.encode("utf-8")
         except UnicodeEncodeError:
-            raise UsageError(f"segment {path} is named in another encoding than UTF-8, which kprof reports its "
-                             f"segments' paths in; rename it (nothing was merged)") from None
+            try:  # UTF-8, which Python reads in the locale's encoding (a C locale with UTF-8 mode off)
+                os.fsencode(path).decode("utf-8")
+                fix = (f"its name is UTF-8, read here as {sys.getfilesystemencoding()}: set PYTHONUTF8=1, or a UTF-8 "
+                       f"locale (LC_ALL=C.UTF-8)")
+            except UnicodeError:
+                fix = "it is named in another encoding than UTF-8, which kprof reports its segments' paths in: rename it"
+            raise UsageError(f"segment {path}: {fix}, and merge again (nothing was merged)") from None
     return out
 
 

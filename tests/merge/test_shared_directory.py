@@ -135,7 +135,26 @@ def test_a_segment_named_in_another_encoding_than_utf8_is_refused_before_anythin
     os.replace(_export(db, rows, capsys), os.path.join(os.fsencode(rows), b"\xff.kseg"))
     assert main(["merge", str(rows), "--db", str(tmp_path / "b.db"), "--json"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and f"error: segment {rows}/\\xff.kseg is named in another encoding than UTF-8" in err, err
+    assert out == "" and f"error: segment {rows}/\\xff.kseg: it is named in another encoding than UTF-8" in err, err
+    assert not (tmp_path / "b.db").exists()
+
+
+def test_a_utf8_segment_name_under_a_c_locale_without_utf8_mode_is_refused_naming_the_locale(tmp_path, capsys):
+    """Under LC_ALL=C with PYTHONUTF8=0 Python reads a directory's UTF-8 name (dé.kseg) as ascii escapes: the merge
+    is refused, saying so and how to read it as UTF-8, not that the file is named in another encoding."""
+    import subprocess
+    import sys
+
+    rows, db = tmp_path / "rows", tmp_path / "a.db"
+    rows.mkdir()
+    with Ledger.open(str(db)) as led:
+        led.append([synth.event(i) for i in range(3)])
+    os.replace(_export(db, rows, capsys), rows / "dé.kseg")
+    env = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONIOENCODING": "utf-8"}
+    p = subprocess.run([sys.executable, "-m", "kprof", "merge", "rows", "--db", "b.db", "--json"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert "error: segment rows/d\\xc3\\xa9.kseg: its name is UTF-8, read here as ascii: set PYTHONUTF8=1" in p.stderr
     assert not (tmp_path / "b.db").exists()
 
 
