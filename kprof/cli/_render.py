@@ -22,6 +22,9 @@ def emit_json(doc) -> None:
     out = sys.stdout
     try:
         out.flush()
+        if not hasattr(out, "buffer"):  # a text stream alone (redirect_stdout(io.StringIO()), a notebook's)
+            out.write(bytes(data).decode())
+            return
         while data:  # a write cut short by a reader that left returns its count; the next one raises
             data = data[out.buffer.write(data):]
         out.buffer.flush()

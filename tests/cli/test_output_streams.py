@@ -258,3 +258,14 @@ def test_json_stdout_holds_the_document_alone_whatever_a_runner_prints(tmp_path,
     assert "chatty: imported" in done.stderr
     if verb[0] == "audit":
         assert "chatty: building" in done.stderr
+
+
+def test_json_to_a_text_stream_without_bytes_is_written_as_its_text(db):
+    """`kprof.cli.main([... "--json"])` under contextlib.redirect_stdout(io.StringIO()) (or a notebook's stdout, a
+    text stream with no .buffer) was an AttributeError traceback: the document is written as text, whole."""
+    import contextlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(_query(db, "--json")) == 0
+    assert json.loads(out.getvalue())["results"][0]["spec"] == GEMM
