@@ -208,10 +208,15 @@ def _c_quoted(word: str, encoding: str) -> str:
                            for b in word.encode("utf-8", "surrogateescape")) + "'"
 
 
+_ESCAPED_BYTE = re.compile(r"(\\\\)|\\udc([89a-f][0-9a-f])")
+
+
 def _one_line(message: str) -> str:
     """The message with every character that is not printable text (a newline, tab or terminal escape in a path or
     value it names, an undecodable byte's surrogate) as its escape, `\\n`: an error is one line, and shows the value
-    as typed (an undecodable byte as `\\xff`, not Python's `\\udcff`)."""
+    as typed (an undecodable byte as `\\xff`, not Python's `\\udcff`, whether raw or as repr() writes it)."""
+    if "\\udc" in message:  # a repr's escaped backslash (`\\\\udcff`: a backslash, then text) is left as it is
+        message = _ESCAPED_BYTE.sub(lambda m: m[1] or f"\\x{m[2]}", message)
     if message.isprintable():
         return message
     return "".join(c if c.isprintable() else f"\\x{ord(c) - 0xdc00:02x}" if "\udc80" <= c <= "\udcff" else

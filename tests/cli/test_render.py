@@ -254,6 +254,20 @@ def test_an_error_naming_a_path_with_an_undecodable_byte_shows_the_byte(tmp_path
     assert f"there is no directory {tmp_path}/x\\xff/nodir; " in err and "udc" not in err, err
 
 
+def test_a_setting_with_an_undecodable_byte_is_named_with_the_byte(capsys, monkeypatch, h):
+    """KPROF_TIME_BUDGET_S=$'\\xff' was refused as `KPROF_TIME_BUDGET_S='\\udcff'`, the repr of Python's surrogate;
+    the byte is named. A backslash the value holds stays one (repr doubles it)."""
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", os.fsdecode(b"1\xff"))
+    argv = ["run", "single_gemm", "--backend", "torch-cpu", *h.spec_args(h.gemm()), "--db", "p.db"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: KPROF_TIME_BUDGET_S='1\\xff' is not a number of seconds" in err and "udc" not in err, err
+    monkeypatch.setenv("KPROF_TIME_BUDGET_S", "1\\udcff")  # a backslash, then text
+    assert main(argv) == 2
+    assert "error: KPROF_TIME_BUDGET_S='1\\\\udcff' is not" in capsys.readouterr().err
+    assert not os.path.exists("p.db")
+
+
 def test_a_results_table_prints_control_characters_of_stored_values_as_escapes(capsys):
     """A metric name of a merged row holding an escape sequence reached the terminal in the table's header."""
     res = _result(["ok"])
