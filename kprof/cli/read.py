@@ -18,7 +18,8 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
     with stdout_to_stderr(json):  # a KPROF_RUNNERS module's print when imported: stdout is the document's alone
         res = api.count_missing(table, backend, given, gpu_name=gpu_name, db=db, **method)
         _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method),
-                         now=lambda: effective_entry(lookup(table, backend), **method).contract)
+                         now=lambda: effective_entry(lookup(table, backend), **method).contract,
+                         command=lambda verb: _run_command(res, spec, specs, gpu_name, method, verb))
         _newer_rows(res, res.missing, method)
     if json:
         emit_json(res.to_json())
@@ -30,11 +31,11 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
     return 0
 
 
-def _run_command(res, spec, specs, gpu_name, method: dict) -> str:
+def _run_command(res, spec, specs, gpu_name, method: dict, verb: str = "run") -> str:
     """The `kprof run` that fills what count-missing found missing: this command's specs, ledger and method (a run
-    measures only the specs without an ok row). A method the environment chose (KPROF_TIMER=events, a CPU row's
-    OMP_NUM_THREADS) is written out too, as the ledger is, and the KPROF_RUNNERS a table of one's own needs: run where
-    those variables are unset, it measures the same keys."""
+    measures only the specs without an ok row; `verb` "query": the query that reads their rows). A method the
+    environment chose (KPROF_TIMER=events, a CPU row's OMP_NUM_THREADS) is written out too, as the ledger is, and the
+    KPROF_RUNNERS a table of one's own needs: run where those variables are unset, it reads the same keys."""
     import shlex
 
     from ..runners.catalog import parse_timing, timing_power, timing_threads
@@ -43,7 +44,7 @@ def _run_command(res, spec, specs, gpu_name, method: dict) -> str:
 
     entry, env = lookup(res.table, res.backend), environ()
     timing = effective_entry(entry, **method).contract.timing
-    argv = [*typed_as, "run", res.table, "--backend", res.backend, "--db", res.db]
+    argv = [*typed_as, verb, res.table, "--backend", res.backend, "--db", res.db]
     if entry.device == "cuda":  # a setting not given as a flag: the value its variable chose, where not the default
         timer, l2, graph = parse_timing(timing)
         resolved = dict(timer=timer, l2=l2, cuda_graph=graph, power=timing_power(timing))
@@ -83,12 +84,13 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
     return 0
 
 
-def _unknown_gpu_key(res, stale=None, now=None) -> None:
+def _unknown_gpu_key(res, stale=None, now=None, command=None) -> None:
     """One note on stderr where every spec is missing because the ledger has no row at all of the table/backend
     under this GPU key while it holds others (a mistyped --gpu-name reads as missing rows), or other backends' rows of
     the table and none of this one (a mistyped --backend), or (count-missing, which
     counts stale rows as missing: `stale` runs the query that tells them) where some have rows of another timing or
-    revision (a CPU row of another thread count), naming what differs from the contract `now` gives. The answer
+    revision (a CPU row of another thread count), naming what differs from the contract `now` gives and the
+    commands (`command(verb)`: this one's specs, ledger and method) that show them and measure them again. The answer
     itself, its JSON and its exit 0 stay as the contract says; `kprof export` refuses such a key instead."""
     if not res.count or res.missing_count < res.count:
         return
@@ -113,12 +115,13 @@ def _unknown_gpu_key(res, stale=None, now=None) -> None:
                 what = f"one timed {old['timing']!r}, where this command reads {current.timing!r}){threads}"
             elif old["profiler_revision"] != current.profiler_revision:  # a runner's revision bumped since
                 what = (f"one of profiler revision {old['profiler_revision']}, where the runner is now at "
-                        f"{current.profiler_revision}: `kprof run` measures it again)")
+                        f"{current.profiler_revision}: `{command('run')}` measures it again)")
             else:
-                what = "one of another algorithm, layout or numerics: `kprof run` measures it again)"
+                what = f"one of another algorithm, layout or numerics: `{command('run')}` measures it again)"
             have = "has a row" if len(rows) == 1 else "have rows"
             console(stderr=True).print(f"note: {len(rows)} of the {res.count} spec(s) {have} of another timing or "
-                                       f"profiler revision (stale; {what}; `kprof query` shows them", markup=False)
+                                       f"profiler revision (stale; {what}; `{command('query')}` shows them",
+                                       markup=False)
 
 
 _LOOKED_AT = 64  # specs looked at, spread over the request: ~45 µs each (a stale row is looked for in the index)

@@ -1,5 +1,6 @@
 import json
 import os
+import shlex
 
 import pytest
 
@@ -156,25 +157,34 @@ def test_every_spec_missing_where_some_have_rows_of_another_thread_count_gets_a_
     assert main([*argv, "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["missing_count"] == 2
+    query = shlex.join(["kprof", "query", h.GEMM, "--backend", h.CPU, "--db", ledger_path, *argv[4:-2]])
     assert captured.err.strip() == ("note: 1 of the 2 spec(s) has a row of another timing or profiler revision "
                                     "(stale; one timed 'cpu-wall;l2=warm;eager;threads=1', where this command reads "
                                     "'cpu-wall;l2=warm;eager;threads=2') (a CPU row's timing names "
-                                    "its torch thread count: OMP_NUM_THREADS, MKL_NUM_THREADS); `kprof query` shows "
-                                    "them")
+                                    "its torch thread count: OMP_NUM_THREADS, MKL_NUM_THREADS); "
+                                    f"`OMP_NUM_THREADS=2 {query}` shows them")
+    assert main([*shlex.split(query)[1:], "--json"]) == 0  # as named (it said `kprof query`: no table, a usage error)
+    assert [r["status"] for r in json.loads(capsys.readouterr().out)["results"]] == ["stale", "missing"]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert main(argv) == 0  # one ok row: not every spec missing, no note
     assert capsys.readouterr().err == ""
 
 
-def test_a_row_stale_by_its_revision_is_not_said_to_be_of_another_thread_count(ledger_path, capsys, h, local_gpu):
+def test_a_row_stale_by_its_revision_is_not_said_to_be_of_another_thread_count(ledger_path, capsys, h, local_gpu,
+                                                                                monkeypatch):
     """A row of an older profiler revision, timed as this command reads, got the note meant for another thread count:
     "one timed '...threads=2' (a CPU row's timing names its torch thread count: OMP_NUM_THREADS ...)", the very timing
-    asked for, and a fix that changes nothing. The note names the revision instead."""
+    asked for, and a fix that changes nothing. The note names the revision instead, and the run and query of these
+    specs and ledger (it said `kprof run` and `kprof query`, each a usage error as written: no table)."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # a thread count set here would lead the commands
+        monkeypatch.delenv(name, raising=False)
     h.append(ledger_path, h.make_event(h.gemm(), local_gpu, revision=0))
     assert main(["count-missing", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path]) == 0
     err = capsys.readouterr().err.strip()
+    command = shlex.join(["--backend", h.CPU, "--db", ledger_path, *h.spec_args(h.gemm())])
     assert err == ("note: 1 of the 1 spec(s) has a row of another timing or profiler revision (stale; one of profiler "
-                   "revision 0, where the runner is now at 1: `kprof run` measures it again); `kprof query` shows them")
+                   f"revision 0, where the runner is now at 1: `kprof run {h.GEMM} {command}` measures it again); "
+                   f"`kprof query {h.GEMM} {command}` shows them")
 
 
 def test_the_human_answer_names_the_run_that_measures_the_missing_specs(ledger_path, tmp_path, capsys, h, local_gpu,
