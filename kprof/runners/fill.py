@@ -195,7 +195,6 @@ def fill(entry: Entry, canonical: list, gpu_key: str, db: str, mode: str, origin
     todo = [i for i in todo if i not in set(short)]
     if not todo:
         return Filled(errored, {}, 0, 0.0, info, root_before, spec_keys)
-    entry.make_runner()  # a runner that does not load is a UsageError here, before a ledger, claim or worker is made
     levels: dict[int, list[int]] = {}  # devices per spec -> the specs needing that many, each level its own workers
     for i in todo:
         levels.setdefault(need_of(entry, canonical[i]), []).append(i)
