@@ -297,3 +297,18 @@ def test_every_read_verb_the_tour_names_is_a_reader_of_the_ledger_section(tmp_pa
     shutil.copy(fixture, db)
     assert main(["export", "-o", str(tmp_path / "all.kseg"), "--db", str(db)]) == 0
     assert db.read_bytes() == fixture.read_bytes()
+
+
+def test_the_progress_lines_the_readme_shows_are_those_of_one_run(monkeypatch, capsys):
+    """The README showed a run's opening line of 260 specs to measure, then `progress: 40 of 300 spec(s)`: the total
+    counts the specs the run measures (those with an ok row left out), so the same run says 40 of 260. The lines are
+    the ones a run of those counts prints."""
+    from kprof.cli import run
+
+    clock = iter([0.0, 0.0, 725.0])
+    monkeypatch.setattr(run.time, "monotonic", lambda: next(clock))
+    update = run._progress_lines()
+    update(0, 260, None, opening={"present": 40, "devices": ["cpu0"], "in_process": True})
+    update(40, 260, {"m": 1})
+    for line in capsys.readouterr().err.splitlines():
+        assert f"`{line}`" in README, line
