@@ -309,6 +309,11 @@ def _end_by_signal() -> None:
     os.kill(os.getpid(), sig)
 
 
+def _kept(argv: list[str], left: str = "every row stored before stays") -> str:
+    """What a verb that writes the ledger (run, calibrate, merge) left where a limit ended it; a reader wrote none."""
+    return f" ({left})" if next((a for a in argv if not a.startswith("-")), "") in ("run", "calibrate", "merge") else ""
+
+
 def _db_given(argv: list[str]) -> str | None:
     """The ledger given with --db (`--db X` or `--db=X`), which a suggested `kprof audit` names (see _render)."""
     return next((b for a, b in zip(argv, argv[1:]) if a == "--db"), None) or next(
@@ -354,7 +359,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
         from ._render import error
 
         if (limit := hit(exc.__context__)) is not None:  # raised for a limit it ran into (ulimit -n, -v), worded so
-            error(f"{limit} (every row stored before stays)")
+            error(f"{limit}{_kept(argv)}")
             return 2
         if str(exc):  # OutputClosed says nothing: the reader of stdout went away
             error(exc.cli if isinstance(exc, SettingError) else str(exc))
@@ -370,7 +375,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
             return 2
         left = "; ".join(getattr(exc, "__notes__", ())) or "every row stored before stays"  # (a merge's batches)
         if (limit := hit(exc)) is not None:  # a resource limit (ulimit -n, -v), not damage: a traceback before
-            error(f"{limit} ({left})")
+            error(f"{limit}{_kept(argv, left)}")
             return 2
         if not _ledger_failure(exc):
             raise

@@ -1237,7 +1237,8 @@ def test_a_limit_is_told_from_the_error_that_met_it(exc, said):
 def test_too_few_file_descriptors_is_one_line_naming_ulimit_n(tmp_path, free, verb):
     """A process out of file descriptors (`ulimit -n`) where audit makes its shard processes' pipes was an OSError
     traceback (exit 1), and a run refused its claims directory said to fix or remove it; either is one line naming
-    the limit and its fix now, exit 2, and the ledger is as it was."""
+    the limit and its fix now, exit 2, and the ledger is as it was. Only a verb that writes says that every row stored
+    before stays (an audit's line said so too, of rows it never stores)."""
     db = str(tmp_path / "p.db")
     with Ledger.open(db) as led:
         led.append(list(synth.events(1, 3)))
@@ -1248,6 +1249,7 @@ def test_too_few_file_descriptors_is_one_line_naming_ulimit_n(tmp_path, free, ve
     assert "too many open files" in proc.stderr and "ulimit -n 64" in proc.stderr and "Traceback" not in proc.stderr
     said = [line for line in proc.stderr.strip().splitlines() if not line.startswith("measuring ")]  # (run's opening)
     assert len(said) == 1 and (tmp_path / "p.db").read_bytes() == before
+    assert ("every row stored before stays" in said[0]) == (verb[0] == "run"), said
 
 
 _ADDRESS_SPACE = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]),) * 2); "
