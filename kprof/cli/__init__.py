@@ -247,15 +247,19 @@ def _utf8(argv: list[str]) -> None:
                          f"another encoding)")
 
 
-def _here() -> None:
+def _here(argv: list[str]) -> None:
     """Refuses a current directory removed since the shell entered it (a batch job's scratch directory cleaned up):
     relative paths name nothing there, and spawned processes (audit's shards, workers) and torch's libraries failed
-    to start in it, as a traceback or a C library's fatal error."""
+    to start in it, as a traceback or a C library's fatal error. A reader of a ledger named by its whole path (query,
+    count-missing, scopes, show), --help and --version use no such path or process: they answer as anywhere."""
     import os
 
+    verb, db = next((a for a in argv if not a.startswith("-")), None), _db_given(argv) or os.environ.get("KPROF_DB")
     try:
         os.getcwd()
     except FileNotFoundError:
+        if verb is None or verb in ("query", "count-missing", "scopes", "show") and os.path.isabs((db or "").strip()):
+            return
         shown = f" ({os.environ['PWD']})" if os.environ.get("PWD") else ""
         raise UsageError(f"the current directory{shown} was removed; cd to a directory that exists and run the "
                          f"command again") from None
@@ -340,7 +344,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
         _utf8(argv)
         db_given[:] = [db] if (db := _db_given(argv)) else []  # given, once argv is UTF-8 text
         _line[0] = as_typed(LINE.decode()).encode()
-        _here()
+        _here(argv)
         # built here (see _app): a Ctrl-C while cyclopts loads is an interrupt, as in a verb; the launcher's names it
         app = sys.modules[__name__].app if prog == "kprof" else _app(prog)
         result = app(argv)

@@ -1305,6 +1305,17 @@ def test_a_current_directory_removed_since_is_named_not_a_traceback(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"error: the current directory ({gone}) was removed; cd to a directory that exists and run " \
                           f"the command again\n"
+    # a reader of a ledger named by its whole path, or --version, needs no directory: each answered there, and was
+    # refused by the check as well
+    from kprof import __version__
+
+    for argv, said in ((["scopes", "--db", db], "scopes of "), (["--version"], __version__)):
+        proc = subprocess.run([sys.executable, "-c", code, gone, *argv], capture_output=True, text=True,
+                              env=dict(os.environ, PWD=gone))
+        assert proc.returncode == 0 and said in proc.stdout, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", code, gone, "scopes", "--db", "p.db"], capture_output=True, text=True,
+                          env=dict(os.environ, PWD=gone))
+    assert proc.returncode == 2 and "the current directory" in proc.stderr, proc.stderr  # a relative path: refused
 
 
 def test_pool_workers_whose_torch_cannot_be_mapped_under_ulimit_v_name_the_limit(tmp_path):
