@@ -20,7 +20,7 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
         _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method),
                          now=lambda: effective_entry(lookup(table, backend), **method).contract,
                          command=lambda verb: _run_command(res, spec, specs, gpu_name, method, verb))
-        _newer_rows(res, res.missing, method)
+        _newer_rows(res, res.missing, method, lambda: _run_command(res, spec, specs, gpu_name, method))
     if json:
         emit_json(res.to_json())
     else:
@@ -74,7 +74,8 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
         # a table prints its first TABLE_ROWS rows: only those are built as the contract's JSON (100,000 rows took 2 s)
         res = api.query(table, backend, given, gpu_name=gpu_name, db=db, full=None if json else TABLE_ROWS, **method)
         _unknown_gpu_key(res)
-        _newer_rows(res, [r["spec"] for r in res.results if r["status"] in ("missing", "stale")], method)
+        _newer_rows(res, [r["spec"] for r in res.results if r["status"] in ("missing", "stale")], method,
+                    lambda: _run_command(res, spec, specs, gpu_name, method))
     if json:
         emit_json(res.to_json())
     else:
@@ -127,11 +128,12 @@ def _unknown_gpu_key(res, stale=None, now=None, command=None) -> None:
 _LOOKED_AT = 64  # specs looked at, spread over the request: ~45 µs each (a stale row is looked for in the index)
 
 
-def _newer_rows(res, specs: list[dict], method: dict) -> None:
+def _newer_rows(res, specs: list[dict], method: dict, run) -> None:
     """One note on stderr where specs without an ok row have rows of a newer profiler revision than this kprof's
     runner measures: a newer kprof's rows, which this one reads as missing (or, beside an older row, stale). They are
     found as a view of a revision past any reads them: stale, each with its revision. _LOOKED_AT such specs, spread
-    over them, are looked at (1,000 added 16 % to count-missing's 10,000; a newer kprof's fill shows in any sample)."""
+    over them, are looked at (1,000 added 16 % to count-missing's 10,000; a newer kprof's fill shows in any sample).
+    `run()`: this command's `kprof run`, which measures them again at this kprof's revision."""
     import lmdb
     import msgspec
 
@@ -160,5 +162,5 @@ def _newer_rows(res, specs: list[dict], method: dict) -> None:
         console(stderr=True).print(f"note: {len(newer)} of {of} {have} of profiler revision "
                                    f"{revisions} in {res.db}, newer than this kprof's ({__version__}: "
                                    f"{res.table}/{res.backend} at revision {ours}), which reads such rows as missing, "
-                                   f"or stale beside an older one; upgrade kprof to read them (`kprof run` here "
-                                   f"measures those specs again, at revision {ours})", markup=False)
+                                   f"or stale beside an older one; upgrade kprof to read them (`{run()}` here measures "
+                                   f"those specs again, at revision {ours})", markup=False)

@@ -230,9 +230,12 @@ def test_a_long_table_builds_the_json_of_the_rows_it_prints_only(ledger_path, ca
     assert doc["results"][55]["error"] == {"kind": "crash", "message": "segfault in the kernel"}
 
 
-def test_rows_of_a_newer_profiler_revision_are_named_in_a_note(ledger_path, capsys, h, local_gpu):
+def test_rows_of_a_newer_profiler_revision_are_named_in_a_note(ledger_path, capsys, h, local_gpu, monkeypatch):
     """Rows a newer kprof measured (a newer profiler revision) read as missing with no word: a user of an older install
-    reading a newer ledger was not told why. `query` and `count-missing` now say so on stderr; the answer stays."""
+    reading a newer ledger was not told why. `query` and `count-missing` now say so on stderr; the answer stays. The
+    run it names measures them again here: the command's own (it said `kprof run`, a usage error as written)."""
+    import shlex
+
     from kprof.method import effective_entry
     from kprof.runners.registry import lookup
 
@@ -240,12 +243,15 @@ def test_rows_of_a_newer_profiler_revision_are_named_in_a_note(ledger_path, caps
     h.append(ledger_path, h.make_event(h.gemm(m=8), local_gpu, revision=ours + 3),
              h.make_event(h.gemm(m=16), local_gpu))
     specs = h.spec_args(h.gemm(m=8), h.gemm(m=16), h.gemm(m=32))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # a thread count set here would lead the command
+        monkeypatch.delenv(name, raising=False)
+    run = shlex.join(["kprof", "run", h.GEMM, "--backend", h.CPU, "--db", ledger_path, *specs])
     for verb in ("query", "count-missing"):
         assert main([verb, h.GEMM, "--backend", h.CPU, *specs, "--db", ledger_path, "--json"]) == 0
         out, err = capsys.readouterr()
         assert json.loads(out)["missing_count"] == 2
         assert f"note: 1 of 3 spec(s) has a row of profiler revision {ours + 3} in {ledger_path}, newer than this " \
-               f"kprof's" in err and "upgrade kprof to read them" in err, err
+               f"kprof's" in err and f"upgrade kprof to read them (`{run}` here measures those specs again" in err, err
     assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(m=32)), "--db", ledger_path]) == 0
     assert "newer" not in capsys.readouterr().err
 
