@@ -499,6 +499,33 @@ def test_an_interrupted_run_counts_no_row_a_merge_stored_for_a_spec_it_took(tmp_
     assert "(this run stored 1 row(s) of the 3 spec(s) it had to measure)" in capsys.readouterr().err
 
 
+def test_an_interrupted_run_counts_no_row_a_merge_stored_while_it_measured_the_spec(tmp_path, ledger_path, capsys, h,
+                                                                                    monkeypatch, local_gpu):
+    """A merge stored the row of a spec while the run measured it: the run's row is not stored (the key's row
+    changed), and the interrupt's count must leave that row out as another writer's (the test above covers a spec
+    skipped before it was measured, which the count never reads)."""
+    from kprof.merge.export import export
+    from kprof.merge.merge import merge_into
+
+    specs = [h.gemm(m=m) for m in (3, 5, 7)]
+    team = str(tmp_path / "team.db")
+    h.append(team, h.make_event(specs[0], local_gpu))
+    seg = export(team, str(tmp_path / "team.kseg")).path
+    append = Ledger.append
+
+    def merged_meanwhile_then_interrupted(self, events, *args, **kwargs):
+        if events[0].provenance.shape["m"] == 3:  # measured; the merge's row lands before the run's is stored
+            merge_into(self, [seg], str(tmp_path))
+        result = append(self, events, *args, **kwargs)
+        if events[0].provenance.shape["m"] == 5:  # the run's own row of m=5 is committed; then the signal
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(Ledger, "append", merged_meanwhile_then_interrupted)
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(*specs), "--db", ledger_path]) == 130
+    assert "(this run stored 1 row(s) of the 3 spec(s) it had to measure)" in capsys.readouterr().err
+
+
 def test_an_interrupted_run_reads_only_the_specs_it_measured_to_count_its_rows(ledger_path, capsys, h, monkeypatch):
     """The interrupt's count read the row of every spec the run had taken, all of a request's at once: a 100,000-spec
     run took 0.5 s more to end after Ctrl-C, however few it had measured (a second Ctrl-C meanwhile lost the count).
