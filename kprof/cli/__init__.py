@@ -94,12 +94,12 @@ def _terminated(signum, _frame):
 
 
 _FALSE = ("false", "f", "no", "n", "0")  # what cyclopts reads as False in `--flag=VALUE`
+_WRITERS = ("run", "calibrate", "merge")  # the verbs that store rows: a limit's line says what they left
 
 
-def _interrupted_note(argv: list[str], exc: BaseException) -> str:
+def _interrupted_note(verb: str, argv: list[str], exc: BaseException) -> str:
     """What an interrupt left, by verb: every commit is whole, so only the verbs that write have more to say (a
     merge of several batches says which it committed, as a note on the interrupt)."""
-    verb = next((a for a in argv if not a.startswith("-")), "")
     # cyclopts ends a Ctrl-C as SystemExit(130), raised while handling it
     notes = [n for raised in (exc, exc.__context__) for n in getattr(raised, "__notes__", None) or ()]
 
@@ -247,18 +247,18 @@ def _utf8(argv: list[str]) -> None:
                          f"another encoding)")
 
 
-def _here(argv: list[str]) -> None:
+def _here(verb: str, argv: list[str]) -> None:
     """Refuses a current directory removed since the shell entered it (a batch job's scratch directory cleaned up):
     relative paths name nothing there, and spawned processes (audit's shards, workers) and torch's libraries failed
     to start in it, as a traceback or a C library's fatal error. A reader of a ledger named by its whole path (query,
     count-missing, scopes, show), --help and --version use no such path or process: they answer as anywhere."""
     import os
 
-    verb, db = next((a for a in argv if not a.startswith("-")), None), _db_given(argv) or os.environ.get("KPROF_DB")
+    db = _db_given(argv) or os.environ.get("KPROF_DB")
     try:
         os.getcwd()
     except FileNotFoundError:
-        if verb is None or verb in ("query", "count-missing", "scopes", "show") and os.path.isabs((db or "").strip()):
+        if not verb or verb in ("query", "count-missing", "scopes", "show") and os.path.isabs((db or "").strip()):
             return
         shown = f" ({os.environ['PWD']})" if os.environ.get("PWD") else ""
         raise UsageError(f"the current directory{shown} was removed; cd to a directory that exists and run the "
@@ -313,11 +313,6 @@ def _end_by_signal() -> None:
     os.kill(os.getpid(), sig)
 
 
-def _kept(argv: list[str], left: str = "every row stored before stays") -> str:
-    """What a verb that writes the ledger (run, calibrate, merge) left where a limit ended it; a reader wrote none."""
-    return f" ({left})" if next((a for a in argv if not a.startswith("-")), "") in ("run", "calibrate", "merge") else ""
-
-
 def _db_given(argv: list[str]) -> str | None:
     """The ledger given with --db (`--db X` or `--db=X`), which a suggested `kprof audit` names (see _render)."""
     return next((b for a, b in zip(argv, argv[1:]) if a == "--db"), None) or next(
@@ -336,6 +331,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     restore = None  # the SIGBUS handler's, once installed (inside the try: an interrupt of the imports is handled)
+    verb = next((a for a in argv if not a.startswith("-")), "")  # ("": --help, --version)
     try:
         from ._render import as_typed, db_given
         from ._sigbus import LINE, _line, install
@@ -344,7 +340,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
         _utf8(argv)
         db_given[:] = [db] if (db := _db_given(argv)) else []  # given, once argv is UTF-8 text
         _line[0] = as_typed(LINE.decode()).encode()
-        _here(argv)
+        _here(verb, argv)
         # built here (see _app): a Ctrl-C while cyclopts loads is an interrupt, as in a verb; the launcher's names it
         app = sys.modules[__name__].app if prog == "kprof" else _app(prog)
         result = app(argv)
@@ -357,13 +353,13 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
                 signal.signal(sig, signal.SIG_IGN)
         from ._render import error
 
-        error(f"interrupted ({'Ctrl-C' if code == 130 else 'SIGTERM'}): {_interrupted_note(argv, exc)}")
+        error(f"interrupted ({'Ctrl-C' if code == 130 else 'SIGTERM'}): {_interrupted_note(verb, argv, exc)}")
         return code
     except KprofError as exc:
         from ._render import error
 
         if (limit := hit(exc.__context__)) is not None:  # raised for a limit it ran into (ulimit -n, -v), worded so
-            error(f"{limit}{_kept(argv)}")
+            error(f"{limit} (every row stored before stays)" if verb in _WRITERS else limit)
             return 2
         if str(exc):  # OutputClosed says nothing: the reader of stdout went away
             error(exc.cli if isinstance(exc, SettingError) else str(exc))
@@ -379,7 +375,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
             return 2
         left = "; ".join(getattr(exc, "__notes__", ())) or "every row stored before stays"  # (a merge's batches)
         if (limit := hit(exc)) is not None:  # a resource limit (ulimit -n, -v), not damage: a traceback before
-            error(f"{limit}{_kept(argv, left)}")
+            error(f"{limit} ({left})" if verb in _WRITERS else limit)
             return 2
         if not _ledger_failure(exc):
             raise
