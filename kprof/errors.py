@@ -100,9 +100,11 @@ def measure_command(verb: str, backend: str, db: str | None, timing: str | None)
     "cupti;l2=cold;eager;power=loaded", "cpu-wall;l2=warm;eager;threads=4") where the variables that choose a method
     are unset: its thread count as the variable that sets it (MKL's where set here, as it decides), a CUDA method's
     flags that are not the defaults or whose variable is set here (pasted where it is set, it would choose)."""
+    from .method import thread_variable  # (it imports this module)
+
     timer, *parts = (timing or "cpu-wall").split(";")
     said = dict(part.partition("=")[::2] for part in parts)  # l2, eager or graph, power, threads
-    name = "MKL_NUM_THREADS" if os.environ.get("MKL_NUM_THREADS", "").strip() else "OMP_NUM_THREADS"
+    name = thread_variable() or "OMP_NUM_THREADS"
     words = [f"{name}={said.get('threads')}"] * ("threads" in said) + ["kprof", *verb.split(), "--backend", backend]
     words += ["--db", shlex.quote(db)] * bool(db)
     method = {"timer": (timer, "cupti"), "l2": (said.get("l2"), "cold"), "cuda_graph": ("graph" in said, False),

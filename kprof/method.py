@@ -178,14 +178,20 @@ def cpu_threads() -> int:
     on (torch's own default is the machine's physical cores: one thread per core, not per SMT sibling). A value that
     is not a whole number >= 1 is a UsageError (torch would ignore it, and the row's key would name a count nobody
     asked for)."""
-    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
-        raw = environ().get(name, "").strip()
-        if raw:  # OpenMP's nested form "4,2" is valid: its first level is torch's count
-            if not all(n.isascii() and n.isdigit() and int(n) >= 1 for n in raw.split(",")):
-                raise UsageError(f"{name}={raw!r} is not a number of threads; e.g. {name}=1, or unset it to measure "
-                                 f"torch-cpu rows on every core this process may use")
-            return int(raw.split(",")[0])
+    name = thread_variable()
+    if name:  # OpenMP's nested form "4,2" is valid: its first level is torch's count
+        raw = environ()[name].strip()
+        if not all(n.isascii() and n.isdigit() and int(n) >= 1 for n in raw.split(",")):
+            raise UsageError(f"{name}={raw!r} is not a number of threads; e.g. {name}=1, or unset it to measure "
+                             f"torch-cpu rows on every core this process may use")
+        return int(raw.split(",")[0])
     return _cores_among(cpus())
+
+
+def thread_variable() -> str | None:
+    """The variable that sets the torch threads here (see cpu_threads): MKL_NUM_THREADS where set, else
+    OMP_NUM_THREADS where set; None where neither is. A command a message names sets it to the count it means."""
+    return next((name for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS") if environ().get(name, "").strip()), None)
 
 
 @functools.lru_cache(maxsize=64)  # asked on every lookup (perf_api's get_<table>): counted once per affinity set

@@ -67,11 +67,10 @@ def calibrate(*, backend: Backend = "torch", force: Annotated[bool, Parameter(ne
     busy = [f"{c.metric} {c.method['host_busy']} of {c.method['measured']}" for c in found
             if (c.method or {}).get("host_busy")]
     if busy:  # a CPU ceiling is only as high as the host let it run: a low one puts every row's fraction too high
-        from ..settings import environ  # a CPU ceiling's timing names its thread count, as this variable chose it
+        from ..method import thread_variable  # a CPU ceiling's timing names its thread count, as this variable chose it
+        from ..settings import environ
 
-        env = environ()
-        threads = [f"{n}={shlex.quote(env[n].strip())}" for n in ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
-                   if env.get(n, "").strip()][:1]  # (MKL's decides where both are set)
+        threads = [f"{n}={shlex.quote(environ()[n].strip())}" for n in [thread_variable()] if n]
         again = " ".join(threads + [shlex.join([*typed_as, "calibrate", "--backend", backend, "--db", ledger_path(db),
                                                 "--force"])])
         console(stderr=True).print(

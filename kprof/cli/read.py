@@ -38,6 +38,7 @@ def _run_command(res, spec, specs, gpu_name, method: dict, verb: str = "run") ->
     KPROF_RUNNERS a table of one's own needs: run where those variables are unset, it reads the same keys."""
     import shlex
 
+    from ..method import thread_variable
     from ..runners.catalog import parse_timing, timing_power, timing_threads
     from ..settings import environ
     from ._render import typed_as
@@ -51,7 +52,7 @@ def _run_command(res, spec, specs, gpu_name, method: dict, verb: str = "run") ->
         default = dict(timer="cupti", l2="cold", cuda_graph=False, power="sustained")
         method = {name: resolved[name] if value is None and resolved[name] != default[name] else value
                   for name, value in method.items()}
-    threads = next((name for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS") if env.get(name, "").strip()), None)
+    threads = thread_variable()
     assign = []  # NAME=value words, the value alone quoted: a quoted word is a command to a shell, not an assignment
     if not entry.runner.startswith("kprof.") and env.get("KPROF_RUNNERS", "").strip():  # a table of one's own
         assign += [f"KPROF_RUNNERS={shlex.quote(env['KPROF_RUNNERS'].strip())}"]
