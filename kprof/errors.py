@@ -137,7 +137,7 @@ class LedgerPathError(SettingError, LedgerError):
         if env and path == env:  # "set KPROF_DB" would say to do what was done
             where, fix = " (named by $KPROF_DB)", "set KPROF_DB to the ledger file (or unset it), or pass {}"
         else:
-            where = " (the default: no {} given and KPROF_DB unset)" if not env and path == "profile.db" else ""
+            where = " (the path read where no {} is given and KPROF_DB is unset)" * (not env and path == "profile.db")
             fix = "pass {} or set KPROF_DB"
         return cls(*(f"no ledger at {path}{where.format(db)}; {fix.format(db)}, or `kprof run` to create one"
                      for db in ("db=...", "--db")))

@@ -87,11 +87,12 @@ def test_a_ledger_that_does_not_exist_is_named_with_where_its_path_came_from(tmp
            f"--db, or `kprof run` to create one" in err and "or set KPROF_DB" not in err
     monkeypatch.delenv("KPROF_DB")
     monkeypatch.chdir(tmp_path)
-    assert main(["scopes"]) == 2
-    assert "no ledger at profile.db (the default: no --db given and KPROF_DB unset); pass --db or set KPROF_DB, or " \
-           "`kprof run` to create one" in capsys.readouterr().err
-    with pytest.raises(LedgerPathError, match=r"^no ledger at profile\.db \(the default: no db=\.\.\. given and "
-                                              r"KPROF_DB unset\); pass db=\.\.\. or set KPROF_DB"):
+    for given in ([], ["--db", "profile.db"]):  # the default's path given: it said "no --db given", one given
+        assert main(["scopes", *given]) == 2
+        assert "no ledger at profile.db (the path read where no --db is given and KPROF_DB is unset); pass --db or " \
+               "set KPROF_DB, or `kprof run` to create one" in capsys.readouterr().err
+    with pytest.raises(LedgerPathError, match=r"^no ledger at profile\.db \(the path read where no db=\.\.\. is given "
+                                              r"and KPROF_DB is unset\); pass db=\.\.\. or set KPROF_DB"):
         api.scopes()
     assert not os.listdir(tmp_path)  # nothing made
 
