@@ -52,6 +52,22 @@ def require_default_cuda_matmul() -> None:
                           f"record ({CUDA_MATMUL_DEFAULTS}); restore them before measuring")
 
 
+def require_fp32_cpu_matmul() -> None:
+    """Raises Unsupported when this process let oneDNN compute fp32 matmuls in a lower precision
+    (`torch.set_float32_matmul_precision("high")` or `("medium")`: tf32 or bf16 on CPUs that have them), which
+    a torch-cpu fp32 row's numerics (fp32) would not say."""
+    import torch
+
+    # oneDNN's own setting, "none" (torch's default) or "ieee" for fp32; a torch without it has the global one alone
+    now = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", None) or \
+        torch.get_float32_matmul_precision()
+    if now not in ("none", "ieee", "highest"):
+        raise Unsupported(f"this process lets oneDNN compute fp32 matmuls in {now} "
+                          f"(torch.backends.mkldnn.matmul.fp32_precision, set by torch.set_float32_matmul_precision), "
+                          f"not the fp32 a torch-cpu fp32 row records; call torch.set_float32_matmul_precision("
+                          f"'highest') before measuring")
+
+
 class SingleGemm:
     @staticmethod
     def held_bytes(spec: SingleGemmArgs) -> int:
@@ -75,6 +91,8 @@ class SingleGemm:
             raise Unsupported("fp8_e4m3 GEMM needs torch._scaled_mm on a CUDA device; use backend torch")
         if on_cuda:
             require_default_cuda_matmul()
+        elif spec.dtype == "fp32":
+            require_fp32_cpu_matmul()
         # Inputs are drawn on the device itself (a host draw of a large operand costs seconds), from a
         # generator seeded by the spec: the same inputs on every run of one device and torch.
         g = torch.Generator(device).manual_seed(seed_of(spec))

@@ -153,6 +153,24 @@ def test_gemm_fp8_is_refused_by_the_cpu_backend_and_unsupported_by_its_runner():
     assert classify(info.value) == "unsupported"
 
 
+@pytest.mark.parametrize("table", ["single_gemm", "moe_grouped_gemm"])
+def test_fp32_matmuls_lowered_by_the_process_are_unsupported_not_stored_as_fp32(table):
+    """A caller's torch.set_float32_matmul_precision("medium") (an in-process api.run) lets oneDNN compute fp32
+    matmuls in bf16 on CPUs with bf16 units: the row would say fp32. The fp32 spec is refused as unsupported, naming
+    the setting and its fix; a bf16 spec, which that setting does not touch, still builds."""
+    entry = lookup(table, "torch-cpu")
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        with pytest.raises(Unsupported, match=r"in bf16 .*set_float32_matmul_precision\('highest'\)") as info:
+            _case(entry, "fp32")
+        assert classify(info.value) == "unsupported"
+        _case(entry, "bf16")
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before
+    _case(entry, "fp32")
+
+
 def test_classify():
     assert classify(WrongResult("x")) == "wrong_result"
     assert classify(NotImplementedError("x")) == "unsupported"
