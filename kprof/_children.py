@@ -1,6 +1,6 @@
 """Child processes (an audit's shards, a run's pool workers, a collective's ranks): spawned, each ending itself once
 the process that started it has gone (killed, or ended without waiting) rather than working on for no one. No kprof
-imports but its errors and the limits' words."""
+imports but its errors, the limits' words and the signals that stop a command."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 from multiprocessing import resource_tracker
 
 from ._limits import hit
+from ._signals import STOPS
 from .errors import UsageError
 
 __all__ = ["watch_parent", "in_processes", "Faulted", "cpus"]
@@ -46,7 +47,7 @@ class Faulted(Exception):
 
 
 _FAULTS = (signal.SIGBUS, signal.SIGSEGV)
-_GROUP = {signal.SIGINT, signal.SIGTERM}  # a Ctrl-C or SIGTERM of the group: the parent handles it, ends its children
+_GROUP = set(STOPS)  # a Ctrl-C, SIGTERM or SIGHUP of the group: the parent handles it, ends its children
 
 
 def _child(conn, work, i: int, jobs: int, args: tuple) -> None:

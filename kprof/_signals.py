@@ -1,4 +1,5 @@
-"""Ctrl-C (SIGINT) and SIGTERM held while a block runs, then handled as they would have been. No kprof imports."""
+"""Ctrl-C (SIGINT), SIGTERM and SIGHUP held while a block runs, then handled as they would have been. No kprof
+imports."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["held"]
+__all__ = ["STOPS", "held"]
+
+# What stops a command from outside, each handled alike (what was being written cleaned up, one line, the process then
+# ended by it): Ctrl-C, `timeout` or `kill`, and SIGHUP, which a dropped ssh session or a closed terminal sends
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def held():
-    """Runs the block with SIGINT and SIGTERM recorded, not acted on; at its end, the first one recorded is handled as
+    """Runs the block with the STOPS recorded, not acted on; at its end, the first one recorded is handled as
     it would have been. For a block that must not be cut (a remote chunk's merge and its record, which an interrupt
     between left a merged chunk in remote-run.json as `returned`), or that cannot take a Python exception (torch's
     import, whose C++ calls back into Python: a KeyboardInterrupt raised there ended the process in `terminate
@@ -22,7 +27,7 @@ def held():
         return
     seen: list[int] = []
     # None: a handler not set from Python, which Python cannot put back; left as it is
-    handlers = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
+    handlers = {s: h for s in STOPS if (h := signal.getsignal(s)) is not None}
     for s in handlers:
         signal.signal(s, lambda signum, _frame: seen.append(signum))
     try:

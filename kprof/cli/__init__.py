@@ -88,8 +88,8 @@ def _write_refused(exc: Exception) -> bool:
 
 
 def _terminated(signum, _frame):
-    """SIGTERM as an exception, so what a verb was writing is cleaned up as on Ctrl-C (temporary files removed,
-    an open write transaction aborted) before the process ends with 128 + the signal."""
+    """SIGTERM or SIGHUP as an exception, so what a verb was writing is cleaned up as on Ctrl-C (temporary files
+    removed, an open write transaction aborted) before the process ends with 128 + the signal."""
     raise SystemExit(128 + signum)
 
 
@@ -266,11 +266,11 @@ def _here(verb: str, argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), program: bool | None = None) -> int:
-    """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143: an
-    interrupt; 141: the reader of stdout left). `prog` is the command's words before the verb, as the records name it
+    """Runs one verb and returns its exit code: 0 ok, 1 run left rows missing, 2 usage, 3 integrity (130, 143, 129:
+    an interrupt; 141: the reader of stdout left). `prog` is the command's words before the verb, as the records name it
     (the launcher's `python -m launcher kernel-profile`). `program`: the call is the process (the `kprof` script,
-    `python -m kprof`, the launcher; by default where argv is None), which then ends by the signal of a 130, 141 or
-    143 (see _end_by_signal)."""
+    `python -m kprof`, the launcher; by default where argv is None), which then ends by the signal of a 129, 130, 141
+    or 143 (see _end_by_signal)."""
     program = argv is None if program is None else program
     if program:
         import atexit
@@ -290,12 +290,12 @@ def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), prog
 
 
 _ending: list[int] = []  # the exit code of the program's verb, for _end_by_signal
-_SIGNALS = {130: "SIGINT", 141: "SIGPIPE", 143: "SIGTERM"}
+_SIGNALS = {129: "SIGHUP", 130: "SIGINT", 141: "SIGPIPE", 143: "SIGTERM"}
 
 
 def _end_by_signal() -> None:
-    """At the exit of a program whose verb was interrupted (130, 143) or whose stdout's reader left (141), after every
-    other exit handler: the process ends by that signal, as a shell tool does (the shell still reads 130, 141, 143).
+    """At the exit of a program whose verb was interrupted (129, 130, 143) or whose stdout's reader left (141), after
+    every other exit handler: the process ends by that signal, as a shell tool does (the shell still reads the code).
     It exited with the code instead, which bash takes for a signal the program handled and carries on past: Ctrl-C of
     `for t in ...; do kprof run ...; done` went on to the next run, and xargs, make and find -exec went on past a 141
     where they stop on a process the signal ended."""
@@ -327,9 +327,14 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
     import signal
     import threading
 
+    from .._signals import STOPS
+
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
-    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
+    # SIGHUP (a dropped ssh session) as SIGTERM, where not ignored (nohup); Python's SIGINT raises KeyboardInterrupt
+    previous = {s: signal.getsignal(s) for s in STOPS} if main_thread else {}
+    for sig in set(previous) - {signal.SIGINT}:
+        if previous[sig] != signal.SIG_IGN:
+            signal.signal(sig, _terminated)
     restore = None  # the SIGBUS handler's, once installed (inside the try: an interrupt of the imports is handled)
     verb = next((a for a in argv if not a.startswith("-")), "")  # ("": --help, --version)
     try:
@@ -346,14 +351,14 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
         result = app(argv)
     except (KeyboardInterrupt, SystemExit) as exc:
         code = 130 if isinstance(exc, KeyboardInterrupt) else exc.code
-        if code not in (130, 143):  # a plain exit of a verb's own
+        if code not in _SIGNALS or code == 141:  # a plain exit of a verb's own
             raise
         if main_thread:  # a second Ctrl-C (or SIGTERM) while the line is written: the line, not a traceback
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOPS:
                 signal.signal(sig, signal.SIG_IGN)
         from ._render import error
 
-        error(f"interrupted ({'Ctrl-C' if code == 130 else 'SIGTERM'}): {_interrupted_note(verb, argv, exc)}")
+        error(f"interrupted ({'Ctrl-C' if code == 130 else _SIGNALS[code]}): {_interrupted_note(verb, argv, exc)}")
         return code
     except KprofError as exc:
         from ._render import error
@@ -390,7 +395,6 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
     finally:
         if restore is not None:
             restore()
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
-            signal.signal(signal.SIGINT, sigint)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return result if isinstance(result, int) else 0

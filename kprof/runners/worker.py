@@ -167,8 +167,8 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             event = measured(prov, metrics, _record(Stats, stats), method,
                              environment=_record(Environment, env), origin=origin, parent=parent)
         except (Exception, SystemExit) as exc:  # any failure of one spec is recorded, and the others go on
-            if _stopped_by_engine(exc) or isinstance(exc, SystemExit) and exc.code in (130, 143):
-                raise  # (SIGTERM, or a Ctrl-C cyclopts ended, stops the run: kprof.cli; a runner's sys.exit does not)
+            if _stopped_by_engine(exc) or isinstance(exc, SystemExit) and exc.code in (129, 130, 143):
+                raise  # (SIGTERM, SIGHUP or a Ctrl-C cyclopts ended stops the run: kprof.cli; a runner's sys.exit not)
             kind = classify(exc)
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             event = failed(prov, kind, detail[:2000], environment=_record(Environment, env), origin=origin,

@@ -806,8 +806,11 @@ def test_an_output_dir_name_too_long_for_the_file_system_is_refused_before_any_w
     assert os.listdir(tmp_path) == []
 
 
-def test_sigterm_during_export_leaves_no_partial_file(tmp_path):
-    """SIGTERM ends a verb as Ctrl-C does (128 + 15), after its temporary files are removed."""
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_sigterm_during_export_leaves_no_partial_file(sig, code, tmp_path):
+    """SIGTERM ends a verb as Ctrl-C does (128 + 15), after its temporary files are removed. So does SIGHUP (a dropped
+    ssh session, a closed terminal), which ended the process at once by its default action: an export left its
+    `.kseg-*.part` file, no run of it again removed, and a run its claim file, with no line of what it left."""
     db = str(tmp_path / "p.db")
     out = tmp_path / "out"
     out.mkdir()
@@ -817,13 +820,34 @@ def test_sigterm_during_export_leaves_no_partial_file(tmp_path):
         led.append(list(synth.events(0, 20)))
     code = ("import os, signal, sys; from kprof.merge import segment; stream = segment._stream\n"
             "def killed(f, events, header):\n"
-            "    f.write(b'partial'); f.flush(); os.kill(os.getpid(), signal.SIGTERM); return stream(f, events, header)\n"
+            "    f.write(b'partial'); f.flush(); os.kill(os.getpid(), signal.%s); return stream(f, events, header)\n"
             "segment._stream = killed\n"
-            "from kprof.cli import main; sys.exit(main(sys.argv[1:]))")
+            "from kprof.cli import main; sys.exit(main())") % sig
     proc = subprocess.run([sys.executable, "-c", code, "export", "--db", db, "-o", str(out / "x.kseg")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 143, proc.stderr
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -getattr(signal, sig), proc.stderr  # ended by it, after its line: a shell reads `code`
+    assert proc.stderr.startswith(f"error: interrupted ({sig}): nothing was left half-written"), proc.stderr
     assert os.listdir(out) == []
+
+
+def test_sighup_ignored_under_nohup_stays_ignored(tmp_path):
+    """`nohup kprof ...` ignores SIGHUP, so the command outlives the session: kprof handles SIGHUP as an interrupt only
+    where it is not ignored."""
+    db = str(tmp_path / "p.db")
+    with Ledger.open(db) as led:
+        from kprof import synth
+
+        led.append(list(synth.events(0, 20)))
+    code = ("import os, signal, sys\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "from kprof.merge import segment; stream = segment._stream\n"
+            "def hung_up(f, events, header):\n"
+            "    os.kill(os.getpid(), signal.SIGHUP); return stream(f, events, header)\n"
+            "segment._stream = hung_up\n"
+            "from kprof.cli import main; sys.exit(main())")
+    proc = subprocess.run([sys.executable, "-c", code, "export", "--db", db, "-o", str(tmp_path / "x.kseg")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("wrote 20 event(s)"), proc.stderr
 
 
 # ---- integer flags, list flags, --specs - -----------------------------------------------------------------------

@@ -693,18 +693,19 @@ def test_a_killed_audit_leaves_no_shard_running(tmp_path):
 
 
 
-def test_a_ctrl_c_that_reaches_a_shard_process_while_it_starts_is_left_to_the_parent(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGHUP"])
+def test_a_ctrl_c_that_reaches_a_shard_process_while_it_starts_is_left_to_the_parent(sig, tmp_path):
     """A Ctrl-C (or SIGTERM) of the process group reached a shard process that was still starting (importing kprof,
     before it set the signals aside): it printed a KeyboardInterrupt traceback under the interrupt's line, or its part
     read as "ended by SIGINT". A shard starts with them blocked, and ignores them from then on: the parent handles
-    them. Here the signal reaches the shards alone (each sends it to itself as it starts): they finish their work."""
+    them (SIGHUP too, which a dropped ssh session sends the group). Here the signal reaches the shards alone (each sends it to itself as it starts): they finish their work."""
     import subprocess
     import sys
 
     (tmp_path / "shard_work.py").write_text(
         "import os, signal\n"
         "if os.environ.setdefault('FIRST_PID', str(os.getpid())) != str(os.getpid()):  # a shard, as it starts\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        f"    os.kill(os.getpid(), signal.{sig})\n"
         "def work(i, n):\n"
         "    return i\n")
     (tmp_path / "parent.py").write_text("from kprof._children import in_processes\nimport shard_work\n"

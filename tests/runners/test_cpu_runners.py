@@ -318,10 +318,11 @@ def test_a_row_whose_time_reads_zero_fails_naming_it(monkeypatch):
         out.event.message
 
 
-def test_a_runner_that_calls_sys_exit_fails_its_row_and_a_sigterm_still_stops_the_run(monkeypatch):
+@pytest.mark.parametrize("stop", [143, 129])
+def test_a_runner_that_calls_sys_exit_fails_its_row_and_a_sigterm_still_stops_the_run(stop, monkeypatch):
     """A plugin's build() that called sys.exit(0) (or a library it calls) ended `kprof run` with exit 0, no output and
     no row: it fails its row as a crash and the others are measured. SIGTERM, which kprof.cli raises as
-    SystemExit(143), still stops the run."""
+    SystemExit(143), still stops the run, and so does SIGHUP (129)."""
     entry = lookup("single_gemm", "torch-cpu")
     real = type(entry.load_runner()()).build
 
@@ -330,7 +331,7 @@ def test_a_runner_that_calls_sys_exit_fails_its_row_and_a_sigterm_still_stops_th
             raise SystemExit(exits.pop(0))
         return real(self, spec, device)
 
-    exits = [0, 143]
+    exits = [0, stop]
     monkeypatch.setattr(type(entry.load_runner()()), "build", build)
     specs = [{"m": 8, "n": 16, "k": 16, "dtype": "fp32"}, {"m": 16, "n": 16, "k": 16, "dtype": "fp32"}]
     gone, ok = measure_specs(entry, specs, "test cpu")
