@@ -9,6 +9,7 @@ import os
 import msgspec
 
 from . import _outdir
+from ._signals import held
 from .errors import SnapshotError, UsageError
 
 __all__ = ["SNAPSHOT", "check_output_dir", "snapshot", "write_snapshot", "curve", "plot_series", "plot_skipped"]
@@ -100,8 +101,9 @@ def _write(path: str, request: dict, result: dict, meta: dict, args_order: list[
                 _outdir.write_once(os.path.join(staging, name), data)
             written = [*docs, *(["curve.png"] if _plot(docs["curve.json"], os.path.join(staging, "curve.png")) else [])]
             check_output_dir(path)  # another run may have placed its snapshot since: a rename would replace its files
-            for name in written:
-                os.rename(os.path.join(staging, name), os.path.join(path, name))
+            with held():  # a Ctrl-C among the renames left part of a snapshot, which refused the command run again
+                for name in written:
+                    os.rename(os.path.join(staging, name), os.path.join(path, name))
             return written
         except OSError as exc:
             if exc.filename and os.path.dirname(exc.filename) == staging:  # named where it was to go

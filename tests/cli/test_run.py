@@ -639,6 +639,31 @@ def test_a_snapshot_killed_among_its_renames_is_removed_and_written_again(tmp_pa
     assert not [n for n in os.listdir(out_dir) if n.startswith(".")]  # no staging folder left
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_among_the_snapshot_s_renames_lets_them_finish(sig, tmp_path, monkeypatch):
+    """A Ctrl-C (or SIGTERM, which kprof.cli raises as SystemExit) that came among the renames of the snapshot's
+    files into --output-dir left those renamed before it, and removed the staging folder with the others: the same
+    command run again was refused ("already holds a snapshot"). The renames finish, then the interrupt is handled."""
+    import signal
+
+    from kprof.cli import _terminated
+
+    rename, out_dir = os.rename, tmp_path / "snap"
+
+    def interrupted(src, dst):
+        rename(src, dst)
+        os.kill(os.getpid(), getattr(signal, sig))
+
+    monkeypatch.setattr(os, "rename", interrupted)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with pytest.raises(KeyboardInterrupt if sig == "SIGINT" else SystemExit):
+            _snapshot_of_two_rows(out_dir)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert set(os.listdir(out_dir)) == SNAPSHOT_FILES | {"curve.png"}  # whole, no staging folder left
+
+
 def test_a_staging_folder_a_live_writer_holds_is_let_be(tmp_path):
     """A writer of a snapshot into the directory holds its staging folder (a flock; one open of it here stands for
     another process, as flocks of two opens conflict): it is not taken for a killed write's leftover (its files
