@@ -18,11 +18,12 @@ nothing from a damaged file.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import struct
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import BinaryIO, Iterable, Iterator, NamedTuple
 
 import msgspec
@@ -81,21 +82,25 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
     if count is None:
         events = list(events)
         count = len(events)
+    _drop_killed(directory)
     try:
         fd, tmp = new_file(directory, ".kseg-", ".part")  # its mode as the umask allows, as open() makes one
     except OSError as e:  # a limit (ulimit -n) named as such, else where to write it instead
         raise UsageError(f"cannot write segment {path}: {hit(e)}" if hit(e) else f"cannot write segment {path} "
                          f"({e.strerror or e}); give a path in a writable directory") from None
+    with suppress(OSError):  # held while the file is open, till it is placed (see _drop_killed)
+        fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         with os.fdopen(fd, "wb") as f:
             digest = _stream(f, events, SegmentHeader(FORMAT, ledger_id, time.time(), count))
-        target = named(path, digest) if directory == path else path
-        try:
-            _place(tmp, target)
-        except FileExistsError:
-            if directory != path:
-                raise UsageError(f"segment {path} exists; give a new path (segments are never overwritten)") from None
-            # that content is there already under its name: kept as it is
+            target = named(path, digest) if directory == path else path
+            try:
+                _place(tmp, target)
+            except FileExistsError:
+                if directory != path:
+                    raise UsageError(f"segment {path} exists; give a new path (segments are never overwritten)") \
+                        from None
+                # that content is there already under its name: kept as it is
         return target
     except OSError as e:
         raise UsageError(f"cannot write segment {path} ({e.strerror or e}); free space on its disk or raise the "
@@ -103,6 +108,21 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _drop_killed(directory: str) -> None:
+    """Removes the `.kseg-*.part` files in `directory` that no writer holds: writes killed before their end (SIGKILL,
+    Ctrl-\\, the OOM killer), which no cleanup removed. An empty one is let be: a writer locks its file before it
+    writes a byte, so an empty unlocked one may be a live writer's, and holds nothing."""
+    with suppress(OSError):
+        for name in os.listdir(directory):
+            part = os.path.join(directory, name)
+            with suppress(OSError):
+                st = os.lstat(part)  # a regular file only: a pipe's open would wait for a writer
+                if name.startswith(".kseg-") and name.endswith(".part") and stat.S_ISREG(st.st_mode) and st.st_size:
+                    with open(part, "rb") as f:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused while its writer lives
+                        os.unlink(part)
 
 
 def _place(tmp: str, target: str) -> None:

@@ -1154,3 +1154,31 @@ def test_a_retraction_of_another_keys_event_is_refused_as_forged_before_any_batc
                                            f"another key than its own \\(forged\\); export it again"):
         merge([seg], ours)
     assert _digest(ours) == before
+
+
+def test_a_segment_write_killed_before_its_end_is_removed_by_the_next_write_there(tmp_path):
+    """A write killed before its end (SIGKILL: `timeout -k`, the OOM killer; Ctrl-\\) left its `.kseg-*.part` file,
+    as large as the segment it was writing, which no later write removed (each writes a file of its own name). The
+    next write into the directory removes the part files no live writer holds (a writer holds its file locked from
+    before its first byte till it is placed); an empty one, maybe a writer's not yet locked, is let be."""
+    import fcntl
+
+    segs = tmp_path / "segs"
+    segs.mkdir()
+    code = ("import os, signal, sys; from kprof.merge import segment; from kprof import synth; from kprof.ledger "
+            "import _codec\n"
+            "def killed(f, events, header):\n"
+            "    f.write(b'partial' * 1000); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "segment._stream = killed\n"
+            "segment.write(sys.argv[1], [_codec.encode(e) for e in synth.events(0, 5)])")
+    proc = subprocess.run([sys.executable, "-c", code, str(segs)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    (dead,) = os.listdir(segs)
+    assert dead.startswith(".kseg-") and dead.endswith(".part")
+    (segs / ".kseg-empty.part").write_bytes(b"")
+    (segs / ".kseg-live.part").write_bytes(b"partial")
+    with open(segs / ".kseg-live.part", "rb") as live:
+        fcntl.flock(live, fcntl.LOCK_EX)  # another writer's, still writing (a second open stands for its process)
+        written = segment.write(str(segs), [_codec.encode(e) for e in synth.events(0, 5)])
+    assert sorted(os.listdir(segs)) == sorted([".kseg-empty.part", ".kseg-live.part", os.path.basename(written)])
+    assert sum(1 for _ in segment.read(written)) == 5
