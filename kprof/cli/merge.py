@@ -65,11 +65,15 @@ def merge(segments: Annotated[list[str], Parameter(help=(
         if json:
             emit_json({"ok": False, "error": str(exc), "report": exc.report})
         raise
-    say_skipped()
-    if json:
-        emit_json({"ok": True, **result.to_json()})
-    else:
-        again = f", {result.repeated} repeated in the segments" if result.repeated else ""
-        console().print(f"merged {result.added} new event(s) into {result.db} ({result.existing} already there{again}) "
-                        f"from {len(result.segments)} segment(s)", markup=False)
+    try:
+        say_skipped()
+        if json:
+            emit_json({"ok": True, **result.to_json()})
+        else:
+            again = f", {result.repeated} repeated in the segments" if result.repeated else ""
+            console().print(f"merged {result.added} new event(s) into {result.db} ({result.existing} already there"
+                            f"{again}) from {len(result.segments)} segment(s)", markup=False)
+    except (KeyboardInterrupt, SystemExit) as exc:  # (SIGTERM's) came after the merge: it said none was merged
+        exc.add_note(f"the merge had finished: its {result.added} new event(s) are in the ledger, whole")
+        raise
     return 0

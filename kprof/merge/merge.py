@@ -382,12 +382,12 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None,
             heads = list(map(_head_decoder.decode, datas))
             result = ledger.append_checked(list(zip(heads, datas, check.batch_ids[n])), before=still_checked)
             added, existing, seq = added + len(result.added), existing + len(result.existing), result.last_seq
-    except BaseException as exc:  # an interrupt, a full disk: a merge of several batches says what it left (the CLI)
+    except BaseException as exc:  # an interrupt, a full disk: what it left (the CLI), after a batch's commit too
         with contextlib.suppress(Exception):  # a ledger the failure left unreadable (a map not grown): no count
-            if len(check.batch_ids) > 1 and (done := _stored_batches(ledger, check.batch_ids)):
+            if done := _stored_batches(ledger, check.batch_ids):
                 exc.add_note(f"the first {done} of the merge's {check.events} event(s) are in the ledger (whole "
-                             f"batches of {BATCH}, each checked), the rest are not, and nothing half-written is; the "
-                             f"same merge again merges the rest")
+                             f"batches of {BATCH}, each checked){', the rest are not,' * (done < check.events)} and "
+                             f"nothing half-written is; the same merge again merges the rest")
         raise
     return added, existing - check.repeated, check.repeated
 

@@ -1182,3 +1182,31 @@ def test_a_segment_write_killed_before_its_end_is_removed_by_the_next_write_ther
         written = segment.write(str(segs), [_codec.encode(e) for e in synth.events(0, 5)])
     assert sorted(os.listdir(segs)) == sorted([".kseg-empty.part", ".kseg-live.part", os.path.basename(written)])
     assert sum(1 for _ in segment.read(written)) == 5
+
+
+@pytest.mark.parametrize("when", ["commit", "print"])
+def test_an_interrupt_after_a_merge_s_last_commit_does_not_say_it_merged_none(tmp_path, monkeypatch, capsys, when):
+    """A merge of one batch (up to 50,000 events) that a Ctrl-C or SIGTERM reached as its commit returned, or as its
+    result was printed, said "a merge is all or nothing: the ledger holds none of its events" while the ledger held
+    every one of them. It says they are in the ledger."""
+    src = _ledger(str(tmp_path / "src.db"), synth.events(0, 5))
+    seg, target = str(tmp_path / "a.kseg"), str(tmp_path / "t.db")
+    export(src, seg)
+    real = Ledger.append_checked
+
+    def interrupted(self, prepared, **kwargs):
+        real(self, prepared, **kwargs)
+        raise KeyboardInterrupt
+
+    if when == "commit":
+        monkeypatch.setattr(Ledger, "append_checked", interrupted)
+    else:
+        import kprof.cli.merge as cli_merge
+
+        monkeypatch.setattr(cli_merge, "console", lambda **kw: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert main(["merge", seg, "--db", target]) == 130
+    err = capsys.readouterr().err
+    assert "holds none" not in err and ("the first 5 of the merge's 5 event(s) are in the ledger" in err if
+                                        when == "commit" else "its 5 new event(s) are in the ledger" in err), err
+    with Ledger.open(target, readonly=True) as led:
+        assert led.last_seq == 5
