@@ -100,11 +100,10 @@ def measure_command(verb: str, backend: str, db: str | None, timing: str | None)
     "cupti;l2=cold;eager;power=loaded", "cpu-wall;l2=warm;eager;threads=4") where the variables that choose a method
     are unset: its thread count as the variable that sets it (MKL's where set here, as it decides), a CUDA method's
     flags that are not the defaults or whose variable is set here (pasted where it is set, it would choose)."""
-    from .method import thread_variable  # (it imports this module)
-
     timer, *parts = (timing or "cpu-wall").split(";")
     said = dict(part.partition("=")[::2] for part in parts)  # l2, eager or graph, power, threads
-    name = thread_variable() or "OMP_NUM_THREADS"
+    # method.thread_variable's choice, read here from os.environ as the flags' variables below (method imports this)
+    name = "MKL_NUM_THREADS" if os.environ.get("MKL_NUM_THREADS", "").strip() else "OMP_NUM_THREADS"
     words = [f"{name}={said.get('threads')}"] * ("threads" in said) + ["kprof", *verb.split(), "--backend", backend]
     words += ["--db", shlex.quote(db)] * bool(db)
     method = {"timer": (timer, "cupti"), "l2": (said.get("l2"), "cold"), "cuda_graph": ("graph" in said, False),
@@ -137,7 +136,8 @@ class LedgerPathError(SettingError, LedgerError):
         if env and path == env:  # "set KPROF_DB" would say to do what was done
             where, fix = " (named by $KPROF_DB)", "set KPROF_DB to the ledger file (or unset it), or pass {}"
         else:
-            where = " (the path read where no {} is given and KPROF_DB is unset)" * (not env and path == "profile.db")
+            where = " (the path read where no {} is given and KPROF_DB is unset)" if not env and path == "profile.db" \
+                else ""
             fix = "pass {} or set KPROF_DB"
         return cls(*(f"no ledger at {path}{where.format(db)}; {fix.format(db)}, or `kprof run` to create one"
                      for db in ("db=...", "--db")))
