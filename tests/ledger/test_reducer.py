@@ -13,6 +13,7 @@ from kprof.errors import IntegrityError
 from kprof.ledger import Ledger
 from kprof import synth
 from kprof.ledger import _codec
+from kprof.ledger._reducer import pack_seq
 from kprof.ledger.audit import audit
 from kprof.ledger.build import failed, retraction
 
@@ -181,6 +182,36 @@ def test_the_failures_view_holds_each_keys_latest_failure_not_retracted(ledger):
     ledger.append([retraction(eid(f1), measured.key, "bad clocks")])
     assert failure() is None
     assert audit(ledger.path).ok
+
+
+def test_retracting_the_current_row_brings_back_the_latest_earlier_attempt_not_the_first(ledger):
+    first, second, third = (synth.event(0, seed=s) for s in (1, 2, 3))
+    for ev in (first, second, third):
+        ledger.append([ev])
+    ledger.append([retraction(_codec.event_id(_codec.encode(third)), third.key, "bad clocks")])
+    assert synth.view(ledger).get(**synth.spec(0)).event_id == _codec.event_id(_codec.encode(second))
+
+
+def test_a_retraction_leaves_the_later_of_two_earlier_failures_in_the_failures_view(ledger):
+    measured = synth.event(0, seed=1)
+    f1, f2 = (failed(measured.provenance, "oom", f"attempt {s}", measured_at=1.8e9 + s) for s in (1, 2))
+    again = synth.event(0, seed=3)
+    ledger.append([measured, f1, f2, again])
+    ledger.append([retraction(_codec.event_id(_codec.encode(again)), again.key, "bad clocks")])
+    with ledger.read() as txn:
+        assert txn.get(measured.key, db=ledger.dbs["failures"]) == _codec.event_id(_codec.encode(f2))
+
+
+def test_rebuilding_views_over_a_retraction_whose_target_is_gone_is_damage_not_a_crash(ledger):
+    """A log whose retraction names an event no longer stored (its bytes and log entry lost) is not replayed as if
+    the target were there: the rebuild refuses it, naming both."""
+    ev = synth.event(0)
+    eid = _codec.event_id(_codec.encode(ev))
+    ledger.append([ev])
+    ledger.append([retraction(eid, ev.key, "bad clocks")])
+    ledger.write(lambda txn: txn.delete(eid, db=ledger.dbs["events"]) and txn.delete(pack_seq(1), db=ledger.dbs["log"]))
+    with pytest.raises(IntegrityError, match=f"names event {eid.hex()[:16]}, which is not stored"):
+        ledger.rebuild_views()
 
 
 def test_a_key_whose_attempts_were_all_retracted_keeps_its_history_when_measured_again(ledger):
