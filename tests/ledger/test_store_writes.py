@@ -163,6 +163,25 @@ def test_retracting_a_retraction_is_refused_and_writes_nothing(ledger):
 # ---- 4. a closed ledger ------------------------------------------------------------------------------------
 
 
+def test_a_batch_that_retracts_a_keys_only_row_then_measures_it_again_makes_the_new_row_current(ledger):
+    """Within one batch, a key's row deleted by a retraction reads as no row to the next event of that key."""
+    first, again = synth.event(0, seed=1), synth.event(0, seed=2)
+    ledger.append([first, retraction(_codec.event_id(_codec.encode(first)), first.key, "bad clocks"), again])
+    assert synth.view(ledger).get(**synth.spec(0)).event_id == _codec.event_id(_codec.encode(again))
+
+
+@pytest.mark.parametrize("count", [_codec.encode("x"), _codec.encode(-4), b"\xc1"])
+def test_rebuilding_views_over_a_damaged_rebuild_count_repairs_and_counts_anew(ledger, count):
+    """The repair is not blocked by the damage of the count it keeps: a count that is not a positive int is 0."""
+    from kprof.ledger._reducer import REBUILT
+
+    ledger.append([synth.event(0)])
+    ledger.write(lambda txn: txn.put(REBUILT, count, db=ledger.dbs["meta"]))
+    assert ledger.rebuild_views() == 1
+    with ledger.read() as txn:
+        assert txn.get(REBUILT, db=ledger.dbs["meta"]) == _codec.encode(1)
+
+
 def test_append_after_close_raises_ledger_error(ledger_path):
     led = Ledger.open(ledger_path)
     led.append([synth.event(0)])
