@@ -352,6 +352,17 @@ def test_a_history_entry_naming_another_keys_event_is_refused_not_shown_as_its_h
     assert out == "" and f"event {other.hex()} belongs to key" in err and "kprof audit" in err, err
 
 
+def test_a_row_whose_event_is_gone_is_refused_naming_the_event(h, rows, capsys):
+    """`show` of a key whose event bytes were lost names that event as not stored (exit 3)."""
+    db, _specs, (eid, _other) = rows
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        key = msgspec.msgpack.decode(txn.get(eid, db=ledger.dbs["events"]))["key"]
+    _tamper(db, lambda txn, dbs: txn.delete(eid, db=dbs["events"]))
+    assert main(["show", key.hex()[:16], "--db", db]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and f"event {eid.hex()} is not stored" in err and "kprof audit" in err, err
+
+
 def test_the_audit_a_damaged_ledger_s_error_names_is_of_that_ledger(h, rows, capsys, monkeypatch, tmp_path):
     """`kprof query ... --db team.db` on a damaged ledger said "run `kprof audit` for the full report": run as said,
     that audits $KPROF_DB or ./profile.db, another file, and may report it clean. The advice names the ledger given

@@ -96,6 +96,21 @@ def test_event_with_forged_key_is_refused(ledger):
     assert ledger.last_seq == 0
 
 
+def test_appending_to_a_key_whose_history_entry_is_damaged_is_refused_naming_it(ledger):
+    ev = synth.event(0, seed=1)
+    ledger.append([ev])
+    ledger.write(lambda txn: txn.put(ev.key, b"\xc1", db=ledger.dbs["history"]))  # 0xc1: never valid msgpack
+    with pytest.raises(IntegrityError, match=f"history: entry {ev.key.hex()} is damaged: it cannot be decoded"):
+        ledger.append([synth.event(0, seed=2)])
+    assert ledger.last_seq == 1
+
+
+def test_a_meta_value_of_another_type_is_damage_naming_meta_not_a_decoding_error(ledger):
+    ledger.write(lambda txn: txn.put(b"ledger_id", _codec.encode(5), db=ledger.dbs["meta"]))
+    with pytest.raises(IntegrityError, match="reading sub-database `meta` failed"):
+        ledger.ledger_id
+
+
 def test_map_full_grows_and_retries(tmp_path):
     led = Ledger.open(str(tmp_path / "small.db"), map_size=256 * 1024)
     for b in range(0, 3000, 500):
