@@ -770,6 +770,18 @@ def test_a_re_measurement_merges_after_its_parent_whatever_order_its_segments_co
         merge([parent], late, output_dir=str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("into", ["new", "empty"])
+def test_a_keys_attempts_without_parents_in_one_segment_are_its_history_not_a_conflict(tmp_path, into):
+    """A ledger measured a key twice without naming the first as parent (a second `run --fresh`): its segment holds
+    both, and merged they follow each other as in that ledger, not as a conflict."""
+    first, again = synth.event(0, seed=1), synth.event(0, seed=2)
+    seg = str(tmp_path / "s.kseg")
+    export(_ledger(tmp_path / "src.db", [first, again, synth.event(1)]), seg)
+    db = str(tmp_path / "into.db") if into == "new" else _ledger(tmp_path / "into.db", [])
+    assert merge([seg], db).added == 3
+    assert _answers(db) == _answers(str(tmp_path / "src.db"))
+
+
 def test_a_fast_forward_merges(tmp_path):
     ours = _ledger(tmp_path / "ours.db", synth.events(0, 10))
     newer = msgspec.structs.replace(synth.event(4, seed=3), parent=_eid(synth.event(4)))
