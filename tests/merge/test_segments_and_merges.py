@@ -1000,6 +1000,50 @@ def test_a_retraction_of_the_current_row_checks_what_follows_against_the_row_it_
 def _events_bytes(n):
     return [_codec.encode(synth.event(i)) for i in range(n)]
 
+def test_a_retraction_of_the_current_row_brings_back_no_row_the_ledger_retracted(tmp_path):
+    """B measured a key, re-measured it, retracted that, and measured it again from its first row; A, given that
+    last row, retracted it and measured again from the first row. Merged into B, the retraction brings back B's
+    first row (its retracted re-measurement stays retracted), of which A's new row is a child: it merges."""
+    first = synth.event(3)
+    mid, again, theirs = (msgspec.structs.replace(synth.event(3, seed=s), parent=_eid(first)) for s in (7, 9, 5))
+    target = _ledger(tmp_path / "b.db", [first, mid, retraction(_eid(mid), mid.key, "a bad clock", at=1.8e9), again])
+    seg = str(tmp_path / "a.kseg")
+    export(_ledger(tmp_path / "a.db", [again, retraction(_eid(again), again.key, "a bad clock", at=1.9e9), theirs]),
+           seg)
+    assert merge([seg], target).added == 2
+    with Ledger.open(target, readonly=True) as led:
+        assert synth.view(led).get(**synth.spec(3)).event_id == _eid(theirs)
+
+
+def test_a_retraction_of_the_current_row_brings_back_no_row_the_segments_retracted(tmp_path):
+    """A held B's two rows of a key, retracted both (the older first) and measured the key again (no parent: no row
+    was left). Merged into B, the second retraction brings back no row, not the one the first withdrew: it merges."""
+    first = synth.event(3)
+    again = msgspec.structs.replace(synth.event(3, seed=9), parent=_eid(first))
+    theirs = synth.event(3, seed=5)
+    target = _ledger(tmp_path / "b.db", [first, again])
+    seg = str(tmp_path / "a.kseg")
+    export(_ledger(tmp_path / "a.db", [first, again, *(retraction(_eid(e), e.key, "a bad clock", at=1.8e9 + i)
+                                                      for i, e in enumerate((first, again))), theirs]), seg)
+    assert merge([seg], target).added == 3
+    with Ledger.open(target, readonly=True) as led:
+        assert synth.view(led).get(**synth.spec(3)).event_id == _eid(theirs)
+
+
+def test_a_retraction_of_a_row_an_earlier_segment_made_current_leaves_what_follows_to_merge(tmp_path):
+    """One segment holds a key's row; a later one, of a ledger that held it, retracts it and measures the key again
+    without a parent. Merged together into a new ledger, the later row follows the retraction: it merges."""
+    first, theirs = synth.event(3), synth.event(3, seed=5)
+    one, two = str(tmp_path / "1.kseg"), str(tmp_path / "2.kseg")
+    export(_ledger(tmp_path / "a.db", [first]), one)
+    export(_ledger(tmp_path / "b.db", [first, retraction(_eid(first), first.key, "a bad clock", at=1.8e9), theirs]),
+           two)
+    db = str(tmp_path / "into.db")
+    assert merge([one, two], db).added == 3
+    with Ledger.open(db, readonly=True) as led:
+        assert synth.view(led).get(**synth.spec(3)).event_id == _eid(theirs)
+
+
 
 def test_a_segment_written_meanwhile_at_the_same_path_is_kept_and_this_write_refused(tmp_path):
     """Two writers of one path: each streams to a temporary file of its own; the second to finish is refused,
