@@ -452,6 +452,17 @@ def test_merging_what_a_ledger_holds_already_leaves_its_file_byte_for_byte(tmp_p
     assert (result.added, result.existing) == (0, segment.header_of(seg).events) and _digest(target) == before
 
 
+def test_merging_an_event_of_a_key_whose_rows_were_all_retracted_leaves_the_file_byte_for_byte(tmp_path):
+    """A key with no current row still has a history: its events the ledger holds are found there, not written."""
+    first = synth.event(3)
+    seg = str(tmp_path / "a.kseg")
+    export(_ledger(tmp_path / "a.db", [first]), seg)
+    target = _ledger(tmp_path / "b.db", [first, retraction(_eid(first), first.key, "a bad clock", at=1.8e9)])
+    before = _digest(target)
+    result = merge([seg], target)
+    assert (result.added, result.existing) == (0, 1) and _digest(target) == before
+
+
 @pytest.mark.parametrize("block", [1, 7, 1000])
 def test_a_segment_read_a_few_bytes_at_a_time_reads_the_same_and_rejects_the_same(tmp_path, source, monkeypatch,
                                                                                   block):
