@@ -111,6 +111,21 @@ def test_a_meta_value_of_another_type_is_damage_naming_meta_not_a_decoding_error
         ledger.ledger_id
 
 
+def test_a_writer_refuses_a_ledger_that_holds_events_but_lost_its_format_version_and_writes_nothing(ledger_path):
+    """Opened as a new file, its last_seq would read 0 again: the next append would log over its first events."""
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 3)))
+        led.write(lambda txn: txn.delete(b"format_version", db=led.dbs["meta"]))
+    with open(ledger_path, "rb") as f:
+        before = f.read()
+    with pytest.raises(IntegrityError, match=f"ledger {ledger_path} holds events but no format version"):
+        Ledger.open(ledger_path)
+    with pytest.raises(IntegrityError, match=f"{ledger_path} is an LMDB file but not a kprof ledger"):
+        Ledger.open(ledger_path, readonly=True)
+    with open(ledger_path, "rb") as f:
+        assert f.read() == before
+
+
 def test_map_full_grows_and_retries(tmp_path):
     led = Ledger.open(str(tmp_path / "small.db"), map_size=256 * 1024)
     for b in range(0, 3000, 500):
@@ -120,13 +135,14 @@ def test_map_full_grows_and_retries(tmp_path):
     assert audit(str(tmp_path / "small.db")).ok
 
 
-def test_newer_format_is_refused_naming_both_versions(ledger_path):
+@pytest.mark.parametrize("newer", [_codec.FORMAT_VERSION + 1, 99])
+def test_newer_format_is_refused_naming_both_versions(ledger_path, newer):
     led = Ledger.open(ledger_path)
-    led.write(lambda txn: txn.put(b"format_version", _codec.encode(99), db=led.dbs["meta"]))
+    led.write(lambda txn: txn.put(b"format_version", _codec.encode(newer), db=led.dbs["meta"]))
     led.close()
     with open(ledger_path, "rb") as f:
         before = f.read()
-    expect = rf"format version 99, but this kprof reads versions up to {_codec.FORMAT_VERSION}"
+    expect = rf"format version {newer}, but this kprof reads versions up to {_codec.FORMAT_VERSION}"
     for readonly in (True, False):  # a writer that cannot read it does not touch it either
         with pytest.raises(LedgerVersionError, match=expect):
             Ledger.open(ledger_path, readonly=readonly)
