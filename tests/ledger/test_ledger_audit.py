@@ -247,6 +247,9 @@ def test_a_logged_retraction_of_a_target_append_refuses_is_named(ledger_path, ca
     ("ledger_id", "z" * 32, f"meta: ledger_id is {'z' * 32!r}, not 32 hex digits"),
     ("views_rebuilt", 0, "meta: views_rebuilt is 0, not a count of rebuilds"),
     ("views_rebuilt", 1.0, "meta: views_rebuilt is 1.0, not a count of rebuilds"),
+    ("created_at", None, "meta: created_at is missing"),
+    ("created_at", "yesterday", "meta: created_at is 'yesterday', not a time"),
+    ("created_at", b"\xc1", "meta: created_at: its bytes do not decode (c1)"),  # bytes: stored as they are
 ])
 def test_damaged_meta_values_are_meta_findings(ledger_path, capsys, name, value, finding):
     _base(ledger_path)
@@ -256,7 +259,7 @@ def test_damaged_meta_values_are_meta_findings(ledger_path, capsys, name, value,
         if value is None:
             txn.delete(key, db=dbs["meta"])
         else:
-            txn.put(key, _codec.encode(value), db=dbs["meta"])
+            txn.put(key, value if type(value) is bytes else _codec.encode(value), db=dbs["meta"])
 
     _tamper(ledger_path, damage)
     rc, doc = _json_audit(ledger_path, capsys)
@@ -741,3 +744,57 @@ def test_an_lmdb_file_whose_creation_never_committed_reads_as_no_ledger_and_a_ru
     assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--db", path, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["missing_count"] == 0
     assert audit(path).ok
+
+
+@pytest.mark.parametrize("jobs", [257, True, 2.0, "4"])
+def test_the_library_audit_refuses_jobs_that_are_not_1_to_256_shards(ledger_path, jobs):
+    Ledger.open(ledger_path).close()
+    with pytest.raises(UsageError, match=f"--jobs {jobs!r}: the audit runs 1 to 256 shard processes"):
+        audit(ledger_path, jobs)
+
+
+@pytest.mark.parametrize("name", ["events", "current", "history", "failures", "scope_index", "scopes"])
+def test_a_sub_database_header_count_the_walks_disagree_with_is_named(ledger_path, name):
+    """Each sub-database's entry count in its record (in LMDB's main tree) is checked against the walks as the log's
+    is: the shards' parts of `events` and the row-keyed views added up by the parent, the others walked whole."""
+    import struct
+
+    bad = failed(synth.event(1).provenance, "oom", "out of memory")
+    with Ledger.open(ledger_path) as led:
+        led.append([*synth.events(0, 8), bad, failed(synth.event(2).provenance, "oom", "out of memory")])
+        led.append([retraction(_codec.event_id(_codec.encode(bad)), bad.key, "flaky node")])
+        with led.read() as txn:
+            n = txn.stat(led.dbs[name])["entries"]
+    with open(ledger_path, "r+b") as f:
+        data = f.read()
+        at = data.rfind(name.encode()) + len(name) + 4 + 2 + 2 + 3 * 8  # as in the log's test above
+        assert struct.unpack_from("<Q", data, at) == (n,)  # md_entries
+        f.seek(at)
+        f.write(struct.pack("<Q", n + 1))
+    report = audit(ledger_path)
+    assert report.findings == [f"structure: {name}: header counts {n + 1} entries, walk found {n}"], report.findings
+
+
+@pytest.mark.parametrize("change", ["dropped", "altered", "added"])
+def test_a_scopes_entry_the_replay_does_not_derive_is_named(ledger_path, change):
+    """The parent adds up the shards' scope entries and compares them with the stored `scopes` view: an entry
+    lost, altered (sealed again, so its digest passes) or added is a views finding."""
+    from kprof.ledger._reducer import ScopeEntry, opened, seal
+
+    with Ledger.open(ledger_path) as led:
+        led.append(list(synth.events(0, 4)))
+        with led.read() as txn:
+            (sid, raw), = txn.cursor(led.dbs["scopes"])
+        entry = opened("scopes", sid, raw, ScopeEntry)
+        other = bytes(16)
+        write = {"dropped": lambda txn: txn.delete(sid, db=led.dbs["scopes"]),
+                 "altered": lambda txn: txn.put(sid, seal(sid, msgspec.structs.replace(entry, rows=5)),
+                                                db=led.dbs["scopes"]),
+                 "added": lambda txn: txn.put(other, seal(other, entry), db=led.dbs["scopes"])}[change]
+        led.write(write)
+    said = {"dropped": f"scopes: entry {sid.hex()} of the log's replay is not stored",
+            "altered": f"scopes: entry {sid.hex()} ({entry.table}/{entry.backend}/{entry.gpu_key}) differs from the "
+                       f"log's replay",
+            "added": f"scopes: stored entry {other.hex()} is not derivable from the log"}[change]
+    assert audit(ledger_path).findings == [f"views: {said}"]
+
