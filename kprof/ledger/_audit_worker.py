@@ -21,8 +21,7 @@ WALKED_WHERE_READ = RANGED + ("log", "events")  # not walked again by `structure
 key_decoder = msgspec.msgpack.Decoder(EventKey)  # the key only: picks an event's shard without decoding the rest
 audit_decoder = msgspec.msgpack.Decoder(EventAudit)
 provenance_decoder = msgspec.msgpack.Decoder(Provenance)
-META = (  # the meta entries a reader or writer relies on: (name, valid value, what it must be)
-    (b"format_version", lambda v: type(v) is int and v > 0, "a positive integer"),
+META = (  # meta entries relied on, besides format_version (every open checks it): (name, valid value, what it is)
     (b"ledger_id", lambda v: type(v) is str and len(v) == 32 and set(v) <= set("0123456789abcdef"), "32 hex digits"),
     (b"last_seq", lambda v: type(v) is int and v >= 0, "a count"),
     (b"created_at", lambda v: type(v) is float, "a time"),
@@ -167,7 +166,7 @@ class Shard:
         """Checks each event of this shard's keys (id, key, canonical provenance, logged) in one pass over the store.
         Returns (events owned, of which logged, (seq, event id, event) kept for the replay)."""
         add, event_id, encode, key_of = self.found.add, _codec.event_id, _codec.encode, _codec.key_of
-        n, logged, kept, unlogged, last = 0, 0, [], 0, None
+        n, logged, kept, last = 0, 0, [], None
         try:
             for eid, data in txn.cursor(self.ledger.dbs["events"]):
                 if self.shard == 0 and last is not None and eid <= last:
@@ -195,9 +194,7 @@ class Shard:
                         add("events", f"event {eid.hex()[:16]}: its provenance is not in canonical form {_NEWER}")
                     event = msgspec.structs.replace(event, provenance=prov)  # the reducer reads its fields
                 if seq is None:
-                    unlogged += 1
-                    if unlogged <= MAX_LISTED:
-                        add("log", f"event {eid.hex()[:16]} is stored but not in the log")
+                    add("log", f"event {eid.hex()[:16]} is stored but not in the log")
                     continue
                 if type(event) is not Retracted or self._retraction_ok(txn, eid, event):
                     kept.append((seq, eid, event))

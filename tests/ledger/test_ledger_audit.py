@@ -798,3 +798,22 @@ def test_a_scopes_entry_the_replay_does_not_derive_is_named(ledger_path, change)
             "added": f"scopes: stored entry {other.hex()} is not derivable from the log"}[change]
     assert audit(ledger_path).findings == [f"views: {said}"]
 
+
+@pytest.mark.parametrize("damage", ["altered", "unlogged"])
+def test_findings_past_the_listed_many_are_counted_not_listed(ledger_path, damage):
+    """Of each check, MAX_LISTED findings are listed and all are counted (events stored but not logged were counted
+    only as far as they were listed)."""
+    from kprof.ledger._audit_worker import MAX_LISTED
+
+    n, check = MAX_LISTED + 10, {"altered": "events", "unlogged": "log"}[damage]
+    with Ledger.open(ledger_path) as led:
+        led.append([synth.event(n)])
+        extra = [_codec.encode(synth.event(i)) for i in range(n)]
+        if damage == "altered":
+            led.append(list(synth.events(0, n)))
+            extra = [data[:-1] + bytes([data[-1] ^ 1]) for data in extra]  # stored under their ids, altered
+        led.write(lambda txn: [txn.put(_codec.event_id(_codec.encode(synth.event(i))), data, db=led.dbs["events"])
+                               for i, data in enumerate(extra)])
+    report = audit(ledger_path, jobs=1)
+    assert report.counts[check] == n, report.counts  # (altered events also leave their rows out of the replay)
+    assert len([f for f in report.findings if f.startswith(f"{check}: ")]) == MAX_LISTED
