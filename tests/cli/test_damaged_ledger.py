@@ -363,6 +363,18 @@ def test_a_row_whose_event_is_gone_is_refused_naming_the_event(h, rows, capsys):
     assert out == "" and f"event {eid.hex()} is not stored" in err and "kprof audit" in err, err
 
 
+def test_a_history_naming_a_seq_the_log_lacks_is_refused_naming_the_seq(h, rows, capsys):
+    """`show` of a key whose history names a seq no longer in the log names that seq (exit 3)."""
+    db, _specs, (eid, _other) = rows
+    with Ledger.open(db, readonly=True) as ledger, ledger.read() as txn:
+        key = msgspec.msgpack.decode(txn.get(eid, db=ledger.dbs["events"]))["key"]
+        (seq,) = msgspec.msgpack.decode(txn.get(key, db=ledger.dbs["history"]), type=HistoryEntry).seqs
+    _tamper(db, lambda txn, dbs: txn.delete(seq.to_bytes(8, "big"), db=dbs["log"]))
+    assert main(["show", key.hex()[:16], "--db", db]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and f"names seq {seq}, which is not in the log" in err and "kprof audit" in err, err
+
+
 def test_the_audit_a_damaged_ledger_s_error_names_is_of_that_ledger(h, rows, capsys, monkeypatch, tmp_path):
     """`kprof query ... --db team.db` on a damaged ledger said "run `kprof audit` for the full report": run as said,
     that audits $KPROF_DB or ./profile.db, another file, and may report it clean. The advice names the ledger given
