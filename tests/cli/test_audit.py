@@ -188,6 +188,21 @@ def test_a_shards_range_walk_counts_its_entries_and_names_keys_out_of_order():
         assert found.items == (["structure: current: keys out of order after " + "30" * 12] if shard == 0 else [])
 
 
+def test_the_events_walk_names_an_event_id_out_of_order():
+    """Shard 0 checks that each event id follows the one before as it walks the event store (a damaged page)."""
+    from types import SimpleNamespace
+
+    from kprof.ledger._audit_worker import Findings, Shard
+
+    items = sorted((_codec.event_id(data), data) for data in (_codec.encode(synth.event(i)) for i in range(3)))
+    items[1], items[2] = items[2], items[1]
+    found = Findings()
+    work = Shard(SimpleNamespace(dbs={"events": None}), 0, 1, found)
+    n, logged, kept = work.events(SimpleNamespace(cursor=lambda _db: iter(items)), {eid: 1 for eid, _ in items})
+    assert (n, logged, len(kept)) == (3, 3, 3)
+    assert found.items == [f"structure: events: keys out of order at {items[2][0].hex()[:16]}"]
+
+
 def test_audit_of_a_truncated_ledger_does_not_send_the_reader_to_itself(ledger_path, capsys):
     """The truncation error other verbs print ends "run `kprof audit` for the full report": in the audit's own
     report that is dropped, and the fix stays."""
