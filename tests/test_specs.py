@@ -106,7 +106,7 @@ ERRORS = {
     "integral float": ([A, {**A, "m": 64.0}], ["spec 1", 'field "m" = 64.0 is a float; use an integer greater than 0',
                                                'e.g. "m": 64']),
     "zero as a float": ([A, {**A, "k": 0.0}], ["spec 1", 'field "k" = 0.0 is a float; use an integer greater than 0 '
-                                               "and at most"]),
+                                               "and at most 1099511627776\n"]),  # no e.g. "k": 0, itself refused
     "negative size": ([A, {**A, "m": -4}], ["spec 1", '"m"', "-4", "use an integer greater than 0"]),
     "zero size": ([{**A, "k": 0}, A], ["spec 0", '"k"', "use an integer greater than 0"]),
     "unknown dtype": ([A, B, {**A, "dtype": "fp64"}], ["spec 2", '"dtype"', "fp64",
