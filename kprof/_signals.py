@@ -26,8 +26,9 @@ def held():
         yield
         return
     seen: list[int] = []
-    # None: a handler not set from Python, which Python cannot put back; left as it is
-    handlers = {s: h for s in STOPS if (h := signal.getsignal(s)) is not None}
+    # None: a handler not set from Python, which Python cannot put back; SIG_IGN (nohup's SIGHUP): nothing to hold,
+    # and one recorded first was the one handled, dropping a SIGTERM after it. Each left as it is
+    handlers = {s: h for s in STOPS if (h := signal.getsignal(s)) not in (None, signal.SIG_IGN)}
     for s in handlers:
         signal.signal(s, lambda signum, _frame: seen.append(signum))
     try:

@@ -850,6 +850,26 @@ def test_sighup_ignored_under_nohup_stays_ignored(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("wrote 20 event(s)"), proc.stderr
 
 
+
+def test_sigterm_after_a_sighup_nohup_ignores_still_ends_a_held_block(tmp_path):
+    """Under nohup a dropped session's SIGHUP, reaching a block that holds signals (torch's import), was recorded, and
+    being the first recorded the one handled at its end: ignored, and `timeout`'s SIGTERM after it with it. The run
+    measured on and stored its row (exit 0); the SIGTERM ends it, the SIGHUP stays ignored."""
+    code = ("import os, signal, sys\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "from kprof.runners import environments; require = environments.require\n"
+            "def hung_up(entry):\n"
+            "    os.kill(os.getpid(), signal.SIGHUP); os.kill(os.getpid(), signal.SIGTERM); return require(entry)\n"
+            "environments.require = hung_up\n"
+            "from kprof.cli import main; sys.exit(main())")
+    db = str(tmp_path / "p.db")
+    proc = subprocess.run([sys.executable, "-c", code, "run", "single_gemm", "--backend", "torch-cpu", "--spec",
+                           json.dumps({"m": 8, "n": 8, "k": 8, "dtype": "fp32"}), "--db", db],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert proc.stderr.startswith("error: interrupted (SIGTERM)"), proc.stderr
+
+
 # ---- integer flags, list flags, --specs - -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, shown, fix", [
