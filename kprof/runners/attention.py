@@ -110,6 +110,10 @@ def _build(spec, device: str, q_len: int, kv_len: int, causal: bool, what: str, 
     import torch
     import torch.nn.functional as F
 
+    if torch.device(device).type == "cpu" and spec.dtype == "fp32":  # SDPA's CPU kernels multiply through oneDNN
+        from .gemm import require_fp32_cpu_matmul
+
+        require_fp32_cpu_matmul()
     dt = torch_dtype(spec.dtype)
     g = torch.Generator(device).manual_seed(seed_of(spec))  # drawn on the device: fast for large inputs
     b, hq, hkv, d = spec.batch, spec.num_heads, spec.num_kv_heads, spec.head_dim

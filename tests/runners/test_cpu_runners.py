@@ -153,11 +153,12 @@ def test_gemm_fp8_is_refused_by_the_cpu_backend_and_unsupported_by_its_runner():
     assert classify(info.value) == "unsupported"
 
 
-@pytest.mark.parametrize("table", ["single_gemm", "moe_grouped_gemm"])
+@pytest.mark.parametrize("table", ["single_gemm", "moe_grouped_gemm", "attention_prefill", "attention_decode"])
 def test_fp32_matmuls_lowered_by_the_process_are_unsupported_not_stored_as_fp32(table):
     """A caller's torch.set_float32_matmul_precision("medium") (an in-process api.run) lets oneDNN compute fp32
     matmuls in bf16 on CPUs with bf16 units: the row would say fp32. The fp32 spec is refused as unsupported, naming
-    the setting and its fix; a bf16 spec, which that setting does not touch, still builds."""
+    the setting and its fix; a bf16 spec, which that setting does not touch, still builds. SDPA's fp32 CPU kernels
+    (flash's cpublas gemm, math's matmul) take that path too: attention was measured under it."""
     entry = lookup(table, "torch-cpu")
     before = torch.backends.mkldnn.matmul.fp32_precision
     try:
