@@ -1,4 +1,5 @@
-"""A refused merge's report, `merge-report.json`: per conflicting key, both events and where each comes from."""
+"""A refused merge's report, `merge-report.json`: per conflicting key, both events and where each comes from; and
+what a merge that failed or was interrupted left in the ledger."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..errors import MergeConflict
 from ..ledger import Ledger, _codec
 from . import segment
 
-__all__ = ["refuse"]
+__all__ = ["refuse", "stored"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file size limit (ulimit -f)
 
@@ -98,3 +99,19 @@ def _report(ledger: Ledger | None, db_path: str, conflicts: list[dict], paths: l
                                   "parent": theirs.parent.hex() if theirs.parent else None, "metrics": theirs_m},
                      "time_ms_relative_difference": diff})
     return {"ledger": db_path, "conflicts": len(rows), "keys": rows}
+
+
+def stored(ledger: Ledger, batch_ids: list[list[bytes]], new) -> int:
+    """The events of a merge's batches the ledger holds, counted from the first (they commit whole and in order): read
+    from the ledger, since an interrupt can come between a batch's commit and the count of it. A batch is looked for by
+    the last of its events in `new` (those the ledger did not hold) that no batch before holds: its last event alone
+    may be held whether it committed or not (merged before from an incremental export, or an earlier batch's), which
+    said every event of an uncommitted merge was in the ledger."""
+    before: set[bytes] = set()
+    with ledger.read() as txn:
+        for n, ids in enumerate(batch_ids):
+            own = [eid for eid in ids if eid in new and eid not in before]
+            before.update(own)
+            if own and txn.get(own[-1], db=ledger.dbs["events"]) is None:
+                return sum(map(len, batch_ids[:n]))
+    return sum(map(len, batch_ids))

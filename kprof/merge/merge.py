@@ -54,7 +54,7 @@ from ..ledger._env import _identity
 from ..ledger.events import EventHead, Retracted
 from . import _values, segment
 from ._order import expanded, ordered
-from ._report import refuse
+from ._report import refuse, stored
 from .segment import SegmentError
 
 __all__ = ["merge", "merge_into", "MergeResult", "BATCH"]
@@ -384,17 +384,9 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None,
             added, existing, seq = added + len(result.added), existing + len(result.existing), result.last_seq
     except BaseException as exc:  # an interrupt, a full disk: what it left (the CLI), after a batch's commit too
         with contextlib.suppress(Exception):  # a ledger the failure left unreadable (a map not grown): no count
-            if done := _stored_batches(ledger, check.batch_ids):
+            if done := stored(ledger, check.batch_ids, check.seen):
                 exc.add_note(f"the first {done} of the merge's {check.events} event(s) are in the ledger (whole "
                              f"batches of {BATCH}, each checked){', the rest are not,' * (done < check.events)} and "
                              f"nothing half-written is; the same merge again merges the rest")
         raise
     return added, existing - check.repeated, check.repeated
-
-
-def _stored_batches(ledger: Ledger, batch_ids: list[list[bytes]]) -> int:
-    """The events of a merge's batches the ledger holds, counted from the first (they commit whole and in order): read
-    from the ledger, since an interrupt can come between a batch's commit and the count of it."""
-    with ledger.read() as txn:
-        held = [txn.get(ids[-1], db=ledger.dbs["events"]) is not None for ids in batch_ids] + [False]
-    return sum(len(ids) for ids in batch_ids[:held.index(False)])

@@ -1278,3 +1278,26 @@ def test_an_interrupt_after_a_merge_s_last_commit_does_not_say_it_merged_none(tm
                                         when == "commit" else "its 5 new event(s) are in the ledger" in err), err
     with Ledger.open(target, readonly=True) as led:
         assert led.last_seq == 5
+
+
+def test_an_interrupt_before_a_merge_s_commit_does_not_count_a_batch_whose_last_event_was_held_before(
+        tmp_path, monkeypatch, capsys):
+    """A batch's commit was read from its last event alone: where the ledger held that one already (an incremental
+    export of the same ledger merged first), an interrupt before the commit said "the first 5 of the merge's 5
+    event(s) are in the ledger" of a ledger holding 1 of them. The batch is looked for by an event it adds."""
+    src = _ledger(str(tmp_path / "src.db"), synth.events(0, 5))
+    seg, tail, target = str(tmp_path / "a.kseg"), str(tmp_path / "tail.kseg"), str(tmp_path / "t.db")
+    export(src, seg)
+    export(src, tail, since=4)
+    assert main(["merge", tail, "--db", target]) == 0
+
+    def interrupted(self, prepared, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Ledger, "append_checked", interrupted)
+    capsys.readouterr()
+    assert main(["merge", seg, "--db", target]) == 130
+    err = capsys.readouterr().err
+    assert "are in the ledger" not in err and "holds none" in err, err
+    with Ledger.open(target, readonly=True) as led:
+        assert led.last_seq == 1
