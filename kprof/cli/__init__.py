@@ -251,14 +251,14 @@ def _here(verb: str, argv: list[str]) -> None:
     """Refuses a current directory removed since the shell entered it (a batch job's scratch directory cleaned up):
     relative paths name nothing there, and spawned processes (audit's shards, workers) and torch's libraries failed
     to start in it, as a traceback or a C library's fatal error. A reader of a ledger named by its whole path (query,
-    count-missing, scopes, show), --help and --version use no such path or process: they answer as anywhere."""
+    count-missing, scopes, show; its --specs file so too), --help and --version answer as anywhere."""
     import os
 
-    db = _db_given(argv) or os.environ.get("KPROF_DB")
+    read = [_db_given(argv) or os.environ.get("KPROF_DB", "").strip(), *{_db_given(argv, "--specs")} - {None}]
     try:
         os.getcwd()
     except FileNotFoundError:
-        if not verb or verb in ("query", "count-missing", "scopes", "show") and os.path.isabs((db or "").strip()):
+        if not verb or verb in ("query", "count-missing", "scopes", "show") and all(map(os.path.isabs, read)):
             return
         shown = f" ({os.environ['PWD']})" if os.environ.get("PWD") else ""
         raise UsageError(f"the current directory{shown} was removed; cd to a directory that exists and run the "
@@ -313,10 +313,10 @@ def _end_by_signal() -> None:
     os.kill(os.getpid(), sig)
 
 
-def _db_given(argv: list[str]) -> str | None:
-    """The ledger given with --db (`--db X` or `--db=X`), which a suggested `kprof audit` names (see _render)."""
-    return next((b for a, b in zip(argv, argv[1:]) if a == "--db"), None) or next(
-        (a.removeprefix("--db=") for a in argv if a.startswith("--db=")), None)
+def _db_given(argv: list[str], flag: str = "--db") -> str | None:
+    """What `flag` was given (`--db X` or `--db=X`): by default the ledger, which a suggested `kprof audit` names."""
+    return next((b for a, b in zip(argv, argv[1:]) if a == flag), None) or next(
+        (a.removeprefix(f"{flag}=") for a in argv if a.startswith(f"{flag}=")), None)
 
 
 def _main(argv: list[str], prog: str = "kprof") -> int:

@@ -1362,6 +1362,27 @@ def test_a_current_directory_removed_since_is_named_not_a_traceback(tmp_path):
     assert proc.returncode == 2 and "the current directory" in proc.stderr, proc.stderr  # a relative path: refused
 
 
+def test_a_relative_specs_file_in_a_removed_directory_is_refused_as_the_directory_not_as_missing(tmp_path):
+    """A query of a ledger named by its whole path answers in a removed directory; its --specs named relative to that
+    directory was let through and said "--specs specs.json: no such file", not why (the directory is gone). The
+    directory is named, as for any relative path; a --specs named whole is read."""
+    db, specs = str(tmp_path / "p.db"), tmp_path / "specs.json"
+    with Ledger.open(db) as led:
+        led.append(list(synth.events(1, 3)))
+    specs.write_text(json.dumps(SPEC))
+    code = ("import os, sys; os.mkdir(sys.argv[1]); os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); "
+            "from kprof.cli import main; sys.exit(main(sys.argv[2:]))")
+    gone = str(tmp_path / "gone")
+    for given in (["--specs", "specs.json"], ["--specs=specs.json"], ["--specs", str(specs)]):
+        proc = subprocess.run([sys.executable, "-c", code, gone, "query", "single_gemm", "--backend", "torch-cpu",
+                               *given, "--db", db], capture_output=True, text=True, env=dict(os.environ, PWD=gone))
+        if given[-1] == str(specs):
+            assert proc.returncode == 0 and "1 missing" in proc.stdout, proc.stderr
+        else:
+            assert proc.returncode == 2 and proc.stderr.startswith(f"error: the current directory ({gone}) was "
+                                                                   f"removed"), proc.stderr
+
+
 def test_pool_workers_whose_torch_cannot_be_mapped_under_ulimit_v_name_the_limit(tmp_path):
     """CPU workers (KPROF_CPU_WORKERS) that could not import torch under `ulimit -v` ended the run with "no worker
     could prepare its device (cpu0: ImportError: ... failed to map segment ...)"; the limit and its fix are named."""
