@@ -186,11 +186,10 @@ def _shown(text: str, encoding: str, one_line: bool = False) -> str:
     locale, PYTHONIOENCODING=ascii), what it cannot encode too, before rich lays it out (the stream escaped `é` after,
     as `\\xe9`, and every column to its right moved); a quoted word of a command so, as $'...' (see _c_quoted).
     `one_line`: its newlines escaped too (an error's line)."""
-    lines = [text] if one_line else text.split("\n")
-    if encoding.lower().replace("-", "").startswith("utf"):
-        return "\n".join(map(_one_line, lines))
-    lines = [_one_line(_QUOTED.sub(lambda m: _c_quoted(m[1], encoding), line)) for line in lines]
-    return "\n".join(lines).encode(encoding, "backslashreplace").decode(encoding)
+    utf = encoding.lower().replace("-", "").startswith("utf")
+    text = "\n".join(_one_line(line if utf and line.isprintable() else _QUOTED.sub(
+        lambda m: _c_quoted(m[1], encoding), line)) for line in ([text] if one_line else text.split("\n")))
+    return text if utf else text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 # a quoted word, as shlex.quote writes a path or value of a command (after a space, `=`, a backtick; not `device's`)
@@ -198,14 +197,13 @@ _QUOTED = re.compile(r"(?<![\w'$])'([^']*)'(?!\w)")
 
 
 def _c_quoted(word: str, encoding: str) -> str:
-    """A quoted word holding what the stream cannot encode, as the shell's $'...' of its UTF-8 bytes: pasted, it names
-    the same file (`--db 'd\\xe9.db'`, escaped as Python does, named another, which `kprof run` then created)."""
-    try:
-        word.encode(encoding)
+    """A quoted word holding what the stream cannot encode or a control character (a tab, a newline), as the shell's
+    $'...' of its UTF-8 bytes: pasted, it names the same file (`--db 'd\\xe9.db'` or `'d\\tx.db'`, escaped as Python
+    does, named another, which `kprof run` then created)."""
+    if word.isprintable() and word.encode(encoding, "replace").decode(encoding) == word:
         return f"'{word}'"
-    except UnicodeEncodeError:
-        return "$'" + "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}"
-                           for b in word.encode("utf-8", "surrogateescape")) + "'"
+    return "$'" + "".join(chr(b) if 32 <= b < 127 and b != 92 else f"\\x{b:02x}"
+                       for b in word.encode("utf-8", "surrogateescape")) + "'"
 
 
 _ESCAPED_BYTE = re.compile(r"(\\\\)|\\udc([89a-f][0-9a-f])")

@@ -120,6 +120,24 @@ def test_a_suggested_command_on_a_terminal_that_is_not_utf8_names_the_same_file_
     assert p.returncode == 2 and "= $'fp32\\xe4\\xb8\\xad': " in p.stderr.decode(encoding), p.stderr
 
 
+def test_a_suggested_command_naming_a_path_with_a_control_character_names_the_same_file_pasted(tmp_path, h,
+                                                                                             local_gpu):
+    """On any terminal, count-missing's `kprof run` for a ledger named with a tab said `--db 'd\\tx.db'`, which a shell
+    passes as a backslash and a t (run then made a new ledger by that name); it is $'...' of the name's bytes."""
+    import os
+    import subprocess
+    import sys
+
+    h.append(str(tmp_path / "d\tx.db"), h.make_event(h.gemm(), local_gpu))
+    argv = [sys.executable, "-m", "kprof", "count-missing", "single_gemm", "--backend", "torch-cpu", "--db", "d\tx.db"]
+    p = subprocess.run([*argv, "--spec", json.dumps(h.gemm(m=8))], cwd=tmp_path, capture_output=True, timeout=120,
+                       env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert p.returncode == 0, p.stderr
+    word = p.stdout.decode().split("--db ")[1].split(" --spec")[0]
+    assert word == "$'d\\x09x.db'", word
+    assert subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True).stdout == b"d\tx.db"
+
+
 def test_the_summary_line_says_which_statuses_the_missing_rows_have(capsys):
     results_table(_result(["ok", "missing", "failed", "failed"], errors=0))
     assert "1 of 4 ok, 3 missing (1 missing, 2 failed); db p.db" in capsys.readouterr().out
