@@ -4,6 +4,7 @@ what they use (no torch, cupti or pynvml on the read path). The app itself is bu
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shlex
 import sys
@@ -110,22 +111,22 @@ def _interrupted_note(verb: str, argv: list[str], exc: BaseException) -> str:
     remote = verb == "run" and given("--remote")
     if notes and (remote or verb not in ("run", "calibrate")):  # a merge's batches (merge, a remote run's chunks)
         return notes[-1]
+    out = _db_given(argv, "--output-dir")  # a remote run's record is in the one given; a local run's snapshot where
+    placed = remote or out and os.path.isfile(os.path.join(out, "request.json"))  # whole before the interrupt
+    same = "the same command with a new --output-dir" if placed else "the same command again"  # (it refuses that one)
     if verb == "run" and given("--fresh"):  # it stores nothing, and measures every spec whenever it runs
         cancelled = ", and the engine's unfinished jobs were cancelled" if remote else ""
-        again = "with a new --output-dir" if remote else "again"  # the remote run's record is in the one given
-        return f"a --fresh run writes nothing: the ledger is as it was{cancelled}; the same command {again} " \
-               f"measures every spec"
+        return f"a --fresh run writes nothing: the ledger is as it was{cancelled}; {same} measures every spec"
     # --force measures every spec (every ceiling) again whenever it runs; without it, only what is missing
     what = "every ceiling" if verb == "calibrate" else "every spec"
     again = (f"measures {what} anew (--force; without it, only what is missing)" if given("--force")
              else "measures only what is missing")
     if remote:
         return ("every chunk merged before it stays in the ledger, and the engine's unfinished jobs were cancelled; "
-                f"the same command with a new --output-dir {again.replace('measures', 'sends', 1)}")
+                f"{same} {again.replace('measures', 'sends', 1)}")
     if verb in ("run", "calibrate"):  # a local run's note counts the rows it stored (a calibration's, one table's)
         stored = f" ({notes[-1]})" if notes and verb == "run" else ""
-        return f"every row stored before it stays in the ledger{stored}, and nothing half-written does; the same " \
-               f"command again {again}"
+        return f"every row stored before it stays in the ledger{stored}, and nothing half-written does; {same} {again}"
     if verb == "merge":
         return "a merge is all or nothing: the ledger holds none of its events; run it again"
     return "nothing was left half-written"
@@ -201,8 +202,6 @@ def _one_pair(exc: Exception, verb: str | None, argv: list[str]) -> str | None:
 def _dashed(exc: Exception) -> str | None:
     """A file named with a leading '-' given as an argument (`kprof merge -rows.kseg`), which cyclopts read as an
     unknown option ("-r is not a recognized option"), said with the way to pass it; None for any other error."""
-    import os
-
     from cyclopts.exceptions import UnknownOptionError
 
     token = getattr(getattr(exc, "token", None), "value", None)
@@ -216,8 +215,6 @@ def _utf8(argv: list[str]) -> None:
     file name in another encoding, a C locale's text): specs are UTF-8 JSON, LMDB opens a ledger by its UTF-8 path, and
     the keys and every record written are UTF-8, where such a value was a traceback (after the rows were stored, for a
     snapshot's record of the command)."""
-    import os
-
     env = os.environ.get("KPROF_DB", "")
     for name, value in [*(("argument", arg) for arg in argv), ("KPROF_DB", env)]:
         try:
@@ -252,8 +249,6 @@ def _here(verb: str, argv: list[str]) -> None:
     relative paths name nothing there, and spawned processes (audit's shards, workers) and torch's libraries failed
     to start in it, as a traceback or a C library's fatal error. A reader of a ledger named by its whole path (query,
     count-missing, scopes, show; its --specs file so too), --help and --version answer as anywhere."""
-    import os
-
     read = [_db_given(argv) or os.environ.get("KPROF_DB", "").strip(), *{_db_given(argv, "--specs")} - {None}]
     try:
         os.getcwd()
@@ -300,7 +295,6 @@ def _end_by_signal() -> None:
     `for t in ...; do kprof run ...; done` went on to the next run, and xargs, make and find -exec went on past a 141
     where they stop on a process the signal ended."""
     import contextlib
-    import os
     import signal
 
     if not _ending or _ending[0] not in _SIGNALS:

@@ -664,6 +664,31 @@ def test_an_interrupt_among_the_snapshot_s_renames_lets_them_finish(sig, tmp_pat
     assert set(os.listdir(out_dir)) == SNAPSHOT_FILES | {"curve.png"}  # whole, no staging folder left
 
 
+@pytest.mark.parametrize("fresh", [[], ["--fresh"]])
+def test_an_interrupt_once_the_snapshot_is_placed_names_a_new_output_dir(tmp_path, monkeypatch, capsys, fresh):
+    """An interrupt among the snapshot's renames (held till they finish) or after them said "the same command again",
+    which then refused its --output-dir: it holds that whole snapshot. The line names a new --output-dir, as the
+    remote run's does."""
+    import signal
+
+    rename = os.rename
+
+    def interrupted(src, dst):
+        rename(src, dst)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "rename", interrupted)
+    argv = ["run", "single_gemm", "--backend", "torch-cpu", "--spec", json.dumps({"m": 8, "n": 8, "k": 8,
+                                                                                   "dtype": "fp32"}), "--db", "p.db"]
+    assert main([*argv, *fresh, "--output-dir", "snap"]) == 143
+    err = capsys.readouterr().err
+    assert "the same command with a new --output-dir" in err and "again" not in err, err
+    monkeypatch.setattr(os, "rename", rename)
+    assert main([*argv, *fresh, "--output-dir", "snap"]) == 2  # refused, as the line says
+    assert main([*argv, *fresh, "--output-dir", "snap2"]) == 0
+
+
 def test_a_staging_folder_a_live_writer_holds_is_let_be(tmp_path):
     """A writer of a snapshot into the directory holds its staging folder (a flock; one open of it here stands for
     another process, as flocks of two opens conflict): it is not taken for a killed write's leftover (its files
