@@ -105,8 +105,8 @@ def write(path: str, events: Iterable[bytes], ledger_id: str = "", count: int | 
     except OSError as e:
         raise UsageError(f"cannot write segment {path} ({e.strerror or e}); free space on its disk or raise the "
                          f"file size limit, or give another path; nothing was written") from None
-    finally:
-        if os.path.exists(tmp):
+    finally:  # (placed by a rename, or, unlocked once closed, removed by another write's _drop_killed meanwhile)
+        with suppress(FileNotFoundError):
             os.unlink(tmp)
 
 

@@ -1252,6 +1252,26 @@ def test_a_segment_write_killed_before_its_end_is_removed_by_the_next_write_ther
     assert sum(1 for _ in segment.read(written)) == 5
 
 
+def test_a_write_whose_placed_part_file_another_write_removed_meanwhile_ends_as_written(tmp_path, monkeypatch):
+    """Once its file is placed and closed, a writer's part file is unlocked till the writer removes it: another write
+    into the directory (its clean-up of killed writes' part files) removed it between the writer's check that it was
+    there and its removal, which raised FileNotFoundError, a traceback of an export whose segment was written."""
+    segs = tmp_path / "segs"
+    segs.mkdir()
+    exists = os.path.exists
+
+    def another_write_between(path):
+        there = exists(path)
+        if str(path).endswith(".part"):
+            segment._drop_killed(str(segs))  # the other write's clean-up, now
+        return there
+
+    monkeypatch.setattr(os.path, "exists", another_write_between)
+    written = segment.write(str(segs), [_codec.encode(e) for e in synth.events(0, 5)])
+    monkeypatch.undo()
+    assert os.listdir(segs) == [os.path.basename(written)] and sum(1 for _ in segment.read(written)) == 5
+
+
 @pytest.mark.parametrize("when", ["commit", "print"])
 def test_an_interrupt_after_a_merge_s_last_commit_does_not_say_it_merged_none(tmp_path, monkeypatch, capsys, when):
     """A merge of one batch (up to 50,000 events) that a Ctrl-C or SIGTERM reached as its commit returned, or as its
