@@ -235,10 +235,11 @@ def _located(exc: msgspec.DecodeError, data: bytes, one_line: bool = False) -> s
         char = data[offset:offset + 4].decode("utf-8", "replace")[:1]
         if char > " " and char.isspace():  # a no-break space, as a document or web page gives
             return f"the character U+{ord(char):04X} {where}, which JSON does not read as a space; write a space"
-        if char and char < " ":  # a NUL (of UTF-16 text, between every letter), a tab in a string
-            utf16 = "; the file is UTF-16 text: save it as UTF-8" if data.count(b"\0") * 4 >= len(data) > 1 else ""
-            return (f"the control character U+{ord(char):04X} {where}, which JSON takes only inside a string, as "
-                    f"\\u{ord(char):04x}{utf16}")
+        if char and char < " ":  # a NUL (of UTF-16 or UTF-32 text, beside every letter), a tab in a string
+            nul = data.count(b"\0") * 4 // len(data)  # quarters of the file: 2 of UTF-16's ASCII text, 3 of UTF-32's
+            utf = f"; the file is UTF-{16 if nul < 3 else 32} text: save it as UTF-8" if nul and len(data) > 1 else ""
+            return (f"the control character U+{ord(char):04X} {where}, which a JSON string holds only escaped, as "
+                    f"\\u{ord(char):04x}{utf}")
         if char and char in "'\u201c\u201d\u2018\u2019":  # a Python dict's repr; text copied from a document
             what = "single quote" if char == "'" else "typographic quote"
             return (f"a {what} ({char}) {where}: JSON quotes with \" alone; write \" (json.dumps writes a Python "
@@ -303,7 +304,8 @@ def parse_specs_file(path: str) -> list[Any]:
     try:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
-        said = "UTF-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "not UTF-8"  # as PowerShell's > writes
+        boms = {b"\xff\xfe\0\0": 32, b"\0\0\xfe\xff": 32, b"\xff\xfe": 16, b"\xfe\xff": 16}  # 16: PowerShell's >
+        said = next((f"UTF-{bits}" for bom, bits in boms.items() if data.startswith(bom)), "not UTF-8")
         raise SpecError(f"--specs {path} is {said} text (byte {exc.start} is 0x{data[exc.start]:02x}); save it "
                         f"as UTF-8 JSON or JSONL") from None
     if not text:

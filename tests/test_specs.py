@@ -493,7 +493,7 @@ def test_a_character_json_does_not_read_is_named_and_utf16_said_so(tmp_path, cap
     assert f"--specs {path} is UTF-16 text (byte 0 is 0xff); save it as UTF-8" in capsys.readouterr().err
     path.write_bytes(json.dumps(A).encode("utf-16-le"))
     assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
-    assert ("(the control character U+0000 at line 1, column 2, which JSON takes only inside a string, as \\u0000; "
+    assert ("(the control character U+0000 at line 1, column 2, which a JSON string holds only escaped, as \\u0000; "
             "the file is UTF-16 text: save it as UTF-8)") in capsys.readouterr().err
     path.write_bytes(json.dumps(A).encode() + b"\n\0")
     assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
@@ -503,7 +503,24 @@ def test_a_character_json_does_not_read_is_named_and_utf16_said_so(tmp_path, cap
     assert "(the character U+00A0 at column 6, which JSON does not read as a space; write a space)" in \
         capsys.readouterr().err
     assert main(["count-missing", *GEMM, "--spec", json.dumps(A).replace("fp", "f\tp"), "--db", db]) == 2
-    assert "(the control character U+0009 at column " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "(the control character U+0009 at column " in err and "holds only escaped, as \\u0009)" in err, err
+    _no_db(db)
+
+
+@pytest.mark.parametrize("encoding, said", [("utf-32", "is UTF-32 text (byte 0 is 0xff)"),
+                                            ("utf-32-be", "which a JSON string holds only escaped, as \\u0000; the "
+                                                          "file is UTF-32 text: save it as UTF-8"),
+                                            ("utf-32-le", "the file is UTF-32 text: save it as UTF-8")])
+def test_a_specs_file_saved_as_utf32_is_said_to_be_utf32_not_utf16(encoding, said, tmp_path, capsys, db):
+    """A file saved as UTF-32 (PowerShell's Out-File -Encoding utf32) was said to be UTF-16 text, with its
+    byte-order mark or without; a tab in a string was said to be a character "JSON takes only inside a string",
+    where JSON takes a tab between its values and, in a string, only escaped."""
+    path = tmp_path / "specs.json"
+    path.write_bytes(json.dumps(A).encode(encoding))
+    assert main(["count-missing", *GEMM, "--specs", str(path), "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "UTF-16" not in err, err
     _no_db(db)
 
 
