@@ -260,12 +260,21 @@ class _CpuDevice:
         method = Method(timer="cpu", l2="warm", graph=False, warmup=timing.warmup, budget_s=rule.budget_s,
                         stop_reason=timing.stop_reason,
                         notes={"calls_per_sample": str(timing.inner), "target_rel_ci": str(rule.target),
-                               "involuntary_switches": str(switched), **host_notes(before, taken),
+                               "involuntary_switches": str(switched), **host_notes(before, taken), **_set_aside(timing),
                                **algorithm_notes(case), **case.notes})
         return stats, method, None, env, timing.wall_s
 
     def recover(self) -> None:
         pass
+
+
+def _set_aside(timing) -> dict[str, str]:
+    """The note naming the samples the CPU timer set aside as pauses of the process (stopped, or its cores taken, for
+    100 ms or more) and timed again: the row's statistics are of the others."""
+    if not timing.set_aside:
+        return {}
+    what = ", ".join(f"{x:.6g}" for x in timing.set_aside)
+    return {"set_aside_ms": f"{what}: the process was paused (stopped, or its cores taken) then; timed again"}
 
 
 def _time_ms(stats, notes: dict[str, str]) -> float:

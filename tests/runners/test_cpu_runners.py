@@ -647,3 +647,69 @@ def test_the_oracle_checks_a_large_spec_in_bounded_memory(table, spec):
     done = subprocess.run([sys.executable, "-c", _ORACLE_PEAK, table, msgspec.json.encode(spec).decode()],
                           capture_output=True, text=True, check=True)
     assert int(done.stdout) < 200 * 2**20, (table, int(done.stdout) / 2**20)
+
+
+class _FakeClock:
+    """perf_counter_ns that moves only as `call` says: each call takes `call_ns`, and the call numbered `pause_at`
+    (counting from the first, warm-up included) `pause_ns` more, as a process stopped (Ctrl-Z, SIGSTOP) during it."""
+
+    def __init__(self, call_ns: int, pause_at: int, pause_ns: int):
+        self.now, self.calls, self.call_ns, self.pause_at, self.pause_ns = 0, 0, call_ns, pause_at, pause_ns
+
+    def __call__(self) -> int:
+        return self.now
+
+    def call(self) -> None:
+        self.calls += 1
+        self.now += self.call_ns + self.pause_ns * (self.calls == self.pause_at)
+
+
+@pytest.mark.parametrize("call_ns, pause_ns", [(340_000, 2_040_000_000), (1_000, 2_040_000_000),
+                                               (90_000_000, 500_000_000)])  # 50 calls a sample of the 1 µs copy
+def test_time_cpu_sets_aside_a_sample_of_a_paused_process(call_ns, pause_ns, monkeypatch):
+    """A process stopped for 2 s mid-sample read one 2,040 ms sample among 0.34 ms ones into the row's mean, stdev, cv
+    and max, spent the budget at once (stop_reason budget), and said nothing; the sample is set aside, its wall time
+    with it, and the row is timed on as if the process had not stopped."""
+    import kprof.measure.cpu_timer as cpu_timer
+
+    clock = _FakeClock(call_ns, pause_at=5 + 10_000_000 // call_ns, pause_ns=pause_ns)
+    monkeypatch.setattr(cpu_timer.time, "perf_counter_ns", clock)
+    t = time_cpu(clock.call, StopRule())
+    stats = summarize(t.samples_ms)
+    assert stats.max == stats.min == call_ns / 1e6 and stats.cv == 0.0, stats
+    assert len(t.set_aside) == 1 and t.set_aside[0] > pause_ns / 1e6 / t.inner
+    assert t.stop_reason == "converged" or len(t.samples_ms) >= 10  # a 90 ms call: the budget, 10 samples or more
+    assert clock.calls > clock.pause_at  # the pause fell among the samples, not the warm-up
+
+
+def test_time_cpu_keeps_slow_samples_of_a_busy_host_and_a_kernel_often_slow(monkeypatch):
+    """Samples a busy host preempted (53 ms among 0.19 ms ones, measured at load 3.4 on 2 cores) are the kernel's
+    time on that host, which host_busy flags: kept. So are pauses past the third of a row: a kernel often that
+    slow is slow."""
+    import kprof.measure.cpu_timer as cpu_timer
+
+    assert cpu_timer._paused([0.19] * 50 + [53.0], 1) == []
+    assert cpu_timer._paused([0.19] * 50 + [53.0], 2) == [53.0]  # two calls of 53 ms past the median: 106 ms
+    assert cpu_timer._paused([94.0] * 10 + [168.0], 1) == []  # under 4x the median
+    assert cpu_timer._paused([90.0] * 10 + [590.0], 1) == [590.0]  # half a second of Ctrl-Z
+    slow = iter(([False] * 9 + [True]) * 1000)  # one call in ten 200 ms longer: no pause, a kernel often slow
+    clock = _FakeClock(1_000_000, pause_at=-1, pause_ns=0)
+
+    def call() -> None:
+        clock.call()
+        clock.now += 200_000_000 * next(slow)
+
+    monkeypatch.setattr(cpu_timer.time, "perf_counter_ns", clock)
+    t = time_cpu(call, StopRule(budget_s=5.0))
+    assert len(t.set_aside) == 3 and max(t.samples_ms) > 200, t.set_aside
+
+
+def test_a_cpu_row_names_the_samples_set_aside(monkeypatch):
+    import kprof.measure.cpu_timer as cpu_timer
+
+    entry = lookup("single_gemm", "torch-cpu")
+    monkeypatch.setattr(cpu_timer, "time_cpu", lambda fn, rule: cpu_timer.Timing([0.34] * 100, "converged", 30, 1, 2.1,
+                                                                                   (2040.34,)))
+    (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu")
+    assert out.event.stats.max == 0.34
+    assert out.event.method.notes["set_aside_ms"].startswith("2040.34: the process was paused"), out.event.method.notes
