@@ -713,3 +713,22 @@ def test_a_cpu_row_names_the_samples_set_aside(monkeypatch):
     (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu")
     assert out.event.stats.max == 0.34
     assert out.event.method.notes["set_aside_ms"].startswith("2040.34: the process was paused"), out.event.method.notes
+
+
+@pytest.mark.parametrize("first_ns, pause_ns", [(9_000_000, 0), (0, 2_040_000_000)])
+def test_a_short_call_is_timed_in_groups_of_about_50_us_whatever_its_first_calls_took(first_ns, pause_ns, monkeypatch):
+    """A sample's calls were sized by the warm-up's mean: a 1 µs copy whose first call took 9 ms (lazy initialization)
+    was timed in groups of 5 calls, and one whose warm-up the process was stopped in, one call a sample, where the
+    README says groups of about 50 µs. They are sized by the fastest warm-up call."""
+    import kprof.measure.cpu_timer as cpu_timer
+
+    clock = _FakeClock(1_000, pause_at=2, pause_ns=pause_ns)
+    first = iter([first_ns])
+
+    def call() -> None:
+        clock.call()
+        clock.now += next(first, 0)
+
+    monkeypatch.setattr(cpu_timer.time, "perf_counter_ns", clock)
+    t = time_cpu(call, StopRule())
+    assert t.inner == 50 and t.warmup < clock.calls, t
