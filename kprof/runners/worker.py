@@ -256,7 +256,8 @@ class _CpuDevice:
         # context switches: on the 2-core VM, quiet, 7-44 a row and at most 40 a second, a 1 s row of 9 samples among
         # them; beside one busy-looping process, 180-233 a row and 210-460 a second, the rows 1.2-3x slow). So 100 a
         # second, and 10 at least: one per two samples flagged a quiet host's slow rows.
-        per_s, samples = switched / timing.wall_s, len(timing.samples_ms)
+        paused_s = sum(timing.set_aside) * timing.inner / 1e3  # a pause set aside: no time the switches could fall in
+        per_s, samples = switched / max(timing.wall_s - paused_s, 1e-3), len(timing.samples_ms)
         taken = [f"{switched} involuntary context switches over {samples} samples"] * (switched >= 10 and per_s >= 100)
         # More torch threads than CPUs this process may run on take turns on them: the switches are their own (a 256^3
         # GEMM at load 3.4 on 2 CPUs: 1,060-1,128 a second on 8 threads, 143-149 on 2), no sign of other work, which no

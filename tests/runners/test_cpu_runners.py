@@ -754,3 +754,19 @@ def test_a_cpu_row_of_more_threads_than_cpus_is_not_called_busy_for_its_own_swit
     notes = out.event.method.notes
     assert ("host_busy" in notes) is busy and ("oversubscribed" in notes) is not busy, notes
     assert busy or notes["oversubscribed"].startswith("8 torch threads on the 2 CPU(s)")
+
+
+def test_a_pause_set_aside_does_not_dilute_a_cpu_row_s_switches(monkeypatch):
+    """215 involuntary switches over a 1 s row read host_busy; the same row with a 2 s pause set aside read 72 a
+    second over 3 s of wall time, and no longer did: the pause is no time the switches could fall in."""
+    import kprof.measure.cpu_timer as cpu_timer
+    import kprof.runners.worker as worker
+
+    entry = lookup("single_gemm", "torch-cpu")
+    monkeypatch.setattr(worker.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    counts = iter([0, 215])
+    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=next(counts)))
+    monkeypatch.setattr(cpu_timer, "time_cpu", lambda fn, rule: cpu_timer.Timing([0.34] * 100, "converged", 30, 1,
+                                                                                   3.0, (2000.0,)))
+    (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu")
+    assert "host_busy" in out.event.method.notes, out.event.method.notes
