@@ -4,7 +4,8 @@ Calls shorter than ~50 µs are timed in groups of r back-to-back calls (r chosen
 so the timer's own resolution and overhead stay under 1% of each sample.
 
 A sample far beyond the others (see `_paused`) is no time of the callable: the process was stopped (Ctrl-Z, SIGSTOP)
-or lost its cores for that long. It is set aside and timed again, its wall time not counted against the budget.
+or lost its cores for that long. It is set aside and timed again, its wall time not counted against the budget. A
+pause between two samples is not counted against the budget either.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Timing(NamedTuple):
     inner: int  # calls per sample
     wall_s: float
     set_aside: tuple[float, ...] = ()  # samples (ms) set aside as pauses (`_paused`) and timed again
+    paused_s: float = 0.0  # pauses between samples (over _PAUSE_MS each), not counted against the budget
 
 
 def _paused(samples: list[float], inner: int) -> list[float]:
@@ -59,13 +61,17 @@ def time_cpu(fn: Callable[[], object], rule: StopRule | None = None, warmup_s: f
     inner = max(1, int(_GROUP_NS / max(fastest, 1))) if fastest < _GROUP_NS else 1
     samples: list[float] = []
     set_aside: list[float] = []
-    t0 = clock()
+    t0 = end = clock()
+    between = 0  # ns of pauses between samples
     while True:
         a = clock()
+        if a - end > _PAUSE_MS * 1e6:  # no step between two samples takes that long: the process was paused there
+            t0, between = t0 + a - end, between + a - end
         for _ in range(inner):
             fn()
-        samples.append((clock() - a) / inner / 1e6)
-        reason = rule.check(samples, (clock() - t0) / 1e9)
+        end = clock()
+        samples.append((end - a) / inner / 1e6)
+        reason = rule.check(samples, (end - t0) / 1e9)
         # Before the row stops (a pause spends the budget at once), the samples that read a pause are set aside, and
         # their wall time with them (t0 moves on by it): the samples go on as if the process had not stopped.
         paused = _paused(samples, inner) if reason and len(set_aside) < _MAX_SET_ASIDE else []
@@ -76,4 +82,4 @@ def time_cpu(fn: Callable[[], object], rule: StopRule | None = None, warmup_s: f
             set_aside += paused
             t0 += int(sum(paused) * inner * 1e6)
         elif reason:
-            return Timing(samples, reason, warm, inner, (clock() - started) / 1e9, tuple(set_aside))
+            return Timing(samples, reason, warm, inner, (clock() - started) / 1e9, tuple(set_aside), between / 1e9)

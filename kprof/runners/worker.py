@@ -256,7 +256,7 @@ class _CpuDevice:
         # context switches: on the 2-core VM, quiet, 7-44 a row and at most 40 a second, a 1 s row of 9 samples among
         # them; beside one busy-looping process, 180-233 a row and 210-460 a second, the rows 1.2-3x slow). So 100 a
         # second, and 10 at least: one per two samples flagged a quiet host's slow rows.
-        paused_s = sum(timing.set_aside) * timing.inner / 1e3  # a pause set aside: no time the switches could fall in
+        paused_s = sum(timing.set_aside) * timing.inner / 1e3 + timing.paused_s  # no time the switches could fall in
         per_s, samples = switched / max(timing.wall_s - paused_s, 1e-3), len(timing.samples_ms)
         taken = [f"{switched} involuntary context switches over {samples} samples"] * (switched >= 10 and per_s >= 100)
         # More torch threads than CPUs this process may run on take turns on them: the switches are their own (a 256^3
@@ -279,12 +279,16 @@ class _CpuDevice:
 
 
 def _set_aside(timing) -> dict[str, str]:
-    """The note naming the samples the CPU timer set aside as pauses of the process (stopped, or its cores taken, for
-    100 ms or more) and timed again: the row's statistics are of the others."""
-    if not timing.set_aside:
-        return {}
-    what = ", ".join(f"{x:.6g}" for x in timing.set_aside)
-    return {"set_aside_ms": f"{what}: the process was paused (stopped, or its cores taken) then; timed again"}
+    """The notes naming the samples the CPU timer set aside as pauses of the process (stopped, or its cores taken, for
+    100 ms or more) and timed again (the row's statistics are of the others), and its pauses between samples."""
+    notes = {}
+    if timing.set_aside:
+        what = ", ".join(f"{x:.6g}" for x in timing.set_aside)
+        notes["set_aside_ms"] = f"{what}: the process was paused (stopped, or its cores taken) then; timed again"
+    if timing.paused_s:
+        notes["paused_s"] = (f"{timing.paused_s:.3f}: the process was paused (stopped, or its cores taken) between "
+                             f"samples; not counted against the budget")
+    return notes
 
 
 def _time_ms(stats, notes: dict[str, str]) -> float:

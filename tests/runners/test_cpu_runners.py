@@ -770,3 +770,26 @@ def test_a_pause_set_aside_does_not_dilute_a_cpu_row_s_switches(monkeypatch):
                                                                                    3.0, (2000.0,)))
     (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu")
     assert "host_busy" in out.event.method.notes, out.event.method.notes
+
+
+def test_time_cpu_does_not_count_a_pause_between_samples(monkeypatch):
+    """A process stopped for 2 s between two samples (in the stopping rule's check, up to 40% of a short call's loop)
+    read the budget spent: the row stopped at 12 samples (stop_reason budget) where it would have converged, and no
+    note said why. The pause is not counted against the budget, and the row's notes give it (paused_s)."""
+    import kprof.measure.cpu_timer as cpu_timer
+    import kprof.runners.worker as worker
+
+    clock = _FakeClock(340_000, pause_at=-1, pause_ns=0)
+
+    class PausedInCheck(StopRule):
+        checks = 0
+
+        def check(self, samples, elapsed_s):
+            self.checks += 1
+            clock.now += 2_040_000_000 * (self.checks == 11)  # Ctrl-Z after the 11th sample, fg 2 s later
+            return super().check(samples, elapsed_s)
+
+    monkeypatch.setattr(cpu_timer.time, "perf_counter_ns", clock)
+    t = time_cpu(clock.call, PausedInCheck())
+    assert t.stop_reason == "converged" and len(t.samples_ms) >= 100 and 2.0 < t.paused_s < 2.1, (len(t.samples_ms), t[1:])
+    assert worker._set_aside(t)["paused_s"].startswith("2.040: the process was paused")
