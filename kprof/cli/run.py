@@ -98,16 +98,15 @@ def _busy_host_note(table: str, backend: str, measured: int, load_before: float,
     """A CPU row times the host, and other work on it slows every sample alike (their spread does not show it: a
     2-core host under load read GEMMs 10x slow with a small spread). Where the load average passed the cores while
     rows were timed, or rows say another process took their cores (`busy_rows`: the scheduler's involuntary switches,
-    which a minute's load average misses), say so: the rows' notes carry it (host_busy), but a user reads the table."""
+    which a minute's load average misses), say so: the rows' notes carry it (host_busy), but a user reads the table.
+    Only where rows say so: a row of more torch threads than cores put them in the load itself (`host_notes`)."""
     import os
 
     from ..runners.registry import lookup
 
-    if not measured or lookup(table, backend).device != "cpu":
+    if not measured or not busy_rows or lookup(table, backend).device != "cpu":
         return None
     load, cores = max(load_before, os.getloadavg()[0]), os.cpu_count() or 1
-    if load <= cores and not busy_rows:
-        return None
     if load > cores:
         what = (f"the host's load average ({load:.1f}) passed its {cores} cores while these {measured} CPU row(s) "
                 f"were timed")

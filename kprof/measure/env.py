@@ -43,11 +43,13 @@ def cpu_environment() -> DeviceEnvironment:
                        errors=errors)
 
 
-def host_notes(before: float, taken: list[str] = ()) -> dict[str, str]:
+def host_notes(before: float, taken: list[str] = (), threads: int = 0) -> dict[str, str]:
     """A CPU row's notes on its host: the load average (the larger of `before` the row and now) as host_load_1m, and
-    host_busy where it passed the cores or `taken` names other signs of other work taking them (its switches)."""
+    host_busy where it passed the cores or `taken` names other signs of other work taking them (its switches). A
+    row's own `threads` are in the load (each runnable one counts 1: 8 on 2 cores took a quiet host's load from 0.9
+    to 5.9 over a minute's rows), so a row of more threads than cores is busy where the load passes its threads."""
     load, cores = max(before, os.getloadavg()[0]), os.cpu_count() or 1
-    busy = [f"load {load:.2f} over {cores} cores"] * (load > cores) + list(taken)
+    busy = [f"load {load:.2f} over {cores} cores"] * (load > max(cores, threads)) + list(taken)
     notes = {"host_load_1m": f"{load:.2f}"}
     if busy:
         notes["host_busy"] = f"{'; '.join(busy)}: other work shared them"

@@ -261,7 +261,7 @@ class _CpuDevice:
         taken = [f"{switched} involuntary context switches over {samples} samples"] * (switched >= 10 and per_s >= 100)
         # More torch threads than CPUs this process may run on take turns on them: the switches are their own (a 256^3
         # GEMM at load 3.4 on 2 CPUs: 1,060-1,128 a second on 8 threads, 143-149 on 2), no sign of other work, which no
-        # quieter host would take away. The load average alone then says other work took the cores.
+        # quieter host would take away. The load average beyond its threads alone then says other work took the cores.
         threads, usable = int(env.clocks["threads"]), len(cpus())
         crowded = {"oversubscribed": f"{threads} torch threads on the {usable} CPU(s) this process may use: they took "
                                      f"turns on them (the involuntary switches are theirs)"} if threads > usable else {}
@@ -269,7 +269,7 @@ class _CpuDevice:
         method = Method(timer="cpu", l2="warm", graph=False, warmup=timing.warmup, budget_s=rule.budget_s,
                         stop_reason=timing.stop_reason,
                         notes={"calls_per_sample": str(timing.inner), "target_rel_ci": str(rule.target),
-                               "involuntary_switches": str(switched), **host_notes(before, taken), **crowded,
+                               "involuntary_switches": str(switched), **host_notes(before, taken, threads), **crowded,
                                **_set_aside(timing),
                                **algorithm_notes(case), **case.notes})
         return stats, method, None, env, timing.wall_s

@@ -956,6 +956,27 @@ def test_a_busy_host_note_counts_only_the_rows_it_timed(ledger_path, capsys, h, 
     assert "note: the host's load" not in capsys.readouterr().err  # the oom again: nothing timed, nothing to say
 
 
+def test_a_run_of_more_threads_than_cores_is_not_told_its_own_load_is_other_work(ledger_path, capsys, h, monkeypatch):
+    """`OMP_NUM_THREADS=8 kprof run` of a minute's GEMMs on a quiet 2-core host took the load to 5.9 with its own
+    threads: stderr said other work slowed the rows and to measure again on a quieter host, which would read the same.
+    The rows say whether other work took their cores (host_busy, beyond their own threads): the note follows them."""
+    import types
+
+    import kprof.runners.worker as worker
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.86, 5.86, 5.86))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(worker, "cpus", lambda: frozenset({0, 1}))
+    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=0))
+    assert main(["run", "single_gemm", "--backend", h.CPU, *h.spec_args(h.gemm()), "--db", ledger_path,
+                 "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["results"][0]["provenance"]["timing"].endswith("threads=8"), out
+    assert "load average" not in err and "quieter host" not in err, err
+
+
 def test_cpu_rows_another_process_took_the_cores_of_are_named_in_a_note(ledger_path, capsys, h, monkeypatch):
     """A row flagged host_busy by the scheduler's involuntary switches (a neighbour holding a core, which the
     minute's load average misses) carried the flag in its notes only: `run` printed no note."""

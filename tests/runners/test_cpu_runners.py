@@ -792,6 +792,28 @@ def test_a_cpu_row_of_more_threads_than_cpus_is_not_called_busy_for_its_own_swit
     assert busy or notes["oversubscribed"].startswith("8 torch threads on the 2 CPU(s)")
 
 
+@pytest.mark.parametrize("threads, load, busy", [(8, 5.86, False), (8, 9.0, True), (2, 5.86, True)])
+def test_a_cpu_row_of_more_threads_than_cores_is_not_called_busy_for_its_own_load(threads, load, busy, monkeypatch):
+    """A minute of GEMM rows on 8 torch threads on a quiet 2-core host (load 0.9) took the load to 5.9 with its own
+    runnable threads: the rows read host_busy ("load 5.86 over 2 cores: other work shared them") and `run` said to
+    measure on a quieter host. Each of the row's threads counts 1 in the load: it is busy where the load passes them."""
+    import kprof.measure.cpu_timer as cpu_timer
+    import kprof.runners.worker as worker
+
+    entry = lookup("single_gemm", "torch-cpu")
+    monkeypatch.setattr(worker.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(worker, "cpus", lambda: frozenset({0, 1}))
+    counts = iter([0, 10])
+    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=next(counts)))
+    monkeypatch.setattr(cpu_timer, "time_cpu", lambda fn, rule: cpu_timer.Timing([1.5] * 600, "converged", 9, 1, 1.0))
+    (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu",
+                           device=worker._CpuDevice(None, threads))
+    notes = out.event.method.notes
+    assert ("host_busy" in notes) is busy, notes
+    assert not busy or notes["host_busy"].startswith(f"load {load:.2f} over 2 cores"), notes
+
+
 def test_a_pause_set_aside_does_not_dilute_a_cpu_row_s_switches(monkeypatch):
     """215 involuntary switches over a 1 s row read host_busy; the same row with a 2 s pause set aside read 72 a
     second over 3 s of wall time, and no longer did: the pause is no time the switches could fall in."""
