@@ -324,8 +324,9 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
     from .._signals import STOPS
 
     main_thread = threading.current_thread() is threading.main_thread()
-    # SIGHUP (a dropped ssh session) as SIGTERM, where not ignored (nohup); Python's SIGINT raises KeyboardInterrupt
-    previous = {s: signal.getsignal(s) for s in STOPS} if main_thread else {}
+    # SIGHUP (a dropped ssh session) as SIGTERM, where not ignored (nohup); Python's SIGINT raises KeyboardInterrupt.
+    # A handler set from C (getsignal gives None) is left as it is: Python cannot put it back
+    previous = {s: h for s in STOPS if (h := signal.getsignal(s)) is not None} if main_thread else {}
     for sig in set(previous) - {signal.SIGINT}:
         if previous[sig] != signal.SIG_IGN:
             signal.signal(sig, _terminated)
@@ -348,7 +349,7 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
         if code not in _SIGNALS or code == 141:  # a plain exit of a verb's own
             raise
         if main_thread:  # a second Ctrl-C (or SIGTERM) while the line is written: the line, not a traceback
-            for sig in STOPS:
+            for sig in previous:
                 signal.signal(sig, signal.SIG_IGN)
         from ._render import error
 
