@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import sys
+import threading
 
 from .. import __version__
 from .._limits import hit  # here, not where an error is handled: that import may be refused a descriptor (ulimit -n)
@@ -272,18 +273,22 @@ def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), prog
 
         atexit.register(_end_by_signal)  # before anything a verb registers: it runs last
     argv = sys.argv[1:] if argv is None else list(argv)
-    invocation[:] = [*prog, *argv]
     from ._render import db_given, guarded, typed_as
 
-    typed_as[:], db_given[:] = prog, []  # the command as typed, which messages name (see _render.as_typed); the --db
-
-    with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way
-        code = _main(argv, " ".join(prog))
+    with _one_verb:  # a verb holds the process's sys.stdout and sys.stderr, and the command recorded, till it ends
+        invocation[:] = [*prog, *argv]
+        typed_as[:], db_given[:] = prog, []  # the command as typed, which messages name (see _render.as_typed); --db
+        with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way
+            code = _main(argv, " ".join(prog))
     if program:
         _ending[:] = [code]
     return code
 
 
+# One verb at a time in a process: main() called from several threads at once left sys.stdout and sys.stderr kprof's
+# wrappers for good (each verb put back the streams it found, another's), and recorded another's command in its rows
+_one_verb = threading.RLock()
+os.register_at_fork(after_in_child=lambda: globals().update(_one_verb=threading.RLock()))  # (no verb runs there)
 _ending: list[int] = []  # the exit code of the program's verb, for _end_by_signal
 _SIGNALS = {129: "SIGHUP", 130: "SIGINT", 141: "SIGPIPE", 143: "SIGTERM"}
 
@@ -319,7 +324,6 @@ def _main(argv: list[str], prog: str = "kprof") -> int:
                 hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     import signal
-    import threading
 
     from .._signals import STOPS
 

@@ -15,3 +15,71 @@ def test_a_handler_set_from_c_is_left_as_it_is(monkeypatch, capsys):
     assert main(["list"]) == 0
     assert "single_gemm" in capsys.readouterr().out
     assert real(signal.SIGTERM) == before
+
+
+def test_verbs_run_from_threads_at_once_leave_the_streams_as_they_were(monkeypatch, capsys):
+    """Two threads of a service each calling main(): one verb began while the other ran and ended after it, and put
+    back the streams it had found, the other verb's wrappers: sys.stdout and sys.stderr stayed kprof's for good (a
+    later failed write of the program's own raised kprof's OutputError, or its stderr went silent)."""
+    import sys
+    import threading
+
+    import kprof.cli as cli
+
+    first_in, first_out = threading.Event(), threading.Event()
+
+    def verb(argv):
+        if argv == ["first"]:
+            first_in.set()
+            first_out.wait(0.3)  # the second begins meanwhile, where verbs may overlap
+        else:
+            first_out.wait(5)  # and ends after the first
+        return 0
+
+    monkeypatch.setattr(cli, "app", verb)
+    before = sys.stdout, sys.stderr
+
+    def first():
+        main(["first"])
+        first_out.set()
+
+    def second():
+        first_in.wait(5)
+        main(["second"])
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (sys.stdout, sys.stderr) == before
+
+
+def test_a_process_forked_while_a_verb_runs_in_another_thread_runs_its_own(monkeypatch):
+    """A harness that forks while one of its threads is inside main(): the child inherited the verb's lock held by a
+    thread it does not have, and its own main() waited for good."""
+    import os
+    import threading
+
+    import kprof.cli as cli
+
+    inside, release = threading.Event(), threading.Event()
+
+    def verb(argv):
+        if argv == ["hold"]:
+            inside.set()
+            release.wait(10)
+        return 0
+
+    monkeypatch.setattr(cli, "app", verb)
+    holder = threading.Thread(target=main, args=(["hold"],))
+    holder.start()
+    inside.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: its verb, or exit 99 after 5 s waiting for the lock
+        threading.Timer(5, os._exit, args=(99,)).start()
+        os._exit(main(["child"]))
+    _pid, status = os.waitpid(pid, 0)
+    release.set()
+    holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0
