@@ -135,12 +135,17 @@ def stdout_to_stderr(on: bool = True):
             os.close(saved)
 
 
+def is_tty(stream) -> bool:
+    """Whether stream is a terminal: a caller's stream that only writes (a service's logger, no isatty) is not."""
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 def console(stderr: bool = False):
     stream = sys.stderr if stderr else sys.stdout
     # Off a terminal (pipes, logs, tests), rich would wrap tables at 80 columns: give them room instead, unless
     # COLUMNS says how wide (`COLUMNS=80 kprof query ... > log`, as the help is laid out; `guarded` keeps a valid one).
     columns = os.environ.get("COLUMNS", "").strip()
-    width = None if stream.isatty() else int(columns) if columns else 200
+    width = None if is_tty(stream) else int(columns) if columns else 200
     # No markup: what is printed (paths, specs, exception text) is shown as it is; `rows[bold]/x.kseg` or
     # `pip install ray[client]` would otherwise lose their brackets. Styling goes through rich.text.Text.
     return _console_class()(file=stream, highlight=False, soft_wrap=True, width=width, markup=False)

@@ -16,7 +16,7 @@ from .. import api
 from ..errors import UsageError
 from ..specs import read_specs
 from ._options import L2, Backend, CudaGraph, Db, GpuName, Json, OutputDir, Power, Spec, Specs, Table, Timer
-from ._render import busy_host_note, console, emit_json, results_table, stdout_to_stderr, waiting_note
+from ._render import busy_host_note, console, emit_json, is_tty, results_table, stdout_to_stderr, waiting_note
 
 
 def _one_mode(arguments) -> None:
@@ -38,7 +38,7 @@ def _progress():
     of a long fill), or on one that cannot redraw it (TERM=dumb: an editor's shell, where the bar showed nothing for
     the whole run), a line on stderr at most every PROGRESS_EVERY_S: done of total, the rate and the time left."""
     err = console(stderr=True)
-    if not sys.stderr.isatty() or not err.is_interactive:  # (FORCE_COLOR, set for a CI log, makes rich's a terminal)
+    if not is_tty(sys.stderr) or not err.is_interactive:  # (FORCE_COLOR, set for a CI log, makes rich's a terminal)
         return None, _progress_lines(), None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -83,3 +83,33 @@ def test_a_process_forked_while_a_verb_runs_in_another_thread_runs_its_own(monke
     release.set()
     holder.join()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+class _Writer:
+    """A service's stream that only writes (a logger's adapter): no isatty, fileno or encoding."""
+
+    def __init__(self):
+        self.parts = []
+
+    def write(self, text):
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_streams_that_only_write_take_a_verbs_output(monkeypatch):
+    """sys.stdout and sys.stderr set to a writer without isatty: every verb that printed a table or an error line, and
+    every run, raised AttributeError ('_Writer' object has no attribute 'isatty') instead of writing it."""
+    import sys
+
+    out, err = _Writer(), _Writer()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["list"]) == 0
+    assert main(["scopes", "--db", "none.db"]) == 2
+    assert "single_gemm" in "".join(out.parts) and "no ledger at none.db" in "".join(err.parts)
+    spec = '{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}'  # a run's progress, off a terminal: its lines
+    assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--fresh"]) == 0
+    assert "measuring 1 spec(s)" in "".join(err.parts)
