@@ -7,15 +7,15 @@
 
 `get_<table>` returns the ok Row, or None for a spec that is missing, stale or failed; a GPU key for which the
 ledger has never held a row of that table/backend raises UnknownGpuKeyError (exit 2), naming the GPU keys it holds
-(`kprof.api.scopes()` and `kprof scopes` list them all). `count_<table>` counts the specs without an ok row
-(every spec, under a GPU key not yet measured). Both read the rows of one timing method: `timer`, `l2`,
-`cuda_graph` and `power` choose it as in `kprof.api` (each defaulting to its KPROF_* variable; see
-`kprof.method.effective_entry`). Ledgers and views are opened once per (db, table, backend, gpu_key, method) and
-reused while the same file is at the path (a file replaced there is opened again, as is an older-format file, read
-from an upgraded copy, once a writer has written it). A lookup reads the timing method's variables from the
-environment, checks the file at the path (a stat) and the ledger's own file, then hashes one key and reads its
-verified row from the B-tree: about 0.1 ms on a 2-core machine. The ledgers are closed at exit. Nothing here imports
-torch, cupti or pynvml.
+(`kprof.api.scopes()` and `kprof scopes` list them all). `count_<table>` counts the specs without an ok row (every
+spec, under a GPU key not yet measured). Both read the rows of one timing method: `timer`, `l2`, `cuda_graph` and
+`power` choose it as in `kprof.api` (each defaulting to its KPROF_* variable; see `kprof.method.effective_entry`).
+Ledgers and views are opened once per (db, table, backend, gpu_key, method) and reused while the same file is at the
+path (a file replaced there is opened again, as is an older-format file, read from an upgraded copy, once a writer
+has written it); at most OPEN_LEDGERS (32) are held open, the least recently read closed first. A lookup reads the
+timing method's variables from the environment, checks the file at the path (a stat) and the ledger's own file, then
+hashes one key and reads its verified row from the B-tree: about 0.1 ms on a 2-core machine. The ledgers are closed
+at exit. Nothing here imports torch, cupti or pynvml.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from typing import Any, Callable
 from .api import check_gpu_key
 from .errors import LedgerError, SpecError
 from .ledger import Ledger, ledger_path
+from .ledger._env import _lock as _env_lock
+from .ledger._env import _mapping, _reads
 from .ledger.view import Row, View
 from .method import effective_entry, resolve_gpu_key
 from .runners.registry import RESERVED, entries, lookup
@@ -40,6 +42,10 @@ _lock = threading.Lock()
 _ledgers: dict[str, tuple[Ledger, tuple, str]] = {}  # path -> (ledger, _identity of the file it opened, its realpath)
 _views: dict[tuple, View] = {}
 _ARGUMENTS = tuple(name for name in RESERVED if name != "gpu_name")  # the keywords of get_<table> and count_<table>
+# The most ledgers held open at once, the least recently read closed first: a harness reading a ledger of each of its
+# temporary directories held every one open (3 descriptors and a mapping each) after the directory was removed, until
+# the process ran out of descriptors
+OPEN_LEDGERS = 32
 
 
 def _identity(path: str) -> tuple:
@@ -80,9 +86,12 @@ def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | Non
             fresh = Ledger.open(given, readonly=True)
             _drop(path)
             _ledgers[path] = (fresh, identity, os.path.realpath(given))
+        if held is not None:
+            _ledgers[path] = _ledgers.pop(path)  # the most recently read last
         view = _views.get(cached)
         if view is None:
             if path not in _ledgers:
+                _close_least_read()
                 identity = _identity(path)  # before opening: a file replaced meanwhile is opened again next time
                 _ledgers[path] = (Ledger.open(given, readonly=True), identity, os.path.realpath(given))
             key = resolve_gpu_key(entry, None, keyword="gpu_key") if gpu_key is None else check_gpu_key(gpu_key)
@@ -95,6 +104,17 @@ def _drop(path: str) -> None:
     _ledgers.pop(path)[0].close()
     for cached in [cached for cached in _views if cached[0] == path]:
         del _views[cached]
+
+
+def _close_least_read() -> None:
+    """Closes ledgers past OPEN_LEDGERS - 1, those whose file is gone or replaced first, then the least recently read,
+    where no thread's read is in them (see Ledger.read: none begins while _mapping is held, and one that waited for it
+    finds the ledger closed)."""
+    with _env_lock, _mapping:  # in the order Ledger.open takes them
+        idle = [path for path, held in _ledgers.items() if not any(e is held[0].env for e, _t, _i in _reads.values())]
+        idle.sort(key=lambda path: _stands(path, *_ledgers[path]))  # (stable: the least recently read first)
+        for path in idle[:max(len(_ledgers) - OPEN_LEDGERS + 1, 0)]:
+            _drop(path)
 
 
 def close_all() -> None:

@@ -383,3 +383,51 @@ def test_the_run_an_unknown_gpu_key_names_measures_under_the_thread_count_looked
     done = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (command, done.stdout, done.stderr)
     assert perf_api.get_memcpy(backend="torch-cpu", gpu_key=cpu_model(), bytes=4096, db=path) is not None
+
+
+def test_ledgers_past_the_limit_are_closed_least_recently_read_first(tmp_path, monkeypatch):
+    """A harness reading a ledger in each of its temporary directories: perf_api held every ledger it had read open
+    (3 descriptors and a mapping each), removed or not, till the process ran out of descriptors. At most OPEN_LEDGERS
+    stay open, the least recently read closed first; one closed so is opened again when next read."""
+    monkeypatch.setattr(perf_api, "OPEN_LEDGERS", 2, raising=False)
+    paths = [_write(str(tmp_path / f"{i}.db"), 0.1 * (i + 1)) for i in range(4)]
+    get = perf_api.get_single_gemm
+    try:
+        for path in [paths[0], paths[1], paths[0], paths[2]]:
+            assert get(backend="torch-cpu", gpu_key="Known CPU", db=path, **SPEC) is not None
+        assert sorted(perf_api._ledgers) == [paths[0], paths[2]]  # paths[1], read longer ago than paths[0], closed
+        assert get(backend="torch-cpu", gpu_key="Known CPU", db=paths[3], **SPEC) is not None
+        assert sorted(perf_api._ledgers) == paths[2:]
+        assert get(backend="torch-cpu", gpu_key="Known CPU", db=paths[0], **SPEC).metrics["time_ms"] == 0.1
+        assert len(perf_api._ledgers) == 2
+    finally:
+        perf_api.close_all()
+
+
+def test_a_ledger_read_meanwhile_is_not_closed_past_the_limit(tmp_path, monkeypatch):
+    """A ledger whose rows a caller is still iterating stays open while others are opened past the limit."""
+    monkeypatch.setattr(perf_api, "OPEN_LEDGERS", 1, raising=False)
+    first, second = _write(str(tmp_path / "a.db")), _write(str(tmp_path / "b.db"), 0.5)
+    try:
+        rows = perf_api.view_for("single_gemm", "torch-cpu", "Known CPU", first).rows()
+        next(rows, None)  # a read begun, not finished
+        assert perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=second, **SPEC).metrics[
+            "time_ms"] == 0.5
+        assert list(rows) == [] and first in perf_api._ledgers  # it ends as it began
+    finally:
+        perf_api.close_all()
+
+
+def test_a_ledger_whose_file_is_gone_is_closed_before_one_read_longer_ago(tmp_path, monkeypatch):
+    """Past the limit, the ledger of a removed file (whose views answer for no file at the path) is closed first; a
+    live one read longer ago, whose views a caller may hold, stays open."""
+    monkeypatch.setattr(perf_api, "OPEN_LEDGERS", 2, raising=False)
+    paths = [_write(str(tmp_path / f"{i}.db")) for i in range(3)]
+    try:
+        for path in paths[:2]:
+            perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=path, **SPEC)
+        os.remove(paths[1])
+        perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=paths[2], **SPEC)
+        assert sorted(perf_api._ledgers) == [paths[0], paths[2]]
+    finally:
+        perf_api.close_all()
