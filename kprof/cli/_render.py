@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import io
 import json
 import os
 import re
@@ -95,7 +96,9 @@ def guarded():
             if getattr(sys, name) is None:
                 setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Guarded(sys.stdout, True), _Guarded(sys.stderr, False)
+    # None (an embedded interpreter's, or pythonw's, where the verb wrote to None: AttributeError): nothing is shown
+    sys.stdout, sys.stderr = (_Guarded(io.StringIO() if stream is None else stream, answer)
+                              for stream, answer in ((sys.stdout, True), (sys.stderr, False)))
     # COLUMNS=0 (or any value not a width) made rich print nothing, every answer and error line lost, and the help a
     # traceback: such a value is set aside while the verb runs, and a terminal's own size is used.
     # So is a COLUMNS outside 20 to 10,000: at 1 or 2 a verb's help wrapped forever (cyclopts), and at 10**11 rich laid

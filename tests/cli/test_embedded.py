@@ -113,3 +113,17 @@ def test_streams_that_only_write_take_a_verbs_output(monkeypatch):
     spec = '{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}'  # a run's progress, off a terminal: its lines
     assert main(["run", "single_gemm", "--backend", "torch-cpu", "--spec", spec, "--fresh"]) == 0
     assert "measuring 1 spec(s)" in "".join(err.parts)
+
+
+def test_no_python_streams_at_all_is_no_traceback(monkeypatch):
+    """An embedded interpreter (or pythonw) without sys.stdout or sys.stderr (None) while descriptors 1 and 2 are
+    open: every verb raised AttributeError ('NoneType' object has no attribute 'write'); it runs, showing nothing, and
+    the streams stay None."""
+    import sys
+
+    monkeypatch.setattr(sys, "stdout", None)
+    monkeypatch.setattr(sys, "stderr", None)
+    assert main(["list"]) == 0
+    assert main(["scopes", "--db", "none.db"]) == 2
+    assert main(["list", "--json"]) == 0
+    assert sys.stdout is None and sys.stderr is None
