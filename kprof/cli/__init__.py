@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), prog
         import atexit
 
         atexit.register(_end_by_signal)  # before anything a verb registers: it runs last
-    argv = sys.argv[1:] if argv is None else list(argv)
+    # each a str, bytes or a path (a test's `tmp_path / "p.db"`), as subprocess takes them; a str alone, one argument
+    argv = sys.argv[1:] if argv is None else [os.fsdecode(a) for a in ([argv] if isinstance(argv, str) else argv)]
     from ._render import db_given, guarded, typed_as
 
     with _one_verb:  # a verb holds the process's sys.stdout and sys.stderr, and the command recorded, till it ends

@@ -127,3 +127,15 @@ def test_no_python_streams_at_all_is_no_traceback(monkeypatch):
     assert main(["scopes", "--db", "none.db"]) == 2
     assert main(["list", "--json"]) == 0
     assert sys.stdout is None and sys.stderr is None
+
+
+def test_arguments_may_be_paths_or_bytes(tmp_path, capsys):
+    """A harness passing `--db tmp_path / "p.db"` (a pathlib.Path, as subprocess takes): main() raised AttributeError
+    ('PosixPath' object has no attribute 'encode'); a path or bytes is its text, and a str alone one argument (it was
+    read as a list of characters: `Unknown command "s"`)."""
+    assert main(["scopes", "--db", tmp_path / "none.db"]) == 2
+    assert f"no ledger at {tmp_path / 'none.db'}" in capsys.readouterr().err
+    assert main([b"scopes", b"--db", bytes(tmp_path / "none.db")]) == 2
+    assert f"no ledger at {tmp_path / 'none.db'}" in capsys.readouterr().err
+    assert main("list") == 0
+    assert "single_gemm" in capsys.readouterr().out
