@@ -320,10 +320,6 @@ def _db_given(argv: list[str], flag: str = "--db") -> str | None:
 
 
 def _main(argv: list[str], prog: str = "kprof") -> int:
-    for stream in (sys.stdout, sys.stderr):  # a non-UTF-8 terminal shows what it cannot encode as escapes, not a crash
-        if (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and \
-                hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
     import signal
 
     from .._signals import STOPS

@@ -96,6 +96,12 @@ def guarded():
             if getattr(sys, name) is None:
                 setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
     saved = sys.stdout, sys.stderr
+    # a stream not UTF-8 (a C locale's terminal) shows what it cannot encode as escapes while the verb runs, not a
+    # crash; its own handler is put back after (it stayed, and the caller's own print of `é` no longer raised)
+    escaped = [(s, s.errors) for s in dict.fromkeys(saved) if hasattr(s, "reconfigure") and
+               (getattr(s, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8"]
+    for stream, _errors in escaped:
+        stream.reconfigure(errors="backslashreplace")
     # None (an embedded interpreter's, or pythonw's, where the verb wrote to None: AttributeError): nothing is shown
     sys.stdout, sys.stderr = (_Guarded(io.StringIO() if stream is None else stream, answer)
                               for stream, answer in ((sys.stdout, True), (sys.stderr, False)))
@@ -112,6 +118,9 @@ def guarded():
     finally:
         sys.stdout, sys.stderr = saved
         os.environ.update(sizes)
+        for stream, errors in escaped:
+            with contextlib.suppress(OSError, ValueError):  # a flush that fails (the reader left), a closed stream
+                stream.reconfigure(errors=errors)
 
 
 @contextlib.contextmanager

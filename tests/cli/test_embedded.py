@@ -139,3 +139,18 @@ def test_arguments_may_be_paths_or_bytes(tmp_path, capsys):
     assert f"no ledger at {tmp_path / 'none.db'}" in capsys.readouterr().err
     assert main("list") == 0
     assert "single_gemm" in capsys.readouterr().out
+
+
+def test_a_streams_error_handler_is_put_back(monkeypatch):
+    """On a stream that is not UTF-8 (PYTHONIOENCODING=ascii) a verb shows what it cannot encode as escapes: that
+    handler stayed on the caller's sys.stdout after main() returned, so its own print of `é` no longer raised."""
+    import io
+    import sys
+
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="ascii", errors="strict") for _ in range(2))
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["scopes", "--db", "n\u00e9.db"]) == 2
+    err.seek(0)
+    assert "no ledger at n\\xe9.db" in err.read()
+    assert (out.errors, err.errors) == ("strict", "strict")
