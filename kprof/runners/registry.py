@@ -91,38 +91,45 @@ def _check_args(entry: Entry) -> None:
                                  f"a default it takes") from None
 
 
+# The KPROF_RUNNERS modules imported into REGISTRY: the variable is read at each lookup, so a module named after the
+# first (or corrected after one failed) is imported then (read once, it stayed `unknown table` for the process's life)
+_loaded: set[str] = set()
+
+
 def _load() -> None:
     if not REGISTRY:
         from .catalog import ENTRIES  # the catalog imports only the entry type, never this module
 
+        _loaded.clear()
         for entry in ENTRIES:
             register(entry)
-        try:
-            _load_plugins()
-        except BaseException:  # the next lookup tries again (and says why again), never answers without the plugin
-            REGISTRY.clear()
-            raise
+    _load_plugins()
 
 
 def _load_plugins() -> None:
-    """Imports each module named in KPROF_RUNNERS (comma-separated): a module of runners of one's own, which
-    calls `register(Entry(...))` when imported. Pool workers inherit the variable, so they know the same
-    entries."""
+    """Imports each module named in KPROF_RUNNERS (comma-separated) not imported yet: a module of runners of one's
+    own, which calls `register(Entry(...))` when imported. Pool workers inherit the variable, so they know the same
+    entries. One that fails raises at each lookup (and says why again), never answered without."""
     import importlib
     import os
 
     for name in filter(None, (n.strip() for n in os.environ.get("KPROF_RUNNERS", "").split(","))):
+        if name in _loaded:
+            continue
         if name.startswith("."):  # importlib would raise a TypeError: a relative name has no package to be under
             raise UsageError(f"KPROF_RUNNERS names module {name!r}, a relative name; give its full dotted name "
                              f"(e.g. mypkg.kernels)")
+        _loaded.add(name)  # from now: a lookup of the module's own, while it is imported, imports it not again
         try:
             importlib.import_module(name)
-        except ImportError as e:
-            raise UsageError(f"KPROF_RUNNERS names module {name!r}, which does not import ({e}); fix the name or "
-                             f"put the module on PYTHONPATH") from None
-        except UsageError:  # register() refusing an entry: its message names the entry
-            raise
-        except Exception as e:  # the plugin's own code failed: where, not a traceback through kprof's
+        except BaseException as e:
+            _loaded.discard(name)  # imported again at the next lookup (one that failed is not in sys.modules)
+            if isinstance(e, ImportError):
+                raise UsageError(f"KPROF_RUNNERS names module {name!r}, which does not import ({e}); fix the name "
+                                 f"or put the module on PYTHONPATH") from None
+            if isinstance(e, UsageError) or not isinstance(e, Exception):  # register() refusing an entry names it
+                raise
+            # the plugin's own code failed: where, not a traceback through kprof's
             raise UsageError(f"KPROF_RUNNERS module {name!r} raised {type(e).__name__} when imported ({e}) at "
                              f"{_where(e)}; fix the module") from None
 

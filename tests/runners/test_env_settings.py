@@ -3,6 +3,7 @@
 
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -142,3 +143,29 @@ def test_pool_settings_read_blank_and_spacing_as_the_others_do(name, raw, read, 
 
     monkeypatch.setenv(name, raw)
     assert (pool_mode if name == "KPROF_POOL" else cpu_workers)() == read
+
+
+_PLUGIN = """import msgspec
+from kprof.runners.registry import lookup, register
+register(msgspec.structs.replace(lookup("single_gemm", "torch-cpu"), table="late_gemm", runner="late_plugin:Runner"))
+"""
+
+
+@pytest.mark.parametrize("first", ["", "late_plugin, no_such_plugin"])
+def test_a_runners_module_named_after_the_first_lookup_is_imported(first, tmp_path, monkeypatch):
+    """A long-lived process (a notebook) that set KPROF_RUNNERS after its first lookup, or corrected it after a name
+    in it failed to import: the variable was read once, so its module's tables stayed `unknown table` for the life of
+    the process, though the variable named them."""
+    from kprof.runners import registry
+
+    (tmp_path / "late_plugin.py").write_text(_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "late_plugin", raising=False)  # (another case's)
+    monkeypatch.setattr("kprof.runners.registry.REGISTRY", {})
+    monkeypatch.setenv("KPROF_RUNNERS", first)
+    try:
+        registry.lookup("single_gemm", "torch-cpu")
+    except UsageError as exc:
+        assert "'no_such_plugin', which does not import" in str(exc)
+    monkeypatch.setenv("KPROF_RUNNERS", "late_plugin")
+    assert registry.lookup("late_gemm", "torch-cpu").runner == "late_plugin:Runner"
