@@ -274,11 +274,12 @@ def main(argv: list[str] | None = None, prog: tuple[str, ...] = ("kprof",), prog
         atexit.register(_end_by_signal)  # before anything a verb registers: it runs last
     # each a str, bytes or a path (a test's `tmp_path / "p.db"`), as subprocess takes them; a str alone, one argument
     argv = sys.argv[1:] if argv is None else [os.fsdecode(a) for a in ([argv] if isinstance(argv, str) else argv)]
-    from ._render import db_given, guarded, typed_as
+    from ._render import db_given, guarded, typed_as, whole_process
 
     with _one_verb:  # a verb holds the process's sys.stdout and sys.stderr, and the command recorded, till it ends
         invocation[:] = [*prog, *argv]
         typed_as[:], db_given[:] = prog, []  # the command as typed, which messages name (see _render.as_typed); --db
+        whole_process[:] = [program]
         with guarded():  # a failed write of stdout: one line (exit 2), of stderr: dropped; no traceback either way
             code = _main(argv, " ".join(prog))
     if program:

@@ -34,13 +34,15 @@ def emit_json(doc) -> None:
 
 
 def _stdout_failed(stream, exc: OSError):
-    """A verb's output could not be written: stdout is pointed at os.devnull (so the interpreter's last flush at exit
-    does not fail again, with a traceback) and the failure is raised as OutputError, one line (exit 2), or, where the
-    reader went away (a closed pipe), OutputClosed (nothing said, exit 141)."""
+    """A verb's output could not be written: where kprof is the process, stdout is pointed at os.devnull (so the
+    interpreter's last flush at exit does not fail again, with a traceback; a process that called main() keeps its
+    stdout: it went on writing nothing, for good) and the failure is raised as OutputError, one line (exit 2), or,
+    where the reader went away (a closed pipe), OutputClosed (nothing said, exit 141)."""
     with contextlib.suppress(AttributeError, ValueError, OSError):  # no descriptor: a test's captured stream
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, stream.fileno())
-        os.close(null)
+        if whole_process[0]:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)
     if exc.errno == errno.EPIPE:
         raise OutputClosed("") from None
     raise OutputError(f"could not write the output to stdout ({exc.strerror or exc}); what the verb stored stays "
@@ -76,6 +78,9 @@ class _Guarded:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+whole_process = [True]  # whether the verb's call is the process (main's `program`), which a failed stdout ends
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 No traceback in any case: one line and exit 2 for a failed answer, nothing and exit 141 for a reader gone, and a lost
 note on stderr never changes a verb's outcome."""
 
+import contextlib
 import errno
 import io
 import json
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 
+import kprof.cli as main_mod
 from kprof.cli import main
 
 GEMM = {"m": 32, "n": 32, "k": 32, "dtype": "fp32"}
@@ -144,6 +146,25 @@ def test_in_process_a_failed_write_of_stdout_is_an_exit_code_not_a_traceback(db,
     err = capsys.readouterr().err
     assert err == "" if rc == 141 else err.startswith(f"error: could not write the output to stdout "
                                                       f"({os.strerror(code)}); ")
+
+
+@pytest.mark.parametrize("program", [False, True])
+def test_a_failed_stdout_is_pointed_at_dev_null_only_where_kprof_is_the_process(db, monkeypatch, program):
+    """A process calling main() (a service, a notebook) whose stdout failed once (a reader gone) had that descriptor
+    pointed at os.devnull for good: everything it wrote after was lost. Only where main() is the process (its last
+    flush at exit would fail again) is it."""
+    read, write = os.pipe()
+    os.close(read)  # every write fails with EPIPE
+    stream = open(write, "w", closefd=False)
+    try:
+        monkeypatch.setattr(sys, "stdout", stream)
+        assert main(_query(db, "--json"), program=program) == 141
+        assert os.path.samestat(os.fstat(write), os.stat(os.devnull)) is program
+    finally:
+        with contextlib.suppress(OSError):
+            stream.close()
+        os.close(write)
+        main_mod._ending.clear()  # (a program's exit code, which its exit handler would end the process by)
 
 
 @pytest.mark.parametrize("columns", ["0", "abc", "-3", "²"])  # ²: a digit to isdigit(), not to int()
