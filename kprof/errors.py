@@ -130,8 +130,6 @@ class LedgerPathError(SettingError, LedgerError):
         """Nothing at `path`, where a reader looks for the ledger: the message says where the path came from when it
         was not given ($KPROF_DB, or ./profile.db with KPROF_DB unset; a path given that is the same is that too) and
         the fix that fits it."""
-        import os
-
         env = os.environ.get("KPROF_DB", "").strip()  # as ledger_path reads it: spaces around it dropped
         if env and path == env:  # "set KPROF_DB" would say to do what was done
             where, fix = " (named by $KPROF_DB)", "set KPROF_DB to the ledger file (or unset it), or pass {}"

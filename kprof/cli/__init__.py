@@ -250,10 +250,10 @@ def _here(verb: str, argv: list[str]) -> None:
     relative paths name nothing there, and spawned processes (audit's shards, workers) and torch's libraries failed
     to start in it, as a traceback or a C library's fatal error. A reader of a ledger named by its whole path (query,
     count-missing, scopes, show; its --specs file so too), --help and --version answer as anywhere."""
-    read = [_db_given(argv) or os.environ.get("KPROF_DB", "").strip(), *{_db_given(argv, "--specs")} - {None}]
     try:
         os.getcwd()
     except FileNotFoundError:
+        read = [_db_given(argv) or os.environ.get("KPROF_DB", "").strip(), *{_db_given(argv, "--specs")} - {None}]
         if not verb or verb in ("query", "count-missing", "scopes", "show") and all(map(os.path.isabs, read)):
             return
         shown = f" ({os.environ['PWD']})" if os.environ.get("PWD") else ""

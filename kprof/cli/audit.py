@@ -137,7 +137,6 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict, seed
                                    f"the row's; re-measure them on a quieter host", markup=False)
     if report.busy > slower:  # the stored row was slowed: it, not this host, is off
         from json import dumps
-        from types import SimpleNamespace
 
         from .read import _run_command  # the run of those specs, on this ledger under this method
 
@@ -145,7 +144,7 @@ def _remeasure(db: str, n: int, tolerance: float, json: bool, method: dict, seed
         for r in report.rows:
             if r.suspect and r.drift <= 0:
                 specs.setdefault((r.table, r.backend), []).append(dumps(r.spec))
-        again = "; ".join(f"`{_run_command(SimpleNamespace(table=t, backend=b, db=report.db), s, None, None, method)}"
+        again = "; ".join(f"`{_run_command(t, b, report.db, s, None, None, method)}"
                           f" --force`" for (t, b), s in specs.items())
         console(stderr=True).print(f"note: {report.busy - slower} row(s) that drifted faster were stored while other "
                                    f"work took their host's cores (stored_host_busy in --json): the stored row may be "

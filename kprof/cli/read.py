@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from .. import api
 from ..method import effective_entry
 from ..runners.registry import lookup
@@ -17,21 +19,22 @@ def count_missing(table: Table, *, backend: Backend, spec: Spec = None, specs: S
     given, method = read_specs(spec, specs), dict(timer=timer, l2=l2, cuda_graph=cuda_graph, power=power)
     with stdout_to_stderr(json):  # a KPROF_RUNNERS module's print when imported: stdout is the document's alone
         res = api.count_missing(table, backend, given, gpu_name=gpu_name, db=db, **method)
+        command = functools.partial(_run_command, res.table, res.backend, res.db, spec, specs, gpu_name, method)
         _unknown_gpu_key(res, stale=lambda: api.query(table, backend, given, gpu_name=gpu_name, db=db, **method),
-                         now=lambda: effective_entry(lookup(table, backend), **method).contract,
-                         command=lambda verb: _run_command(res, spec, specs, gpu_name, method, verb))
-        _newer_rows(res, res.missing, method, lambda: _run_command(res, spec, specs, gpu_name, method))
+                         now=lambda: effective_entry(lookup(table, backend), **method).contract, command=command)
+        _newer_rows(res, res.missing, method, command)
     if json:
         emit_json(res.to_json())
     else:
         console().print(f"{res.missing_count} of {res.count} {table}/{backend} spec(s) missing for "
                         f"{res.gpu_name!r} in {res.db}", markup=False)
         if res.missing_count:
-            console().print(f"measure them: {_run_command(res, spec, specs, gpu_name, method)}", markup=False)
+            console().print(f"measure them: {command()}", markup=False)
     return 0
 
 
-def _run_command(res, spec, specs, gpu_name, method: dict, verb: str = "run") -> str:
+def _run_command(table: str, backend: str, db: str, spec, specs, gpu_name, method: dict,
+                 verb: str = "run") -> str:
     """The `kprof run` that fills what count-missing found missing: this command's specs, ledger and method (a run
     measures only the specs without an ok row; `verb` "query": the query that reads their rows). A method the
     environment chose (KPROF_TIMER=events, a CPU row's OMP_NUM_THREADS) is written out too, as the ledger is, and the
@@ -43,9 +46,9 @@ def _run_command(res, spec, specs, gpu_name, method: dict, verb: str = "run") ->
     from ..settings import environ
     from ._render import typed_as
 
-    entry, env = lookup(res.table, res.backend), environ()
+    entry, env = lookup(table, backend), environ()
     timing = effective_entry(entry, **method).contract.timing
-    argv = [*typed_as, verb, res.table, "--backend", res.backend, "--db", res.db]
+    argv = [*typed_as, verb, table, "--backend", backend, "--db", db]
     if entry.device == "cuda":  # a setting not given as a flag: the value its variable chose, where not the default
         timer, l2, graph = parse_timing(timing)
         resolved = dict(timer=timer, l2=l2, cuda_graph=graph, power=timing_power(timing))
@@ -76,7 +79,7 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
         res = api.query(table, backend, given, gpu_name=gpu_name, db=db, full=None if json else TABLE_ROWS, **method)
         _unknown_gpu_key(res)
         _newer_rows(res, [r["spec"] for r in res.results if r["status"] in ("missing", "stale")], method,
-                    lambda: _run_command(res, spec, specs, gpu_name, method))
+                    functools.partial(_run_command, res.table, res.backend, res.db, spec, specs, gpu_name, method))
     if json:
         emit_json(res.to_json())
     else:

@@ -385,8 +385,9 @@ def _merge_into(ledger: Ledger, paths: list[str], output_dir: str | None,
     except BaseException as exc:  # an interrupt, a full disk: what it left (the CLI), after a batch's commit too
         with contextlib.suppress(Exception):  # a ledger the failure left unreadable (a map not grown): no count
             if done := stored(ledger, check.batch_ids, check.seen):
+                rest = ", the rest are not," if done < check.events else ""
                 exc.add_note(f"the first {done} of the merge's {check.events} event(s) are in the ledger (whole "
-                             f"batches of {BATCH}, each checked){', the rest are not,' * (done < check.events)} and "
-                             f"nothing half-written is; the same merge again merges the rest")
+                             f"batches of {BATCH}, each checked){rest} and nothing half-written is; the same merge "
+                             f"again merges the rest")
         raise
     return added, existing - check.repeated, check.repeated

@@ -116,10 +116,12 @@ def _drop_killed(directory: str) -> None:
     writes a byte, so an empty unlocked one may be a live writer's, and holds nothing."""
     with suppress(OSError):
         for name in os.listdir(directory):
+            if not (name.startswith(".kseg-") and name.endswith(".part")):
+                continue
             part = os.path.join(directory, name)
             with suppress(OSError):
                 st = os.lstat(part)  # a regular file only: a pipe's open would wait for a writer
-                if name.startswith(".kseg-") and name.endswith(".part") and stat.S_ISREG(st.st_mode) and st.st_size:
+                if stat.S_ISREG(st.st_mode) and st.st_size:
                     with open(part, "rb") as f:
                         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # refused while its writer lives
                         os.unlink(part)

@@ -146,13 +146,14 @@ class _MoeGroupedGemm:
         on_cuda = torch.device(device).type == "cuda"
         if self.grouped:
             _require_grouped_mm(device, on_cuda)
-        elif on_cuda or spec.dtype == "fp32":
-            from .gemm import require_default_cuda_matmul, require_fp32_cpu_matmul
+        elif on_cuda:
+            from .gemm import require_default_cuda_matmul
 
-            if on_cuda:
-                require_default_cuda_matmul()
-            else:
-                require_fp32_cpu_matmul()
+            require_default_cuda_matmul()
+        elif spec.dtype == "fp32":  # oneDNN's fp32 precision, which a caller may have lowered
+            from .gemm import require_fp32_cpu_matmul
+
+            require_fp32_cpu_matmul()
         dt = torch_dtype(spec.dtype)
         g = torch.Generator().manual_seed(seed_of(spec))
         token_of_row, expert_of_row, counts = route(spec, g)
