@@ -103,8 +103,8 @@ _PREFILL_LAYOUT = "q [batch,heads,seq,head_dim], k/v [batch,kv_heads,seq,head_di
 _DECODE_LAYOUT = "q [batch,heads,1,head_dim], k/v [batch,kv_heads,kv_len,head_dim] contiguous"
 # CUDA rows time attention on the layout a model's QKV projection leaves (kprof.runners.attention).
 _PACKED = "[batch,tokens,(heads+2*kv_heads)*head_dim]"
-_PREFILL_LAYOUT_CUDA = (f"q/k/v [batch,heads,seq,head_dim] head views of one packed {_PACKED} projection output "
-                        f"(head_dim contiguous)")
+_PREFILL_LAYOUT_CUDA = (f"q [batch,heads,seq,head_dim], k/v [batch,kv_heads,seq,head_dim] head views of one packed "
+                        f"{_PACKED} projection output (head_dim contiguous)")
 _DECODE_LAYOUT_CUDA = (f"q [batch,heads,1,head_dim] a head view of a packed {_PACKED} projection output; "
                        f"k/v [batch,kv_heads,kv_len,head_dim] contiguous")
 _MOE_LAYOUT = ("x[tokens*topk,hidden] row-major, rows grouped by expert; w[experts,intermediate,hidden] "
@@ -154,6 +154,10 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # and a model's layers alternated between two speeds with its allocator's blocks (moe_decode_check.py); graph rows
 # rotate over the same placements, one CUDA graph each (revision 4 graph rows timed one allocation).
 GPU_REVISION = 5
+# A CUDA table's own revision where it moved past GPU_REVISION. attention_prefill 6 (2026-12-05): its layout names
+# k/v [batch,kv_heads,seq,head_dim] head views, as the runner builds them; revision 5 said q/k/v [batch,heads,...],
+# untrue of every GQA row. Its timing is revision 5's.
+GPU_REVISIONS = {"attention_prefill": 6}
 CPU_REVISION = 1
 # A torch-cpu table's own revision where it moved past CPU_REVISION. attention_prefill 2 (2026-12-05): its layout names
 # k/v [batch,kv_heads,seq,head_dim], as the runner builds them; revision 1 said q/k/v [batch,heads,seq,head_dim],
@@ -165,7 +169,7 @@ ENTRIES: list[Entry] = []  # every entry, in declaration order; kprof.runners.re
 
 
 def _register(table, args, kind, runner, backend, device, algorithm, layout, numerics, timing, description):
-    revision = GPU_REVISION if device == "cuda" else CPU_REVISIONS.get(table, CPU_REVISION)
+    revision = GPU_REVISIONS.get(table, GPU_REVISION) if device == "cuda" else CPU_REVISIONS.get(table, CPU_REVISION)
     ENTRIES.append(Entry(table=table, backend=backend, args=args, kernel_kind=kind, metric_family="compute",
                          contract=Contract(algorithm=algorithm, layout=layout, numerics=numerics, timing=timing,
                                            profiler_revision=revision),
@@ -212,10 +216,10 @@ _register("memcpy", MemcpyArgs, "memory", "kprof.runners.memcpy:Memcpy", "torch-
 # is the median over iterations of the slowest rank's time. `nccl` needs world_size GPUs (gpus_arg); `gloo` is its
 # CPU twin. message_size_bytes is nccl-tests' size (see kprof.runners.comm). The family counts its own revisions.
 COMM_REVISION = 1
-# A (table, backend)'s own revision where it moved past COMM_REVISION. all_to_all on gloo 2 (2026-12-05): its algorithm
+# A table's own revision where it moved past COMM_REVISION. all_to_all 2 (2026-12-05, gloo and nccl): its algorithm
 # names torch.distributed.all_to_all_single, the function its ranks call; revision 1 named torch.distributed.all_to_all,
-# the list-of-tensors call they never made. nccl's all_to_all keeps that name and revision 1, the key of its GPU rows.
-COMM_REVISIONS = {("all_to_all", "gloo"): 2}
+# the list-of-tensors call they never made.
+COMM_REVISIONS = {"all_to_all": 2}
 _COMM = {
     # table: (args, runner, layout per rank, reduces, description)
     "all_reduce": (AllReduceArgs, "AllReduce", "x[size/elt] contiguous, reduced in place", True,
@@ -237,11 +241,10 @@ def _register_comm(table, args, runner, layout, reduces, what):
     for backend, device, timing, env, by in (
             ("nccl", "cuda", GPU_TIMING, "cuda_env", "NCCL (its choice of algorithm and protocol), one GPU per rank"),
             ("gloo", "cpu", CPU_TIMING, "default_env", "gloo, one CPU process per rank")):
-        revision = COMM_REVISIONS.get((table, backend), COMM_REVISION)
-        named = table if table == "all_to_all" and revision == 1 else call  # the name of a revision-1 all_to_all key
+        revision = COMM_REVISIONS.get(table, COMM_REVISION)
         ENTRIES.append(Entry(
             table=table, backend=backend, args=args, kernel_kind="collective", metric_family="comm",
-            contract=Contract(algorithm=f"torch.distributed.{named} on {by}",
+            contract=Contract(algorithm=f"torch.distributed.{call} on {by}",
                               layout=f"per rank {layout}; size = message_size_bytes (nccl-tests' size)",
                               numerics=numerics, timing=timing, profiler_revision=revision),
             runner=f"kprof.runners.comm:{runner}", device=device, subprocess_env=env,

@@ -213,16 +213,19 @@ def test_first_cpu_contracts_are_unchanged():
             "timing": "cpu-wall;l2=warm;eager", "profiler_revision": revision[0] if revision else 1}
 
 
+@pytest.mark.parametrize("backend", ["torch-cpu", "torch", "torch-flash"])
 @pytest.mark.parametrize("table", ["attention_prefill", "attention_decode"])
-def test_a_cpu_attention_layout_names_the_shapes_its_gqa_case_holds(table):
+def test_an_attention_layout_names_the_shapes_its_gqa_case_holds(table, backend):
     """The layout string's q, k and v dims are the built tensors' shapes: under GQA k and v hold num_kv_heads heads
-    (the prefill layout said q/k/v [batch,heads,seq,head_dim])."""
-    entry = lookup(table, "torch-cpu")
+    (the prefill layouts, CPU and CUDA, said q/k/v [batch,heads,seq,head_dim]); the CUDA runner builds on the CPU
+    here, its tensors' shapes being the device's."""
+    entry = lookup(table, backend)
     spec = msgspec.convert({**SMALL[table], "num_heads": 8, "num_kv_heads": 2}, entry.args)
     dims = {"batch": spec.batch, "heads": 8, "kv_heads": 2, "head_dim": spec.head_dim, "1": 1,
             "seq": getattr(spec, "seq_len", None), "kv_len": getattr(spec, "kv_len", None)}
     said = {name: tuple(dims[d] for d in shape.split(","))
-            for names, shape in re.findall(r"([a-z/]+) \[([^\]]+)\]", entry.contract.layout) for name in names.split("/")}
+            for names, shape in re.findall(r"([a-z/]+) \[([^\]]+)\]", entry.contract.layout) for name in names.split("/")
+            if name in "qkv"}  # the CUDA layouts also name the packed projection output they are views of
     q, k, v = entry.load_runner()().build(spec, "cpu").inputs
     assert said == {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape)}
 
