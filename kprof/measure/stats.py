@@ -115,6 +115,8 @@ def placement_notes(samples_ms: list[float], used: list[int], copies: int, disca
     medians = copy_medians(samples_ms, used[-len(samples_ms):] if samples_ms else [], copies)
     if medians is None:
         return {"copy_estimator": "median of all samples (a copy has fewer than 3 samples)"}
+    if min(medians) <= 0:  # the events timer clamps a reading at 0: a copy it did not resolve has no time to average
+        return {"copy_estimator": "median of all samples (a copy's median is 0 ms: the timer did not resolve it)"}
     mean = statistics.fmean(medians)
     return {"estimator": "copy_mean", "copy_mean_ms": repr(mean),
             "copy_medians_ms": ",".join(f"{m:.6g}" for m in medians),

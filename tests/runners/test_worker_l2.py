@@ -159,6 +159,17 @@ def test_a_row_over_copies_is_the_mean_of_each_copys_median():
     assert "fewer than 3" in placement_notes(samples[:8], used, 4, discarded=0)["copy_estimator"]
 
 
+def test_a_copy_whose_median_is_zero_gives_the_median_of_all_samples_not_a_crash():
+    """The events timer clamps a sample at 0 ms: a placement whose median read 0 made placement_spread divide by
+    zero, and the row failed as a crash (ZeroDivisionError) though the timer had given samples."""
+    from kprof.measure.stats import placement_notes
+
+    used = [i % 2 for i in range(20)]
+    samples = [0.0 if c == 0 else 0.002 for c in used]
+    assert placement_notes(samples, used, 2, discarded=0) == {
+        "copy_estimator": "median of all samples (a copy's median is 0 ms: the timer did not resolve it)"}
+
+
 def test_copy_medians():
     from kprof.measure.stats import copy_medians
 
