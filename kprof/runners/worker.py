@@ -139,7 +139,7 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
         prov: Provenance = keys.provenance(raw, index)
         spec = msgspec.convert(prov.shape, entry.args)
         parent = parents.get(keys.key(raw, index))
-        timed = 0.0
+        timed, failing = 0.0, False
         env = device.env
         try:
             if getattr(device, "lost", None):
@@ -174,9 +174,10 @@ def measure_specs(entry: Entry, specs: Iterable, gpu_key: str, *, origin: Origin
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             event = failed(prov, kind, detail[:2000], environment=_record(Environment, env), origin=origin,
                            parent=parent)
-            if not isinstance(exc, DeviceLost):
-                _recover(device)
+            failing = not isinstance(exc, DeviceLost)
         case = None
+        if failing:  # after the case and the error's traceback (whose frames hold its inputs) are let go
+            _recover(device)
         yield Outcome(index, event, time.perf_counter() - started, timed)
 
 

@@ -57,6 +57,23 @@ def test_a_recovered_device_goes_on_measuring():
     assert type(first.event) is Failed and type(second.event) is Measured
 
 
+def test_recover_runs_once_the_failed_cases_inputs_are_let_go():
+    """recover() (gc, empty_cache) ran inside the except block, while the failed spec's case and the error's traceback
+    (whose frames hold the case's inputs) were still referenced: the memory of an OOM's spec could not be given back."""
+    import weakref
+
+    device, seen = _Sticky(), []
+
+    def measure(case, rule):
+        device.inputs = weakref.ref(case.inputs[0])
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    device.measure = measure
+    device.recover = lambda: seen.append(device.inputs() is None)
+    first, _second = measure_specs(lookup("rms_norm", "torch-cpu"), SPECS, "test gpu", device=device)
+    assert first.event.error_kind == "oom" and seen == [True, True]
+
+
 def test_a_pool_worker_whose_device_is_lost_ends_after_sending_the_event(tmp_path, monkeypatch):
     """The worker sends the failed spec's event, then ends instead of failing every spec it is handed: the pool
     starts a fresh worker (a fresh CUDA context) on the device."""
