@@ -83,9 +83,9 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
 
     fn: the production callable, inputs built beforehand; it is called once before warm-up so lazy setup
         (cuBLAS handles, module loading, autotuning) happens outside every sample, then warmed up for
-        >= 2 invocations and ~25 ms; every later invocation must launch the same multiset of kernels as
-        the first warm-up one (cupti), else TimerError.
-    cold_l2: write a buffer of 2x the device's L2 before every timed launch, outside the timed region.
+        >= 2 invocations and ~10 ms (200 at most); every later invocation must launch the same multiset of
+        kernels as the first warm-up one (cupti), else TimerError.
+    cold_l2: read a buffer of 2x the device's L2 before every timed launch, outside the timed region.
     kernel_filter: regex (re.search) on kernel names; only matching kernels are summed (cupti only).
     graph: the callable is captured once as a CUDA graph and each invocation is one replay. With cold_l2 the
         sweep (and `warm`) runs before every replay, outside the graph, exactly as before an eager call, so
@@ -104,8 +104,8 @@ def time_gpu(fn: Callable[[], object], rule: StopRule | None = None, *, timer: s
         of allocations. The result's placement_order lists the placement of every invocation (warm-up and
         settle included, the timed ones last).
     heat: the loaded power state: one unit of heavy work (a large GEMM) enqueued before every sweep, as many
-        units as make about twice the call's time, so the GPU runs at its power limit as it does inside a
-        prefill, whatever the timed kernel itself draws. Outside the timed region, like the sweep.
+        units (32 at most) as take about 4x a warm-up call's wall time, so the GPU runs at its power limit as it
+        does inside a prefill, whatever the timed kernel itself draws. Outside the timed region, like the sweep.
     state: the thermal and power protocol whose probe reads this device (settle, then hold every batch to the
         settled clock); its summary joins the notes. None: the fixed settle of long calls only.
     """
