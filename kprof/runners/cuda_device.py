@@ -254,7 +254,8 @@ class CudaDevice:
             raise NvmlError(f"energy_j: {e}; KPROF_ENERGY_S=0 measures the row without energy_j") from e
         warm = {}
         if settled is not None:
-            warm = {"energy_settle_s": f"{settled.seconds:.3f}", "energy_settled_sm_mhz": f"{settled.sm_mhz}"}
+            warm = {"energy_settle_s": f"{settled.seconds:.3f}",  # no SM clock from NVML: "n/a", as settled_sm_mhz
+                    "energy_settled_sm_mhz": "n/a" if settled.sm_mhz is None else f"{settled.sm_mhz}"}
         return result.j_per_call, {
             "energy_window_s": f"{result.window_s:.3f}", "energy_calls": str(result.calls),
             "energy_launch": how, "energy_ticks": str(result.ticks),

@@ -137,6 +137,16 @@ def test_a_gpu_without_an_energy_counter_fails_the_row_as_a_crash_naming_the_way
     assert "no NVML energy counter (Not Supported)" in str(exc.value) and "KPROF_ENERGY_S=0" in str(exc.value)
 
 
+def test_an_energy_settle_without_an_sm_clock_notes_n_a_not_the_text_none(gpu):
+    """NVML giving no SM clock made the energy settle's note read "None" (beside settled_sm_mhz "n/a"), a value no
+    reader of the note takes for a missing clock."""
+    gpu.fail["nvmlDeviceGetClockInfo"] = (pynvml.NVML_ERROR_NOT_SUPPORTED, 0)
+    d = device(energy_s=0.25)
+    d.capped_sample_s = (0.5, 0.5)
+    _stats, method, _energy, _env, _ = d.measure(case(), RULE)
+    assert method.notes["energy_settled_sm_mhz"] == "n/a" == method.notes["settled_sm_mhz"]
+
+
 def test_a_stuck_energy_counter_fails_the_row_rather_than_storing_an_energy(gpu):
     gpu.energy_w = 0.0
     with pytest.raises(Exception, match="did not advance.*KPROF_ENERGY_S=0") as exc:
