@@ -45,7 +45,7 @@ __all__ = ["GpuTiming", "TimerError", "time_gpu", "cupti_available", "rotation_c
 
 class GpuTiming(NamedTuple):
     samples_ms: list[float]  # one per timed invocation: kernel time (cupti) or event time (events)
-    stop_reason: str  # converged | budget | max_samples (StopRule.check)
+    stop_reason: str  # converged | resolution | budget | max_samples (StopRule.check; a capped row: capped_stop)
     warmup: int  # invocations run before timing
     wall_s: float  # wall time spent in time_gpu, warm-up included
     gpu_s: float  # timed GPU seconds: sum of samples x invocations per sample; gpu_s / wall_s = timer efficiency

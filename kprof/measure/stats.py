@@ -131,8 +131,8 @@ def _resolution(xs_sorted: list[float]) -> float:
 
 class StopRule:
     """Stop when at least `min_samples` and `min_time_s` are reached, the samples hold either `min_work_s`
-    of timed work or `min_work_n` samples, and the median's relative CI half-width is under `target`; or
-    when `budget_s` or `max_samples` is reached.
+    of timed work or `min_work_n` samples, and the median's relative CI half-width is under `target` (or the
+    interval spans one tick of the samples' clock: "resolution"); or when `budget_s` or `max_samples` is reached.
 
     The work floor keeps a long kernel from converging on its first few samples: its clock still moves
     (power capping acts over tens of milliseconds), and a median of 10 samples taken in 15 ms would name
