@@ -169,9 +169,9 @@ class CudaDevice:
         from ..measure.nvml import Telemetry, with_telemetry
 
         self.state_errors.clear()  # the probe's refusals during this row only (the probe writes into this dict)
+        self.start_notes = {}
+        state = self._state()  # waits, idle, for a hot GPU to cool: before the sampler, whose readings are of the work
         with Telemetry(0) as telemetry:
-            self.start_notes = {}
-            state = self._state()
             energy, notes = self._energy(case, state) if self.energy_s > 0 else (None, {})
             # Timing follows the energy window: the GPU is already in the steady state of this kernel, and
             # time_gpu settles it again in the samples' own pattern (flush, call) before holding each batch to it.

@@ -147,6 +147,23 @@ def test_an_energy_settle_without_an_sm_clock_notes_n_a_not_the_text_none(gpu):
     assert method.notes["energy_settled_sm_mhz"] == "n/a" == method.notes["settled_sm_mhz"]
 
 
+def test_a_rows_telemetry_is_of_its_work_not_of_the_cooldown_before_it(gpu, monkeypatch):
+    """A GPU hotter than the protocol's start temperature is left idle until it cools; the sampler ran through that
+    wait, so the row's environment (the clocks and reasons "seen while the work ran") was the idle GPU's."""
+    d, cooled = device(), math.inf
+
+    def hot():
+        return time.perf_counter() < cooled
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTemperature", gpu._wrap("temp", lambda h, s: 85 if hot() else 50))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetClockInfo", gpu._wrap(
+        "clock", lambda h, c: (345 if hot() else 1980) if c == pynvml.NVML_CLOCK_SM else 2619))
+    cooled = time.perf_counter() + 0.8
+    _stats, method, _energy, env, _ = d.measure(case(), RULE)
+    assert float(method.notes["cooldown_s"]) > 0 and method.notes["start_temp_c"] == "85.0"
+    assert env.clocks["sm_mhz_min"] == 1980
+
+
 def test_a_stuck_energy_counter_fails_the_row_rather_than_storing_an_energy(gpu):
     gpu.energy_w = 0.0
     with pytest.raises(Exception, match="did not advance.*KPROF_ENERGY_S=0") as exc:
