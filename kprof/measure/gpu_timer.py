@@ -239,7 +239,7 @@ def _prime(torch, fn, copies, placements=None, graph=False, order=None):
     if copies is None:
         fn()
         torch.cuda.synchronize()
-        return fn, 1, 1
+        return fn, 1, 1 + (GRAPH_WARMUP_ROUNDS * len(placements) if placements and graph else 0)  # _rotating's rounds
     side_warmup(torch, copies)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -602,6 +602,16 @@ def test_time_gpu_rotates_over_placements_eager_and_graph(sim, graph):
     assert t.samples_ms == [pytest.approx(0.002 if p == 0 else 0.0021) for p in order]
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_time_gpu_counts_a_placement_graphs_eager_rounds_in_its_warmup(sim, graph):
+    """Graph mode runs GRAPH_WARMUP_ROUNDS eager rounds of every placement before the captures, as it does of its one
+    callable without placements (where they count in warmup); with placements they were left out of it."""
+    placements = [lambda: sim.launch("gemm", 2_000), lambda: sim.launch("gemm", 2_100)]
+    t = time_gpu(None, StopRule(max_samples=10), graph=graph, placements=placements)
+    warm_calls = len(t.placement_order) - 1 - len(t.samples_ms)  # after the priming call, before the timed ones
+    assert t.warmup == 1 + warm_calls + (3 * len(placements) if graph else 0)
+
+
 @pytest.mark.parametrize("timer", ["cupti", "events"])
 def test_time_gpu_warms_the_placement_each_call_is_about_to_use(sim, timer):
     """With a warm per placement, the sweep before each call is followed by that call's placement's warm (the
