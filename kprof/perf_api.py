@@ -29,8 +29,6 @@ from typing import Any, Callable
 from .api import check_gpu_key
 from .errors import LedgerError, SpecError
 from .ledger import Ledger, ledger_path
-from .ledger._env import _lock as _env_lock
-from .ledger._env import _mapping, _reads
 from .ledger.view import Row, View
 from .method import effective_entry, resolve_gpu_key
 from .runners.registry import RESERVED, entries, lookup
@@ -61,7 +59,7 @@ def _stands(path: str, ledger: Ledger, identity: tuple, real: str) -> bool:
     reads an upgraded copy of an older-format file (which holds the file as it was when opened), one not written
     since (a writer upgrades the file in place, then appends). One a caller closed (`view_for(...).ledger`) is opened
     again: no Ledger.open of the caller's can reopen perf_api's."""
-    if ledger._closed:
+    if ledger.closed:
         return False
     now = _identity(path)
     return now == identity if ledger.real_path != real else now[:2] == identity[:2]
@@ -108,13 +106,12 @@ def _drop(path: str) -> None:
 
 def _close_least_read() -> None:
     """Closes ledgers past OPEN_LEDGERS - 1, those whose file is gone or replaced first, then the least recently read,
-    where no thread's read is in them (see Ledger.read: none begins while _mapping is held, and one that waited for it
-    finds the ledger closed)."""
-    with _env_lock, _mapping:  # in the order Ledger.open takes them
-        idle = [path for path, held in _ledgers.items() if not any(e is held[0].env for e, _t, _i in _reads.values())]
-        idle.sort(key=lambda path: _stands(path, *_ledgers[path]))  # (stable: the least recently read first)
-        for path in idle[:max(len(_ledgers) - OPEN_LEDGERS + 1, 0)]:
+    where no thread's read is in them (Ledger.close_if_idle)."""
+    excess = len(_ledgers) - OPEN_LEDGERS + 1
+    for path in sorted(_ledgers, key=lambda path: _stands(path, *_ledgers[path])):  # (stable: the least read first)
+        if excess > 0 and _ledgers[path][0].close_if_idle():
             _drop(path)
+            excess -= 1
 
 
 def close_all() -> None:

@@ -181,10 +181,6 @@ class Store:
     def put(self, db: str, k: bytes, v: bytes) -> None: ...
     def delete(self, db: str, k: bytes) -> None: ...
 
-    def logged(self, seq: bytes) -> bytes:
-        """The event id the log holds at seq (8 bytes)."""
-        return self.get("log", seq)
-
     def event(self, eid: bytes):
         data = self.get("events", eid)
         return None if data is None else _codec.event_decoder.decode(data)
@@ -251,7 +247,7 @@ class Reducer:
                                  f"{'not stored' if target is None else 'a retraction'}; restore the file from a copy")
         _sid, entry = self._scope(target.provenance)
         key, latest, latest_failed = event.key, None, None
-        for hid in map(s.logged, map(pack_seq, reversed(history.seqs))):
+        for hid in (s.get("log", pack_seq(seq)) for seq in reversed(history.seqs)):
             if s.get("retracted", hid) is not None:
                 continue
             ev = s.event(hid)

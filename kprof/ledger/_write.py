@@ -65,6 +65,15 @@ class TxnStore(Store):
         self.known.clear()  # what was read ahead may have been written since: read the transaction again
 
 
+def meta_number(raw: bytes | None) -> int | None:
+    """A stored format version or count (meta): None where absent, 0 where damaged (not a positive integer)."""
+    try:
+        found = None if raw is None else msgspec.msgpack.decode(raw)
+    except _codec.UNDECODABLE:
+        return 0
+    return found if raw is None or (type(found) is int and found >= 1) else 0
+
+
 def canonical(event, index: int):
     """(the event as the ledger reads it back, its canonical bytes), checked against the schema (msgspec Structs do not
     validate when built) as it decodes: appending what `ledger.event` returns is a no-op; nothing unreadable is kept."""
@@ -88,11 +97,8 @@ def rebuild_views(txn: lmdb.Transaction, dbs: dict, views: tuple) -> int:
         reducer.apply(_codec.stored_event(txn.get(eid, db=events) or b"", eid), eid, seq_of(k))
     reducer.flush()
     reducer.store.flush()
-    try:
-        count = msgspec.msgpack.decode(txn.get(REBUILT, db=dbs["meta"]) or b"\x00")
-    except _codec.UNDECODABLE:
-        count = 0
-    txn.put(REBUILT, _codec.encode((count if type(count) is int and count > 0 else 0) + 1), db=dbs["meta"])
+    count = meta_number(txn.get(REBUILT, db=dbs["meta"])) or 0  # absent or damaged: 0
+    txn.put(REBUILT, _codec.encode(count + 1), db=dbs["meta"])
     return n
 
 

@@ -22,7 +22,7 @@ from . import _codec
 from ._env import (CREATE_WAIT_S, _FORK_FIX, _await_reads, _begin, _check_file, _envs, _identity, _inherited, _live,
                    _lock, _mapping, _read_only_file, _reads, _release, _write_txn)
 from ._memo import Memo
-from ._write import AppendResult, append_events, canonical, rebuild_views
+from ._write import AppendResult, append_events, canonical, meta_number, rebuild_views
 from ._path import _recognize, _with_lock, ledger_path
 from ._resolve import resolve
 from ._verify import damaged, event as verified_event, reading
@@ -36,15 +36,6 @@ VIEW_DBS = ("current", "scope_index", "history", "failures", "retracted", "scope
 DEFAULT_MAP_SIZE = 1 << 34  # 16 GiB of address space (less under ulimit -v); the file only grows as pages are used
 
 
-def _version(raw: bytes | None) -> int | None:
-    """A stored format version: None where absent, 0 where damaged (not a positive integer)."""
-    try:
-        found = None if raw is None else msgspec.msgpack.decode(raw)
-    except _codec.UNDECODABLE:
-        return 0
-    return found if raw is None or (type(found) is int and found >= 1) else 0
-
-
 class _Creating(Exception):
     """The file holds no kprof sub-databases yet: a writer creating it may not have committed them."""
 
@@ -55,7 +46,7 @@ class Ledger:
     def __init__(self, path: str, env: lmdb.Environment, readonly: bool):
         self.path, self.env, self.readonly = path, env, readonly
         self.real_path = os.path.realpath(path)  # as resolved at opening: the process may change directory
-        self._pid, self._forked, self._closed, self._writing = os.getpid(), False, False, threading.RLock()  # see write
+        self._pid, self._forked, self.closed, self._writing = os.getpid(), False, False, threading.RLock()  # see write
         self._entry, self._temporary, self._source = _envs[self.real_path], None, None  # see _check_file, _reading_copy
         self.dbs = self._entry[5] = self._entry[5] or {n: env.open_db(n.encode(), create=False) for n in DBS}  # once
         self.memo = Memo()  # the answers of recent bulk lookups, each valid while its view root stands
@@ -176,12 +167,12 @@ class Ledger:
         """Makes a new file a ledger, upgrades an older one (writers); False for a reader of an older file."""
         if readonly:
             with _mapping, _begin(env, path) as txn:  # a read: a reader of a current file never waits for a writer
-                found = _version(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
+                found = meta_number(txn.get(b"format_version", db=env.open_db(b"meta", txn=txn, create=False)))
             return found is None or not 1 <= found < _codec.FORMAT_VERSION
 
         def work(txn):
             meta = env.open_db(b"meta", txn=txn, create=True)
-            found = _version(txn.get(b"format_version", db=meta))
+            found = meta_number(txn.get(b"format_version", db=meta))
             if found is not None and not 1 <= found < _codec.FORMAT_VERSION:
                 return
             for name in DBS:
@@ -206,7 +197,7 @@ class Ledger:
         raw = self._get("meta", b"format_version")
         if raw is None:
             raise IntegrityError(f"{self.path} is an LMDB file but not a kprof ledger (no format version)")
-        found = _version(raw)
+        found = meta_number(raw)
         if found > _codec.FORMAT_VERSION:
             raise LedgerVersionError(self.path, found, _codec.FORMAT_VERSION)
         if found < _codec.FORMAT_VERSION:  # not a version number, or older after opening upgraded the file: damage
@@ -216,7 +207,7 @@ class Ledger:
         self.format_version = found
 
     def _guard(self) -> None:
-        if self._closed:
+        if self.closed:
             raise LedgerError(f"ledger {self.path} is closed; open it again with Ledger.open")
         if self._forked or os.getpid() != self._pid:
             self._forked = True
@@ -238,7 +229,7 @@ class Ledger:
                 _reads[id(txn)] = (self.env, txn, threading.get_ident())
             yield txn
         except (lmdb.Error, IntegrityError):  # LMDB's "closed object" (as damage, where a reading() said so)
-            if self._closed:
+            if self.closed:
                 raise LedgerError(f"ledger {self.path} was closed during this read (view.rows() or iter_log() not "
                                   f"finished, or another thread's close); close a ledger after its reads") from None
             raise
@@ -349,9 +340,17 @@ class Ledger:
         """Finds an event by citation (`kprof.<hex>`), event id or key (hex, any unique prefix of ≥ 8 chars)."""
         return resolve(self, ref)
 
+    def close_if_idle(self) -> bool:
+        """Closes the ledger where no read or write of this process is in its file; whether it is closed now."""
+        with nullcontext() if self._forked else self._writing, _lock, _mapping:  # (in the order write and open take)
+            if any(e is self.env for e, _txn, _thread in _reads.values()):  # (one waiting to begin: finds it closed)
+                return False
+            self.close()
+        return True
+
     def close(self) -> None:
         with nullcontext() if self._forked else self._writing, _lock:  # after any write; closed first: reads say so
-            release, self._closed = not self._forked and os.getpid() == self._pid and not self._closed, True
+            release, self.closed = not self._forked and os.getpid() == self._pid and not self.closed, True
             if release:  # an upgraded copy's reader, closed or collected: the copy's environment (its own), then it
                 self._temporary() if self._temporary else _release(self.real_path, self.env)
         _live.discard(self)

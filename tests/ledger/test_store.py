@@ -559,3 +559,33 @@ def test_a_ledger_opened_out_of_file_descriptors_names_ulimit_n_not_its_permissi
     said = subprocess.run([sys.executable, "-c", code, db], capture_output=True, text=True, check=True).stdout
     assert said.startswith(f"cannot open ledger {db}: too many open files (") and "ulimit -n 64" in said, said
     assert "permissions" not in said
+
+
+def test_close_if_idle_closes_only_a_ledger_no_read_of_this_process_is_in(ledger_path):
+    """perf_api closed its least recently read ledgers by taking the ledger package's private locks and reading its
+    registry of open reads; the ledger says it itself: close_if_idle leaves a ledger with a read in it (this thread's,
+    or another's) open and says so, and closes one without, which then refuses reads."""
+    with Ledger.open(ledger_path) as writer:
+        writer.append(list(synth.events(0, 3)))
+    ledger = Ledger.open(ledger_path, readonly=True)
+    with ledger.read():
+        assert ledger.close_if_idle() is False and not ledger.closed
+    started, finish = threading.Event(), threading.Event()
+
+    def read():
+        with ledger.read():
+            started.set()
+            finish.wait(10)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    started.wait(10)
+    try:
+        assert ledger.close_if_idle() is False and not ledger.closed
+    finally:
+        finish.set()
+        thread.join()
+    assert ledger.close_if_idle() is True and ledger.closed
+    with pytest.raises(LedgerError, match="is closed"):
+        ledger.last_seq
+    assert ledger.close_if_idle() is True  # closed already
