@@ -16,6 +16,7 @@ query and count-missing never import torch, cupti or pynvml.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import time
@@ -24,7 +25,7 @@ from typing import Any, Callable, Literal
 
 import msgspec
 
-from .errors import KprofError, UsageError
+from .errors import KprofError, UsageError, names_ledger
 from .ledger import KeyMaker, Ledger, Row, citation, ledger_path
 from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
@@ -117,6 +118,7 @@ def _open_for_read(db: str, missing_ok: bool = False) -> Ledger | None:
     return Ledger.open(db, readonly=True)
 
 
+@names_ledger
 def count_missing(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
                   db: str | None = None, timer: str | None = None, l2: str | None = None,
                   cuda_graph: bool | None = None, power: str | None = None) -> CountResult:
@@ -133,8 +135,7 @@ def _ordered(metrics: dict | None, family: str) -> dict | None:
     """Metrics in the contract's order for the family (stored maps are key-sorted)."""
     if metrics is None:
         return None
-    order = METRICS[family]
-    out = {k: metrics[k] for k in order if k in metrics}
+    out = {k: metrics[k] for k in METRICS[family] if k in metrics}
     out.update((k, v) for k, v in metrics.items() if k not in out)
     return out
 
@@ -143,9 +144,7 @@ def _row_json(row: Row, family: str, spec: dict) -> dict:
     """A row as the contract's JSON: the spec in KernelArgs order, metrics in the family's order, and
     every provenance field (defaults included)."""
     doc = row.to_json()
-    doc["spec"] = spec
-    doc["metrics"] = _ordered(doc["metrics"], family)
-    return doc
+    return {**doc, "spec": spec, "metrics": _ordered(doc["metrics"], family)}
 
 
 def _error(s) -> dict | None:  # a row's error as the contract's JSON has it, from its summary (None: ok or missing)
@@ -205,6 +204,7 @@ def _result(entry, gpu_key, db, mode, root: bytes, rows: list[Row], canonical, f
     return QueryResult(entry.table, entry.backend, gpu_key, db, mode, len(results), missing, root.hex(), results)
 
 
+@names_ledger
 def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = None,
           db: str | None = None, timer: str | None = None, l2: str | None = None,
           cuda_graph: bool | None = None, power: str | None = None, full: int | None = None) -> QueryResult:
@@ -218,6 +218,7 @@ def query(table: str, backend: str, specs: list[Any], *, gpu_name: str | None = 
         return _query(entry, canonical, gpu_key, db, ledger, "query", full)
 
 
+@names_ledger
 def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_name: str | None = None,
         db: str | None = None, progress: Callable[[int, int, dict], None] | None = None,
         watch: Callable[[str, dict | None], None] | None = None, conflict_dir: str | None = None,
@@ -246,18 +247,17 @@ def run(table: str, backend: str, specs: list[Any], *, mode: Mode = "jit", gpu_n
     origin = Origin(ledger_id="", run_id=uuid.uuid4().hex, host=os.uname().nodename, command=command)
     filled = fill(entry, canonical, gpu_key, db, mode, origin, progress=progress, watch=watch,
                   conflict_dir=conflict_dir, waiting=waiting)
-    spec_keys = filled.spec_keys
     ledger = _open_for_read(db, missing_ok=True)  # None: nothing was written (a fresh run, or nothing measurable)
     try:
         if mode == "fresh":
             root = filled.root_before or _empty_root(entry, gpu_key)
-            result = _fresh_result(entry, canonical, gpu_key, db, [filled.fresh.get(k) for k in spec_keys], spec_keys,
-                                   root)
+            result = _fresh_result(entry, canonical, gpu_key, db, [filled.fresh.get(k) for k in filled.spec_keys],
+                                   filled.spec_keys, root)
             if ledger is not None and entry.metric_family == "compute":  # stored or not, a row has its fractions
                 result.ceiling_note = _add_ceilings(entry, gpu_key, ledger, result.results)
         else:
             result = _query(entry, canonical, gpu_key, db, ledger, mode)
-        for doc, k in zip(result.results, spec_keys):
+        for doc, k in zip(result.results, filled.spec_keys):
             if k in filled.errored:
                 doc["status"] = "error"
                 doc["error"] = filled.errored[k]
@@ -301,6 +301,7 @@ class Scope(msgspec.Struct, frozen=True):
         return msgspec.to_builtins(self)
 
 
+@names_ledger
 def scopes(db: str | None = None) -> list[Scope]:
     """Every scope of the ledger at db ($KPROF_DB, else ./profile.db), sorted by table, backend and GPU key: what
     it holds and under which GPU keys to read it. A file that does not exist is a LedgerError (exit 2)."""
@@ -332,14 +333,13 @@ def _event_json(seq, eid, event, current) -> dict:
            "canonical": data.hex() if event_id(data) == eid else None}
     doc.update(_builtins(event))
     if doc.get("metrics") is not None:  # in the family's order, as `query` lists them (the stored map is sorted)
-        try:
+        with contextlib.suppress(UsageError):  # a table or backend this kprof does not know: as stored
             doc["metrics"] = _ordered(doc["metrics"], lookup(doc["provenance"]["table"],
                                                              doc["provenance"]["backend"]).metric_family)
-        except UsageError:  # a table or backend this kprof does not know: as stored
-            pass
     return doc
 
 
+@names_ledger
 def show(ref: str, *, db: str | None = None) -> dict:
     """What `kprof show` prints: the row a citation, event id or key (or a unique hex prefix of 8+) names, as
     {ref, resolved_as, key, current, status, revision, timing, event, history, parent_elsewhere}, each event in it

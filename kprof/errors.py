@@ -3,6 +3,7 @@ the error (kprof.cli.main returns it)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -22,6 +23,7 @@ __all__ = [
     "OutputError",
     "OutputClosed",
     "MergeConflict",
+    "names_ledger",
 ]
 
 
@@ -164,6 +166,27 @@ class IntegrityError(KprofError):
     """The ledger's contents are inconsistent or damaged (exit 3)."""
 
     exit_code = 3
+
+
+def names_ledger(function):
+    """`function` of the Python API, where an IntegrityError it raises says "run `kprof audit`": naming the ledger it
+    was given (`db`), shell-quoted, where that is not the one `kprof audit` alone audits ($KPROF_DB, else
+    ./profile.db). A verb's message stays as it was: its db is the --db typed, which kprof.cli names the same way."""
+
+    @functools.wraps(function)
+    def named(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except IntegrityError as exc:
+            import inspect
+
+            db = inspect.signature(function).bind(*args, **kwargs).arguments.get("db")
+            env = os.environ.get("KPROF_DB", "")  # as kprof.ledger.ledger_path reads it
+            if db is not None and os.fspath(db) != (env.strip() or env or "profile.db"):
+                exc.args = (str(exc).replace("`kprof audit`", f"`kprof audit --db {shlex.quote(os.fspath(db))}`"),)
+            raise
+
+    return named
 
 
 class MergeConflict(KprofError):

@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any, Callable
 
 from .api import check_gpu_key
-from .errors import LedgerError, SpecError
+from .errors import LedgerError, SpecError, names_ledger
 from .ledger import Ledger, ledger_path
 from .ledger.view import Row, View
 from .method import effective_entry, resolve_gpu_key
@@ -65,6 +65,7 @@ def _stands(path: str, ledger: Ledger, identity: tuple, real: str) -> bool:
     return now == identity if ledger.real_path != real else now[:2] == identity[:2]
 
 
+@names_ledger
 def view_for(table: str, backend: str, gpu_key: str | None = None, db: str | None = None, *, timer: str | None = None,
              l2: str | None = None, cuda_graph: bool | None = None, power: str | None = None) -> View:
     """The cached read view of (table, backend, gpu_key) in the ledger at db ($KPROF_DB, ./profile.db), timed by
@@ -171,7 +172,7 @@ def _make(table: str) -> tuple[Callable, Callable]:
                    f"backend and GPU key.")
     count.__doc__ = (f"How many of the {table} specs have no ok row (missing, stale or failed) under the timing "
                      f"method timer/l2/cuda_graph/power (as in kprof.api).")
-    return get, count
+    return names_ledger(get), names_ledger(count)  # (see kprof.errors.names_ledger)
 
 
 for _table in sorted({e.table for e in entries()}):

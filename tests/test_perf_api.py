@@ -13,7 +13,7 @@ import pytest
 
 from kprof import perf_api
 from kprof import api
-from kprof.errors import LedgerError, LedgerPathError, SpecError, UnknownGpuKeyError, UsageError
+from kprof.errors import IntegrityError, LedgerError, LedgerPathError, SpecError, UnknownGpuKeyError, UsageError
 from kprof.ledger import KeyMaker, Ledger, ShapeCodec
 from kprof.ledger.build import measured
 from kprof.ledger.events import Method, Stats
@@ -429,5 +429,32 @@ def test_a_ledger_whose_file_is_gone_is_closed_before_one_read_longer_ago(tmp_pa
         os.remove(paths[1])
         perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=paths[2], **SPEC)
         assert sorted(perf_api._ledgers) == [paths[0], paths[2]]
+    finally:
+        perf_api.close_all()
+
+
+def test_a_damaged_ledger_s_error_names_that_ledger_in_its_kprof_audit(tmp_path, monkeypatch):
+    """kprof.api and perf_api raised "run `kprof audit` for the full report" for a damaged ledger given as db=: run as
+    said, that audits $KPROF_DB or ./profile.db, another file (the verbs add the --db typed; the Python API did not).
+    It names the ledger given, quoted for a shell; the ledger `kprof audit` alone reads is left as it was."""
+    os.mkdir(tmp_path / "team ledgers")
+    db = _write(str(tmp_path / "team ledgers" / "p.db"))
+    with Ledger.open(db) as ledger, ledger.read() as txn:
+        key, value = next(iter(txn.cursor(ledger.dbs["current"])))
+    with Ledger.open(db) as ledger:
+        ledger.write(lambda txn: txn.put(key, value[:-1] + bytes([value[-1] ^ 1]), db=ledger.dbs["current"]))
+    monkeypatch.delenv("KPROF_DB", raising=False)
+    calls = [lambda: api.query("single_gemm", "torch-cpu", [SPEC], gpu_name="Known CPU", db=db),
+             lambda: api.count_missing("single_gemm", "torch-cpu", [SPEC], gpu_name="Known CPU", db=db),
+             lambda: perf_api.get_single_gemm(backend="torch-cpu", gpu_key="Known CPU", db=db, **SPEC),
+             lambda: perf_api.count_single_gemm([SPEC], backend="torch-cpu", gpu_key="Known CPU", db=db)]
+    try:
+        for call in calls:
+            with pytest.raises(IntegrityError) as raised:
+                call()
+            assert f"run `kprof audit --db '{db}'` for the full report" in str(raised.value)
+        monkeypatch.setenv("KPROF_DB", db)
+        with pytest.raises(IntegrityError, match="; run `kprof audit` for the full report"):
+            api.query("single_gemm", "torch-cpu", [SPEC], gpu_name="Known CPU")
     finally:
         perf_api.close_all()
