@@ -189,7 +189,9 @@ class View:
         return statuses, keys, eids, summaries, bases
 
     def _pick(self, txn, keys: list[bytes], rows: list) -> tuple | None:
-        """(status, key, event id, summary, provenance) or None: this contract's row, else the newest stale one."""
+        """(status, key, event id, summary, provenance) or None: this contract's row, else a stale one, of the highest
+        revision not past this contract's, the newest of those (whatever order they came in: a view past every
+        revision, as the newer-revision note reads, finds the newest kprof's row)."""
         path, best = self.ledger.path, None
         for key, row in zip(keys, rows):
             if row is None:
@@ -200,10 +202,10 @@ class View:
                 continue
             if prov.contract == self.contract:
                 return "ok" if row.kind == MEASURED else "failed", key, row.event_id, row.summary, prov
-            if row.kind == MEASURED and prov.profiler_revision <= self.contract.profiler_revision and (
-                    best is None or row.summary.measured_at > best[3].measured_at):
-                best = "stale", key, row.event_id, row.summary, prov
-        return best
+            rank = (prov.profiler_revision, row.summary.measured_at)
+            if row.kind == MEASURED and rank[0] <= self.contract.profiler_revision and (best is None or rank > best[0]):
+                best = rank, ("stale", key, row.event_id, row.summary, prov)
+        return best and best[1]
 
     def _indexed(self, txn, prefix: bytes) -> list[bytes]:
         """The `scope_index` keys (scope id, shape id: 16 bytes each; row key) under a scope id or scope + shape id.

@@ -256,6 +256,27 @@ def test_rows_of_a_newer_profiler_revision_are_named_in_a_note(ledger_path, caps
     assert "newer" not in capsys.readouterr().err
 
 
+def test_the_newer_revision_note_names_a_newer_row_measured_before_an_older_one(ledger_path, capsys, h, local_gpu):
+    """The note found a spec's newer-revision row as the newest stale row of a view past every revision: where a row of
+    an older revision of the spec was measured after it (an older install's run, a merge of its segment), that row
+    was picked, and the note said nothing though the newer row is there. The row of the highest revision is picked."""
+    from kprof.method import effective_entry
+    from kprof.runners.registry import lookup
+
+    ours = effective_entry(lookup(h.GEMM, h.CPU)).contract.profiler_revision
+    newer = h.make_event(h.gemm(m=8), local_gpu, revision=ours + 3)
+    older = h.make_event(h.gemm(m=8), local_gpu, revision=ours - 1)
+    assert older.measured_at >= newer.measured_at
+    h.append(ledger_path, newer, older)
+    for verb in ("query", "count-missing"):
+        assert main([verb, h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(m=8)), "--db", ledger_path, "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["missing_count"] == 1
+        assert f"note: 1 of 1 spec(s) has a row of profiler revision {ours + 3} in {ledger_path}" in err, (verb, err)
+    (row,) = _query(capsys, h, ledger_path, h.gemm(m=8))["results"]
+    assert row["status"] == "stale" and row["provenance"]["profiler_revision"] == ours - 1  # this kprof's read
+
+
 def test_the_newer_revision_note_samples_a_large_request(ledger_path, capsys, h, local_gpu, tmp_path):
     """The note looked up the stale rows of up to 1,000 specs (about 45 µs each: 16 % of count-missing's whole process
     on 10,000 specs); it looks at _LOOKED_AT specs spread over those without an ok row, and says it sampled them."""

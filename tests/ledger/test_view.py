@@ -108,7 +108,8 @@ def test_a_row_of_a_newer_profiler_revision_is_not_stale_to_an_older_kprof(ledge
 
 def test_rows_give_one_row_per_shape_as_get_many_does(ledger):
     """Stale means only rows of an older revision or contract exist: a shape with a row of this contract (ok or
-    failed) is that row alone; a shape with several older rows is the newest measured of them."""
+    failed) is that row alone; a shape with several older rows is the one of the highest revision (the newest of
+    those)."""
     ledger.append([synth.event(0), synth.event(0, revision=0)])  # ok, and an older row of the same shape
     ledger.append([failed(synth.event(1).provenance, "oom", "out of memory"), synth.event(1, revision=0)])
     ledger.append([synth.event(2, revision=0), synth.event(2, contract=OLDER, seed=1)])  # two older rows
