@@ -40,24 +40,28 @@ def say(what=lambda: (_line[0], b"")) -> None:
 
 
 def install():
-    """Installs the handler; returns a function that puts back the handler it replaced (a no-op where none was
-    installed)."""
+    """Installs the handler; returns a function that puts back the handler it replaced as it was (a no-op where none
+    was installed): its whole `struct sigaction`, kept as bytes, flags and mask too. libc `signal` gave back the
+    function alone, and put it back without its flags: faulthandler's SA_ONSTACK, a Go runtime's (which refuses a
+    handler without it), a handler taking siginfo (SA_SIGINFO) then read garbage."""
     if not hasattr(signal, "SIGBUS"):
         return lambda: None
     try:
         import ctypes
 
         libc = ctypes.CDLL(None)
-        libc.signal.restype = ctypes.c_void_p
         libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        previous = ctypes.create_string_buffer(1024)  # past any libc's struct sigaction (glibc's: 152 bytes)
+        if libc.sigaction(signal.SIGBUS, None, previous) != 0:
+            return lambda: None
         callback = ctypes.CFUNCTYPE(None, ctypes.c_int)(_on_sigbus)
-        previous = libc.signal(signal.SIGBUS, ctypes.cast(callback, ctypes.c_void_p))
+        libc.signal(signal.SIGBUS, ctypes.cast(callback, ctypes.c_void_p))
     except (ImportError, OSError, AttributeError):
         return lambda: None
     _installed.append(callback)
 
     def restore() -> None:
-        libc.signal(signal.SIGBUS, previous)
+        libc.sigaction(signal.SIGBUS, previous, None)
         _installed.remove(callback)
 
     return restore

@@ -154,3 +154,38 @@ def test_a_streams_error_handler_is_put_back(monkeypatch):
     err.seek(0)
     assert "no ledger at n\\xe9.db" in err.read()
     assert (out.errors, err.errors) == ("strict", "strict")
+
+
+def test_the_sigbus_handler_found_is_put_back_with_its_flags(capsys):
+    """Each verb installs a SIGBUS handler (one line, exit 3) and put back the one it found with libc `signal`, which
+    takes the function alone: faulthandler's handler (pytest's here) came back without SA_ONSTACK and SA_NODEFER, and
+    a handler taking siginfo, or a Go runtime's (which refuses one without SA_ONSTACK), would have been broken. The
+    whole `struct sigaction` is put back, byte for byte."""
+    import ctypes
+    import faulthandler
+    import sys
+
+    import pytest
+
+    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+        pytest.skip("the layout of struct sigaction read here is 64-bit Linux's")
+    libc = ctypes.CDLL(None)
+
+    def action() -> tuple[bytes, bytes, int]:
+        """(handler, the signals blocked while it runs, flags): what the kernel holds (glibc fills the rest of its
+        1024-bit sa_mask with whatever its stack held)."""
+        found = ctypes.create_string_buffer(1024)
+        assert libc.sigaction(signal.SIGBUS, None, found) == 0
+        return found.raw[:8], found.raw[8:16], int.from_bytes(found.raw[136:140], sys.byteorder)
+
+    enabled = faulthandler.is_enabled()  # (pytest enables it)
+    if not enabled:  # a handler of flags libc `signal` does not set (SA_ONSTACK, SA_NODEFER)
+        faulthandler.enable(sys.__stderr__)
+    try:
+        before = action()
+        assert main(["list"]) == 0
+        assert "single_gemm" in capsys.readouterr().out
+        assert action() == before and before[2] & 0x08000000  # SA_ONSTACK, as faulthandler set it
+    finally:
+        if not enabled:
+            faulthandler.disable()
