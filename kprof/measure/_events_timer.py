@@ -19,28 +19,26 @@ def _events_zero_ms(torch, flush, clock_mhz: float | None, n: int = 25) -> tuple
     """What an event pair adds to the kernel it brackets, in the samples' own pattern (a flush first, the
     GPU held back while the host enqueues), subtracted from every events sample.
 
-    With the SM clock known (the settled clock of the state protocol), the pair brackets a reference kernel
-    of known length: torch.cuda._sleep spins for a count of SM clock cycles, so it lasts cycles / clock. The
-    reading less that length is the pair's cost plus a kernel's launch and completion latency, which every
-    kernel pays alike (~2-3 µs on an H200: +10 % to +20 % on a 20 µs kernel). Without a clock, an empty pair
-    is the zero: its own cost only, so the launch latency stays in the samples. Returns (ms, method)."""
-    cycles = round(_ZERO_SLEEP_US * clock_mhz) if clock_mhz else 0  # µs x MHz = cycles
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    The pair brackets a sleep kernel of c and of 2c SM clock cycles in turn (torch.cuda._sleep spins for a count
+    of cycles), n of each: the readings are zero + c/f and zero + 2c/f at the clock f the sleeps ran at, so
+    zero = 2 r(c) - r(2c) whatever that clock is. It is the pair's cost plus a kernel's launch and completion
+    latency, which every kernel pays alike (~2-3 µs on an H200: +10 % to +20 % on a 20 µs kernel). c is sized to
+    ~10 µs at `clock_mhz` (the settled clock; 2 GHz where none is known). One sleep of known length at the settled
+    clock (profiler revision 5) read the zero ~2 µs low in power-capped rows: settled under the cap at ~1530 MHz,
+    the GPU ran the light sleeps at ~1980 MHz, so every events sample of such a row read ~2 µs slow (+1.5 % on a
+    134 µs GEMM). Returns (ms, method)."""
+    cycles = round(_ZERO_SLEEP_US * (clock_mhz or _SLEEP_CYCLES_PER_S / 1e6))  # µs x MHz = cycles
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(2 * n)]
     torch.cuda._sleep(int(0.002 * _SLEEP_CYCLES_PER_S))
-    for start, end in zip(starts, ends):
+    for i, (start, end) in enumerate(pairs):
         if flush is not None:
             flush()
         start.record()
-        if cycles:
-            torch.cuda._sleep(cycles)
+        torch.cuda._sleep(cycles * (1 + i % 2))
         end.record()
     torch.cuda.synchronize()
-    reading = statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
-    if not cycles:
-        return reading, "empty event pair"
-    known_ms = cycles / (clock_mhz * 1e6) * 1e3
-    return max(reading - known_ms, 0.0), f"{cycles}-cycle sleep kernel at {clock_mhz:.0f} MHz"
+    one, two = (statistics.median(start.elapsed_time(end) for start, end in pairs[k::2]) for k in (0, 1))
+    return max(2 * one - two, 0.0), f"sleep kernels of {cycles} and {2 * cycles} cycles (2 r(c) - r(2c))"
 
 
 def _run_events(torch, call, flush, per_call, rule, notes, state=None, heat=None):

@@ -153,11 +153,13 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # each placement's copy at its own offset: Mixtral's b=1 expert GEMMs moved 15 % with their activations' address
 # and a model's layers alternated between two speeds with its allocator's blocks (moe_decode_check.py); graph rows
 # rotate over the same placements, one CUDA graph each (revision 4 graph rows timed one allocation).
-GPU_REVISION = 5
-# A CUDA table's own revision where it moved past GPU_REVISION. attention_prefill 6 (2026-12-05): its layout names
-# k/v [batch,kv_heads,seq,head_dim] head views, as the runner builds them; revision 5 said q/k/v [batch,heads,...],
-# untrue of every GQA row. Its timing is revision 5's.
-GPU_REVISIONS = {"attention_prefill": 6}
+# 6 (2026-12-05): the events timer's zero (what an event pair adds to a kernel) is 2 r(c) - r(2c) over sleep
+# kernels of c and 2c cycles, whatever clock they run at; revision 5 sized one sleep to the settled clock, which in a
+# power-capped row is the cap's (~1530 MHz) while the light sleeps ran at ~1980 MHz, so those rows' events samples
+# read ~2 µs slow (+1-2 % on prefill GEMMs against CUPTI, protocol_check run 89). And attention_prefill's layout
+# names k/v [batch,kv_heads,seq,head_dim] head views, as the runner builds them; revision 5 said q/k/v
+# [batch,heads,...], untrue of every GQA row. CUPTI rows are timed as in revision 5.
+GPU_REVISION = 6
 CPU_REVISION = 1
 # A torch-cpu table's own revision where it moved past CPU_REVISION. attention_prefill 2 (2026-12-05): its layout names
 # k/v [batch,kv_heads,seq,head_dim], as the runner builds them; revision 1 said q/k/v [batch,heads,seq,head_dim],
@@ -169,7 +171,7 @@ ENTRIES: list[Entry] = []  # every entry, in declaration order; kprof.runners.re
 
 
 def _register(table, args, kind, runner, backend, device, algorithm, layout, numerics, timing, description):
-    revision = GPU_REVISIONS.get(table, GPU_REVISION) if device == "cuda" else CPU_REVISIONS.get(table, CPU_REVISION)
+    revision = GPU_REVISION if device == "cuda" else CPU_REVISIONS.get(table, CPU_REVISION)
     ENTRIES.append(Entry(table=table, backend=backend, args=args, kernel_kind=kind, metric_family="compute",
                          contract=Contract(algorithm=algorithm, layout=layout, numerics=numerics, timing=timing,
                                            profiler_revision=revision),

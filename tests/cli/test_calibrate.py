@@ -19,6 +19,7 @@ from kprof.ledger import KeyMaker, Row, ShapeCodec
 from kprof.ledger.build import measured
 from kprof.ledger.events import Environment, Method, Stats
 from kprof.method import effective_entry
+from kprof.runners.catalog import GPU_REVISION
 from kprof.runners.registry import lookup
 
 GPU = "Test GPU"  # a GPU key no real device has: hand-built rows only
@@ -562,7 +563,7 @@ def test_a_calibration_of_another_thread_count_is_named_not_silently_absent(h, c
     h.append("p.db", *[_row(x, backend="torch", timing="events;l2=cold;eager", tflops=100.0)
                        for _t, x in GPU_FLOPS.members], _row(h.gemm(dtype="bf16"), backend="torch", timing=cupti))
     note = api.query(h.GEMM, "torch", [h.gemm(dtype="bf16")], gpu_name=GPU, db="p.db").ceiling_note
-    assert "were timed events;l2=cold;eager (profiler revision 5), not cupti;l2=cold;eager" in note, note
+    assert f"were timed events;l2=cold;eager (profiler revision {GPU_REVISION}), not cupti;l2=cold;eager" in note, note
     assert note.endswith("; with this read's --timer, --l2, --cuda-graph and --power, `kprof calibrate --backend "
                          "torch --db p.db` measures the ceilings under this one"), note
 

@@ -504,7 +504,8 @@ def test_time_gpu_graph_end_to_end(sim):
 def test_time_gpu_events_end_to_end(sim):
     t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10), timer="events")
     assert t.kernels == () and t.notes["attribution"] == "events"
-    assert t.samples_ms == [pytest.approx(0.00251)] * 10  # event time includes the 10 ns launch gap
+    # no settled clock (no state protocol): the zero's two sleep lengths still take out the 10 ns launch gap
+    assert t.samples_ms == [pytest.approx(0.0025)] * 10 and t.notes["events_zero_us"] == "0.010"
 
 
 def _held_state(schedule):
@@ -575,7 +576,18 @@ def test_time_gpu_events_less_the_launch_latency_measured_on_a_known_kernel(sim)
     state, _ns = _held_state([normal] * 50)
     t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10), timer="events", state=state)
     assert t.samples_ms == [pytest.approx(0.0025)] * 10
-    assert t.notes["events_zero_us"] == "0.010" and "sleep kernel at 2000 MHz" in t.notes["events_zero_method"]
+    assert t.notes["events_zero_us"] == "0.010" and "20000 and 40000 cycles" in t.notes["events_zero_method"]
+
+
+def test_time_gpu_events_zero_holds_where_the_sleeps_run_faster_than_the_settled_clock(sim):
+    """A power-capped row settles at the cap's clock (1500 MHz here), while the zero's light sleep kernels run at
+    the GPU's full clock (the simulated 2 GHz): one sleep of known length at the settled clock took 7.5 of its
+    10 µs and read no zero at all, so every sample kept the pair's cost (on an H200 ~2 µs of a capped GEMM's
+    events row). Two sleep lengths give it whatever clock they ran at."""
+    capped = (1500, 400.0, 50.0, 0)
+    state, _ns = _held_state([capped] * 50)
+    t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10), timer="events", state=state)
+    assert t.notes["events_zero_us"] == "0.010" and t.samples_ms == [pytest.approx(0.0025)] * 10
 
 
 def test_time_gpu_graph_is_swept_before_every_replay_like_an_eager_call(sim):
