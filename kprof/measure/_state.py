@@ -231,13 +231,14 @@ class StateProtocol:
 
     def hold(self, reading: StateReading) -> bool:
         """Whether a batch read as `reading` ran in the settled state (keep its samples). Counts discards and
-        re-anchors past max_discards. A power-capped kernel is held only against thermal and hardware
+        re-anchors past max_discards in a row. A power-capped kernel is held only against thermal and hardware
         slowdowns: its clock swings with the cap's controller, and that swing is its steady state."""
         reasons = set(decode_reasons(reading.reasons or 0))
         off_clock = (not self.capped and self.reference is not None and reading.sm_mhz is not None
                      and abs(reading.sm_mhz / self.reference - 1) > self.tol)
         if not off_clock and not reasons & OUT_OF_STATE_REASONS:
             self.kept.append(reading)
+            self.discarded = 0  # a re-anchor needs max_discards off-state batches in a row, not spread over the row
             return True
         if self.discarded >= self.max_discards:
             # The GPU has moved to another steady state (a slow thermal drift, a neighbour's load): hold to it

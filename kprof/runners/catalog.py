@@ -158,7 +158,9 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # power-capped row is the cap's (~1530 MHz) while the light sleeps ran at ~1980 MHz, so those rows' events samples
 # read ~2 µs slow (+1-2 % on prefill GEMMs against CUPTI, protocol_check run 89). And attention_prefill's layout
 # names k/v [batch,kv_heads,seq,head_dim] head views, as the runner builds them; revision 5 said q/k/v
-# [batch,heads,...], untrue of every GQA row. CUPTI rows are timed as in revision 5.
+# [batch,heads,...], untrue of every GQA row. And a row re-anchors its state only after off-state batches in a
+# row: off-state batches spread over a row (a thermal blip now and then) reached the count, the last blip became
+# the reference and good batches after it were discarded (6 rows of run 38). CUPTI rows are otherwise timed as in 5.
 GPU_REVISION = 6
 CPU_REVISION = 1
 # A torch-cpu table's own revision where it moved past CPU_REVISION. attention_prefill 2 (2026-12-05): its layout names

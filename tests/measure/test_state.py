@@ -119,6 +119,19 @@ def test_hold_reanchors_on_a_gpu_that_found_a_new_steady_state():
     assert p.reference == 1400 and summary["state_reanchored"] == "1" and summary["batches_discarded"] == "2"
 
 
+def test_hold_does_not_reanchor_on_off_state_batches_spread_among_kept_ones():
+    """A thermal blip every tenth batch is no new steady state: the count of discards toward a re-anchor restarts
+    at each kept batch (it ran on over the row, so the ninth blip was kept, made the reference, and the good
+    batches after it were discarded as off its clock)."""
+    s = Script([(1980, 450, 60, 0)] * 3)
+    p = protocol(s, min_s=0.0, tol=0.02, max_discards=2)
+    p.settle(s.chunk)
+    good, blip = StateReading(1980, 450, 60, 0), StateReading(1700, 450, 90, 0x20)
+    held = [p.hold(r) for _ in range(5) for r in (good, good, blip)]
+    assert held == [True, True, False] * 5 and p.reference == 1980 and p.reanchored == 0
+    assert p.summary()["batches_discarded"] == "5"
+
+
 def test_the_state_label_names_what_held_the_clock():
     assert state_label([StateReading(1980, 300, 40, 0)]) == "sustained, boost"
     assert state_label([StateReading(1500, 700, 60, 0x4)]) == "sustained, power-capped"
