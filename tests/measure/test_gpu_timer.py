@@ -752,7 +752,11 @@ def test_gpu_cupti_and_events_on_a_bf16_matmul():
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     assert int(cupti.notes["l2_flush_bytes"]) >= 2 * l2
     assert events.kernels == () and all(s > 0 for s in events.samples_ms)
-    assert _median(cupti) < _median(events)  # events add launch overhead to a ~3 µs kernel
+    # events less their zero (the pair's cost and a kernel's launch latency, from sleeps of two lengths) read the
+    # kernel's time: a ~3 µs kernel's events samples jitter by about a microsecond (an H100, 2026-12-05: medians
+    # -48 % and -1 % of CUPTI's on two machine starts), so only a zero left in (+100 %) or taken twice fails here
+    assert "2 r(c) - r(2c)" in events.notes["events_zero_method"]
+    assert 0.4 < _median(events) / _median(cupti) < 1.6
     assert cupti.stop_reason in ("converged", "budget", "max_samples") and cupti.warmup >= 3
     assert 0 < cupti.gpu_s < cupti.wall_s
 
