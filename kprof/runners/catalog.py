@@ -160,7 +160,9 @@ _CUDA_ALGORITHM = {"single_gemm": "torch.matmul; fp8_e4m3: torch._scaled_mm"}
 # names k/v [batch,kv_heads,seq,head_dim] head views, as the runner builds them; revision 5 said q/k/v
 # [batch,heads,...], untrue of every GQA row. And a row re-anchors its state only after off-state batches in a
 # row: off-state batches spread over a row (a thermal blip now and then) reached the count, the last blip became
-# the reference and good batches after it were discarded (6 rows of run 38). CUPTI rows are otherwise timed as in 5.
+# the reference and good batches after it were discarded (6 rows of run 38). And energy_j past a draw over the power
+# limit is fitted over a capped kernel's 1 s, not 0.2 s (which read the cap controller's dip: -8.4 %, an H100).
+# CUPTI rows are otherwise timed as in 5.
 GPU_REVISION = 6
 CPU_REVISION = 1
 # A torch-cpu table's own revision where it moved past CPU_REVISION. attention_prefill 2 (2026-12-05): its layout names

@@ -449,6 +449,29 @@ def test_settled_energy_waits_out_a_draw_over_the_power_limit(monkeypatch):
     assert r.fit_from_s < 0.2 and r.power_w == pytest.approx(705.0, rel=0.03)  # the fit was not moved on
 
 
+def test_settled_energy_past_a_draw_over_the_limit_fits_as_long_as_a_capped_kernels(monkeypatch):
+    """A kernel its settle did not call capped drew over the limit (900 W for 0.3 s, under 700 W), and the cap's
+    controller then swung it (0.6 s at 710 W, 0.2 s at 480 W, over and over: 652.5 W on average). The fit past
+    the over-limit draw spans settled_fit_s, as a capped kernel's does: a fit_s of 0.2 s there read one phase of
+    the swing alone (an H100 row: its dip, -8.4 % against a 5 s window)."""
+    from kprof.measure.nvml import settled_energy
+
+    def watts(t):
+        return 900.0 if t < 0.3 else 710.0 if (t - 0.3) % 0.8 < 0.6 else 480.0
+
+    def mj(t):  # the counter: energy to t (in 10 ms slices), stepping every 30 ms
+        t = math.floor(max(0.0, t) / 0.03) * 0.03
+        return int(1000 * sum(watts(i * 0.01) * 0.01 for i in range(round(t / 0.01)))) + 10**9
+
+    clock = FakeClock(monkeypatch)
+    start = clock.perf_counter()
+    r, _ = settled_energy(_back_to_back(lambda: clock.step(0.001), 0.001), span_s=0.2, fit_s=0.2,
+                          settled_fit_s=0.8, power_limit_w=700.0,
+                          counter=clock.counter(lambda t: mj(t - start)))
+    assert r.fit_from_s >= 0.25 and r.window_s - r.fit_from_s >= 0.75, r
+    assert r.power_w == pytest.approx(652.5, rel=0.03), r
+
+
 def test_settled_energy_fits_three_counter_steps_or_more(monkeypatch):
     """NVML's counter steps about every 98 ms on an H200: a 0.25 s window past a 30 ms ramp holds two steps, one
     interval timed to a poll at each end (3-7 % off a 5 s window there). The window grows to fit three, as the
