@@ -234,7 +234,7 @@ class StateProtocol:
         re-anchors past max_discards in a row. A power-capped kernel is held only against thermal and hardware
         slowdowns: its clock swings with the cap's controller, and that swing is its steady state."""
         reasons = set(decode_reasons(reading.reasons or 0))
-        off_clock = (not self.capped and self.reference is not None and reading.sm_mhz is not None
+        off_clock = (not self.capped and bool(self.reference) and reading.sm_mhz is not None  # 0 MHz: no clock read
                      and abs(reading.sm_mhz / self.reference - 1) > self.tol)
         if not off_clock and not reasons & OUT_OF_STATE_REASONS:
             self.kept.append(reading)

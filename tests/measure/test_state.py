@@ -132,6 +132,16 @@ def test_hold_does_not_reanchor_on_off_state_batches_spread_among_kept_ones():
     assert p.summary()["batches_discarded"] == "5"
 
 
+def test_hold_without_a_clock_to_hold_to_keeps_batches_rather_than_dividing_by_zero():
+    """NVML reading an SM clock of 0 MHz (a GPU that does not report it) settled on a reference of 0, and the first
+    batch held to it raised ZeroDivisionError: the row failed as a crash. No clock to hold to holds nothing."""
+    s = Script([(0, 450, 60, 0)] * 3)
+    p = protocol(s, min_s=0.0, tol=0.02)
+    p.settle(s.chunk)
+    assert p.hold(StateReading(0, 450, 60, 0)) and p.hold(StateReading(1980, 450, 60, 0))
+    assert not p.hold(StateReading(1980, 450, 90, 0x20))  # thermal slowdown is still out of state
+
+
 def test_the_state_label_names_what_held_the_clock():
     assert state_label([StateReading(1980, 300, 40, 0)]) == "sustained, boost"
     assert state_label([StateReading(1500, 700, 60, 0x4)]) == "sustained, power-capped"
