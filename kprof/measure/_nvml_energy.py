@@ -281,10 +281,10 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
     With `power_limit_w`, a draw over the board's limit is not a steady state either, whether or not the settle
     called the kernel capped: while the counter shows the power of its latest step interval more than
     `over_limit` above the limit, the fit moves past it and the run goes on, as long as the fit can still span
-    `settled_fit_s` within `max_s` in all (a kernel still over the limit then is fitted over what it ran). Past a
-    draw over the limit the fit spans `settled_fit_s`, as a capped kernel's: an H100's 2048x4096x4096 GEMM, not
-    called capped by its settle at 1725 MHz, drew over the limit, and a 0.2 s fit past that caught the
-    controller's dip: 562 W against 697 W over 5 s (-8.4 %, protocol_check run 96). The same
+    `fit_s` within `max_s` in all (a kernel still over the limit then is fitted over what it ran). Past a draw over
+    the limit the fit spans `settled_fit_s` (or what `max_s` leaves past a late one), as a capped kernel's: an
+    H100's 2048x4096x4096 GEMM, not called capped by its settle at 1725 MHz, drew over the limit, and a 0.2 s fit
+    past that caught the controller's dip: 562 W against 697 W over 5 s (-8.4 %, protocol_check run 96). The same
     8192^3 GEMM drew 746 W over a fit that began 0.3 s in, and 691 W over a 5 s window: 5 % more energy a call.
     The cap's controller does not hold the limit at once either: past the draw over it, the power falls to 510-650 W
     before it returns (2048x4096x4096 and 8192^3, run 75), so a fit that starts after the settle spans
@@ -317,10 +317,11 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
                 run(chunk_s)
             over = None if limit is None else _last_over(polls.polls, fit_from, limit)
             # A draw over the limit is the cap's controller at work, whatever the settle said: past it the power
-            # swings under the limit and back for about a second, so the fit spans capped_fit_s as a capped one does
-            if over is None or over + capped_fit_s - t0 > max_s:  # the fit keeps that, within max_s
+            # swings under the limit and back for about a second, so the fit spans capped_fit_s as a capped one does,
+            # or what max_s leaves past a late draw (at least fit_s: else the fit keeps what it spans)
+            if over is None or over + fit_s - t0 > max_s:
                 break
-            fit_from, fit_s = over, capped_fit_s
+            fit_from, fit_s = over, max(fit_s, min(capped_fit_s, t0 + max_s - over))
         run.drain()
         t1, c1 = time.perf_counter(), polls.read()
     # the counter as polled at the fit's start: the plain two readings (a fit short of two steps) span the fit only

@@ -472,6 +472,28 @@ def test_settled_energy_past_a_draw_over_the_limit_fits_as_long_as_a_capped_kern
     assert r.power_w == pytest.approx(652.5, rel=0.03), r
 
 
+def test_settled_energy_past_a_late_draw_over_the_limit_fits_what_max_s_leaves(monkeypatch):
+    """A settle that ran 1.2 s (a clock that never held still) over a kernel drawing over the limit until 1.1 s: the fit
+    past that draw had no room for settled_fit_s (1 s) within max_s (2 s), so it was not moved at all, and it spanned
+    the over-limit draw from the ramp on (900 W for 652.5). It starts past the draw and spans what max_s leaves."""
+    from kprof.measure.nvml import settled_energy
+
+    def watts(t):
+        return 900.0 if t < 1.1 else 710.0 if (t - 1.1) % 0.8 < 0.6 else 480.0
+
+    def mj(t):  # the counter: energy to t (in 10 ms slices), stepping every 30 ms
+        t = math.floor(max(0.0, t) / 0.03) * 0.03
+        return int(1000 * sum(watts(i * 0.01) * 0.01 for i in range(round(t / 0.01)))) + 10**9
+
+    clock = FakeClock(monkeypatch)
+    start = clock.perf_counter()
+    r, _ = settled_energy(_back_to_back(lambda: clock.step(0.001), 0.001), span_s=0.2, fit_s=0.2, settled_fit_s=1.0,
+                          settle=lambda run: [run(0.02) for _ in range(60)], power_limit_w=700.0,
+                          counter=clock.counter(lambda t: mj(t - start)))
+    assert r.fit_from_s >= 1.05 and r.window_s - r.fit_from_s >= 0.75 and r.window_s < 2.1, r
+    assert r.power_w == pytest.approx(652.5, rel=0.03), r
+
+
 def test_settled_energy_fits_three_counter_steps_or_more(monkeypatch):
     """NVML's counter steps about every 98 ms on an H200: a 0.25 s window past a 30 ms ramp holds two steps, one
     interval timed to a poll at each end (3-7 % off a 5 s window there). The window grows to fit three, as the
