@@ -24,7 +24,7 @@ is lower) names a moment, not the kernel. The protocol, for every CUDA row:
    clock by more than `tol` (not for a capped kernel, whose clock swings by nature), or that shows a thermal
    or hardware slowdown, was measured out of state: its samples are discarded and the stopping rule asks
    for more, as nvbench drops throttled samples. Past
-   `max_discards` discarded batches the state is re-anchored on the latest reading (the GPU found a new
+   `max_discards` discarded batches in a row the state is re-anchored on the latest reading (the GPU found a new
    steady state; the row says so) rather than looping forever on a drifting GPU.
 
 The row records the state in its method notes (`state`, settled and timed SM clock, power, temperature,
@@ -120,7 +120,7 @@ class StateProtocol:
         self.max_discards, self._sleep, self._clock = max_discards, sleep, clock
         self.reference: float | None = None  # the settled clock batches are held to
         self.kept: list[StateReading] = []  # readings of the batches whose samples were kept
-        self.discarded = 0  # since the last re-anchoring
+        self.discarded = 0  # since the last kept batch or re-anchoring
         self.discarded_total = 0
         self.reanchored = 0
         self.notes: dict[str, str] = {}

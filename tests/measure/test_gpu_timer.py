@@ -570,8 +570,8 @@ def test_time_gpu_flushes_by_reading_before_every_timed_call(sim):
 
 
 def test_time_gpu_events_less_the_launch_latency_measured_on_a_known_kernel(sim):
-    """With the settled clock known (2000 MHz), a sleep kernel of known length calibrates what an event pair
-    adds (here the simulated 10 ns launch gap): the events samples then read the kernel's own time."""
+    """Sleep kernels of two lengths (sized to the settled clock, 2000 MHz) calibrate what an event pair adds (here
+    the simulated 10 ns launch gap): the events samples then read the kernel's own time."""
     normal = (2000, 400.0, 50.0, 0)
     state, _ns = _held_state([normal] * 50)
     t = time_gpu(lambda: sim.launch("gemm", 2_500), StopRule(max_samples=10), timer="events", state=state)
