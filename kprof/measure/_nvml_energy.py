@@ -311,7 +311,7 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
             steps = tick_points(polls.polls[:], fit_from, math.inf, width)
             return now - t0 < max_s and (len(steps) < min_steps or steps[-1].t - steps[0].t < _JUDGED_S)
 
-        capped_fit_s = fit_s if settled_fit_s is None else settled_fit_s
+        capped_fit_s, least_fit_s = fit_s if settled_fit_s is None else settled_fit_s, fit_s
         while True:
             while short():
                 run(chunk_s)
@@ -319,9 +319,9 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
             # A draw over the limit is the cap's controller at work, whatever the settle said: past it the power
             # swings under the limit and back for about a second, so the fit spans capped_fit_s as a capped one does,
             # or what max_s leaves past a late draw (at least fit_s: else the fit keeps what it spans)
-            if over is None or over + fit_s - t0 > max_s:
+            if over is None or over + least_fit_s - t0 > max_s:  # (a second, later draw too: judged by the least)
                 break
-            fit_from, fit_s = over, max(fit_s, min(capped_fit_s, t0 + max_s - over))
+            fit_from, fit_s = over, max(least_fit_s, min(capped_fit_s, t0 + max_s - over))
         run.drain()
         t1, c1 = time.perf_counter(), polls.read()
     # the counter as polled at the fit's start: the plain two readings (a fit short of two steps) span the fit only

@@ -494,6 +494,26 @@ def test_settled_energy_past_a_late_draw_over_the_limit_fits_what_max_s_leaves(m
     assert r.power_w == pytest.approx(652.5, rel=0.03), r
 
 
+def test_settled_energy_moves_past_a_second_later_draw_over_the_limit(monkeypatch):
+    """Over the limit for 0.9 s (a long settle), 700 W, over it again from 1.3 to 1.4 s, then 700 W: the fit moved
+    past the first draw spans 0.8 s, and the second draw inside it moves the fit again, to span what max_s (2 s)
+    leaves; judged by the 0.8 s it spanned (1.4 + 0.8 > 2), the fit kept the second draw, 1,000 W for 0.1 s."""
+    from kprof.measure.nvml import settled_energy
+
+    def watts(t):
+        return 1000.0 if t < 0.9 or 1.3 <= t < 1.4 else 700.0
+
+    def mj(t):  # the counter: energy to t (in 10 ms slices), stepping every 30 ms
+        t = math.floor(max(0.0, t) / 0.03) * 0.03
+        return int(1000 * sum(watts(i * 0.01) * 0.01 for i in range(round(t / 0.01)))) + 10**9
+
+    clock = FakeClock(monkeypatch)
+    start = clock.perf_counter()
+    r, _ = settled_energy(_back_to_back(lambda: clock.step(0.001), 0.001), span_s=0.2, fit_s=0.2,
+                          settled_fit_s=0.8, power_limit_w=700.0, counter=clock.counter(lambda t: mj(t - start)))
+    assert r.fit_from_s >= 1.35 and r.power_w == pytest.approx(700.0, rel=0.02), r
+
+
 def test_settled_energy_fits_three_counter_steps_or_more(monkeypatch):
     """NVML's counter steps about every 98 ms on an H200: a 0.25 s window past a 30 ms ramp holds two steps, one
     interval timed to a poll at each end (3-7 % off a 5 s window there). The window grows to fit three, as the
