@@ -15,13 +15,13 @@ _SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts SM clock cycles; about t
 _ZERO_SLEEP_US = 10.0  # length of the reference kernel that measures an event pair's overhead
 
 
-def _events_zero_ms(torch, flush, clock_mhz: float | None, n: int = 25) -> tuple[float, str]:
+def _events_zero_ms(torch, flush, clock_mhz: float | None, n: int = 50) -> tuple[float, str]:
     """What an event pair adds to the kernel it brackets, in the samples' own pattern (a flush first, the
     GPU held back while the host enqueues), subtracted from every events sample.
 
     The pair brackets a sleep kernel of c and of 2c SM clock cycles in turn (torch.cuda._sleep spins for a count
     of cycles), n of each: the readings are zero + c/f and zero + 2c/f at the clock f the sleeps ran at, so
-    zero = 2 r(c) - r(2c) whatever that clock is. It is the pair's cost plus a kernel's launch and completion
+    zero = 2 r(c) - r(2c) whatever that clock is (its spread about twice one reading's: n is 50, not 25). It is the pair's cost plus a kernel's launch and completion
     latency, which every kernel pays alike (~2-3 µs on an H200: +10 % to +20 % on a 20 µs kernel). c is sized to
     ~10 µs at `clock_mhz` (the settled clock; 2 GHz where none is known). One sleep of known length at the settled
     clock (profiler revision 5) read the zero ~2 µs low in power-capped rows: settled under the cap at ~1530 MHz,
@@ -29,7 +29,7 @@ def _events_zero_ms(torch, flush, clock_mhz: float | None, n: int = 25) -> tuple
     134 µs GEMM). Returns (ms, method)."""
     cycles = round(_ZERO_SLEEP_US * (clock_mhz or _SLEEP_CYCLES_PER_S / 1e6))  # µs x MHz = cycles
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(2 * n)]
-    torch.cuda._sleep(int(0.002 * _SLEEP_CYCLES_PER_S))
+    torch.cuda._sleep(int(min(2 * n * 60e-6, 0.05) * _SLEEP_CYCLES_PER_S))  # held back while the host enqueues
     for i, (start, end) in enumerate(pairs):
         if flush is not None:
             flush()
