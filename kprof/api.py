@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import time
 import uuid
 from typing import Any, Callable, Literal
 
 import msgspec
 
-from .errors import KprofError, UsageError, names_ledger
+from .errors import KprofError, UsageError, measure_command, names_ledger
 from .ledger import KeyMaker, Ledger, Row, citation, ledger_path
 from .ledger._codec import encode, event_id, scope_id
 from .ledger._reducer import root_of
@@ -178,7 +177,7 @@ def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> str | Non
     absent where the ledger holds one timed another way only (a CPU calibration of another thread count)."""
     from .ceilings import annotate, ceilings, elsewhere
 
-    timing = entry.contract.timing
+    timing, cuda = entry.contract.timing, entry.device == "cuda"  # the CPU's thread count: the note says it
     found = ceilings(entry.backend, gpu_key, ledger=ledger, timing=timing)
     annotate(results, found, ledger.path)
     absent = [m for m in ("tflops", "memory_bandwidth_gbps") if m not in {c.metric for c in found if c.dtype is None}]
@@ -192,7 +191,7 @@ def _add_ceilings(entry, gpu_key: str, ledger, results: list[dict]) -> str | Non
            "or" if "threads=" in timing else "; with this read's --timer, --l2, --cuda-graph and --power,")
     return (f"note: no {' or '.join(absent)} ceiling for these rows: the calibration rows of {gpu_key!r} here were "
             f"timed {', '.join(other)}, not {timing} (profiler revision {entry.contract.profiler_revision}){fix} "
-            f"`kprof calibrate --backend {entry.backend} --db {shlex.quote(ledger.path)}` measures the ceilings "
+            f"`{measure_command('calibrate', entry.backend, ledger.path, cuda and timing)}` measures the ceilings "
             f"under this one")
 
 

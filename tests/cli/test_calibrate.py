@@ -719,3 +719,22 @@ def test_a_fresh_run_gives_its_rows_their_fractions_of_the_ceilings(h, local_gpu
     assert doc["status"] == "ok" and doc["citation"] is None and h.digest("p.db") == before
     assert doc["ceiling"]["values"] == {"tflops": 3.0}
     assert doc["ceiling"]["fraction"] == {"tflops": doc["metrics"]["tflops"] / 3.0}
+
+
+def test_the_calibrate_an_older_revision_note_names_measures_under_the_read_s_timer(h, capsys):
+    """CUDA ceilings calibrated with events by an older kprof, rows read with `--timer events`: the note said
+    `kprof calibrate --backend torch --db p.db`, which measures under the default timer (cupti), so the same query
+    still had no ceiling after it. The command it names carries the read's method flags."""
+    old = [msgspec.structs.replace(e, provenance=msgspec.structs.replace(e.provenance,
+                                                                       profiler_revision=GPU_REVISION - 1))
+           for e in [_row(x, backend="torch", timing="events;l2=cold;eager", tflops=100.0) for _t, x in
+                     GPU_FLOPS.members]]
+    row = h.gemm(dtype="bf16")
+    h.append("p.db", *[measured(e.provenance, e.metrics, e.stats, e.method) for e in old],
+             _row(row, backend="torch", timing="events;l2=cold;eager"))
+    assert main(["query", h.GEMM, "--backend", "torch", *h.spec_args(row), "--db", "p.db", "--gpu-name", GPU,
+                 "--timer", "events", "--json"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"were timed events;l2=cold;eager (profiler revision {GPU_REVISION - 1}), not events;l2=cold;eager "
+            f"(profiler revision {GPU_REVISION}); they are of an older profiler revision (stale): `kprof calibrate "
+            f"--backend torch --db p.db --timer events` measures the ceilings under this one") in err, err
