@@ -190,8 +190,8 @@ class View:
 
     def _pick(self, txn, keys: list[bytes], rows: list) -> tuple | None:
         """(status, key, event id, summary, provenance) or None: this contract's row, else a stale one, of the highest
-        revision not past this contract's, the newest of those (whatever order they came in: a view past every
-        revision, as the newer-revision note reads, finds the newest kprof's row)."""
+        revision not past this contract's, of those the one of this timing where one is, the newest (whatever order
+        they came in: a view past every revision, as the newer-revision note reads, finds the newest kprof's row)."""
         path, best = self.ledger.path, None
         for key, row in zip(keys, rows):
             if row is None:
@@ -202,7 +202,7 @@ class View:
                 continue
             if prov.contract == self.contract:
                 return "ok" if row.kind == MEASURED else "failed", key, row.event_id, row.summary, prov
-            rank = (prov.profiler_revision, row.summary.measured_at)
+            rank = (prov.profiler_revision, prov.timing == self.contract.timing, row.summary.measured_at)
             if row.kind == MEASURED and rank[0] <= self.contract.profiler_revision and (best is None or rank > best[0]):
                 best = rank, ("stale", key, row.event_id, row.summary, prov)
         return best and best[1]

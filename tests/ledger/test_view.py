@@ -121,6 +121,20 @@ def test_rows_give_one_row_per_shape_as_get_many_does(ledger):
     assert sorted((r.spec["m"], r.status, r.event_id) for r in view.rows()) == [(s["m"], st, e) for s, st, e in answers]
 
 
+def test_a_stale_row_is_of_this_timing_where_its_revision_has_one(ledger):
+    """An older kprof's rows of one spec timed two ways (cupti and events, both revision 5): a query under cupti read
+    the events row as the stale one (measured later), showing its time as the spec's, and a ceiling note said the
+    calibration was timed with events though a cupti one of that revision was there. Of the highest revision, the
+    row of the query's own timing is the stale one; a higher revision of another timing still wins."""
+    ledger.append([synth.event(3, revision=0), synth.event(3, revision=0, contract=OLDER, seed=1)])
+    ledger.append([synth.event(4, revision=0), synth.event(4, contract=OLDER, seed=1)])
+    view = synth.view(ledger)
+    rows = view.get_many([synth.spec(3), synth.spec(4)])
+    assert [(r.status, r.provenance.timing, r.provenance.profiler_revision) for r in rows] == [
+        ("stale", synth.CONTRACT.timing, 0), ("stale", OLDER.timing, 1)]
+    assert sorted((r.status, r.event_id) for r in view.rows()) == sorted((r.status, r.event_id) for r in rows)
+
+
 def test_a_rows_json_names_every_provenance_field_defaults_included(ledger):
     """Row.to_json() left out the fields at their default (profiler_revision 1, an empty layout): a reader of the
     Python API could not tell a revision-1 row from one of unknown revision."""
