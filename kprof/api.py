@@ -385,14 +385,14 @@ def _timing(current: dict | None) -> str | None:
 
 
 def _key_status(current: dict | None) -> str:
-    """The key's row as a `query` of this process without flags reads it: retracted (no current event), stale (a
-    measured row of an older profiler revision than this kprof's, or of its revision timed another way than this
-    process's default, `_timing`: query reads it as stale, or missing), else ok or failed (a failed row of an older
-    revision too, which query reads as missing: a stale row is a measurement)."""
+    """The key's row as a `query` of this process without flags reads it: retracted (no current event), ok or failed
+    (a row of this kprof's revision and this process's default timing, `_timing`), stale (a measured row of an
+    older revision, or of this one timed another way), else missing (a newer kprof's row, or a failed row of
+    another contract: query reads no row of the key)."""
     if current is None:
         return "retracted"
     revision, timing, prov = _revision(current), _timing(current), current["provenance"]
-    if current["type"] == "measured" and ((revision is not None and prov["profiler_revision"] < revision) or (
-            timing is not None and prov["profiler_revision"] == revision and prov["timing"] != timing)):
-        return "stale"
-    return "ok" if current["type"] == "measured" else "failed"
+    measured = current["type"] == "measured"
+    if (revision is None or prov["profiler_revision"] == revision) and (timing is None or prov["timing"] == timing):
+        return "ok" if measured else "failed"
+    return "stale" if measured and (revision is None or prov["profiler_revision"] <= revision) else "missing"

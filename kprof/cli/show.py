@@ -135,9 +135,9 @@ def _about(doc: dict) -> list[str]:
         lines.append(f"row: {status} (profiler revision {current['provenance']['profiler_revision']}, newer than this "
                      f"kprof's {doc['revision']}: its query reads it as missing; read it with a kprof that measures "
                      f"that revision)")
-    elif status == "failed" and doc["timing"] is not None and current["provenance"]["timing"] != doc["timing"]:
+    elif current and current["type"] == "failed" and doc["timing"] not in (None, current["provenance"]["timing"]):
         prov = current["provenance"]
-        lines.append(f"row: failed (timed {prov['timing']}; a query of this process reads {prov['table']}/"
+        lines.append(f"row: {status} (failed, timed {prov['timing']}; a query of this process reads {prov['table']}/"
                      f"{prov['backend']} rows timed {doc['timing']}, and reads it as missing where its spec has no row "
                      f"timed so: a query in the row's method (its flags or, on torch-cpu, OMP_NUM_THREADS with "
                      f"MKL_NUM_THREADS unset) reads it failed)")

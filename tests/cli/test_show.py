@@ -138,9 +138,9 @@ def test_show_gives_the_rows_status_stale_failed_retracted(h, capsys, local_gpu)
     assert doc["status"] == "stale" and doc["revision"] == 1
     assert "row: stale (profiler revision 0; this kprof measures single_gemm/torch-cpu at revision 1;" in text
     (newer,) = h.append("p.db", h.make_event(h.gemm(64), local_gpu, revision=2))
-    text, doc = _shown(h, capsys, f"kprof.{newer.hex()[:16]}")  # query reads it as missing: show said "row: ok"
-    assert doc["status"] == "ok" and "row: ok (profiler revision 2, newer than this kprof's 1: its query reads it " \
-                                      "as missing" in text
+    text, doc = _shown(h, capsys, f"kprof.{newer.hex()[:16]}")  # query reads it as missing: show said "ok"
+    assert doc["status"] == "missing" and "row: missing (profiler revision 2, newer than this kprof's 1: its query " \
+                                           "reads it as missing" in text
     text, doc = _shown(h, capsys, f"kprof.{fail.hex()[:16]}")
     assert doc["status"] == "failed" and "row: failed" in text and "error: crash: segfault in the kernel" in text
     key = bytes.fromhex(doc["key"])
@@ -150,8 +150,8 @@ def test_show_gives_the_rows_status_stale_failed_retracted(h, capsys, local_gpu)
     assert "row: none (every measurement of this key is retracted" in text
     (old_fail,) = h.append("p.db", h.make_event(h.gemm(80), local_gpu, kind="failed", revision=0))
     text, doc = _shown(h, capsys, f"kprof.{old_fail.hex()[:16]}")  # show said stale; query says missing
-    assert doc["status"] == "failed" and "row: failed (profiler revision 0, older than this kprof's 1: its query " \
-                                          "reads it as missing" in text
+    assert doc["status"] == "missing" and "row: missing (profiler revision 0, older than this kprof's 1: its query " \
+                                           "reads it as missing" in text
     assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(80)), "--db", "p.db", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "missing"
 
@@ -184,8 +184,9 @@ def test_show_of_a_failed_row_of_another_timing_says_query_reads_it_as_missing(h
     assert main(["query", h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(32)), "--db", "p.db", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["status"] == "missing"
     text, doc = _shown(h, capsys, f"kprof.{one.hex()[:16]}")
-    assert ("row: failed (timed cpu-wall;l2=warm;eager;threads=1; a query of this process reads single_gemm/torch-cpu "
-            "rows timed cpu-wall;l2=warm;eager;threads=2, and reads it as missing") in text
+    assert doc["status"] == "missing"  # as the query reads it (the README's word for show's status)
+    assert ("row: missing (failed, timed cpu-wall;l2=warm;eager;threads=1; a query of this process reads "
+            "single_gemm/torch-cpu rows timed cpu-wall;l2=warm;eager;threads=2, and reads it as missing") in text
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     text, doc = _shown(h, capsys, f"kprof.{one.hex()[:16]}")
     assert doc["status"] == "failed" and "row: failed\n" in text
