@@ -449,6 +449,16 @@ def test_settled_energy_waits_out_a_draw_over_the_power_limit(monkeypatch):
     assert r.fit_from_s < 0.2 and r.power_w == pytest.approx(705.0, rel=0.03)  # the fit was not moved on
 
 
+def _stepping(watts, start: float):
+    """A counter of the energy drawn at watts(t) since `start` (in 10 ms slices), stepping every 30 ms, in mJ."""
+
+    def mj(t):
+        t = math.floor(max(0.0, t - start) / 0.03) * 0.03
+        return int(1000 * sum(watts(i * 0.01) * 0.01 for i in range(round(t / 0.01)))) + 10**9
+
+    return mj
+
+
 def test_settled_energy_past_a_draw_over_the_limit_fits_as_long_as_a_capped_kernels(monkeypatch):
     """A kernel its settle did not call capped drew over the limit (900 W for 0.3 s, under 700 W), and the cap's
     controller then swung it (0.6 s at 710 W, 0.2 s at 480 W, over and over: 652.5 W on average). The fit past
@@ -459,15 +469,11 @@ def test_settled_energy_past_a_draw_over_the_limit_fits_as_long_as_a_capped_kern
     def watts(t):
         return 900.0 if t < 0.3 else 710.0 if (t - 0.3) % 0.8 < 0.6 else 480.0
 
-    def mj(t):  # the counter: energy to t (in 10 ms slices), stepping every 30 ms
-        t = math.floor(max(0.0, t) / 0.03) * 0.03
-        return int(1000 * sum(watts(i * 0.01) * 0.01 for i in range(round(t / 0.01)))) + 10**9
-
     clock = FakeClock(monkeypatch)
     start = clock.perf_counter()
     r, _ = settled_energy(_back_to_back(lambda: clock.step(0.001), 0.001), span_s=0.2, fit_s=0.2,
                           settled_fit_s=0.8, power_limit_w=700.0,
-                          counter=clock.counter(lambda t: mj(t - start)))
+                          counter=clock.counter(_stepping(watts, start)))
     assert r.fit_from_s >= 0.25 and r.window_s - r.fit_from_s >= 0.75, r
     assert r.power_w == pytest.approx(652.5, rel=0.03), r
 
@@ -481,15 +487,11 @@ def test_settled_energy_past_a_late_draw_over_the_limit_fits_what_max_s_leaves(m
     def watts(t):
         return 900.0 if t < 1.1 else 710.0 if (t - 1.1) % 0.8 < 0.6 else 480.0
 
-    def mj(t):  # the counter: energy to t (in 10 ms slices), stepping every 30 ms
-        t = math.floor(max(0.0, t) / 0.03) * 0.03
-        return int(1000 * sum(watts(i * 0.01) * 0.01 for i in range(round(t / 0.01)))) + 10**9
-
     clock = FakeClock(monkeypatch)
     start = clock.perf_counter()
     r, _ = settled_energy(_back_to_back(lambda: clock.step(0.001), 0.001), span_s=0.2, fit_s=0.2, settled_fit_s=1.0,
                           settle=lambda run: [run(0.02) for _ in range(60)], power_limit_w=700.0,
-                          counter=clock.counter(lambda t: mj(t - start)))
+                          counter=clock.counter(_stepping(watts, start)))
     assert r.fit_from_s >= 1.05 and r.window_s - r.fit_from_s >= 0.75 and r.window_s < 2.1, r
     assert r.power_w == pytest.approx(652.5, rel=0.03), r
 
@@ -503,14 +505,10 @@ def test_settled_energy_moves_past_a_second_later_draw_over_the_limit(monkeypatc
     def watts(t):
         return 1000.0 if t < 0.9 or 1.3 <= t < 1.4 else 700.0
 
-    def mj(t):  # the counter: energy to t (in 10 ms slices), stepping every 30 ms
-        t = math.floor(max(0.0, t) / 0.03) * 0.03
-        return int(1000 * sum(watts(i * 0.01) * 0.01 for i in range(round(t / 0.01)))) + 10**9
-
     clock = FakeClock(monkeypatch)
     start = clock.perf_counter()
     r, _ = settled_energy(_back_to_back(lambda: clock.step(0.001), 0.001), span_s=0.2, fit_s=0.2,
-                          settled_fit_s=0.8, power_limit_w=700.0, counter=clock.counter(lambda t: mj(t - start)))
+                          settled_fit_s=0.8, power_limit_w=700.0, counter=clock.counter(_stepping(watts, start)))
     assert r.fit_from_s >= 1.35 and r.power_w == pytest.approx(700.0, rel=0.02), r
 
 
