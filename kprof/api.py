@@ -342,9 +342,9 @@ def _event_json(seq, eid, event, current) -> dict:
 def show(ref: str, *, db: str | None = None) -> dict:
     """What `kprof show` prints: the row a citation, event id or key (or a unique hex prefix of 8+) names, as
     {ref, resolved_as, key, current, status, revision, timing, event, history, parent_elsewhere}, each event in it
-    re-hashed to its id. `status` is the key's row (ok, failed, stale, retracted), `revision` the profiler revision
-    this kprof measures its table and backend at, `timing` the method `query` reads it in, `parent_elsewhere` the key
-    and provenance of the event's parent held here under another key (None: in the key's history, absent, or none)."""
+    re-hashed to its id. `status` is the key's row as `query` reads it (`_key_status`), `revision` the profiler
+    revision this kprof measures its table and backend at, `timing` the method `query` reads it in, `parent_elsewhere`
+    the key and provenance of the event's parent held here under another key (None: in its history, absent, none)."""
     with Ledger.open(ledger_path(db), readonly=True) as ledger:
         found = ledger.resolve(ref)
         history = [_event_json(seq, eid, ev, found.current) for seq, eid, ev in found.history]
@@ -385,12 +385,12 @@ def _timing(current: dict | None) -> str | None:
 
 
 def _key_status(current: dict | None) -> str:
-    """The key's row as a `query` of this process without flags reads it: retracted (no current event), ok or failed
-    (a row of this kprof's revision and this process's default timing, `_timing`), stale (a measured row of an
-    older revision, or of this one timed another way), else missing (a newer kprof's row, or a failed row of
-    another contract: query reads no row of the key)."""
+    """The key's row as a `query` of this process without flags reads it: ok or failed (a row of this kprof's revision
+    and this process's default timing, `_timing`), stale (a measured row of an older revision, or of this one timed
+    another way), else missing (every event retracted, a newer kprof's row, or a failed row of another contract:
+    query reads no row of the key)."""
     if current is None:
-        return "retracted"
+        return "missing"
     revision, timing, prov = _revision(current), _timing(current), current["provenance"]
     measured = current["type"] == "measured"
     if (revision is None or prov["profiler_revision"] == revision) and (timing is None or prov["timing"] == timing):

@@ -141,8 +141,8 @@ def _about(doc: dict) -> list[str]:
                      f"{prov['backend']} rows timed {doc['timing']}, and reads it as missing where its spec has no row "
                      f"timed so: a query in the row's method (its flags or, on torch-cpu, OMP_NUM_THREADS with "
                      f"MKL_NUM_THREADS unset) reads it failed)")
-    elif status == "retracted":
-        lines.append("row: none (every measurement of this key is retracted; query reads it as missing)")
+    elif current is None:
+        lines.append(f"row: {status} (every measurement of this key is retracted; query reads it as missing)")
     else:
         lines.append(f"row: {status}")
     return lines

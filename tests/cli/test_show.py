@@ -146,8 +146,8 @@ def test_show_gives_the_rows_status_stale_failed_retracted(h, capsys, local_gpu)
     key = bytes.fromhex(doc["key"])
     h.append("p.db", retraction(fail, key, "flaky host"))
     text, doc = _shown(h, capsys, key.hex())
-    assert doc["status"] == "retracted" and doc["current"] is None and doc["event"] is None
-    assert "row: none (every measurement of this key is retracted" in text
+    assert doc["status"] == "missing" and doc["current"] is None and doc["event"] is None
+    assert "row: missing (every measurement of this key is retracted" in text
     (old_fail,) = h.append("p.db", h.make_event(h.gemm(80), local_gpu, kind="failed", revision=0))
     text, doc = _shown(h, capsys, f"kprof.{old_fail.hex()[:16]}")  # show said stale; query says missing
     assert doc["status"] == "missing" and "row: missing (profiler revision 0, older than this kprof's 1: its query " \
@@ -392,3 +392,18 @@ def test_a_key_of_a_long_history_shows_its_latest_events_and_counts_the_rest(led
     assert "... and 10 earlier event(s) of this key, seq 1 to 10; use --json for all" in out
     assert main(["show", key, "--db", ledger_path, "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["history"]) == TABLE_ROWS + 10
+
+
+def test_show_reads_a_retracted_key_as_missing_as_query_does(h, capsys, local_gpu):
+    """`show` gave a key whose every event is retracted the status `retracted`, a value no row status has, where the
+    README gives it as the key's row status as `query` reads it: query reads the spec as missing."""
+    from kprof.api import show
+    from kprof.ledger.build import retraction
+
+    event = h.make_event(h.gemm(96), local_gpu)
+    (eid,) = h.append("p.db", event)
+    h.append("p.db", retraction(eid, event.key, "flaky host"))
+    text, doc = _shown(h, capsys, event.key.hex())
+    assert doc["status"] == "missing" == show(event.key.hex(), db="p.db")["status"]
+    assert "row: missing (every measurement of this key is retracted; query reads it as missing)" in text
+    assert h.read_json(capsys, "query", "p.db", h.gemm(96))["results"][0]["status"] == "missing"
