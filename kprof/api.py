@@ -356,20 +356,17 @@ def show(ref: str, *, db: str | None = None) -> dict:
     current = next((h for h in history if h["current"]), None)
     return {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
             "current": found.current.hex() if found.current else None, "status": _key_status(current),
-            "revision": _revision(current), "timing": _timing(current), "event": chosen, "history": history,
+            "revision": getattr(_ours(current), "profiler_revision", None), "timing": _timing(current), "event": chosen,
+            "history": history,
             "parent_elsewhere": other and {"key": other.key.hex(),
                                            "provenance": _builtins(getattr(other, "provenance", None))}}
 
 
-def _revision(current: dict | None) -> int | None:
-    """The profiler revision this kprof measures the current row's table and backend at (None: none current, or
-    a table or backend it does not know)."""
-    if current is None:
-        return None
-    try:
-        return lookup(current["provenance"]["table"], current["provenance"]["backend"]).contract.profiler_revision
-    except UsageError:
-        return None
+def _ours(current: dict | None):
+    """The contract (algorithm, layout, numerics, profiler revision) this kprof measures the current row's table and
+    backend at (None: none current, or a table or backend it does not know)."""
+    with contextlib.suppress(UsageError):
+        return current and lookup(current["provenance"]["table"], current["provenance"]["backend"]).contract
 
 
 def _timing(current: dict | None) -> str | None:
@@ -385,14 +382,15 @@ def _timing(current: dict | None) -> str | None:
 
 
 def _key_status(current: dict | None) -> str:
-    """The key's row as a `query` of this process without flags reads it: ok or failed (a row of this kprof's revision
-    and this process's default timing, `_timing`), stale (a measured row of an older revision, or of this one timed
-    another way), else missing (every event retracted, a newer kprof's row, or a failed row of another contract:
-    query reads no row of the key)."""
+    """The key's row as a `query` of this process without flags reads it: ok or failed (a row of this kprof's contract,
+    `_ours`, and this process's default timing, `_timing`), stale (a measured row of an older revision, or of this one
+    of another algorithm, layout, numerics or timing), else missing (every event retracted, a newer kprof's row, or a
+    failed row of another contract: query reads no row of the key)."""
     if current is None:
         return "missing"
-    revision, timing, prov = _revision(current), _timing(current), current["provenance"]
-    measured = current["type"] == "measured"
-    if (revision is None or prov["profiler_revision"] == revision) and (timing is None or prov["timing"] == timing):
-        return "ok" if measured else "failed"
-    return "stale" if measured and (revision is None or prov["profiler_revision"] <= revision) else "missing"
+    ours, timing, prov = _ours(current), _timing(current), current["provenance"]
+    fields = ("algorithm", "layout", "numerics", "profiler_revision")
+    if all(prov[f] == getattr(ours, f, prov[f]) for f in fields) and timing in (None, prov["timing"]):
+        return "ok" if current["type"] == "measured" else "failed"
+    newer = prov["profiler_revision"] > getattr(ours, "profiler_revision", prov["profiler_revision"])
+    return "stale" if current["type"] == "measured" and not newer else "missing"

@@ -117,7 +117,14 @@ def _about(doc: dict) -> list[str]:
                      "not in this key's history here" if other is None else
                      f"of key {other['key'][:16]} here: {_contract_of(other['provenance'])}")
             lines.append(f"parent kprof.{chosen['parent'][:16]} ({where})")
-    if status == "stale" and current["provenance"]["profiler_revision"] == doc["revision"]:
+    same = current is not None and (current["provenance"]["profiler_revision"], current["provenance"]["timing"]) == (
+        doc["revision"], doc["timing"])
+    if status in ("stale", "missing") and same:  # of another algorithm, layout or numerics (a runner's, changed since)
+        prov = current["provenance"]
+        lines.append(f"row: {status} ({current['type']}, of an algorithm, layout or numerics other than this kprof's "
+                     f"for {prov['table']}/{prov['backend']}: query reads it as {status} where its spec has no row of "
+                     f"this kprof's)")
+    elif status == "stale" and current["provenance"]["profiler_revision"] == doc["revision"]:
         prov = current["provenance"]
         lines.append(f"row: stale (timed {prov['timing']}; a query of this process reads {prov['table']}/"
                      f"{prov['backend']} rows timed {doc['timing']}, and reads it as stale where its spec has no row "

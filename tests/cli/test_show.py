@@ -407,3 +407,31 @@ def test_show_reads_a_retracted_key_as_missing_as_query_does(h, capsys, local_gp
     assert doc["status"] == "missing" == show(event.key.hex(), db="p.db")["status"]
     assert "row: missing (every measurement of this key is retracted; query reads it as missing)" in text
     assert h.read_json(capsys, "query", "p.db", h.gemm(96))["results"][0]["status"] == "missing"
+
+
+def test_show_reads_a_row_of_another_algorithm_as_query_does(h, capsys, local_gpu):
+    """A row of this revision and timing but another algorithm (a runner's, changed since) read `stale` (measured) or
+    `missing` (failed) in a query, while `show` gave it the status ok or failed."""
+    import msgspec
+
+    from kprof.api import show
+    from kprof.ledger import KeyMaker, ShapeCodec
+    from kprof.ledger.build import failed, measured
+    from kprof.ledger.events import Method, Stats
+    from kprof.method import effective_entry
+    from kprof.runners.registry import lookup
+
+    entry = effective_entry(lookup(h.GEMM, h.CPU))
+    keys = KeyMaker(h.GEMM, h.CPU, local_gpu, msgspec.structs.replace(entry.contract, algorithm="torch.mm (older)"),
+                    ShapeCodec(entry.args))
+    stats = Stats(n=1, median=1.0, p10=1.0, p90=1.0, mean=1.0, stdev=0.0, cv=0.0, min=1.0, max=1.0, samples=[1.0])
+    good = measured(keys.provenance(h.gemm(32)), {"time_ms": 1.0, "tflops": 1.0, "memory_bandwidth_gbps": 1.0,
+                                                   "energy_j": None}, stats, Method(timer="cpu", l2="warm"))
+    bad = failed(keys.provenance(h.gemm(48)), "crash", "segfault in the kernel")
+    h.append("p.db", good, bad)
+    read = h.read_json(capsys, "query", "p.db", h.gemm(32), h.gemm(48))["results"]
+    assert [r["status"] for r in read] == ["stale", "missing"]
+    for event, status in ((good, "stale"), (bad, "missing")):
+        text, doc = _shown(h, capsys, event.key.hex())
+        assert doc["status"] == status == show(event.key.hex(), db="p.db")["status"]
+        assert f"row: {status} ({event.__class__.__name__.lower()}, of an algorithm, layout or numerics other" in text
