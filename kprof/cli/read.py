@@ -78,7 +78,7 @@ def query(table: Table, *, backend: Backend, spec: Spec = None, specs: Specs = N
         # a table prints its first TABLE_ROWS rows: only those are built as the contract's JSON (100,000 rows took 2 s)
         res = api.query(table, backend, given, gpu_name=gpu_name, db=db, full=None if json else TABLE_ROWS, **method)
         _unknown_gpu_key(res)
-        _newer_rows(res, [r["spec"] for r in res.results if r["status"] in ("missing", "stale")], method,
+        _newer_rows(res, [r["spec"] for r in res.results if r["status"] != "ok"], method,
                     functools.partial(_run_command, res.table, res.backend, res.db, spec, specs, gpu_name, method))
     if json:
         emit_json(res.to_json())

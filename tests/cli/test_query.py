@@ -277,6 +277,24 @@ def test_the_newer_revision_note_names_a_newer_row_measured_before_an_older_one(
     assert row["status"] == "stale" and row["provenance"]["profiler_revision"] == ours - 1  # this kprof's read
 
 
+def test_the_newer_revision_note_names_a_newer_row_beside_a_failed_one_in_query_too(ledger_path, capsys, h, local_gpu):
+    """A spec whose row of this revision failed and that has a row of a newer one (a newer kprof measured it): the
+    note, which names the specs without an ok row that have such rows, came from `count-missing` but not `query`,
+    which looked only at its missing and stale specs."""
+    from kprof.method import effective_entry
+    from kprof.runners.registry import lookup
+
+    ours = effective_entry(lookup(h.GEMM, h.CPU)).contract.profiler_revision
+    h.append(ledger_path, h.make_event(h.gemm(m=8), local_gpu, kind="failed"),
+             h.make_event(h.gemm(m=8), local_gpu, revision=ours + 1))
+    for verb in ("query", "count-missing"):
+        assert main([verb, h.GEMM, "--backend", h.CPU, *h.spec_args(h.gemm(m=8)), "--db", ledger_path, "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["missing_count"] == 1
+        assert f"note: 1 of 1 spec(s) has a row of profiler revision {ours + 1} in {ledger_path}" in err, (verb, err)
+    assert _query(capsys, h, ledger_path, h.gemm(m=8))["results"][0]["status"] == "failed"
+
+
 def test_the_newer_revision_note_samples_a_large_request(ledger_path, capsys, h, local_gpu, tmp_path):
     """The note looked up the stale rows of up to 1,000 specs (about 45 µs each: 16 % of count-missing's whole process
     on 10,000 specs); it looks at _LOOKED_AT specs spread over those without an ok row, and says it sampled them."""
