@@ -356,8 +356,8 @@ def show(ref: str, *, db: str | None = None) -> dict:
     current = next((h for h in history if h["current"]), None)
     return {"ref": ref, "resolved_as": found.kind, "key": found.key.hex(),
             "current": found.current.hex() if found.current else None, "status": _key_status(current),
-            "revision": getattr(_ours(current), "profiler_revision", None), "timing": _timing(current), "event": chosen,
-            "history": history,
+            "revision": getattr(_ours(current), "profiler_revision", None), "timing": _timing(current),
+            "event": chosen, "history": history,
             "parent_elsewhere": other and {"key": other.key.hex(),
                                            "provenance": _builtins(getattr(other, "provenance", None))}}
 

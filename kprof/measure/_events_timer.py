@@ -21,8 +21,9 @@ def _events_zero_ms(torch, flush, clock_mhz: float | None, n: int = 50) -> tuple
 
     The pair brackets a sleep kernel of c and of 2c SM clock cycles in turn (torch.cuda._sleep spins for a count
     of cycles), n of each: the readings are zero + c/f and zero + 2c/f at the clock f the sleeps ran at, so
-    zero = 2 r(c) - r(2c) whatever that clock is (its spread about twice one reading's: n is 50, not 25). It is the pair's cost plus a kernel's launch and completion
-    latency, which every kernel pays alike (~2-3 µs on an H200: +10 % to +20 % on a 20 µs kernel). c is sized to
+    zero = 2 r(c) - r(2c) whatever that clock is (its spread about twice one reading's: n is 50, not 25). It is the
+    pair's cost plus a kernel's launch and completion latency, which every kernel pays alike (~2-3 µs on an H200:
+    +10 % to +20 % on a 20 µs kernel). c is sized to
     ~10 µs at `clock_mhz` (the settled clock; 2 GHz where none is known). One sleep of known length at the settled
     clock (profiler revision 5) read the zero ~2 µs low in power-capped rows: settled under the cap at ~1530 MHz,
     the GPU ran the light sleeps at ~1980 MHz, so every events sample of such a row read ~2 µs slow (+1.5 % on a

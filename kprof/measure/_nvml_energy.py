@@ -297,10 +297,12 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
     with CounterPolls(counter or _energy_counter(index), poll_s) as polls:
         c0, t0, n0 = polls.read(), time.perf_counter(), run.enqueued
         settled = settle(run) if settle is not None else None
+        capped_fit_s = fit_s if settled_fit_s is None else settled_fit_s  # a capped kernel's fit, or one past the limit
         if settle is not None and fit_after_settle(settled):
-            fit_from, fit_s = time.perf_counter(), fit_s if settled_fit_s is None else settled_fit_s
+            fit_from, fit_s = time.perf_counter(), capped_fit_s
         else:
             fit_from = t0 + ramp_s
+        least_fit_s = fit_s
         limit = None if power_limit_w is None else power_limit_w * (1 + over_limit)
         width = max(0.02, 10 * poll_s)
 
@@ -311,7 +313,6 @@ def settled_energy(run, *, span_s: float, settle: Callable[[Callable[[float], No
             steps = tick_points(polls.polls[:], fit_from, math.inf, width)
             return now - t0 < max_s and (len(steps) < min_steps or steps[-1].t - steps[0].t < _JUDGED_S)
 
-        capped_fit_s, least_fit_s = fit_s if settled_fit_s is None else settled_fit_s, fit_s
         while True:
             while short():
                 run(chunk_s)

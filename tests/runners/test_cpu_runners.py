@@ -770,24 +770,30 @@ def test_a_short_call_is_timed_in_groups_of_about_50_us_whatever_its_first_calls
     assert t.inner == 50 and t.warmup < clock.calls, t
 
 
+def _cpu_row_notes(monkeypatch, threads: int, load: float, switches: int) -> dict:
+    """The method notes of one 8^3 torch-cpu GEMM row on `threads` torch threads, timed (a stand-in timer: 600 samples
+    over 1 s) on a 2-core host of load average `load` while `switches` involuntary context switches were counted."""
+    import kprof.measure.cpu_timer as cpu_timer
+    import kprof.runners.worker as worker
+
+    monkeypatch.setattr(worker.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(worker.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(worker, "cpus", lambda: frozenset({0, 1}))
+    counts = iter([0, switches])
+    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=next(counts)))
+    monkeypatch.setattr(cpu_timer, "time_cpu", lambda fn, rule: cpu_timer.Timing([1.5] * 600, "converged", 9, 1, 1.0))
+    (out,) = measure_specs(lookup("single_gemm", "torch-cpu"), [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}],
+                           "test cpu", device=worker._CpuDevice(None, threads))
+    return out.event.method.notes
+
+
 @pytest.mark.parametrize("threads, busy", [(8, False), (2, True)])
 def test_a_cpu_row_of_more_threads_than_cpus_is_not_called_busy_for_its_own_switches(threads, busy, monkeypatch):
     """A GEMM on 8 torch threads on 2 CPUs took 1,060-1,128 involuntary switches a second, its threads taking turns
     (143-149 on 2 threads at the same load): the row read host_busy, "other work shared them", and `run` said to
     measure on a quieter host, which would change nothing. It notes `oversubscribed`; the same switches on as many
     threads as CPUs still read host_busy."""
-    import kprof.measure.cpu_timer as cpu_timer
-    import kprof.runners.worker as worker
-
-    entry = lookup("single_gemm", "torch-cpu")
-    monkeypatch.setattr(worker.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
-    monkeypatch.setattr(worker, "cpus", lambda: frozenset({0, 1}), raising=False)  # (the old code read none)
-    counts = iter([0, 1100])
-    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=next(counts)))
-    monkeypatch.setattr(cpu_timer, "time_cpu", lambda fn, rule: cpu_timer.Timing([1.5] * 600, "converged", 9, 1, 1.0))
-    (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu",
-                           device=worker._CpuDevice(None, threads))
-    notes = out.event.method.notes
+    notes = _cpu_row_notes(monkeypatch, threads, load=0.5, switches=1100)
     assert ("host_busy" in notes) is busy and ("oversubscribed" in notes) is not busy, notes
     assert busy or notes["oversubscribed"].startswith("8 torch threads on the 2 CPU(s)")
 
@@ -797,19 +803,7 @@ def test_a_cpu_row_of_more_threads_than_cores_is_not_called_busy_for_its_own_loa
     """A minute of GEMM rows on 8 torch threads on a quiet 2-core host (load 0.9) took the load to 5.9 with its own
     runnable threads: the rows read host_busy ("load 5.86 over 2 cores: other work shared them") and `run` said to
     measure on a quieter host. Each of the row's threads counts 1 in the load: it is busy where the load passes them."""
-    import kprof.measure.cpu_timer as cpu_timer
-    import kprof.runners.worker as worker
-
-    entry = lookup("single_gemm", "torch-cpu")
-    monkeypatch.setattr(worker.os, "getloadavg", lambda: (load, load, load))
-    monkeypatch.setattr(worker.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(worker, "cpus", lambda: frozenset({0, 1}))
-    counts = iter([0, 10])
-    monkeypatch.setattr(worker.resource, "getrusage", lambda who: types.SimpleNamespace(ru_nivcsw=next(counts)))
-    monkeypatch.setattr(cpu_timer, "time_cpu", lambda fn, rule: cpu_timer.Timing([1.5] * 600, "converged", 9, 1, 1.0))
-    (out,) = measure_specs(entry, [{"m": 8, "n": 8, "k": 8, "dtype": "fp32"}], "test cpu",
-                           device=worker._CpuDevice(None, threads))
-    notes = out.event.method.notes
+    notes = _cpu_row_notes(monkeypatch, threads, load=load, switches=10)
     assert ("host_busy" in notes) is busy, notes
     assert not busy or notes["host_busy"].startswith(f"load {load:.2f} over 2 cores"), notes
 
